@@ -1,0 +1,176 @@
+"""One streaming request against an OpenAI-compatible endpoint, measured into a RequestRecord.
+
+Timing follows vLLM's benchmark_serving so numbers are comparable across tools:
+TTFT = first non-empty content chunk - send; ITL = gaps between non-empty chunks;
+TPOT = (e2e - TTFT) / (output tokens - 1), with output tokens taken from the final usage
+chunk when the server sends one (a chunk may carry several tokens), else the chunk count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from pdserve.bench.metrics import FAILED, OK, REJECTED, TIMEOUT, RequestRecord
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+REJECT_STATUSES = (429, 503)
+
+Prompt = list[int] | str | list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    url: str
+    model: str
+    endpoint: str = "completions"
+    api_key: str | None = None
+    ignore_eos: bool = True
+    request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint {self.endpoint!r}: choose one of {', '.join(ENDPOINTS)}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url {self.url!r}: expected http://HOST:PORT")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout-s must be > 0, got {self.request_timeout_s}")
+
+    @property
+    def endpoint_url(self) -> str:
+        """Accepts a base URL with or without ``/v1``, or the full endpoint URL."""
+        base = self.url.rstrip("/")
+        if base.endswith(("/completions", "/chat/completions")):
+            return base
+        if base.endswith("/v1"):
+            base = base[: -len("/v1")]
+        return base + ENDPOINTS[self.endpoint]
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def payload(self, prompt: Prompt, output_len: int) -> dict[str, object]:
+        body: dict[str, object] = {
+            "model": self.model,
+            "max_tokens": output_len,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.endpoint == "chat":
+            body["messages"] = prompt
+        else:
+            body["prompt"] = prompt
+        return body
+
+
+def _chunk_text(choice: dict) -> str:
+    if "text" in choice:
+        return choice.get("text") or ""
+    return (choice.get("delta") or {}).get("content") or ""
+
+
+async def _sse_events(response: aiohttp.ClientResponse):
+    """Yields each ``data:`` payload; robust to events split across network reads."""
+    buffer = b""
+    async for data in response.content.iter_any():
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if line.startswith(b"data:"):
+                yield line[len(b"data:") :].strip()
+    if buffer.strip().startswith(b"data:"):
+        yield buffer.strip()[len(b"data:") :].strip()
+
+
+async def send_request(
+    http: aiohttp.ClientSession,
+    cfg: ClientConfig,
+    prompt: Prompt,
+    record: RequestRecord,
+    run_start: float,
+) -> str:
+    """Sends one request, fills ``record`` in place and returns the generated text.
+
+    Never raises for server or network trouble: those become the record's status, because
+    a benchmark must count every request it sent.
+    """
+    start = time.perf_counter()
+    record.send_s = start - run_start
+    stream = _Stream(start)
+    try:
+        await asyncio.wait_for(_exchange(http, cfg, prompt, record, stream), cfg.request_timeout_s)
+    except asyncio.TimeoutError:
+        record.status, record.error = TIMEOUT, f"no answer within {cfg.request_timeout_s}s"
+    except (aiohttp.ClientError, OSError, ValueError, RuntimeError) as exc:
+        record.status, record.error = FAILED, f"{type(exc).__name__}: {exc}"[:300]
+    else:
+        if record.status == OK and record.ttft_s is None:
+            record.status, record.error = FAILED, "stream ended without any token"
+    if record.status == OK:
+        record.e2e_s = stream.last - start
+    else:
+        record.e2e_s = time.perf_counter() - start
+    usage_tokens = stream.usage_tokens
+    record.output_len = usage_tokens if usage_tokens is not None else stream.chunks
+    return "".join(stream.pieces)
+
+
+@dataclass
+class _Stream:
+    """What has arrived so far; survives a timeout so partial progress is recorded."""
+
+    last: float
+    chunks: int = 0
+    usage_tokens: int | None = None
+    pieces: list[str] = field(default_factory=list)
+
+
+async def _exchange(
+    http: aiohttp.ClientSession,
+    cfg: ClientConfig,
+    prompt: Prompt,
+    record: RequestRecord,
+    stream: _Stream,
+) -> None:
+    start = stream.last
+    body = cfg.payload(prompt, record.requested_output_len)
+    async with http.post(cfg.endpoint_url, json=body, headers=cfg.headers()) as resp:
+        record.http_status = resp.status
+        if resp.status != 200:
+            detail = (await resp.text())[:200]
+            record.status = REJECTED if resp.status in REJECT_STATUSES else FAILED
+            record.error = f"HTTP {resp.status}: {detail}"
+            return
+        async for data in _sse_events(resp):
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("error"):
+                raise RuntimeError(f"stream error: {event['error']}")
+            usage = event.get("usage") or {}
+            if usage.get("completion_tokens") is not None:
+                stream.usage_tokens = int(usage["completion_tokens"])
+            if usage.get("prompt_tokens"):
+                record.input_len = int(usage["prompt_tokens"])
+            text = "".join(_chunk_text(c) for c in event.get("choices") or [])
+            if not text:
+                continue
+            now = time.perf_counter()
+            if record.ttft_s is None:
+                record.ttft_s = now - start
+            else:
+                record.itl_s.append(now - stream.last)
+            stream.last = now
+            stream.chunks += 1
+            stream.pieces.append(text)

@@ -1,0 +1,133 @@
+"""``pdserve bench compare``: one workload, several deployments, one after the other.
+
+Starting deployments is the launcher's job (only ``cluster`` starts processes), so it comes in
+as a hook: ``launch(spec)`` is a context manager that brings a deployment up, yields its base
+URL, and tears it down on exit. ``url_launch`` handles specs that already are URLs.
+
+SLOs must be equal across deployments for goodput to be comparable, so when none are given
+they are derived once, from the *first* deployment's unloaded latency (sequential requests):
+SLO = ``--slo-multiplier`` x its p50 TTFT / TPOT. Ratios in the table are against it as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import TextIO
+
+Launch = Callable[[str], AbstractContextManager[str]]
+
+
+@contextlib.contextmanager
+def url_launch(spec: str) -> Iterator[str]:
+    """The launch hook for deployments that are already running at a URL."""
+    if not spec.startswith(("http://", "https://")):
+        raise ValueError(
+            f"deployment {spec!r} is not a URL; starting deployments from a config needs the "
+            "cluster launcher (pass NAME=http://HOST:PORT for a running server)"
+        )
+    yield spec
+
+
+def _unloaded(plan, url: str, num_requests: int) -> tuple[float, float]:
+    """p50 TTFT and TPOT (ms) of requests sent one at a time: the no-queueing baseline."""
+    from pdserve.bench.app import execute
+    from pdserve.bench.arrivals import ArrivalSpec
+    from pdserve.bench.metrics import SLO
+
+    calibration = replace(
+        plan,
+        sessions=[replace(s, turns=s.turns[:1], arrival_s=None) for s in plan.sessions][
+            :num_requests
+        ],
+        run=replace(plan.run, arrival=ArrivalSpec("concurrency", concurrency=1), duration_s=None),
+        slo=SLO(),
+        scales=[],
+        search=None,
+    )
+    document, _ = execute(calibration, url)
+    summary = document["summary"]
+    if not summary["num_completed"]:
+        raise ValueError(f"calibration against {url} failed: no request completed")
+    return summary["ttft_ms"]["p50"], summary["tpot_ms"]["p50"] or 0.0
+
+
+def run_compare(
+    deployments: Mapping[str, str],
+    workload_args: argparse.Namespace,
+    launch: Launch,
+    out: TextIO = sys.stdout,
+) -> dict[str, dict[str, object]]:
+    """Runs the same workload against each deployment in turn; prints and returns the table.
+
+    ``deployments``: name -> spec handed to ``launch`` (a URL or a launcher config path).
+    ``workload_args``: the ``bench`` flags (``--slo-multiplier`` and ``--calibration-requests``
+    read with defaults). Returns ``{name: {goodput, p90_ttft_ms, p90_tpot_ms, summary, ...}}``.
+    """
+    from pdserve.bench.app import build_plan, execute
+    from pdserve.bench.metrics import SLO
+
+    if not deployments:
+        raise ValueError("compare needs at least one deployment")
+    args = workload_args
+    multiplier = getattr(args, "slo_multiplier", 5.0)
+    calibration_requests = getattr(args, "calibration_requests", 5)
+    if multiplier <= 0 or calibration_requests < 1:
+        raise ValueError("--slo-multiplier must be > 0 and --calibration-requests >= 1")
+    plan = build_plan(args, url="http://placeholder")
+    rows: dict[str, dict[str, object]] = {}
+    for name, spec in deployments.items():
+        with launch(spec) as url:
+            if plan.slo == SLO():
+                ttft_ms, tpot_ms = _unloaded(plan, url, calibration_requests)
+                plan = replace(
+                    plan, slo=SLO(multiplier * ttft_ms, multiplier * tpot_ms if tpot_ms else None)
+                )
+                print(
+                    f"SLOs from {name} unloaded p50 x {multiplier:g}: TTFT {plan.slo.ttft_ms:.1f}"
+                    f" ms, TPOT {plan.slo.tpot_ms or 0:.1f} ms",
+                    file=out,
+                )
+            document, result = execute(plan, url)
+        summary = document["summary"]
+        search = document.get("goodput_search")
+        rows[name] = {
+            "url": url,
+            "goodput": search["best_rate"] if search else summary["goodput"],
+            "goodput_kind": "max rate at target" if search else "req/s meeting SLOs",
+            "p90_ttft_ms": summary["ttft_ms"]["p90"],
+            "p90_tpot_ms": summary["tpot_ms"]["p90"],
+            "slo_ttft_ms": plan.slo.ttft_ms,
+            "slo_tpot_ms": plan.slo.tpot_ms,
+            "summary": summary,
+        }
+    print(format_table(rows), file=out)
+    return rows
+
+
+def _ratio(value: object, base: object) -> str:
+    if not isinstance(value, (int, float)) or not isinstance(base, (int, float)) or not base:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def _num(value: object) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
+
+
+def format_table(rows: Mapping[str, Mapping[str, object]]) -> str:
+    """Side-by-side goodput, p90 TTFT and p90 TPOT, each with its ratio to the first row."""
+    base = next(iter(rows.values()))
+    header = f"{'deployment':<16}{'goodput':>10}{'ratio':>8}{'p90 TTFT ms':>14}{'ratio':>8}"
+    header += f"{'p90 TPOT ms':>14}{'ratio':>8}"
+    lines = [header]
+    for name, row in rows.items():
+        line = f"{name:<16}{_num(row['goodput']):>10}{_ratio(row['goodput'], base['goodput']):>8}"
+        for key in ("p90_ttft_ms", "p90_tpot_ms"):
+            line += f"{_num(row[key]):>14}{_ratio(row[key], base[key]):>8}"
+        lines.append(line)
+    return "\n".join(lines)

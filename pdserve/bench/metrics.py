@@ -1,0 +1,193 @@
+"""Per-request records and the arithmetic that turns them into a benchmark summary.
+
+Pure Python on purpose: every number a user reads comes from here, so it is tested on
+hand-made timelines. Times are seconds internally; SLOs are given in milliseconds because that
+is how users state them (``--slo-ttft-ms``).
+
+A request that was rejected (HTTP 429/503), failed or timed out stays in every denominator:
+it counts as an SLO miss, so overload never makes attainment look better.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+OK = "ok"
+REJECTED = "rejected"
+FAILED = "failed"
+TIMEOUT = "timeout"
+STATUSES = (OK, REJECTED, FAILED, TIMEOUT)
+
+
+@dataclass
+class RequestRecord:
+    """What one request did, as seen by the client.
+
+    ``send_s`` is relative to the start of the run. ``itl_s`` holds the gaps between
+    consecutive non-empty chunks (a chunk may carry several tokens).
+    """
+
+    request_id: str
+    input_len: int
+    requested_output_len: int
+    send_s: float = 0.0
+    status: str = OK
+    http_status: int | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_len: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+    session_id: str = ""
+    turn: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(e2e - TTFT) / (output_len - 1): undefined for fewer than two output tokens."""
+        if not self.ok or self.ttft_s is None or self.e2e_s is None or self.output_len < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets; ``None`` means that target is not checked."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def scaled(self, factor: float) -> SLO:
+        """Both targets times ``factor`` (DistServe's SLO-scale axis)."""
+        return SLO(
+            None if self.ttft_ms is None else self.ttft_ms * factor,
+            None if self.tpot_ms is None else self.tpot_ms * factor,
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), ``nan`` for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def latency_stats_ms(values_s: Iterable[float]) -> dict[str, float]:
+    """mean/p50/p90/p99 in milliseconds; ``nan`` when nothing was measured."""
+    values = [v * 1000.0 for v in values_s]
+    mean = sum(values) / len(values) if values else math.nan
+    return {
+        "mean": mean,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+    }
+
+
+def meets_slo(record: RequestRecord, slo: SLO) -> bool:
+    """True when the request completed and met every target that is set.
+
+    A request with one output token has no TPOT, so only its TTFT is checked.
+    """
+    if not record.ok or record.ttft_s is None:
+        return False
+    if slo.ttft_ms is not None and record.ttft_s * 1000.0 > slo.ttft_ms:
+        return False
+    tpot = record.tpot_s
+    return not (slo.tpot_ms is not None and tpot is not None and tpot * 1000.0 > slo.tpot_ms)
+
+
+def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
+    """Fraction of *all* sent requests that met the SLO (0.0 for an empty run)."""
+    if not records:
+        return 0.0
+    return sum(meets_slo(r, slo) for r in records) / len(records)
+
+
+def run_duration_s(records: Sequence[RequestRecord]) -> float:
+    """From the first send to the last completion; the denominator of every rate."""
+    if not records:
+        return 0.0
+    start = min(r.send_s for r in records)
+    end = max(r.send_s + (r.e2e_s or 0.0) for r in records)
+    return max(end - start, 1e-9)
+
+
+def goodput(records: Sequence[RequestRecord], slo: SLO, duration_s: float | None = None) -> float:
+    """Requests per second that met the SLO, over the whole run's duration."""
+    duration = run_duration_s(records) if duration_s is None else duration_s
+    if duration <= 0:
+        return 0.0
+    return sum(meets_slo(r, slo) for r in records) / duration
+
+
+def summarize(
+    records: Sequence[RequestRecord], slo: SLO, duration_s: float | None = None
+) -> dict[str, object]:
+    """The summary block of a result file: counts, throughput, latency percentiles, SLOs."""
+    duration = run_duration_s(records) if duration_s is None else duration_s
+    done = [r for r in records if r.ok]
+    counts = {status: sum(r.status == status for r in records) for status in STATUSES}
+    safe = duration if duration > 0 else math.inf
+    return {
+        "num_requests": len(records),
+        "num_completed": counts[OK],
+        "num_rejected": counts[REJECTED],
+        "num_failed": counts[FAILED],
+        "num_timeout": counts[TIMEOUT],
+        "duration_s": duration,
+        "request_throughput": counts[OK] / safe,
+        "input_tokens_per_s": sum(r.input_len for r in done) / safe,
+        "output_tokens_per_s": sum(r.output_len for r in done) / safe,
+        "total_input_tokens": sum(r.input_len for r in done),
+        "total_output_tokens": sum(r.output_len for r in done),
+        "ttft_ms": latency_stats_ms(r.ttft_s for r in done if r.ttft_s is not None),
+        "tpot_ms": latency_stats_ms(t for r in done if (t := r.tpot_s) is not None),
+        "itl_ms": latency_stats_ms(gap for r in done for gap in r.itl_s),
+        "e2e_ms": latency_stats_ms(r.e2e_s for r in done if r.e2e_s is not None),
+        "slo_ttft_ms": slo.ttft_ms,
+        "slo_tpot_ms": slo.tpot_ms,
+        "slo_attainment": attainment(records, slo),
+        "goodput": goodput(records, slo, duration),
+    }
+
+
+def _fmt(value: object, spec: str) -> str:
+    """Formats a number; missing values (None after JSON cleaning, or nan) print as '-'."""
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        return "-"
+    return format(value, spec)
+
+
+def format_summary(summary: dict[str, object]) -> str:
+    """A compact human-readable table, like the one vLLM's benchmark prints."""
+    rows = [
+        (
+            "requests (ok/rejected/failed/timeout)",
+            f"{summary['num_completed']}/{summary['num_rejected']}/"
+            f"{summary['num_failed']}/{summary['num_timeout']}",
+        ),
+        ("duration (s)", _fmt(summary["duration_s"], ".2f")),
+        ("request throughput (req/s)", _fmt(summary["request_throughput"], ".2f")),
+        ("input tokens/s", _fmt(summary["input_tokens_per_s"], ".1f")),
+        ("output tokens/s", _fmt(summary["output_tokens_per_s"], ".1f")),
+    ]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = summary[key]
+        assert isinstance(stats, dict)
+        values = " / ".join(_fmt(stats[q], ".1f") for q in ("mean", "p50", "p90", "p99"))
+        rows.append((f"{key} mean/p50/p90/p99", values))
+    slo = f"{_fmt(summary['slo_ttft_ms'], 'g')}, {_fmt(summary['slo_tpot_ms'], 'g')}"
+    rows.append(("SLO (ttft ms, tpot ms)", slo))
+    rows.append(("SLO attainment", _fmt(summary["slo_attainment"], ".3f")))
+    rows.append(("goodput (req/s)", _fmt(summary["goodput"], ".2f")))
+    return "\n".join(f"{name:<40}{value}" for name, value in rows)

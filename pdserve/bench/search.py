@@ -1,0 +1,114 @@
+"""The two axes of DistServe's evaluation: highest rate meeting the SLOs, and SLO scale.
+
+``find_goodput`` takes the probe as a callable (rate -> attainment) so the search logic is
+tested without a server and the same search serves ``bench`` and ``bench compare``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.bench.metrics import SLO, RequestRecord, attainment, goodput
+
+
+@dataclass
+class GoodputSearch:
+    """``best_rate``: highest probed rate whose attainment reached the target (0 if none)."""
+
+    target: float
+    best_rate: float = 0.0
+    probes: list[tuple[float, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "target_attainment": self.target,
+            "best_rate": self.best_rate,
+            "probes": [{"rate": r, "attainment": a} for r, a in self.probes],
+        }
+
+
+def find_goodput(
+    probe: Callable[[float], float],
+    target: float = 0.9,
+    start_rate: float = 1.0,
+    max_probes: int = 8,
+    rel_tol: float = 0.05,
+) -> GoodputSearch:
+    """Exponential search to bracket the knee, then bisection, in at most ``max_probes`` runs.
+
+    Assumes attainment falls as rate rises (true for a queueing system; noise can break it,
+    which is why the result is the best rate *observed* to pass, never an interpolation).
+    """
+    if not 0 < target <= 1:
+        raise ValueError(f"--goodput-target must be in (0, 1], got {target}")
+    if start_rate <= 0 or max_probes < 1:
+        raise ValueError("--start-rate must be > 0 and --max-probes >= 1")
+    search = GoodputSearch(target)
+
+    def passes(rate: float) -> bool:
+        value = probe(rate)
+        search.probes.append((rate, value))
+        if value >= target:
+            search.best_rate = max(search.best_rate, rate)
+            return True
+        return False
+
+    lo, hi = 0.0, 0.0
+    rate = start_rate
+    if passes(rate):
+        lo = rate
+        while len(search.probes) < max_probes:
+            rate *= 2
+            if not passes(rate):
+                hi = rate
+                break
+            lo = rate
+    else:
+        hi = rate
+        while len(search.probes) < max_probes:
+            rate /= 2
+            if passes(rate):
+                lo = rate
+                break
+            hi = rate
+    while lo > 0 and hi > 0 and len(search.probes) < max_probes and hi / lo > 1 + rel_tol:
+        mid = (lo + hi) / 2
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    return search
+
+
+def parse_scales(spec: str) -> list[float]:
+    """``"0.5,1,2"`` -> [0.5, 1.0, 2.0]; every factor must be positive."""
+    try:
+        scales = [float(part) for part in spec.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--slo-scale {spec!r}: expected comma-separated numbers") from None
+    if not scales or any(s <= 0 for s in scales):
+        raise ValueError(f"--slo-scale {spec!r}: factors must be > 0")
+    return scales
+
+
+def slo_scale_sweep(
+    records: Sequence[RequestRecord], slo: SLO, scales: Sequence[float], duration_s: float
+) -> list[dict[str, float | None]]:
+    """Attainment and goodput of one run with both SLOs multiplied by each factor.
+
+    One run suffices: scaling the SLO changes which requests pass, not what they measured.
+    """
+    rows = []
+    for scale in scales:
+        scaled = slo.scaled(scale)
+        rows.append(
+            {
+                "scale": scale,
+                "slo_ttft_ms": scaled.ttft_ms,
+                "slo_tpot_ms": scaled.tpot_ms,
+                "attainment": attainment(records, scaled),
+                "goodput": goodput(records, scaled, duration_s),
+            }
+        )
+    return rows

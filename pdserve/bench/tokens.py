@@ -1,0 +1,124 @@
+"""The model's tokenizer, as the benchmark needs it: random prompts of exact token lengths.
+
+Uses the light ``tokenizers`` package (not ``transformers``) so the benchmark stays a small,
+torch-free client that can point at any OpenAI-compatible endpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+
+def resolve_tokenizer_file(name_or_path: str) -> Path:
+    """Find ``tokenizer.json`` for a directory, a file, or a model name from the registry.
+
+    The registry (``pdserve.model.registry``) is imported lazily so the benchmark works on
+    a machine with only the tokenizer directory, and before the registry exists.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    if (path / "tokenizer.json").is_file():
+        return path / "tokenizer.json"
+    try:
+        from pdserve.model.registry import resolve_model
+    except ImportError:
+        resolve_model = None
+    if resolve_model is not None:
+        try:
+            resolved = Path(resolve_model(name_or_path)) / "tokenizer.json"
+        except Exception as exc:  # the registry's own errors are not ours to classify
+            raise ValueError(f"--tokenizer {name_or_path!r}: {exc}") from exc
+        if resolved.is_file():
+            return resolved
+    raise ValueError(f"--tokenizer {name_or_path!r}: no tokenizer.json found there")
+
+
+class TokenSource:
+    """Samples token ids and converts between ids and text.
+
+    ``vocab_ids`` excludes added/special tokens: a random BOS or EOS in the middle of a
+    prompt would change what the server does, not just how long the prompt is.
+    """
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        added = set(tokenizer.get_added_tokens_decoder())
+        self.vocab_ids = np.array([i for i in range(size) if i not in added], dtype=np.int64)
+        if self.vocab_ids.size == 0:
+            raise ValueError("tokenizer has no ordinary (non-special) tokens")
+
+    @classmethod
+    def load(cls, name_or_path: str) -> TokenSource:
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(resolve_tokenizer_file(name_or_path))))
+
+    def random_ids(self, rng: np.random.Generator, n: int, text: bool = False) -> list[int]:
+        """``n`` ids drawn uniformly; with ``text`` only from ids that survive decode -> encode
+        on their own, so text prompts keep their length (see ``text_vocab_ids``)."""
+        vocab = self.text_vocab_ids if text else self.vocab_ids
+        return vocab[rng.integers(0, vocab.size, size=n)].tolist()
+
+    @functools.cached_property
+    def text_vocab_ids(self) -> np.ndarray:
+        """Ids whose text re-encodes to themselves and holds no partial UTF-8 character.
+
+        A byte-level BPE vocabulary has tokens that are a fragment of a multi-byte character;
+        decoded alone they become U+FFFD, which re-encodes as three tokens. Drawing text
+        prompts from the rest makes decode -> encode keep the length almost always.
+        """
+        ids = self.vocab_ids.tolist()
+        texts = self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        keep = [
+            i
+            for i, text, enc in zip(ids, texts, encodings, strict=True)
+            if enc.ids == [i] and "\ufffd" not in text
+        ]
+        return np.array(keep, dtype=np.int64) if keep else self.vocab_ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def fit_text(
+        self, ids: list[int], rng: np.random.Generator, max_rounds: int = 8
+    ) -> tuple[str, list[int]]:
+        """Text whose re-encoding has ``len(ids)`` tokens, and that re-encoding.
+
+        Adjacent tokens can merge or split when re-encoded, so trim or top up the re-encoded
+        ids and try again; a trim never leaves half a character at the end. If it does not
+        converge the last text is returned with its true length, which callers record.
+        """
+        target = len(ids)
+        text = self.decode(ids)
+        encoded = self.encode(text)
+        for _ in range(max_rounds):
+            if len(encoded) == target:
+                break
+            ids = encoded[:target]
+            while ids and self.decode(ids[-1:]).endswith("\ufffd"):
+                ids = ids[:-1]
+            ids = ids + self.random_ids(rng, target - len(ids), text=True)
+            text = self.decode(ids)
+            encoded = self.encode(text)
+        return text, encoded
+
+
+def join_text(left: str, right: str) -> str:
+    """Concatenates prompt pieces so a word-final and a word-initial token never fuse.
+
+    Byte-level BPE pieces usually carry their own leading space; word-level ones do not.
+    Joined text prompts are therefore exact only up to the boundary token; the server's
+    ``usage.prompt_tokens`` gives the true length when it reports one.
+    """
+    if not left or not right or left[-1].isspace() or right[0].isspace():
+        return left + right
+    return f"{left} {right}"

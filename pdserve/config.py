@@ -1,0 +1,77 @@
+"""The configuration tree. Frozen dataclasses, validated on construction; each part of the
+system receives only the sub-config it needs. Values found at run time (the number of KV
+blocks that fit, the model's context length) are returned by whoever finds them, never
+written back here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache sizing. `kv_cache_bytes` wins over `kv_cache_memory_fraction` (a share of the
+    device's free memory after the weights are loaded)."""
+
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("kv_cache_bytes", self.kv_cache_bytes, allow_none=True)
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits. A prompt longer than `long_prefill_token_threshold` is prefilled in
+    chunks of that size, so one long prompt cannot stall the running decodes for long."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 512
+    max_model_len: int | None = None  # None: the model's own context length
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the data plane runs. `threads` sets torch's intra-op threads (None: torch's
+    default); on CUDA the device string names the GPU."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        _positive("threads", self.threads, allow_none=True)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    device: DeviceConfig = DeviceConfig()
+    seed: int = 0

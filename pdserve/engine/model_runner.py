@@ -1,0 +1,170 @@
+"""Turns a scheduled step into tensors, runs the model, samples. The data plane's one entry.
+
+Everything device-specific lives here: where the KV cache is allocated and how big it is,
+threads, the device of each input tensor. On CUDA the same code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pdserve.config import CacheConfig, DeviceConfig
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.model.attention import AttentionMetadata, PrefillSpan, decode_tables
+from pdserve.model.config import ModelConfig
+from pdserve.model.loader import load_model, torch_dtype
+from pdserve.model.sampler import SamplingRow, sample
+from pdserve.request import Request
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_FRACTION = 0.05  # of available RAM: room for other workers on the host
+DEFAULT_CUDA_KV_FRACTION = 0.8  # of free GPU memory after the weights are loaded
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, device: torch.device, dtype) -> int:
+    """How many KV blocks the budget buys: `kv_cache_bytes`, else a share of free memory."""
+    block_bytes = kv_block_bytes(cfg, cache.block_size, dtype)
+    budget = cache.kv_cache_bytes
+    if budget is None:
+        fraction = cache.kv_cache_memory_fraction or (
+            DEFAULT_CUDA_KV_FRACTION if device.type == "cuda" else DEFAULT_CPU_KV_FRACTION
+        )
+        budget = int(available_memory_bytes(device) * fraction)
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes is smaller than one block ({block_bytes} bytes)"
+        )
+    return num_blocks
+
+
+def token_slice(request: Request, start: int, end: int) -> list[int]:
+    """request.all_token_ids[start:end] without concatenating the whole sequence."""
+    num_prompt = request.num_prompt_tokens
+    if start >= num_prompt:
+        return request.output_token_ids[start - num_prompt : end - num_prompt]
+    if end <= num_prompt:
+        return request.prompt_token_ids[start:end]
+    return request.prompt_token_ids[start:] + request.output_token_ids[: end - num_prompt]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        model_config: ModelConfig,
+        cache: CacheConfig,
+        device: DeviceConfig,
+        seed: int = 0,
+        kv_cache: torch.Tensor | None = None,
+    ) -> None:
+        if device.threads:
+            torch.set_num_threads(device.threads)
+        self.device = torch.device(device.device)
+        self.dtype = torch_dtype(device.dtype)
+        self.block_size = cache.block_size
+        self.model = load_model(model_dir, device=device.device, dtype=device.dtype)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        if kv_cache is None:
+            num_blocks = num_kv_blocks(model_config, cache, self.device, self.dtype)
+            kv_cache = torch.zeros(
+                self.kv_cache_shape(model_config, num_blocks), dtype=self.dtype, device=self.device
+            )
+        self.kv_cache = kv_cache
+        self.num_blocks = kv_cache.shape[1]
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            kv_cache.numel() * kv_cache.element_size() / 2**20,
+        )
+
+    def kv_cache_shape(self, cfg: ModelConfig, num_blocks: int) -> tuple[int, ...]:
+        return (cfg.num_layers, num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
+    ) -> dict[str, int]:
+        """Run one step; returns the sampled token of each request that reached its end."""
+        if not out.scheduled:
+            return {}
+        input_ids, positions, meta, sample_rows, sample_ids = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done)
+        if not sample_ids:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        rows = [
+            SamplingRow(p.temperature, p.top_k, p.top_p, p.seed, len(r.output_token_ids))
+            for r in sample_ids
+            for p in (r.sampling_params,)
+        ]
+        tokens = sample(logits, rows, self.generator)
+        return {r.request_id: t for r, t in zip(sample_ids, tokens)}
+
+    def _prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        decode_block_ids, decode_lens, prefills = [], [], []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        for request, num_new in out.scheduled:
+            start = request.num_computed_tokens
+            end = start + num_new
+            row = len(input_ids)
+            input_ids += token_slice(request, start, end)
+            pos = range(start, end)
+            positions += pos
+            slot_blocks += [request.block_ids[p // bs] for p in pos]
+            slot_offsets += [p % bs for p in pos]
+            if num_new == 1:
+                assert not prefills, "one-token rows must come before prefill chunks"
+                decode_block_ids.append(request.block_ids)
+                decode_lens.append(end)
+            else:
+                prefills.append((row, row + num_new, start, request.block_ids))
+            if out.samples(request, num_new):
+                sample_rows.append(row + num_new - 1)
+                sample_requests.append(request)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_block_ids=torch.tensor(slot_blocks, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, device=dev),
+            num_decode_tokens=len(decode_block_ids),
+            prefills=[PrefillSpan(s, e, c, torch.tensor(b, device=dev)) for s, e, c, b in prefills],
+        )
+        if decode_block_ids:
+            meta.decode_block_tables, meta.decode_mask = decode_tables(
+                decode_block_ids, decode_lens, bs, dev
+            )
+        return (
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            meta,
+            sample_rows,
+            sample_requests,
+        )

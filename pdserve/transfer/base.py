@@ -1,0 +1,141 @@
+"""The KV transfer contract between a prefill worker (sender) and a decode worker (receiver).
+
+Flow for one request (DESIGN.md section 2)::
+
+    decode worker                                  prefill worker
+    rx.expect(rid, block_ids)     # reservation
+    rx.address()  ──(router)──▶   tx.send(peer, rid, [l], src_ids, dst_ids, last=False)  x L
+                                  ...                                 (or one send, last=True)
+    rx.pop_finished() -> DONE  ◀── bytes + "done"; receiver acks ──▶  tx.pop_finished() -> DONE
+    ...decode...; rx.release(rid)                                     free / cache src blocks
+
+Both ends are thread-safe; work happens on background threads, so the engine only polls
+``pop_finished()`` once per step and never blocks on the network.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pdserve.transfer.layout import KVLayout
+
+
+class TransferStatus(enum.Enum):
+    """Per-request state on either end. DONE and FAILED are terminal."""
+
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+Finished = tuple[str, TransferStatus, "str | None"]
+
+
+class KVReceiver(ABC):
+    """Decode side: owns the destination KV tensor and admits writes only into reservations.
+
+    Invariant: no byte reaches ``kv`` unless it belongs to a request with a live reservation
+    (``expect`` called, ``release`` not yet called, not DONE/FAILED) and lands in that
+    reservation's block ids. Anything else fails the request (or, for a request it does not
+    know, is dropped) without touching memory.
+    """
+
+    layout: KVLayout
+
+    @abstractmethod
+    def address(self) -> dict[str, Any]:
+        """Msgpack-able connection info for senders: backends, host, port, shm name, layout,
+        host identity. The router carries it from the decode worker to the prefill worker."""
+
+    @abstractmethod
+    def expect(self, request_id: str, block_ids: list[int]) -> None:
+        """Reserve ``block_ids`` for ``request_id``: only these may be written for it.
+
+        Status becomes WAITING. Raises ValueError for an id already reserved or a block id
+        out of range. Use a fresh request id for a retry: writes from an earlier attempt
+        under the same id are indistinguishable from the new one's.
+        """
+
+    @abstractmethod
+    def status(self, request_id: str) -> TransferStatus:
+        """Current status; KeyError for a request never expected or already released."""
+
+    @abstractmethod
+    def pop_finished(self) -> list[Finished]:
+        """Requests that became DONE or FAILED since the last call, each once, with an
+        error message for FAILED. DONE means every send up to the ``last=True`` one
+        landed, in order, inside the reservation."""
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """Forget the reservation. When this returns, no write for the request can touch
+        memory any more (a write in flight is waited for); later writes are rejected.
+        Releasing an unknown id is a no-op, so aborts may release unconditionally."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters for tests and metrics (writes, frames, bytes, rejections)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop accepting, drop connections, release shared memory this receiver owns."""
+
+
+class KVSender(ABC):
+    """Prefill side: copies blocks of its own ``kv`` into a receiver's reserved blocks.
+
+    The caller guarantees source blocks are not modified until the request is reported
+    DONE or FAILED by ``pop_finished``.
+    """
+
+    layout: KVLayout
+
+    @abstractmethod
+    def send(
+        self,
+        peer: dict[str, Any],
+        request_id: str,
+        layers: list[int],
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        last: bool,
+    ) -> None:
+        """Enqueue copying ``layers`` x ``src_block_ids`` into ``dst_block_ids`` at ``peer``.
+
+        Non-blocking: a background thread moves the bytes while the caller computes the
+        next layer. Layer-wise transfer calls this once per layer, full transfer once with
+        all layers and ``last=True``; chunked prefill calls it several times per request.
+        Sends of one request are applied in call order. Contiguous (src, dst) runs are
+        coalesced into one write per layer per run.
+
+        Raises ValueError at once for caller bugs (layout mismatch with the peer, ids out
+        of range, length mismatch, a send after ``last=True``); network and receiver-side
+        problems surface as FAILED in ``pop_finished`` instead.
+        """
+
+    @abstractmethod
+    def status(self, request_id: str) -> TransferStatus:
+        """Current status; KeyError for an unknown request."""
+
+    @abstractmethod
+    def pop_finished(self) -> list[Finished]:
+        """Requests that became DONE or FAILED since the last call. DONE means the
+        receiver confirmed and source blocks are no longer read; FAILED likewise means the
+        sender stopped reading them."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop sending for the request and tell the receiver; it ends FAILED ("aborted")
+        once no background write reads its source blocks any more."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Counters: ``num_writes`` (coalesced runs x layers), ``num_frames``,
+        ``bytes_sent``, and ``requests`` mapping recent request ids to their own counts."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop background threads and drop connections; unfinished requests fail."""

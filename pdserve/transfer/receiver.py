@@ -1,0 +1,293 @@
+"""The decode-side receiver: one authenticated TCP server for the tcp and shm backends.
+
+tcp senders push block bytes in ``data`` frames; each frame is checked (reservation, size,
+checksum) and received into a staging buffer from a bounded pool, and only then copied into
+KV memory, so a rejected frame never touches it. Receiving straight into the KV blocks would
+save a copy but could leave a half-written frame with a bad checksum in reserved blocks.
+
+shm senders write into this worker's shared KV themselves; here they get a *lease* (the
+reserved block ids) before writing and send ``data`` notices with ``written=True`` after,
+which are re-validated. See ``shm.py`` for why leases make ``release`` safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from typing import Any
+
+import torch
+
+from pdserve.transfer import protocol as P
+from pdserve.transfer.auth import check_secret
+from pdserve.transfer.base import Finished, KVReceiver, TransferStatus
+from pdserve.transfer.buffer_pool import DEFAULT_BUFFER_BYTES, DEFAULT_POOL_BYTES, BufferPool
+from pdserve.transfer.layout import KVLayout, check_kv_tensor
+from pdserve.transfer.reservations import Reservation, ReservationTable
+from pdserve.transfer.server import Conn, FrameServer
+
+log = logging.getLogger(__name__)
+
+
+def block_bytes_view(kv: torch.Tensor, layer: int, start: int, num_blocks: int) -> torch.Tensor:
+    """The bytes of blocks ``start..start+num_blocks-1`` of ``layer``, as a uint8 view."""
+    return kv[layer, start : start + num_blocks].reshape(-1).view(torch.uint8)
+
+
+class SocketKVReceiver(KVReceiver):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        backends: tuple[str, ...] = ("tcp",),
+        shm_name: str | None = None,
+        advertise_host: str | None = None,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        auth_timeout_s: float = 5.0,
+        release_timeout_s: float = 5.0,
+        unlink_shm_on_close: bool = True,
+    ) -> None:
+        check_kv_tensor(kv, layout)
+        if "shm" in backends and shm_name is None:
+            raise ValueError("the shm backend needs the receiver's kv in shared memory")
+        self.kv, self.layout, self._secret = kv, layout, check_secret(secret)
+        self.backends, self.shm_name = tuple(backends), shm_name
+        self._unlink_shm = unlink_shm_on_close and shm_name is not None
+        # Frames carry whole blocks, so a staging buffer must hold at least one block.
+        buffer_bytes = max(buffer_bytes, layout.block_bytes)
+        self.pool = BufferPool(max(pool_bytes, buffer_bytes), buffer_bytes)
+        self.table = ReservationTable(layout)
+        self._release_timeout_s = release_timeout_s
+        self._counts = {"num_frames": 0, "bytes_received": 0, "rejected_frames": 0}
+        self._lock = threading.Lock()
+        self._server = FrameServer(
+            host, port, self._secret, self._on_frame, self._drop, auth_timeout_s
+        )
+        self._host = advertise_host or host
+
+    # -- public API ------------------------------------------------------------------------
+
+    def address(self) -> dict[str, Any]:
+        return {
+            "backends": list(self.backends),
+            "host": self._host,
+            "port": self._server.port,
+            "shm_name": self.shm_name,
+            "layout": self.layout.to_dict(),
+            "host_id": P.host_identity(),
+            "max_frame_bytes": self.pool.buffer_bytes,
+        }
+
+    def expect(self, request_id: str, block_ids: list[int]) -> None:
+        self.table.expect(request_id, block_ids)
+
+    def status(self, request_id: str) -> TransferStatus:
+        return self.table.status(request_id)
+
+    def pop_finished(self) -> list[Finished]:
+        return self.table.pop_finished()
+
+    def release(self, request_id: str) -> None:
+        if not self.table.release(request_id, self._release_timeout_s):
+            timeout_s = self._release_timeout_s
+            log.error("release(%r): shm writer still busy after %.1f s", request_id, timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counts = {**self._counts, **self._server.counts}
+        return {**counts, "pool": self.pool.stats(), "num_reservations": len(self.table)}
+
+    def close(self) -> None:
+        if self._server.closed:
+            return
+        self._server.close()
+        if self._unlink_shm:
+            from pdserve.transfer.shm import unlink_shared_kv
+
+            unlink_shared_kv(self.shm_name)
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _on_frame(self, conn: Conn, header: dict[str, Any]) -> None:
+        if conn.hello_done:
+            self._dispatch(conn, header)
+            return
+        if header["type"] != P.HELLO:
+            raise P.ProtocolError("expected a hello frame first")
+        if header.get("layout") != self.layout.to_dict():
+            ours, theirs = self.layout.to_dict(), header.get("layout")
+            error = f"layout mismatch: receiver has {ours}, sender {theirs}"
+            conn.reply({"type": P.HELLO_OK, "error": error})
+            raise P.ProtocolError("sender layout differs from the receiver's")
+        conn.hello_done = True
+        conn.reply({"type": P.HELLO_OK})
+
+    def _drop(self, conn: Conn, reason: str) -> None:
+        for request_id, num_leases in conn.leases.items():
+            req = self.table.get(request_id)
+            if req is not None:
+                self._end_lease(req, num_leases)
+        for request_id in conn.touched:
+            req = self.table.get(request_id)
+            if req is not None:
+                self.table.fail(req, reason)
+
+    def _dispatch(self, conn: Conn, header: dict[str, Any]) -> None:
+        kind = header["type"]
+        if kind == P.DATA:
+            self._on_data(conn, header)
+        elif kind == P.LEASE:
+            self._on_lease(conn, header)
+        elif kind == P.LEASE_END:
+            request_id = P.str_field(header, "request_id")
+            if conn.leases.get(request_id):
+                conn.leases[request_id] -= 1
+                req = self.table.get(request_id)
+                if req is not None:
+                    self._end_lease(req, 1)
+        elif kind == P.DONE:
+            request_id = P.str_field(header, "request_id")
+            req = self.table.get(request_id)
+            error = (
+                self.table.finish(req, P.int_field(header, "num_frames"))
+                if req
+                else "unknown request"
+            )
+            if error is None:
+                conn.reply({"type": P.ACK, "request_id": request_id})
+            else:
+                self._reject(conn, request_id, req, error)
+        elif kind == P.ABORT:
+            req = self.table.get(P.str_field(header, "request_id"))
+            if req is not None:
+                self.table.fail(req, "aborted by sender")
+        else:
+            raise P.ProtocolError(f"unknown frame type {kind!r}")
+
+    def _reject(self, conn: Conn, request_id: str, req: Reservation | None, error: str) -> None:
+        """Fail the request (if live) and tell this sender once; memory is not touched."""
+        self._count("rejected_frames")
+        if req is not None:
+            self.table.fail(req, error)
+        if request_id not in conn.told_failed:
+            conn.told_failed.add(request_id)
+            conn.reply({"type": P.FAILED, "request_id": request_id, "error": error})
+
+    # -- data ------------------------------------------------------------------------------
+
+    def _drain(self, conn: Conn, nbytes: int) -> None:
+        """Read and discard a rejected payload so the next frame parses."""
+        with self.pool.borrow() as buf:
+            view = memoryview(buf.numpy())
+            while nbytes > 0:
+                k = min(nbytes, len(view))
+                P.recv_exact_into(conn.sock, view[:k])
+                nbytes -= k
+
+    def _on_data(self, conn: Conn, header: dict[str, Any]) -> None:
+        request_id = P.str_field(header, "request_id")
+        layer, dst_start = P.int_field(header, "layer"), P.int_field(header, "dst_start")
+        num_blocks, nbytes = P.int_field(header, "num_blocks"), P.int_field(header, "nbytes")
+        crc, written = header.get("crc32"), header.get("written", False) is True
+        req, error = self.table.check_write(request_id, layer, dst_start, num_blocks)
+        if req is not None and error is None:
+            conn.touched.add(request_id)
+        if written:
+            error = error or self._check_written(conn, request_id, nbytes)
+        elif error is None and nbytes != num_blocks * self.layout.block_bytes:
+            block_bytes = self.layout.block_bytes
+            error = f"data frame for request {request_id!r} layer {layer}: nbytes {nbytes}"
+            error += f" != {num_blocks} blocks x {block_bytes} bytes"
+        elif error is None and nbytes > self.pool.buffer_bytes:
+            error = f"frame of {nbytes} bytes exceeds max_frame_bytes {self.pool.buffer_bytes}"
+        if error is not None:
+            if nbytes:
+                self._drain(conn, nbytes)
+            self._reject(conn, request_id, req, error)
+            return
+        assert req is not None
+        dst = block_bytes_view(self.kv, layer, dst_start, num_blocks)
+        if written:
+            with req.cond:
+                if crc is not None and zlib.crc32(dst.numpy()) != crc:
+                    error = f"checksum mismatch in shm write of request {request_id!r}"
+                elif req.live:
+                    self.table.mark_transferring(req, 0)
+                else:
+                    error = f"request {request_id!r} released; shm write notice rejected"
+        else:
+            with self.pool.borrow() as buf:
+                staged = buf[:nbytes]
+                P.recv_exact_into(conn.sock, memoryview(staged.numpy()))
+                if crc is not None and zlib.crc32(staged.numpy()) != crc:
+                    error = f"checksum mismatch in request {request_id!r} layer {layer}"
+                else:
+                    with req.cond:
+                        if not req.live:  # released or failed while the payload arrived
+                            error = f"request {request_id!r} released; late write dropped"
+                        else:
+                            dst.copy_(staged)
+                            self.table.mark_transferring(req, nbytes)
+        if error is not None:
+            self._reject(conn, request_id, req, error)
+            return
+        self._count("num_frames")
+        self._count("bytes_received", nbytes)
+
+    # -- shm leases ------------------------------------------------------------------------
+
+    def _check_written(self, conn: Conn, request_id: str, nbytes: int) -> str | None:
+        if "shm" not in self.backends:
+            return "shm write notice, but this receiver does not offer shm"
+        if nbytes != 0:
+            return f"shm write notice with nbytes={nbytes} (must be 0)"
+        if not conn.leases.get(request_id):
+            return f"shm write notice for request {request_id!r} without a lease"
+        return None
+
+    def _on_lease(self, conn: Conn, header: dict[str, Any]) -> None:
+        request_id = P.str_field(header, "request_id")
+        writes = header.get("writes")
+        req, error = self.table.get(request_id), None
+        if req is None or not req.live:
+            error = f"no live reservation for request {request_id!r}; lease refused"
+        if "shm" not in self.backends:
+            error = "this receiver does not offer shm"
+        if not isinstance(writes, list) or not writes:
+            raise P.ProtocolError("lease field 'writes' must be a non-empty list")
+        for write in writes:
+            if error is not None:
+                break
+            ok = isinstance(write, list) and len(write) == 3
+            if not ok or not all(type(x) is int and x >= 0 for x in write):
+                raise P.ProtocolError(f"lease write must be [layer, dst_start, n]: {write!r}")
+            _, error = self.table.check_write(request_id, *write)
+        if error is None:
+            assert req is not None
+            with req.cond:  # atomic with release(): either it waits for us or we see it
+                if req.live:
+                    req.active_leases += 1
+                    conn.leases[request_id] = conn.leases.get(request_id, 0) + 1
+                    conn.touched.add(request_id)
+                else:
+                    error = f"request {request_id!r} released or finished; lease refused"
+        if error is not None:
+            self._reject(conn, request_id, req, error)
+            conn.reply({"type": P.LEASE_OK, "request_id": request_id, "error": error})
+            return
+        conn.reply({"type": P.LEASE_OK, "request_id": request_id, "block_ids": req.block_ids})
+
+    def _end_lease(self, req: Reservation, num_leases: int) -> None:
+        with req.cond:
+            req.active_leases -= num_leases
+            req.cond.notify_all()

@@ -1,0 +1,54 @@
+"""Backend selection by name. Backends import lazily, so unused ones cost nothing.
+
+``auto`` on the receiver offers shm when its kv lives in shared memory (``create_shared_kv``)
+and always tcp; on the sender it picks shm per peer when the peer offers it and shares this
+host (hostname + boot id), else tcp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.transfer.base import KVReceiver, KVSender
+from pdserve.transfer.layout import KVLayout
+
+BACKENDS = ("auto", "shm", "tcp")
+
+
+def _check(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown transfer backend {backend!r}; choose one of {BACKENDS}")
+
+
+def make_receiver(
+    backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any
+) -> KVReceiver:
+    """A receiver offering ``backend``; ``opts`` go to ``SocketKVReceiver`` (host, port,
+    pool_bytes, buffer_bytes, shm_name, advertise_host, ...). With shm the receiver unlinks
+    the segment on close."""
+    _check(backend)
+    from pdserve.transfer.receiver import SocketKVReceiver
+
+    shm_name = opts.pop("shm_name", None)
+    if backend in ("auto", "shm") and shm_name is None:
+        from pdserve.transfer.shm import shared_kv_name
+
+        shm_name = shared_kv_name(kv)
+    if backend == "shm" and shm_name is None:
+        raise ValueError("backend 'shm' needs kv allocated with create_shared_kv(layout)")
+    if backend == "tcp":
+        backends, shm_name = ("tcp",), None
+    elif backend == "shm":
+        backends = ("shm",)
+    else:
+        backends = ("tcp", "shm") if shm_name else ("tcp",)
+    return SocketKVReceiver(kv, layout, secret, backends=backends, shm_name=shm_name, **opts)
+
+
+def make_sender(backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any) -> KVSender:
+    """A sender using ``backend``; ``opts`` go to ``SocketKVSender`` (bandwidth_bps,
+    pool_bytes, buffer_bytes, checksum, ...)."""
+    _check(backend)
+    from pdserve.transfer.sender import SocketKVSender
+
+    return SocketKVSender(kv, layout, secret, backend=backend, **opts)

@@ -1,0 +1,160 @@
+"""shm backend: the decode worker's KV pool in POSIX shared memory, written one-sidedly.
+
+The receiver allocates its pool with ``create_shared_kv`` (a 0600 file in /dev/shm mapped
+with ``torch.from_file(shared=True)``; a file rather than ``multiprocessing.shared_memory``
+because Python < 3.13 makes every process that *opens* a segment unlink it at exit). The
+sender maps it with ``open_shared_kv`` and copies block runs straight into it, like an RDMA
+write; the control connection is the authenticated tcp one.
+
+Reservations with one-sided writes: the receiver cannot stop a process that has its memory
+mapped, so enforcement is a protocol the sender's code obeys and the receiver checks:
+
+1. Per ``send()``, the sender asks for a *lease* listing every (layer, dst run) it will
+   write. The receiver grants it only if each run lies inside a live reservation, and
+   counts the lease on the reservation under the same lock ``release`` takes.
+2. The sender refuses to write any block not in the granted ids, copies, sends one
+   ``data`` notice (``nbytes=0, written=True``) per run, which the receiver re-validates
+   (reservation, lease held, optional crc over its own memory), then ends the lease.
+3. ``release`` marks the reservation dead and waits until no lease is active, so when it
+   returns no write is in flight and none can start: a late send gets its lease refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import threading
+import zlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.transfer import protocol as P
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.peer import PeerConnection, TransferError
+from pdserve.transfer.receiver import block_bytes_view
+
+if TYPE_CHECKING:
+    from pdserve.transfer.send_state import SendState
+    from pdserve.transfer.sender import SocketKVSender
+
+SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"^pdserve-kv-[A-Za-z0-9_-]{1,64}$")
+_owned: dict[int, str] = {}  # data_ptr of kv tensors made by create_shared_kv -> name
+_owned_lock = threading.Lock()
+
+
+def _path(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"invalid shm name {name!r} (expected pdserve-kv-<id>)")
+    return os.path.join(SHM_DIR, name)
+
+
+def _map(path: str, layout: KVLayout) -> torch.Tensor:
+    numel = layout.total_bytes // layout.dtype_bytes
+    flat = torch.from_file(path, shared=True, size=numel, dtype=getattr(torch, layout.dtype))
+    return flat.view(layout.shape)
+
+
+def create_shared_kv(layout: KVLayout, name: str | None = None) -> tuple[torch.Tensor, str]:
+    """Allocate a zeroed KV pool in /dev/shm; returns (kv, name). Unlink with
+    ``unlink_shared_kv`` (the receiver's ``close`` does it)."""
+    name = name or f"pdserve-kv-{os.getpid()}-{secrets.token_hex(6)}"
+    path = _path(name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, layout.total_bytes)
+    finally:
+        os.close(fd)
+    try:
+        kv = _map(path, layout)
+    except BaseException:
+        os.unlink(path)
+        raise
+    with _owned_lock:
+        _owned[kv.data_ptr()] = name
+    return kv, name
+
+
+def open_shared_kv(name: str, layout: KVLayout) -> torch.Tensor:
+    """Map a receiver's shared KV pool; ValueError if its size does not fit ``layout``."""
+    path = _path(name)
+    size = os.path.getsize(path)
+    if size != layout.total_bytes:
+        raise ValueError(f"shm {name!r} has {size} bytes, layout needs {layout.total_bytes}")
+    return _map(path, layout)
+
+
+def shared_kv_name(kv: torch.Tensor) -> str | None:
+    """The shm name of a pool made by ``create_shared_kv`` in this process, else None."""
+    with _owned_lock:
+        return _owned.get(kv.data_ptr())
+
+
+def unlink_shared_kv(name: str) -> None:
+    """Remove the segment's name; memory is freed once every mapping is gone."""
+    with _owned_lock:
+        for ptr in [p for p, n in _owned.items() if n == name]:
+            del _owned[ptr]
+    try:
+        os.unlink(_path(name))
+    except FileNotFoundError:
+        pass
+
+
+class ShmPath:
+    name = "shm"
+
+    def __init__(self, sender: SocketKVSender, conn: PeerConnection, remote_kv: torch.Tensor):
+        self.sender, self.conn, self.remote_kv = sender, conn, remote_kv
+        self.checksum = bool(sender.checksum)
+
+    def write(self, state: SendState, layers: list[int], runs: list[tuple[int, int, int]]) -> None:
+        s = self.sender
+        writes = [[layer, dst, n] for layer in layers for _, dst, n in runs]
+        if not writes:
+            return
+        granted = set(self.conn.request_lease(state.request_id, writes, s.lease_timeout_s))
+        try:
+            for layer in layers:
+                for src_start, dst_start, num_blocks in runs:
+                    if s.should_stop(state):
+                        return
+                    if not granted.issuperset(range(dst_start, dst_start + num_blocks)):
+                        end = dst_start + num_blocks - 1
+                        raise TransferError(
+                            f"refusing shm write to blocks {dst_start}..{end} of request "
+                            f"{state.request_id!r}: not in the receiver's grant"
+                        )
+                    self._copy(state, layer, src_start, dst_start, num_blocks)
+        finally:
+            try:
+                self.conn.send({"type": P.LEASE_END, "request_id": state.request_id})
+            except OSError:
+                pass  # connection gone: the receiver ends the lease when it sees the drop
+
+    def _copy(self, state: SendState, layer: int, src_start: int, dst_start: int, n: int) -> None:
+        s = self.sender
+        src = block_bytes_view(s.kv, layer, src_start, n)
+        dst = block_bytes_view(self.remote_kv, layer, dst_start, n)
+        if s.bucket is None:
+            dst.copy_(src)
+        else:
+            for offset in range(0, src.numel(), s.chunk_bytes):
+                end = min(offset + s.chunk_bytes, src.numel())
+                s.bucket.consume(8 * (end - offset))
+                dst[offset:end].copy_(src[offset:end])
+        header = {
+            "type": P.DATA,
+            "request_id": state.request_id,
+            "layer": layer,
+            "dst_start": dst_start,
+            "num_blocks": n,
+            "nbytes": 0,
+            "written": True,
+        }
+        if self.checksum:
+            header["crc32"] = zlib.crc32(src.numpy())
+        self.conn.send(header)
+        s.account(state, writes=1, frames=1, nbytes=src.numel())

@@ -1,0 +1,172 @@
+"""The client and CLI against a fake streaming OpenAI server on a loopback port."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from pdserve.bench.cli import build_parser, main
+from pdserve.bench.compare import run_compare, url_launch
+
+
+def bench(tokenizer_dir, url: str, *flags: str):
+    argv = ["--url", url, "--tokenizer", str(tokenizer_dir), "--no-progress", *flags]
+    return build_parser().parse_args(argv)
+
+
+def test_result_file_is_complete_and_rejections_stay_in_the_denominator(
+    fake_server, tokenizer_dir, tmp_path, capsys
+):
+    fake_server.reject_every = 4
+    out = tmp_path / "result.json"
+    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "12", "--input-len", "9",
+                 "--output-len", "uniform:2:6", "--rate", "200", "--slo-ttft-ms", "2000",
+                 "--slo-tpot-ms", "1000", "--slo-scale", "0.5,1", "--output", str(out),
+                 "--model", "m", "--api-key", "k")  # fmt: skip
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert set(result) >= {"config", "records", "summary", "slo_scale"}
+    records = result["records"]
+    summary = result["summary"]
+    assert len(records) == 12
+    assert summary["num_rejected"] == 3 and summary["num_completed"] == 9
+    assert summary["slo_attainment"] == pytest.approx(9 / 12)
+    for record in records:
+        if record["status"] == "ok":
+            assert record["output_len"] == record["requested_output_len"]
+            assert record["ttft_s"] > 0 and record["e2e_s"] >= record["ttft_s"]
+            assert len(record["itl_s"]) == record["output_len"] - 1
+            assert record["input_len"] == 9
+        else:
+            assert record["http_status"] == 503
+    body = fake_server.bodies[0]
+    assert len(body["prompt"]) == 9 and all(isinstance(i, int) for i in body["prompt"])
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] and body["temperature"] == 0 and body["model"] == "m"
+    assert "goodput (req/s)" in capsys.readouterr().out
+
+
+def test_conversation_history_carries_the_actual_answers(fake_server, tokenizer_dir):
+    fake_server.usage = False  # count tokens from chunks instead
+    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "3", "--num-turns", "3",
+                 "--input-len", "4", "--output-len", "2", "--prompt-format", "text")  # fmt: skip
+    assert main(args) == 0
+    prompts = [b["prompt"] for b in fake_server.bodies]
+    assert prompts[1].startswith(prompts[0] + " w0 w1")
+    assert prompts[2].startswith(prompts[1] + " w0 w1")
+    assert len(prompts[2].split()) == 3 * 4 + 2 * 2
+
+
+def test_chat_endpoint_and_timeout(fake_server, tokenizer_dir, tmp_path):
+    out = tmp_path / "chat.json"
+    args = bench(tokenizer_dir, fake_server.url, "--endpoint", "chat", "--num-requests", "2",
+                 "--num-turns", "2", "--input-len", "3", "--output-len", "2",
+                 "--request-timeout-s", "0.3", "--output", str(out))  # fmt: skip
+    assert main(args) == 0
+    messages = fake_server.bodies[1]["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[1]["content"] == " w0 w1"
+
+    fake_server.bodies.clear()
+    fake_server.delay_s = 0.5
+    assert main(args) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [r["status"] for r in records] == ["timeout", "failed"]  # turn 2 never ran
+
+
+def test_compare_runs_each_deployment_and_derives_slos(fake_server, tokenizer_dir):
+    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "4", "--input-len", "5",
+                 "--output-len", "3")  # fmt: skip
+    out = io.StringIO()
+    launched = []
+
+    def launch(spec):
+        launched.append(spec)
+        return url_launch(spec)
+
+    rows = run_compare({"a": fake_server.url, "b": fake_server.url + "/v1"}, args, launch, out)
+    assert launched == [fake_server.url, fake_server.url + "/v1"]
+    assert rows["a"]["slo_ttft_ms"] == rows["b"]["slo_ttft_ms"] > 0
+    text = out.getvalue()
+    assert "SLOs from a unloaded p50" in text and "p90 TTFT ms" in text
+    assert text.splitlines()[-2].split()[2] == "1.00x"
+
+
+def test_plots_are_written(fake_server, tokenizer_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "6", "--input-len", "4",
+                 "--output-len", "3", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "1000",
+                 "--find-goodput", "--max-probes", "2", "--start-rate", "50",
+                 "--slo-scale", "0.5,1", "--plot", str(tmp_path / "plots"))  # fmt: skip
+    assert main(args) == 0
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["attainment_vs_rate.png", "attainment_vs_slo_scale.png", "latency_cdf.png"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--input-len", "uniform:9:1"], "--input-len"),
+        (["--arrival", "concurrency"], "--concurrency"),
+        (["--find-goodput"], "--slo-ttft-ms"),
+        (["--tokenizer", "/nonexistent"], "--tokenizer"),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_2(tokenizer_dir, capsys, flags, message):
+    args = bench(tokenizer_dir, "http://127.0.0.1:9", *flags)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+
+
+def test_argparse_errors_exit_2_with_one_line(capsys):
+    for argv in (["--rate", "fast"], ["compare", "--endpoint", "grpc"]):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(argv)
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_closed_loop_stops_at_the_duration_bound(fake_server, tokenizer_dir, tmp_path):
+    out = tmp_path / "loop.json"
+    args = bench(tokenizer_dir, fake_server.url, "--arrival", "concurrency", "--concurrency", "2",
+                 "--num-requests", "1000", "--duration-s", "0.3", "--input-len", "3",
+                 "--output-len", "5", "--output", str(out))  # fmt: skip
+    assert main(args) == 0
+    records = json.loads(out.read_text())["records"]
+    assert 2 <= len(records) < 1000
+    assert max(r["send_s"] for r in records) < 0.3
+
+
+def test_trace_replay_keeps_its_timing_and_shared_blocks(fake_server, tokenizer_dir, tmp_path):
+    trace = tmp_path / "mooncake.jsonl"
+    lines = [(0, [1, 2]), (100, [1, 3]), (200, [4])]
+    trace.write_text("\n".join(
+        json.dumps({"timestamp": t, "input_length": 1024, "output_length": 200, "hash_ids": h})
+        for t, h in lines
+    ))  # fmt: skip
+    out = tmp_path / "trace.json"
+    args = bench(tokenizer_dir, fake_server.url, "--trace", str(trace), "--trace-time-scale",
+                 "0.5", "--trace-length-scale", "0.01", "--output", str(out))  # fmt: skip
+    assert main(args) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [r["requested_output_len"] for r in records] == [2, 2, 2]
+    assert [r["send_s"] for r in records] == pytest.approx([0.0, 0.05, 0.1], abs=0.03)
+    prompts = [b["prompt"] for b in fake_server.bodies]
+    assert [len(p) for p in prompts] == [10, 10, 10]  # 1024 * 0.01, block 512 -> 5
+    assert prompts[0][:5] == prompts[1][:5] and prompts[0][5:] != prompts[1][5:]
+
+
+def test_compare_without_launcher_and_unreachable_server(tokenizer_dir, tmp_path, capsys):
+    argv = ["compare", "--deployment", "pd=configs/pd.yaml", "--tokenizer", str(tokenizer_dir)]
+    assert main(build_parser().parse_args(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "launcher" in err
+
+    out = tmp_path / "down.json"
+    args = bench(tokenizer_dir, "http://127.0.0.1:9", "--num-requests", "3", "--output", str(out))
+    assert main(args) == 0  # every request failed, and the result says so
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["num_failed"] == 3 and summary["slo_attainment"] == 0.0

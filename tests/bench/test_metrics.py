@@ -1,0 +1,99 @@
+"""Metric arithmetic on hand-made timelines."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pdserve.bench.metrics import (
+    FAILED,
+    REJECTED,
+    SLO,
+    TIMEOUT,
+    RequestRecord,
+    attainment,
+    goodput,
+    meets_slo,
+    percentile,
+    summarize,
+)
+from pdserve.bench.search import find_goodput, slo_scale_sweep
+
+
+def ok(send_s: float, ttft_s: float, e2e_s: float, output_len: int, input_len: int = 10):
+    return RequestRecord("r", input_len, output_len, send_s, ttft_s=ttft_s, e2e_s=e2e_s,
+                         output_len=output_len)  # fmt: skip
+
+
+def test_ttft_tpot_from_timeline():
+    # First token at 100 ms, 10 tokens by 1000 ms: 9 gaps over 900 ms.
+    record = ok(0.0, 0.1, 1.0, 10)
+    assert record.tpot_s == pytest.approx(0.1)
+    assert meets_slo(record, SLO(ttft_ms=100, tpot_ms=100))
+    assert not meets_slo(record, SLO(ttft_ms=99))
+    assert not meets_slo(record, SLO(tpot_ms=99))
+
+
+def test_single_token_has_no_tpot_and_only_ttft_is_checked():
+    record = ok(0.0, 0.05, 0.05, 1)
+    assert record.tpot_s is None
+    assert meets_slo(record, SLO(ttft_ms=60, tpot_ms=1))
+
+
+def test_rejected_failed_and_timed_out_requests_are_misses_in_the_denominator():
+    records = [
+        ok(0.0, 0.1, 0.5, 5),  # meets
+        ok(0.5, 0.1, 1.5, 5),  # meets, ends at 2.0 s: run duration 2.0 s
+        ok(1.0, 0.9, 1.0, 5),  # TTFT miss
+        RequestRecord("x", 10, 5, 1.0, status=REJECTED, http_status=503, e2e_s=0.01),
+        RequestRecord("y", 10, 5, 1.0, status=FAILED, e2e_s=0.01),
+        RequestRecord("z", 10, 5, 1.0, status=TIMEOUT, ttft_s=0.1, e2e_s=0.5),
+    ]
+    slo = SLO(ttft_ms=200, tpot_ms=500)
+    assert attainment(records, slo) == pytest.approx(2 / 6)
+    assert goodput(records, slo) == pytest.approx(2 / 2.0)
+    summary = summarize(records, slo)
+    assert summary["num_requests"] == 6
+    assert (summary["num_rejected"], summary["num_failed"], summary["num_timeout"]) == (1, 1, 1)
+    assert summary["num_completed"] == 3
+    assert summary["duration_s"] == pytest.approx(2.0)
+    assert summary["request_throughput"] == pytest.approx(1.5)
+    assert summary["output_tokens_per_s"] == pytest.approx(15 / 2.0)
+    assert summary["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert summary["goodput"] == pytest.approx(1.0)
+
+
+def test_percentile_matches_numpy_and_empty_is_nan():
+    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert math.isnan(percentile([], 50))
+    assert math.isnan(summarize([], SLO())["ttft_ms"]["mean"])
+
+
+def test_find_goodput_brackets_then_bisects_within_probe_budget():
+    knee = 5.3
+    search = find_goodput(lambda rate: 1.0 if rate <= knee else 0.5, start_rate=1.0, max_probes=8)
+    assert len(search.probes) <= 8
+    assert 4.0 <= search.best_rate <= knee
+    assert [r for r, _ in search.probes[:4]] == [1.0, 2.0, 4.0, 8.0]
+    assert search.best_rate > 4.0  # bisection improved on the exponential bracket
+
+
+def test_find_goodput_searches_down_and_reports_zero_when_nothing_passes():
+    down = find_goodput(lambda rate: 1.0 if rate <= 0.3 else 0.0, start_rate=2.0, max_probes=6)
+    assert [r for r, _ in down.probes[:4]] == [2.0, 1.0, 0.5, 0.25]
+    assert 0.25 <= down.best_rate <= 0.3
+    never = find_goodput(lambda rate: 0.0, max_probes=3)
+    assert never.best_rate == 0.0 and len(never.probes) == 3
+
+
+def test_slo_scale_sweep_loosening_never_lowers_attainment():
+    records = [ok(0.0, t, t + 0.4, 11) for t in (0.05, 0.1, 0.2, 0.4)]  # TPOT 40 ms
+    rows = slo_scale_sweep(records, SLO(ttft_ms=100, tpot_ms=100), [0.5, 1, 2, 4], 2.0)
+    values = [row["attainment"] for row in rows]
+    assert values == [0.25, 0.5, 0.75, 1.0]
+    assert rows[1]["goodput"] == pytest.approx(2 / 2.0)
+    assert rows[2]["slo_ttft_ms"] == 200

@@ -1,0 +1,146 @@
+"""End-to-end engine invariants on a tiny random-weight Llama (CPU, fp32)."""
+
+import random
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine.engine import Engine
+from pdserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def make_engine(model_dir, num_blocks=256, block_size=4, **sched) -> Engine:
+    # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes per token.
+    cache = CacheConfig(block_size=block_size, kv_cache_bytes=num_blocks * block_size * 512)
+    return Engine(
+        EngineConfig(model="tiny", cache=cache, scheduler=SchedulerConfig(**sched)),
+        model_dir=model_dir,
+    )
+
+
+def run(engine: Engine, prompts, params=GREEDY) -> list[list[int]]:
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def prompts(n, seed=0, lo=3, hi=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 128) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Each prompt run alone, unchunked, with plenty of blocks."""
+    engine = make_engine(tiny_model_dir)
+    return [run(engine, [p])[0] for p in prompts(6)]
+
+
+def test_batch_equals_alone_and_blocks_return(tiny_model_dir, reference):
+    engine = make_engine(tiny_model_dir)
+    free = engine.kv.num_free_blocks
+    assert run(engine, prompts(6)) == reference
+    assert engine.kv.num_free_blocks == free
+
+
+def test_chunked_prefill_equals_unchunked(tiny_model_dir, reference):
+    engine = make_engine(tiny_model_dir, long_prefill_token_threshold=5, max_num_batched_tokens=7)
+    assert run(engine, prompts(6)) == reference
+
+
+def test_preemption_recompute_gives_same_output(tiny_model_dir, reference):
+    # 24 blocks of 4 tokens cannot hold six requests of up to ~50 tokens at once.
+    engine = make_engine(tiny_model_dir, num_blocks=24)
+    assert run(engine, prompts(6)) == reference
+    assert engine.kv.num_free_blocks == 24
+
+
+def test_preemption_actually_happens(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, num_blocks=24)
+    reqs = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(prompts(6))]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert sum(r.num_preemptions for r in reqs) > 0
+
+
+def test_prefix_cache_hit_gives_same_output(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    shared = prompts(1, seed=5, lo=30, hi=31)[0]
+    first = run(engine, [shared + [9, 9, 9]])
+    cached = engine.add_request("again", shared + [9, 9, 9], GREEDY)
+    toks = []
+    while engine.has_unfinished_requests():
+        toks += [t for o in engine.step() for t in o.new_token_ids]
+    assert cached.num_cached_tokens == 32  # 8 full blocks of 4 of the 33-token prompt
+    assert [toks] == first
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    p = SamplingParams(
+        max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True
+    )
+    alone = run(engine, [[5, 6, 7]], p)
+    batched = run(
+        engine,
+        [[9, 9], [5, 6, 7], [1, 2, 3, 4]],
+        [SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True), p, GREEDY],
+    )
+    assert batched[1] == alone[0]
+    other_seed = run(
+        engine,
+        [[5, 6, 7]],
+        SamplingParams(
+            max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=43, ignore_eos=True
+        ),
+    )
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy(tiny_model_dir, reference):
+    engine = make_engine(tiny_model_dir)
+    p = SamplingParams(max_tokens=12, temperature=0.7, top_k=1, ignore_eos=True)
+    assert run(engine, prompts(6), p) == reference
+
+
+def test_abort_frees_blocks(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    free = engine.kv.num_free_blocks
+    engine.add_request("a", list(range(2, 30)), GREEDY)
+    engine.add_request("b", list(range(2, 10)), GREEDY)
+    engine.step()
+    assert engine.kv.num_free_blocks < free
+    assert engine.abort_request("a") and engine.abort_request("b")
+    assert not engine.abort_request("a")
+    assert engine.kv.num_free_blocks == free and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [([], "empty"), ([1] * 600, "context length"), ([1, 500], "token ids"), ([1, -3], "token ids")],
+)
+def test_bad_prompts_are_rejected(tiny_model_dir, prompt, match):
+    engine = make_engine(tiny_model_dir)
+    with pytest.raises(ValueError, match=match):
+        engine.add_request("x", prompt, GREEDY)
+
+
+def test_stop_token_and_eos_stop_at_first_occurrence(tiny_model_dir, reference):
+    engine = make_engine(tiny_model_dir)
+    ref = reference[0]
+    stop = ref[4]
+    out = run(
+        engine,
+        [prompts(1)[0]],
+        SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,), ignore_eos=True),
+    )
+    assert out[0] == ref[: ref.index(stop) + 1]
+    eos_out = run(engine, [prompts(1)[0]], SamplingParams(max_tokens=12, temperature=0.0))
+    assert eos_out[0] == (ref[: ref.index(1) + 1] if 1 in ref else ref)

@@ -1,0 +1,21 @@
+"""The control plane imports no torch (DESIGN.md §6): router, bench and the simulator reuse it
+in processes that never load a model."""
+
+import subprocess
+import sys
+
+import pytest
+
+TORCH_FREE = [
+    "pdserve.kvcache.manager",
+    "pdserve.engine.scheduler",
+    "pdserve.output_processor",
+    "pdserve.sampling_params",
+    "pdserve.config",
+]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_imports_without_torch(module):
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
