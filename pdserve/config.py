@@ -54,11 +54,13 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where the data plane runs. `threads` sets torch's intra-op threads (None: torch's
-    default); on CUDA the device string names the GPU."""
+    default); on CUDA the device string names the GPU. `cpu_kernels` picks the CPU GEMMs:
+    "onednn" (prepacked, faster) or "torch" (plain `F.linear`, the reference)."""
 
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = None
+    cpu_kernels: str = "onednn"
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -66,6 +68,8 @@ class DeviceConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         _positive("threads", self.threads, allow_none=True)
+        if self.cpu_kernels not in ("onednn", "torch"):
+            raise ValueError(f"cpu_kernels must be 'onednn' or 'torch', got {self.cpu_kernels!r}")
 
 
 @dataclass(frozen=True)

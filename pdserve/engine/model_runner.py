@@ -16,6 +16,7 @@ from pdserve.config import CacheConfig, DeviceConfig
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, PrefillSpan, decode_tables
 from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_linear import can_pack, pack_linears
 from pdserve.model.loader import load_model, torch_dtype
 from pdserve.model.sampler import SamplingRow, sample
 from pdserve.request import Request
@@ -84,6 +85,8 @@ class ModelRunner:
         self.dtype = torch_dtype(device.dtype)
         self.block_size = cache.block_size
         self.model = load_model(model_dir, device=device.device, dtype=device.dtype)
+        if device.cpu_kernels == "onednn" and can_pack(self.model):
+            pack_linears(self.model)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         if kv_cache is None:
@@ -101,7 +104,7 @@ class ModelRunner:
         )
 
     def kv_cache_shape(self, cfg: ModelConfig, num_blocks: int) -> tuple[int, ...]:
-        return (cfg.num_layers, num_blocks, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return (cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, self.block_size, cfg.head_dim)
 
     @torch.inference_mode()
     def execute(

@@ -2,9 +2,14 @@
 
 Layout of one layer's cache (one tensor for all blocks; see DESIGN.md §3):
 
-    kv_layer[block_id, 0 | 1, offset, kv_head, :]      0 = K, 1 = V
+    kv_layer[block_id, 0 | 1, kv_head, offset, :]      0 = K, 1 = V
     a token at position p of a request lives in block block_table[p // block_size],
     at offset p % block_size; its "slot" is that (block, offset) pair.
+
+A block is contiguous (so a run of blocks is one transfer write), and within it each head's
+[block_size, head_dim] tile is contiguous (so gathering a request's keys head by head is a
+row copy that lands directly in the [kv_heads, batch, tokens, head_dim] layout attention
+multiplies with — no second reshuffling copy).
 
 A step's tokens are flattened into one batch, one-token decodes first, then prefill chunks.
 Decodes are attended in one batched call over their gathered context; each prefill chunk is
@@ -39,7 +44,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_tokens] long: offset in that block
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], 0-padded
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_mask: torch.Tensor | None = None  # [1, num_decodes, 1, max_blocks * block_size]
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -55,30 +60,27 @@ def decode_tables(
         table[i, :used] = torch.tensor(blocks[:used], dtype=torch.long)
     positions = torch.arange(max_blocks * block_size)
     mask = positions.unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
-    return table.to(device), mask[:, None, None, :].to(device)
+    return table.to(device), mask[None, :, None, :].to(device)
 
 
-def gather_kv(
-    kv_layer: torch.Tensor, block_tables: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of whole blocks: tables [B, n] -> ([B, kv_heads, n * block_size, d], same).
+def gather_kv(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of whole blocks: tables [B, n] -> ([kv_heads, B, n * block_size, d], same).
 
-    Whole-block `index_select` copies contiguous block rows (memcpy speed); per-token
-    indexing would compute an index per element and is several times slower on CPU.
+    One `index_select` over a [2, kv_heads, blocks, block_size, d] view copies each
+    selected [block_size, d] tile straight into its final place.
     """
-    num_blocks, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    num_blocks, _, num_kv_heads, block_size, head_dim = kv_layer.shape
     batch, n = block_tables.shape
-    rows = kv_layer.view(num_blocks, -1).index_select(0, block_tables.view(-1))
-    kv = rows.view(batch, n, 2, block_size, num_kv_heads, head_dim)
-    kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, num_kv_heads, n * block_size, head_dim)
+    tiles = kv_layer.permute(1, 2, 0, 3, 4).index_select(2, block_tables.view(-1))
+    kv = tiles.view(2, num_kv_heads, batch, n * block_size, head_dim)
     return kv[0], kv[1]
 
 
 def write_kv(
     kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
-    kv_layer[meta.slot_block_ids, 0, meta.slot_offsets] = k
-    kv_layer[meta.slot_block_ids, 1, meta.slot_offsets] = v
+    kv_layer[meta.slot_block_ids, 0, :, meta.slot_offsets] = k
+    kv_layer[meta.slot_block_ids, 1, :, meta.slot_offsets] = v
 
 
 def paged_attention(
@@ -98,12 +100,12 @@ def paged_attention(
     out = torch.empty_like(q)
     n = meta.num_decode_tokens
     if n:
-        keys, values = gather_kv(kv_layer, meta.decode_block_tables)
-        # Group the query heads that share a KV head into the "query length" axis: one SDPA
-        # over [n, kv_heads, group, d] needs no repeated K/V.
-        qg = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        keys, values = gather_kv(kv_layer, meta.decode_block_tables)  # [kv_heads, n, L, d]
+        # Query heads that share a KV head go on the "query length" axis, and the KV head
+        # is SDPA's batch axis: one call over [kv_heads, n, group, d], no repeated K/V.
+        qg = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask)
-        out[:n] = o.reshape(n, num_heads, head_dim)
+        out[:n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
     for span in meta.prefills:
         out[span.start : span.end] = _prefill_attention(
             q[span.start : span.end],
@@ -125,9 +127,10 @@ def _prefill_attention(
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
-    block_size = kv_layer.shape[2]
+    block_size = kv_layer.shape[3]
     total = span.num_context + num_new
     keys, values = gather_kv(kv_layer, span.block_ids[: -(-total // block_size)].unsqueeze(0))
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [1, kv_heads, L, d]
     key_pos = torch.arange(keys.shape[2], device=q.device)
     query_pos = torch.arange(span.num_context, total, device=q.device)
     mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # causal with offset; hides the tail

@@ -105,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         on_layer_done=None,
     ) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, hidden]. `kv_cache` is
-        [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]. `on_layer_done(i)` is
+        [num_layers, num_blocks, 2, kv_heads, block_size, head_dim]. `on_layer_done(i)` is
         called once layer i's KV is in the cache: layer-wise KV transfer hooks in here."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)

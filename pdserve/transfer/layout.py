@@ -1,7 +1,7 @@
 """The KV pool layout both ends of a transfer must agree on, and block-run arithmetic.
 
-One worker holds one KV tensor of shape ``(num_layers, num_blocks, 2, block_size,
-num_kv_heads, head_dim)``, contiguous. ``kv[l, b]`` (K then V of block ``b`` in layer ``l``)
+One worker holds one KV tensor of shape ``(num_layers, num_blocks, 2, num_kv_heads,
+block_size, head_dim)``, contiguous. ``kv[l, b]`` (K then V of block ``b`` in layer ``l``)
 is one contiguous range of ``block_bytes``, so consecutive block ids within a layer are one
 contiguous byte range::
 
@@ -50,8 +50,8 @@ class KVLayout:
             self.num_layers,
             self.num_blocks,
             2,
-            self.block_size,
             self.num_kv_heads,
+            self.block_size,
             self.head_dim,
         )
 
@@ -83,7 +83,7 @@ class KVLayout:
     @classmethod
     def from_tensor(cls, kv: Any) -> KVLayout:
         """The layout of a torch KV tensor (dtype name without the ``torch.`` prefix)."""
-        num_layers, num_blocks, two, block_size, num_kv_heads, head_dim = kv.shape
+        num_layers, num_blocks, two, num_kv_heads, block_size, head_dim = kv.shape
         if two != 2:
             raise ValueError(f"kv dim 2 must be 2 (K and V), got shape {tuple(kv.shape)}")
         return cls(

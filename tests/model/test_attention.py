@@ -34,7 +34,7 @@ def test_prefill_then_chunks_then_decodes_match_dense():
     total = 23
     q, k, v = torch.randn(total, H, D), torch.randn(total, KVH, D), torch.randn(total, KVH, D)
     want = dense(q, k, v)
-    kv = torch.zeros(NB, 2, BS, KVH, D)
+    kv = torch.zeros(NB, 2, KVH, BS, D)
     block_ids = [7, 3, 12, 0, 30, 5]  # deliberately scattered
     table = torch.tensor(block_ids)
     got = torch.empty_like(q)
@@ -58,12 +58,12 @@ def test_batched_decodes_of_different_lengths_and_a_prefill_in_one_step():
     lens = [5, 17, 1]
     seqs = [(torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D)) for n in lens]
     tables = [[1, 2], [3, 4, 8, 9, 10], [11]]
-    kv = torch.zeros(NB, 2, BS, KVH, D)
+    kv = torch.zeros(NB, 2, KVH, BS, D)
     # Fill each sequence's context except its last token, as earlier steps would have.
     for (q, k, v), blocks, n in zip(seqs, tables, lens):
         if n > 1:
             sb, so = slots(blocks, range(n - 1))
-            kv[sb, 0, so], kv[sb, 1, so] = k[: n - 1], v[: n - 1]
+            kv[sb, 0, :, so], kv[sb, 1, :, so] = k[: n - 1], v[: n - 1]
     # This step: the last token of seqs 0 and 1 decode; seq 2 (1 token) too; plus a new prefill.
     pq, pk, pv = torch.randn(6, H, D), torch.randn(6, KVH, D), torch.randn(6, KVH, D)
     q = torch.cat([s[0][-1:] for s in seqs] + [pq])

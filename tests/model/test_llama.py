@@ -12,7 +12,7 @@ def our_logits(model, ids: list[int]) -> torch.Tensor:
     cfg = model.config
     bs, n = 4, len(ids)
     num_blocks = -(-n // bs)
-    kv = torch.zeros(cfg.num_layers, num_blocks, 2, bs, cfg.num_kv_heads, cfg.head_dim)
+    kv = torch.zeros(cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, bs, cfg.head_dim)
     pos = torch.arange(n)
     meta = AttentionMetadata(
         pos // bs, pos % bs, prefills=[PrefillSpan(0, n, 0, torch.arange(num_blocks))]

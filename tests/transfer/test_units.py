@@ -16,7 +16,7 @@ from tests.transfer.conftest import LAYOUT, SECRET, random_kv
 
 def test_layout_sizes_and_msgpack_roundtrip() -> None:
     assert LAYOUT.block_bytes == 2 * 16 * 2 * 8 * 4
-    assert LAYOUT.shape == (4, 32, 2, 16, 2, 8)
+    assert LAYOUT.shape == (4, 32, 2, 2, 16, 8)  # layers, blocks, K|V, kv heads, block, dim
     wire = msgpack.unpackb(msgpack.packb(LAYOUT.to_dict()))
     assert KVLayout.from_dict(wire) == LAYOUT
     smollm = KVLayout(30, 1, 16, 3, 64)

@@ -1,0 +1,309 @@
+"""One request's journey through the workers: a small state machine per request.
+
+    collocated:     queued ─Generate──────────────────────────────▶ decoding ─▶ finished
+    disaggregated:  queued ─Reserve(D)─▶ reserved ─Prefill(P)─▶ prefilling
+                           ─first token─▶ StartDecode(D) ─▶ decoding ─▶ finished
+                    any state ─▶ aborted (client gone, stop string) | failed (worker error)
+
+Invariants: nothing reaches P before D has reserved room (admission lives at D); every worker
+that may still hold work for the request is in `outstanding` and gets an Abort from `close()`,
+which the server calls in a `finally`, so a disconnect at any stage frees both sides at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve import messages
+from pdserve.output_processor import OutputProcessor
+from pdserve.router.policies import RouteRequest, RoutingPolicy
+from pdserve.router.protocol import ApiError, sampling_to_wire
+from pdserve.router.workers import ControlPlane
+from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_TERMINAL_REASONS = ("stop", "length", "abort")
+_POLL_S = 0.5  # how often a waiting request checks that its workers are still alive
+
+
+@dataclass
+class Delta:
+    text: str
+    finish_reason: str | None  # set on the last delta only
+
+
+class RequestDriver:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        policy: RoutingPolicy,
+        processor: OutputProcessor,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        admission_timeout_s: float,
+    ) -> None:
+        self.plane = plane
+        self.policy = policy
+        self.processor = processor
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.sampling = sampling_to_wire(params)
+        self.admission_timeout_s = admission_timeout_s
+        self.key = uuid.uuid4().hex  # the processor's key: stable across attempts
+        self.request_id = ""  # the worker-side id of the current attempt
+        self.state = "queued"
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.num_output_tokens = 0
+        self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
+        self._prefill_charge: dict[str, int] = {}  # worker id -> prompt tokens charged
+        self._queue: asyncio.Queue[Any] | None = None
+        self._excluded: set[str] = set()  # refused for lack of room; retried after a backoff
+        self._decode_id = ""
+        processor.add_request(self.key, params.stop)
+
+    # ---- public -------------------------------------------------------------------------
+
+    async def stream(self) -> AsyncIterator[Delta]:
+        """Text deltas until the request ends. Raises ApiError (503 no capacity, 400 refused,
+        502 worker failure); the caller must call `close()` however it ends."""
+        roles = self.plane.healthy_roles()
+        if {"prefill", "decode"} <= roles:
+            first = await self._disaggregated_first_token()
+        elif "collocated" in roles:
+            first = await self._collocated_first_token()
+        else:
+            raise _unavailable("no healthy workers to serve the request")
+        worker_id, tokens = first
+        delta = self._on_tokens(worker_id, tokens, is_prefill=self.state == "prefilled")
+        yield delta
+        if delta.finish_reason is not None:
+            return
+        if self.state == "prefilled":
+            if not tokens.token_ids:
+                raise ApiError(
+                    502, f"prefill worker {worker_id} sent no token", type="server_error"
+                )
+            start = messages.StartDecode(self.request_id, tokens.token_ids[-1])
+            self._send(self._decode_id, start)
+        self._transition("decoding")
+        while True:
+            message = await self._next()
+            if not isinstance(message, messages.Tokens):
+                kind = type(message).__name__
+                raise ApiError(
+                    502, f"unexpected {kind} from {message.worker_id}", type="server_error"
+                )
+            delta = self._on_tokens(message.worker_id, message, is_prefill=False)
+            if delta.text or delta.finish_reason:
+                yield delta
+            if delta.finish_reason is not None:
+                return
+
+    def close(self, status: str) -> None:
+        """Abort whatever may still run, release routing charges. Synchronous on purpose:
+        it runs in `finally` blocks of cancelled tasks."""
+        for worker_id in list(self.outstanding):
+            self._send(worker_id, messages.Abort(self.request_id))
+            self._release(worker_id)
+        if self.outstanding:
+            log.debug("request %s aborted on %s", self.request_id, sorted(self.outstanding))
+        self.outstanding.clear()
+        if self.request_id:
+            self.plane.close_request(self.request_id)
+        self.processor.remove(self.key)
+        self._transition(status)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    # ---- flows --------------------------------------------------------------------------
+
+    async def _collocated_first_token(self) -> tuple[str, messages.Tokens]:
+        deadline = time.monotonic() + self.admission_timeout_s
+        while True:
+            self._new_attempt()
+            worker_id = await self._pick("collocated", deadline)
+            generate = messages.Generate(self.request_id, self.prompt_token_ids, self.sampling)
+            self._send(worker_id, generate)
+            self._charge_prefill(worker_id)
+            reply = await self._next()
+            if isinstance(reply, messages.Tokens):
+                self._transition("decoding")
+                return worker_id, reply
+            self._on_refused(reply, deadline)
+
+    async def _disaggregated_first_token(self) -> tuple[str, messages.Tokens]:
+        deadline = time.monotonic() + self.admission_timeout_s
+        while True:  # admission: a decode worker with room for the prompt's KV
+            self._new_attempt()
+            decode_id = await self._pick("decode", deadline)
+            reserve = messages.Reserve(self.request_id, self.prompt_token_ids, self.sampling)
+            self._send(decode_id, reserve)
+            reply = await self._next(deadline)
+            if isinstance(reply, messages.Reserved):
+                break
+            self._on_refused(reply, deadline)
+        self._decode_id = decode_id
+        self._transition("reserved")
+        while True:  # prefill: D's reservation stays; a busy P may refuse, another may take it
+            prefill_id = await self._pick("prefill", deadline)
+            prefill = messages.Prefill(
+                self.request_id,
+                self.prompt_token_ids,
+                self.sampling,
+                reply.kv_peer,
+                reply.kv_block_ids,
+            )
+            self._send(prefill_id, prefill)
+            self._charge_prefill(prefill_id)
+            self._transition("prefilling")
+            first = await self._next()
+            if isinstance(first, messages.Tokens) and first.worker_id == prefill_id:
+                self._release(prefill_id)  # P is done with this request
+                self.outstanding.pop(prefill_id)
+                self._transition("prefilled")
+                return prefill_id, first
+            self._on_refused(first, deadline)
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    async def _pick(self, role: str, deadline: float) -> str:
+        """A worker of `role` chosen by the policy, waiting (with backoff) while every
+        candidate is excluded because it just refused for lack of room."""
+        backoff_s = 0.02
+        while True:
+            route = RouteRequest(len(self.prompt_token_ids))
+            load = self.policy.choose(role, self.plane.loads(), route, self._excluded)
+            if load is not None:
+                self.outstanding[load.worker_id] = self.plane.workers[load.worker_id].epoch
+                self.plane.workers[load.worker_id].active_requests += 1
+                return load.worker_id
+            if role not in self.plane.healthy_roles():
+                raise _unavailable(f"no healthy {role} worker")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _unavailable(f"no {role} worker had room within the admission timeout")
+            await asyncio.sleep(min(backoff_s, remaining))
+            backoff_s = min(backoff_s * 2, 0.5)
+            self._excluded.clear()
+
+    def _on_refused(self, reply: Any, deadline: float) -> None:
+        """Handle a non-success reply during admission: retry (return) or raise."""
+        if isinstance(reply, messages.Failed):
+            self._fail(reply)
+        if not isinstance(reply, messages.Rejected):
+            kind = type(reply).__name__
+            raise ApiError(502, f"unexpected {kind} during admission", type="server_error")
+        self._release(reply.worker_id)
+        self.outstanding.pop(reply.worker_id, None)
+        if not reply.retryable:
+            raise ApiError(400, f"request refused by the server: {reply.reason}")
+        log.debug("request %s: %s has no room (%s)", self.request_id, reply.worker_id, reply.reason)
+        self._excluded.add(reply.worker_id)
+        if time.monotonic() >= deadline:
+            raise _unavailable(f"no worker had room within the admission timeout ({reply.reason})")
+
+    async def _next(self, deadline: float | None = None) -> Any:
+        """The next message from a worker of this request (others' late messages dropped).
+        Raises 503 past `deadline` and 502 when an involved worker dies or fails."""
+        assert self._queue is not None
+        while True:
+            if self._queue.empty():
+                timeout = _POLL_S
+                if deadline is not None:
+                    timeout = min(_POLL_S, deadline - time.monotonic())
+                if timeout <= 0:
+                    raise _unavailable("no worker answered within the admission timeout")
+                try:
+                    message = await asyncio.wait_for(self._queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    self._check_alive()
+                    continue
+            else:
+                message = self._queue.get_nowait()
+            if message.worker_id not in self.outstanding:
+                continue
+            if isinstance(message, messages.Failed):
+                self._fail(message)
+            return message
+
+    def _on_tokens(self, worker_id: str, tokens: messages.Tokens, is_prefill: bool) -> Delta:
+        if self.first_token_time is None and tokens.token_ids:
+            self.first_token_time = time.monotonic()
+            self._release_prefill(worker_id)
+        # A prefill worker is always "finished"; only a terminal reason ends the request.
+        worker_done = tokens.finished and (
+            not is_prefill or tokens.finish_reason in _TERMINAL_REASONS
+        )
+        if worker_done:
+            self._release(worker_id)
+            self.outstanding.pop(worker_id, None)
+        room = self.params.max_tokens - self.num_output_tokens
+        token_ids = tokens.token_ids[:room]
+        hit_length = len(token_ids) >= room
+        ended = worker_done or hit_length
+        text = self.processor.process(self.key, token_ids, finished=ended)
+        self.num_output_tokens = len(self.processor.states[self.key].token_ids)
+        if text.stopped:
+            return Delta(text.text, "stop")
+        if worker_done:
+            return Delta(text.text, tokens.finish_reason or "stop")
+        return Delta(text.text, "length" if hit_length else None)
+
+    def _check_alive(self) -> None:
+        for worker_id, epoch in list(self.outstanding.items()):
+            if not self.plane.is_healthy(worker_id, epoch):
+                self._release(worker_id)
+                self.outstanding.pop(worker_id)
+                raise ApiError(502, f"worker {worker_id} stopped responding", type="server_error")
+
+    def _fail(self, failed: messages.Failed) -> None:
+        self._release(failed.worker_id)
+        self.outstanding.pop(failed.worker_id, None)
+        self._transition("failing")
+        raise ApiError(
+            502, f"worker {failed.worker_id} failed: {failed.error}", type="server_error"
+        )
+
+    def _new_attempt(self) -> None:
+        if self.request_id:
+            self.plane.close_request(self.request_id)
+        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self._queue = self.plane.open(self.request_id)
+
+    def _send(self, worker_id: str, message: Any) -> None:
+        if not self.plane.send(worker_id, message) and not isinstance(message, messages.Abort):
+            raise ApiError(502, f"cannot reach worker {worker_id}", type="server_error")
+
+    def _charge_prefill(self, worker_id: str) -> None:
+        self._prefill_charge[worker_id] = len(self.prompt_token_ids)
+        self.plane.workers[worker_id].sent_prefill_tokens += len(self.prompt_token_ids)
+
+    def _release_prefill(self, worker_id: str) -> None:
+        charge = self._prefill_charge.pop(worker_id, 0)
+        worker = self.plane.workers[worker_id]
+        worker.sent_prefill_tokens = max(0, worker.sent_prefill_tokens - charge)
+
+    def _release(self, worker_id: str) -> None:
+        """Undo the routing charges of `worker_id` (once: it leaves `outstanding` after)."""
+        if worker_id in self.outstanding:
+            worker = self.plane.workers[worker_id]
+            worker.active_requests = max(0, worker.active_requests - 1)
+        self._release_prefill(worker_id)
+
+    def _transition(self, state: str) -> None:
+        log.debug("request %s: %s -> %s", self.request_id or self.key, self.state, state)
+        self.state = state
+
+
+def _unavailable(message: str) -> ApiError:
+    return ApiError(503, message, type="service_unavailable", code="overloaded", retry_after_s=1)

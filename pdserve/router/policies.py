@@ -1,0 +1,116 @@
+"""Which worker gets a request: pure functions of worker loads (torch-free, no I/O).
+
+The driver asks one question per phase: "which `role` worker for this request?", passing a
+snapshot of every worker's load. Policies never see sockets or clocks, so the simulator can
+reuse them as they are and tests can assert exact choices.
+
+A later `prefix_cache` policy scores workers by how many of the request's leading block hashes
+each one holds; `RouteRequest.block_hashes` carries them (computed by the driver only when the
+policy sets `needs_block_hashes`, with `pdserve.kvcache.hashing.hash_blocks`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One worker as the router sees it now: last Stats plus the router's own unacknowledged
+    work (sent since that Stats was taken, so not in it yet)."""
+
+    worker_id: str
+    role: str
+    healthy: bool
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_queued_prefill_tokens: int = 0  # reported + sent by the router, not yet prefilled
+    num_active_requests: int = 0  # requests the router has on this worker right now
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    num_prompt_tokens: int
+    block_hashes: Sequence[int] = field(default_factory=tuple)
+
+
+class RoutingPolicy(ABC):
+    """Contract: `choose` returns a healthy worker of `role` not in `exclude`, or None when
+    there is none. Subclasses implement `_pick` over a non-empty candidate list."""
+
+    name: str = ""
+    needs_block_hashes: bool = False
+
+    def choose(
+        self,
+        role: str,
+        workers: Sequence[WorkerLoad],
+        request: RouteRequest,
+        exclude: Collection[str] = (),
+    ) -> WorkerLoad | None:
+        candidates = [
+            w for w in workers if w.role == role and w.healthy and w.worker_id not in exclude
+        ]
+        if not candidates:
+            return None
+        return self._pick(role, sorted(candidates, key=lambda w: w.worker_id), request)
+
+    @abstractmethod
+    def _pick(
+        self, role: str, candidates: list[WorkerLoad], request: RouteRequest
+    ) -> WorkerLoad: ...
+
+
+class RoundRobin(RoutingPolicy):
+    """Each role cycles through its workers in id order, skipping the unhealthy."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last: dict[str, str] = {}  # role -> id of the worker chosen last
+
+    def _pick(self, role: str, candidates: list[WorkerLoad], request: RouteRequest) -> WorkerLoad:
+        last = self._last.get(role)
+        # The first id after the last one chosen; ids (not indexes) so joins/leaves keep order.
+        chosen = next((w for w in candidates if last is None or w.worker_id > last), candidates[0])
+        self._last[role] = chosen.worker_id
+        return chosen
+
+
+class ShortestQueue(RoutingPolicy):
+    """Least loaded worker. Prefill cost is the prefill tokens queued on it (the time until
+    this prompt's first token); decode cost is its active requests, then fewer free blocks
+    (a decode worker's batch slots and KV are what run out). Collocated workers pay both, in
+    that order. Ties rotate, so equal workers share load between Stats reports."""
+
+    name = "shortest_queue"
+
+    def __init__(self) -> None:
+        self._tie_breaker = RoundRobin()
+
+    def _pick(self, role: str, candidates: list[WorkerLoad], request: RouteRequest) -> WorkerLoad:
+        best_cost = min(cost(role, w) for w in candidates)
+        tied = [w for w in candidates if cost(role, w) == best_cost]
+        return tied[0] if len(tied) == 1 else self._tie_breaker._pick(role, tied, request)
+
+
+def cost(role: str, w: WorkerLoad) -> tuple[int, ...]:
+    active = max(w.num_running + w.num_waiting, w.num_active_requests)
+    if role == "prefill":
+        return (w.num_queued_prefill_tokens, w.num_waiting)
+    if role == "decode":
+        return (active, -w.num_free_blocks)
+    return (w.num_queued_prefill_tokens, active, -w.num_free_blocks)
+
+
+POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (RoundRobin, ShortestQueue)}
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(POLICIES)}")
+    return POLICIES[name]()

@@ -1,0 +1,103 @@
+"""OpenAI response and stream-chunk bodies, exactly in the shapes the official SDKs parse."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ResponseContext:
+    """What every chunk of one response repeats: the same id, created time and model."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def full_response(
+    ctx: ResponseContext, text: str, finish_reason: str | None, usage_body: dict[str, int]
+) -> dict[str, Any]:
+    if ctx.chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        kind = "text_completion"
+    return {
+        "id": ctx.id,
+        "object": kind,
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": [choice],
+        "usage": usage_body,
+    }
+
+
+def chunk(
+    ctx: ResponseContext, text: str, finish_reason: str | None, first: bool = False
+) -> dict[str, Any]:
+    """One streamed delta. The first chat chunk carries `role: assistant` (the SDKs and most
+    UIs read the role from it)."""
+    if ctx.chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+        if not first and (text or finish_reason is None):
+            delta["content"] = text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        kind = "text_completion"
+    return {
+        "id": ctx.id,
+        "object": kind,
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(ctx: ResponseContext, usage_body: dict[str, int]) -> dict[str, Any]:
+    """The final chunk for `stream_options.include_usage`: empty choices, the usage."""
+    return {
+        "id": ctx.id,
+        "object": "chat.completion.chunk" if ctx.chat else "text_completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": [],
+        "usage": usage_body,
+    }
+
+
+def sse(body: dict[str, Any] | str) -> bytes:
+    data = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")

@@ -1,0 +1,245 @@
+"""A router plus fake workers on a background event loop, for tests with sync HTTP clients.
+
+Fake workers speak the real protocol (`pdserve.messages` over ZMQ) and play a fixed token
+`script`: collocated workers emit it one token per step; a prefill worker answers a Prefill
+with its first token; a decode worker reserves blocks and emits the rest after StartDecode.
+Every message a fake receives is appended to `cluster.events` as (worker_id, type, request_id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from pdserve import messages
+from pdserve.router.config import RouterConfig, WorkerEndpoint
+from pdserve.router.server import build_app, start_server
+
+SECRET = b"router-test-secret"
+EOS = 2  # <|im_end|>
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_tokenizer(directory: Path) -> Path:
+    """A byte-level tokenizer with no merges (one token per byte) and ChatML specials."""
+    directory.mkdir(parents=True, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+class FakeWorker:
+    def __init__(self, cluster: Cluster, worker_id: str, role: str, **behaviour: Any) -> None:
+        self.cluster = cluster
+        self.worker_id = worker_id
+        self.role = role
+        self.step_s: float = behaviour.get("step_s", 0.002)
+        self.prefill_s: float = behaviour.get("prefill_s", 0.0)
+        self.reject_reserves: int = behaviour.get("reject_reserves", 0)  # -1: always
+        self.fail_with: str | None = behaviour.get("fail_with")
+        self.max_model_len: int = behaviour.get("max_model_len", 512)
+        self.heartbeat = True
+        self.num_tokens_sent = 0
+        self.aborted: list[str] = []
+        self.address = f"ipc://{cluster.dir}/{worker_id}"
+        self._max_tokens: dict[str, int] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self) -> None:
+        ctx = self.cluster.zmq_ctx
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(self.address)
+        self.push = ctx.socket(zmq.PUSH)
+        self.push.connect(self.cluster.router_address)
+        self.send(messages.Ready(self.worker_id, self.role, "tiny", 64, 16, self.max_model_len))
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            while True:
+                self._handle(messages.decode(await pull.recv(), SECRET))
+        finally:
+            heartbeat.cancel()
+            pull.close(linger=0)
+            self.push.close(linger=0)
+
+    def send(self, message: Any) -> None:
+        self.push.send(messages.encode(message, SECRET))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            if self.heartbeat:
+                running = len(self._tasks)
+                self.send(messages.Stats(self.worker_id, self.role, 0, running, 60, 64, 0, 7, 9))
+            await asyncio.sleep(0.05)
+
+    def _handle(self, m: Any) -> None:
+        self.cluster.events.append((self.worker_id, type(m).__name__, getattr(m, "request_id", "")))
+        script = self.cluster.script
+        if isinstance(m, messages.Abort):
+            self.aborted.append(m.request_id)
+            task = self._tasks.pop(m.request_id, None)
+            if task:
+                task.cancel()
+        elif isinstance(m, messages.Generate):
+            self._start(m.request_id, script[: m.sampling["max_tokens"]])
+        elif isinstance(m, messages.Reserve):
+            if self.reject_reserves:
+                self.reject_reserves -= 1
+                self.send(messages.Rejected(self.worker_id, m.request_id, "no free blocks", True))
+            else:
+                self._max_tokens[m.request_id] = m.sampling["max_tokens"]
+                peer = {"backend": "fake", "address": "nowhere"}
+                self.send(messages.Reserved(self.worker_id, m.request_id, peer, [0, 1]))
+        elif isinstance(m, messages.Prefill):
+            self._tasks[m.request_id] = asyncio.create_task(self._prefill(m))
+        elif isinstance(m, messages.StartDecode):
+            assert m.first_token_id == script[0]
+            self._start(m.request_id, script[1 : self._max_tokens[m.request_id]])
+
+    async def _prefill(self, m: messages.Prefill) -> None:
+        await asyncio.sleep(self.prefill_s)
+        if self.fail_with:
+            self.send(messages.Failed(self.worker_id, m.request_id, self.fail_with))
+            return
+        first = self.cluster.script[0]
+        reason = "stop" if first == EOS else None
+        self._tokens(m.request_id, [first], True, reason)
+        self._tasks.pop(m.request_id, None)
+
+    def _start(self, request_id: str, token_ids: list[int]) -> None:
+        self._tasks[request_id] = asyncio.create_task(self._emit(request_id, token_ids))
+
+    async def _emit(self, request_id: str, token_ids: list[int]) -> None:
+        for i, token_id in enumerate(token_ids):
+            await asyncio.sleep(self.step_s)
+            if self.fail_with and i == 1:
+                self.send(messages.Failed(self.worker_id, request_id, self.fail_with))
+                return
+            if token_id == EOS:
+                self._tokens(request_id, [token_id], True, "stop")
+                break
+            last = i == len(token_ids) - 1
+            self._tokens(request_id, [token_id], last, "length" if last else None)
+        self._tasks.pop(request_id, None)
+
+    def _tokens(self, request_id: str, ids: list[int], finished: bool, reason: str | None) -> None:
+        self.num_tokens_sent += len(ids)
+        self.send(messages.Tokens(self.worker_id, request_id, ids, finished, reason, 5))
+
+
+class Cluster:
+    """`with Cluster(tokenizer_dir, script, {"c0": "collocated"}) as c:` serves on c.url."""
+
+    def __init__(
+        self,
+        tokenizer_dir: Path,
+        script: list[int],
+        roles: dict[str, str],
+        behaviour: dict[str, dict[str, Any]] | None = None,
+        start_workers: bool = True,
+        **config: Any,
+    ) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))  # ipc paths must be short
+        self.router_address = f"ipc://{self.dir}/router"
+        self.script = script
+        self.events: list[tuple[str, str, str]] = []
+        self.workers = {
+            wid: FakeWorker(self, wid, role, **(behaviour or {}).get(wid, {}))
+            for wid, role in roles.items()
+        }
+        endpoints = [WorkerEndpoint(w.worker_id, w.role, w.address) for w in self.workers.values()]
+        self.config = RouterConfig(
+            host="127.0.0.1",
+            port=0,
+            model="tiny",
+            model_path=str(tokenizer_dir),
+            ctrl_address=self.router_address,
+            workers=tuple(endpoints),
+            secret=SECRET,
+            **config,
+        )
+        self._start_workers = start_workers
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._worker_tasks: list[asyncio.Task[None]] = []
+
+    def __enter__(self) -> Cluster:
+        self._thread.start()
+        self.call(self._setup())
+        if self._start_workers:
+            self.start_workers()
+            self.wait_until(lambda: self.app_state.plane.health()[0])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.call(self._teardown())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def _setup(self) -> None:
+        self.zmq_ctx = zmq.asyncio.Context()
+        self.app = build_app(self.config)
+        self.runner, port = await start_server(self.app)
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def _teardown(self) -> None:
+        for task in self._worker_tasks:
+            task.cancel()
+        await asyncio.gather(*self._worker_tasks, return_exceptions=True)
+        await self.runner.cleanup()
+        self.zmq_ctx.term()
+
+    def start_workers(self) -> None:
+        async def spawn() -> None:
+            for worker in self.workers.values():
+                self._worker_tasks.append(asyncio.create_task(worker.run()))
+
+        self.call(spawn())
+
+    @property
+    def app_state(self) -> Any:
+        from pdserve.router.server import STATE
+
+        return self.app[STATE]
+
+    def call(self, coro: Any, timeout: float = 10) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def wait_until(self, predicate: Callable[[], Any], timeout: float = 5.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting; events: {self.events}")
+            time.sleep(0.01)
+
+    def kinds(self, worker_id: str) -> list[str]:
+        return [kind for wid, kind, _ in list(self.events) if wid == worker_id]

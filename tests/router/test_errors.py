@@ -1,0 +1,107 @@
+"""Bad input gets a 4xx with OpenAI error JSON naming the problem, and the server stays up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.router.harness import Cluster
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tokenizer_dir: Path, script: list[int]):
+    # max_model_len 32 (from Ready) makes "too long" cheap to hit; tiny body limit for 413.
+    behaviour = {"c0": {"max_model_len": 32}}
+    with Cluster(tokenizer_dir, script, {"c0": "collocated"}, behaviour, max_body_bytes=4096) as c:
+        yield c
+
+
+CASES = [
+    # (route, body, status, param)
+    ("completions", {"max_tokens": 2}, 400, "prompt"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": 5}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": [1, -2]}, 400, "prompt"),
+    ("completions", {"prompt": [100000]}, 400, "prompt"),
+    ("completions", {"prompt": "x" * 40}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 31}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("completions", {"prompt": "hi", "seed": "s"}, 400, "seed"),
+    ("completions", {"prompt": "hi", "stop": 3}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream"),
+    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "hi", "logprobs": 1}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "model": 7}, 400, "model"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("completions", [1, 2], 400, None),
+    ("chat/completions", {}, 400, "messages"),
+    ("chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+    ("chat/completions", {"messages": MSGS, "max_completion_tokens": -3}, 400, "max_tokens"),
+    ("chat/completions", {"messages": MSGS, "logprobs": True}, 400, "logprobs"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param"), CASES)
+def test_bad_request_gets_error_json(
+    cluster: Cluster, route: str, body: object, status: int, param: str | None
+) -> None:
+    r = requests.post(f"{cluster.url}/v1/{route}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "words"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+        (b"x" * 5000, 413, "Too Large"),
+    ],
+)
+def test_malformed_bodies(cluster: Cluster, data: bytes, status: int, words: str) -> None:
+    r = requests.post(f"{cluster.url}/v1/completions", data=data)
+    assert r.status_code == status and words in r.json()["error"]["message"]
+
+
+def test_unknown_route_is_json_404(cluster: Cluster) -> None:
+    r = requests.get(f"{cluster.url}/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_server_still_serves_after_bad_input(cluster: Cluster) -> None:
+    for body in ({"prompt": 5}, {"prompt": "hi", "top_p": 9}):
+        assert requests.post(f"{cluster.url}/v1/completions", json=body).status_code == 400
+    r = requests.post(f"{cluster.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hi "
+    assert cluster.app_state.num_pending == 0
+    assert cluster.app_state.metrics.requests["invalid"] >= 2
+
+
+def test_chat_default_max_tokens_is_clipped_to_the_context(cluster: Cluster) -> None:
+    r = requests.post(f"{cluster.url}/v1/chat/completions", json={"messages": MSGS})
+    assert r.status_code == 200, r.text  # prompt 21 tokens + default never over 32
+    assert r.json()["usage"]["total_tokens"] <= 32
