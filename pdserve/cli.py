@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pdserve.bench.cli import add_bench_parser
+from pdserve.cluster.up import add_up_parser
 from pdserve.model.registry import DEFAULT_MODEL
 
 EXIT_BAD_INPUT = 2
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=cmd_chat)
 
+    add_up_parser(sub)
     add_bench_parser(sub)
     return parser
 

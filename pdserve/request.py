@@ -12,6 +12,8 @@ from pdserve.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no blocks (or lost them to preemption)
     RUNNING = "running"  # scheduled each step until finished
+    WAITING_FOR_KV = "waiting_for_kv"  # decode role: blocks reserved, KV arriving from a prefill
+    SENDING_KV = "sending_kv"  # prefill role: computed; blocks pinned until the sends complete
     FINISHED = "finished"
 
 
@@ -19,6 +21,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # cancelled by the caller
+    HANDOFF = "handoff"  # prefill role: first token out, decoding continues on a decode worker
 
 
 @dataclass
@@ -47,6 +50,7 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, grows with tokens
+    prefill_only: bool = False  # prefill role: stop after the first token
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,12 +1,21 @@
-"""The engine: one per worker process, whatever its role. Token ids in, token ids out."""
+"""The engine: one per worker process, whatever its role. Token ids in, token ids out.
+
+Roles differ only in request states (engine/kv_handoff.py): `collocated` runs requests end to
+end; `prefill` runs them to their first token and streams their KV to a decode worker;
+`decode` reserves blocks, receives KV and continues from the first token.
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.manager import KVCacheManager
@@ -15,6 +24,8 @@ from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+ROLES = ("collocated", "prefill", "decode")
 
 
 @dataclass
@@ -31,24 +42,35 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path | None = None,
+        role: str = "collocated",
+        kv_cache: torch.Tensor | None = None,
+    ) -> None:
         from pdserve.model.registry import resolve_model
 
-        self.config = config
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.config, self.role = config, role
         self.model_dir = Path(model_dir) if model_dir else resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.runner = ModelRunner(
-            self.model_dir, self.model_config, config.cache, config.device, seed=config.seed
+            self.model_dir, self.model_config, config.cache, config.device, config.seed, kv_cache
         )
-        block_size = config.cache.block_size
         self.kv = KVCacheManager(
             self.runner.num_blocks,
-            block_size,
+            config.cache.block_size,
             model_id=config.model,
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.max_model_len = self._max_model_len()
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, self.max_model_len, preallocate_prompt=role == "prefill"
+        )
+        self.prefill_handoff: PrefillHandoff | None = None
+        self.decode_handoff: DecodeHandoff | None = None
 
     def _max_model_len(self) -> int:
         """The model's context, capped by what the KV cache can hold, so that any admitted
@@ -64,18 +86,72 @@ class Engine:
             log.warning("KV cache holds %d tokens: max_model_len capped from %d", capacity, limit)
         return min(limit, capacity)
 
+    # ---- disaggregation ----------------------------------------------------------------
+
+    def attach_sender(self, sender: Any, mode: str) -> None:
+        self.prefill_handoff = PrefillHandoff(sender, self.kv, self.model_config.num_layers, mode)
+
+    def attach_receiver(self, receiver: Any) -> None:
+        self.decode_handoff = DecodeHandoff(receiver, self.scheduler, self.kv)
+
+    def add_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_peer: dict[str, Any],
+        kv_block_ids: list[int],
+    ) -> Request:
+        """Prefill role: compute the prompt, send its KV to `kv_block_ids` at `kv_peer`,
+        sample the first token."""
+        request = self._new_request(request_id, prompt_token_ids, params, prefill_only=True)
+        self.prefill_handoff.add(request, kv_peer, kv_block_ids)
+        self.scheduler.add_request(request)
+        return request
+
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[int] | None:
+        """Decode role: reserve blocks for a prompt's KV; None when they do not fit now."""
+        request = self._new_request(request_id, prompt_token_ids, params)
+        if request_id in self.scheduler.requests or request_id in self.decode_handoff.awaiting:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return self.decode_handoff.reserve(request)
+
+    def start_decode(self, request_id: str, first_token_id: int) -> None:
+        self.decode_handoff.start(request_id, first_token_id)
+
+    def poll_transfers(self) -> list[tuple[str, str]]:
+        """Advance KV transfers; returns (request id, error) for requests they failed."""
+        failed: list[tuple[str, str]] = []
+        if self.decode_handoff is not None:
+            failed += self.decode_handoff.poll()
+        if self.prefill_handoff is not None:
+            for request_id, error in self.prefill_handoff.poll():
+                if error is None:
+                    continue
+                self.scheduler.finish_request(request_id, FinishReason.ABORT)  # if still running
+                failed.append((request_id, error))
+        return failed
+
+    # ---- requests ----------------------------------------------------------------------
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
+        request = self._new_request(request_id, prompt_token_ids, params)
+        self.scheduler.add_request(request)
+        return request
+
+    def _new_request(self, request_id, prompt_token_ids, params, prefill_only=False) -> Request:
         self.validate_prompt(prompt_token_ids)
-        request = Request(
+        return Request(
             request_id,
             list(prompt_token_ids),
             params,
             eos_token_ids=self.model_config.eos_token_ids,
+            prefill_only=prefill_only,
         )
-        self.scheduler.add_request(request)
-        return request
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -91,7 +167,17 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.finish_request(request_id, FinishReason.ABORT) is not None
+        """End a request in any state; its blocks are freed now or, if a KV transfer may
+        still read them, as soon as the transfer stops."""
+        if self.decode_handoff is not None and self.decode_handoff.abort(request_id):
+            return True
+        keep = self.prefill_handoff is not None
+        request = self.scheduler.finish_request(request_id, FinishReason.ABORT, not keep)
+        if self.prefill_handoff is not None:
+            if request is not None:
+                self.prefill_handoff.on_finished(request)
+            self.prefill_handoff.abort(request_id)
+        return request is not None
 
     def finish_request(self, request_id: str, reason: FinishReason) -> None:
         """End a request early (e.g. its text hit a stop string)."""
@@ -102,9 +188,15 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out)
+        handoff = self.prefill_handoff
+        sends = handoff.plan(out) if handoff else []
+        sampled = self.runner.execute(out, handoff.layer_hook(sends) if handoff else None)
+        if handoff:
+            handoff.after_step(sends)
         outputs = []
         for request, token in self.scheduler.update_from_output(out, sampled):
+            if request.prefill_only and request.is_finished and handoff:
+                handoff.on_finished(request)
             if token is None:
                 continue
             outputs.append(

@@ -35,10 +35,20 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        preallocate_prompt: bool = False,
+    ) -> None:
+        """`preallocate_prompt` (the prefill role) reserves a prompt's blocks in full on
+        admission, so a running prefill never needs more and is never preempted: its blocks
+        may be being read by a KV transfer."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.preallocate_prompt = preallocate_prompt
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -94,7 +104,8 @@ class Scheduler:
             hits = self.kv.find_cached_prefix(request)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_hit_tokens, chunk, budget)
-            if not self.kv.allocate(request, num_new, hits):
+            num_reserved = request.num_tokens - num_hit_tokens if self.preallocate_prompt else num_new
+            if not self.kv.allocate(request, num_reserved, hits):
                 break  # first come, first served: do not let later requests jump ahead
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -122,14 +133,26 @@ class Scheduler:
                 request.output_token_ids.append(token)
                 reason = self._check_stop(request, token)
                 if reason is not None:
-                    self.finish_request(request.request_id, reason)
+                    # A prefill keeps its blocks: the engine frees them once sent.
+                    self.finish_request(request.request_id, reason, not request.prefill_only)
             if not request.is_finished:
                 self.kv.cache_computed_blocks(request)
             results.append((request, token))
         return results
 
-    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
-        """End a request however it ends (stop, length, abort) and free its blocks."""
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose KV is already in place (decode role, after the transfer)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, free_blocks: bool = True
+    ) -> Request | None:
+        """End a request however it ends (stop, length, abort, handoff). Its blocks are
+        freed unless the caller keeps them (a prefill whose KV is still being sent)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -139,7 +162,8 @@ class Scheduler:
             self.waiting.remove(request)
         if request.num_computed_tokens:
             self.kv.cache_computed_blocks(request)
-        self.kv.free(request)
+        if free_blocks:
+            self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         return request
@@ -162,4 +186,6 @@ class Scheduler:
             return FinishReason.LENGTH
         if request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
+        if request.prefill_only:
+            return FinishReason.HANDOFF
         return None

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import messages
+from pdserve.kvcache.hashing import hash_blocks, root_hash
 from pdserve.output_processor import OutputProcessor
 from pdserve.router.policies import RouteRequest, RoutingPolicy
 from pdserve.router.protocol import ApiError, sampling_to_wire
@@ -181,7 +182,7 @@ class RequestDriver:
         candidate is excluded because it just refused for lack of room."""
         backoff_s = 0.02
         while True:
-            route = RouteRequest(len(self.prompt_token_ids))
+            route = self._route_request(role)
             load = self.policy.choose(role, self.plane.loads(), route, self._excluded)
             if load is not None:
                 self.outstanding[load.worker_id] = self.plane.workers[load.worker_id].epoch
@@ -195,6 +196,18 @@ class RequestDriver:
             await asyncio.sleep(min(backoff_s, remaining))
             backoff_s = min(backoff_s * 2, 0.5)
             self._excluded.clear()
+
+    def _route_request(self, role: str) -> RouteRequest:
+        """What the policy sees of the request; block hashes only for policies that score
+        cache overlap (they cost a blake2b per block), with the role's block size and model."""
+        if not self.policy.needs_block_hashes:
+            return RouteRequest(len(self.prompt_token_ids))
+        ready = [w.ready for w in self.plane.workers.values() if w.ready and w.role == role]
+        if not ready:
+            return RouteRequest(len(self.prompt_token_ids))
+        parent = root_hash(ready[0].model)
+        hashes = hash_blocks(self.prompt_token_ids, ready[0].block_size, parent)
+        return RouteRequest(len(self.prompt_token_ids), hashes)
 
     def _on_refused(self, reply: Any, deadline: float) -> None:
         """Handle a non-success reply during admission: retry (return) or raise."""

@@ -13,7 +13,10 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
+
+import zmq
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import serve
@@ -41,6 +44,19 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     return RouterConfig.from_dict(data, secret=secret)
 
 
+async def _serve_until_signalled(config: RouterConfig) -> None:
+    """SIGTERM/SIGINT cancel the server so its cleanup (sockets, open responses) runs."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await serve(config)
+    except asyncio.CancelledError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(argv)
@@ -52,10 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s router %(name)s: %(message)s",
     )
     try:
-        asyncio.run(serve(config))
-    except KeyboardInterrupt:
-        pass
-    except OSError as exc:  # e.g. the port or control address is taken
+        asyncio.run(_serve_until_signalled(config))
+    except (OSError, zmq.ZMQError) as exc:  # e.g. the port or control address is taken
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 1
     return 0

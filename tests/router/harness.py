@@ -84,7 +84,8 @@ class FakeWorker:
             while True:
                 self._handle(messages.decode(await pull.recv(), SECRET))
         finally:
-            heartbeat.cancel()
+            for task in [heartbeat, *self._tasks.values()]:
+                task.cancel()
             pull.close(linger=0)
             self.push.close(linger=0)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import openai
@@ -117,7 +116,7 @@ def test_client_disconnect_aborts_worker(tokenizer_dir: Path, script: list[int])
             json={"prompt": "x", "max_tokens": 50, "stream": True},
             stream=True,
         )
-        next(r.iter_lines())  # the first token arrived: the request is decoding
+        next(r.iter_lines(chunk_size=1))  # the first token arrived: the request is decoding
         r.close()
         c.wait_until(lambda: c.workers["c0"].aborted)
         c.wait_until(lambda: c.app_state.metrics.requests["cancelled"] == 1)

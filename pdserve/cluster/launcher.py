@@ -1,0 +1,160 @@
+"""The only code that starts processes: router + workers from one Pipeline.
+
+`Cluster(pipeline)` is a context manager: entering starts every process, waits until the
+router's /health says all workers are ready and returns the URL; leaving (or any worker
+dying during start-up, or Ctrl-C) stops them all — SIGTERM, then SIGKILL after a grace
+period. Children also get PR_SET_PDEATHSIG, so even a launcher killed with SIGKILL leaves
+no orphan behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from pdserve.cluster.config import Pipeline, Role
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.workers.spec import SECRET_ENV, WorkerSpec
+
+log = logging.getLogger(__name__)
+GRACE_S = 5.0
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+
+
+def worker_specs(p: Pipeline, router_address: str) -> list[WorkerSpec]:
+    specs = []
+    for role, r in p.roles:
+        for i in range(r.num):
+            specs.append(WorkerSpec(
+                worker_id=f"{role}-{i}", role=role, engine=_engine_config(p, r),
+                ctrl_address=f"tcp://127.0.0.1:{free_port()}", router_address=router_address,
+                cpus=r.cpus_of(i), transfer_backend=p.kv_transfer.backend,
+                transfer_mode=p.kv_transfer.mode,
+                transfer_buffer_bytes=p.kv_transfer.buffer_pool_size,
+                transfer_bandwidth=p.kv_transfer.bandwidth,
+            ))  # fmt: skip
+    return specs
+
+
+def _engine_config(p: Pipeline, r: Role) -> EngineConfig:
+    return EngineConfig(
+        model=p.model,
+        cache=CacheConfig(kv_cache_bytes=r.kv_cache_bytes, enable_prefix_caching=r.enable_prefix_caching),
+        scheduler=SchedulerConfig(
+            max_num_seqs=r.max_num_seqs,
+            max_num_batched_tokens=r.max_num_batched_tokens,
+            long_prefill_token_threshold=r.long_prefill_token_threshold,
+        ),
+        device=DeviceConfig(device=r.device, dtype=p.dtype, threads=r.threads),
+    )
+
+
+class Cluster:
+    def __init__(self, pipeline: Pipeline, log_level: str = "INFO") -> None:
+        self.pipeline, self.log_level = pipeline, log_level
+        self.processes: list[Process] = []
+        self.url = f"http://{pipeline.host}:{pipeline.port}"
+
+    def __enter__(self) -> str:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        p = self.pipeline
+        from pdserve.model.registry import resolve_model
+
+        resolve_model(p.model)  # convert once here, not in every worker at the same time
+        secret = secrets.token_bytes(32)
+        env = {**os.environ, SECRET_ENV: secret.hex()}
+        router_address = f"tcp://127.0.0.1:{free_port()}"
+        specs = worker_specs(p, router_address)
+        for spec in specs:
+            self._spawn(spec.worker_id, ["pdserve.workers.main", "--spec", spec.to_json(),
+                                         "--log-level", self.log_level], env)
+        router = {
+            "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
+            "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address}
+                        for s in specs],
+            "policy": p.routing, "api_key": p.api_key, "log_level": self.log_level,
+        }  # fmt: skip
+        self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)], env)
+        self._wait_healthy(p.startup_timeout_s)
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        cmd = [sys.executable, "-m", *args]
+        popen = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        self.processes.append(Process(name, popen))
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ClusterError(f"cluster not healthy after {timeout_s:.0f} s ({self.url}/health)")
+
+    def check_alive(self) -> None:
+        for proc in self.processes:
+            code = proc.popen.poll()
+            if code is not None:
+                raise ClusterError(f"{proc.name} exited with code {code} (its log is above)")
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for proc in self.processes:
+            try:
+                proc.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0f s: killing it", proc.name, GRACE_S)
+                proc.popen.kill()
+                proc.popen.wait()
+        self.processes = []

@@ -1,0 +1,203 @@
+"""The two halves of disaggregation inside one engine: a prefill engine hands a request's
+KV to a decode engine's reserved blocks. Both are request states on top of the ordinary
+scheduler, not a second engine (DESIGN.md §2).
+
+Prefill side, per request:   RUNNING (chunks; each chunk's new blocks are sent)
+                             -> SENDING_KV (first token out; blocks pinned)
+                             -> blocks freed (or kept as prefix cache) once the sender
+                                reports DONE or FAILED — never while it may still read them.
+Decode side, per request:    WAITING_FOR_KV (blocks reserved, receiver expects them)
+                             -> RUNNING once both the KV has landed and the first token is
+                                known; the reservation is released so no late write lands.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.kvcache.manager import KVCacheManager, cdiv
+from pdserve.request import Request, RequestStatus
+from pdserve.transfer.base import KVReceiver, KVSender, TransferStatus
+
+log = logging.getLogger(__name__)
+
+TRANSFER_MODES = ("layerwise", "full")
+
+
+@dataclass
+class KVDestination:
+    peer: dict[str, Any]  # the decode worker's receiver address
+    block_ids: list[int]  # its reserved blocks, one per prompt block
+    num_sent_full_blocks: int = 0  # full blocks already sent (a partial one is resent)
+
+
+@dataclass
+class _Send:
+    request: Request
+    dest: KVDestination
+    src: list[int]
+    dst: list[int]
+    last: bool
+
+
+class PrefillHandoff:
+    def __init__(self, sender: KVSender, kv: KVCacheManager, num_layers: int, mode: str) -> None:
+        if mode not in TRANSFER_MODES:
+            raise ValueError(f"transfer mode must be one of {TRANSFER_MODES}, got {mode!r}")
+        self.sender, self.kv, self.num_layers, self.mode = sender, kv, num_layers, mode
+        self.destinations: dict[str, KVDestination] = {}
+        self.sending: dict[str, Request] = {}  # SENDING_KV: blocks pinned until sends end
+
+    def add(self, request: Request, peer: dict[str, Any], block_ids: list[int]) -> None:
+        needed = cdiv(request.num_prompt_tokens, self.kv.block_size)
+        if len(block_ids) != needed:
+            raise ValueError(f"got {len(block_ids)} destination blocks for {needed} prompt blocks")
+        self.destinations[request.request_id] = KVDestination(peer, list(block_ids))
+
+    def plan(self, out: SchedulerOutput) -> list[_Send]:
+        """The blocks each scheduled prefill chunk fills, from the first not yet sent (so a
+        prefix-cache hit's blocks go too) to the chunk's end (a partial block is resent
+        whole next time)."""
+        sends = []
+        for request, num_new in out.scheduled:
+            dest = self.destinations.get(request.request_id)
+            if dest is None:
+                continue
+            end = request.num_computed_tokens + num_new
+            first, stop = dest.num_sent_full_blocks, cdiv(end, self.kv.block_size)
+            last = end >= request.num_prompt_tokens
+            sends.append(
+                _Send(request, dest, request.block_ids[first:stop], dest.block_ids[first:stop], last)
+            )
+            dest.num_sent_full_blocks = end // self.kv.block_size
+        return sends
+
+    def layer_hook(self, sends: list[_Send]) -> Callable[[int], None] | None:
+        """Layer-wise mode: send layer i's blocks while layer i+1 computes."""
+        if self.mode != "layerwise" or not sends:
+            return None
+        final = self.num_layers - 1
+
+        def on_layer_done(layer: int) -> None:
+            for s in sends:
+                self._send(s, [layer], s.last and layer == final)
+
+        return on_layer_done
+
+    def after_step(self, sends: list[_Send]) -> None:
+        """Full mode: one send of every layer once the whole prompt is computed."""
+        if self.mode != "full":
+            return
+        for s in sends:
+            if s.last:
+                num_blocks = len(s.dest.block_ids)
+                src, dst = s.request.block_ids[:num_blocks], s.dest.block_ids
+                self._send(_Send(s.request, s.dest, src, dst, True), list(range(self.num_layers)), True)
+
+    def _send(self, s: _Send, layers: list[int], last: bool) -> None:
+        if s.request.request_id not in self.destinations:
+            return  # aborted: the sender already stopped it
+        self.sender.send(s.dest.peer, s.request.request_id, layers, s.src, s.dst, last)
+
+    def on_finished(self, request: Request) -> None:
+        """The scheduler is done with a prefill request; keep its blocks until sent."""
+        if request.request_id in self.destinations:
+            request.status = RequestStatus.SENDING_KV
+            self.sending[request.request_id] = request
+        else:
+            self.kv.free(request)
+
+    def poll(self) -> list[tuple[str, str | None]]:
+        """Free the blocks of finished sends; returns (request id, error or None)."""
+        results = []
+        for request_id, status, error in self.sender.pop_finished():
+            self.destinations.pop(request_id, None)
+            request = self.sending.pop(request_id, None)
+            if request is not None:
+                request.status = RequestStatus.FINISHED
+                self.kv.free(request)
+            ok = status is TransferStatus.DONE
+            results.append((request_id, None if ok else (error or "KV transfer failed")))
+        return results
+
+    def abort(self, request_id: str) -> None:
+        """Stop sending. If bytes may already be moving, the blocks are freed only when the
+        sender confirms it stopped reading them (`poll`); otherwise at once."""
+        if request_id not in self.destinations:
+            return
+        try:
+            self.sender.status(request_id)
+        except KeyError:  # nothing was ever sent
+            del self.destinations[request_id]
+            request = self.sending.pop(request_id, None)
+            if request is not None:
+                request.status = RequestStatus.FINISHED
+                self.kv.free(request)
+            return
+        self.sender.abort(request_id)
+
+
+class DecodeHandoff:
+    def __init__(self, receiver: KVReceiver, scheduler: Scheduler, kv: KVCacheManager) -> None:
+        self.receiver, self.scheduler, self.kv = receiver, scheduler, kv
+        self.awaiting: dict[str, Request] = {}  # WAITING_FOR_KV
+        self.landed: set[str] = set()
+        self.first_tokens: dict[str, int] = {}
+
+    def reserve(self, request: Request) -> list[int] | None:
+        """Blocks for the prompt's KV, or None when they do not fit right now."""
+        if not self.kv.allocate(request, request.num_prompt_tokens):
+            return None
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.awaiting[request.request_id] = request
+        self.receiver.expect(request.request_id, list(request.block_ids))
+        return list(request.block_ids)
+
+    def start(self, request_id: str, first_token_id: int) -> None:
+        if request_id not in self.awaiting:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        self.first_tokens[request_id] = first_token_id
+        self._activate_if_ready(request_id)
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Activate requests whose KV landed; returns (request id, error) of failed ones."""
+        failed = []
+        for request_id, status, error in self.receiver.pop_finished():
+            if request_id not in self.awaiting:
+                continue
+            if status is TransferStatus.DONE:
+                self.landed.add(request_id)
+                self._activate_if_ready(request_id)
+            else:
+                self._drop(request_id)
+                failed.append((request_id, error or "KV transfer failed"))
+        return failed
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self.awaiting:
+            return False
+        self._drop(request_id)
+        return True
+
+    def _activate_if_ready(self, request_id: str) -> None:
+        if request_id not in self.landed or request_id not in self.first_tokens:
+            return
+        request = self.awaiting.pop(request_id)
+        self.landed.discard(request_id)
+        request.output_token_ids.append(self.first_tokens.pop(request_id))
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.receiver.release(request_id)
+        self.kv.cache_computed_blocks(request)
+        self.scheduler.add_running(request)
+
+    def _drop(self, request_id: str) -> None:
+        request = self.awaiting.pop(request_id)
+        self.receiver.release(request_id)  # returns only once no write can land any more
+        self.landed.discard(request_id)
+        self.first_tokens.pop(request_id, None)
+        request.status = RequestStatus.FINISHED
+        self.kv.free(request)

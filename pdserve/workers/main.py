@@ -1,0 +1,44 @@
+"""Entry point of a worker process (started only by the launcher):
+
+    PDSERVE_CLUSTER_SECRET=<hex> python -m pdserve.workers.main --spec '<WorkerSpec JSON>'
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from pdserve.workers.spec import WorkerSpec, read_secret
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve-worker")
+    ap.add_argument("--spec", required=True, help="WorkerSpec as JSON")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    spec = WorkerSpec.from_json(args.spec)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {spec.worker_id} %(levelname)s %(name)s: %(message)s",
+    )
+    from pdserve.workers.worker import Worker
+
+    try:
+        worker = Worker(spec, read_secret())
+    except ValueError as e:
+        print(f"pdserve worker {spec.worker_id}: error: {e}", file=sys.stderr)
+        return 2
+
+    def stop(signum, frame):
+        worker.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

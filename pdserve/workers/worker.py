@@ -1,0 +1,203 @@
+"""A worker process's loop: control messages in, engine steps, token messages out.
+
+    loop:  drain control messages  ->  advance KV transfers  ->  one engine step
+           ->  Tokens out  ->  Stats every heartbeat interval (also the liveness signal)
+
+The loop never blocks while there is work; when idle it waits on the control socket for a
+few milliseconds only, so a KV transfer landing on a decode worker is noticed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import zmq
+
+from pdserve import messages as m
+from pdserve.engine.engine import Engine
+from pdserve.request import FinishReason
+from pdserve.sampling_params import SamplingParams
+from pdserve.workers.spec import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, secret: bytes) -> None:
+        if spec.cpus:
+            os.sched_setaffinity(0, spec.cpus)
+        self.spec, self.secret = spec, secret
+        self.engine = self._build_engine()
+        self.ctx = zmq.Context()
+        self.ctrl = self.ctx.socket(zmq.PULL)
+        self.ctrl.bind(spec.ctrl_address)
+        self.out = self.ctx.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.LINGER, 1000)
+        self.out.connect(spec.router_address)
+        self.running = True
+        self._next_stats = 0.0
+
+    def _build_engine(self) -> Engine:
+        from pdserve.transfer.layout import KVLayout
+        from pdserve.transfer.registry import make_receiver, make_sender
+
+        spec = self.spec
+        self.receiver = self.sender = None
+        if spec.role == "decode":
+            engine = self._decode_engine()
+            kv = engine.runner.kv_cache
+            self.receiver = make_receiver(
+                spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
+                host=spec.transfer_host, pool_bytes=spec.transfer_buffer_bytes,
+            )  # fmt: skip
+            engine.attach_receiver(self.receiver)
+            return engine
+        engine = Engine(spec.engine, role=spec.role)
+        if spec.role == "prefill":
+            kv = engine.runner.kv_cache
+            self.sender = make_sender(
+                spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
+                bandwidth_bps=spec.transfer_bandwidth, pool_bytes=spec.transfer_buffer_bytes,
+            )  # fmt: skip
+            engine.attach_sender(self.sender, spec.transfer_mode)
+        return engine
+
+    def _decode_engine(self) -> Engine:
+        """A decode worker's KV pool lives in shared memory when shm may be used, so a
+        prefill worker on the same host can write into it directly."""
+        if self.spec.transfer_backend == "tcp":
+            return Engine(self.spec.engine, role="decode")
+        from pdserve.engine.model_runner import num_kv_blocks
+        from pdserve.model.config import ModelConfig
+        from pdserve.model.loader import torch_dtype
+        from pdserve.model.registry import resolve_model
+        from pdserve.transfer.layout import KVLayout
+        from pdserve.transfer.shm import create_shared_kv
+
+        cfg = self.spec.engine
+        model_dir = resolve_model(cfg.model)
+        mc = ModelConfig.from_dir(model_dir)
+        num_blocks = num_kv_blocks(mc, cfg.cache, torch.device("cpu"), torch_dtype(cfg.device.dtype))
+        layout = KVLayout(
+            mc.num_layers, num_blocks, cfg.cache.block_size, mc.num_kv_heads, mc.head_dim,
+            cfg.device.dtype,
+        )  # fmt: skip
+        kv, _ = create_shared_kv(layout)
+        return Engine(cfg, model_dir, role="decode", kv_cache=kv)
+
+    # ---- loop ------------------------------------------------------------------------
+
+    def send(self, message) -> None:
+        self.out.send(m.encode(message, self.secret))
+
+    def run(self) -> None:
+        e = self.engine
+        self.send(m.Ready(self.spec.worker_id, self.spec.role, self.spec.engine.model,
+                          e.kv.num_blocks, e.kv.block_size, e.max_model_len))
+        log.info("worker %s (%s) ready", self.spec.worker_id, self.spec.role)
+        try:
+            while self.running:
+                self._drain(timeout_ms=0 if e.has_unfinished_requests() else self._idle_wait_ms())
+                for request_id, error in e.poll_transfers():
+                    self.send(m.Failed(self.spec.worker_id, request_id, error))
+                if e.has_unfinished_requests():
+                    self._step()
+                self._maybe_stats()
+        finally:
+            self.close()
+
+    def _idle_wait_ms(self) -> int:
+        e = self.engine
+        waiting_kv = (e.decode_handoff and e.decode_handoff.awaiting) or (
+            e.prefill_handoff and e.prefill_handoff.sending
+        )
+        return 1 if waiting_kv else 20
+
+    def _drain(self, timeout_ms: int) -> None:
+        if not self.ctrl.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.ctrl.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(m.decode(frame, self.secret))
+            except m.CodecError as exc:
+                log.warning("dropped a control frame: %s", exc)
+
+    def _handle(self, msg) -> None:
+        log.debug("%s <- %s", self.spec.worker_id, type(msg).__name__)
+        e, wid = self.engine, self.spec.worker_id
+        if isinstance(msg, m.Abort):
+            e.abort_request(msg.request_id)
+            return
+        if isinstance(msg, m.Shutdown):
+            self.running = False
+            return
+        if isinstance(msg, m.StartDecode):
+            try:
+                e.start_decode(msg.request_id, msg.first_token_id)
+            except KeyError as exc:  # reservation already aborted or failed
+                self.send(m.Failed(wid, msg.request_id, str(exc)))
+            return
+        try:
+            params = SamplingParams(**msg.sampling)
+            if isinstance(msg, m.Generate):
+                prompt = msg.prompt_token_ids + msg.output_token_ids
+                if msg.output_token_ids:  # resumed: what was already produced counts
+                    params = _remaining(params, len(msg.output_token_ids))
+                e.add_request(msg.request_id, prompt, params)
+            elif isinstance(msg, m.Reserve):
+                blocks = e.reserve(msg.request_id, msg.prompt_token_ids, params)
+                if blocks is None:
+                    self.send(m.Rejected(wid, msg.request_id, "no free KV blocks", True))
+                else:
+                    self.send(m.Reserved(wid, msg.request_id, self.receiver.address(), blocks))
+            elif isinstance(msg, m.Prefill):
+                e.add_prefill(msg.request_id, msg.prompt_token_ids, params, msg.kv_peer,
+                              msg.kv_block_ids)
+            else:
+                log.warning("%s: unexpected %s", wid, type(msg).__name__)
+        except (ValueError, TypeError) as exc:
+            self.send(m.Rejected(wid, getattr(msg, "request_id", ""), str(exc), False))
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            finished = out.finished and out.finish_reason is not FinishReason.HANDOFF
+            self.send(m.Tokens(
+                self.spec.worker_id, out.request_id, out.new_token_ids, finished,
+                out.finish_reason.value if finished else None,
+                out.num_prompt_tokens, out.num_cached_tokens,
+            ))  # fmt: skip
+
+    def _maybe_stats(self) -> None:
+        now = time.monotonic()
+        if now < self._next_stats:
+            return
+        self._next_stats = now + self.spec.heartbeat_interval_s
+        s, kv = self.engine.scheduler, self.engine.kv
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
+        self.send(m.Stats(
+            self.spec.worker_id, self.spec.role, s.num_waiting, s.num_running,
+            kv.num_free_blocks, kv.num_blocks, queued,
+            self.sender.stats()["bytes_sent"] if self.sender else 0,
+            self.receiver.stats().get("bytes_received", 0) if self.receiver else 0,
+        ))  # fmt: skip
+
+    def close(self) -> None:
+        for endpoint in (self.sender, self.receiver):
+            if endpoint is not None:
+                endpoint.close()
+        self.ctrl.close(0)
+        self.out.close()
+        self.ctx.term()
+
+
+def _remaining(params: SamplingParams, num_done: int) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, max_tokens=max(1, params.max_tokens - num_done))
