@@ -92,7 +92,7 @@ async def _run(
         if api.stream:
             response, error = await _stream(request, api, driver, ctx, num_prompt_tokens)
             if error is not None:
-                status = "rejected" if error.status == 503 else "failed"
+                status = _status_of(error)
                 return response
         else:
             text, finish_reason = [], None
@@ -108,7 +108,7 @@ async def _run(
         status = "cancelled"
         raise
     except ApiError as exc:
-        status = "rejected" if exc.status == 503 else "failed"
+        status = _status_of(exc)
         raise
     finally:
         driver.close(status)
@@ -183,3 +183,10 @@ def _tokenize(state: RouterState, api: ApiRequest) -> list[int]:
     if any(t >= vocab_size for t in api.prompt):
         raise ApiError(400, f"prompt token ids must be < vocab size {vocab_size}", param="prompt")
     return list(api.prompt)
+
+
+def _status_of(error: ApiError) -> str:
+    """The metrics label of a request that ended in `error`."""
+    if error.status == 503:
+        return "rejected"
+    return "invalid" if error.status < 500 else "failed"

@@ -94,6 +94,9 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return await handler(request)
     except ApiError as exc:
         return error_response(exc)
+    except ConnectionResetError:
+        # The client left mid-write: nothing to answer; aiohttp treats this as a disconnect.
+        raise asyncio.CancelledError from None
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

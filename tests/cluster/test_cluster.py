@@ -1,0 +1,128 @@
+"""End to end through HTTP: 1 prefill + 1 decode worker give the collocated worker's greedy
+output token for token, for every transfer backend and mode, and free every block after."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pdserve.cluster.config import TensorStore
+from tests.cluster.conftest import get_text, post, role, start
+
+NUM_PROMPTS = 4
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    # Token ids of printable bytes; lengths straddle block (16) and chunk boundaries.
+    return [[rng.randrange(40, 120) for _ in range(n)] for n in (5, 16, 37, 70)]
+
+
+def complete_all(url: str, model: str) -> list[tuple[str, int]]:
+    outs = []
+    for p in prompts():
+        r = post(url, "/v1/completions", {
+            "model": model, "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        })  # fmt: skip
+        outs.append((r["choices"][0]["text"], r["usage"]["completion_tokens"]))
+    return outs
+
+
+def kv_blocks(url: str) -> dict[str, tuple[int, int]]:
+    """worker -> (free, total) from /metrics."""
+    text = get_text(url, "/metrics")
+    free = dict(re.findall(r'pdserve_kv_blocks_free\{worker="([^"]+)"\} (\d+)', text))
+    total = dict(re.findall(r'pdserve_kv_blocks_total\{worker="([^"]+)"\} (\d+)', text))
+    return {w: (int(free[w]), int(total[w])) for w in free}
+
+
+def wait_blocks_free(url: str, timeout_s: float = 10) -> dict[str, tuple[int, int]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        blocks = kv_blocks(url)
+        if all(f == t for f, t in blocks.values()) or time.monotonic() > deadline:
+            return blocks
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_served_model):
+    with start(tiny_served_model, collocated=role()) as url:
+        return complete_all(url, str(tiny_served_model))
+
+
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("mode", ["layerwise", "full"])
+def test_1p1d_equals_collocated(tiny_served_model, reference, backend, mode):
+    model = str(tiny_served_model)
+    store = TensorStore(backend=backend, mode=mode)
+    # Chunks of 24 tokens make the longer prompts cross several prefill steps.
+    with start(tiny_served_model, prefill=role(long_prefill_token_threshold=24),
+               decode=role(), kv_transfer=store) as url:  # fmt: skip
+        assert complete_all(url, model) == reference
+        blocks = wait_blocks_free(url)
+        assert set(blocks) == {"prefill-0", "decode-0"}
+        assert all(free == total for free, total in blocks.values()), blocks
+        assert re.search(r"pdserve_kv_transfer_bytes_total\S* [1-9]", get_text(url, "/metrics"))
+
+
+def test_openai_client_streams_chat(tiny_served_model):
+    openai = pytest.importorskip("openai")
+    with start(tiny_served_model, prefill=role(), decode=role()) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        stream = client.chat.completions.create(
+            model=str(tiny_served_model),
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].usage.completion_tokens >= 1
+        assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+
+
+def _pdserve_children(port: int) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "pdserve." in cmdline and (f":{port}" in cmdline or f'"port": {port}' in cmdline):
+            pids.append(int(pid))
+    return pids
+
+
+def test_pdserve_up_then_ctrl_c_leaves_no_process(tiny_served_model, tmp_path):
+    from pdserve.cluster.launcher import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny_served_model),
+         "--port", str(port), "--kv-cache-bytes", str(256 * 16 * 512), "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "serving the OpenAI API" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "pdserve up exited early"
+        assert _pdserve_children(port), "no worker or router process found"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        time.sleep(0.5)
+        assert _pdserve_children(port) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
