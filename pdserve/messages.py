@@ -1,7 +1,7 @@
 """Every message between processes: typed dataclasses, one msgpack codec, HMAC-signed.
 
 Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown
-Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Stats
+Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Released, Stats
 
 A disaggregated request (DESIGN.md §2):
 
@@ -135,6 +135,16 @@ class Failed:
 
 
 @dataclass
+class Released:
+    """The answer to an Abort: the worker ended the request and its blocks are free, or
+    will be as soon as a KV send in flight confirms it stopped reading them (bounded by the
+    send deadline). Sent for unknown ids too, so every abort is acknowledged."""
+
+    worker_id: str
+    request_id: str
+
+
+@dataclass
 class Stats:
     """Load report, sent every heartbeat interval; also the liveness signal."""
 
@@ -161,6 +171,7 @@ Message = (
     | Rejected
     | Tokens
     | Failed
+    | Released
     | Stats
 )
 _TYPES: dict[str, type] = {
@@ -177,6 +188,7 @@ _TYPES: dict[str, type] = {
         Rejected,
         Tokens,
         Failed,
+        Released,
         Stats,
     )
 }

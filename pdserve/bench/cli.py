@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from pdserve.bench.arrivals import KINDS
 from pdserve.bench.client import ENDPOINTS
-from pdserve.bench.compare import Launch, run_compare, url_launch
+from pdserve.bench.compare import Launch, run_compare
 from pdserve.bench.metrics import SLO, RequestRecord, format_summary
 from pdserve.bench.workloads import PRESETS
 
@@ -105,7 +105,8 @@ def _add_compare(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="NAME=SPEC",
-        help="a running server URL, or a config for the launcher; repeatable",
+        help="a server URL, collocated, NpMd (e.g. 1p1d) or a Pipeline YAML; repeatable "
+        "(default: collocated and 1p1d on the same cores)",
     )
     compare.add_argument(
         "--slo-multiplier",
@@ -154,8 +155,16 @@ def main(args: argparse.Namespace, launch: Launch | None = None) -> int:
 
     try:
         if getattr(args, "bench_command", None) == "compare":
-            deployments = _parse_deployments(args.deployment)
-            rows = run_compare(deployments, args, launch or url_launch)
+            deployments = _parse_deployments(args.deployment) if args.deployment else None
+            if deployments is None:
+                from pdserve.cluster.deployments import DEFAULT_DEPLOYMENTS
+
+                deployments = dict(DEFAULT_DEPLOYMENTS)
+            if launch is None:
+                from pdserve.cluster.deployments import cluster_launcher
+
+                launch = cluster_launcher(args.model or args.tokenizer)
+            rows = run_compare(deployments, args, launch)
             if args.output:
                 _write_json(args.output, json_safe({"config": _config(args), "compare": rows}))
             return 0
@@ -185,8 +194,6 @@ def _parse_deployments(specs: list[str]) -> dict[str, str]:
         if name in deployments:
             raise ValueError(f"--deployment {name!r} given twice")
         deployments[name] = value
-    if not deployments:
-        raise ValueError("compare needs at least one --deployment NAME=SPEC")
     return deployments
 
 

@@ -9,11 +9,21 @@ Prefill side, per request:   RUNNING (chunks; each chunk's new blocks are sent)
 Decode side, per request:    WAITING_FOR_KV (blocks reserved, receiver expects them)
                              -> RUNNING once both the KV has landed and the first token is
                                 known; the reservation is released so no late write lands.
+
+Deadlines bound every wait on a peer, so a dead or stuck peer (or a lost message) costs
+seconds, never blocks forever (each failure is reported to the router as `Failed`):
+  - SENDING_KV longer than `send_timeout_s` (after the first token): the send is aborted
+    and the blocks are freed once the sender confirms it stopped reading them.
+  - WAITING_FOR_KV longer than `reserve_timeout_s` after Reserve (no prefill ever came:
+    the router or the prefill worker is gone), or than `land_timeout_s` after StartDecode
+    (the prefill is done, only bytes in flight remain): the reservation is released (no
+    late write can land after that) and its blocks freed.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +36,9 @@ from pdserve.transfer.base import KVReceiver, KVSender, TransferStatus
 log = logging.getLogger(__name__)
 
 TRANSFER_MODES = ("layerwise", "full")
+SEND_TIMEOUT_S = 10.0
+RESERVE_TIMEOUT_S = 30.0  # covers the prefill queue: the router notices a dead P sooner
+LAND_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -45,12 +58,23 @@ class _Send:
 
 
 class PrefillHandoff:
-    def __init__(self, sender: KVSender, kv: KVCacheManager, num_layers: int, mode: str) -> None:
+    def __init__(
+        self,
+        sender: KVSender,
+        kv: KVCacheManager,
+        num_layers: int,
+        mode: str,
+        send_timeout_s: float = SEND_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if mode not in TRANSFER_MODES:
             raise ValueError(f"transfer mode must be one of {TRANSFER_MODES}, got {mode!r}")
         self.sender, self.kv, self.num_layers, self.mode = sender, kv, num_layers, mode
+        self.send_timeout_s, self.clock = send_timeout_s, clock
         self.destinations: dict[str, KVDestination] = {}
         self.sending: dict[str, Request] = {}  # SENDING_KV: blocks pinned until sends end
+        self._send_deadlines: dict[str, float] = {}
+        self._expired: dict[str, str] = {}  # aborted for their deadline: the error to report
 
     def add(self, request: Request, peer: dict[str, Any], block_ids: list[int]) -> None:
         needed = cdiv(request.num_prompt_tokens, self.kv.block_size)
@@ -106,22 +130,34 @@ class PrefillHandoff:
     def on_finished(self, request: Request) -> None:
         """The scheduler is done with a prefill request; keep its blocks until sent."""
         if request.request_id in self.destinations:
+            log.debug("prefill %s: running -> sending_kv", request.request_id)
             request.status = RequestStatus.SENDING_KV
             self.sending[request.request_id] = request
+            self._send_deadlines[request.request_id] = self.clock() + self.send_timeout_s
         else:
             self.kv.free(request)
 
     def poll(self) -> list[tuple[str, str | None]]:
-        """Free the blocks of finished sends; returns (request id, error or None)."""
+        """Free the blocks of finished sends, abort sends past their deadline; returns
+        (request id, error or None) per finished send."""
+        now = self.clock()
+        for request_id in [r for r, t in self._send_deadlines.items() if t <= now]:
+            del self._send_deadlines[request_id]
+            self._expired[request_id] = f"KV send not acknowledged within {self.send_timeout_s} s"
+            log.warning("prefill %s: %s; aborting it", request_id, self._expired[request_id])
+            self.abort(request_id)
         results = []
         for request_id, status, error in self.sender.pop_finished():
             self.destinations.pop(request_id, None)
+            self._send_deadlines.pop(request_id, None)
             request = self.sending.pop(request_id, None)
             if request is not None:
                 request.status = RequestStatus.FINISHED
                 self.kv.free(request)
             ok = status is TransferStatus.DONE
-            results.append((request_id, None if ok else (error or "KV transfer failed")))
+            error = self._expired.pop(request_id, None) or error or "KV transfer failed"
+            log.debug("prefill %s: sending_kv -> %s", request_id, "done" if ok else error)
+            results.append((request_id, None if ok else error))
         return results
 
     def abort(self, request_id: str) -> None:
@@ -133,6 +169,8 @@ class PrefillHandoff:
             self.sender.status(request_id)
         except KeyError:  # nothing was ever sent
             del self.destinations[request_id]
+            self._send_deadlines.pop(request_id, None)
+            self._expired.pop(request_id, None)
             request = self.sending.pop(request_id, None)
             if request is not None:
                 request.status = RequestStatus.FINISHED
@@ -142,11 +180,22 @@ class PrefillHandoff:
 
 
 class DecodeHandoff:
-    def __init__(self, receiver: KVReceiver, scheduler: Scheduler, kv: KVCacheManager) -> None:
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        reserve_timeout_s: float = RESERVE_TIMEOUT_S,
+        land_timeout_s: float = LAND_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.receiver, self.scheduler, self.kv = receiver, scheduler, kv
+        self.reserve_timeout_s, self.land_timeout_s = reserve_timeout_s, land_timeout_s
+        self.clock = clock
         self.awaiting: dict[str, Request] = {}  # WAITING_FOR_KV
         self.landed: set[str] = set()
         self.first_tokens: dict[str, int] = {}
+        self._deadlines: dict[str, tuple[float, str]] = {}  # request id -> (when, what)
 
     def reserve(self, request: Request) -> list[int] | None:
         """Blocks for the prompt's KV, or None when they do not fit right now."""
@@ -155,17 +204,29 @@ class DecodeHandoff:
         request.status = RequestStatus.WAITING_FOR_KV
         self.awaiting[request.request_id] = request
         self.receiver.expect(request.request_id, list(request.block_ids))
+        when = self.clock() + self.reserve_timeout_s
+        self._deadlines[request.request_id] = (when, f"no KV within {self.reserve_timeout_s} s")
+        log.debug("decode %s: -> waiting_for_kv", request.request_id)
         return list(request.block_ids)
 
     def start(self, request_id: str, first_token_id: int) -> None:
         if request_id not in self.awaiting:
             raise KeyError(f"no reservation for request {request_id!r}")
         self.first_tokens[request_id] = first_token_id
+        what = f"KV did not land within {self.land_timeout_s} s of the first token"
+        self._deadlines[request_id] = (self.clock() + self.land_timeout_s, what)
         self._activate_if_ready(request_id)
 
     def poll(self) -> list[tuple[str, str]]:
-        """Activate requests whose KV landed; returns (request id, error) of failed ones."""
+        """Activate requests whose KV landed; returns (request id, error) of failed ones
+        (transfer errors and reservations past their deadline)."""
         failed = []
+        now = self.clock()
+        for request_id, (when, what) in list(self._deadlines.items()):
+            if when <= now and request_id in self.awaiting:
+                log.warning("decode %s: %s; releasing its blocks", request_id, what)
+                self._drop(request_id)
+                failed.append((request_id, what))
         for request_id, status, error in self.receiver.pop_finished():
             if request_id not in self.awaiting:
                 continue
@@ -187,6 +248,8 @@ class DecodeHandoff:
         if request_id not in self.landed or request_id not in self.first_tokens:
             return
         request = self.awaiting.pop(request_id)
+        self._deadlines.pop(request_id, None)
+        log.debug("decode %s: waiting_for_kv -> running", request_id)
         self.landed.discard(request_id)
         request.output_token_ids.append(self.first_tokens.pop(request_id))
         request.num_computed_tokens = request.num_prompt_tokens
@@ -196,6 +259,8 @@ class DecodeHandoff:
 
     def _drop(self, request_id: str) -> None:
         request = self.awaiting.pop(request_id)
+        self._deadlines.pop(request_id, None)
+        log.debug("decode %s: waiting_for_kv -> finished (blocks freed)", request_id)
         self.receiver.release(request_id)  # returns only once no write can land any more
         self.landed.discard(request_id)
         self.first_tokens.pop(request_id, None)

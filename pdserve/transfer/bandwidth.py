@@ -52,7 +52,7 @@ class TokenBucket:
     (N - burst_bits) / rate seconds even after an idle period.
     """
 
-    def __init__(self, rate_bps: float, burst_bits: float = 8 * (1 << 20)) -> None:
+    def __init__(self, rate_bps: float, burst_bits: float = 8 * (64 << 10)) -> None:
         if not rate_bps > 0:
             raise ValueError(f"rate_bps must be positive, got {rate_bps}")
         self.rate_bps = float(rate_bps)

@@ -31,6 +31,7 @@ class SendState:
     num_writes: int = 0
     num_frames: int = 0
     bytes_sent: int = 0
+    fault: Any = None  # test-only (transfer/faults.py): claimed on the request's first job
 
     def counts(self) -> dict[str, Any]:
         return {

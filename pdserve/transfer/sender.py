@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pdserve.transfer import faults
 from pdserve.transfer import protocol as P
 from pdserve.transfer.auth import check_secret
 from pdserve.transfer.bandwidth import TokenBucket, parse_bandwidth
@@ -271,8 +272,15 @@ class _PeerWorker:
                         self._connect()
                     assert self.conn is not None
                     self.sender.job_started(state, self.conn)
-                    self.path.write(state, job.layers, job.runs)
-                    if job.last and not self.sender.should_stop(state):
+                    layers, injected = job.layers, None
+                    if faults.FAULT_FILE is not None:  # test-only hook, see faults.py
+                        state.fault = state.fault or faults.claim()
+                        layers, injected = faults.layers_to_send(state.fault, layers)
+                    self.path.write(state, layers, job.runs)
+                    if injected:
+                        raise TransferError(injected)
+                    dropped = state.fault is not None and state.fault.kind == "drop_done"
+                    if job.last and not dropped and not self.sender.should_stop(state):
                         frames = {"num_frames": state.num_frames}
                         self.conn.send({"type": P.DONE, "request_id": state.request_id, **frames})
             except (TransferError, OSError) as e:

@@ -28,6 +28,10 @@ class WorkerSpec:
     transfer_buffer_bytes: int = 64 * 2**20
     transfer_bandwidth: str | None = None
     heartbeat_interval_s: float = 0.5
+    # Deadlines on waits for a peer (engine/kv_handoff.py says which wait each bounds).
+    kv_send_timeout_s: float = 10.0
+    kv_reserve_timeout_s: float = 30.0
+    kv_land_timeout_s: float = 5.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -54,6 +54,9 @@ class Worker:
                 host=spec.transfer_host, pool_bytes=spec.transfer_buffer_bytes,
             )  # fmt: skip
             engine.attach_receiver(self.receiver)
+            # Deadlines are set here until Engine.attach_* take them (engine.py is not ours).
+            engine.decode_handoff.reserve_timeout_s = spec.kv_reserve_timeout_s
+            engine.decode_handoff.land_timeout_s = spec.kv_land_timeout_s
             return engine
         engine = Engine(spec.engine, role=spec.role)
         if spec.role == "prefill":
@@ -63,6 +66,7 @@ class Worker:
                 bandwidth_bps=spec.transfer_bandwidth, pool_bytes=spec.transfer_buffer_bytes,
             )  # fmt: skip
             engine.attach_sender(self.sender, spec.transfer_mode)
+            engine.prefill_handoff.send_timeout_s = spec.kv_send_timeout_s
         return engine
 
     def _decode_engine(self) -> Engine:
@@ -134,6 +138,7 @@ class Worker:
         e, wid = self.engine, self.spec.worker_id
         if isinstance(msg, m.Abort):
             e.abort_request(msg.request_id)
+            self.send(m.Released(wid, msg.request_id))
             return
         if isinstance(msg, m.Shutdown):
             self.running = False
@@ -141,7 +146,7 @@ class Worker:
         if isinstance(msg, m.StartDecode):
             try:
                 e.start_decode(msg.request_id, msg.first_token_id)
-            except KeyError as exc:  # reservation already aborted or failed
+            except KeyError as exc:  # reservation already aborted, failed or timed out
                 self.send(m.Failed(wid, msg.request_id, str(exc)))
             return
         try:

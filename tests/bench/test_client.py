@@ -159,11 +159,14 @@ def test_trace_replay_keeps_its_timing_and_shared_blocks(fake_server, tokenizer_
     assert prompts[0][:5] == prompts[1][:5] and prompts[0][5:] != prompts[1][5:]
 
 
-def test_compare_without_launcher_and_unreachable_server(tokenizer_dir, tmp_path, capsys):
+def test_compare_bad_deployment_and_unreachable_server(tokenizer_dir, tmp_path, capsys):
     argv = ["compare", "--deployment", "pd=configs/pd.yaml", "--tokenizer", str(tokenizer_dir)]
     assert main(build_parser().parse_args(argv)) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "launcher" in err
+    assert err.count("\n") == 1 and "configs/pd.yaml" in err
+    argv = ["compare", "--deployment", "x=9z9", "--tokenizer", str(tokenizer_dir)]
+    assert main(build_parser().parse_args(argv)) == 2
+    assert "unknown deployment '9z9'" in capsys.readouterr().err
 
     out = tmp_path / "down.json"
     args = bench(tokenizer_dir, "http://127.0.0.1:9", "--num-requests", "3", "--output", str(out))

@@ -1,0 +1,77 @@
+import argparse
+
+import pytest
+
+from pdserve.cli import build_parser
+from pdserve.cluster.config import Pipeline, Role, TensorStore, load_pipeline
+from pdserve.cluster.deployments import pipeline_for
+from pdserve.cluster.launcher import worker_specs
+from pdserve.cluster.up import pipeline_from_args
+from pdserve.workers.spec import WorkerSpec
+
+
+def up_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *argv])
+
+
+def test_default_is_one_prefill_one_decode():
+    p = pipeline_from_args(up_args())
+    assert [(n, r.num) for n, r in p.roles] == [("prefill", 1), ("decode", 1)]
+    assert p.kv_transfer == TensorStore()
+
+
+def test_flags_and_pinning():
+    p = pipeline_from_args(up_args("--prefill", "2", "--decode", "1", "--transfer", "tcp",
+                                   "--transfer-mode", "full", "--transfer-bandwidth", "1Gbit",
+                                   "--pin-cpus", "--threads", "1"))  # fmt: skip
+    assert p.prefill.num == 2 and p.prefill.cpus == ((0,), (1,)) and p.prefill.threads == 1
+    assert p.decode.cpus == ((0,),)  # wraps around on 2 cores
+    assert p.kv_transfer == TensorStore(backend="tcp", mode="full", bandwidth="1Gbit")
+    collocated = pipeline_from_args(up_args("--collocated", "1"))
+    assert [n for n, _ in collocated.roles] == ["collocated"]
+
+
+def test_yaml_with_overrides_and_unknown_field(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("prefill: {num: 1, cpus: [0]}\ndecode: {num: 1}\nkv_transfer: {mode: full}\n")
+    p = pipeline_from_args(up_args("--config", str(path), "--port", "9001", "--transfer", "shm"))
+    assert p.port == 9001 and p.kv_transfer.mode == "full" and p.kv_transfer.backend == "shm"
+    assert p.prefill.cpus == (0,)
+    path.write_text("prefill: {num: 1, cpu: [0]}\ndecode: {num: 1}\n")
+    with pytest.raises(ValueError, match="unknown field.*prefill: cpu"):
+        load_pipeline(path, {})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prefill=Role()), "both prefill and decode"),
+        (dict(collocated=Role(), prefill=Role(), decode=Role()), "either"),
+        (dict(collocated=Role(), routing="random"), "routing"),
+    ],
+)
+def test_invalid_pipelines(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Pipeline(**kwargs)
+
+
+def test_bad_bandwidth_names_it():
+    with pytest.raises(ValueError, match="invalid bandwidth 'fast'"):
+        TensorStore(bandwidth="fast")
+
+
+def test_role_cpus_shapes():
+    assert Role(num=2, cpus=[[0], [1]]).cpus_of(1) == (1,)
+    assert Role(num=2, cpus=[0, 1]).cpus_of(1) == (0, 1)
+    with pytest.raises(ValueError, match="cpus"):
+        Role(num=2, cpus=[[0]])
+
+
+def test_worker_specs_round_trip_through_json():
+    p = pipeline_for("1p1d", "smollm2-135m")
+    specs = worker_specs(p, "tcp://127.0.0.1:1")
+    assert [s.worker_id for s in specs] == ["prefill-0", "decode-0"]
+    assert specs[0].cpus == (0,) and specs[1].cpus == (1,)
+    assert all(WorkerSpec.from_json(s.to_json()) == s for s in specs)
+    with pytest.raises(ValueError, match="unknown deployment"):
+        pipeline_for("2x", "m")
