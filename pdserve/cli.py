@@ -35,6 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None)
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prefill-token-threshold", type=int, default=512)
@@ -51,6 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_bytes=args.kv_cache_bytes,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

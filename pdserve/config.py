@@ -24,10 +24,13 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": E4M3 + per-token scales
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
         _positive("kv_cache_bytes", self.kv_cache_bytes, allow_none=True)
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"

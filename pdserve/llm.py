@@ -50,6 +50,7 @@ class LLM:
         kv_cache_bytes: int | None = None,
         kv_cache_memory_fraction: float | None = None,
         enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         long_prefill_token_threshold: int = 512,
@@ -63,7 +64,11 @@ class LLM:
         config = EngineConfig(
             model=model,
             cache=CacheConfig(
-                block_size, kv_cache_bytes, kv_cache_memory_fraction, enable_prefix_caching
+                block_size,
+                kv_cache_bytes,
+                kv_cache_memory_fraction,
+                enable_prefix_caching,
+                kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, max_model_len

@@ -38,8 +38,11 @@ class Role:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 512
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "fp8": E4M3 with per-token scales
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if isinstance(self.num, bool) or not isinstance(self.num, int) or self.num < 1:
             raise ValueError(f"num must be a positive integer, got {self.num!r}")
         cpus = tuple(tuple(c) if isinstance(c, (list, tuple)) else c for c in self.cpus or ())
@@ -114,7 +117,9 @@ def pipeline_from_dict(data: dict[str, Any]) -> Pipeline:
             _no_unknown(name, kwargs[name], {f.name for f in dataclasses.fields(Role)})
             kwargs[name] = Role(**kwargs[name])
     if "kv_transfer" in kwargs:
-        _no_unknown("kv_transfer", kwargs["kv_transfer"], {f.name for f in dataclasses.fields(TensorStore)})
+        _no_unknown(
+            "kv_transfer", kwargs["kv_transfer"], {f.name for f in dataclasses.fields(TensorStore)}
+        )
         kwargs["kv_transfer"] = TensorStore(**kwargs["kv_transfer"])
     return Pipeline(**kwargs)
 

@@ -66,6 +66,7 @@ def worker_specs(p: Pipeline, router_address: str) -> list[WorkerSpec]:
                 transfer_mode=p.kv_transfer.mode,
                 transfer_buffer_bytes=p.kv_transfer.buffer_pool_size,
                 transfer_bandwidth=p.kv_transfer.bandwidth,
+                wire_kv_cache_dtype=p.decode.kv_cache_dtype if p.decode else "auto",
             ))  # fmt: skip
     return specs
 
@@ -73,7 +74,11 @@ def worker_specs(p: Pipeline, router_address: str) -> list[WorkerSpec]:
 def _engine_config(p: Pipeline, r: Role) -> EngineConfig:
     return EngineConfig(
         model=p.model,
-        cache=CacheConfig(kv_cache_bytes=r.kv_cache_bytes, enable_prefix_caching=r.enable_prefix_caching),
+        cache=CacheConfig(
+            kv_cache_bytes=r.kv_cache_bytes,
+            enable_prefix_caching=r.enable_prefix_caching,
+            kv_cache_dtype=r.kv_cache_dtype,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens,
@@ -110,8 +115,11 @@ class Cluster:
         router_address = f"tcp://127.0.0.1:{free_port()}"
         specs = worker_specs(p, router_address)
         for spec in specs:
-            self._spawn(spec.worker_id, ["pdserve.workers.main", "--spec", spec.to_json(),
-                                         "--log-level", self.log_level], env)
+            self._spawn(
+                spec.worker_id,
+                ["pdserve.workers.main", "--spec", spec.to_json(), "--log-level", self.log_level],
+                env,
+            )
         router = {
             "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
             "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address}

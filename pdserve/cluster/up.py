@@ -11,7 +11,14 @@ import sys
 import time
 import urllib.request
 
-from pdserve.cluster.config import POLICIES, Pipeline, Role, TensorStore, load_pipeline, pipeline_from_dict
+from pdserve.cluster.config import (
+    POLICIES,
+    Pipeline,
+    Role,
+    TensorStore,
+    load_pipeline,
+    pipeline_from_dict,
+)
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -31,11 +38,16 @@ def add_up_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--pin-cpus", action="store_true", help="one core per worker, in order")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="per worker")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                   help="KV storage of every worker (per role: the config file's field)")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"or ${API_KEY_ENV}")
-    p.add_argument("--example-request", action="store_true",
-                   help="once up, send one chat request through the cluster and print it")
+    p.add_argument(
+        "--example-request",
+        action="store_true",
+        help="once up, send one chat request through the cluster and print it",
+    )
     p.set_defaults(func=cmd_up)
 
 
@@ -47,8 +59,10 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     store = {k: v for k, v in {
         "backend": args.transfer, "mode": args.transfer_mode, "bandwidth": args.transfer_bandwidth,
     }.items() if v is not None}  # fmt: skip
-    role = {k: v for k, v in {"threads": args.threads, "kv_cache_bytes": args.kv_cache_bytes}.items()
-            if v is not None}  # fmt: skip
+    role = {k: v for k, v in {
+        "threads": args.threads, "kv_cache_bytes": args.kv_cache_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }.items() if v is not None}  # fmt: skip
     counts = {"prefill": args.prefill, "decode": args.decode, "collocated": args.collocated}
     if args.config:
         base = load_pipeline(args.config, {})

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
+from pdserve.engine.wire_source import WireSource
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.manager import KVCacheManager
@@ -88,8 +89,18 @@ class Engine:
 
     # ---- disaggregation ----------------------------------------------------------------
 
-    def attach_sender(self, sender: Any, mode: str) -> None:
+    def attach_sender(self, sender: Any, mode: str, wire_source: WireSource | None = None) -> None:
+        """`wire_source` (from `wire_source()`) when the decode side stores KV in another
+        dtype: the sender must then read from its tensor, not from this engine's cache."""
         self.prefill_handoff = PrefillHandoff(sender, self.kv, self.model_config.num_layers, mode)
+        if wire_source is not None:
+            self.prefill_handoff.convert = wire_source.convert
+
+    def wire_source(self, kv_cache_dtype: str) -> WireSource | None:
+        """A shadow pool in the decode side's KV dtype, or None when it is this engine's."""
+        if kv_cache_dtype == self.config.cache.kv_cache_dtype:
+            return None
+        return WireSource(self.runner.layer_caches, kv_cache_dtype, self.runner.dtype)
 
     def attach_receiver(self, receiver: Any) -> None:
         self.decode_handoff = DecodeHandoff(receiver, self.scheduler, self.kv)

@@ -75,6 +75,10 @@ class PrefillHandoff:
         self.sending: dict[str, Request] = {}  # SENDING_KV: blocks pinned until sends end
         self._send_deadlines: dict[str, float] = {}
         self._expired: dict[str, str] = {}  # aborted for their deadline: the error to report
+        # Set when the decode side's KV dtype differs: re-encodes blocks into the tensor the
+        # sender reads, so conversion happens before the wire (fewer bytes, and shm's
+        # one-sided writes leave the receiver no chance to convert).
+        self.convert: Callable[[list[int], list[int]], None] | None = None
 
     def add(self, request: Request, peer: dict[str, Any], block_ids: list[int]) -> None:
         needed = cdiv(request.num_prompt_tokens, self.kv.block_size)
@@ -95,7 +99,9 @@ class PrefillHandoff:
             first, stop = dest.num_sent_full_blocks, cdiv(end, self.kv.block_size)
             last = end >= request.num_prompt_tokens
             sends.append(
-                _Send(request, dest, request.block_ids[first:stop], dest.block_ids[first:stop], last)
+                _Send(
+                    request, dest, request.block_ids[first:stop], dest.block_ids[first:stop], last
+                )
             )
             dest.num_sent_full_blocks = end // self.kv.block_size
         return sends
@@ -120,11 +126,15 @@ class PrefillHandoff:
             if s.last:
                 num_blocks = len(s.dest.block_ids)
                 src, dst = s.request.block_ids[:num_blocks], s.dest.block_ids
-                self._send(_Send(s.request, s.dest, src, dst, True), list(range(self.num_layers)), True)
+                self._send(
+                    _Send(s.request, s.dest, src, dst, True), list(range(self.num_layers)), True
+                )
 
     def _send(self, s: _Send, layers: list[int], last: bool) -> None:
         if s.request.request_id not in self.destinations:
             return  # aborted: the sender already stopped it
+        if self.convert is not None:  # the decode side stores another KV dtype
+            self.convert(layers, s.src)
         self.sender.send(s.dest.peer, s.request.request_id, layers, s.src, s.dst, last)
 
     def on_finished(self, request: Request) -> None:

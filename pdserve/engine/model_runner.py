@@ -17,6 +17,7 @@ from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, PrefillSpan, decode_tables
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_linear import can_pack, pack_linears
+from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
 from pdserve.model.loader import load_model, torch_dtype
 from pdserve.model.sampler import SamplingRow, sample
 from pdserve.request import Request
@@ -27,9 +28,20 @@ DEFAULT_CPU_KV_FRACTION = 0.05  # of available RAM: room for other workers on th
 DEFAULT_CUDA_KV_FRACTION = 0.8  # of free GPU memory after the weights are loaded
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+def kv_cache_shape(
+    cfg: ModelConfig, num_blocks: int, block_size: int, kv_cache_dtype: str
+) -> tuple[int, ...]:
+    row = row_size(cfg.head_dim, kv_cache_dtype)
+    return (cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, block_size, row)
+
+
+def kv_block_bytes(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
+) -> int:
+    """Bytes of one block over all layers (FP8 blocks are ~1/4 of fp32: more of them fit)."""
+    elem = torch.tensor([], dtype=storage_dtype(kv_cache_dtype, dtype)).element_size()
+    shape = kv_cache_shape(cfg, 1, block_size, kv_cache_dtype)
+    return elem * shape[0] * shape[2] * shape[3] * shape[4] * shape[5]
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -44,7 +56,7 @@ def available_memory_bytes(device: torch.device) -> int:
 
 def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, device: torch.device, dtype) -> int:
     """How many KV blocks the budget buys: `kv_cache_bytes`, else a share of free memory."""
-    block_bytes = kv_block_bytes(cfg, cache.block_size, dtype)
+    block_bytes = kv_block_bytes(cfg, cache.block_size, dtype, cache.kv_cache_dtype)
     budget = cache.kv_cache_bytes
     if budget is None:
         fraction = cache.kv_cache_memory_fraction or (
@@ -92,9 +104,12 @@ class ModelRunner:
         if kv_cache is None:
             num_blocks = num_kv_blocks(model_config, cache, self.device, self.dtype)
             kv_cache = torch.zeros(
-                self.kv_cache_shape(model_config, num_blocks), dtype=self.dtype, device=self.device
+                kv_cache_shape(model_config, num_blocks, cache.block_size, cache.kv_cache_dtype),
+                dtype=storage_dtype(cache.kv_cache_dtype, self.dtype),
+                device=self.device,
             )
         self.kv_cache = kv_cache
+        self.layer_caches = layer_caches(kv_cache, cache.kv_cache_dtype)
         self.num_blocks = kv_cache.shape[1]
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -102,9 +117,6 @@ class ModelRunner:
             self.block_size,
             kv_cache.numel() * kv_cache.element_size() / 2**20,
         )
-
-    def kv_cache_shape(self, cfg: ModelConfig, num_blocks: int) -> tuple[int, ...]:
-        return (cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, self.block_size, cfg.head_dim)
 
     @torch.inference_mode()
     def execute(
@@ -114,7 +126,7 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta, on_layer_done)
         if not sample_ids:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

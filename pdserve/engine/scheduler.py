@@ -104,7 +104,9 @@ class Scheduler:
             hits = self.kv.find_cached_prefix(request)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_hit_tokens, chunk, budget)
-            num_reserved = request.num_tokens - num_hit_tokens if self.preallocate_prompt else num_new
+            num_reserved = (
+                request.num_tokens - num_hit_tokens if self.preallocate_prompt else num_new
+            )
             if not self.kv.allocate(request, num_reserved, hits):
                 break  # first come, first served: do not let later requests jump ahead
             self.waiting.popleft()

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.kv_cache import LayerCache
+
 
 @dataclass
 class PrefillSpan:
@@ -63,44 +65,24 @@ def decode_tables(
     return table.to(device), mask[None, :, None, :].to(device)
 
 
-def gather_kv(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of whole blocks: tables [B, n] -> ([kv_heads, B, n * block_size, d], same).
-
-    One `index_select` over a [2, kv_heads, blocks, block_size, d] view copies each
-    selected [block_size, d] tile straight into its final place.
-    """
-    num_blocks, _, num_kv_heads, block_size, head_dim = kv_layer.shape
-    batch, n = block_tables.shape
-    tiles = kv_layer.permute(1, 2, 0, 3, 4).index_select(2, block_tables.view(-1))
-    kv = tiles.view(2, num_kv_heads, batch, n * block_size, head_dim)
-    return kv[0], kv[1]
-
-
-def write_kv(
-    kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-) -> None:
-    kv_layer[meta.slot_block_ids, 0, :, meta.slot_offsets] = k
-    kv_layer[meta.slot_block_ids, 1, :, meta.slot_offsets] = v
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_layer: torch.Tensor,
+    cache: LayerCache,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] for this step's tokens -> [T, heads, d].
 
     Stores the new K/V in the cache first, then attends each token to its request's context.
     """
-    write_kv(kv_layer, k, v, meta)
+    cache.write(k, v, meta.slot_block_ids, meta.slot_offsets)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     out = torch.empty_like(q)
     n = meta.num_decode_tokens
     if n:
-        keys, values = gather_kv(kv_layer, meta.decode_block_tables)  # [kv_heads, n, L, d]
+        keys, values = cache.gather(meta.decode_block_tables, q.dtype)  # [kv_heads, n, L, d]
         # Query heads that share a KV head go on the "query length" axis, and the KV head
         # is SDPA's batch axis: one call over [kv_heads, n, group, d], no repeated K/V.
         qg = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
@@ -111,14 +93,14 @@ def paged_attention(
             q[span.start : span.end],
             k[span.start : span.end],
             v[span.start : span.end],
-            kv_layer,
+            cache,
             span,
         )
     return out
 
 
 def _prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, span: PrefillSpan
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, span: PrefillSpan
 ) -> torch.Tensor:
     num_new = q.shape[0]
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
@@ -127,9 +109,10 @@ def _prefill_attention(
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
-    block_size = kv_layer.shape[3]
+    block_size = cache.block_size
     total = span.num_context + num_new
-    keys, values = gather_kv(kv_layer, span.block_ids[: -(-total // block_size)].unsqueeze(0))
+    tables = span.block_ids[: -(-total // block_size)].unsqueeze(0)
+    keys, values = cache.gather(tables, q.dtype)
     keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [1, kv_heads, L, d]
     key_pos = torch.arange(keys.shape[2], device=q.device)
     query_pos = torch.arange(span.num_context, total, device=q.device)

@@ -32,7 +32,9 @@ class PackedLinear(nn.Module):
 
 def can_pack(model: nn.Module) -> bool:
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    return (
+        p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    )
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 
 from pdserve.model.attention import AttentionMetadata, paged_attention
 from pdserve.model.config import ModelConfig
+from pdserve.model.kv_cache import LayerCache
 from pdserve.model.rope import apply_rope, cos_sin_table
 
 
@@ -45,14 +46,14 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_layer: torch.Tensor,
+        cache: LayerCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_layer, meta)
+        o = paged_attention(q, k, v, cache, meta)
         return self.o_proj(o.view(x.shape[0], -1))
 
 
@@ -75,8 +76,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_layer, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
+    def forward(self, x, cos, sin, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,17 +101,17 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: torch.Tensor,
+        caches: list[LayerCache],
         meta: AttentionMetadata,
         on_layer_done=None,
     ) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden]. `kv_cache` is
-        [num_layers, num_blocks, 2, kv_heads, block_size, head_dim]. `on_layer_done(i)` is
-        called once layer i's KV is in the cache: layer-wise KV transfer hooks in here."""
+        """input_ids/positions [T] -> final hidden states [T, hidden]. `caches[i]` holds
+        layer i's KV blocks. `on_layer_done(i)` is called once layer i's KV is in the cache:
+        layer-wise KV transfer hooks in here."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
+            x = layer(x, cos, sin, caches[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         return self.norm(x)

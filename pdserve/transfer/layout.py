@@ -71,6 +71,11 @@ class KVLayout:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def block_format(self) -> dict[str, Any]:
+        """What must agree between a sender and a receiver: everything but the pool size,
+        which is each worker's own memory budget (block ids are checked per side)."""
+        return {k: v for k, v in asdict(self).items() if k != "num_blocks"}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
         if not isinstance(data, dict):

@@ -124,7 +124,8 @@ class SocketKVReceiver(KVReceiver):
             return
         if header["type"] != P.HELLO:
             raise P.ProtocolError("expected a hello frame first")
-        if header.get("layout") != self.layout.to_dict():
+        theirs = header.get("layout")
+        if not isinstance(theirs, dict) or _block_format(theirs) != self.layout.block_format():
             ours, theirs = self.layout.to_dict(), header.get("layout")
             error = f"layout mismatch: receiver has {ours}, sender {theirs}"
             conn.reply({"type": P.HELLO_OK, "error": error})
@@ -291,3 +292,7 @@ class SocketKVReceiver(KVReceiver):
         with req.cond:
             req.active_leases -= num_leases
             req.cond.notify_all()
+
+
+def _block_format(layout: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in layout.items() if k != "num_blocks"}

@@ -60,6 +60,7 @@ class PeerInfo:
     use_shm: bool
     shm_name: str | None
     max_frame_bytes: int
+    layout: KVLayout  # the receiver's (its pool size may differ from ours)
 
 
 def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo:
@@ -69,7 +70,8 @@ def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo
     missing = [k for k in ("backends", "host", "port", "layout") if k not in peer]
     if missing:
         raise ValueError(f"peer address lacks {missing}; pass KVReceiver.address()")
-    if peer["layout"] != layout.to_dict():
+    peer_layout = KVLayout.from_dict(peer["layout"])
+    if peer_layout.block_format() != layout.block_format():
         raise ValueError(f"KV layout mismatch: sender {layout.to_dict()}, peer {peer['layout']}")
     backends = list(peer["backends"])
     same_host = peer.get("host_id") == P.host_identity()
@@ -87,6 +89,7 @@ def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo
         use_shm=shm_ok and backend != "tcp",
         shm_name=peer.get("shm_name"),
         max_frame_bytes=int(peer.get("max_frame_bytes") or layout.block_bytes),
+        layout=peer_layout,
     )
 
 
@@ -116,5 +119,6 @@ def validate_send(
         )
     _check_ids("layers", list(layers), layout.num_layers)
     _check_ids("src_block_ids", list(src_block_ids), layout.num_blocks)
-    _check_ids("dst_block_ids", list(dst_block_ids), layout.num_blocks)
-    return parse_peer(peer, layout, sender.backend)
+    info = parse_peer(peer, layout, sender.backend)
+    _check_ids("dst_block_ids", list(dst_block_ids), info.layout.num_blocks)
+    return info

@@ -244,7 +244,7 @@ class _PeerWorker:
             from pdserve.transfer.shm import open_shared_kv
 
             try:
-                self._remote_kv = open_shared_kv(info.shm_name, s.layout)
+                self._remote_kv = open_shared_kv(info.shm_name, info.layout)
             except (OSError, ValueError) as e:
                 if s.backend == "shm" or "tcp" not in info.backends:
                     raise TransferError(f"cannot map receiver shm {info.shm_name!r}: {e}") from e

@@ -1,6 +1,6 @@
 """Entry point of a worker process (started only by the launcher):
 
-    PDSERVE_CLUSTER_SECRET=<hex> python -m pdserve.workers.main --spec '<WorkerSpec JSON>'
+PDSERVE_CLUSTER_SECRET=<hex> python -m pdserve.workers.main --spec '<WorkerSpec JSON>'
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ class WorkerSpec:
     transfer_host: str = "127.0.0.1"  # where a decode worker's KV receiver listens
     transfer_buffer_bytes: int = 64 * 2**20
     transfer_bandwidth: str | None = None
+    wire_kv_cache_dtype: str = "auto"  # prefill: the decode workers' KV dtype (converted to)
     heartbeat_interval_s: float = 0.5
     # Deadlines on waits for a peer (engine/kv_handoff.py says which wait each bounds).
     kv_send_timeout_s: float = 10.0

@@ -60,12 +60,13 @@ class Worker:
             return engine
         engine = Engine(spec.engine, role=spec.role)
         if spec.role == "prefill":
-            kv = engine.runner.kv_cache
+            wire = engine.wire_source(spec.wire_kv_cache_dtype)
+            kv = wire.kv if wire else engine.runner.kv_cache
             self.sender = make_sender(
                 spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
                 bandwidth_bps=spec.transfer_bandwidth, pool_bytes=spec.transfer_buffer_bytes,
             )  # fmt: skip
-            engine.attach_sender(self.sender, spec.transfer_mode)
+            engine.attach_sender(self.sender, spec.transfer_mode, wire)
             engine.prefill_handoff.send_timeout_s = spec.kv_send_timeout_s
         return engine
 
@@ -74,8 +75,9 @@ class Worker:
         prefill worker on the same host can write into it directly."""
         if self.spec.transfer_backend == "tcp":
             return Engine(self.spec.engine, role="decode")
-        from pdserve.engine.model_runner import num_kv_blocks
+        from pdserve.engine.model_runner import kv_cache_shape, num_kv_blocks
         from pdserve.model.config import ModelConfig
+        from pdserve.model.kv_cache import storage_dtype
         from pdserve.model.loader import torch_dtype
         from pdserve.model.registry import resolve_model
         from pdserve.transfer.layout import KVLayout
@@ -84,11 +86,12 @@ class Worker:
         cfg = self.spec.engine
         model_dir = resolve_model(cfg.model)
         mc = ModelConfig.from_dir(model_dir)
-        num_blocks = num_kv_blocks(mc, cfg.cache, torch.device("cpu"), torch_dtype(cfg.device.dtype))
-        layout = KVLayout(
-            mc.num_layers, num_blocks, cfg.cache.block_size, mc.num_kv_heads, mc.head_dim,
-            cfg.device.dtype,
-        )  # fmt: skip
+        dtype = torch_dtype(cfg.device.dtype)
+        num_blocks = num_kv_blocks(mc, cfg.cache, torch.device("cpu"), dtype)
+        shape = kv_cache_shape(mc, num_blocks, cfg.cache.block_size, cfg.cache.kv_cache_dtype)
+        kind = str(storage_dtype(cfg.cache.kv_cache_dtype, dtype)).removeprefix("torch.")
+        num_layers, _, _, num_kv_heads, block_size, row = shape
+        layout = KVLayout(num_layers, num_blocks, block_size, num_kv_heads, row, kind)
         kv, _ = create_shared_kv(layout)
         return Engine(cfg, model_dir, role="decode", kv_cache=kv)
 
@@ -99,8 +102,16 @@ class Worker:
 
     def run(self) -> None:
         e = self.engine
-        self.send(m.Ready(self.spec.worker_id, self.spec.role, self.spec.engine.model,
-                          e.kv.num_blocks, e.kv.block_size, e.max_model_len))
+        self.send(
+            m.Ready(
+                self.spec.worker_id,
+                self.spec.role,
+                self.spec.engine.model,
+                e.kv.num_blocks,
+                e.kv.block_size,
+                e.max_model_len,
+            )
+        )
         log.info("worker %s (%s) ready", self.spec.worker_id, self.spec.role)
         try:
             while self.running:
@@ -163,8 +174,9 @@ class Worker:
                 else:
                     self.send(m.Reserved(wid, msg.request_id, self.receiver.address(), blocks))
             elif isinstance(msg, m.Prefill):
-                e.add_prefill(msg.request_id, msg.prompt_token_ids, params, msg.kv_peer,
-                              msg.kv_block_ids)
+                e.add_prefill(
+                    msg.request_id, msg.prompt_token_ids, params, msg.kv_peer, msg.kv_block_ids
+                )
             else:
                 log.warning("%s: unexpected %s", wid, type(msg).__name__)
         except (ValueError, TypeError) as exc:

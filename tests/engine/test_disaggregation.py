@@ -5,9 +5,12 @@ chunked prefill and prefix hits on the prefill side — and leak no block on eit
 import time
 
 import pytest
+import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.model_runner import num_kv_blocks
+from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.layout import KVLayout
@@ -19,21 +22,30 @@ SECRET = b"k" * 32
 NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 
-def config(**sched) -> EngineConfig:
-    cache = CacheConfig(block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512)
+def config(kv_cache_dtype="auto", **sched) -> EngineConfig:
+    cache = CacheConfig(
+        block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     return EngineConfig(model="tiny", cache=cache, scheduler=SchedulerConfig(**sched))
 
 
 class Pair:
-    def __init__(self, model_dir, backend: str, mode: str, **sched) -> None:
-        layout = KVLayout(2, NUM_BLOCKS, BLOCK_SIZE, 2, 16, "float32")
+    def __init__(self, model_dir, backend, mode, p_dtype="auto", d_dtype="auto", **sched) -> None:
+        row, kind = (20, "uint8") if d_dtype == "fp8" else (16, "float32")
+        cfg = config(d_dtype)
+        mc = ModelConfig.from_dir(model_dir)
+        num_blocks = num_kv_blocks(mc, cfg.cache, torch.device("cpu"), torch.float32)
+        layout = KVLayout(2, num_blocks, BLOCK_SIZE, 2, row, kind)
         kv = create_shared_kv(layout)[0] if backend != "tcp" else None
-        self.d = Engine(config(), model_dir, role="decode", kv_cache=kv)
+        self.d = Engine(cfg, model_dir, role="decode", kv_cache=kv)
         self.rx = make_receiver(backend, self.d.runner.kv_cache, layout, SECRET)
         self.d.attach_receiver(self.rx)
-        self.p = Engine(config(**sched), model_dir, role="prefill")
-        self.tx = make_sender(backend, self.p.runner.kv_cache, layout, SECRET)
-        self.p.attach_sender(self.tx, mode)
+        self.p = Engine(config(p_dtype, **sched), model_dir, role="prefill")
+        wire = self.p.wire_source(d_dtype)
+        source = wire.kv if wire else self.p.runner.kv_cache
+        self.tx = make_sender(backend, source, KVLayout.from_tensor(source), SECRET)
+        self.p.attach_sender(self.tx, mode, wire)
 
     def close(self):
         self.tx.close()
@@ -132,5 +144,46 @@ def test_wrong_number_of_destination_blocks_is_rejected(tiny_model_dir):
     try:
         with pytest.raises(ValueError, match="destination blocks"):
             pair.p.add_prefill("a", [5] * 9, SamplingParams(), pair.rx.address(), [1])
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_fp8_blocks_and_scales_arrive_intact(tiny_model_dir, backend):
+    """FP8 on both sides moves bytes unchanged, so 1P1D equals a collocated FP8 engine."""
+    fp8 = Engine(config("fp8", long_prefill_token_threshold=6), tiny_model_dir)
+    assert fp8.runner.kv_cache.dtype is torch.uint8
+    reference = [run(fp8, [p])[0] for p in prompts(4)]
+    pair = Pair(tiny_model_dir, backend, "layerwise", "fp8", "fp8", long_prefill_token_threshold=6)
+    try:
+        assert pair.generate(prompts(4)) == reference
+        sent = pair.tx.stats()["bytes_sent"]
+        assert sent > 0
+    finally:
+        pair.close()
+
+
+def test_mixed_dtypes_convert_before_the_wire(tiny_model_dir):
+    """An fp32 prefill feeding an FP8 decode: blocks are quantized on the prefill side, so
+    the decode side holds exactly what a collocated FP8 engine would (unchunked prefill)."""
+    fp8 = Engine(config("fp8"), tiny_model_dir)
+    reference = [run(fp8, [p])[0] for p in prompts(4)]
+    mixed = Pair(tiny_model_dir, "tcp", "full", "auto", "fp8")
+    same = Pair(tiny_model_dir, "tcp", "full")
+    try:
+        assert mixed.generate(prompts(4)) == reference
+        same.generate(prompts(4))
+        ratio = mixed.tx.stats()["bytes_sent"] / same.tx.stats()["bytes_sent"]
+        assert ratio == pytest.approx(20 / 64, rel=0.02)  # FP8 row: 16 + 4 bytes, fp32: 64
+    finally:
+        mixed.close()
+        same.close()
+
+
+def test_fp8_prefill_into_fp32_decode_runs(tiny_model_dir):
+    pair = Pair(tiny_model_dir, "shm", "layerwise", "fp8", "auto")
+    try:
+        outs = pair.generate(prompts(3))
+        assert all(len(o) == GREEDY.max_tokens for o in outs)
     finally:
         pair.close()

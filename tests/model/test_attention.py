@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from pdserve.model.kv_cache import LayerCache
 from pdserve.model.attention import (
     AttentionMetadata,
     PrefillSpan,
@@ -42,13 +43,15 @@ def test_prefill_then_chunks_then_decodes_match_dense():
     for start, end in [(0, 9), (9, 19)]:
         sb, so = slots(block_ids, range(start, end))
         meta = AttentionMetadata(sb, so, prefills=[PrefillSpan(0, end - start, start, table)])
-        got[start:end] = paged_attention(q[start:end], k[start:end], v[start:end], kv, meta)
+        got[start:end] = paged_attention(
+            q[start:end], k[start:end], v[start:end], LayerCache(kv), meta
+        )
     for pos in range(19, total):
         sb, so = slots(block_ids, [pos])
         table, mask = decode_tables([block_ids], [pos + 1], BS, torch.device("cpu"))
         meta = AttentionMetadata(sb, so, 1, table, mask)
         got[pos : pos + 1] = paged_attention(
-            q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1], kv, meta
+            q[pos : pos + 1], k[pos : pos + 1], v[pos : pos + 1], LayerCache(kv), meta
         )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -80,7 +83,7 @@ def test_batched_decodes_of_different_lengths_and_a_prefill_in_one_step():
         mask,
         prefills=[PrefillSpan(3, 9, 0, torch.tensor([20, 21]))],
     )
-    got = paged_attention(q, k, v, kv, meta)
+    got = paged_attention(q, k, v, LayerCache(kv), meta)
     for i, (sq, sk, sv) in enumerate(seqs):
         torch.testing.assert_close(got[i], dense(sq, sk, sv)[-1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[3:], dense(pq, pk, pv), atol=1e-5, rtol=1e-5)

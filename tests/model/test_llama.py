@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pdserve.model.attention import AttentionMetadata, PrefillSpan
+from pdserve.model.kv_cache import layer_caches
 from pdserve.model.loader import load_model
 from tests.conftest import make_tiny_llama
 
@@ -17,7 +18,7 @@ def our_logits(model, ids: list[int]) -> torch.Tensor:
     meta = AttentionMetadata(
         pos // bs, pos % bs, prefills=[PrefillSpan(0, n, 0, torch.arange(num_blocks))]
     )
-    return model.compute_logits(model(torch.tensor(ids), pos, kv, meta))
+    return model.compute_logits(model(torch.tensor(ids), pos, layer_caches(kv, "auto"), meta))
 
 
 def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
