@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.kvstore.config import KVStoreConfig
+
 
 def _positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -81,4 +83,5 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()
+    kvstore: KVStoreConfig = KVStoreConfig()  # tiers below the worker's pool; off by default
     seed: int = 0

@@ -8,6 +8,7 @@ end; `prefill` runs them to their first token and streams their KV to a decode w
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
+from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.wire_source import WireSource
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
@@ -72,6 +74,19 @@ class Engine:
         )
         self.prefill_handoff: PrefillHandoff | None = None
         self.decode_handoff: DecodeHandoff | None = None
+        self.offload = self._build_offload()
+        self.loading: dict[str, tuple[Request, Future]] = {}  # waiting on a tier lookup
+
+    def _build_offload(self) -> KVOffload | None:
+        from pdserve.kvstore.base import EntryFormat
+        from pdserve.kvstore.config import build_tiered_store
+        from pdserve.transfer.layout import KVLayout
+
+        if not self.config.kvstore.enabled or not self.config.cache.enable_prefix_caching:
+            return None
+        fmt = EntryFormat.from_layout(self.config.model, KVLayout.from_tensor(self.runner.kv_cache))
+        store = build_tiered_store(self.config.kvstore, fmt)
+        return KVOffload(store, self.kv, self.runner.kv_cache)
 
     def _max_model_len(self) -> int:
         """The model's context, capped by what the KV cache can hold, so that any admitted
@@ -117,7 +132,7 @@ class Engine:
         sample the first token."""
         request = self._new_request(request_id, prompt_token_ids, params, prefill_only=True)
         self.prefill_handoff.add(request, kv_peer, kv_block_ids)
-        self.scheduler.add_request(request)
+        self._enqueue(request)
         return request
 
     def reserve(
@@ -151,8 +166,26 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> Request:
         request = self._new_request(request_id, prompt_token_ids, params)
-        self.scheduler.add_request(request)
+        self._enqueue(request)
         return request
+
+    def _enqueue(self, request: Request) -> None:
+        """To the scheduler, after a lookup in the tiers below L1 when there are any."""
+        rid = request.request_id
+        if rid in self.scheduler.requests or rid in self.loading:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if self.offload is None:
+            self.scheduler.add_request(request)
+        else:
+            self.loading[rid] = (request, self.offload.lookup(request))
+
+    def _admit_loaded(self) -> None:
+        for rid, (request, lookup) in list(self.loading.items()):
+            if lookup.done():
+                del self.loading[rid]
+                if lookup.exception() is None:
+                    self.offload.install(request, lookup.result())
+                self.scheduler.add_request(request)
 
     def _new_request(self, request_id, prompt_token_ids, params, prefill_only=False) -> Request:
         self.validate_prompt(prompt_token_ids)
@@ -180,6 +213,10 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         """End a request in any state; its blocks are freed now or, if a KV transfer may
         still read them, as soon as the transfer stops."""
+        if self.loading.pop(request_id, None) is not None:
+            if self.prefill_handoff is not None:
+                self.prefill_handoff.abort(request_id)
+            return True
         if self.decode_handoff is not None and self.decode_handoff.abort(request_id):
             return True
         keep = self.prefill_handoff is not None
@@ -195,10 +232,14 @@ class Engine:
         self.scheduler.finish_request(request_id, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.loading)
 
     def step(self) -> list[RequestOutput]:
+        if self.loading:
+            self._admit_loaded()
         out = self.scheduler.schedule()
+        if self.offload is not None:
+            self.offload.save_evicted()
         handoff = self.prefill_handoff
         sends = handoff.plan(out) if handoff else []
         sampled = self.runner.execute(out, handoff.layer_hook(sends) if handoff else None)

@@ -36,7 +36,7 @@ from pdserve.transfer.base import KVReceiver, KVSender, TransferStatus
 log = logging.getLogger(__name__)
 
 TRANSFER_MODES = ("layerwise", "full")
-SEND_TIMEOUT_S = 10.0
+SEND_TIMEOUT_S = 5.0
 RESERVE_TIMEOUT_S = 30.0  # covers the prefill queue: the router notices a dead P sooner
 LAND_TIMEOUT_S = 5.0
 

@@ -24,6 +24,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[int, int] = {}  # block hash -> block id
         self.num_evicted = 0
+        # (block id, hash) of cached blocks handed out again, when a lower tier wants them
+        # (drained before the step that overwrites them); None: not recorded.
+        self.evicted: list[tuple[int, int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -82,3 +85,5 @@ class BlockPool:
             del self.cached_blocks[block_hash]
             self.block_hash[block_id] = None
             self.num_evicted += 1
+            if self.evicted is not None:
+                self.evicted.append((block_id, block_hash))

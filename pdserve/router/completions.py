@@ -72,6 +72,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             prompt_ids,
             params,
             state.config.admission_timeout_s,
+            state.config.max_recoveries,
         )
         return await _run(request, state, api, driver, len(prompt_ids))
     finally:

@@ -44,6 +44,7 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)
     heartbeat_timeout_s: float = 3.0
     admission_timeout_s: float = 10.0
+    max_recoveries: int = 3  # re-drives of one request after worker failures, then 502
     max_pending: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
     max_tokens_limit: int = 1 << 20  # larger max_tokens are rejected as a typo, not clamped
@@ -60,6 +61,10 @@ class RouterConfig:
         for name in ("heartbeat_timeout_s", "admission_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if isinstance(self.max_recoveries, bool) or not isinstance(self.max_recoveries, int):
+            raise ValueError(f"max_recoveries must be an integer, got {self.max_recoveries!r}")
+        if self.max_recoveries < 0:
+            raise ValueError(f"max_recoveries must be >= 0, got {self.max_recoveries}")
         for name in ("max_pending", "max_body_bytes", "max_tokens_limit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -1,13 +1,27 @@
-"""One request's journey through the workers: a small state machine per request.
+"""One request's journey through the workers: a small state machine per request, re-driven
+when a worker fails under it.
 
     collocated:     queued ─Generate──────────────────────────────▶ decoding ─▶ finished
     disaggregated:  queued ─Reserve(D)─▶ reserved ─Prefill(P)─▶ prefilling
-                           ─first token─▶ StartDecode(D) ─▶ decoding ─▶ finished
-                    any state ─▶ aborted (client gone, stop string) | failed (worker error)
+                           ─first token─▶ prefilled ─StartDecode(D)─▶ transferring
+                           ─D's first token─▶ decoding ─▶ finished
+    any state ─worker lost / Failed─▶ recovering ─▶ (a new attempt, below)
+    any state ─▶ aborted (client gone, stop string) | failed (nothing can serve it)
+
+Recovery. Each attempt has a fresh worker-side request id (a receiver must never confuse an
+old attempt's late writes with a new one's), and the old attempt is aborted on every worker.
+  - No token streamed yet: start over (Reserve on a D again, Prefill on a healthy P); with
+    no healthy P, a decode worker prefills locally (`Generate`).
+  - Tokens already streamed: `Generate(prompt, output_token_ids=streamed)` on a decode (or
+    collocated, or as a last resort prefill) worker, which recomputes them as prompt and
+    continues. The stream goes on from the next token: no duplicate, none missing.
+At most `max_recoveries` re-drives; then the last failure is the client's error (502), and
+"no healthy worker of a role" is a 503 at once.
 
 Invariants: nothing reaches P before D has reserved room (admission lives at D); every worker
-that may still hold work for the request is in `outstanding` and gets an Abort from `close()`,
-which the server calls in a `finally`, so a disconnect at any stage frees both sides at once.
+that may still hold work for the attempt is in `outstanding` (or `senders`: a P whose KV is
+still in flight) and gets an Abort from `close()`, which the server calls in a `finally`, so a
+disconnect at any stage frees every side at once.
 """
 
 from __future__ import annotations
@@ -25,19 +39,24 @@ from pdserve.kvcache.hashing import hash_blocks, root_hash
 from pdserve.output_processor import OutputProcessor
 from pdserve.router.policies import RouteRequest, RoutingPolicy
 from pdserve.router.protocol import ApiError, sampling_to_wire
-from pdserve.router.workers import ControlPlane
+from pdserve.router.workers import ControlPlane, WorkerLost
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 _TERMINAL_REASONS = ("stop", "length", "abort")
 _POLL_S = 0.5  # how often a waiting request checks that its workers are still alive
+_GENERATE_ROLES = ("collocated", "decode", "prefill")  # who can run a whole request
 
 
 @dataclass
 class Delta:
     text: str
     finish_reason: str | None  # set on the last delta only
+
+
+class Lost(Exception):
+    """The current attempt cannot finish (a worker died, failed, or missed a deadline)."""
 
 
 class RequestDriver:
@@ -49,6 +68,7 @@ class RequestDriver:
         prompt_token_ids: list[int],
         params: SamplingParams,
         admission_timeout_s: float,
+        max_recoveries: int = 3,
     ) -> None:
         self.plane = plane
         self.policy = policy
@@ -57,6 +77,8 @@ class RequestDriver:
         self.params = params
         self.sampling = sampling_to_wire(params)
         self.admission_timeout_s = admission_timeout_s
+        self.max_recoveries = max_recoveries
+        self.num_recoveries = 0
         self.key = uuid.uuid4().hex  # the processor's key: stable across attempts
         self.request_id = ""  # the worker-side id of the current attempt
         self.state = "queued"
@@ -64,61 +86,39 @@ class RequestDriver:
         self.first_token_time: float | None = None
         self.num_output_tokens = 0
         self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
+        self.senders: dict[str, int] = {}  # prefill workers whose KV may still be in flight
         self._prefill_charge: dict[str, int] = {}  # worker id -> prompt tokens charged
         self._queue: asyncio.Queue[Any] | None = None
         self._excluded: set[str] = set()  # refused for lack of room; retried after a backoff
         self._decode_id = ""
+        self._yielded = False
         processor.add_request(self.key, params.stop)
 
     # ---- public -------------------------------------------------------------------------
 
     async def stream(self) -> AsyncIterator[Delta]:
         """Text deltas until the request ends. Raises ApiError (503 no capacity, 400 refused,
-        502 worker failure); the caller must call `close()` however it ends."""
-        roles = self.plane.healthy_roles()
-        if {"prefill", "decode"} <= roles:
-            first = await self._disaggregated_first_token()
-        elif "collocated" in roles:
-            first = await self._collocated_first_token()
-        else:
-            raise _unavailable("no healthy workers to serve the request")
-        worker_id, tokens = first
-        delta = self._on_tokens(worker_id, tokens, is_prefill=self.state == "prefilled")
-        yield delta
-        if delta.finish_reason is not None:
-            return
-        if self.state == "prefilled":
-            if not tokens.token_ids:
-                raise ApiError(
-                    502, f"prefill worker {worker_id} sent no token", type="server_error"
-                )
-            start = messages.StartDecode(self.request_id, tokens.token_ids[-1])
-            self._send(self._decode_id, start)
-        self._transition("decoding")
+        502 worker failure that recovery could not mend); the caller must call `close()`."""
         while True:
-            message = await self._next()
-            if not isinstance(message, messages.Tokens):
-                kind = type(message).__name__
-                raise ApiError(
-                    502, f"unexpected {kind} from {message.worker_id}", type="server_error"
-                )
-            delta = self._on_tokens(message.worker_id, message, is_prefill=False)
-            if delta.text or delta.finish_reason:
-                yield delta
-            if delta.finish_reason is not None:
+            try:
+                async for delta in self._attempt():
+                    yield delta
                 return
+            except Lost as lost:
+                self._abort_attempt()
+                self.num_recoveries += 1
+                if self.num_recoveries > self.max_recoveries:
+                    raise ApiError(502, str(lost), type="server_error") from None
+                log.warning(
+                    "request %s: %s; re-driving it after %d tokens (recovery %d)",
+                    self.key, lost, self.num_output_tokens, self.num_recoveries,
+                )  # fmt: skip
+                self._transition("recovering")
 
     def close(self, status: str) -> None:
         """Abort whatever may still run, release routing charges. Synchronous on purpose:
         it runs in `finally` blocks of cancelled tasks."""
-        for worker_id in list(self.outstanding):
-            self._send(worker_id, messages.Abort(self.request_id))
-            self._release(worker_id)
-        if self.outstanding:
-            log.debug("request %s aborted on %s", self.request_id, sorted(self.outstanding))
-        self.outstanding.clear()
-        if self.request_id:
-            self.plane.close_request(self.request_id)
+        self._abort_attempt()
         self.processor.remove(self.key)
         self._transition(status)
 
@@ -128,14 +128,58 @@ class RequestDriver:
 
     # ---- flows --------------------------------------------------------------------------
 
-    async def _collocated_first_token(self) -> tuple[str, messages.Tokens]:
+    async def _attempt(self) -> AsyncIterator[Delta]:
+        roles = self.plane.healthy_roles()
+        if not self.num_output_tokens and {"prefill", "decode"} <= roles:
+            worker_id, tokens = await self._disaggregated_first_token()
+        else:
+            worker_id, tokens = await self._generate_first_token(roles)
+        delta = self._on_tokens(worker_id, tokens, is_prefill=self.state == "prefilled")
+        if not self._yielded or delta.text or delta.finish_reason:
+            self._yielded = True
+            yield delta
+        if delta.finish_reason is not None:
+            return
+        if self.state == "prefilled":
+            if not tokens.token_ids:
+                raise ApiError(
+                    502, f"prefill worker {worker_id} sent no token", type="server_error"
+                )
+            self._send(self._decode_id, messages.StartDecode(self.request_id, tokens.token_ids[-1]))
+            self._transition("transferring")
+        while True:
+            message = await self._next()
+            if not isinstance(message, messages.Tokens) or message.worker_id in self.senders:
+                kind = type(message).__name__
+                raise ApiError(
+                    502, f"unexpected {kind} from {message.worker_id}", type="server_error"
+                )
+            if self.state != "decoding":
+                self.senders.clear()  # D decodes: its KV has landed
+                self._transition("decoding")
+            delta = self._on_tokens(message.worker_id, message, is_prefill=False)
+            if delta.text or delta.finish_reason:
+                yield delta
+            if delta.finish_reason is not None:
+                return
+
+    async def _generate_first_token(self, roles: set[str]) -> tuple[str, messages.Tokens]:
+        """The whole request on one worker: collocated, a decode worker prefilling locally
+        (no healthy prefill worker), or a resumed request recomputing its streamed tokens."""
+        role = next((r for r in _GENERATE_ROLES if r in roles), None)
+        if role is None:
+            raise _unavailable("no healthy worker can serve the request")
         deadline = time.monotonic() + self.admission_timeout_s
+        done = list(self.processor.states[self.key].token_ids)
         while True:
             self._new_attempt()
-            worker_id = await self._pick("collocated", deadline)
-            generate = messages.Generate(self.request_id, self.prompt_token_ids, self.sampling)
+            worker_id = await self._pick(role, deadline)
+            generate = messages.Generate(
+                self.request_id, self.prompt_token_ids, self.sampling, done
+            )
             self._send(worker_id, generate)
-            self._charge_prefill(worker_id)
+            self._charge_prefill(worker_id, len(done))
+            self._transition("prefilling")
             reply = await self._next()
             if isinstance(reply, messages.Tokens):
                 self._transition("decoding")
@@ -169,8 +213,8 @@ class RequestDriver:
             self._transition("prefilling")
             first = await self._next()
             if isinstance(first, messages.Tokens) and first.worker_id == prefill_id:
-                self._release(prefill_id)  # P is done with this request
-                self.outstanding.pop(prefill_id)
+                self._release(prefill_id)  # P is done computing; its KV may still be in flight
+                self.senders[prefill_id] = self.outstanding.pop(prefill_id)
                 self._transition("prefilled")
                 return prefill_id, first
             self._on_refused(first, deadline)
@@ -211,8 +255,6 @@ class RequestDriver:
 
     def _on_refused(self, reply: Any, deadline: float) -> None:
         """Handle a non-success reply during admission: retry (return) or raise."""
-        if isinstance(reply, messages.Failed):
-            self._fail(reply)
         if not isinstance(reply, messages.Rejected):
             kind = type(reply).__name__
             raise ApiError(502, f"unexpected {kind} during admission", type="server_error")
@@ -226,8 +268,8 @@ class RequestDriver:
             raise _unavailable(f"no worker had room within the admission timeout ({reply.reason})")
 
     async def _next(self, deadline: float | None = None) -> Any:
-        """The next message from a worker of this request (others' late messages dropped).
-        Raises 503 past `deadline` and 502 when an involved worker dies or fails."""
+        """The next message from a worker of this attempt (others' late messages dropped).
+        Raises 503 past `deadline`, and Lost when an involved worker dies or fails."""
         assert self._queue is not None
         while True:
             if self._queue.empty():
@@ -243,16 +285,19 @@ class RequestDriver:
                     continue
             else:
                 message = self._queue.get_nowait()
-            if message.worker_id not in self.outstanding:
+            involved = message.worker_id in self.outstanding or message.worker_id in self.senders
+            if not involved:
                 continue
+            if isinstance(message, WorkerLost):
+                raise Lost(f"worker {message.worker_id} lost: {message.reason}")
             if isinstance(message, messages.Failed):
-                self._fail(message)
+                raise Lost(f"worker {message.worker_id} failed: {message.error}")
             return message
 
     def _on_tokens(self, worker_id: str, tokens: messages.Tokens, is_prefill: bool) -> Delta:
         if self.first_token_time is None and tokens.token_ids:
             self.first_token_time = time.monotonic()
-            self._release_prefill(worker_id)
+        self._release_prefill(worker_id)
         # A prefill worker is always "finished"; only a terminal reason ends the request.
         worker_done = tokens.finished and (
             not is_prefill or tokens.finish_reason in _TERMINAL_REASONS
@@ -260,6 +305,7 @@ class RequestDriver:
         if worker_done:
             self._release(worker_id)
             self.outstanding.pop(worker_id, None)
+            self.senders.clear()
         room = self.params.max_tokens - self.num_output_tokens
         token_ids = tokens.token_ids[:room]
         hit_length = len(token_ids) >= room
@@ -273,19 +319,9 @@ class RequestDriver:
         return Delta(text.text, "length" if hit_length else None)
 
     def _check_alive(self) -> None:
-        for worker_id, epoch in list(self.outstanding.items()):
+        for worker_id, epoch in [*self.outstanding.items(), *self.senders.items()]:
             if not self.plane.is_healthy(worker_id, epoch):
-                self._release(worker_id)
-                self.outstanding.pop(worker_id)
-                raise ApiError(502, f"worker {worker_id} stopped responding", type="server_error")
-
-    def _fail(self, failed: messages.Failed) -> None:
-        self._release(failed.worker_id)
-        self.outstanding.pop(failed.worker_id, None)
-        self._transition("failing")
-        raise ApiError(
-            502, f"worker {failed.worker_id} failed: {failed.error}", type="server_error"
-        )
+                raise Lost(f"worker {worker_id} stopped responding")
 
     def _new_attempt(self) -> None:
         if self.request_id:
@@ -293,13 +329,28 @@ class RequestDriver:
         self.request_id = f"cmpl-{uuid.uuid4().hex}"
         self._queue = self.plane.open(self.request_id)
 
+    def _abort_attempt(self) -> None:
+        """Abort the attempt on every worker that may still hold work for it."""
+        involved = sorted({*self.outstanding, *self.senders})
+        for worker_id in involved:
+            self._send(worker_id, messages.Abort(self.request_id))
+            self._release(worker_id)
+        if involved:
+            log.debug("request %s aborted on %s", self.request_id, involved)
+        self.outstanding.clear()
+        self.senders.clear()
+        self._excluded.clear()
+        if self.request_id:
+            self.plane.close_request(self.request_id)
+
     def _send(self, worker_id: str, message: Any) -> None:
         if not self.plane.send(worker_id, message) and not isinstance(message, messages.Abort):
-            raise ApiError(502, f"cannot reach worker {worker_id}", type="server_error")
+            raise Lost(f"cannot reach worker {worker_id}")
 
-    def _charge_prefill(self, worker_id: str) -> None:
-        self._prefill_charge[worker_id] = len(self.prompt_token_ids)
-        self.plane.workers[worker_id].sent_prefill_tokens += len(self.prompt_token_ids)
+    def _charge_prefill(self, worker_id: str, num_done: int = 0) -> None:
+        num_tokens = len(self.prompt_token_ids) + num_done
+        self._prefill_charge[worker_id] = num_tokens
+        self.plane.workers[worker_id].sent_prefill_tokens += num_tokens
 
     def _release_prefill(self, worker_id: str) -> None:
         charge = self._prefill_charge.pop(worker_id, 0)

@@ -97,6 +97,18 @@ class RouterMetrics:
         family("pdserve_kv_blocks_free", "gauge", "Free KV blocks.", per_worker("num_free_blocks"))
         family("pdserve_kv_blocks_total", "gauge", "KV blocks.", per_worker("num_total_blocks"))
         family(
+            "pdserve_router_active_requests",
+            "gauge",
+            "Requests the router has on the worker now (its own count, not the worker's).",
+            per_worker("active_requests"),
+        )
+        family(
+            "pdserve_unacked_releases",
+            "gauge",
+            "Aborts sent to the worker and not yet acknowledged (Released).",
+            per_worker("unacked_releases"),
+        )
+        family(
             "pdserve_kv_transfer_bytes_total",
             "counter",
             "KV cache bytes sent/received by the worker.",

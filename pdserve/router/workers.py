@@ -6,6 +6,13 @@
 Incoming messages are dispatched by request_id to the per-request asyncio queue a driver
 opened; Ready and Stats update the table. Sends are synchronous non-blocking ZMQ calls, so an
 Abort can be sent from a `finally` during task cancellation without awaiting anything.
+
+Failure detection, within a bound: a worker is *lost* when its control connection drops (a
+ZMQ socket monitor sees the process die at once) or when no message came from it for
+`heartbeat_timeout_s` (a hung process). Losing a worker bumps its epoch (its requests are
+gone even if it comes back) and puts a `WorkerLost` into every open request queue, so the
+drivers waiting on it re-drive their requests now instead of at their next poll. Every Abort
+expects a `Released` back; unacknowledged ones are counted (a metric) and re-sent.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve import messages
 from pdserve.router.config import RouterConfig, WorkerEndpoint
@@ -27,6 +35,15 @@ from pdserve.router.policies import WorkerLoad
 log = logging.getLogger(__name__)
 
 _REQUEST_MESSAGES = (messages.Reserved, messages.Rejected, messages.Tokens, messages.Failed)
+_MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass
+class WorkerLost:
+    """Put into request queues when a worker is lost (not a wire message)."""
+
+    worker_id: str
+    reason: str
 
 
 @dataclass
@@ -38,6 +55,8 @@ class WorkerState:
     epoch: int = 0  # +1 per Ready: a re-announced worker has lost its earlier requests
     sent_prefill_tokens: int = 0  # prompt tokens sent, first token not yet back
     active_requests: int = 0  # requests the router has on this worker now
+    lost: bool = False  # declared dead; cleared when it is heard from (or reconnects) again
+    disconnected: bool = False  # its control connection dropped and has not come back
 
     @property
     def worker_id(self) -> str:
@@ -59,7 +78,10 @@ class ControlPlane:
         self._pull: zmq.asyncio.Socket | None = None
         self._pushes: dict[str, zmq.Socket] = {}
         self._recv_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._monitors: list[zmq.asyncio.Socket] = []
         self._unknown_logged: set[str] = set()
+        self.unacked_releases: dict[tuple[str, str], float] = {}  # (worker, request) -> sent
 
     async def start(self) -> None:
         self._pull = self._async_ctx.socket(zmq.PULL)
@@ -69,19 +91,73 @@ class ControlPlane:
             push = self._sync_ctx.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.setsockopt(zmq.SNDHWM, 100_000)
+            monitor_ctx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
+            address = f"inproc://monitor-{id(self)}-{worker.worker_id}"
+            push.monitor(address, _MONITOR_EVENTS)
+            monitor = monitor_ctx.socket(zmq.PAIR)
+            monitor.connect(address)
+            self._monitors.append(monitor)
             push.connect(worker.endpoint.address)
             self._pushes[worker.worker_id] = push
+            self._tasks.append(asyncio.create_task(self._monitor_loop(worker, monitor)))
         self._recv_task = asyncio.create_task(self._recv_loop(), name="router-ctrl-recv")
+        self._tasks += [self._recv_task, asyncio.create_task(self._watch_loop())]
 
     async def close(self) -> None:
-        if self._recv_task:
-            self._recv_task.cancel()
-            await asyncio.gather(self._recv_task, return_exceptions=True)
-        for sock in [self._pull, *self._pushes.values()]:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for push in self._pushes.values():
+            push.disable_monitor()
+        for sock in [self._pull, *self._monitors, *self._pushes.values()]:
             if sock is not None:
                 sock.close(linger=0)
         self._async_ctx.term()
         self._sync_ctx.term()
+
+    # ---- failure detection --------------------------------------------------------------
+
+    async def _monitor_loop(self, worker: WorkerState, monitor: zmq.asyncio.Socket) -> None:
+        """Connection events of the socket to `worker`: a drop means the process is gone
+        (or its socket is); a new connection means something listens there again."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                worker.disconnected = True
+                self.lose(worker.worker_id, "its control connection dropped")
+            elif event == zmq.EVENT_CONNECTED:
+                worker.disconnected = False
+
+    async def _watch_loop(self) -> None:
+        """Heartbeats: a worker silent for heartbeat_timeout_s is lost. Also re-sends Aborts
+        a live worker has not acknowledged within that time."""
+        interval_s = min(0.25, self.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            now = self.clock()
+            for worker in self.workers.values():
+                silent_s = now - worker.last_seen
+                if worker.ready and not worker.lost and silent_s > self.config.heartbeat_timeout_s:
+                    self.lose(worker.worker_id, f"no heartbeat for {silent_s:.1f} s")
+            for (worker_id, request_id), sent in list(self.unacked_releases.items()):
+                if now - sent > self.config.heartbeat_timeout_s and self.is_healthy(worker_id):
+                    log.warning("abort of %s on %s not acknowledged: resent", request_id, worker_id)
+                    self.send(worker_id, messages.Abort(request_id))
+
+    def lose(self, worker_id: str, reason: str) -> None:
+        """Declare a worker dead now: its requests are gone (epoch bump) and every waiting
+        driver hears it at once. It serves again once heard from (a new epoch)."""
+        worker = self.workers[worker_id]
+        if worker.lost:
+            return
+        log.warning("worker %s lost: %s", worker_id, reason)
+        worker.lost = True
+        worker.epoch += 1
+        worker.sent_prefill_tokens = worker.active_requests = 0
+        for key in [k for k in self.unacked_releases if k[0] == worker_id]:
+            del self.unacked_releases[key]  # its memory went with it
+        for queue in self._queues.values():
+            queue.put_nowait(WorkerLost(worker_id, reason))
 
     # ---- sending ------------------------------------------------------------------------
 
@@ -91,6 +167,8 @@ class ControlPlane:
             self._pushes[worker_id].send(
                 messages.encode(message, self.config.secret), flags=zmq.NOBLOCK
             )
+            if isinstance(message, messages.Abort):
+                self.unacked_releases[(worker_id, message.request_id)] = self.clock()
             return True
         except (KeyError, zmq.ZMQError) as exc:
             log.error("cannot send %s to %s: %r", type(message).__name__, worker_id, exc)
@@ -133,6 +211,9 @@ class ControlPlane:
                 log.warning("message from unconfigured worker %r ignored", worker_id)
             return
         worker.last_seen = self.clock()
+        if worker.lost and not worker.disconnected:
+            log.info("worker %s is back", worker_id)
+            worker.lost = False
         if isinstance(message, messages.Ready):
             if message.role != worker.endpoint.role:
                 log.warning(
@@ -145,6 +226,9 @@ class ControlPlane:
             log.info("worker %s ready: %s", worker_id, message)
         elif isinstance(message, messages.Stats):
             worker.stats = message
+        elif isinstance(message, messages.Released):
+            self.unacked_releases.pop((worker_id, message.request_id), None)
+            log.debug("worker %s released %s", worker_id, message.request_id)
         elif isinstance(message, _REQUEST_MESSAGES):
             queue = self._queues.get(message.request_id)
             if queue is None:
@@ -161,7 +245,7 @@ class ControlPlane:
         worker = self.workers.get(worker_id)
         if worker is None or worker.ready is None:
             return False
-        if epoch is not None and worker.epoch != epoch:
+        if worker.lost or worker.disconnected or (epoch is not None and worker.epoch != epoch):
             return False
         return self.clock() - worker.last_seen <= self.config.heartbeat_timeout_s
 

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.kvstore.config import KVStoreConfig
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 
@@ -30,7 +31,7 @@ class WorkerSpec:
     wire_kv_cache_dtype: str = "auto"  # prefill: the decode workers' KV dtype (converted to)
     heartbeat_interval_s: float = 0.5
     # Deadlines on waits for a peer (engine/kv_handoff.py says which wait each bounds).
-    kv_send_timeout_s: float = 10.0
+    kv_send_timeout_s: float = 5.0
     kv_reserve_timeout_s: float = 30.0
     kv_land_timeout_s: float = 5.0
 
@@ -46,6 +47,7 @@ class WorkerSpec:
             cache=CacheConfig(**e["cache"]),
             scheduler=SchedulerConfig(**e["scheduler"]),
             device=DeviceConfig(**e["device"]),
+            kvstore=KVStoreConfig(**e["kvstore"]),
             seed=e["seed"],
         )
         return cls(engine=engine, **{k: tuple(v) if k == "cpus" else v for k, v in data.items()})

@@ -64,6 +64,8 @@ class FakeWorker:
         self.prefill_s: float = behaviour.get("prefill_s", 0.0)
         self.reject_reserves: int = behaviour.get("reject_reserves", 0)  # -1: always
         self.fail_with: str | None = behaviour.get("fail_with")
+        self.fail_times: int = behaviour.get("fail_times", -1)  # -1: every request
+        self.die_after_tokens: int | None = behaviour.get("die_after_tokens")
         self.max_model_len: int = behaviour.get("max_model_len", 512)
         self.heartbeat = True
         self.num_tokens_sent = 0
@@ -107,8 +109,11 @@ class FakeWorker:
             task = self._tasks.pop(m.request_id, None)
             if task:
                 task.cancel()
-        elif isinstance(m, messages.Generate):
-            self._start(m.request_id, script[: m.sampling["max_tokens"]])
+            self.send(messages.Released(self.worker_id, m.request_id))
+        elif isinstance(m, messages.Generate):  # resumed: continue the script where it was
+            done = m.output_token_ids
+            assert done == script[: len(done)], "resumed with tokens the script never made"
+            self._start(m.request_id, script[len(done) : m.sampling["max_tokens"]])
         elif isinstance(m, messages.Reserve):
             if self.reject_reserves:
                 self.reject_reserves -= 1
@@ -125,7 +130,7 @@ class FakeWorker:
 
     async def _prefill(self, m: messages.Prefill) -> None:
         await asyncio.sleep(self.prefill_s)
-        if self.fail_with:
+        if self._should_fail():
             self.send(messages.Failed(self.worker_id, m.request_id, self.fail_with))
             return
         first = self.cluster.script[0]
@@ -139,8 +144,11 @@ class FakeWorker:
     async def _emit(self, request_id: str, token_ids: list[int]) -> None:
         for i, token_id in enumerate(token_ids):
             await asyncio.sleep(self.step_s)
-            if self.fail_with and i == 1:
+            if i == 1 and self._should_fail():
                 self.send(messages.Failed(self.worker_id, request_id, self.fail_with))
+                return
+            if self.die_after_tokens is not None and self.num_tokens_sent >= self.die_after_tokens:
+                self.cluster.kill(self.worker_id)
                 return
             if token_id == EOS:
                 self._tokens(request_id, [token_id], True, "stop")
@@ -148,6 +156,12 @@ class FakeWorker:
             last = i == len(token_ids) - 1
             self._tokens(request_id, [token_id], last, "length" if last else None)
         self._tasks.pop(request_id, None)
+
+    def _should_fail(self) -> bool:
+        if not self.fail_with or self.fail_times == 0:
+            return False
+        self.fail_times -= 1
+        return True
 
     def _tokens(self, request_id: str, ids: list[int], finished: bool, reason: str | None) -> None:
         self.num_tokens_sent += len(ids)
@@ -188,7 +202,7 @@ class Cluster:
         self._start_workers = start_workers
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._worker_tasks: list[asyncio.Task[None]] = []
+        self._worker_tasks: dict[str, asyncio.Task[None]] = {}
 
     def __enter__(self) -> Cluster:
         self._thread.start()
@@ -211,18 +225,24 @@ class Cluster:
         self.url = f"http://127.0.0.1:{port}"
 
     async def _teardown(self) -> None:
-        for task in self._worker_tasks:
+        for task in self._worker_tasks.values():
             task.cancel()
-        await asyncio.gather(*self._worker_tasks, return_exceptions=True)
+        await asyncio.gather(*self._worker_tasks.values(), return_exceptions=True)
         await self.runner.cleanup()
         self.zmq_ctx.term()
 
     def start_workers(self) -> None:
         async def spawn() -> None:
             for worker in self.workers.values():
-                self._worker_tasks.append(asyncio.create_task(worker.run()))
+                self._worker_tasks[worker.worker_id] = asyncio.create_task(worker.run())
 
         self.call(spawn())
+
+    def kill(self, worker_id: str) -> None:
+        """The worker's process "dies": its sockets close, its tasks stop (thread-safe)."""
+        task = self._worker_tasks[worker_id]
+        self.events.append((worker_id, "killed", ""))
+        self.loop.call_soon_threadsafe(task.cancel)
 
     @property
     def app_state(self) -> Any:

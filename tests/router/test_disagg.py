@@ -114,8 +114,11 @@ def test_decode_failure_is_an_sse_error_event(tokenizer_dir: Path, script: list[
         c.wait_until(lambda: c.app_state.metrics.requests["failed"] == 1)
 
 
-def test_prefill_failure_is_502_and_aborts_decode(tokenizer_dir: Path, script: list[int]) -> None:
-    with Cluster(tokenizer_dir, script, PD, {"p0": {"fail_with": "oom"}}) as c:
+def test_prefill_failing_every_time_is_502(tokenizer_dir: Path, script: list[int]) -> None:
+    behaviour = {"p0": {"fail_with": "oom"}}
+    with Cluster(tokenizer_dir, script, PD, behaviour, max_recoveries=1) as c:
         r = post(c, {"prompt": "Hi", "max_tokens": 9})
         assert r.status_code == 502 and "oom" in r.json()["error"]["message"]
-        c.wait_until(lambda: c.kinds("d0") == ["Reserve", "Abort"])
+        c.wait_until(lambda: c.kinds("d0") == ["Reserve", "Abort"] * 2)  # one re-drive
+        assert len({rid for wid, _, rid in c.events if wid == "d0"}) == 2  # fresh ids
+        c.wait_until(lambda: not c.app_state.plane.unacked_releases)

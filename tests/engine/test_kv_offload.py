@@ -1,0 +1,74 @@
+"""Prefix hits from the tiers below L1: blocks evicted from a small worker pool walk down to
+host DRAM / disk / Redis, come back for a repeated prefix, and give the same greedy output."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import Engine
+from pdserve.kvcache.hashing import hash_blocks
+from pdserve.kvstore.config import KVStoreConfig
+from tests.engine.test_engine import GREEDY, prompts, run
+from tests.kvstore.conftest import redis_server  # noqa: F401  (fixture)
+
+NUM_BLOCKS, BLOCK_SIZE = 24, 4
+
+
+def engine(model_dir, store: KVStoreConfig) -> Engine:
+    cache = CacheConfig(block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512)
+    return Engine(EngineConfig(model="tiny", cache=cache, kvstore=store), model_dir)
+
+
+def shared_prefix_run(eng: Engine, prefix: list[int]) -> tuple[list[int], int]:
+    """Run prefix+tail, flush L1 with other prompts, run it again: (output, cached tokens)."""
+    first = run(eng, [prefix + [7, 7]])[0]
+    run(eng, prompts(4, seed=9, lo=30, hi=40))  # evicts the prefix's blocks from L1
+    eng.offload.store.flush(5)
+    first_block = hash_blocks(prefix, BLOCK_SIZE, eng.kv.root_hash)[0]
+    assert eng.kv.pool.lookup(first_block) is None  # really gone from L1
+    request = eng.add_request("again", prefix + [7, 7], GREEDY)
+    out = []
+    while eng.has_unfinished_requests():
+        out += [t for o in eng.step() for t in o.new_token_ids]
+    assert out == first
+    return out, request.num_cached_tokens
+
+
+@pytest.fixture
+def prefix():
+    return prompts(1, seed=3, lo=40, hi=41)[0]
+
+
+def test_host_tier_serves_an_evicted_prefix(tiny_model_dir, tmp_path, prefix):
+    eng = engine(tiny_model_dir, KVStoreConfig(host_bytes=1 << 20, host_root=str(tmp_path)))
+    _, cached = shared_prefix_run(eng, prefix)
+    assert cached == 40  # all 10 full blocks of the 42-token prompt (1 token left to compute)
+    assert eng.offload.num_blocks_saved > 0 and eng.offload.num_tokens_loaded >= 40
+    assert eng.kv.num_free_blocks == NUM_BLOCKS
+
+
+def test_disk_tier_alone(tiny_model_dir, tmp_path, prefix):
+    store = KVStoreConfig(disk_dir=str(tmp_path / "kv"), disk_bytes=1 << 20)
+    _, cached = shared_prefix_run(engine(tiny_model_dir, store), prefix)
+    assert cached == 40
+
+
+def test_redis_tier_and_redis_dying(tiny_model_dir, prefix, redis_server):  # noqa: F811
+    eng = engine(tiny_model_dir, KVStoreConfig(redis_url=redis_server.url))
+    _, cached = shared_prefix_run(eng, prefix)
+    assert cached == 40
+    redis_server.stop()  # every later lookup misses; requests still complete
+    out = run(eng, prompts(3, seed=11, lo=30, hi=40))
+    assert all(len(o) == GREEDY.max_tokens for o in out)
+
+
+def test_without_tiers_the_prefix_is_recomputed(tiny_model_dir, prefix):
+    eng = engine(tiny_model_dir, KVStoreConfig())
+    assert eng.offload is None
+    run(eng, [prefix + [7, 7]])
+    run(eng, prompts(4, seed=9, lo=30, hi=40))
+    request = eng.add_request("again", prefix + [7, 7], GREEDY)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert request.num_cached_tokens == 0
