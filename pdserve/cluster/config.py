@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.kvstore.config import KVStoreConfig
 from pdserve.transfer.bandwidth import parse_bandwidth
 
 BACKENDS = ("auto", "shm", "tcp")
@@ -91,6 +92,9 @@ class Pipeline:
     api_key: str | None = field(default=None, repr=False)
     dtype: str = "float32"
     startup_timeout_s: float = 600.0
+    # Tiers below each worker's pool. `redis_url: local` has the launcher start a private
+    # redis-server (Debian's package) for a one-host cluster.
+    kv_pool: KVStoreConfig = KVStoreConfig()
 
     def __post_init__(self) -> None:
         disagg = self.prefill is not None or self.decode is not None
@@ -116,6 +120,9 @@ def pipeline_from_dict(data: dict[str, Any]) -> Pipeline:
         if kwargs.get(name) is not None:
             _no_unknown(name, kwargs[name], {f.name for f in dataclasses.fields(Role)})
             kwargs[name] = Role(**kwargs[name])
+    if "kv_pool" in kwargs:
+        _no_unknown("kv_pool", kwargs["kv_pool"], {f.name for f in dataclasses.fields(KVStoreConfig)})
+        kwargs["kv_pool"] = KVStoreConfig(**kwargs["kv_pool"])
     if "kv_transfer" in kwargs:
         _no_unknown(
             "kv_transfer", kwargs["kv_transfer"], {f.name for f in dataclasses.fields(TensorStore)}

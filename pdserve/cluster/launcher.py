@@ -10,10 +10,12 @@ no orphan behind.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,12 +57,12 @@ class Process:
     popen: subprocess.Popen
 
 
-def worker_specs(p: Pipeline, router_address: str) -> list[WorkerSpec]:
+def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerSpec]:
     specs = []
     for role, r in p.roles:
         for i in range(r.num):
             specs.append(WorkerSpec(
-                worker_id=f"{role}-{i}", role=role, engine=_engine_config(p, r),
+                worker_id=f"{role}-{i}", role=role, engine=_engine_config(p, r, kv_pool),
                 ctrl_address=f"tcp://127.0.0.1:{free_port()}", router_address=router_address,
                 cpus=r.cpus_of(i), transfer_backend=p.kv_transfer.backend,
                 transfer_mode=p.kv_transfer.mode,
@@ -71,9 +73,10 @@ def worker_specs(p: Pipeline, router_address: str) -> list[WorkerSpec]:
     return specs
 
 
-def _engine_config(p: Pipeline, r: Role) -> EngineConfig:
+def _engine_config(p: Pipeline, r: Role, kv_pool=None) -> EngineConfig:
     return EngineConfig(
         model=p.model,
+        kvstore=kv_pool or p.kv_pool,
         cache=CacheConfig(
             kv_cache_bytes=r.kv_cache_bytes,
             enable_prefix_caching=r.enable_prefix_caching,
@@ -113,7 +116,10 @@ class Cluster:
         secret = secrets.token_bytes(32)
         env = {**os.environ, SECRET_ENV: secret.hex()}
         router_address = f"tcp://127.0.0.1:{free_port()}"
-        specs = worker_specs(p, router_address)
+        kv_pool = p.kv_pool
+        if kv_pool.redis_url == "local":
+            kv_pool = dataclasses.replace(kv_pool, redis_url=self._start_redis())
+        specs = worker_specs(p, router_address, kv_pool)
         for spec in specs:
             self._spawn(
                 spec.worker_id,
@@ -128,6 +134,21 @@ class Cluster:
         }  # fmt: skip
         self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)], env)
         self._wait_healthy(p.startup_timeout_s)
+
+    def _start_redis(self) -> str:
+        """A private redis-server for a one-host cluster (L4), LRU-evicting at 1 GiB."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ClusterError("kv_pool.redis_url is 'local' but redis-server is not installed "
+                               "(apt-get install redis-server)")  # fmt: skip
+        port = free_port()
+        popen = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+             "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        self.processes.append(Process("redis", popen))
+        return f"redis://127.0.0.1:{port}/0"
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", *args]

@@ -40,6 +40,10 @@ def add_up_parser(sub) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="per worker")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
                    help="KV storage of every worker (per role: the config file's field)")
+    p.add_argument("--kv-host-bytes", type=int, default=None, help="L2: host DRAM (shm) tier")
+    p.add_argument("--kv-disk-dir", default=None, help="L3: local disk tier directory")
+    p.add_argument("--kv-disk-bytes", type=int, default=None)
+    p.add_argument("--kv-redis-url", default=None, help="L4: redis://host:port/db, or 'local'")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"or ${API_KEY_ENV}")
@@ -73,6 +77,12 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
             counts = {"prefill": 1, "decode": 1, "collocated": None}
     if store:
         data["kv_transfer"] = {**data.get("kv_transfer", {}), **store}
+    pool = {k: v for k, v in {
+        "host_bytes": args.kv_host_bytes, "disk_dir": args.kv_disk_dir,
+        "disk_bytes": args.kv_disk_bytes, "redis_url": args.kv_redis_url,
+    }.items() if v is not None}  # fmt: skip
+    if pool:
+        data["kv_pool"] = {**data.get("kv_pool", {}), **pool}
     next_cpu = 0
     for name, num in counts.items():
         if num is None and not (args.config and data.get(name)):

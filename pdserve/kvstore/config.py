@@ -34,7 +34,7 @@ class KVStoreConfig:
                 "kvstore.disk_dir and kvstore.disk_bytes go together: set both or neither "
                 f"(disk_dir={self.disk_dir!r}, disk_bytes={self.disk_bytes})"
             )
-        if self.redis_url is not None and not self.redis_url.startswith("redis://"):
+        if self.redis_url not in (None, "local") and not self.redis_url.startswith("redis://"):
             raise ValueError(f"kvstore.redis_url must start with redis://, got {self.redis_url!r}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"kvstore.redis_timeout_s must be > 0, got {self.redis_timeout_s}")

@@ -93,7 +93,7 @@ def test_nothing_left_to_serve_is_a_clear_error(tokenizer_dir: Path, script: lis
     behaviour = {"d0": {"die_after_tokens": 3}, "p0": {"die_after_tokens": 4}}
     with Cluster(tokenizer_dir, script, {"p0": "prefill", "d0": "decode"}, behaviour) as c:
         text, events = stream_text(c, max_tokens=8)
-        assert text == OUTPUT_TEXT[:4]  # what was served stays served
+        assert text == OUTPUT_TEXT[:7]  # 4 from P then d0, 3 more from p0: all kept, none twice
         error = events[-1]["error"]
         assert error["code"] == "overloaded" and "no healthy worker" in error["message"]
         r = requests.post(f"{c.url}/v1/completions", json={"prompt": "Hi"})
