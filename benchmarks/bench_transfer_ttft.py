@@ -124,12 +124,16 @@ def main() -> None:
             row["hidden"] = 1 - row["layerwise"] / row["full"] if row["full"] > 0 else 0.0
             results.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| backend | cap | tokens | KV MB | added by full (ms) | added by layerwise (ms) "
-          "| hidden by layerwise |")
+    print(
+        "\n| backend | cap | tokens | KV MB | added by full (ms) | added by layerwise (ms) "
+        "| hidden by layerwise |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['backend']} | {r['cap']} | {r['tokens']} | {r['tokens'] * 46080 / 1e6:.1f} "
-              f"| {r['full']:.1f} | {r['layerwise']:.1f} | {r['hidden']:.0%} |")
+        print(
+            f"| {r['backend']} | {r['cap']} | {r['tokens']} | {r['tokens'] * 46080 / 1e6:.1f} "
+            f"| {r['full']:.1f} | {r['layerwise']:.1f} | {r['hidden']:.0%} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -121,7 +121,8 @@ def pipeline_from_dict(data: dict[str, Any]) -> Pipeline:
             _no_unknown(name, kwargs[name], {f.name for f in dataclasses.fields(Role)})
             kwargs[name] = Role(**kwargs[name])
     if "kv_pool" in kwargs:
-        _no_unknown("kv_pool", kwargs["kv_pool"], {f.name for f in dataclasses.fields(KVStoreConfig)})
+        known = {f.name for f in dataclasses.fields(KVStoreConfig)}
+        _no_unknown("kv_pool", kwargs["kv_pool"], known)
         kwargs["kv_pool"] = KVStoreConfig(**kwargs["kv_pool"])
     if "kv_transfer" in kwargs:
         _no_unknown(

@@ -38,8 +38,12 @@ def add_up_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--pin-cpus", action="store_true", help="one core per worker, in order")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="per worker")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
-                   help="KV storage of every worker (per role: the config file's field)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default=None,
+        help="KV storage of every worker (per role: the config file's field)",
+    )
     p.add_argument("--kv-host-bytes", type=int, default=None, help="L2: host DRAM (shm) tier")
     p.add_argument("--kv-disk-dir", default=None, help="L3: local disk tier directory")
     p.add_argument("--kv-disk-bytes", type=int, default=None)

@@ -18,9 +18,9 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
 from pdserve.engine.kv_offload import KVOffload
-from pdserve.engine.wire_source import WireSource
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason, Request

@@ -32,7 +32,8 @@ def test_greedy_matches_transformers(llm):
 
     from pdserve.sampling_params import SamplingParams
 
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    chat = llm.tokenizer.apply_chat_template
+    prompts = [chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     # Both stop at EOS (HF's min_new_tokens would mask EOS, which is a different model).
     ours = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
     hf = LlamaForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
@@ -44,7 +45,7 @@ def test_greedy_matches_transformers(llm):
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
                 pad_token_id=0,
-            )[0, len(prompt):].tolist()
+            )[0, len(prompt) :].tolist()
         assert out.token_ids == ref, llm.tokenizer.decode(prompt)
     assert "Paris" in ours[0].text
     assert sum(len(o.token_ids) == NEW_TOKENS for o in ours) >= 5  # most run the full 32
@@ -57,8 +58,10 @@ def test_stop_string_and_streaming(llm):
     full = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
     assert "Paris" in full.text
     cut = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=["Paris"]))[0]
-    assert cut.finish_reason == "stop" and full.text.startswith(cut.text) and "Paris" not in cut.text
-    streamed = "".join(c.text for c in llm.stream([prompt], SamplingParams(max_tokens=24, temperature=0)))
+    assert cut.finish_reason == "stop" and full.text.startswith(cut.text)
+    assert "Paris" not in cut.text
+    chunks = llm.stream([prompt], SamplingParams(max_tokens=24, temperature=0))
+    streamed = "".join(c.text for c in chunks)
     assert streamed == full.text
 
 

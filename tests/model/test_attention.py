@@ -3,13 +3,13 @@
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.kv_cache import LayerCache
 from pdserve.model.attention import (
     AttentionMetadata,
     PrefillSpan,
     decode_tables,
     paged_attention,
 )
+from pdserve.model.kv_cache import LayerCache
 
 H, KVH, D, BS, NB = 4, 2, 8, 4, 32
 
@@ -63,7 +63,7 @@ def test_batched_decodes_of_different_lengths_and_a_prefill_in_one_step():
     tables = [[1, 2], [3, 4, 8, 9, 10], [11]]
     kv = torch.zeros(NB, 2, KVH, BS, D)
     # Fill each sequence's context except its last token, as earlier steps would have.
-    for (q, k, v), blocks, n in zip(seqs, tables, lens):
+    for (_, k, v), blocks, n in zip(seqs, tables, lens):
         if n > 1:
             sb, so = slots(blocks, range(n - 1))
             kv[sb, 0, :, so], kv[sb, 1, :, so] = k[: n - 1], v[: n - 1]

@@ -37,7 +37,9 @@ def test_prefill_failing_once_is_prefilled_again(tokenizer_dir: Path, script: li
         assert c.kinds("d0") == ["Reserve", "Abort", "Reserve", "StartDecode"]
 
 
-def test_decode_dying_mid_stream_continues_elsewhere(tokenizer_dir: Path, script: list[int]) -> None:
+def test_decode_dying_mid_stream_continues_elsewhere(
+    tokenizer_dir: Path, script: list[int]
+) -> None:
     behaviour = {"d0": {"die_after_tokens": 4, "step_s": 0.02}}
     with Cluster(tokenizer_dir, script, P2D2, behaviour, policy="round_robin") as c:
         start = time.monotonic()

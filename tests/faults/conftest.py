@@ -1,0 +1,121 @@
+"""A real 2 prefill + 2 decode cluster whose workers tests may stop, kill and bring back.
+
+The launcher does not restart dead workers, so `FaultCluster` remembers how it spawned each
+one and `heal()` spawns the dead ones again (same id, address and cluster secret): the router
+sees them reconnect and announce a new epoch. Transfer faults go through the test-only hook in
+`pdserve/transfer/faults.py`: `inject(fault)` writes the file one request will claim.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import requests
+
+from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.launcher import Cluster, Process, free_port, worker_specs
+from tests.cluster.conftest import KV_BYTES, tiny_served_model  # noqa: F401 - a fixture
+
+WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
+END_BOUND_S = 15.0  # every request ends (completed or a clear error) within this
+
+
+class FaultCluster(Cluster):
+    def __init__(self, pipeline: Pipeline, fault_file: Path) -> None:
+        super().__init__(pipeline, log_level="WARNING")
+        self.fault_file = fault_file
+        self._spawned: dict[str, tuple[list[str], dict[str, str]]] = {}
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        self._spawned[name] = (args, env)
+        super()._spawn(name, args, env)
+
+    def process(self, name: str) -> subprocess.Popen:
+        return next(p.popen for p in self.processes if p.name == name)
+
+    def signal(self, names: tuple[str, ...] | list[str], sig: int) -> None:
+        for name in names:
+            self.process(name).send_signal(sig)
+        if sig == signal.SIGKILL:
+            for name in names:
+                self.process(name).wait(5)
+
+    def inject(self, fault: str) -> None:
+        self.fault_file.write_text(fault)
+
+    def heal(self, timeout_s: float = 60.0) -> None:
+        """Continue stopped workers, respawn dead ones, wait until the router sees all."""
+        self.fault_file.unlink(missing_ok=True)
+        for proc in list(self.processes):
+            if proc.name == "router":
+                continue
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGCONT)
+                continue
+            args, env = self._spawned[proc.name]
+            self.processes.remove(proc)
+            popen = subprocess.Popen([sys.executable, "-m", *args], env=env)
+            self.processes.append(Process(proc.name, popen))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            metrics = requests.get(self.url + "/metrics", timeout=5).text
+            healthy = re.findall(r'pdserve_worker_healthy\{worker="([^"]+)"\} 1', metrics)
+            if set(healthy) == set(WORKERS):
+                return
+            time.sleep(0.3)
+        raise AssertionError(f"workers not all healthy after {timeout_s} s: {healthy}")
+
+
+def kv_blocks(url: str) -> dict[str, tuple[int, int]]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    free = dict(re.findall(r'pdserve_kv_blocks_free\{worker="([^"]+)"\} (\d+)', text))
+    total = dict(re.findall(r'pdserve_kv_blocks_total\{worker="([^"]+)"\} (\d+)', text))
+    healthy = re.findall(r'pdserve_worker_healthy\{worker="([^"]+)"\} 1', text)
+    return {w: (int(free[w]), int(total[w])) for w in healthy}
+
+
+def router_active(url: str) -> dict[str, int]:
+    text = requests.get(url + "/metrics", timeout=5).text
+    pairs = re.findall(r'pdserve_router_active_requests\{worker="([^"]+)"\} (\d+)', text)
+    return {w: int(n) for w, n in pairs}
+
+
+def assert_blocks_back(url: str, timeout_s: float = 12.0) -> None:
+    """Every surviving worker's free blocks return to its total (the baseline: all free,
+    cached prefix blocks included), within the send and land deadlines plus a margin."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        blocks = kv_blocks(url)
+        if blocks and all(free == total for free, total in blocks.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks not back to baseline: {blocks}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_served_model, tmp_path_factory):  # noqa: F811
+    fault_file = tmp_path_factory.mktemp("faults") / "fault"
+    old = os.environ.get("PDSERVE_FAULT_FILE")
+    os.environ["PDSERVE_FAULT_FILE"] = str(fault_file)
+    role = Role(kv_cache_bytes=KV_BYTES, threads=1, num=2, long_prefill_token_threshold=32)
+    pipeline = Pipeline(model=str(tiny_served_model), port=free_port(), prefill=role, decode=role)
+    assert [s.worker_id for s in worker_specs(pipeline, "x")] == list(WORKERS)
+    c = FaultCluster(pipeline, fault_file)
+    try:
+        with c:
+            yield c
+    finally:
+        if old is None:
+            os.environ.pop("PDSERVE_FAULT_FILE", None)
+        else:
+            os.environ["PDSERVE_FAULT_FILE"] = old
