@@ -163,6 +163,9 @@ async def _exchange(
                 stream.usage_tokens = int(usage["completion_tokens"])
             if usage.get("prompt_tokens"):
                 record.input_len = int(usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                record.cached_tokens = int(details["cached_tokens"])
             text = "".join(_chunk_text(c) for c in event.get("choices") or [])
             if not text:
                 continue

@@ -99,8 +99,10 @@ def run_compare(
             "url": url,
             "goodput": search["best_rate"] if search else summary["goodput"],
             "goodput_kind": "max rate at target" if search else "req/s meeting SLOs",
+            "p50_ttft_ms": summary["ttft_ms"]["p50"],
             "p90_ttft_ms": summary["ttft_ms"]["p90"],
             "p90_tpot_ms": summary["tpot_ms"]["p90"],
+            "cache_hit_rate": summary.get("prefix_cache_hit_rate"),
             "slo_ttft_ms": plan.slo.ttft_ms,
             "slo_tpot_ms": plan.slo.tpot_ms,
             "summary": summary,
@@ -120,14 +122,17 @@ def _num(value: object) -> str:
 
 
 def format_table(rows: Mapping[str, Mapping[str, object]]) -> str:
-    """Side-by-side goodput, p90 TTFT and p90 TPOT, each with its ratio to the first row."""
+    """Side-by-side goodput, p50/p90 TTFT and p90 TPOT, each with its ratio to the first row,
+    and the share of prompt tokens the server reports as served from its prefix cache."""
     base = next(iter(rows.values()))
-    header = f"{'deployment':<16}{'goodput':>10}{'ratio':>8}{'p90 TTFT ms':>14}{'ratio':>8}"
-    header += f"{'p90 TPOT ms':>14}{'ratio':>8}"
+    header = f"{'deployment':<16}{'goodput':>10}{'ratio':>8}{'p50 TTFT ms':>14}{'ratio':>8}"
+    header += f"{'p90 TTFT ms':>14}{'ratio':>8}{'p90 TPOT ms':>14}{'ratio':>8}{'cached':>9}"
     lines = [header]
     for name, row in rows.items():
         line = f"{name:<16}{_num(row['goodput']):>10}{_ratio(row['goodput'], base['goodput']):>8}"
-        for key in ("p90_ttft_ms", "p90_tpot_ms"):
-            line += f"{_num(row[key]):>14}{_ratio(row[key], base[key]):>8}"
+        for key in ("p50_ttft_ms", "p90_ttft_ms", "p90_tpot_ms"):
+            line += f"{_num(row.get(key)):>14}{_ratio(row.get(key), base.get(key)):>8}"
+        hit = row.get("cache_hit_rate")
+        line += f"{hit:>9.1%}" if isinstance(hit, (int, float)) else f"{'-':>9}"
         lines.append(line)
     return "\n".join(lines)

@@ -38,6 +38,7 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     output_len: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when the server says
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
     session_id: str = ""
@@ -150,6 +151,9 @@ def summarize(
         "output_tokens_per_s": sum(r.output_len for r in done) / safe,
         "total_input_tokens": sum(r.input_len for r in done),
         "total_output_tokens": sum(r.output_len for r in done),
+        "total_cached_tokens": sum(r.cached_tokens for r in done),
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in done)
+        / max(1, sum(r.input_len for r in done)),
         "ttft_ms": latency_stats_ms(r.ttft_s for r in done if r.ttft_s is not None),
         "tpot_ms": latency_stats_ms(t for r in done if (t := r.tpot_s) is not None),
         "itl_ms": latency_stats_ms(gap for r in done for gap in r.itl_s),
@@ -180,6 +184,7 @@ def format_summary(summary: dict[str, object]) -> str:
         ("request throughput (req/s)", _fmt(summary["request_throughput"], ".2f")),
         ("input tokens/s", _fmt(summary["input_tokens_per_s"], ".1f")),
         ("output tokens/s", _fmt(summary["output_tokens_per_s"], ".1f")),
+        ("prompt tokens served from cache", _fmt(summary.get("prefix_cache_hit_rate"), ".1%")),
     ]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         stats = summary[key]
