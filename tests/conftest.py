@@ -46,3 +46,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory) -> Path:
+    """A tiny model that also carries a byte-level tokenizer with a chat template, so the
+    whole stack (tokenizer, router, CLI) runs on it in seconds."""
+    from tests.router.harness import write_tiny_tokenizer
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("served"), vocab_size=320, eos_token_id=2)
+    write_tiny_tokenizer(path)
+    return path

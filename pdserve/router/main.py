@@ -22,6 +22,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.server import serve
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+API_KEY_ENV = "PDSERVE_API_KEY"  # preferred over the JSON's api_key: env never shows in `ps`
 
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
@@ -41,6 +42,8 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         raise ValueError(f"--config-json is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError("--config-json must be a JSON object")
+    if os.environ.get(API_KEY_ENV):
+        data["api_key"] = os.environ[API_KEY_ENV]
     return RouterConfig.from_dict(data, secret=secret)
 
 

@@ -217,6 +217,9 @@ def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
     )
 
 
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """Messages with text-part lists flattened to strings (what the OpenAI SDK may send); the
     tokenizer checks roles and contents when it renders the template."""
@@ -225,6 +228,13 @@ def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise ApiError(400, "messages must be a non-empty list", param="messages")
     out = []
     for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role not in _ROLES:
+            raise ApiError(
+                400,
+                f"messages[{index}].role must be one of {_ROLES}, got {role!r}",
+                param="messages",
+            )
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             parts = message["content"]
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):

@@ -7,21 +7,10 @@ import json
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from pdserve.cluster.config import Pipeline, Role
 from pdserve.cluster.launcher import Cluster, free_port
-from tests.conftest import make_tiny_llama
-from tests.router.harness import write_tiny_tokenizer
 
 KV_BYTES = 256 * 16 * 512  # 256 blocks of 16 tokens
-
-
-@pytest.fixture(scope="session")
-def tiny_served_model(tmp_path_factory) -> Path:
-    path = make_tiny_llama(tmp_path_factory.mktemp("served"), vocab_size=320, eos_token_id=2)
-    write_tiny_tokenizer(path)
-    return path
 
 
 def role(**kw) -> Role:

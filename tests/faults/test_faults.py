@@ -167,11 +167,11 @@ def test_worker_killed_before_first_token(
     try:
         with ThreadPoolExecutor(1) as pool:
             result = pool.submit(complete, cluster, prompt)
-            holding = holder(cluster, held)
-            pool_of_victim = DECODES if victim_role == "decode" else PREFILLS
-            victim = holding if holding in pool_of_victim else holder(cluster, pool_of_victim)
+            holder(cluster, held)  # the request is held at `stage` now
             if stage == "queued" and victim_role == "prefill":
-                victim = PREFILLS[0]  # idle: the request must not be sent to it later
+                victim = PREFILLS[0]  # idle yet: the request must not be sent to it later
+            else:
+                victim = holder(cluster, DECODES if victim_role == "decode" else PREFILLS)
             cluster.signal([victim], signal.SIGKILL)
             cluster.signal([w for w in held if w != victim], signal.SIGCONT)
             assert result.result() == reference

@@ -52,6 +52,15 @@ CASES = [
     ("completions", {"prompt": "hi", "model": 7}, 400, "model"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("completions", [1, 2], 400, None),
+    ("completions", None, 400, None),
+    ("completions", {"prompt": "hi", "temperature": 1e9}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_k": 1.5}, 400, "top_k"),
+    ("completions", {"prompt": "hi", "stop_token_ids": "x"}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": "hi", "seed": 1.5}, 400, "seed"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("chat/completions", {"messages": MSGS, "max_tokens": 10**12}, 400, "max_tokens"),
     ("chat/completions", {}, 400, "messages"),
     ("chat/completions", {"messages": "hi"}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
@@ -70,8 +79,15 @@ def test_bad_request_gets_error_json(
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
+    assert param is None or param.split("_")[0] in error["message"].lower()  # names the field
     if status == 404:
         assert error["code"] == "model_not_found"
+    assert_still_serves(cluster)
+
+
+def assert_still_serves(cluster: Cluster) -> None:
+    r = requests.post(f"{cluster.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "Hi "
 
 
 @pytest.mark.parametrize(
@@ -85,6 +101,8 @@ def test_bad_request_gets_error_json(
 def test_malformed_bodies(cluster: Cluster, data: bytes, status: int, words: str) -> None:
     r = requests.post(f"{cluster.url}/v1/completions", data=data)
     assert r.status_code == status and words in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert_still_serves(cluster)
 
 
 def test_unknown_route_is_json_404(cluster: Cluster) -> None:

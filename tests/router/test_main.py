@@ -23,6 +23,13 @@ def test_parse_config_reads_json_and_hex_secret(monkeypatch: pytest.MonkeyPatch)
     assert "secret" not in repr(config)
 
 
+def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "00ff")
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    config = parse_config(["--config-json", json.dumps({"api_key": None})])
+    assert config.api_key == "from-env" and "from-env" not in repr(config)
+
+
 @pytest.mark.parametrize(
     ("data", "env", "problem"),
     [

@@ -1,0 +1,23 @@
+import torch
+from torch import nn
+
+from pdserve.model.cpu_linear import PackedLinear, can_pack, pack_linears
+
+
+def test_packed_linear_equals_f_linear_for_every_batch_shape():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True)
+    packed = PackedLinear(linear)
+    for rows in (1, 3, 32, 257):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_pack_linears_replaces_every_linear():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)))
+    x = torch.randn(2, 8)
+    want = model(x)
+    assert can_pack(model)
+    assert pack_linears(model) == 2
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
