@@ -125,7 +125,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(args.model, kv_cache_bytes=2 * 2**30)
+    # No prefix caching: repeats of one prompt must be computed again, as transformers does.
+    llm = LLM(args.model, kv_cache_bytes=2 * 2**30, enable_prefix_caching=False)
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
     cfg = llm.engine.model_config
     num_params = sum(p.numel() for p in hf.parameters())

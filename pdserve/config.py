@@ -27,6 +27,11 @@ class CacheConfig:
     kv_cache_memory_fraction: float | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": E4M3 + per-token scales
+    # Token dropping: a request holding more KV than this frees its least-attended blocks,
+    # keeping the first `kv_sink_tokens` and the last `kv_recent_tokens` (None: off).
+    kv_budget_tokens: int | None = None
+    kv_sink_tokens: int = 16
+    kv_recent_tokens: int = 64
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

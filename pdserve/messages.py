@@ -11,6 +11,8 @@ A disaggregated request (DESIGN.md §2):
            ◀─Tokens────             (the first token: streamed to the client at once)
            ──StartDecode▶ decode    (decodes once the KV has landed)
            ◀─Tokens────  ...        (until finished)
+           ──Abort─────▶ any        (client gone, stop string, re-drive after a failure)
+           ◀─Released──             (acknowledged: the worker's blocks are free)
 
 A frame is `hmac_sha256(secret, payload) || payload`; the payload is msgpack of
 `[type name, {field: value}]`. No pickle: a peer can only ever make us build these types.

@@ -51,6 +51,13 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, grows with tokens
     prefill_only: bool = False  # prefill role: stop after the first token
+    kv_budget_tokens: int | None = None  # token dropping: most KV tokens held at once
+    num_dropped_tokens: int = 0  # tokens whose KV was dropped (whole blocks)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV the request holds: computed minus dropped."""
+        return self.num_computed_tokens - self.num_dropped_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

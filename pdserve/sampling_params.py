@@ -23,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    kv_budget_tokens: int | None = None  # drop low-attention KV past this (None: deployment's)
 
     def __post_init__(self) -> None:
         # Accept lists and a lone string (as the OpenAI API does) but store tuples: frozen.
@@ -41,6 +42,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if self.kv_budget_tokens is not None:
+            _check_int("kv_budget_tokens", self.kv_budget_tokens, minimum=1)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
 

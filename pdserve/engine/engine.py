@@ -21,7 +21,8 @@ from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
-from pdserve.kvcache.manager import KVCacheManager
+from pdserve.kvcache.dropping import DropPolicy, blocks_to_drop
+from pdserve.kvcache.manager import KVCacheManager, cdiv
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
@@ -189,13 +190,42 @@ class Engine:
 
     def _new_request(self, request_id, prompt_token_ids, params, prefill_only=False) -> Request:
         self.validate_prompt(prompt_token_ids)
+        budget = params.kv_budget_tokens or self.config.cache.kv_budget_tokens
+        if budget is not None:
+            self.drop_policy(budget)  # a budget too small to honour is the caller's error
         return Request(
             request_id,
             list(prompt_token_ids),
             params,
             eos_token_ids=self.model_config.eos_token_ids,
             prefill_only=prefill_only,
+            kv_budget_tokens=budget,
         )
+
+    def drop_policy(self, budget_tokens: int) -> DropPolicy:
+        c, bs = self.config.cache, self.config.cache.block_size
+        return DropPolicy(budget_tokens // bs, cdiv(c.kv_sink_tokens, bs), cdiv(c.kv_recent_tokens, bs))
+
+    def _enforce_budgets(self) -> None:
+        """Token dropping: free the least-attended blocks of requests over their budget,
+        so the next step's token still fits."""
+        bs = self.kv.block_size
+        for request in self.scheduler.running:
+            if request.kv_budget_tokens is None or request.prefill_only:
+                continue
+            scores = self.runner.scores_of(request)
+            next_needs_block = request.num_kv_tokens % bs == 0
+            victims = blocks_to_drop(
+                scores.tolist(), next_needs_block, self.drop_policy(request.kv_budget_tokens)
+            )
+            if not victims:
+                continue
+            gone = set(victims)
+            self.kv.pool.free([request.block_ids[i] for i in victims])
+            keep = [i for i in range(len(request.block_ids)) if i not in gone]
+            request.block_ids = [request.block_ids[i] for i in keep]
+            self.runner.block_scores[request.request_id] = scores[keep]
+            request.num_dropped_tokens += len(victims) * bs
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -246,7 +276,11 @@ class Engine:
         if handoff:
             handoff.after_step(sends)
         outputs = []
+        for request in out.preempted:
+            self.runner.block_scores.pop(request.request_id, None)
         for request, token in self.scheduler.update_from_output(out, sampled):
+            if request.is_finished:
+                self.runner.block_scores.pop(request.request_id, None)
             if request.prefill_only and request.is_finished and handoff:
                 handoff.on_finished(request)
             if token is None:
@@ -262,4 +296,6 @@ class Engine:
                     len(request.output_token_ids),
                 )
             )
+        if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):
+            self._enforce_budgets()
         return outputs

@@ -110,6 +110,7 @@ class ModelRunner:
             )
         self.kv_cache = kv_cache
         self.layer_caches = layer_caches(kv_cache, cache.kv_cache_dtype)
+        self.block_scores: dict[str, torch.Tensor] = {}  # token dropping, per request
         self.num_blocks = kv_cache.shape[1]
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -127,6 +128,7 @@ class ModelRunner:
             return {}
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(out)
         hidden = self.model(input_ids, positions, self.layer_caches, meta, on_layer_done)
+        self._keep_scores(out, meta)
         if not sample_ids:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
@@ -137,6 +139,27 @@ class ModelRunner:
         ]
         tokens = sample(logits, rows, self.generator)
         return {r.request_id: t for r, t in zip(sample_ids, tokens)}
+
+    def _keep_scores(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:
+        """Accumulate each budgeted request's per-block attention (aligned with its
+        `block_ids`); the engine drops the lowest-scored blocks when over budget."""
+        if meta.decode_scores is not None:
+            for i in range(meta.num_decode_tokens):
+                request = out.scheduled[i][0]
+                if request.kv_budget_tokens is not None:
+                    n = len(request.block_ids)
+                    self.scores_of(request)[:n] += meta.decode_scores[i, :n].cpu()
+        for span, (request, _) in zip(meta.prefills, out.scheduled[meta.num_decode_tokens :]):
+            if span.scores is not None:
+                self.block_scores[request.request_id] = span.scores.cpu()
+
+    def scores_of(self, request: Request) -> torch.Tensor:
+        """The request's block scores, grown with zeros to its current number of blocks."""
+        scores = self.block_scores.get(request.request_id, torch.zeros(0))
+        if scores.shape[0] < len(request.block_ids):
+            scores = torch.cat([scores, torch.zeros(len(request.block_ids) - scores.shape[0])])
+        self.block_scores[request.request_id] = scores
+        return scores
 
     def _prepare(self, out: SchedulerOutput):
         bs = self.block_size
@@ -152,16 +175,17 @@ class ModelRunner:
             end = start + num_new
             row = len(input_ids)
             input_ids += token_slice(request, start, end)
-            pos = range(start, end)
-            positions += pos
-            slot_blocks += [request.block_ids[p // bs] for p in pos]
-            slot_offsets += [p % bs for p in pos]
+            positions += range(start, end)  # RoPE: original positions, dropped tokens or not
+            dropped = request.num_dropped_tokens
+            kv_index = range(start - dropped, end - dropped)  # where the KV goes
+            slot_blocks += [request.block_ids[i // bs] for i in kv_index]
+            slot_offsets += [i % bs for i in kv_index]
             if num_new == 1:
                 assert not prefills, "one-token rows must come before prefill chunks"
                 decode_block_ids.append(request.block_ids)
-                decode_lens.append(end)
+                decode_lens.append(end - dropped)
             else:
-                prefills.append((row, row + num_new, start, request.block_ids))
+                prefills.append((row, row + num_new, start - dropped, request.block_ids))
             if out.samples(request, num_new):
                 sample_rows.append(row + num_new - 1)
                 sample_requests.append(request)
@@ -176,6 +200,14 @@ class ModelRunner:
             meta.decode_block_tables, meta.decode_mask = decode_tables(
                 decode_block_ids, decode_lens, bs, dev
             )
+            decodes = out.scheduled[: len(decode_block_ids)]
+            if any(r.kv_budget_tokens is not None for r, _ in decodes):
+                meta.decode_scores = torch.zeros(meta.decode_block_tables.shape, device=dev)
+        scheduled_prefills = out.scheduled[len(decode_block_ids) :]
+        for span, (request, num_new) in zip(meta.prefills, scheduled_prefills):
+            budget = request.kv_budget_tokens
+            if budget is not None and out.samples(request, num_new) and request.num_tokens > budget:
+                span.scores = torch.zeros(len(request.block_ids), device=dev)
         return (
             torch.tensor(input_ids, device=dev),
             torch.tensor(positions, device=dev),

@@ -173,6 +173,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_dropped_tokens = 0
         request.num_cached_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

@@ -66,7 +66,7 @@ class KVCacheManager:
         return hits
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
-        num_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        num_tokens = request.num_kv_tokens + num_hit_blocks * self.block_size + num_new_tokens
         return max(0, cdiv(num_tokens, self.block_size) - len(request.block_ids) - num_hit_blocks)
 
     def allocate(
@@ -91,8 +91,8 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Index the request's full blocks whose KV is now computed."""
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or request.num_dropped_tokens:
+            return  # after a drop, block i no longer holds the tokens of hash i
         self.update_block_hashes(request)
         num_full_computed = request.num_computed_tokens // self.block_size
         for block_id, block_hash in zip(

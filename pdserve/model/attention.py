@@ -35,6 +35,7 @@ class PrefillSpan:
     end: int
     num_context: int  # tokens of this request whose KV was cached before this step
     block_ids: torch.Tensor  # [num_blocks] long, covers all num_context + (end - start) tokens
+    scores: torch.Tensor | None = None  # [num_blocks]: attention the last queries paid each block
 
 
 @dataclass
@@ -47,6 +48,8 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], 0-padded
     decode_mask: torch.Tensor | None = None  # [1, num_decodes, 1, max_blocks * block_size]
+    # Token dropping: attention each decode paid each of its blocks, summed over layers/heads.
+    decode_scores: torch.Tensor | None = None  # [num_decodes, max_blocks]
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -86,7 +89,10 @@ def paged_attention(
         # Query heads that share a KV head go on the "query length" axis, and the KV head
         # is SDPA's batch axis: one call over [kv_heads, n, group, d], no repeated K/V.
         qg = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask)
+        if meta.decode_scores is None:
+            o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=meta.decode_mask)
+        else:
+            o = _attend_and_score(qg, keys, values, meta.decode_mask, meta.decode_scores)
         out[:n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
     for span in meta.prefills:
         out[span.start : span.end] = _prefill_attention(
@@ -108,6 +114,8 @@ def _prefill_attention(
         # No cached context: attend within the chunk, straight from this step's K/V.
         keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, enable_gqa=True)
+        if span.scores is not None:
+            _score_window(qt, keys, 0, span.scores, cache.block_size)
         return o.squeeze(0).transpose(0, 1)
     block_size = cache.block_size
     total = span.num_context + num_new
@@ -118,4 +126,35 @@ def _prefill_attention(
     query_pos = torch.arange(span.num_context, total, device=q.device)
     mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # causal with offset; hides the tail
     o = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, enable_gqa=True)
+    if span.scores is not None:
+        _score_window(qt, keys, span.num_context, span.scores, block_size)
     return o.squeeze(0).transpose(0, 1)
+
+
+SCORE_WINDOW = 32  # the prompt's last queries whose attention ranks its blocks (as SnapKV)
+
+
+def _attend_and_score(q, keys, values, mask, scores: torch.Tensor) -> torch.Tensor:
+    """Decode attention that also adds, per request and block, the attention probability
+    its queries paid (token dropping ranks blocks by it). q [kv_heads, n, group, d]."""
+    s = torch.matmul(q, keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = s.masked_fill(~mask, float("-inf")).softmax(-1)  # [kv_heads, n, group, L]
+    n, num_blocks = scores.shape
+    scores += probs.sum(dim=(0, 2)).view(n, num_blocks, -1).sum(-1)
+    return torch.matmul(probs, values)
+
+
+def _score_window(q, keys, first_pos: int, scores: torch.Tensor, block_size: int) -> None:
+    """At the end of a prompt: the attention its last SCORE_WINDOW queries pay each block.
+    q [1, heads, n, d] at positions first_pos..; keys [1, kv_heads, L, d] from position 0."""
+    window = min(SCORE_WINDOW, q.shape[2])
+    qw = q[0, :, -window:]  # [heads, w, d]
+    k = keys[0].repeat_interleave(q.shape[1] // keys.shape[1], dim=0)  # [heads, L, d]
+    s = torch.matmul(qw, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    query_pos = torch.arange(first_pos + q.shape[2] - window, first_pos + q.shape[2])
+    key_pos = torch.arange(k.shape[1])
+    s = s.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+    per_token = s.softmax(-1).sum(dim=(0, 1))  # [L]
+    pad = (-per_token.shape[0]) % block_size
+    per_block = F.pad(per_token, (0, pad)).view(-1, block_size).sum(-1)
+    scores[: per_block.shape[0]] += per_block

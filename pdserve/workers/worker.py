@@ -5,6 +5,8 @@
 
 The loop never blocks while there is work; when idle it waits on the control socket for a
 few milliseconds only, so a KV transfer landing on a decode worker is noticed at once.
+Every Abort is answered with Released; a KV wait past its deadline (spec.kv_*_timeout_s,
+enforced in engine/kv_handoff.py) and a broken transfer are answered with Failed.
 """
 
 from __future__ import annotations

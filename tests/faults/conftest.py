@@ -22,7 +22,7 @@ import requests
 
 from pdserve.cluster.config import Pipeline, Role
 from pdserve.cluster.launcher import Cluster, Process, free_port, worker_specs
-from tests.cluster.conftest import KV_BYTES, tiny_served_model  # noqa: F401 - a fixture
+from tests.cluster.conftest import KV_BYTES
 
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 END_BOUND_S = 15.0  # every request ends (completed or a clear error) within this
@@ -103,7 +103,7 @@ def assert_blocks_back(url: str, timeout_s: float = 12.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_served_model, tmp_path_factory):  # noqa: F811
+def cluster(tiny_served_model, tmp_path_factory):
     fault_file = tmp_path_factory.mktemp("faults") / "fault"
     old = os.environ.get("PDSERVE_FAULT_FILE")
     os.environ["PDSERVE_FAULT_FILE"] = str(fault_file)

@@ -1,0 +1,115 @@
+"""Worker-side deadlines (engine/kv_handoff.py) on a fake clock: a wait on a peer that
+never ends is failed within its bound, and the blocks come back."""
+
+from __future__ import annotations
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kvcache.manager import KVCacheManager
+from pdserve.request import Request
+from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.base import TransferStatus
+
+NUM_BLOCKS = 16
+
+
+class FakeReceiver:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.finished: list[tuple[str, TransferStatus, str | None]] = []
+
+    def expect(self, request_id: str, block_ids: list[int]) -> None:
+        pass
+
+    def pop_finished(self) -> list[tuple[str, TransferStatus, str | None]]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+
+class FakeSender:
+    """Never hears an ack; `abort` ends the request FAILED at the next poll."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+        self.finished: list[tuple[str, TransferStatus, str | None]] = []
+
+    def status(self, request_id: str) -> TransferStatus:
+        return TransferStatus.TRANSFERRING
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.finished.append((request_id, TransferStatus.FAILED, "aborted"))
+
+    def pop_finished(self) -> list[tuple[str, TransferStatus, str | None]]:
+        finished, self.finished = self.finished, []
+        return finished
+
+
+def request(request_id: str = "r") -> Request:
+    return Request(request_id, list(range(40)), SamplingParams(max_tokens=4))
+
+
+def decode_handoff(now: list[float]) -> tuple[DecodeHandoff, FakeReceiver, KVCacheManager]:
+    kv = KVCacheManager(NUM_BLOCKS, 16, model_id="m")
+    rx = FakeReceiver()
+    scheduler = Scheduler(SchedulerConfig(), kv, 256)
+    handoff = DecodeHandoff(rx, scheduler, kv, 30.0, 5.0, clock=lambda: now[0])
+    return handoff, rx, kv
+
+
+def test_reservation_no_prefill_ever_fills_is_released() -> None:
+    now = [0.0]
+    handoff, rx, kv = decode_handoff(now)
+    assert handoff.reserve(request()) is not None and kv.num_free_blocks == NUM_BLOCKS - 3
+    now[0] = 29.9
+    assert handoff.poll() == []
+    now[0] = 30.1
+    assert handoff.poll() == [("r", "no KV within 30.0 s")]
+    assert rx.released == ["r"] and kv.num_free_blocks == NUM_BLOCKS
+    assert not handoff.awaiting
+
+
+def test_kv_not_landing_after_the_first_token_fails_sooner() -> None:
+    now = [0.0]
+    handoff, rx, kv = decode_handoff(now)
+    handoff.reserve(request())
+    now[0] = 1.0
+    handoff.start("r", 7)
+    now[0] = 5.9
+    assert handoff.poll() == []
+    now[0] = 6.1
+    [(request_id, error)] = handoff.poll()
+    assert request_id == "r" and "did not land within 5.0 s" in error
+    assert kv.num_free_blocks == NUM_BLOCKS
+
+
+def test_kv_landing_in_time_is_never_failed() -> None:
+    now = [0.0]
+    handoff, rx, kv = decode_handoff(now)
+    handoff.reserve(request())
+    handoff.start("r", 7)
+    rx.finished.append(("r", TransferStatus.DONE, None))
+    assert handoff.poll() == [] and "r" in handoff.scheduler.requests
+    now[0] = 100.0
+    assert handoff.poll() == []
+
+
+def test_unacknowledged_send_is_aborted_and_its_blocks_freed() -> None:
+    now = [0.0]
+    kv = KVCacheManager(NUM_BLOCKS, 16, model_id="m")
+    sender = FakeSender()
+    handoff = PrefillHandoff(sender, kv, 2, "layerwise", 5.0, clock=lambda: now[0])
+    r = request()
+    assert kv.allocate(r, r.num_prompt_tokens)
+    handoff.add(r, {"host": "x"}, [0, 1, 2])
+    handoff.on_finished(r)  # first token out: SENDING_KV, blocks pinned
+    assert handoff.poll() == [] and kv.num_free_blocks == NUM_BLOCKS - 3
+    now[0] = 5.1
+    # Aborted; freed once the sender confirms it stopped reading (this fake does at once).
+    assert handoff.poll() == [("r", "KV send not acknowledged within 5.0 s")]
+    assert sender.aborted == ["r"]
+    assert kv.num_free_blocks == NUM_BLOCKS and not handoff.sending
