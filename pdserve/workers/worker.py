@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -41,6 +42,9 @@ class Worker:
         self.out.connect(spec.router_address)
         self.running = True
         self._next_stats = 0.0
+        self._stats: m.Stats | None = None  # the latest load snapshot, sent by the heartbeat
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
 
     def _build_engine(self) -> Engine:
         from pdserve.transfer.layout import KVLayout
@@ -115,6 +119,8 @@ class Worker:
             )
         )
         log.info("worker %s (%s) ready", self.spec.worker_id, self.spec.role)
+        self._maybe_stats()
+        self._heartbeat.start()
         try:
             while self.running:
                 self._drain(timeout_ms=0 if e.has_unfinished_requests() else self._idle_wait_ms())
@@ -193,14 +199,29 @@ class Worker:
                 out.num_prompt_tokens, out.num_cached_tokens,
             ))  # fmt: skip
 
+    def _heartbeat_loop(self) -> None:
+        """Liveness on its own thread and socket (ZMQ sockets are not thread-safe): a long
+        prefill step (seconds on a CPU core) must not look like a dead worker. A hung engine
+        is caught by the per-stage deadlines instead."""
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.spec.router_address)
+        try:
+            while not self._stop_heartbeat.wait(self.spec.heartbeat_interval_s):
+                if self._stats is not None:
+                    sock.send(m.encode(self._stats, self.secret))
+        finally:
+            sock.close()
+
     def _maybe_stats(self) -> None:
+        """Refresh the load snapshot (at most every tenth of the heartbeat interval)."""
         now = time.monotonic()
         if now < self._next_stats:
             return
-        self._next_stats = now + self.spec.heartbeat_interval_s
+        self._next_stats = now + self.spec.heartbeat_interval_s / 10
         s, kv = self.engine.scheduler, self.engine.kv
         queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
-        self.send(m.Stats(
+        self._stats = (m.Stats(
             self.spec.worker_id, self.spec.role, s.num_waiting, s.num_running,
             kv.num_free_blocks, kv.num_blocks, queued,
             self.sender.stats()["bytes_sent"] if self.sender else 0,
@@ -208,6 +229,9 @@ class Worker:
         ))  # fmt: skip
 
     def close(self) -> None:
+        self._stop_heartbeat.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join()
         for endpoint in (self.sender, self.receiver):
             if endpoint is not None:
                 endpoint.close()

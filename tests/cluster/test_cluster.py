@@ -67,10 +67,15 @@ def test_1p1d_equals_collocated(tiny_served_model, reference, backend, mode):
     with start(tiny_served_model, prefill=role(long_prefill_token_threshold=24),
                decode=role(), kv_transfer=store) as url:  # fmt: skip
         assert complete_all(url, model) == reference
+        # Worker stats arrive with the heartbeat: wait until they report the transfers.
+        deadline = time.monotonic() + 10
+        sent = r"pdserve_kv_transfer_bytes_total\S*sent\S* [1-9]"
+        while not re.search(sent, get_text(url, "/metrics")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert re.search(sent, get_text(url, "/metrics"))
         blocks = wait_blocks_free(url)
         assert set(blocks) == {"prefill-0", "decode-0"}
         assert all(free == total for free, total in blocks.values()), blocks
-        assert re.search(r"pdserve_kv_transfer_bytes_total\S* [1-9]", get_text(url, "/metrics"))
 
 
 def test_openai_client_streams_chat(tiny_served_model):
