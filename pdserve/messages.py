@@ -147,6 +147,16 @@ class Released:
 
 
 @dataclass
+class KVEvents:
+    """Block hashes a worker's prefix cache gained and lost since its last KVEvents: the
+    router's index of who holds which prefix (KV-aware routing)."""
+
+    worker_id: str
+    stored: list[int]
+    removed: list[int]
+
+
+@dataclass
 class Stats:
     """Load report, sent every heartbeat interval; also the liveness signal."""
 
@@ -175,6 +185,7 @@ Message = (
     | Failed
     | Released
     | Stats
+    | KVEvents
 )
 _TYPES: dict[str, type] = {
     t.__name__: t
@@ -192,6 +203,7 @@ _TYPES: dict[str, type] = {
         Failed,
         Released,
         Stats,
+        KVEvents,
     )
 }
 

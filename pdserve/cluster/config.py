@@ -21,7 +21,7 @@ from pdserve.transfer.bandwidth import parse_bandwidth
 
 BACKENDS = ("auto", "shm", "tcp")
 MODES = ("layerwise", "full")
-POLICIES = ("round_robin", "shortest_queue")
+POLICIES = ("round_robin", "shortest_queue", "prefix_cache")
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Pipeline:
     decode: Role | None = None
     collocated: Role | None = None
     kv_transfer: TensorStore = TensorStore()
-    routing: str = "shortest_queue"
+    routing: str = "prefix_cache"
     load_balancer: str = "shortest_queue"
     host: str = "127.0.0.1"
     port: int = 8000

@@ -204,7 +204,9 @@ class Engine:
 
     def drop_policy(self, budget_tokens: int) -> DropPolicy:
         c, bs = self.config.cache, self.config.cache.block_size
-        return DropPolicy(budget_tokens // bs, cdiv(c.kv_sink_tokens, bs), cdiv(c.kv_recent_tokens, bs))
+        return DropPolicy(
+            budget_tokens // bs, cdiv(c.kv_sink_tokens, bs), cdiv(c.kv_recent_tokens, bs)
+        )
 
     def _enforce_budgets(self) -> None:
         """Token dropping: free the least-attended blocks of requests over their budget,

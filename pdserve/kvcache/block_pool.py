@@ -27,6 +27,8 @@ class BlockPool:
         # (block id, hash) of cached blocks handed out again, when a lower tier wants them
         # (drained before the step that overwrites them); None: not recorded.
         self.evicted: list[tuple[int, int]] | None = None
+        # Hashes indexed / dropped since last drained, for KV-aware routing; None: off.
+        self.events: tuple[list[int], list[int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -75,6 +77,13 @@ class BlockPool:
             return
         self.block_hash[block_id] = block_hash
         self.cached_blocks[block_hash] = block_id
+        if self.events is not None:
+            self.events[0].append(block_hash)
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """(stored, removed) hashes since the last call; starts recording on first use."""
+        events, self.events = self.events, ([], [])
+        return events or ([], [])
 
     def lookup(self, block_hash: int) -> int | None:
         return self.cached_blocks.get(block_hash)
@@ -87,3 +96,5 @@ class BlockPool:
             self.num_evicted += 1
             if self.evicted is not None:
                 self.evicted.append((block_id, block_hash))
+            if self.events is not None:
+                self.events[1].append(block_hash)

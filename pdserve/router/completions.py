@@ -100,7 +100,9 @@ async def _run(
             async for delta in driver.stream():
                 text.append(delta.text)
                 finish_reason = delta.finish_reason
-            usage = responses.usage(num_prompt_tokens, driver.num_output_tokens)
+            usage = responses.usage(
+                num_prompt_tokens, driver.num_output_tokens, driver.num_cached_tokens
+            )
             body = responses.full_response(ctx, "".join(text), finish_reason, usage)
             response = web.json_response(body)
         status = "success"
@@ -151,7 +153,9 @@ async def _stream(
         await response.write_eof()
         return response, exc
     if api.include_usage:
-        usage = responses.usage(num_prompt_tokens, driver.num_output_tokens)
+        usage = responses.usage(
+            num_prompt_tokens, driver.num_output_tokens, driver.num_cached_tokens
+        )
         await response.write(responses.sse(responses.usage_chunk(ctx, usage)))
     await response.write(responses.SSE_DONE)
     await response.write_eof()

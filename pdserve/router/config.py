@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("prefill", "decode", "collocated")
-POLICIES = ("round_robin", "shortest_queue")
+POLICIES = ("round_robin", "shortest_queue", "prefix_cache")
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class RouterConfig:
     ctrl_address: str = "tcp://127.0.0.1:5600"  # the router's PULL socket (bound here)
     workers: tuple[WorkerEndpoint, ...] = ()
     secret: bytes = field(default=b"", repr=False)
-    policy: str = "shortest_queue"
+    policy: str = "prefix_cache"  # picks prefill / collocated workers
+    load_balancer: str = "shortest_queue"  # picks decode workers
     api_key: str | None = field(default=None, repr=False)
     heartbeat_timeout_s: float = 3.0
     admission_timeout_s: float = 10.0
@@ -56,8 +57,9 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if not self.model:
             raise ValueError("model must be a non-empty served model name")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("policy", "load_balancer"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         for name in ("heartbeat_timeout_s", "admission_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

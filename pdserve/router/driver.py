@@ -85,6 +85,7 @@ class RequestDriver:
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the serving worker took from its cache
         self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
         self.senders: dict[str, int] = {}  # prefill workers whose KV may still be in flight
         self._prefill_charge: dict[str, int] = {}  # worker id -> prompt tokens charged
@@ -227,7 +228,9 @@ class RequestDriver:
         backoff_s = 0.02
         while True:
             route = self._route_request(role)
-            load = self.policy.choose(role, self.plane.loads(), route, self._excluded)
+            load = self.policy.choose(
+                role, self.plane.loads(route.block_hashes), route, self._excluded
+            )
             if load is not None:
                 self.outstanding[load.worker_id] = self.plane.workers[load.worker_id].epoch
                 self.plane.workers[load.worker_id].active_requests += 1
@@ -251,7 +254,7 @@ class RequestDriver:
             return RouteRequest(len(self.prompt_token_ids))
         parent = root_hash(ready[0].model)
         hashes = hash_blocks(self.prompt_token_ids, ready[0].block_size, parent)
-        return RouteRequest(len(self.prompt_token_ids), hashes)
+        return RouteRequest(len(self.prompt_token_ids), hashes, ready[0].block_size)
 
     def _on_refused(self, reply: Any, deadline: float) -> None:
         """Handle a non-success reply during admission: retry (return) or raise."""
@@ -297,6 +300,7 @@ class RequestDriver:
     def _on_tokens(self, worker_id: str, tokens: messages.Tokens, is_prefill: bool) -> Delta:
         if self.first_token_time is None and tokens.token_ids:
             self.first_token_time = time.monotonic()
+            self.num_cached_tokens = tokens.num_cached_tokens  # the prefill's prefix hit
         self._release_prefill(worker_id)
         # A prefill worker is always "finished"; only a terminal reason ends the request.
         worker_done = tokens.finished and (

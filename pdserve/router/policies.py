@@ -30,12 +30,14 @@ class WorkerLoad:
     num_total_blocks: int = 0
     num_queued_prefill_tokens: int = 0  # reported + sent by the router, not yet prefilled
     num_active_requests: int = 0  # requests the router has on this worker right now
+    num_cached_blocks: int = 0  # leading blocks of the request's prompt this worker caches
 
 
 @dataclass(frozen=True)
 class RouteRequest:
     num_prompt_tokens: int
     block_hashes: Sequence[int] = field(default_factory=tuple)
+    block_size: int = 16
 
 
 class RoutingPolicy(ABC):
@@ -107,10 +109,59 @@ def cost(role: str, w: WorkerLoad) -> tuple[int, ...]:
     return (w.num_queued_prefill_tokens, active, -w.num_free_blocks)
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (RoundRobin, ShortestQueue)}
+class PrefixCache(RoutingPolicy):
+    """KV-aware: the prefill (or collocated) worker that finishes this prompt first, counting
+    what it need not compute. Cost = prompt tokens it lacks in its prefix cache + prefill
+    tokens already queued on it; so a cache hit wins until the holder's queue is longer than
+    the tokens the hit saves (overlap never beats a large load gap). Decode workers hold no
+    reusable prompt KV yet: they are chosen by queue length."""
+
+    name = "prefix_cache"
+    needs_block_hashes = True
+
+    def __init__(self) -> None:
+        self._by_queue = ShortestQueue()
+
+    def _pick(self, role: str, candidates: list[WorkerLoad], request: RouteRequest) -> WorkerLoad:
+        if role == "decode":
+            return self._by_queue._pick(role, candidates, request)
+
+        def cost_of(w: WorkerLoad) -> tuple[int, ...]:
+            cached = min(w.num_cached_blocks * request.block_size, request.num_prompt_tokens)
+            return (request.num_prompt_tokens - cached + w.num_queued_prefill_tokens,
+                    *cost(role, w)[1:])  # fmt: skip
+
+        best = min(cost_of(w) for w in candidates)
+        tied = [w for w in candidates if cost_of(w) == best]
+        return tied[0] if len(tied) == 1 else self._by_queue._pick(role, tied, request)
 
 
-def make_policy(name: str) -> RoutingPolicy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown routing policy {name!r}; choose from {sorted(POLICIES)}")
-    return POLICIES[name]()
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    p.name: p for p in (RoundRobin, ShortestQueue, PrefixCache)
+}
+
+
+class ByRole(RoutingPolicy):
+    """`routing` picks prefill and collocated workers (where a cached prefix saves work),
+    `load_balancer` picks decode workers."""
+
+    def __init__(self, routing: RoutingPolicy, load_balancer: RoutingPolicy) -> None:
+        self.routing, self.load_balancer = routing, load_balancer
+        self.name = routing.name
+        self.needs_block_hashes = routing.needs_block_hashes
+
+    def choose(self, role, workers, request, exclude=()) -> WorkerLoad | None:
+        policy = self.load_balancer if role == "decode" else self.routing
+        return policy.choose(role, workers, request, exclude)
+
+    def _pick(self, role, candidates, request) -> WorkerLoad:  # pragma: no cover - delegates
+        raise NotImplementedError
+
+
+def make_policy(name: str, load_balancer: str | None = None) -> RoutingPolicy:
+    for n in (name, load_balancer or name):
+        if n not in POLICIES:
+            raise ValueError(f"unknown routing policy {n!r}; choose from {sorted(POLICIES)}")
+    if load_balancer is None or load_balancer == name:
+        return POLICIES[name]()
+    return ByRole(POLICIES[name](), POLICIES[load_balancer]())

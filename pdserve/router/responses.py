@@ -23,11 +23,16 @@ class ResponseContext:
             self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+def usage(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
+) -> dict[str, Any]:
+    """OpenAI usage; `prompt_tokens_details.cached_tokens` counts prompt tokens served from
+    the prefix cache instead of computed."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 

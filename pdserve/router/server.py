@@ -41,7 +41,11 @@ def build_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.A
     tokenizer = tokenizer or load_router_tokenizer(config)
     plane = ControlPlane(config)
     state = RouterState(
-        config, tokenizer, plane, make_policy(config.policy), OutputProcessor(tokenizer)
+        config,
+        tokenizer,
+        plane,
+        make_policy(config.policy, config.load_balancer),
+        OutputProcessor(tokenizer),
     )
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors, _auth])
     app[STATE] = state

@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -57,6 +57,7 @@ class WorkerState:
     active_requests: int = 0  # requests the router has on this worker now
     lost: bool = False  # declared dead; cleared when it is heard from (or reconnects) again
     disconnected: bool = False  # its control connection dropped and has not come back
+    cached_hashes: set[int] = field(default_factory=set)  # its prefix cache, from KVEvents
 
     @property
     def worker_id(self) -> str:
@@ -154,6 +155,7 @@ class ControlPlane:
         worker.lost = True
         worker.epoch += 1
         worker.sent_prefill_tokens = worker.active_requests = 0
+        worker.cached_hashes.clear()
         for key in [k for k in self.unacked_releases if k[0] == worker_id]:
             del self.unacked_releases[key]  # its memory went with it
         for queue in self._queues.values():
@@ -221,11 +223,15 @@ class ControlPlane:
                     worker_id, message.role, worker.endpoint.role, message.role,
                 )  # fmt: skip
             worker.ready, worker.stats = message, None
+            worker.cached_hashes.clear()
             worker.epoch += 1
             worker.sent_prefill_tokens = worker.active_requests = 0
             log.info("worker %s ready: %s", worker_id, message)
         elif isinstance(message, messages.Stats):
             worker.stats = message
+        elif isinstance(message, messages.KVEvents):
+            worker.cached_hashes.update(message.stored)
+            worker.cached_hashes.difference_update(message.removed)
         elif isinstance(message, messages.Released):
             self.unacked_releases.pop((worker_id, message.request_id), None)
             log.debug("worker %s released %s", worker_id, message.request_id)
@@ -249,10 +255,17 @@ class ControlPlane:
             return False
         return self.clock() - worker.last_seen <= self.config.heartbeat_timeout_s
 
-    def loads(self) -> list[WorkerLoad]:
+    def loads(self, block_hashes: Sequence[int] = ()) -> list[WorkerLoad]:
+        """Every worker's load; with `block_hashes`, also how long a prefix of them each
+        worker holds in its cache (as its KVEvents told)."""
         out = []
         for w in self.workers.values():
             s = w.stats
+            num_cached = 0
+            for block_hash in block_hashes:
+                if block_hash not in w.cached_hashes:
+                    break
+                num_cached += 1
             out.append(
                 WorkerLoad(
                     worker_id=w.worker_id,
@@ -267,6 +280,7 @@ class ControlPlane:
                     num_queued_prefill_tokens=(s.num_queued_prefill_tokens if s else 0)
                     + w.sent_prefill_tokens,
                     num_active_requests=w.active_requests,
+                    num_cached_blocks=num_cached,
                 )
             )
         return out

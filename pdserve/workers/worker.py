@@ -128,6 +128,7 @@ class Worker:
                     self.send(m.Failed(self.spec.worker_id, request_id, error))
                 if e.has_unfinished_requests():
                     self._step()
+                self._send_kv_events()
                 self._maybe_stats()
         finally:
             self.close()
@@ -198,6 +199,11 @@ class Worker:
                 out.finish_reason.value if finished else None,
                 out.num_prompt_tokens, out.num_cached_tokens,
             ))  # fmt: skip
+
+    def _send_kv_events(self) -> None:
+        stored, removed = self.engine.kv.pool.drain_events()
+        if stored or removed:
+            self.send(m.KVEvents(self.spec.worker_id, stored, removed))
 
     def _heartbeat_loop(self) -> None:
         """Liveness on its own thread and socket (ZMQ sockets are not thread-safe): a long

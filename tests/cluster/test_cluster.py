@@ -131,3 +131,21 @@ def test_pdserve_up_then_ctrl_c_leaves_no_process(tiny_served_model, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_prefix_cache_routing_sends_a_repeated_prefix_back(tiny_served_model):
+    """Two workers; a repeated long prompt is routed to the one that cached it (its usage
+    reports the cached tokens), while round robin would alternate."""
+    model = str(tiny_served_model)
+    prompt = [60 + i % 50 for i in range(200)]
+    with start(tiny_served_model, collocated=role(num=2)) as url:
+
+        def cached() -> int:
+            body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            return post(url, "/v1/completions", body)["usage"]["prompt_tokens_details"][
+                "cached_tokens"
+            ]
+
+        assert cached() == 0
+        time.sleep(1.0)  # the worker's KVEvents reach the router
+        assert [cached() for _ in range(3)] == [192, 192, 192]  # 12 of 12 full blocks hit

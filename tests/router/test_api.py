@@ -35,7 +35,12 @@ def test_completion_has_openai_shape_and_usage(cluster: Cluster) -> None:
     assert body["choices"] == [
         {"index": 0, "text": OUTPUT_TEXT[:5], "logprobs": None, "finish_reason": "length"}
     ]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 5,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_completion_runs_to_eos_and_accepts_token_ids(cluster: Cluster) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.policies import RoundRobin, RouteRequest, ShortestQueue, make_policy
+from pdserve.router.policies import RoundRobin, RouteRequest, ShortestQueue, WorkerLoad, make_policy
 from pdserve.router.policies import WorkerLoad as W
 
 REQ = RouteRequest(num_prompt_tokens=10)
@@ -58,5 +58,38 @@ def test_shortest_queue_rotates_among_equals() -> None:
 def test_make_policy_names() -> None:
     assert isinstance(make_policy("round_robin"), RoundRobin)
     assert not make_policy("shortest_queue").needs_block_hashes
-    with pytest.raises(ValueError, match="unknown routing policy 'prefix_cache'"):
-        make_policy("prefix_cache")
+    assert make_policy("prefix_cache").needs_block_hashes
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+        make_policy("random")
+
+
+def _prefill(worker_id: str, cached_blocks: int, queued: int) -> WorkerLoad:
+    return WorkerLoad(worker_id, "prefill", True, num_queued_prefill_tokens=queued,
+                      num_cached_blocks=cached_blocks)  # fmt: skip
+
+
+def test_prefix_cache_sends_a_repeated_prefix_to_its_holder() -> None:
+    policy = make_policy("prefix_cache")
+    request = RouteRequest(num_prompt_tokens=1000, block_hashes=tuple(range(62)), block_size=16)
+    holder, other = _prefill("p0", 60, queued=300), _prefill("p1", 0, queued=0)
+    # p0 lacks 40 tokens + 300 queued = 340 < p1's 1000: the cache wins despite the queue.
+    assert policy.choose("prefill", [holder, other], request).worker_id == "p0"
+
+
+def test_prefix_cache_loses_to_a_large_load_gap() -> None:
+    policy = make_policy("prefix_cache")
+    request = RouteRequest(num_prompt_tokens=1000, block_hashes=tuple(range(62)), block_size=16)
+    busy_holder, idle = _prefill("p0", 60, queued=5000), _prefill("p1", 0, queued=0)
+    assert policy.choose("prefill", [busy_holder, idle], request).worker_id == "p1"
+
+
+def test_by_role_splits_routing_and_load_balancing() -> None:
+    policy = make_policy("prefix_cache", "round_robin")
+    request = RouteRequest(num_prompt_tokens=10)
+    decodes = [WorkerLoad("d0", "decode", True), WorkerLoad("d1", "decode", True)]
+    assert [policy.choose("decode", decodes, request).worker_id for _ in range(3)] == [
+        "d0",
+        "d1",
+        "d0",
+    ]
+    assert policy.needs_block_hashes
