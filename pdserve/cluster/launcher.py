@@ -130,7 +130,8 @@ class Cluster:
             "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
             "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address}
                         for s in specs],
-            "policy": p.routing, "load_balancer": p.load_balancer, "api_key": p.api_key, "log_level": self.log_level,
+            "policy": p.routing, "load_balancer": p.load_balancer, "api_key": p.api_key,
+            "log_level": self.log_level,
         }  # fmt: skip
         self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)], env)
         self._wait_healthy(p.startup_timeout_s)
