@@ -130,10 +130,12 @@ class Cluster:
             "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
             "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address}
                         for s in specs],
-            "policy": p.routing, "load_balancer": p.load_balancer, "api_key": p.api_key,
-            "log_level": self.log_level,
+            "policy": p.routing, "load_balancer": p.load_balancer, "log_level": self.log_level,
         }  # fmt: skip
-        self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)], env)
+        # The API key goes in the environment, like the secret: never on a command line.
+        router_env = {**env, "PDSERVE_API_KEY": p.api_key} if p.api_key else env
+        self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)],
+                    router_env)  # fmt: skip
         self._wait_healthy(p.startup_timeout_s)
 
     def _start_redis(self) -> str:
