@@ -57,9 +57,33 @@ def _map(path: str, layout: KVLayout) -> torch.Tensor:
     return flat.view(layout.shape)
 
 
+_ORPHAN = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]+$")
+
+
+def sweep_orphans(directory: str = "/dev/shm") -> list[str]:
+    """Remove pools whose creating process is gone (killed before it could unlink): a
+    KV pool is large, and tmpfs keeps it in RAM until someone deletes the file."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _ORPHAN.match(name)
+        if match is None or os.path.exists(f"/proc/{match[1]}"):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 def create_shared_kv(layout: KVLayout, name: str | None = None) -> tuple[torch.Tensor, str]:
     """Allocate a zeroed KV pool in /dev/shm; returns (kv, name). Unlink with
     ``unlink_shared_kv`` (the receiver's ``close`` does it)."""
+    sweep_orphans()
     name = name or f"pdserve-kv-{os.getpid()}-{secrets.token_hex(6)}"
     path = _path(name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -99,3 +99,17 @@ def test_registry_rejects_unknown_backend_and_shm_without_shared_kv() -> None:
         make_receiver("rdma", random_kv(), LAYOUT, SECRET)
     with pytest.raises(ValueError, match="create_shared_kv"):
         make_receiver("shm", random_kv(), LAYOUT, SECRET)
+
+
+def test_sweep_removes_only_pools_of_dead_processes(tmp_path):
+    import os
+
+    from pdserve.transfer.shm import sweep_orphans
+
+    dead = tmp_path / "pdserve-kv-999999999-ab12"  # no such pid
+    alive = tmp_path / f"pdserve-kv-{os.getpid()}-cd34"
+    other = tmp_path / "pdserve-kv-smollm2-0011aabb"  # a host-tier name: not a pool
+    for path in (dead, alive, other):
+        path.write_bytes(b"x")
+    assert sweep_orphans(str(tmp_path)) == [dead.name]
+    assert alive.exists() and other.exists() and not dead.exists()
