@@ -79,11 +79,15 @@ def run_compare(
     if multiplier <= 0 or calibration_requests < 1:
         raise ValueError("--slo-multiplier must be > 0 and --calibration-requests >= 1")
     plan = build_plan(args, url="http://placeholder")
+    # Calibration prompts come from another seed: re-sending the run's own prompts would
+    # warm the first deployment's prefix cache and favour it.
+    calibration_args = argparse.Namespace(**{**vars(args), "seed": args.seed + 1})
+    calibration_plan = build_plan(calibration_args, url="http://placeholder")
     rows: dict[str, dict[str, object]] = {}
     for name, spec in deployments.items():
         with launch(spec) as url:
             if plan.slo == SLO():
-                ttft_ms, tpot_ms = _unloaded(plan, url, calibration_requests)
+                ttft_ms, tpot_ms = _unloaded(calibration_plan, url, calibration_requests)
                 plan = replace(
                     plan, slo=SLO(multiplier * ttft_ms, multiplier * tpot_ms if tpot_ms else None)
                 )
