@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 
 TRANSFER_MODES = ("layerwise", "full")
 SEND_TIMEOUT_S = 5.0
-RESERVE_TIMEOUT_S = 30.0  # covers the prefill queue: the router notices a dead P sooner
+# Covers the whole prefill queue (minutes when a CPU prefill worker is saturated); a dead
+# prefill worker is noticed by the router long before this, from its heartbeats.
+RESERVE_TIMEOUT_S = 600.0
 LAND_TIMEOUT_S = 5.0
 
 

@@ -32,7 +32,7 @@ class WorkerSpec:
     heartbeat_interval_s: float = 0.5
     # Deadlines on waits for a peer (engine/kv_handoff.py says which wait each bounds).
     kv_send_timeout_s: float = 5.0
-    kv_reserve_timeout_s: float = 30.0
+    kv_reserve_timeout_s: float = 600.0  # see kv_handoff.RESERVE_TIMEOUT_S
     kv_land_timeout_s: float = 5.0
 
     def to_json(self) -> str:
