@@ -51,6 +51,9 @@ class LLM:
         kv_cache_memory_fraction: float | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
+        kv_budget_tokens: int | None = None,
+        kv_sink_tokens: int = 16,
+        kv_recent_tokens: int = 64,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         long_prefill_token_threshold: int = 512,
@@ -69,6 +72,9 @@ class LLM:
                 kv_cache_memory_fraction,
                 enable_prefix_caching,
                 kv_cache_dtype,
+                kv_budget_tokens,
+                kv_sink_tokens,
+                kv_recent_tokens,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, max_model_len

@@ -72,3 +72,17 @@ def test_without_tiers_the_prefix_is_recomputed(tiny_model_dir, prefix):
     while eng.has_unfinished_requests():
         eng.step()
     assert request.num_cached_tokens == 0
+
+
+def test_fp8_blocks_and_scales_round_trip_through_a_tier(tiny_model_dir, tmp_path, prefix):
+    """FP8 blocks (values and their per-token scales) leave L1 and come back intact: the
+    repeated request's output equals the first one's, computed from the same FP8 KV."""
+    cache = CacheConfig(
+        block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512 // 4,
+        kv_cache_dtype="fp8",
+    )  # fmt: skip
+    store = KVStoreConfig(disk_dir=str(tmp_path / "kv"), disk_bytes=1 << 20)
+    eng = Engine(EngineConfig(model="tiny", cache=cache, kvstore=store), tiny_model_dir)
+    assert eng.runner.kv_cache.dtype.itemsize == 1
+    _, cached = shared_prefix_run(eng, prefix)
+    assert cached == 40
