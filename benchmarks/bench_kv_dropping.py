@@ -19,9 +19,9 @@ import math
 from pathlib import Path
 
 import torch
+from bench_kv_quality import HELD_OUT, TOPICS, agreement
 
 import pdserve.engine.model_runner as model_runner
-from bench_kv_quality import HELD_OUT, TOPICS, agreement
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
