@@ -52,6 +52,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, grows with tokens
     prefill_only: bool = False  # prefill role: stop after the first token
     kv_budget_tokens: int | None = None  # token dropping: most KV tokens held at once
+    # Tokens produced by an earlier attempt and now part of the prompt (a resumed request):
+    # seeded sampling keys token i on i counted from the original start.
+    num_prior_output_tokens: int = 0
     num_dropped_tokens: int = 0  # tokens whose KV was dropped (whole blocks)
 
     @property

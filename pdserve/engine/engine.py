@@ -164,9 +164,16 @@ class Engine:
     # ---- requests ----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        num_prior_output_tokens: int = 0,
     ) -> Request:
+        """`num_prior_output_tokens`: the prompt's last tokens were produced by an earlier
+        attempt of this request (resumed after a worker died)."""
         request = self._new_request(request_id, prompt_token_ids, params)
+        request.num_prior_output_tokens = num_prior_output_tokens
         self._enqueue(request)
         return request
 

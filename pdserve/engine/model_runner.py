@@ -133,7 +133,13 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         rows = [
-            SamplingRow(p.temperature, p.top_k, p.top_p, p.seed, len(r.output_token_ids))
+            SamplingRow(
+                p.temperature,
+                p.top_k,
+                p.top_p,
+                p.seed,
+                r.num_prior_output_tokens + len(r.output_token_ids),
+            )
             for r in sample_ids
             for p in (r.sampling_params,)
         ]

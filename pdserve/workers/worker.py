@@ -175,7 +175,7 @@ class Worker:
                 prompt = msg.prompt_token_ids + msg.output_token_ids
                 if msg.output_token_ids:  # resumed: what was already produced counts
                     params = _remaining(params, len(msg.output_token_ids))
-                e.add_request(msg.request_id, prompt, params)
+                e.add_request(msg.request_id, prompt, params, len(msg.output_token_ids))
             elif isinstance(msg, m.Reserve):
                 blocks = e.reserve(msg.request_id, msg.prompt_token_ids, params)
                 if blocks is None:

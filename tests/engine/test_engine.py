@@ -144,3 +144,19 @@ def test_stop_token_and_eos_stop_at_first_occurrence(tiny_model_dir, reference):
     assert out[0] == ref[: ref.index(stop) + 1]
     eos_out = run(engine, [prompts(1)[0]], SamplingParams(max_tokens=12, temperature=0.0))
     assert eos_out[0] == (ref[: ref.index(1) + 1] if 1 in ref else ref)
+
+
+def test_resumed_seeded_request_continues_the_same_sample(tiny_model_dir):
+    """A request resumed on another worker (its streamed tokens appended to the prompt)
+    draws the same tokens as if it had never stopped."""
+    engine = make_engine(tiny_model_dir)
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    full = run(engine, [prompt], p)[0]
+    resumed = engine.add_request(
+        "resumed", prompt + full[:4], SamplingParams(max_tokens=6, temperature=1.0, seed=7,
+                                                     ignore_eos=True), num_prior_output_tokens=4
+    )  # fmt: skip
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert resumed.output_token_ids == full[4:]
