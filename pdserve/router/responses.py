@@ -48,16 +48,8 @@ def full_response(
         }
         kind = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        kind = "text_completion"
-    return {
-        "id": ctx.id,
-        "object": kind,
-        "created": ctx.created,
-        "model": ctx.model,
-        "choices": [choice],
-        "usage": usage_body,
-    }
+        choice, kind = _text_choice(text, finish_reason), "text_completion"
+    return {**_envelope(ctx, kind, choice), "usage": usage_body}
 
 
 def chunk(
@@ -77,8 +69,16 @@ def chunk(
         }
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        kind = "text_completion"
+        choice, kind = _text_choice(text, finish_reason), "text_completion"
+    return _envelope(ctx, kind, choice)
+
+
+def _text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _envelope(ctx: ResponseContext, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """The fields every completion object and chunk shares."""
     return {
         "id": ctx.id,
         "object": kind,
