@@ -61,16 +61,21 @@ class SchedulerConfig:
         _positive("max_model_len", self.max_model_len, allow_none=True)
 
 
+CPU_KERNELS = ("native", "onednn", "torch")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where the data plane runs. `threads` sets torch's intra-op threads (None: torch's
-    default); on CUDA the device string names the GPU. `cpu_kernels` picks the CPU GEMMs:
-    "onednn" (prepacked, faster) or "torch" (plain `F.linear`, the reference)."""
+    default); on CUDA the device string names the GPU. `cpu_kernels` picks the CPU paths:
+    "native" (oneDNN GEMMs plus pdserve's C kernels for small-batch linears and decode
+    attention; falls back to "onednn" where they cannot be built), "onednn" (prepacked
+    GEMMs, PyTorch attention) or "torch" (plain `F.linear` and SDPA, the reference)."""
 
     device: str = "cpu"
     dtype: str = "float32"
     threads: int | None = None
-    cpu_kernels: str = "onednn"
+    cpu_kernels: str = "native"
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -78,8 +83,8 @@ class DeviceConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         _positive("threads", self.threads, allow_none=True)
-        if self.cpu_kernels not in ("onednn", "torch"):
-            raise ValueError(f"cpu_kernels must be 'onednn' or 'torch', got {self.cpu_kernels!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
 
 
 @dataclass(frozen=True)

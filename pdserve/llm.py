@@ -46,6 +46,7 @@ class LLM:
         device: str = "cpu",
         dtype: str = "float32",
         threads: int | None = None,
+        cpu_kernels: str = "native",
         block_size: int = 16,
         kv_cache_bytes: int | None = None,
         kv_cache_memory_fraction: float | None = None,
@@ -79,7 +80,7 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, max_model_len
             ),
-            device=DeviceConfig(device, dtype, threads),
+            device=DeviceConfig(device, dtype, threads, cpu_kernels),
             seed=seed,
         )
         model_dir = resolve_model(model)

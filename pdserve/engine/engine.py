@@ -61,7 +61,13 @@ class Engine:
         self.model_dir = Path(model_dir) if model_dir else resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.runner = ModelRunner(
-            self.model_dir, self.model_config, config.cache, config.device, config.seed, kv_cache
+            self.model_dir,
+            self.model_config,
+            config.cache,
+            config.device,
+            config.seed,
+            kv_cache,
+            decodes=role != "prefill",
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks,

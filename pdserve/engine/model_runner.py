@@ -16,6 +16,7 @@ from pdserve.config import CacheConfig, DeviceConfig
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.model.attention import AttentionMetadata, PrefillSpan, decode_tables
 from pdserve.model.config import ModelConfig
+from pdserve.model import native
 from pdserve.model.cpu_linear import can_pack, pack_linears
 from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
 from pdserve.model.loader import load_model, torch_dtype
@@ -90,15 +91,20 @@ class ModelRunner:
         device: DeviceConfig,
         seed: int = 0,
         kv_cache: torch.Tensor | None = None,
+        decodes: bool = True,
     ) -> None:
+        """`decodes`: this runner runs one-token decode steps (not a prefill-only worker),
+        so the native small-batch linear kernels are worth their copy of the weights."""
         if device.threads:
             torch.set_num_threads(device.threads)
         self.device = torch.device(device.device)
         self.dtype = torch_dtype(device.dtype)
         self.block_size = cache.block_size
         self.model = load_model(model_dir, device=device.device, dtype=device.dtype)
-        if device.cpu_kernels == "onednn" and can_pack(self.model):
-            pack_linears(self.model)
+        on_cpu = self.device.type == "cpu"
+        self.kernels = native.load() if device.cpu_kernels == "native" and on_cpu else None
+        if device.cpu_kernels in ("native", "onednn") and can_pack(self.model):
+            pack_linears(self.model, small_m=self.kernels if decodes else None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         if kv_cache is None:
@@ -206,6 +212,8 @@ class ModelRunner:
             meta.decode_block_tables, meta.decode_mask = decode_tables(
                 decode_block_ids, decode_lens, bs, dev
             )
+            meta.decode_context_lens = torch.tensor(decode_lens, device=dev)
+            meta.kernels = self.kernels
             decodes = out.scheduled[: len(decode_block_ids)]
             if any(r.kv_budget_tokens is not None for r, _ in decodes):
                 meta.decode_scores = torch.zeros(meta.decode_block_tables.shape, device=dev)

@@ -19,11 +19,13 @@ kernel can replace `paged_attention` on CUDA as long as it matches it (tests/mod
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.model import native
 from pdserve.model.kv_cache import LayerCache
 
 
@@ -48,9 +50,13 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], 0-padded
     decode_mask: torch.Tensor | None = None  # [1, num_decodes, 1, max_blocks * block_size]
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] long
     # Token dropping: attention each decode paid each of its blocks, summed over layers/heads.
     decode_scores: torch.Tensor | None = None  # [num_decodes, max_blocks]
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # The native CPU kernels (native.py) when the runner chose them: decode attention then
+    # reads K/V in place from fp32 blocks instead of gathering a copy first.
+    kernels: ctypes.CDLL | None = None
 
 
 def decode_tables(
@@ -84,7 +90,16 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     out = torch.empty_like(q)
     n = meta.num_decode_tokens
-    if n:
+    if n and meta.kernels is not None and native.reads_in_place(cache, q):
+        out[:n] = native.paged_decode_attention(
+            meta.kernels,
+            q[:n],
+            cache.blocks,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.decode_scores,
+        )
+    elif n:
         keys, values = cache.gather(meta.decode_block_tables, q.dtype)  # [kv_heads, n, L, d]
         # Query heads that share a KV head go on the "query length" axis, and the KV head
         # is SDPA's batch axis: one call over [kv_heads, n, group, d], no repeated K/V.

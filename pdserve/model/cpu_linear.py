@@ -7,26 +7,40 @@ weights reordered once into its blocked layout runs batch-32 decode GEMMs at ~71
 (benchmarks/bench_engine.py reports the end-to-end effect). The model code stays plain
 `nn.Linear`; `pack_linears` swaps the modules, and `F.linear` remains the reference the
 tests compare against.
+
+With the native kernels (`native.py`), a `PackedLinear` also keeps the plain weight and sends
+inputs of at most `native.SMALL_M_MAX` rows (batch-1..4 decode) to the C GEMV, which reads the
+weight once with every thread: oneDNN's GEMV runs on one core. That costs a second copy of
+the linear weights; a prefill-only worker never has such small inputs and skips it.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
+from pdserve.model import native
+
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight in oneDNN's blocked layout (fp32, CPU only)."""
+    """`nn.Linear` with its weight in oneDNN's blocked layout (fp32, CPU only), and
+    optionally the plain weight too for the native small-M kernel."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, small_m: ctypes.CDLL | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer(
             "packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight, None)
         )
         self.bias = linear.bias
+        self.small_m = small_m
+        self.weight = linear.weight.detach().contiguous() if small_m is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_m is not None and x.dim() == 2 and x.shape[0] <= native.SMALL_M_MAX:
+            return native.linear_small_m(self.small_m, x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -37,8 +51,9 @@ def can_pack(model: nn.Module) -> bool:
     )
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` in `model` by a `PackedLinear`; returns how many."""
+def pack_linears(model: nn.Module, small_m: ctypes.CDLL | None = None) -> int:
+    """Replace every `nn.Linear` in `model` by a `PackedLinear` (with the native small-M
+    path when `small_m` is the loaded kernel library); returns how many."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -46,5 +61,5 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(child, nn.Linear)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, small_m))
     return len(targets)

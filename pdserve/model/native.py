@@ -1,0 +1,158 @@
+"""The C kernels of `csrc/cpu_kernels.c`: built on first use, loaded with ctypes.
+
+Why C and not more PyTorch: at decode's shapes PyTorch's CPU paths are bound by things
+other than the hardware. A batch-1 fp32 GEMV in MKL or oneDNN runs on one core (~11 GB/s
+here, where both cores read ~23), and decode attention first gathers every request's K/V
+into a dense copy before SDPA reads it again. The kernels read each weight row once with
+all threads, and read K/V in place from the paged cache.
+
+Plain C with no PyTorch headers compiles in about a second with the system `gcc`, into
+`<model cache>/_kernels/<hash of source and flags>.so`, once per machine (a different source
+or flags gives a new file; a concurrent build by another process is harmless: each writes a
+temporary file and renames it). It is linked against the OpenMP runtime PyTorch already
+loaded, so both share one thread pool and `torch.set_num_threads`. Without a compiler,
+AVX2/FMA or a CPU device, `load()` returns None and callers keep the PyTorch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pdserve.model.kv_cache import LayerCache
+from pdserve.model.registry import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# Above this many rows a GEMM is compute-bound and oneDNN's blocked kernels win (measured
+# in benchmarks/bench_kernels.py).
+SMALL_M_MAX = 4
+
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+
+def cpu_supports_avx2() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2 " in flags and " fma " in flags
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the kernels (if not already) and return the shared library's path."""
+    source = SOURCE.read_bytes()
+    cc = os.environ.get("CC", "gcc")
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    out_dir = out_dir or default_cache_dir() / "_kernels"
+    lib = out_dir / f"cpu_kernels-{key}.so"
+    if lib.exists():
+        return lib
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler {cc!r} on PATH")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True)
+        os.replace(tmp, lib)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr.decode()[-2000:]}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (logged once) where they cannot run."""
+    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    if not cpu_supports_avx2():
+        log.info("native CPU kernels off: this CPU lacks AVX2/FMA")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as e:
+        log.warning("native CPU kernels off (PyTorch paths used instead): %s", e)
+        return None
+    lib.pd_linear_small_m.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    lib.pd_linear_small_m.restype = None
+    lib.pd_paged_decode_attn.argtypes = [_ptr] * 6 + [_i64] * 6 + [_f32]
+    lib.pd_paged_decode_attn.restype = ctypes.c_int
+    return lib
+
+
+def reads_in_place(cache, q: torch.Tensor) -> bool:
+    """Whether the attention kernel can read this layer's blocks directly: full-precision
+    fp32 rows on the CPU (FP8 rows need dequantizing; the PyTorch path does that)."""
+    blocks = cache.blocks
+    return (
+        type(cache).decode is LayerCache.decode
+        and blocks.dtype == torch.float32 == q.dtype
+        and blocks.device.type == "cpu"
+        and blocks.is_contiguous()
+    )
+
+
+def linear_small_m(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [M, K] with few rows; fp32, contiguous, CPU."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    b = bias.data_ptr() if bias is not None else None
+    lib.pd_linear_small_m(x.data_ptr(), weight.data_ptr(), b, y.data_ptr(), m, n, k)
+    return y
+
+
+def paged_decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scores: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, heads, d] against the paged K/V of `blocks` [num_blocks, 2, kv_heads,
+    block_size, d] -> [B, heads, d]. `block_tables` [B, max_blocks] and `context_lens` [B]
+    are int64; `scores` [B, max_blocks], if given, gains each block's attention probability
+    summed over heads."""
+    q = q.contiguous()
+    b, heads, d = q.shape
+    _, _, kv_heads, block_size, _ = blocks.shape
+    tables = block_tables.contiguous()
+    lens = context_lens.contiguous()
+    out = torch.empty_like(q)
+    rc = lib.pd_paged_decode_attn(
+        q.data_ptr(),
+        blocks.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        scores.data_ptr() if scores is not None else None,
+        b,
+        heads,
+        kv_heads,
+        d,
+        block_size,
+        tables.shape[1],
+        d**-0.5,
+    )
+    if rc != 0:
+        raise MemoryError("paged decode attention could not allocate its scratch buffer")
+    return out

@@ -1,0 +1,69 @@
+"""The C kernels against their PyTorch references (skipped where they cannot be built)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.model import native
+
+lib = native.load()
+pytestmark = pytest.mark.skipif(lib is None, reason="native CPU kernels unavailable here")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(96, 64), (7, 40), (33, 100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_small_m_equals_f_linear(m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    torch.testing.assert_close(native.linear_small_m(lib, x, w, b), F.linear(x, w, b))
+
+
+def reference_attention(q, blocks, tables, lens):
+    """Dense attention over each sequence's gathered context (GQA by repeating K/V)."""
+    b, heads, d = q.shape
+    kv_heads, bs = blocks.shape[2], blocks.shape[3]
+    out = torch.empty_like(q)
+    probs_per_block = torch.zeros(tables.shape, dtype=torch.float32)
+    for i in range(b):
+        n = int(lens[i])
+        ids = tables[i, : -(-n // bs)]
+        k = blocks[ids, 0].permute(1, 0, 2, 3).reshape(kv_heads, -1, d)[:, :n]
+        v = blocks[ids, 1].permute(1, 0, 2, 3).reshape(kv_heads, -1, d)[:, :n]
+        k = k.repeat_interleave(heads // kv_heads, 0)
+        v = v.repeat_interleave(heads // kv_heads, 0)
+        p = (q[i].unsqueeze(1) @ k.transpose(1, 2) * d**-0.5).softmax(-1)  # [heads, 1, n]
+        out[i] = (p @ v).squeeze(1)
+        per_token = F.pad(p.sum((0, 1)), (0, -n % bs))
+        probs_per_block[i, : per_token.numel() // bs] = per_token.view(-1, bs).sum(-1)
+    return out, probs_per_block
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 2, 36)])
+def test_paged_decode_attention_equals_dense(heads, kv_heads, d):
+    g = torch.Generator().manual_seed(heads + d)
+    num_blocks, bs = 40, 16
+    blocks = torch.randn(num_blocks, 2, kv_heads, bs, d, generator=g)
+    lens = torch.tensor([1, 16, 17, 150, 63])
+    max_blocks = -(-int(lens.max()) // bs)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)  # 0-padded like decode_tables
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        nb = -(-n // bs)
+        tables[i, :nb] = perm[used : used + nb]
+        used = (used + nb) % (num_blocks - max_blocks)
+    q = torch.randn(len(lens), heads, d, generator=g)
+    scores = torch.zeros(tables.shape)
+    out = native.paged_decode_attention(lib, q, blocks, tables, lens, scores)
+    want, want_scores = reference_attention(q, blocks, tables, lens)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(scores, want_scores, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(native.paged_decode_attention(lib, q, blocks, tables, lens), out)
+
+
+def test_build_is_cached(tmp_path):
+    first = native.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
