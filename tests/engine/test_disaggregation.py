@@ -56,9 +56,11 @@ class Pair:
         out: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompt_sets):
             rid = f"r{i}-{time.monotonic_ns()}"
-            blocks = self.d.reserve(rid, prompt, params)
-            assert blocks is not None
-            self.p.add_prefill(rid, prompt, params, self.rx.address(), blocks)
+            r = self.d.reserve(rid, prompt, params)
+            assert r is not None
+            self.p.add_prefill(
+                rid, prompt, params, self.rx.address(), r.block_ids, r.num_cached_blocks
+            )
             out[rid] = []
         pending = set(out)
         deadline = time.monotonic() + 30
@@ -124,8 +126,8 @@ def test_abort_mid_prefill_frees_prefill_blocks(tiny_model_dir):
     pair = Pair(tiny_model_dir, "tcp", "layerwise", long_prefill_token_threshold=4)
     try:
         free_p = pair.p.kv.num_free_blocks
-        blocks = pair.d.reserve("a", list(range(2, 30)), GREEDY)
-        pair.p.add_prefill("a", list(range(2, 30)), GREEDY, pair.rx.address(), blocks)
+        r = pair.d.reserve("a", list(range(2, 30)), GREEDY)
+        pair.p.add_prefill("a", list(range(2, 30)), GREEDY, pair.rx.address(), r.block_ids)
         pair.p.step()  # first chunk sent
         pair.p.abort_request("a")
         pair.d.abort_request("a")
