@@ -177,6 +177,7 @@ class Stats:
     num_queued_prefill_tokens: int
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
+    kv_blocks_skipped: int = 0  # decode: prompt blocks found in its own cache, never sent
 
 
 Message = (

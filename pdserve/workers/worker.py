@@ -229,13 +229,14 @@ class Worker:
         if now < self._next_stats:
             return
         self._next_stats = now + self.spec.heartbeat_interval_s / 10
-        s, kv = self.engine.scheduler, self.engine.kv
+        s, kv, handoff = self.engine.scheduler, self.engine.kv, self.engine.decode_handoff
         queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
         self._stats = (m.Stats(
             self.spec.worker_id, self.spec.role, s.num_waiting, s.num_running,
             kv.num_free_blocks, kv.num_blocks, queued,
             self.sender.stats()["bytes_sent"] if self.sender else 0,
             self.receiver.stats().get("bytes_received", 0) if self.receiver else 0,
+            handoff.num_skipped_blocks if handoff else 0,
         ))  # fmt: skip
 
     def close(self) -> None:
