@@ -64,8 +64,8 @@ class KVReservation:
 class KVDestination:
     peer: dict[str, Any]  # the decode worker's receiver address
     block_ids: list[int]  # its reserved blocks, one per prompt block
-    # Full blocks already sent or never to be sent (the decode side's cached prefix, first);
-    # a partial block is resent whole. Only ever grows.
+    # Full blocks already sent or never to be sent (the decode side's cached prefix, first).
+    # Only ever grows.
     num_sent_full_blocks: int = 0
     num_skip_blocks: int = 0  # leading blocks the decode worker already holds
 
@@ -124,18 +124,22 @@ class PrefillHandoff:
         )
 
     def plan(self, out: SchedulerOutput) -> list[_Send]:
-        """The blocks each scheduled prefill chunk fills, from the first not yet sent (so
-        this worker's own prefix-cache hit goes too, unless the decode worker holds it) to
-        the chunk's end (a partial block is resent whole next time). A middle chunk that
-        lies entirely in the decode worker's cached prefix sends nothing."""
+        """The blocks each scheduled prefill chunk completes, from the first not yet sent
+        (so this worker's own prefix-cache hit goes too, unless the decode worker holds it).
+
+        A middle chunk sends only full blocks: the next chunk writes into a partial one,
+        and a send still reading it would see it change (tcp's checksum fails the request,
+        a shm copy tears). The last chunk sends its partial block. A middle chunk inside
+        the decode worker's cached prefix sends nothing."""
         sends = []
         for request, num_new in out.scheduled:
             dest = self.destinations.get(request.request_id)
             if dest is None:
                 continue
             end = request.num_computed_tokens + num_new
-            first, stop = dest.num_sent_full_blocks, cdiv(end, self.kv.block_size)
             last = end >= request.num_prompt_tokens
+            first = dest.num_sent_full_blocks
+            stop = cdiv(end, self.kv.block_size) if last else end // self.kv.block_size
             dest.num_sent_full_blocks = max(first, end // self.kv.block_size)
             if first >= stop and not last:
                 continue

@@ -210,12 +210,12 @@ def test_layerwise_never_sends_the_skipped_blocks() -> None:
 
     chunk    0..6   6..12   12..18   18..22
     blocks   0 1    1 2     3 4      4 5      (0..2 held by decode: not sent)
-    sent     -      -       3 4      4 5      (4 was partial: sent again, whole)
+    sent     -      -       3        4 5      (4 is partial until the last chunk)
     """
     handoff, tx, r = prefill_side("layerwise", 22, skip=3)
     run_chunks(handoff, r, 6)
-    assert sent_dst(tx, 0) == [[3, 4], [4, 5]] and sent_dst(tx, 1) == [[3, 4], [4, 5]]
-    assert [src for _, src, _, _ in tx.sends][:2] == [[103, 104], [103, 104]]
+    assert sent_dst(tx, 0) == [[3], [4, 5]] and sent_dst(tx, 1) == [[3], [4, 5]]
+    assert [src for _, src, _, _ in tx.sends][:2] == [[103], [103]]
     assert [last for *_, last in tx.sends] == [False, False, False, True]
 
 
@@ -223,7 +223,7 @@ def test_layerwise_sends_its_own_prefix_hit_beyond_the_skip() -> None:
     """The prefill worker holds more of the prefix (3 blocks) than the decode one (1)."""
     handoff, tx, r = prefill_side("layerwise", 22, num_hit_tokens=12, skip=1)
     run_chunks(handoff, r, 6)
-    assert sent_dst(tx, 0) == [[1, 2, 3, 4], [4, 5]]
+    assert sent_dst(tx, 0) == [[1, 2, 3], [4, 5]]
 
 
 def test_layerwise_without_a_skip_sends_the_prefill_hit_too() -> None:
@@ -245,3 +245,10 @@ def test_full_mode_sends_the_rest_once(skip: int) -> None:
 def test_a_skip_that_would_leave_nothing_to_send_is_rejected(skip) -> None:
     with pytest.raises(ValueError, match="kv_skip_blocks"):
         prefill_side("full", 21, skip=skip)  # 21 tokens: blocks 0..5, at most 5 skipped
+
+
+def test_layerwise_never_sends_a_block_the_next_chunk_writes() -> None:
+    """No prefix anywhere: each block is sent once, after the chunk that completes it."""
+    handoff, tx, r = prefill_side("layerwise", 22)
+    run_chunks(handoff, r, 6)
+    assert sent_dst(tx, 0) == [[0], [1, 2], [3], [4, 5]]
