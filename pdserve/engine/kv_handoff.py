@@ -2,7 +2,8 @@
 KV to a decode engine's reserved blocks. Both are request states on top of the ordinary
 scheduler, not a second engine (DESIGN.md §2).
 
-Prefill side, per request:   RUNNING (chunks; each chunk's new blocks are sent)
+Prefill side, per request:   RUNNING (chunks; the blocks each completes are sent, but not
+                                     those the decode worker already holds)
                              -> SENDING_KV (first token out; blocks pinned)
                              -> blocks freed (or kept as prefix cache) once the sender
                                 reports DONE or FAILED — never while it may still read them.
