@@ -6,8 +6,9 @@ Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Released, Stats
 A disaggregated request (DESIGN.md §2):
 
     router ──Reserve──▶ decode      (blocks for the prompt's KV; no room -> Rejected)
-           ◀─Reserved──             (block ids + the receiver's transfer address)
-           ──Prefill──▶ prefill     (computes, streams KV into those blocks)
+           ◀─Reserved──             (block ids + the receiver's transfer address; the
+                                     leading ones may already hold a cached prefix)
+           ──Prefill──▶ prefill     (computes, streams KV into the other blocks)
            ◀─Tokens────             (the first token: streamed to the client at once)
            ──StartDecode▶ decode    (decodes once the KV has landed)
            ◀─Tokens────  ...        (until finished)
@@ -58,13 +59,15 @@ class Reserve:
 @dataclass
 class Prefill:
     """Prefill worker: compute the prompt, write its KV into `kv_block_ids` at `kv_peer`
-    (a receiver address from Reserved), sample the first token."""
+    (a receiver address from Reserved), sample the first token. The first `kv_skip_blocks`
+    destination blocks already hold the prefix (Reserved.num_cached_blocks): not sent."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     kv_peer: dict[str, Any]
     kv_block_ids: list[int]
+    kv_skip_blocks: int = 0
 
 
 @dataclass
@@ -100,10 +103,15 @@ class Ready:
 
 @dataclass
 class Reserved:
+    """`kv_block_ids` has one block per prompt block; the first `num_cached_blocks` are the
+    decode worker's own prefix-cache hit, already holding their KV, so only the rest is
+    expected from the prefill worker (and a write into the cached ones is rejected)."""
+
     worker_id: str
     request_id: str
     kv_peer: dict[str, Any]
     kv_block_ids: list[int]
+    num_cached_blocks: int = 0
 
 
 @dataclass
@@ -169,6 +177,7 @@ class Stats:
     num_queued_prefill_tokens: int
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
+    kv_blocks_skipped: int = 0  # decode: prompt blocks found in its own cache, never sent
 
 
 Message = (

@@ -3,6 +3,7 @@ import pytest
 from pdserve.messages import (
     CodecError,
     Prefill,
+    Reserved,
     Shutdown,
     Stats,
     Tokens,
@@ -19,8 +20,11 @@ SECRET = b"s" * 32
         Prefill(
             "r1", [1, 2, 3], {"max_tokens": 4, "stop": ["x"]}, {"host": "h", "port": 1}, [5, 6]
         ),
+        Prefill("r1", [1, 2, 3], {}, {"host": "h", "port": 1}, [5, 6], kv_skip_blocks=1),
+        Reserved("w0", "r1", {"host": "h", "port": 1}, [5, 6], num_cached_blocks=1),
         Tokens("w0", "r1", [7], True, "stop", 3, 0),
         Stats("w0", "decode", 1, 2, 3, 4, 5),
+        Stats("w0", "decode", 1, 2, 3, 4, 5, 6, 7, kv_blocks_skipped=8),
         Shutdown(),
     ],
 )
@@ -52,3 +56,23 @@ def test_unknown_type_and_fields_are_rejected():
         decode(frame(["Tokens", {"bogus": 1}]), SECRET)
     with pytest.raises(CodecError, match="malformed"):
         decode(frame("not a list"), SECRET)
+
+
+def test_frames_without_the_prefix_skip_fields_decode_to_zero():
+    """A peer that predates decode-side prefix reuse sends no skip: everything is sent."""
+    import hashlib
+    import hmac
+
+    import msgpack
+
+    def frame(obj):
+        payload = msgpack.packb(obj)
+        return hmac.new(SECRET, payload, hashlib.sha256).digest() + payload
+
+    reserved = {"worker_id": "w0", "request_id": "r", "kv_peer": {}, "kv_block_ids": [3]}
+    assert decode(frame(["Reserved", reserved]), SECRET).num_cached_blocks == 0
+    prefill = {
+        "request_id": "r", "prompt_token_ids": [1], "sampling": {}, "kv_peer": {},
+        "kv_block_ids": [3],
+    }  # fmt: skip
+    assert decode(frame(["Prefill", prefill]), SECRET).kv_skip_blocks == 0

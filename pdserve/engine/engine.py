@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
-from pdserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
+from pdserve.engine.kv_handoff import DecodeHandoff, KVReservation, PrefillHandoff
 from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
@@ -134,18 +134,21 @@ class Engine:
         params: SamplingParams,
         kv_peer: dict[str, Any],
         kv_block_ids: list[int],
+        kv_skip_blocks: int = 0,
     ) -> Request:
-        """Prefill role: compute the prompt, send its KV to `kv_block_ids` at `kv_peer`,
-        sample the first token."""
+        """Prefill role: compute the prompt, send its KV to `kv_block_ids` at `kv_peer`
+        (all but the first `kv_skip_blocks`, which the decode worker already holds), sample
+        the first token."""
         request = self._new_request(request_id, prompt_token_ids, params, prefill_only=True)
-        self.prefill_handoff.add(request, kv_peer, kv_block_ids)
+        self.prefill_handoff.add(request, kv_peer, kv_block_ids, kv_skip_blocks)
         self._enqueue(request)
         return request
 
     def reserve(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> list[int] | None:
-        """Decode role: reserve blocks for a prompt's KV; None when they do not fit now."""
+    ) -> KVReservation | None:
+        """Decode role: reserve blocks for a prompt's KV (taking the prefix this worker
+        already caches); None when they do not fit now."""
         request = self._new_request(request_id, prompt_token_ids, params)
         if request_id in self.scheduler.requests or request_id in self.decode_handoff.awaiting:
             raise ValueError(f"request id {request_id!r} is already in use")

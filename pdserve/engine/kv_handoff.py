@@ -2,11 +2,14 @@
 KV to a decode engine's reserved blocks. Both are request states on top of the ordinary
 scheduler, not a second engine (DESIGN.md §2).
 
-Prefill side, per request:   RUNNING (chunks; each chunk's new blocks are sent)
+Prefill side, per request:   RUNNING (chunks; the blocks each completes are sent, but not
+                                     those the decode worker already holds)
                              -> SENDING_KV (first token out; blocks pinned)
                              -> blocks freed (or kept as prefix cache) once the sender
                                 reports DONE or FAILED — never while it may still read them.
-Decode side, per request:    WAITING_FOR_KV (blocks reserved, receiver expects them)
+Decode side, per request:    WAITING_FOR_KV (blocks reserved: the prompt's prefix this
+                                worker already caches is shared, the rest is new and only
+                                the new blocks are expected from the prefill worker)
                              -> RUNNING once both the KV has landed and the first token is
                                 known; the reservation is released so no late write lands.
 
@@ -43,11 +46,29 @@ RESERVE_TIMEOUT_S = 600.0
 LAND_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True)
+class KVReservation:
+    """A decode worker's blocks for one prompt, one per prompt block::
+
+        block_ids:  [ c0 c1 c2 | n0 n1 n2 n3 ]
+                     cached      new: expected from the prefill worker
+                     (num_cached_blocks)
+
+    The cached blocks are the decode worker's own prefix-cache hit: shared, ref-counted,
+    already holding this prefix's KV, so they are never written and never sent."""
+
+    block_ids: list[int]
+    num_cached_blocks: int = 0
+
+
 @dataclass
 class KVDestination:
     peer: dict[str, Any]  # the decode worker's receiver address
     block_ids: list[int]  # its reserved blocks, one per prompt block
-    num_sent_full_blocks: int = 0  # full blocks already sent (a partial one is resent)
+    # Full blocks already sent or never to be sent (the decode side's cached prefix, first).
+    # Only ever grows.
+    num_sent_full_blocks: int = 0
+    num_skip_blocks: int = 0  # leading blocks the decode worker already holds
 
 
 @dataclass
@@ -82,30 +103,49 @@ class PrefillHandoff:
         # one-sided writes leave the receiver no chance to convert).
         self.convert: Callable[[list[int], list[int]], None] | None = None
 
-    def add(self, request: Request, peer: dict[str, Any], block_ids: list[int]) -> None:
+    def add(
+        self, request: Request, peer: dict[str, Any], block_ids: list[int], skip_blocks: int = 0
+    ) -> None:
+        """Send the prompt's KV into `block_ids` at `peer`, except the first `skip_blocks`
+        (the decode worker's own cached prefix). The last block is always sent: a prefix hit
+        never covers a whole prompt, and the final send is what completes the transfer."""
         needed = cdiv(request.num_prompt_tokens, self.kv.block_size)
         if len(block_ids) != needed:
             raise ValueError(f"got {len(block_ids)} destination blocks for {needed} prompt blocks")
-        self.destinations[request.request_id] = KVDestination(peer, list(block_ids))
+        if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, int):
+            raise ValueError(f"kv_skip_blocks must be an int, got {skip_blocks!r}")
+        max_skip = (request.num_prompt_tokens - 1) // self.kv.block_size
+        if not 0 <= skip_blocks <= max_skip:
+            raise ValueError(
+                f"kv_skip_blocks {skip_blocks} outside 0..{max_skip} for a prompt of "
+                f"{request.num_prompt_tokens} tokens (the block with the last token is sent)"
+            )
+        self.destinations[request.request_id] = KVDestination(
+            peer, list(block_ids), num_sent_full_blocks=skip_blocks, num_skip_blocks=skip_blocks
+        )
 
     def plan(self, out: SchedulerOutput) -> list[_Send]:
-        """The blocks each scheduled prefill chunk fills, from the first not yet sent (so a
-        prefix-cache hit's blocks go too) to the chunk's end (a partial block is resent
-        whole next time)."""
+        """The blocks each scheduled prefill chunk completes, from the first not yet sent
+        (so this worker's own prefix-cache hit goes too, unless the decode worker holds it).
+
+        A middle chunk sends only full blocks: the next chunk writes into a partial one,
+        and a send still reading it would see it change (tcp's checksum fails the request,
+        a shm copy tears). The last chunk sends its partial block. A middle chunk inside
+        the decode worker's cached prefix sends nothing."""
         sends = []
         for request, num_new in out.scheduled:
             dest = self.destinations.get(request.request_id)
             if dest is None:
                 continue
             end = request.num_computed_tokens + num_new
-            first, stop = dest.num_sent_full_blocks, cdiv(end, self.kv.block_size)
             last = end >= request.num_prompt_tokens
-            sends.append(
-                _Send(
-                    request, dest, request.block_ids[first:stop], dest.block_ids[first:stop], last
-                )
-            )
-            dest.num_sent_full_blocks = end // self.kv.block_size
+            first = dest.num_sent_full_blocks
+            stop = cdiv(end, self.kv.block_size) if last else end // self.kv.block_size
+            dest.num_sent_full_blocks = max(first, end // self.kv.block_size)
+            if first >= stop and not last:
+                continue
+            src, dst = request.block_ids[first:stop], dest.block_ids[first:stop]
+            sends.append(_Send(request, dest, src, dst, last))
         return sends
 
     def layer_hook(self, sends: list[_Send]) -> Callable[[int], None] | None:
@@ -121,13 +161,15 @@ class PrefillHandoff:
         return on_layer_done
 
     def after_step(self, sends: list[_Send]) -> None:
-        """Full mode: one send of every layer once the whole prompt is computed."""
+        """Full mode: one send of every layer once the whole prompt is computed (all but
+        the blocks the decode worker already holds)."""
         if self.mode != "full":
             return
         for s in sends:
             if s.last:
-                num_blocks = len(s.dest.block_ids)
-                src, dst = s.request.block_ids[:num_blocks], s.dest.block_ids
+                skip, num_blocks = s.dest.num_skip_blocks, len(s.dest.block_ids)
+                src = s.request.block_ids[skip:num_blocks]
+                dst = s.dest.block_ids[skip:]
                 self._send(
                     _Send(s.request, s.dest, src, dst, True), list(range(self.num_layers)), True
                 )
@@ -208,18 +250,30 @@ class DecodeHandoff:
         self.landed: set[str] = set()
         self.first_tokens: dict[str, int] = {}
         self._deadlines: dict[str, tuple[float, str]] = {}  # request id -> (when, what)
+        self.num_skipped_blocks = 0  # prompt blocks reserved from the own prefix cache
 
-    def reserve(self, request: Request) -> list[int] | None:
-        """Blocks for the prompt's KV, or None when they do not fit right now."""
-        if not self.kv.allocate(request, request.num_prompt_tokens):
+    def reserve(self, request: Request) -> KVReservation | None:
+        """Blocks for the prompt's KV, or None when they do not fit right now.
+
+        The prompt's longest prefix this worker already caches is taken by reference (its
+        blocks are shared and only read); the receiver expects just the new blocks, so a
+        write into a shared cached block is rejected by the transfer layer."""
+        hits = self.kv.find_cached_prefix(request)
+        num_new_tokens = request.num_prompt_tokens - len(hits) * self.kv.block_size
+        if not self.kv.allocate(request, num_new_tokens, hits):
             return None
+        try:
+            self.receiver.expect(request.request_id, request.block_ids[len(hits) :])
+        except ValueError:
+            self.kv.free(request)  # the hit's references too
+            raise
         request.status = RequestStatus.WAITING_FOR_KV
         self.awaiting[request.request_id] = request
-        self.receiver.expect(request.request_id, list(request.block_ids))
         when = self.clock() + self.reserve_timeout_s
         self._deadlines[request.request_id] = (when, f"no KV within {self.reserve_timeout_s} s")
-        log.debug("decode %s: -> waiting_for_kv", request.request_id)
-        return list(request.block_ids)
+        self.num_skipped_blocks += len(hits)
+        log.debug("decode %s: -> waiting_for_kv (%d cached blocks)", request.request_id, len(hits))
+        return KVReservation(list(request.block_ids), len(hits))
 
     def start(self, request_id: str, first_token_id: int) -> None:
         if request_id not in self.awaiting:

@@ -208,6 +208,7 @@ class RequestDriver:
                 self.sampling,
                 reply.kv_peer,
                 reply.kv_block_ids,
+                reply.num_cached_blocks,  # D holds that prefix already: P does not send it
             )
             self._send(prefill_id, prefill)
             self._charge_prefill(prefill_id)

@@ -118,6 +118,12 @@ class RouterMetrics:
                 for d in ("sent", "received")
             ],
         )
+        family(
+            "pdserve_kv_transfer_skipped_blocks_total",
+            "counter",
+            "Prompt KV blocks a decode worker already held (prefix cache), so not transferred.",
+            per_worker("kv_blocks_skipped"),
+        )
         family("pdserve_pending_requests", "gauge", "Requests in flight.", [("", num_pending)])
         family(
             "pdserve_requests_total",

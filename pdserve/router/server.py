@@ -163,6 +163,7 @@ async def _metrics(request: web.Request) -> web.Response:
                 "num_total_blocks": s.num_total_blocks if s else 0,
                 "kv_bytes_sent": s.kv_bytes_sent if s else 0,
                 "kv_bytes_received": s.kv_bytes_received if s else 0,
+                "kv_blocks_skipped": s.kv_blocks_skipped if s else 0,
                 "active_requests": w.active_requests,
                 "unacked_releases": sum(k[0] == w.worker_id for k in state.plane.unacked_releases),
             }

@@ -177,15 +177,19 @@ class Worker:
                     params = _remaining(params, len(msg.output_token_ids))
                 e.add_request(msg.request_id, prompt, params, len(msg.output_token_ids))
             elif isinstance(msg, m.Reserve):
-                blocks = e.reserve(msg.request_id, msg.prompt_token_ids, params)
-                if blocks is None:
+                r = e.reserve(msg.request_id, msg.prompt_token_ids, params)
+                if r is None:
                     self.send(m.Rejected(wid, msg.request_id, "no free KV blocks", True))
                 else:
-                    self.send(m.Reserved(wid, msg.request_id, self.receiver.address(), blocks))
+                    self.send(m.Reserved(
+                        wid, msg.request_id, self.receiver.address(),
+                        r.block_ids, r.num_cached_blocks,
+                    ))  # fmt: skip
             elif isinstance(msg, m.Prefill):
                 e.add_prefill(
-                    msg.request_id, msg.prompt_token_ids, params, msg.kv_peer, msg.kv_block_ids
-                )
+                    msg.request_id, msg.prompt_token_ids, params, msg.kv_peer,
+                    msg.kv_block_ids, msg.kv_skip_blocks,
+                )  # fmt: skip
             else:
                 log.warning("%s: unexpected %s", wid, type(msg).__name__)
         except (ValueError, TypeError) as exc:
@@ -225,13 +229,14 @@ class Worker:
         if now < self._next_stats:
             return
         self._next_stats = now + self.spec.heartbeat_interval_s / 10
-        s, kv = self.engine.scheduler, self.engine.kv
+        s, kv, handoff = self.engine.scheduler, self.engine.kv, self.engine.decode_handoff
         queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
         self._stats = (m.Stats(
             self.spec.worker_id, self.spec.role, s.num_waiting, s.num_running,
             kv.num_free_blocks, kv.num_blocks, queued,
             self.sender.stats()["bytes_sent"] if self.sender else 0,
             self.receiver.stats().get("bytes_received", 0) if self.receiver else 0,
+            handoff.num_skipped_blocks if handoff else 0,
         ))  # fmt: skip
 
     def close(self) -> None:

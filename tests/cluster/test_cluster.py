@@ -73,6 +73,13 @@ def test_1p1d_equals_collocated(tiny_served_model, reference, backend, mode):
         while not re.search(sent, get_text(url, "/metrics")) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert re.search(sent, get_text(url, "/metrics"))
+        # Again: the decode worker now holds each prompt's full blocks but the last (0, 0,
+        # 2 and 4 of 16 tokens) and receives only the rest, with the same output.
+        assert complete_all(url, model) == reference
+        skipped = 'pdserve_kv_transfer_skipped_blocks_total{worker="decode-0"} 6'
+        while skipped not in get_text(url, "/metrics") and time.monotonic() < deadline + 10:
+            time.sleep(0.2)
+        assert skipped in get_text(url, "/metrics")
         blocks = wait_blocks_free(url)
         assert set(blocks) == {"prefill-0", "decode-0"}
         assert all(free == total for free, total in blocks.values()), blocks

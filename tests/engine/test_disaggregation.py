@@ -1,7 +1,8 @@
 """A prefill engine and a decode engine in one process, joined by a real KV transfer,
 produce exactly the collocated engine's greedy output — for every backend and mode, with
-chunked prefill and prefix hits on the prefill side — and leak no block on either side."""
+chunked prefill and prefix hits on either side — and leak no block on either side."""
 
+import random
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.kv_handoff import KVReservation
 from pdserve.engine.model_runner import num_kv_blocks
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason
@@ -46,6 +48,15 @@ class Pair:
         source = wire.kv if wire else self.p.runner.kv_cache
         self.tx = make_sender(backend, source, KVLayout.from_tensor(source), SECRET)
         self.p.attach_sender(self.tx, mode, wire)
+        self.reservations: dict[str, KVReservation] = {}
+        self.sent_dst: dict[str, set[int]] = {}  # request id -> destination blocks sent
+        send = self.tx.send
+
+        def record(peer, request_id, layers, src_block_ids, dst_block_ids, last):
+            self.sent_dst.setdefault(request_id, set()).update(dst_block_ids)
+            send(peer, request_id, layers, src_block_ids, dst_block_ids, last)
+
+        self.tx.send = record
 
     def close(self):
         self.tx.close()
@@ -56,9 +67,11 @@ class Pair:
         out: dict[str, list[int]] = {}
         for i, prompt in enumerate(prompt_sets):
             rid = f"r{i}-{time.monotonic_ns()}"
-            blocks = self.d.reserve(rid, prompt, params)
-            assert blocks is not None
-            self.p.add_prefill(rid, prompt, params, self.rx.address(), blocks)
+            r = self.reservations[rid] = self.d.reserve(rid, prompt, params)
+            assert r is not None
+            self.p.add_prefill(
+                rid, prompt, params, self.rx.address(), r.block_ids, r.num_cached_blocks
+            )
             out[rid] = []
         pending = set(out)
         deadline = time.monotonic() + 30
@@ -84,6 +97,7 @@ class Pair:
             self.p.poll_transfers()
             time.sleep(0.001)
         assert not pending, "requests did not finish"
+        self.last_ids = list(out)
         return list(out.values())
 
 
@@ -100,10 +114,147 @@ def test_disaggregated_equals_collocated(tiny_model_dir, collocated, backend, mo
     try:
         free_p, free_d = pair.p.kv.num_free_blocks, pair.d.kv.num_free_blocks
         assert pair.generate(prompts(5)) == collocated
-        # Again: the prefill side now hits its prefix cache and still sends every block.
+        # Again: both sides now hit their prefix caches; only the last blocks are sent.
         assert pair.generate(prompts(5)) == collocated
         assert pair.p.kv.num_free_blocks == free_p and pair.d.kv.num_free_blocks == free_d
         assert pair.tx.stats()["num_writes"] > 0
+    finally:
+        pair.close()
+
+
+def shared_prefix_prompts() -> tuple[list[int], list[list[int]]]:
+    """A 26-token prefix (6 full blocks of 4 and a partial one) and prompts extending it."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(2, 128) for _ in range(26)]
+    return prefix, [prefix + [rng.randrange(2, 128) for _ in range(k)] for k in (1, 3, 9, 14)]
+
+
+@pytest.fixture(scope="module")
+def shared_reference(tiny_model_dir):
+    engine = Engine(config(), tiny_model_dir)
+    return [run(engine, [p])[0] for p in shared_prefix_prompts()[1]]
+
+
+def assert_only_new_blocks_sent(pair: Pair, num_cached_blocks: int) -> None:
+    """Each request of the last `generate` got exactly its new blocks, nothing cached."""
+    layout, num_layers = pair.rx.layout, pair.rx.layout.num_layers
+    per_request = pair.tx.stats()["requests"]
+    for rid in pair.last_ids:
+        r = pair.reservations[rid]
+        assert r.num_cached_blocks == num_cached_blocks
+        assert pair.sent_dst[rid] == set(r.block_ids[num_cached_blocks:])
+        if pair.p.prefill_handoff.mode == "full":  # one send: every new block once per layer
+            expected = len(r.block_ids[num_cached_blocks:]) * num_layers * layout.block_bytes
+            assert per_request[rid]["bytes_sent"] == expected
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("mode", ["layerwise", "full"])
+def test_decode_holding_the_prefix_receives_only_the_rest(
+    tiny_model_dir, shared_reference, backend, mode
+):
+    _, later = shared_prefix_prompts()
+    pair = Pair(tiny_model_dir, backend, mode, long_prefill_token_threshold=6)  # chunked
+    try:
+        free_p, free_d = pair.p.kv.num_free_blocks, pair.d.kv.num_free_blocks
+        assert pair.generate(later[:1]) == shared_reference[:1]
+        assert pair.reservations[pair.last_ids[0]].num_cached_blocks == 0
+        cold_bytes = pair.tx.stats()["bytes_sent"]
+        assert pair.generate(later[1:]) == shared_reference[1:]
+        assert_only_new_blocks_sent(pair, 6)
+        warm_bytes = pair.tx.stats()["bytes_sent"] - cold_bytes
+        assert warm_bytes < cold_bytes * 3  # three requests, each sending far fewer blocks
+        if backend == "tcp":  # shm writes land without passing through the receiver
+            assert pair.rx.stats()["bytes_received"] == pair.tx.stats()["bytes_sent"]
+        assert pair.d.decode_handoff.num_skipped_blocks == 18
+        assert pair.p.kv.num_free_blocks == free_p and pair.d.kv.num_free_blocks == free_d
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("mode", ["layerwise", "full"])
+@pytest.mark.parametrize("holder", ["decode_more", "decode_less"])
+def test_prefill_and_decode_caches_may_differ(
+    tiny_model_dir, shared_reference, backend, mode, holder
+):
+    """decode_more: only the decode worker holds the prefix, the prefill worker computes it
+    all and sends the rest; decode_less: the prefill worker holds all 6 blocks, the decode
+    worker 2, so blocks the prefill took from its own cache are sent too."""
+    prefix, later = shared_prefix_prompts()
+    pair = Pair(tiny_model_dir, backend, mode, long_prefill_token_threshold=6)
+    try:
+        free_p, free_d = pair.p.kv.num_free_blocks, pair.d.kv.num_free_blocks
+        if holder == "decode_more":
+            run(pair.d, [prefix])
+            num_cached = 6
+        else:
+            run(pair.p, [prefix])
+            run(pair.d, [prefix[:9]])
+            num_cached = 2
+        assert pair.generate(later) == shared_reference
+        assert_only_new_blocks_sent(pair, num_cached)
+        assert pair.p.kv.num_free_blocks == free_p and pair.d.kv.num_free_blocks == free_d
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("stage", ["reserved", "mid_prefill"])
+def test_abort_with_a_decode_prefix_hit_returns_every_reference(tiny_model_dir, backend, stage):
+    prefix, later = shared_prefix_prompts()
+    pair = Pair(tiny_model_dir, backend, "layerwise", long_prefill_token_threshold=6)
+    try:
+        run(pair.d, [prefix])
+        free_p, free_d = pair.p.kv.num_free_blocks, pair.d.kv.num_free_blocks
+        r = pair.d.reserve("a", later[3], GREEDY)
+        assert r.num_cached_blocks == 6
+        pool = pair.d.kv.pool
+        assert [pool.ref_cnt[b] for b in r.block_ids] == [1] * len(r.block_ids)
+        if stage == "mid_prefill":
+            pair.p.add_prefill("a", later[3], GREEDY, pair.rx.address(), r.block_ids, 6)
+            for _ in range(5):  # 30 of 40 tokens: block 6 sent (7 is partial)
+                pair.p.step()
+            assert pair.sent_dst["a"] == {r.block_ids[6]}
+            pair.p.abort_request("a")
+        assert pair.d.abort_request("a")
+        assert all(pool.ref_cnt[b] == 0 for b in r.block_ids)
+        assert pair.d.kv.num_free_blocks == free_d
+        assert pair.rx.stats()["num_reservations"] == 0
+        deadline = time.monotonic() + 10
+        while pair.p.kv.num_free_blocks != free_p and time.monotonic() < deadline:
+            pair.p.poll_transfers()
+            time.sleep(0.005)
+        assert pair.p.kv.num_free_blocks == free_p
+        # The prefix is still cached: the next reservation takes the same blocks.
+        assert pair.d.reserve("b", later[0], GREEDY).block_ids[:6] == r.block_ids[:6]
+        pair.d.abort_request("b")
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_write_into_a_shared_cached_block_is_rejected(tiny_model_dir, backend):
+    """The receiver expects only the new blocks: the cached ones other requests read are
+    outside the reservation, and a sender that aims at them fails the request instead."""
+    prefix, later = shared_prefix_prompts()
+    pair = Pair(tiny_model_dir, backend, "full")
+    try:
+        run(pair.d, [prefix])
+        free_d = pair.d.kv.num_free_blocks
+        r = pair.d.reserve("a", later[0], GREEDY)
+        cached = r.block_ids[0]
+        before = pair.d.runner.kv_cache[:, cached].clone()
+        pair.tx.send(pair.rx.address(), "a", [0, 1], [0], [cached], True)
+        deadline = time.monotonic() + 10
+        failed = []
+        while not failed and time.monotonic() < deadline:
+            failed = pair.d.poll_transfers()
+            time.sleep(0.005)
+        [(request_id, error)] = failed
+        assert request_id == "a" and "outside the reservation" in error
+        assert torch.equal(pair.d.runner.kv_cache[:, cached], before)
+        assert pair.d.kv.num_free_blocks == free_d
     finally:
         pair.close()
 
@@ -124,8 +275,8 @@ def test_abort_mid_prefill_frees_prefill_blocks(tiny_model_dir):
     pair = Pair(tiny_model_dir, "tcp", "layerwise", long_prefill_token_threshold=4)
     try:
         free_p = pair.p.kv.num_free_blocks
-        blocks = pair.d.reserve("a", list(range(2, 30)), GREEDY)
-        pair.p.add_prefill("a", list(range(2, 30)), GREEDY, pair.rx.address(), blocks)
+        r = pair.d.reserve("a", list(range(2, 30)), GREEDY)
+        pair.p.add_prefill("a", list(range(2, 30)), GREEDY, pair.rx.address(), r.block_ids)
         pair.p.step()  # first chunk sent
         pair.p.abort_request("a")
         pair.d.abort_request("a")

@@ -67,9 +67,11 @@ class FakeWorker:
         self.fail_times: int = behaviour.get("fail_times", -1)  # -1: every request
         self.die_after_tokens: int | None = behaviour.get("die_after_tokens")
         self.max_model_len: int = behaviour.get("max_model_len", 512)
+        self.num_cached_blocks: int = behaviour.get("num_cached_blocks", 0)  # in Reserved
         self.heartbeat = True
         self.num_tokens_sent = 0
         self.aborted: list[str] = []
+        self.received: list[Any] = []  # every message, as decoded
         self.address = f"ipc://{cluster.dir}/{worker_id}"
         self._max_tokens: dict[str, int] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -98,11 +100,12 @@ class FakeWorker:
         while True:
             if self.heartbeat:
                 running = len(self._tasks)
-                self.send(messages.Stats(self.worker_id, self.role, 0, running, 60, 64, 0, 7, 9))
+                self.send(messages.Stats(self.worker_id, self.role, 0, running, 60, 64, 0, 7, 9, 3))
             await asyncio.sleep(0.05)
 
     def _handle(self, m: Any) -> None:
         self.cluster.events.append((self.worker_id, type(m).__name__, getattr(m, "request_id", "")))
+        self.received.append(m)
         script = self.cluster.script
         if isinstance(m, messages.Abort):
             self.aborted.append(m.request_id)
@@ -121,7 +124,8 @@ class FakeWorker:
             else:
                 self._max_tokens[m.request_id] = m.sampling["max_tokens"]
                 peer = {"backend": "fake", "address": "nowhere"}
-                self.send(messages.Reserved(self.worker_id, m.request_id, peer, [0, 1]))
+                blocks, cached = [0, 1], self.num_cached_blocks
+                self.send(messages.Reserved(self.worker_id, m.request_id, peer, blocks, cached))
         elif isinstance(m, messages.Prefill):
             self._tasks[m.request_id] = asyncio.create_task(self._prefill(m))
         elif isinstance(m, messages.StartDecode):

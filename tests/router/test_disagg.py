@@ -30,6 +30,14 @@ def test_reserve_prefill_start_decode_in_order(tokenizer_dir: Path, script: list
         assert c.app_state.plane.workers["d0"].active_requests == 0
 
 
+def test_decode_cached_prefix_is_skipped_by_prefill(tokenizer_dir: Path, script: list[int]) -> None:
+    """The blocks D already holds (Reserved.num_cached_blocks) reach P as kv_skip_blocks."""
+    with Cluster(tokenizer_dir, script, PD, {"d0": {"num_cached_blocks": 1}}) as c:
+        assert post(c, {"prompt": "Hello", "max_tokens": 3}).ok
+        [prefill] = [m for m in c.workers["p0"].received if type(m).__name__ == "Prefill"]
+        assert prefill.kv_block_ids == [0, 1] and prefill.kv_skip_blocks == 1
+
+
 def test_first_token_streams_before_decode_tokens(tokenizer_dir: Path, script: list[int]) -> None:
     with Cluster(tokenizer_dir, script, PD, {"d0": {"step_s": 0.3}}) as c:
         r = post(c, {"prompt": "Hi", "max_tokens": 3, "stream": True}, stream=True)

@@ -1,0 +1,254 @@
+"""Block arithmetic of the handoff when the decode worker already holds a prompt's prefix:
+which blocks it reserves and expects, which ones the prefill worker sends, and that every
+reference comes back however the request ends. Torch-free, with fake transfer ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.kv_handoff import DecodeHandoff, KVReservation, PrefillHandoff
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.kvcache.manager import KVCacheManager
+from pdserve.request import FinishReason, Request
+from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.base import TransferStatus
+
+NUM_BLOCKS, BLOCK_SIZE = 32, 4
+PREFIX = list(range(10, 26))  # 16 tokens: 4 full blocks
+
+
+class FakeReceiver:
+    def __init__(self) -> None:
+        self.expected: dict[str, list[int]] = {}
+        self.released: list[str] = []
+        self.finished: list[tuple[str, TransferStatus, str | None]] = []
+
+    def expect(self, request_id: str, block_ids: list[int]) -> None:
+        if request_id in self.expected:
+            raise ValueError(f"request {request_id!r} already has a reservation")
+        self.expected[request_id] = list(block_ids)
+
+    def pop_finished(self) -> list[tuple[str, TransferStatus, str | None]]:
+        finished, self.finished = self.finished, []
+        return finished
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+
+class FakeSender:
+    def __init__(self) -> None:
+        self.sends: list[tuple[list[int], list[int], list[int], bool]] = []
+
+    def send(self, peer, request_id, layers, src_block_ids, dst_block_ids, last) -> None:
+        self.sends.append((list(layers), list(src_block_ids), list(dst_block_ids), last))
+
+
+def request(tokens: list[int], request_id: str = "r") -> Request:
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=4))
+
+
+def decode_side(now: list[float] | None = None):
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="m")
+    rx = FakeReceiver()
+    clock = (lambda: now[0]) if now is not None else (lambda: 0.0)
+    handoff = DecodeHandoff(rx, Scheduler(SchedulerConfig(), kv, 256), kv, 30.0, 5.0, clock)
+    return handoff, rx, kv
+
+
+def cache_prefix(kv: KVCacheManager, tokens: list[int]) -> list[int]:
+    """Leave `tokens`' full blocks cached and free, as a finished earlier request does."""
+    earlier = request(tokens, "earlier")
+    assert kv.allocate(earlier, len(tokens))
+    earlier.num_computed_tokens = len(tokens)
+    kv.cache_computed_blocks(earlier)
+    blocks = list(earlier.block_ids)
+    kv.free(earlier)
+    return blocks[: len(tokens) // BLOCK_SIZE]
+
+
+# ---- decode side -------------------------------------------------------------------------
+
+
+def test_reserve_takes_the_cached_prefix_and_expects_only_new_blocks() -> None:
+    handoff, rx, kv = decode_side()
+    cached = cache_prefix(kv, PREFIX)
+    free = kv.num_free_blocks
+    r = handoff.reserve(request(PREFIX + [7, 8, 9, 1, 2, 3]))  # 22 tokens: 6 blocks
+    assert isinstance(r, KVReservation) and r.num_cached_blocks == 4
+    assert r.block_ids[:4] == cached and len(r.block_ids) == 6
+    assert rx.expected["r"] == r.block_ids[4:]
+    assert [kv.pool.ref_cnt[b] for b in r.block_ids] == [1] * 6
+    assert handoff.num_skipped_blocks == 4
+    assert handoff.abort("r")
+    assert kv.num_free_blocks == free and all(kv.pool.ref_cnt[b] == 0 for b in r.block_ids)
+    again = handoff.reserve(request(PREFIX + [7], "again"))  # the prefix is still cached
+    assert again.block_ids[:4] == cached
+
+
+def test_a_whole_cached_prompt_still_expects_its_last_block() -> None:
+    handoff, rx, kv = decode_side()
+    cached = cache_prefix(kv, PREFIX)
+    r = handoff.reserve(request(PREFIX))  # every block cached; the last token is computed
+    assert r.num_cached_blocks == 3 and r.block_ids[:3] == cached[:3]
+    assert rx.expected["r"] == r.block_ids[3:] and cached[3] not in rx.expected["r"]
+
+
+def test_shared_prefix_references_are_dropped_not_freed() -> None:
+    """Two reservations share the cached prefix; ending one leaves the other's intact."""
+    handoff, rx, kv = decode_side()
+    cache_prefix(kv, PREFIX)
+    free = kv.num_free_blocks
+    a = handoff.reserve(request(PREFIX + [1], "a"))
+    b = handoff.reserve(request(PREFIX + [2, 3], "b"))
+    assert a.block_ids[:4] == b.block_ids[:4]
+    assert [kv.pool.ref_cnt[x] for x in a.block_ids[:4]] == [2] * 4
+    handoff.abort("a")
+    assert [kv.pool.ref_cnt[x] for x in b.block_ids] == [1] * 5
+    handoff.abort("b")
+    assert kv.num_free_blocks == free
+
+
+def test_landed_kv_runs_on_the_shared_prefix_and_caches_the_new_blocks() -> None:
+    handoff, rx, kv = decode_side()
+    cached = cache_prefix(kv, PREFIX)
+    prompt = PREFIX + [7, 8, 9, 1, 2, 3]
+    r = handoff.reserve(request(prompt))
+    rx.finished.append(("r", TransferStatus.DONE, None))
+    handoff.start("r", 5)
+    assert handoff.poll() == []
+    running = handoff.scheduler.requests["r"]
+    assert running.block_ids == r.block_ids and running.block_ids[:4] == cached
+    assert running.num_computed_tokens == len(prompt) and running.output_token_ids == [5]
+    hashes = running.block_hashes
+    assert kv.pool.lookup(hashes[4]) == r.block_ids[4]  # the received full block is indexed
+    free = kv.num_free_blocks
+    handoff.scheduler.finish_request("r", FinishReason.STOP)
+    assert kv.num_free_blocks == free + 6
+
+
+@pytest.mark.parametrize("stage", ["before_prefill", "after_first_token"])
+def test_deadline_expiry_releases_new_blocks_and_prefix_references(stage: str) -> None:
+    now = [0.0]
+    handoff, rx, kv = decode_side(now)
+    cache_prefix(kv, PREFIX)
+    free = kv.num_free_blocks
+    handoff.reserve(request(PREFIX + [1, 2]))
+    if stage == "after_first_token":
+        handoff.start("r", 5)
+    now[0] = 31.0
+    [(request_id, _)] = handoff.poll()
+    assert request_id == "r" and rx.released == ["r"]
+    assert kv.num_free_blocks == free and not any(kv.pool.ref_cnt)
+
+
+def test_failed_transfer_releases_prefix_references() -> None:
+    handoff, rx, kv = decode_side()
+    cache_prefix(kv, PREFIX)
+    free = kv.num_free_blocks
+    handoff.reserve(request(PREFIX + [1, 2]))
+    rx.finished.append(("r", TransferStatus.FAILED, "write outside the reservation"))
+    assert handoff.poll() == [("r", "write outside the reservation")]
+    assert kv.num_free_blocks == free and not any(kv.pool.ref_cnt)
+
+
+def test_no_room_changes_nothing() -> None:
+    handoff, rx, kv = decode_side()
+    cache_prefix(kv, PREFIX)
+    filler = request(list(range(100, 100 + 4 * (NUM_BLOCKS - 5))), "filler")
+    assert kv.allocate(filler, filler.num_prompt_tokens)  # leaves the 4 cached + 1 free
+    assert handoff.reserve(request(PREFIX + list(range(9)))) is None  # needs 3 new blocks
+    assert not rx.expected and kv.num_free_blocks == 5 and sum(kv.pool.ref_cnt) == 27
+
+
+def test_a_refused_expectation_returns_every_block() -> None:
+    handoff, rx, kv = decode_side()
+    cache_prefix(kv, PREFIX)
+    free = kv.num_free_blocks
+    rx.expected["r"] = []  # the receiver already knows this id
+    with pytest.raises(ValueError, match="already has a reservation"):
+        handoff.reserve(request(PREFIX + [1]))
+    assert kv.num_free_blocks == free and "r" not in handoff.awaiting
+
+
+# ---- prefill side ------------------------------------------------------------------------
+
+
+def prefill_side(mode: str, prompt_len: int, num_hit_tokens: int = 0, skip: int = 0):
+    """A prefill handoff for a request whose blocks are 100, 101, ... (the first
+    `num_hit_tokens` already computed: its own prefix hit), sending to blocks 0, 1, ..."""
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="m")
+    tx = FakeSender()
+    handoff = PrefillHandoff(tx, kv, 2, mode)
+    r = request(list(range(prompt_len)))
+    num_blocks = -(-prompt_len // BLOCK_SIZE)
+    r.block_ids = list(range(100, 100 + num_blocks))
+    r.num_computed_tokens = num_hit_tokens
+    handoff.add(r, {"host": "d"}, list(range(num_blocks)), skip)
+    return handoff, tx, r
+
+
+def run_chunks(handoff: PrefillHandoff, r: Request, chunk: int) -> None:
+    while r.num_computed_tokens < r.num_prompt_tokens:
+        num_new = min(chunk, r.num_prompt_tokens - r.num_computed_tokens)
+        sends = handoff.plan(SchedulerOutput([(r, num_new)]))
+        hook = handoff.layer_hook(sends)
+        for layer in range(2):
+            if hook is not None:
+                hook(layer)
+        handoff.after_step(sends)
+        r.num_computed_tokens += num_new
+
+
+def sent_dst(tx: FakeSender, layer: int) -> list[list[int]]:
+    return [dst for layers, _, dst, _ in tx.sends if layer in layers]
+
+
+def test_layerwise_never_sends_the_skipped_blocks() -> None:
+    """22 tokens (6 blocks), chunks of 6, decode holds 3 blocks::
+
+    chunk    0..6   6..12   12..18   18..22
+    blocks   0 1    1 2     3 4      4 5      (0..2 held by decode: not sent)
+    sent     -      -       3        4 5      (4 is partial until the last chunk)
+    """
+    handoff, tx, r = prefill_side("layerwise", 22, skip=3)
+    run_chunks(handoff, r, 6)
+    assert sent_dst(tx, 0) == [[3], [4, 5]] and sent_dst(tx, 1) == [[3], [4, 5]]
+    assert [src for _, src, _, _ in tx.sends][:2] == [[103], [103]]
+    assert [last for *_, last in tx.sends] == [False, False, False, True]
+
+
+def test_layerwise_sends_its_own_prefix_hit_beyond_the_skip() -> None:
+    """The prefill worker holds more of the prefix (3 blocks) than the decode one (1)."""
+    handoff, tx, r = prefill_side("layerwise", 22, num_hit_tokens=12, skip=1)
+    run_chunks(handoff, r, 6)
+    assert sent_dst(tx, 0) == [[1, 2, 3], [4, 5]]
+
+
+def test_layerwise_without_a_skip_sends_the_prefill_hit_too() -> None:
+    handoff, tx, r = prefill_side("layerwise", 10, num_hit_tokens=8)
+    run_chunks(handoff, r, 6)
+    assert sent_dst(tx, 0) == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize("skip", [0, 2, 5])
+def test_full_mode_sends_the_rest_once(skip: int) -> None:
+    handoff, tx, r = prefill_side("full", 22, skip=skip)
+    run_chunks(handoff, r, 6)
+    [(layers, src, dst, last)] = tx.sends
+    assert layers == [0, 1] and last
+    assert dst == list(range(skip, 6)) and src == list(range(100 + skip, 106))
+
+
+@pytest.mark.parametrize("skip", [-1, 6, True, "1"])
+def test_a_skip_that_would_leave_nothing_to_send_is_rejected(skip) -> None:
+    with pytest.raises(ValueError, match="kv_skip_blocks"):
+        prefill_side("full", 21, skip=skip)  # 21 tokens: blocks 0..5, at most 5 skipped
+
+
+def test_layerwise_never_sends_a_block_the_next_chunk_writes() -> None:
+    """No prefix anywhere: each block is sent once, after the chunk that completes it."""
+    handoff, tx, r = prefill_side("layerwise", 22)
+    run_chunks(handoff, r, 6)
+    assert sent_dst(tx, 0) == [[0], [1, 2], [3], [4, 5]]
