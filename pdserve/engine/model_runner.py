@@ -14,9 +14,9 @@ import torch
 
 from pdserve.config import CacheConfig, DeviceConfig
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.model import native
 from pdserve.model.attention import AttentionMetadata, PrefillSpan, decode_tables
 from pdserve.model.config import ModelConfig
-from pdserve.model import native
 from pdserve.model.cpu_linear import can_pack, pack_linears
 from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
 from pdserve.model.loader import load_model, torch_dtype
