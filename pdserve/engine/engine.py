@@ -152,7 +152,12 @@ class Engine:
         request = self._new_request(request_id, prompt_token_ids, params)
         if request_id in self.scheduler.requests or request_id in self.decode_handoff.awaiting:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.decode_handoff.reserve(request)
+        reservation = self.decode_handoff.reserve(request)
+        if self.offload is not None:
+            # The reservation may have evicted cached blocks: save what they hold now, since
+            # a prefill may start writing into them as soon as this returns.
+            self.offload.save_evicted()
+        return reservation
 
     def start_decode(self, request_id: str, first_token_id: int) -> None:
         self.decode_handoff.start(request_id, first_token_id)

@@ -9,6 +9,8 @@ from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kvcache.hashing import hash_blocks
 from pdserve.kvstore.config import KVStoreConfig
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.registry import make_receiver
 from tests.engine.test_engine import GREEDY, prompts, run
 from tests.kvstore.conftest import redis_server  # noqa: F401  (fixture)
 
@@ -86,3 +88,24 @@ def test_fp8_blocks_and_scales_round_trip_through_a_tier(tiny_model_dir, tmp_pat
     assert eng.runner.kv_cache.dtype.itemsize == 1
     _, cached = shared_prefix_run(eng, prefix)
     assert cached == 40
+
+
+def test_a_reservation_saves_the_blocks_it_evicts_before_any_write(tiny_model_dir, tmp_path):
+    """A decode worker's reservation can take cached blocks; what they held must reach the
+    tiers before the reply goes out, since the prefill may write into them right after."""
+    cache = CacheConfig(block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512)
+    store = KVStoreConfig(host_bytes=1 << 20, host_root=str(tmp_path))
+    eng = Engine(EngineConfig(model="tiny", cache=cache, kvstore=store), tiny_model_dir, "decode")
+    layout = KVLayout.from_tensor(eng.runner.kv_cache)
+    rx = make_receiver("tcp", eng.runner.kv_cache, layout, b"secret")
+    eng.attach_receiver(rx)
+    run(eng, prompts(2, seed=5, lo=40, hi=41))  # fills L1 with cached-but-free blocks
+    cached = list(eng.kv.pool.cached_blocks)
+    assert cached
+    saved_before = eng.offload.num_blocks_saved
+    assert eng.reserve("r", prompts(1, seed=6, lo=80, hi=81)[0], GREEDY) is not None
+    assert eng.offload.num_blocks_saved > saved_before  # saved at once, not at the next step
+    assert eng.offload.store.flush(5)
+    gone = [h for h in cached if eng.kv.pool.lookup(h) is None]
+    assert gone and all(eng.offload.store.contains(h) for h in gone)
+    rx.close()
