@@ -86,3 +86,25 @@ def test_fp8_blocks_and_scales_round_trip_through_a_tier(tiny_model_dir, tmp_pat
     assert eng.runner.kv_cache.dtype.itemsize == 1
     _, cached = shared_prefix_run(eng, prefix)
     assert cached == 40
+
+
+def test_cache_stats_count_a_hit_from_the_host_tier(tiny_model_dir, tmp_path, prefix):
+    eng = engine(tiny_model_dir, KVStoreConfig(host_bytes=1 << 20, host_root=str(tmp_path)))
+    run(eng, [prefix + [7, 7]])
+    run(eng, prompts(4, seed=9, lo=30, hi=40))  # evicts the prefix's blocks from L1
+    eng.offload.store.flush(5)
+    before = eng.cache_stats()
+    run(eng, [prefix + [7, 7]])
+    after = eng.cache_stats()
+
+    def delta(tier: str, key: str) -> int:
+        return after["tiers"][tier][key] - before["tiers"][tier][key]
+
+    block_bytes = eng.offload.block_bytes
+    assert (delta("L1", "lookups"), delta("L1", "hits")) == (10, 0)  # loaded blocks are L2's
+    assert delta("L2", "hits") == 10 and delta("L2", "lookups") >= 10
+    assert delta("L1", "bytes_written") == 10 * block_bytes
+    assert delta("L2", "bytes_read") >= 10 * block_bytes
+    assert before["tiers"]["L1"]["bytes_read"] > 0 and before["tiers"]["L2"]["bytes_written"] > 0
+    assert after["cached_prompt_tokens"] - before["cached_prompt_tokens"] == 40
+    assert after["computed_prompt_tokens"] - before["computed_prompt_tokens"] == 2
