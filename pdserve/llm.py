@@ -115,9 +115,7 @@ class LLM:
         """One chat turn: the model's chat template applied to `messages`."""
         return self.generate([self.tokenizer.apply_chat_template(messages)], params)[0]
 
-    def warmup(
-        self, prompts: Sequence[Prompt | list[dict]], pin: bool = True
-    ) -> list[int]:
+    def warmup(self, prompts: Sequence[Prompt | list[dict]], pin: bool = True) -> list[int]:
         """Prefill prompts into the prefix cache (and with `pin`, keep their full blocks
         resident) so later requests starting with them hit; nothing is generated. A prompt is
         text, token ids or a chat message list (rendered with the chat template, like `chat`).
@@ -151,7 +149,9 @@ class LLM:
         prompt_ids = [
             self.tokenizer.apply_chat_template(p)
             if isinstance(p, list) and p and isinstance(p[0], dict)
-            else p if isinstance(p, list) else self._encode(p)
+            else p
+            if isinstance(p, list)
+            else self._encode(p)
             for p in prompts
         ]
         for ids in prompt_ids:

@@ -91,7 +91,9 @@ class KVCacheManager:
     def num_cached_tokens(self, block_hashes: list[int]) -> int:
         """Tokens of the longest prefix of these blocks the pool holds now."""
         num_blocks = 0
-        while num_blocks < len(block_hashes) and self.pool.lookup(block_hashes[num_blocks]) is not None:
+        for block_hash in block_hashes:
+            if self.pool.lookup(block_hash) is None:
+                break
             num_blocks += 1
         return num_blocks * self.block_size
 

@@ -76,7 +76,5 @@ def test_cache_counters_split_cached_and_computed_tokens(tiny_model_dir):
     warm(engine, SYSTEM, pin=False)  # 30 computed, 7 lookups, 0 hits
     run(engine, [SYSTEM + [5, 6]])  # 32 tokens: 7 full blocks hit out of 7 lookups
     stats = engine.cache_stats()
-    assert stats["tiers"] == {
-        "L1": {"lookups": 14, "hits": 7, "bytes_read": 0, "bytes_written": 0}
-    }
+    assert stats["tiers"] == {"L1": {"lookups": 14, "hits": 7, "bytes_read": 0, "bytes_written": 0}}
     assert (stats["cached_prompt_tokens"], stats["computed_prompt_tokens"]) == (28, 30 + 4)
