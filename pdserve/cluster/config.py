@@ -95,6 +95,9 @@ class Pipeline:
     # Tiers below each worker's pool. `redis_url: local` has the launcher start a private
     # redis-server (Debian's package) for a one-host cluster.
     kv_pool: KVStoreConfig = KVStoreConfig()
+    # Prompts (text, or chat message lists) the launcher prefills and pins on every prefill
+    # and collocated worker once the cluster is healthy, e.g. the deployment's system prompts.
+    warmup_prompts: tuple = ()
 
     def __post_init__(self) -> None:
         disagg = self.prefill is not None or self.decode is not None
@@ -105,10 +108,25 @@ class Pipeline:
         for name in ("routing", "load_balancer"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        object.__setattr__(self, "warmup_prompts", _warmup_prompts(self.warmup_prompts))
 
     @property
     def roles(self) -> list[tuple[str, Role]]:
         return [(n, r) for n in ("prefill", "decode", "collocated") if (r := getattr(self, n))]
+
+
+def _warmup_prompts(value: Any) -> tuple:
+    from pdserve.cluster.warmup import WarmupError, check_prompt
+
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"warmup_prompts must be a list of prompts, got {value!r:.80}")
+    try:
+        return tuple(
+            p if isinstance(p, str) else tuple(p)
+            for p in (check_prompt(v, f"warmup_prompts[{i}]") for i, v in enumerate(value))
+        )
+    except WarmupError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def pipeline_from_dict(data: dict[str, Any]) -> Pipeline:

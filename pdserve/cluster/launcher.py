@@ -137,6 +137,31 @@ class Cluster:
         self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)],
                     router_env)  # fmt: skip
         self._wait_healthy(p.startup_timeout_s)
+        if p.warmup_prompts:
+            self._warmup(list(p.warmup_prompts))
+
+    def _warmup(self, prompts: list) -> None:
+        """Prefill and pin the pipeline's warm-up prompts on every prefill-capable worker;
+        a prompt any worker could not warm is an error of the deployment's config."""
+        from pdserve.cluster.warmup import (
+            WarmupError,
+            ordered,
+            report_lines,
+            send_warmup,
+            warmup_body,
+        )
+
+        body = warmup_body(prompts)
+        try:
+            answer = send_warmup(self.url, body, self.pipeline.api_key,
+                                 timeout_s=self.pipeline.startup_timeout_s)  # fmt: skip
+        except WarmupError as exc:
+            raise ClusterError(f"warm-up failed: {exc}") from None
+        lines, num_errors = report_lines(answer, ordered(body))
+        for line in lines:
+            log.info("warm-up: %s", line)
+        if num_errors:
+            raise ClusterError("warm-up failed: " + next(x for x in lines if " error: " in x))
 
     def _start_redis(self) -> str:
         """A private redis-server for a one-host cluster (L4), LRU-evicting at 1 GiB."""
