@@ -40,10 +40,15 @@ class Role:
     long_prefill_token_threshold: int = 512
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "fp8": E4M3 with per-token scales
+    max_pinned_fraction: float = 0.5  # most of each worker's pool warm-up may pin
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(
+                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}"
+            )
         if isinstance(self.num, bool) or not isinstance(self.num, int) or self.num < 1:
             raise ValueError(f"num must be a positive integer, got {self.num!r}")
         cpus = tuple(tuple(c) if isinstance(c, (list, tuple)) else c for c in self.cpus or ())

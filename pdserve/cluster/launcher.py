@@ -81,6 +81,7 @@ def _engine_config(p: Pipeline, r: Role, kv_pool=None) -> EngineConfig:
             kv_cache_bytes=r.kv_cache_bytes,
             enable_prefix_caching=r.enable_prefix_caching,
             kv_cache_dtype=r.kv_cache_dtype,
+            max_pinned_fraction=r.max_pinned_fraction,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=r.max_num_seqs,

@@ -92,5 +92,9 @@ def test_warmup_prompts_from_yaml_and_from_a_file(tmp_path):
     prompts.write_text('"one"\n{"prompt": 3}\n')
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: a prompt must be"):
         pipeline_from_args(up_args("--collocated", "1", "--warmup-file", str(prompts)))
+    p = pipeline_from_args(up_args("--collocated", "1"))
+    assert worker_specs(p, "tcp://x:1")[0].engine.cache.max_pinned_fraction == 0.5
+    with pytest.raises(ValueError, match="max_pinned_fraction"):
+        Role(max_pinned_fraction=2)
     with pytest.raises(ValueError, match=r"warmup_prompts\[1\]"):
         Pipeline(collocated=Role(), warmup_prompts=["ok", [{"content": "no role"}]])
