@@ -152,6 +152,7 @@ class Cluster:
             warmup_body,
         )
 
+        self._wait_all_workers(self.pipeline.startup_timeout_s)
         body = warmup_body(prompts)
         try:
             answer = send_warmup(self.url, body, self.pipeline.api_key,
@@ -196,6 +197,21 @@ class Cluster:
                 pass
             time.sleep(0.5)
         raise ClusterError(f"cluster not healthy after {timeout_s:.0f} s ({self.url}/health)")
+
+    def _wait_all_workers(self, timeout_s: float) -> None:
+        """/health is 200 once each role has a worker; warm-up wants every worker ready."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    workers = json.loads(resp.read())["workers"]
+                if all(w["healthy"] for w in workers.values()):
+                    return
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise ClusterError(f"not every worker became healthy within {timeout_s:.0f} s")
 
     def check_alive(self) -> None:
         for proc in self.processes:

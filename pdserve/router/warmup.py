@@ -8,8 +8,9 @@ prefill and collocated worker, `DELETE /v1/cache/warmup` unpins them.
 
 Every prefill-capable worker gets every prompt: whichever worker a later request is routed
 to then hits, and the workers' KVEvents tell the router's prefix index what they hold. A
-worker that fails or refuses (e.g. its pinned share is full) gets an `error` entry for that
-prompt; the others still answer (200).
+worker that is not healthy, fails or refuses (e.g. its pinned share is full) gets an `error`
+entry per prompt, so a caller sees who was not warmed; the others still answer (200). With
+no healthy prefill-capable worker at all the answer is 503.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pdserve.router.workers import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
 MAX_PROMPTS = 1024
+_NOT_HEALTHY = {"error": "worker not healthy (not ready, or lost): not warmed"}
 
 
 async def warmup(request: web.Request) -> web.Response:
@@ -42,18 +44,19 @@ async def _warm(request: web.Request, unpin: bool) -> web.Response:
     body = await read_json(request)
     prompts, pin = parse_warmup(body, state.config.model)
     prompt_ids = [_tokenize(state, prompt, param) for prompt, param in prompts]
-    worker_ids = [
-        w.worker_id
-        for w in state.plane.workers.values()
-        if w.role in WARMUP_ROLES and state.plane.is_healthy(w.worker_id)
-    ]
-    if not worker_ids:
+    worker_ids = [w.worker_id for w in state.plane.workers.values() if w.role in WARMUP_ROLES]
+    healthy = [wid for wid in worker_ids if state.plane.is_healthy(wid)]
+    if not healthy:
         raise ApiError(503, "no healthy prefill or collocated worker to warm", type="server_error")
     pin = pin and not unpin
-    asks = [_ask(state, wid, ids, pin, unpin) for wid in worker_ids for ids in prompt_ids]
+    asks = [_ask(state, wid, ids, pin, unpin) for wid in healthy for ids in prompt_ids]
     answers = iter(await asyncio.gather(*asks))
     workers = {
-        wid: [{"index": i, **next(answers)} for i in range(len(prompt_ids))] for wid in worker_ids
+        wid: [
+            {"index": i, **(next(answers) if wid in healthy else _NOT_HEALTHY)}
+            for i in range(len(prompt_ids))
+        ]
+        for wid in worker_ids
     }
     return web.json_response({"object": "cache.warmup", "pin": pin, "workers": workers})
 

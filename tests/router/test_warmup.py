@@ -67,9 +67,15 @@ def test_bad_warmup_bodies_are_400_naming_the_field(tokenizer_dir: Path, script)
         assert not [k for k in c.kinds("c0") if k in ("Warmup", "Unpin")]
 
 
-def test_warmup_with_no_prefill_capable_worker_is_503(tokenizer_dir: Path, script) -> None:
-    roles = {"p0": "prefill", "d0": "decode"}
+def test_unhealthy_workers_are_named_and_none_healthy_is_503(tokenizer_dir: Path, script) -> None:
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
     with Cluster(tokenizer_dir, script, roles) as c:
+        c.workers["p1"].heartbeat = False
+        c.wait_until(lambda: not c.app_state.plane.is_healthy("p1"), timeout=10)
+        r = requests.post(f"{c.url}/v1/cache/warmup", json={"prompts": [SYSTEM]})
+        assert r.status_code == 200
+        assert r.json()["workers"]["p0"][0]["num_pinned_tokens"] == 48
+        assert "not healthy" in r.json()["workers"]["p1"][0]["error"]
         c.workers["p0"].heartbeat = False
         c.wait_until(lambda: not c.app_state.plane.is_healthy("p0"), timeout=10)
         r = requests.post(f"{c.url}/v1/cache/warmup", json={"prompts": [SYSTEM]})
