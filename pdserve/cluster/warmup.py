@@ -86,7 +86,11 @@ def ordered(body: dict[str, Any]) -> list[Prompt]:
 
 
 def send_warmup(
-    url: str, body: dict[str, Any], api_key: str | None, unpin: bool = False, timeout_s=600.0
+    url: str,
+    body: dict[str, Any],
+    api_key: str | None,
+    unpin: bool = False,
+    timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """POST (or, to unpin, DELETE) the body; the router's answer, or WarmupError."""
     base = url.rstrip("/").removesuffix("/v1")

@@ -208,15 +208,7 @@ class Engine:
             raise ValueError("warm-up needs prefix caching, which is off on this worker")
         request = self._new_request(request_id, prompt_token_ids, _WARMUP_PARAMS)
         if pin:
-            pool = self.kv.pool
-            hashes = self.kv.prompt_block_hashes(prompt_token_ids)
-            num_new = len([h for h in dict.fromkeys(hashes) if not pool.is_pinned(h)])
-            if pool.num_pinned_blocks + num_new > pool.max_pinned_blocks:
-                raise ValueError(
-                    f"cannot pin {num_new} more blocks: {pool.num_pinned_blocks} of at most "
-                    f"{pool.max_pinned_blocks} pinned (max_pinned_fraction of "
-                    f"{pool.num_blocks} blocks)"
-                )
+            self.kv.pool.check_pin_room(self.kv.prompt_block_hashes(prompt_token_ids))
         self._enqueue(request)
         self.warming[request_id] = pin
 
@@ -241,9 +233,7 @@ class Engine:
         pin = self.warming.pop(request.request_id)
         hashes = self.kv.prompt_block_hashes(request.prompt_token_ids)
         result = WarmupResult(request.request_id, request.num_prompt_tokens, 0, 0)
-        if request.finish_reason is FinishReason.ABORT:
-            result.error = "aborted"
-        elif pin:
+        if pin:
             try:
                 result.num_pinned_tokens = self.kv.pool.pin(hashes) * self.kv.block_size
             except ValueError as exc:  # pins made meanwhile filled the share

@@ -100,14 +100,20 @@ class BlockPool:
         keep). Idempotent. All or nothing: ValueError if the pinned share would pass its bound."""
         block_hashes = list(block_hashes)
         new = {h for h in block_hashes if h in self.cached_blocks and h not in self.pinned}
-        if len(self.pinned) + len(new) > self.max_pinned_blocks:
-            raise ValueError(
-                f"cannot pin {len(new)} more blocks: {len(self.pinned)} of at most "
-                f"{self.max_pinned_blocks} pinned (max_pinned_fraction of {self.num_blocks} blocks)"
-            )
+        self.check_pin_room(new)
         self.touch(self.cached_blocks[h] for h in new)
         self.pinned |= new
         return sum(1 for h in block_hashes if h in self.pinned)
+
+    def check_pin_room(self, block_hashes: Iterable[int]) -> None:
+        """ValueError naming the numbers if pinning these blocks (cached now or once computed)
+        would pass the bound on the pinned share."""
+        num_new = len({h for h in block_hashes if h not in self.pinned})
+        if len(self.pinned) + num_new > self.max_pinned_blocks:
+            raise ValueError(
+                f"cannot pin {num_new} more blocks: {len(self.pinned)} of at most "
+                f"{self.max_pinned_blocks} pinned (max_pinned_fraction of {self.num_blocks} blocks)"
+            )
 
     def unpin(self, block_hashes: Iterable[int]) -> int:
         """Release pinned blocks to the LRU free queue (or to the requests still using them);
