@@ -56,6 +56,7 @@ class Request:
     # seeded sampling keys token i on i counted from the original start.
     num_prior_output_tokens: int = 0
     num_dropped_tokens: int = 0  # tokens whose KV was dropped (whole blocks)
+    num_loaded_blocks: int = 0  # prefix blocks a lower tier put into L1 for it (metrics)
 
     @property
     def num_kv_tokens(self) -> int:

@@ -7,6 +7,9 @@ from pdserve.messages import (
     Shutdown,
     Stats,
     Tokens,
+    Unpin,
+    WarmedUp,
+    Warmup,
     decode,
     encode,
 )
@@ -25,7 +28,22 @@ SECRET = b"s" * 32
         Tokens("w0", "r1", [7], True, "stop", 3, 0),
         Stats("w0", "decode", 1, 2, 3, 4, 5),
         Stats("w0", "decode", 1, 2, 3, 4, 5, 6, 7, kv_blocks_skipped=8),
+        Stats(
+            "w0",
+            "collocated",
+            0,
+            0,
+            3,
+            4,
+            0,
+            kv_tiers={"L1": {"lookups": 3, "hits": 1}},
+            kv_moved_bytes={"L1->L2": 64},
+            num_cached_prompt_tokens=16,
+        ),  # fmt: skip
         Shutdown(),
+        Warmup("warm-1", [1, 2, 3], pin=False),
+        Unpin("warm-2", [1, 2, 3]),
+        WarmedUp("w0", "warm-1", 3, 0, 0),
     ],
 )
 def test_round_trip(msg):

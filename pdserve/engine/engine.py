@@ -30,6 +30,21 @@ from pdserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 ROLES = ("collocated", "prefill", "decode")
+# A warm-up computes the prompt and samples one token nobody sees (like a prefill-only request,
+# but ending plainly, so its blocks go back to the cache on every role).
+_WARMUP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class WarmupResult:
+    """A finished warm-up: the prompt's tokens now in the cache (full blocks) and how many of
+    them are pinned; `error` when pinning was refused (the prompt stays cached, unpinned)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_pinned_tokens: int
+    error: str | None = None
 
 
 @dataclass
@@ -74,6 +89,7 @@ class Engine:
             config.cache.block_size,
             model_id=config.model,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            max_pinned_fraction=config.cache.max_pinned_fraction,
         )
         self.max_model_len = self._max_model_len()
         self.scheduler = Scheduler(
@@ -83,6 +99,8 @@ class Engine:
         self.decode_handoff: DecodeHandoff | None = None
         self.offload = self._build_offload()
         self.loading: dict[str, tuple[Request, Future]] = {}  # waiting on a tier lookup
+        self.warming: dict[str, bool] = {}  # warm-up request id -> pin its blocks when done
+        self.warmed: list[WarmupResult] = []  # finished warm-ups, drained by the caller
 
     def _build_offload(self) -> KVOffload | None:
         from pdserve.kvstore.base import EntryFormat
@@ -191,6 +209,52 @@ class Engine:
         self._enqueue(request)
         return request
 
+    # ---- cache warm-up ------------------------------------------------------------------
+
+    def warmup(self, request_id: str, prompt_token_ids: list[int], pin: bool = True) -> None:
+        """Prefill a prompt into the prefix cache (e.g. a deployment's system prompt), so the
+        first real request already hits; with `pin` its full blocks are then never evicted.
+        The result comes out of `drain_warmed()` once the prefill is done. Refused up front
+        (ValueError) when it cannot pin: decode role, caching off, pinned share full."""
+        if self.role == "decode":
+            raise ValueError("warm-up runs on prefill and collocated workers, not decode")
+        if not self.kv.enable_prefix_caching:
+            raise ValueError("warm-up needs prefix caching, which is off on this worker")
+        request = self._new_request(request_id, prompt_token_ids, _WARMUP_PARAMS)
+        if pin:
+            self.kv.pool.check_pin_room(self.kv.prompt_block_hashes(prompt_token_ids))
+        self._enqueue(request)
+        self.warming[request_id] = pin
+
+    def unpin(self, prompt_token_ids: list[int]) -> tuple[int, int]:
+        """Release a warmed prompt's pinned blocks to the LRU queue: (tokens unpinned, tokens
+        still cached)."""
+        hashes = self.kv.prompt_block_hashes(prompt_token_ids)
+        num_unpinned = self.kv.pool.unpin(hashes)
+        return num_unpinned * self.kv.block_size, self.kv.num_cached_tokens(hashes)
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Cumulative prefix-cache counts per tier (engine/cache_stats.py), for metrics."""
+        from pdserve.engine.cache_stats import cache_stats
+
+        return cache_stats(self.kv, self.offload)
+
+    def drain_warmed(self) -> list[WarmupResult]:
+        warmed, self.warmed = self.warmed, []
+        return warmed
+
+    def _finish_warmup(self, request: Request) -> None:
+        pin = self.warming.pop(request.request_id)
+        hashes = self.kv.prompt_block_hashes(request.prompt_token_ids)
+        result = WarmupResult(request.request_id, request.num_prompt_tokens, 0, 0)
+        if pin:
+            try:
+                result.num_pinned_tokens = self.kv.pool.pin(hashes) * self.kv.block_size
+            except ValueError as exc:  # pins made meanwhile filled the share
+                result.error = str(exc)
+        result.num_cached_tokens = self.kv.num_cached_tokens(hashes)
+        self.warmed.append(result)
+
     def _enqueue(self, request: Request) -> None:
         """To the scheduler, after a lookup in the tiers below L1 when there are any."""
         rid = request.request_id
@@ -266,6 +330,7 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         """End a request in any state; its blocks are freed now or, if a KV transfer may
         still read them, as soon as the transfer stops."""
+        self.warming.pop(request_id, None)
         if self.loading.pop(request_id, None) is not None:
             if self.prefill_handoff is not None:
                 self.prefill_handoff.abort(request_id)
@@ -306,6 +371,10 @@ class Engine:
                 self.runner.block_scores.pop(request.request_id, None)
             if request.prefill_only and request.is_finished and handoff:
                 handoff.on_finished(request)
+            if request.request_id in self.warming:
+                if request.is_finished:
+                    self._finish_warmup(request)
+                continue
             if token is None:
                 continue
             outputs.append(

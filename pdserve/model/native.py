@@ -136,10 +136,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, heads, d] (rows may be strided, as in a fused QKV output) against the paged K/V of `blocks` [num_blocks, 2, kv_heads,
-    block_size, d] -> [B, heads, d]. `block_tables` [B, max_blocks] and `context_lens` [B]
-    are int64; `scores` [B, max_blocks], if given, gains each block's attention probability
-    summed over heads."""
+    """q [B, heads, d] (rows may be strided, as in a fused QKV output) against the paged
+    K/V of `blocks` [num_blocks, 2, kv_heads, block_size, d] -> [B, heads, d].
+    `block_tables` [B, max_blocks] and `context_lens` [B] are int64; `scores` [B, max_blocks],
+    if given, gains each block's attention probability summed over heads."""
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     b, heads, d = q.shape

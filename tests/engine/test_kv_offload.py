@@ -109,3 +109,25 @@ def test_a_reservation_saves_the_blocks_it_evicts_before_any_write(tiny_model_di
     gone = [h for h in cached if eng.kv.pool.lookup(h) is None]
     assert gone and all(eng.offload.store.contains(h) for h in gone)
     rx.close()
+
+
+def test_cache_stats_count_a_hit_from_the_host_tier(tiny_model_dir, tmp_path, prefix):
+    eng = engine(tiny_model_dir, KVStoreConfig(host_bytes=1 << 20, host_root=str(tmp_path)))
+    run(eng, [prefix + [7, 7]])
+    run(eng, prompts(4, seed=9, lo=30, hi=40))  # evicts the prefix's blocks from L1
+    eng.offload.store.flush(5)
+    before = eng.cache_stats()
+    run(eng, [prefix + [7, 7]])
+    after = eng.cache_stats()
+
+    def delta(tier: str, key: str) -> int:
+        return after["tiers"][tier][key] - before["tiers"][tier][key]
+
+    block_bytes = eng.offload.block_bytes
+    assert (delta("L1", "lookups"), delta("L1", "hits")) == (10, 0)  # loaded blocks are L2's
+    assert delta("L2", "hits") == 10 and delta("L2", "lookups") >= 10
+    assert delta("L1", "bytes_written") == 10 * block_bytes
+    assert delta("L2", "bytes_read") >= 10 * block_bytes
+    assert before["tiers"]["L1"]["bytes_read"] > 0 and before["tiers"]["L2"]["bytes_written"] > 0
+    assert after["cached_prompt_tokens"] - before["cached_prompt_tokens"] == 40
+    assert after["computed_prompt_tokens"] - before["computed_prompt_tokens"] == 2
