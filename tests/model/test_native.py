@@ -5,19 +5,36 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import native
+from pdserve.model.cpu_linear import PackedLinear
 
 lib = native.load()
 pytestmark = pytest.mark.skipif(lib is None, reason="native CPU kernels unavailable here")
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
 @pytest.mark.parametrize("n,k", [(96, 64), (7, 40), (33, 100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_small_m_equals_f_linear(m, n, k, bias):
+def test_linear_panels_equals_f_linear(m, n, k, bias):
+    """Every micro-kernel height (1..6 rows), partial last panels, odd K."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    torch.testing.assert_close(native.linear_small_m(lib, x, w, b), F.linear(x, w, b))
+    y = native.linear_panels(lib, x, native.pack_panels(w), n, b)
+    torch.testing.assert_close(y, F.linear(x, w, b))
+
+
+def test_packed_linear_takes_either_path():
+    """Small inputs take the panel kernel, large ones oneDNN; a decode-only copy takes any."""
+    linear = torch.nn.Linear(40, 24)
+    both, panels_only = PackedLinear(linear, lib), PackedLinear(linear, lib, onednn=False)
+    assert panels_only.packed_weight is None
+    for m in (1, native.PANEL_M_MAX, native.PANEL_M_MAX + 1, 200):
+        x = torch.randn(m, 40)
+        want = linear(x).detach()
+        torch.testing.assert_close(both(x), want)
+        torch.testing.assert_close(panels_only(x), want)
+    with pytest.raises(ValueError, match="needs"):
+        PackedLinear(linear, None, onednn=False)
 
 
 def reference_attention(q, blocks, tables, lens):

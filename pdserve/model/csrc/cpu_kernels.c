@@ -1,8 +1,8 @@
 /* CPU kernels for the two memory-bound parts of decode, where PyTorch's CPU paths leave
  * most of the machine idle (see pdserve/model/native.py for how they are built and used):
  *
- *   pd_linear_small_m     y = x W^T (+ b) for a few rows of x (batch-1..8 decode): every
- *                         weight row is read once from memory, by all threads.
+ *   pd_linear_panels      y = x W^T (+ b) for decode-sized batches (1..64 rows) on weights
+ *                         packed in 16-column panels: all threads stream the weights once.
  *   pd_paged_decode_attn  one query token per sequence against its paged K/V, read in place
  *                         from the cache blocks (no gather copy), GQA heads sharing a K/V
  *                         read; optionally adds each block's attention probability to a
@@ -23,51 +23,6 @@ static inline float hsum(__m256 v) {
     s = _mm_hadd_ps(s, s);
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(s);
-}
-
-/* y[m, n], y[m, n+1] for every row m: the two weight rows stay in L1 while x's rows pass. */
-static void row_pair(const float *x, const float *w0, const float *w1, const float *bias,
-                     float *y, int64_t M, int64_t N, int64_t K, int64_t n) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        int mm = M - m0 < 4 ? (int)(M - m0) : 4;
-        const float *xm = x + m0 * K;
-        __m256 a0[4], a1[4];
-        for (int m = 0; m < 4; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-            for (int m = 0; m < mm; m++) {
-                __m256 xv = _mm256_loadu_ps(xm + m * K + k);
-                a0[m] = _mm256_fmadd_ps(v0, xv, a0[m]);
-                a1[m] = _mm256_fmadd_ps(v1, xv, a1[m]);
-            }
-        }
-        for (int m = 0; m < mm; m++) {
-            float s0 = hsum(a0[m]), s1 = hsum(a1[m]);
-            for (int64_t j = k; j < K; j++) {
-                s0 += w0[j] * xm[m * K + j];
-                s1 += w1[j] * xm[m * K + j];
-            }
-            if (bias) {
-                s0 += bias[n];
-                s1 += bias[n + 1];
-            }
-            y[(m0 + m) * N + n] = s0;
-            if (w1 != w0) y[(m0 + m) * N + n + 1] = s1;
-        }
-    }
-}
-
-void pd_linear_small_m(const float *x, const float *w, const float *bias, float *y,
-                       int64_t M, int64_t N, int64_t K) {
-    int64_t pairs = (N + 1) / 2;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < pairs; p++) {
-        int64_t n = 2 * p;
-        const float *w0 = w + n * K;
-        const float *w1 = n + 1 < N ? w0 + K : w0; /* odd N: the last row alone */
-        row_pair(x, w0, w1, bias, y, M, N, K, n);
-    }
 }
 
 static inline float dot(const float *a, const float *b, int64_t d) {
@@ -252,13 +207,13 @@ micro(const float *x, int64_t K, const float *wp, const float *bias, float *y, i
       int64_t ncols, const int mr) {
     ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5);
     for (int64_t k = 0; k < K; k++) {
-        __m256 w0 = _mm256_load_ps(wp + k * PANEL), w1 = _mm256_load_ps(wp + k * PANEL + 8);
+        __m256 w0 = _mm256_loadu_ps(wp + k * PANEL), w1 = _mm256_loadu_ps(wp + k * PANEL + 8);
         FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
     }
     STORE_ROW(0); STORE_ROW(1); STORE_ROW(2); STORE_ROW(3); STORE_ROW(4); STORE_ROW(5);
 }
 
-/* y [M, N] = x [M, K] W^T (+ bias), W panel-packed by pd_pack_panels. */
+/* y [M, N] = x [M, K] W^T (+ bias), W panel-packed (native.pack_panels). */
 void pd_linear_panels(const float *x, const float *wp, const float *bias, float *y, int64_t M,
                       int64_t N, int64_t K) {
     int64_t panels = (N + PANEL - 1) / PANEL;
