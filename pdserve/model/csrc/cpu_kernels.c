@@ -42,13 +42,84 @@ static inline void axpy(float *y, float a, const float *x, int64_t d) {
     for (; i < d; i++) y[i] += a * x[i];
 }
 
-/* q [B, H, D] with rows q_stride floats apart; cache [num_blocks, 2, KVH, BS, D] (0 = K, 1 = V); tables [B, max_blocks];
- * context_lens [B]; out [B, H, D]; scores [B, max_blocks] or NULL. Returns 0, or -1 when
- * scratch memory could not be allocated. */
-int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache, const int64_t *tables,
-                         const int64_t *context_lens, float *out, float *scores, int64_t B,
-                         int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
-                         float scale) {
+/* Eight dot products at once: acc[i] holds key i's partial sums; one transposing reduction
+ * gives the eight scores (instead of eight horizontal sums). */
+static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                             __m256 a6, __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* s[i] = scale * q . k_i for the n keys of one [BS, D] tile. */
+static void tile_scores(const float *q, const float *k, int64_t n, int64_t D, float scale,
+                        float *s) {
+    int64_t i = 0;
+    if (D % 8 == 0) {
+        for (; i + 8 <= n; i += 8) {
+            const float *r = k + i * D;
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(q + d);
+                for (int j = 0; j < 8; j++)
+                    a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + j * D + d), a[j]);
+            }
+            __m256 sum = reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+        }
+    }
+    for (; i < n; i++) s[i] = dot(q, k + i * D, D) * scale;
+}
+
+/* In place: p[0..len) -> softmax(p). */
+static void softmax(float *p, int64_t len) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < len; t++) mx = p[t] > mx ? p[t] : mx;
+    for (int64_t t = 0; t < len; t++) sum += (p[t] = expf(p[t] - mx));
+    float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; t++) p[t] *= inv;
+}
+
+/* o[0..D) = sum_t p[t] v_t over the sequence's V tiles; 32 output floats stay in registers
+ * while the tiles stream (no load/store of o per token). */
+static void weighted_values(const float *p, const float *cache, const int64_t *table,
+                            int64_t len, int64_t h, int64_t KVH, int64_t BS, int64_t D,
+                            float *o) {
+    int64_t d0 = 0;
+    for (; D % 32 == 0 && d0 < D; d0 += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j * BS < len; j++) {
+            const float *v = cache + ((table[j] * 2 + 1) * KVH + h) * BS * D + d0;
+            int64_t n = len - j * BS < BS ? len - j * BS : BS;
+            for (int64_t t = 0; t < n; t++) {
+                __m256 w = _mm256_set1_ps(p[j * BS + t]);
+                const float *r = v + t * D;
+                a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
+                a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
+                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
+                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+            }
+        }
+        _mm256_storeu_ps(o + d0, a0);
+        _mm256_storeu_ps(o + d0 + 8, a1);
+        _mm256_storeu_ps(o + d0 + 16, a2);
+        _mm256_storeu_ps(o + d0 + 24, a3);
+    }
+    if (d0 == D) return;
+    for (int64_t i = 0; i < D; i++) o[i] = 0.f;
+    for (int64_t t = 0; t < len; t++)
+        axpy(o, p[t], cache + (((table[t / BS] * 2 + 1) * KVH + h) * BS + t % BS) * D, D);
+}
+
+/* q [B, H, D] with rows q_stride floats apart; cache [num_blocks, 2, KVH, BS, D] (0 = K,
+ * 1 = V); tables [B, max_blocks]; context_lens [B]; out [B, H, D]; scores [B, max_blocks]
+ * or NULL. One work item per (sequence, KV head): its G query heads share every K/V tile
+ * read. Returns 0, or -1 when scratch memory could not be allocated. */
+int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache,
+                         const int64_t *tables, const int64_t *context_lens, float *out,
+                         float *scores, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                         int64_t max_blocks, float scale) {
     int64_t G = H / KVH, max_len = max_blocks * BS;
     int failed = 0;
 #pragma omp parallel
@@ -64,17 +135,14 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache, c
             int64_t b = item / KVH, h = item % KVH, len = context_lens[b];
             const int64_t *table = tables + b * max_blocks;
             const float *qb = q + b * q_stride + h * G * D;
-            /* scores: every key of the context against the G query heads of this KV head */
-            for (int64_t t = 0; t < len; t++) {
-                const float *k = cache + (((table[t / BS] * 2 + 0) * KVH + h) * BS + t % BS) * D;
-                for (int64_t g = 0; g < G; g++) p[g * len + t] = dot(qb + g * D, k, D) * scale;
-            }
             for (int64_t g = 0; g < G; g++) {
-                float *pg = p + g * len, mx = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < len; t++) mx = pg[t] > mx ? pg[t] : mx;
-                for (int64_t t = 0; t < len; t++) sum += (pg[t] = expf(pg[t] - mx));
-                float inv = 1.f / sum;
-                for (int64_t t = 0; t < len; t++) pg[t] *= inv;
+                float *pg = p + g * max_len;
+                for (int64_t j = 0; j * BS < len; j++) {
+                    const float *k = cache + ((table[j] * 2 + 0) * KVH + h) * BS * D;
+                    int64_t n = len - j * BS < BS ? len - j * BS : BS;
+                    tile_scores(qb + g * D, k, n, D, scale, pg + j * BS);
+                }
+                softmax(pg, len);
                 if (scores) {
                     for (int64_t j = 0; j * BS < len; j++) {
                         float s = 0.f;
@@ -83,13 +151,7 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache, c
                         scores[b * max_blocks + j] += s;
                     }
                 }
-            }
-            /* values: each V row is read once and added to the G outputs that share it */
-            float *o = out + (b * H + h * G) * D;
-            for (int64_t i = 0; i < G * D; i++) o[i] = 0.f;
-            for (int64_t t = 0; t < len; t++) {
-                const float *v = cache + (((table[t / BS] * 2 + 1) * KVH + h) * BS + t % BS) * D;
-                for (int64_t g = 0; g < G; g++) axpy(o + g * D, p[g * len + t], v, D);
+                weighted_values(pg, cache, table, len, h, KVH, BS, D, out + (b * H + h * G + g) * D);
             }
         }
         free(p);
