@@ -13,11 +13,10 @@ Run on an idle machine: two busy cores halve any figure.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from bench_engine import timed
 
 from pdserve.model import native
 from pdserve.model.attention import AttentionMetadata, attend, decode_tables
@@ -27,27 +26,15 @@ LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (
            "lm_head": (49152, 576)}  # fmt: skip
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def linear_times(lib, w: torch.Tensor, m: int, repeats: int) -> tuple[float, float, float]:
     """(native panels, oneDNN, F.linear) seconds for x [m, K] @ w.T."""
     n, k = w.shape
     x = torch.randn(m, k)
     panels, packed = native.pack_panels(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
     return (
-        median_time(lambda: native.linear_panels(lib, x, panels, n, None), repeats),
-        median_time(
-            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats
-        ),
-        median_time(lambda: F.linear(x, w), repeats),
+        timed(lambda: native.linear_panels(lib, x, panels, n, None), repeats),
+        timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats),
+        timed(lambda: F.linear(x, w), repeats),
     )
 
 
@@ -79,8 +66,8 @@ def attention_times(lib, b: int, context: int, repeats: int) -> tuple[float, flo
     q, kv = torch.randn(b, heads, d), torch.randn(b, kv_heads, d)
     cache = LayerCache(blocks)
     return (
-        median_time(lambda: native.paged_decode_attention(lib, q, blocks, tables, lens), repeats),
-        median_time(lambda: attend(q, kv, kv, cache, meta), repeats),
+        timed(lambda: native.paged_decode_attention(lib, q, blocks, tables, lens), repeats),
+        timed(lambda: attend(q, kv, kv, cache, meta), repeats),
     )
 
 
