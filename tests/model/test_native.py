@@ -84,3 +84,40 @@ def test_build_is_cached(tmp_path):
     first = native.build(tmp_path)
     mtime = first.stat().st_mtime_ns
     assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+
+
+def test_elementwise_kernels_equal_torch():
+    g = torch.Generator().manual_seed(7)
+    x, add, w = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g), torch.randn(40)
+    torch.testing.assert_close(native.rmsnorm(lib, x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5))
+    residual = x.clone()
+    y = native.add_rmsnorm(lib, residual, add, w, 1e-5)
+    torch.testing.assert_close(residual, x + add)
+    torch.testing.assert_close(y, F.rms_norm(x + add, (40,), w, 1e-5))
+    gate_up = torch.randn(3, 2 * 37, generator=g) * 30  # large |x| too: exp saturates cleanly
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(lib, gate_up), F.silu(gate) * up)
+
+
+def test_rope_qkv_store_equals_rope_then_write():
+    from pdserve.model.kv_cache import LayerCache
+    from pdserve.model.rope import apply_rope, cos_sin_table
+
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, d, bs, t = 4, 2, 16, 4, 6
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = cos_sin_table(d, 10000.0, None, 64)
+    positions = torch.tensor([0, 5, 9, 17, 33, 63])
+    slots_b, slots_o = torch.tensor([3, 3, 1, 0, 2, 2]), torch.tensor([0, 1, 3, 2, 0, 3])
+    blocks = torch.zeros(4, 2, kv_heads, bs, d)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want_q = apply_rope(q.view(t, heads, d), cos[positions], sin[positions])
+    want_k = apply_rope(k.reshape(t, kv_heads, d), cos[positions], sin[positions])
+    want_blocks = torch.zeros_like(blocks)
+    LayerCache(want_blocks).write(want_k, v.reshape(t, kv_heads, d), slots_b, slots_o)
+    qkv_out = qkv.clone()
+    native.rope_qkv_store(
+        lib, qkv_out, cos[positions], sin[positions], blocks, slots_b, slots_o, heads
+    )
+    torch.testing.assert_close(qkv_out[:, : heads * d].view(t, heads, d), want_q)
+    torch.testing.assert_close(blocks, want_blocks)
