@@ -57,7 +57,9 @@ def reference_attention(q, blocks, tables, lens):
     return out, probs_per_block
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 2, 36)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 2, 36), (8, 2, 64), (4, 2, 32), (3, 3, 32)]
+)
 def test_paged_decode_attention_equals_dense(heads, kv_heads, d):
     g = torch.Generator().manual_seed(heads + d)
     num_blocks, bs = 40, 16

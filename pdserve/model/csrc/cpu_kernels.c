@@ -110,35 +110,56 @@ static void softmax(float *p, int64_t len) {
     for (; t < len; t++) p[t] *= 1.f / sum;
 }
 
-/* o[0..D) = sum_t p[t] v_t over the sequence's V tiles; 32 output floats stay in registers
- * while the tiles stream (no load/store of o per token). */
-static void weighted_values(const float *p, const float *cache, const int64_t *table,
-                            int64_t len, int64_t h, int64_t KVH, int64_t BS, int64_t D,
-                            float *o) {
-    int64_t d0 = 0;
-    for (; D % 32 == 0 && d0 < D; d0 += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+/* o_g[0..D) = sum_t p_g[t] v_t for gg (<= 3) query heads sharing a KV head: p_g = p + g *
+ * p_stride, o_g = o + g * D. 32 output floats per head stay in registers while the V tiles
+ * stream, and each V row is loaded once for all gg heads. */
+static inline __attribute__((always_inline)) void
+values_32(const float *p, int64_t p_stride, const float *cache, const int64_t *table,
+          int64_t len, int64_t h, int64_t KVH, int64_t BS, int64_t D, float *o, const int gg) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        __m256 a[3][4];
+        for (int g = 0; g < 3; g++)
+            for (int c = 0; c < 4; c++) a[g][c] = _mm256_setzero_ps();
         for (int64_t j = 0; j * BS < len; j++) {
             const float *v = cache + ((table[j] * 2 + 1) * KVH + h) * BS * D + d0;
             int64_t n = len - j * BS < BS ? len - j * BS : BS;
             for (int64_t t = 0; t < n; t++) {
-                __m256 w = _mm256_set1_ps(p[j * BS + t]);
                 const float *r = v + t * D;
-                a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
-                a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
-                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
-                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+                __m256 r0 = _mm256_loadu_ps(r), r1 = _mm256_loadu_ps(r + 8);
+                __m256 r2 = _mm256_loadu_ps(r + 16), r3 = _mm256_loadu_ps(r + 24);
+                for (int g = 0; g < gg; g++) {
+                    __m256 w = _mm256_set1_ps(p[g * p_stride + j * BS + t]);
+                    a[g][0] = _mm256_fmadd_ps(w, r0, a[g][0]);
+                    a[g][1] = _mm256_fmadd_ps(w, r1, a[g][1]);
+                    a[g][2] = _mm256_fmadd_ps(w, r2, a[g][2]);
+                    a[g][3] = _mm256_fmadd_ps(w, r3, a[g][3]);
+                }
             }
         }
-        _mm256_storeu_ps(o + d0, a0);
-        _mm256_storeu_ps(o + d0 + 8, a1);
-        _mm256_storeu_ps(o + d0 + 16, a2);
-        _mm256_storeu_ps(o + d0 + 24, a3);
+        for (int g = 0; g < gg; g++)
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + g * D + d0 + 8 * c, a[g][c]);
     }
-    if (d0 == D) return;
-    for (int64_t i = 0; i < D; i++) o[i] = 0.f;
-    for (int64_t t = 0; t < len; t++)
-        axpy(o, p[t], cache + (((table[t / BS] * 2 + 1) * KVH + h) * BS + t % BS) * D, D);
+}
+
+static void weighted_values(const float *p, int64_t p_stride, const float *cache,
+                            const int64_t *table, int64_t len, int64_t h, int64_t KVH, int64_t BS,
+                            int64_t D, int64_t G, float *o) {
+    if (D % 32 == 0) {
+        for (int64_t g = 0; g < G; g += 3) {
+            const float *pg = p + g * p_stride;
+            switch (G - g < 3 ? G - g : 3) {
+            case 1: values_32(pg, p_stride, cache, table, len, h, KVH, BS, D, o + g * D, 1); break;
+            case 2: values_32(pg, p_stride, cache, table, len, h, KVH, BS, D, o + g * D, 2); break;
+            default: values_32(pg, p_stride, cache, table, len, h, KVH, BS, D, o + g * D, 3); break;
+            }
+        }
+        return;
+    }
+    for (int64_t i = 0; i < G * D; i++) o[i] = 0.f;
+    for (int64_t t = 0; t < len; t++) {
+        const float *v = cache + (((table[t / BS] * 2 + 1) * KVH + h) * BS + t % BS) * D;
+        for (int64_t g = 0; g < G; g++) axpy(o + g * D, p[g * p_stride + t], v, D);
+    }
 }
 
 /* q [B, H, D] with rows q_stride floats apart; cache [num_blocks, 2, KVH, BS, D] (0 = K,
@@ -164,13 +185,14 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache,
             int64_t b = item / KVH, h = item % KVH, len = context_lens[b];
             const int64_t *table = tables + b * max_blocks;
             const float *qb = q + b * q_stride + h * G * D;
+            for (int64_t j = 0; j * BS < len; j++) { /* a K tile stays in L1 across heads */
+                const float *k = cache + ((table[j] * 2 + 0) * KVH + h) * BS * D;
+                int64_t n = len - j * BS < BS ? len - j * BS : BS;
+                for (int64_t g = 0; g < G; g++)
+                    tile_scores(qb + g * D, k, n, D, scale, p + g * max_len + j * BS);
+            }
             for (int64_t g = 0; g < G; g++) {
                 float *pg = p + g * max_len;
-                for (int64_t j = 0; j * BS < len; j++) {
-                    const float *k = cache + ((table[j] * 2 + 0) * KVH + h) * BS * D;
-                    int64_t n = len - j * BS < BS ? len - j * BS : BS;
-                    tile_scores(qb + g * D, k, n, D, scale, pg + j * BS);
-                }
                 softmax(pg, len);
                 if (scores) {
                     for (int64_t j = 0; j * BS < len; j++) {
@@ -180,8 +202,9 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache,
                         scores[b * max_blocks + j] += s;
                     }
                 }
-                weighted_values(pg, cache, table, len, h, KVH, BS, D, out + (b * H + h * G + g) * D);
             }
+            weighted_values(p, max_len, cache, table, len, h, KVH, BS, D, G,
+                            out + (b * H + h * G) * D);
         }
         free(p);
     }
@@ -301,9 +324,11 @@ static inline void store_row(float *y, __m256 lo, __m256 hi, const float *bias, 
 
 static inline __attribute__((always_inline)) void
 micro(const float *x, int64_t K, const float *wp, const float *bias, float *y, int64_t N,
-      int64_t ncols, const int mr) {
+      int64_t ncols, const int mr, const float *prefetch) {
     ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5);
     for (int64_t k = 0; k < K; k++) {
+        /* the first row block pulls the next panel in from memory while this one computes */
+        if (prefetch) _mm_prefetch((const char *)(prefetch + k * PANEL), _MM_HINT_T0);
         __m256 w0 = _mm256_loadu_ps(wp + k * PANEL), w1 = _mm256_loadu_ps(wp + k * PANEL + 8);
         FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
     }
@@ -322,13 +347,14 @@ void pd_linear_panels(const float *x, const float *wp, const float *bias, float 
         for (int64_t m = 0; m < M; m += MR) {
             const float *xm = x + m * K;
             float *ym = y + m * N + n0;
+            const float *pf = m == 0 && p + 1 < panels ? w + K * PANEL : NULL;
             switch (M - m < MR ? M - m : MR) {
-            case 1: micro(xm, K, w, b, ym, N, ncols, 1); break;
-            case 2: micro(xm, K, w, b, ym, N, ncols, 2); break;
-            case 3: micro(xm, K, w, b, ym, N, ncols, 3); break;
-            case 4: micro(xm, K, w, b, ym, N, ncols, 4); break;
-            case 5: micro(xm, K, w, b, ym, N, ncols, 5); break;
-            default: micro(xm, K, w, b, ym, N, ncols, 6); break;
+            case 1: micro(xm, K, w, b, ym, N, ncols, 1, pf); break;
+            case 2: micro(xm, K, w, b, ym, N, ncols, 2, pf); break;
+            case 3: micro(xm, K, w, b, ym, N, ncols, 3, pf); break;
+            case 4: micro(xm, K, w, b, ym, N, ncols, 4, pf); break;
+            case 5: micro(xm, K, w, b, ym, N, ncols, 5, pf); break;
+            default: micro(xm, K, w, b, ym, N, ncols, 6, pf); break;
             }
         }
     }
