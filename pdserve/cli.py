@@ -9,6 +9,7 @@ import sys
 from pdserve.bench.cli import add_bench_parser
 from pdserve.cluster.up import add_up_parser
 from pdserve.cluster.warmup import add_warmup_parser
+from pdserve.config import CPU_KERNELS
 from pdserve.model.registry import DEFAULT_MODEL
 
 EXIT_BAD_INPUT = 2
@@ -32,6 +33,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--cpu-kernels",
+        choices=CPU_KERNELS,
+        default="native",
+        help="CPU paths: native C kernels (default), oneDNN, or plain PyTorch",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None)
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None)
@@ -49,6 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         dtype=args.dtype,
         threads=args.threads,
+        cpu_kernels=args.cpu_kernels,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_bytes,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,

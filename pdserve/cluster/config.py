@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.config import CPU_KERNELS
 from pdserve.kvstore.config import KVStoreConfig
 from pdserve.transfer.bandwidth import parse_bandwidth
 
@@ -34,6 +35,7 @@ class Role:
     cpus: tuple = ()
     threads: int | None = None
     device: str = "cpu"
+    cpu_kernels: str = "native"  # "onednn" / "torch": see DeviceConfig
     kv_cache_bytes: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -43,6 +45,8 @@ class Role:
     max_pinned_fraction: float = 0.5  # most of each worker's pool warm-up may pin
 
     def __post_init__(self) -> None:
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if not 0 <= self.max_pinned_fraction <= 1:

@@ -88,7 +88,9 @@ def _engine_config(p: Pipeline, r: Role, kv_pool=None) -> EngineConfig:
             max_num_batched_tokens=r.max_num_batched_tokens,
             long_prefill_token_threshold=r.long_prefill_token_threshold,
         ),
-        device=DeviceConfig(device=r.device, dtype=p.dtype, threads=r.threads),
+        device=DeviceConfig(
+            device=r.device, dtype=p.dtype, threads=r.threads, cpu_kernels=r.cpu_kernels
+        ),
     )
 
 

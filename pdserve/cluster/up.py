@@ -19,6 +19,7 @@ from pdserve.cluster.config import (
     load_pipeline,
     pipeline_from_dict,
 )
+from pdserve.config import CPU_KERNELS
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -36,6 +37,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--routing", choices=POLICIES, default=None)
     p.add_argument("--load-balancer", choices=POLICIES, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default=None, help="every worker's")
     p.add_argument("--pin-cpus", action="store_true", help="one core per worker, in order")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="per worker")
     p.add_argument(
@@ -74,7 +76,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     }.items() if v is not None}  # fmt: skip
     role = {k: v for k, v in {
         "threads": args.threads, "kv_cache_bytes": args.kv_cache_bytes,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "cpu_kernels": args.cpu_kernels,
     }.items() if v is not None}  # fmt: skip
     counts = {"prefill": args.prefill, "decode": args.decode, "collocated": args.collocated}
     if args.config:
