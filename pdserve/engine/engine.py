@@ -21,7 +21,7 @@ from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
-from pdserve.kvcache.dropping import DropPolicy, blocks_to_drop
+from pdserve.kvcache.dropping import DropPolicy, PromptDrop, blocks_to_drop
 from pdserve.kvcache.manager import KVCacheManager, cdiv
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason, Request
@@ -43,6 +43,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # Prefill role, a prompt dropped before the transfer: what the decode worker needs.
+    kv_num_dropped_tokens: int = 0
+    kv_block_scores: list[float] | None = None
 
 
 class Engine:
@@ -115,6 +118,7 @@ class Engine:
         """`wire_source` (from `wire_source()`) when the decode side stores KV in another
         dtype: the sender must then read from its tensor, not from this engine's cache."""
         self.prefill_handoff = PrefillHandoff(sender, self.kv, self.model_config.num_layers, mode)
+        self.prefill_handoff.scores_of = lambda r: self.runner.scores_of(r).tolist()
         if wire_source is not None:
             self.prefill_handoff.convert = wire_source.convert
 
@@ -126,6 +130,7 @@ class Engine:
 
     def attach_receiver(self, receiver: Any) -> None:
         self.decode_handoff = DecodeHandoff(receiver, self.scheduler, self.kv)
+        self.decode_handoff.install_scores = self.runner.install_scores
 
     def add_prefill(
         self,
@@ -135,12 +140,13 @@ class Engine:
         kv_peer: dict[str, Any],
         kv_block_ids: list[int],
         kv_skip_blocks: int = 0,
+        kv_drop: PromptDrop | None = None,
     ) -> Request:
         """Prefill role: compute the prompt, send its KV to `kv_block_ids` at `kv_peer`
-        (all but the first `kv_skip_blocks`, which the decode worker already holds), sample
-        the first token."""
+        (all but the first `kv_skip_blocks`, which the decode worker already holds; with
+        `kv_drop`, only the blocks the decode worker keeps), sample the first token."""
         request = self._new_request(request_id, prompt_token_ids, params, prefill_only=True)
-        self.prefill_handoff.add(request, kv_peer, kv_block_ids, kv_skip_blocks)
+        self.prefill_handoff.add(request, kv_peer, kv_block_ids, kv_skip_blocks, kv_drop)
         self._enqueue(request)
         return request
 
@@ -148,14 +154,27 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> KVReservation | None:
         """Decode role: reserve blocks for a prompt's KV (taking the prefix this worker
-        already caches); None when they do not fit now."""
+        already caches); None when they do not fit now. A prompt over the request's KV
+        budget gets only the blocks it keeps (`KVReservation.drop`): this worker decides
+        what it holds, the prefill worker drops the rest before sending."""
         request = self._new_request(request_id, prompt_token_ids, params)
         if request_id in self.scheduler.requests or request_id in self.decode_handoff.awaiting:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.decode_handoff.reserve(request)
+        drop = None
+        if request.kv_budget_tokens is not None:
+            policy = self.drop_policy(request.kv_budget_tokens)
+            drop = policy.prompt_drop(request.num_prompt_tokens, self.kv.block_size)
+        return self.decode_handoff.reserve(request, drop)
 
-    def start_decode(self, request_id: str, first_token_id: int) -> None:
-        self.decode_handoff.start(request_id, first_token_id)
+    def start_decode(
+        self,
+        request_id: str,
+        first_token_id: int,
+        num_dropped_tokens: int = 0,
+        block_scores: list[float] | None = None,
+    ) -> None:
+        """The first token from the prefill worker (with what it dropped, if it did)."""
+        self.decode_handoff.start(request_id, first_token_id, num_dropped_tokens, block_scores)
 
     def poll_transfers(self) -> list[tuple[str, str]]:
         """Advance KV transfers; returns (request id, error) for requests they failed."""
@@ -207,6 +226,8 @@ class Engine:
     def _new_request(self, request_id, prompt_token_ids, params, prefill_only=False) -> Request:
         self.validate_prompt(prompt_token_ids)
         budget = params.kv_budget_tokens or self.config.cache.kv_budget_tokens
+        if prefill_only:  # never drops itself: the decode worker's reservation says what it keeps
+            budget = None
         if budget is not None:
             self.drop_policy(budget)  # a budget too small to honour is the caller's error
         return Request(
@@ -303,6 +324,7 @@ class Engine:
                 handoff.on_finished(request)
             if token is None:
                 continue
+            dropped, scores = handoff.dropped(request) if handoff else (0, None)
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -312,6 +334,8 @@ class Engine:
                     request.num_prompt_tokens,
                     request.num_cached_tokens,
                     len(request.output_token_ids),
+                    dropped,
+                    scores,
                 )
             )
         if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):
