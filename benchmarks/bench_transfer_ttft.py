@@ -60,7 +60,7 @@ class Setup:
         rid = f"r{time.monotonic_ns()}"
         prompt = torch.randint(1000, 40000, (num_tokens,)).tolist()
         params = SamplingParams(max_tokens=2, temperature=0)
-        blocks = self.d.reserve(rid, prompt, params)
+        blocks = self.d.reserve(rid, prompt, params).block_ids  # prefix caching is off
         self.p.add_prefill(rid, prompt, params, self.rx.address(), blocks)
         last_layer = self.p.model_config.num_layers - 1
         stamps: dict[str, float] = {}
