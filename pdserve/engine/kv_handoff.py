@@ -1,6 +1,7 @@
 """The two halves of disaggregation inside one engine: a prefill engine hands a request's
 KV to a decode engine's reserved blocks. Both are request states on top of the ordinary
-scheduler, not a second engine (DESIGN.md §2).
+scheduler, not a second engine (DESIGN.md §2). The decode half's code is in
+engine/decode_handoff.py (re-exported here).
 
 Prefill side, per request:   RUNNING (chunks; the blocks each completes are sent, but not
                                      those the decode worker already holds)

@@ -214,3 +214,17 @@ def test_a_reply_that_does_not_match_the_reservation_fails_it(tiny_model_dir):
         assert pair.d.kv.num_free_blocks == free_d
     finally:
         pair.close()
+
+
+def test_fp32_prefill_into_a_budgeted_fp8_decode(tiny_model_dir):
+    """Only the kept blocks are re-encoded to FP8 and sent; the output is a collocated FP8
+    engine's with the same budget."""
+    fp8 = Engine(config("fp8", cache=BUDGET), tiny_model_dir)
+    reference = [run(fp8, [p], GREEDY_LONG)[0] for p in budget_prompts()[:3]]
+    pair = Pair(tiny_model_dir, "tcp", "full", "auto", "fp8", d_cache=BUDGET)
+    try:
+        assert pair.generate(budget_prompts()[:3], GREEDY_LONG) == reference
+        kept = sum(num_kept(p) for p in budget_prompts()[:3])
+        assert pair.tx.stats()["bytes_sent"] == kept * 2 * 2 * 2 * BLOCK_SIZE * 20  # FP8 rows
+    finally:
+        pair.close()
