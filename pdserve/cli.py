@@ -8,6 +8,7 @@ import sys
 
 from pdserve.bench.cli import add_bench_parser
 from pdserve.cluster.up import add_up_parser
+from pdserve.cluster.warmup import add_warmup_parser
 from pdserve.model.registry import DEFAULT_MODEL
 
 EXIT_BAD_INPUT = 2
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     add_up_parser(sub)
+    add_warmup_parser(sub)
     add_bench_parser(sub)
     return parser
 

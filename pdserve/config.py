@@ -32,9 +32,16 @@ class CacheConfig:
     kv_budget_tokens: int | None = None
     kv_sink_tokens: int = 16
     kv_recent_tokens: int = 64
+    # Cache warm-up: the most of the pool that pinned prompts may hold, so pins can never
+    # starve running requests of blocks.
+    max_pinned_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(
+                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
+            )
         _positive("kv_cache_bytes", self.kv_cache_bytes, allow_none=True)
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")

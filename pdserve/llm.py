@@ -116,6 +116,49 @@ class LLM:
         """One chat turn: the model's chat template applied to `messages`."""
         return self.generate([self.tokenizer.apply_chat_template(messages)], params)[0]
 
+    def warmup(self, prompts: Sequence[Prompt | list[dict]], pin: bool = True) -> list[int]:
+        """Prefill prompts into the prefix cache (and with `pin`, keep their full blocks
+        resident) so later requests starting with them hit; nothing is generated. A prompt is
+        text, token ids or a chat message list (rendered with the chat template, like `chat`).
+        Returns each prompt's tokens now cached; ValueError when pinning is refused."""
+        prompt_ids = self._warmup_ids(prompts)
+        request_ids = [f"warmup-{next(self._ids)}" for _ in prompt_ids]
+        try:
+            for request_id, ids in zip(request_ids, prompt_ids):
+                self.engine.warmup(request_id, ids, pin)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+        finally:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+        results = {r.request_id: r for r in self.engine.drain_warmed()}
+        errors = [r.error for r in results.values() if r.error]
+        if errors:
+            raise ValueError(errors[0])
+        return [results[request_id].num_cached_tokens for request_id in request_ids]
+
+    def unpin(self, prompts: Sequence[Prompt | list[dict]]) -> list[int]:
+        """Release the pins of warmed prompts (their blocks stay cached until evicted);
+        returns each prompt's tokens that were pinned."""
+        return [self.engine.unpin(ids)[0] for ids in self._warmup_ids(prompts)]
+
+    def _warmup_ids(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
+        ):
+            prompts = [prompts]
+        prompt_ids = [
+            self.tokenizer.apply_chat_template(p)
+            if isinstance(p, list) and p and isinstance(p[0], dict)
+            else p
+            if isinstance(p, list)
+            else self._encode(p)
+            for p in prompts
+        ]
+        for ids in prompt_ids:
+            self.engine.validate_prompt(ids)
+        return prompt_ids
+
     def _normalize(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)

@@ -1,7 +1,12 @@
 """Every message between processes: typed dataclasses, one msgpack codec, HMAC-signed.
 
-Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown
-Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Released, Stats
+Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown, Warmup, Unpin
+Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Released, Stats, KVEvents,
+                   WarmedUp
+
+Cache warm-up (prefill and collocated workers): Warmup ─▶ WarmedUp once the prompt is
+prefilled (and pinned), or Rejected (refused up front) / Failed (pin refused after the
+prefill); Unpin ─▶ WarmedUp at once.
 
 A disaggregated request (DESIGN.md §2):
 
@@ -97,6 +102,24 @@ class Shutdown:
     pass
 
 
+@dataclass
+class Warmup:
+    """Prefill a prompt into the prefix cache, generating nothing; with `pin`, keep its full
+    blocks resident until an Unpin (cache warm-up, e.g. a deployment's system prompts)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    pin: bool = True
+
+
+@dataclass
+class Unpin:
+    """Release the pinned blocks of a prompt warmed earlier (they stay cached until evicted)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+
+
 # ---- worker -> router ------------------------------------------------------------------
 
 
@@ -174,6 +197,18 @@ class Released:
 
 
 @dataclass
+class WarmedUp:
+    """The answer to Warmup / Unpin: the prompt's tokens now in the cache (full blocks) and
+    how many of them are pinned (after an Unpin: how many were released)."""
+
+    worker_id: str
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_pinned_tokens: int
+
+
+@dataclass
 class KVEvents:
     """Block hashes a worker's prefix cache gained and lost since its last KVEvents: the
     router's index of who holds which prefix (KV-aware routing)."""
@@ -197,6 +232,13 @@ class Stats:
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     kv_blocks_skipped: int = 0  # decode: prompt blocks found in its own cache, never sent
+    # Cumulative prefix-cache counts (engine/cache_stats.py): tier ("L1".."L4") -> lookups,
+    # hits, bytes_read, bytes_written; "L1->L2"-style paths -> bytes moved between tiers.
+    kv_tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    kv_moved_bytes: dict[str, int] = field(default_factory=dict)
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the cache (any tier)
+    num_computed_prompt_tokens: int = 0
+    num_pinned_blocks: int = 0
 
 
 Message = (
@@ -206,6 +248,8 @@ Message = (
     | StartDecode
     | Abort
     | Shutdown
+    | Warmup
+    | Unpin
     | Ready
     | Reserved
     | Rejected
@@ -214,6 +258,7 @@ Message = (
     | Released
     | Stats
     | KVEvents
+    | WarmedUp
 )
 _TYPES: dict[str, type] = {
     t.__name__: t
@@ -224,6 +269,8 @@ _TYPES: dict[str, type] = {
         StartDecode,
         Abort,
         Shutdown,
+        Warmup,
+        Unpin,
         Ready,
         Reserved,
         Rejected,
@@ -232,6 +279,7 @@ _TYPES: dict[str, type] = {
         Released,
         Stats,
         KVEvents,
+        WarmedUp,
     )
 }
 

@@ -59,6 +59,7 @@ class Request:
     # Prefill role: the decode worker keeps only this many prompt blocks (dropped before the
     # transfer), so the prompt's blocks are scored even without a budget here.
     kv_keep_blocks: int | None = None
+    num_loaded_blocks: int = 0  # prefix blocks a lower tier put into L1 for it (metrics)
 
     @property
     def num_kv_tokens(self) -> int:

@@ -48,3 +48,37 @@ def test_corrupt_gguf_and_too_long_prompt(tiny_served_model, tmp_path):
     long = pdserve("generate", "--model", str(tiny_served_model), "--prompt", "x" * 600,
                    "--kv-cache-bytes", "1MiB")  # fmt: skip
     assert long.returncode == 2 and "context length" in long.stderr
+
+
+def test_warmup_prints_per_worker_and_prompt(tmp_path):
+    from tests.router.harness import Cluster, write_tiny_tokenizer
+
+    tokenizer_dir = write_tiny_tokenizer(tmp_path / "tok")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("You are a helpful assistant who answers briefly.\n\nBe kind.\n")
+    roles = {"p0": "prefill", "d0": "decode"}
+    with Cluster(tokenizer_dir, [5, 2], roles, api_key="k") as c:
+        out = pdserve("warmup", "--url", c.url, "--api-key", "k", "--file", str(prompts))
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].startswith("p0 [0] 48/48 tokens cached, 48 pinned")
+        assert lines[1].startswith("p0 [1] 0/8 tokens cached, 0 pinned") and len(lines) == 2
+        out = pdserve("warmup", "--url", c.url + "/v1", "--api-key", "k", "--prompt", "x", "--chat",
+                      "--unpin")  # fmt: skip
+        assert out.returncode == 0 and out.stdout.startswith("p0 [0]"), out.stderr
+        out = pdserve("warmup", "--url", c.url, "--prompt", "x")  # no API key
+        assert out.returncode == 2 and "HTTP 401" in out.stderr and out.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--url", "http://127.0.0.1:9"], "give --prompt"),
+        (["--url", "http://127.0.0.1:9", "--prompt", "hi"], "cannot reach the router"),
+        (["--url", "http://127.0.0.1:9", "--file", "/nonexistent/p.txt"], "cannot read prompts"),
+    ],
+)
+def test_warmup_bad_input_is_one_line_and_exit_2(args, message):
+    out = pdserve("warmup", *args)
+    assert out.returncode == 2
+    assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr

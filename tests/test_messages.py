@@ -8,6 +8,9 @@ from pdserve.messages import (
     StartDecode,
     Stats,
     Tokens,
+    Unpin,
+    WarmedUp,
+    Warmup,
     decode,
     encode,
 )
@@ -40,7 +43,22 @@ SECRET = b"s" * 32
         StartDecode("r1", 7, num_dropped_tokens=16, kv_block_scores=[0.5, 1.25, 3.0]),
         Stats("w0", "decode", 1, 2, 3, 4, 5),
         Stats("w0", "decode", 1, 2, 3, 4, 5, 6, 7, kv_blocks_skipped=8),
+        Stats(
+            "w0",
+            "collocated",
+            0,
+            0,
+            3,
+            4,
+            0,
+            kv_tiers={"L1": {"lookups": 3, "hits": 1}},
+            kv_moved_bytes={"L1->L2": 64},
+            num_cached_prompt_tokens=16,
+        ),  # fmt: skip
         Shutdown(),
+        Warmup("warm-1", [1, 2, 3], pin=False),
+        Unpin("warm-2", [1, 2, 3]),
+        WarmedUp("w0", "warm-1", 3, 0, 0),
     ],
 )
 def test_round_trip(msg):

@@ -45,10 +45,15 @@ class Role:
     kv_budget_tokens: int | None = None
     kv_sink_tokens: int = 16
     kv_recent_tokens: int = 64
+    max_pinned_fraction: float = 0.5  # most of each worker's pool warm-up may pin
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(
+                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}"
+            )
         if isinstance(self.num, bool) or not isinstance(self.num, int) or self.num < 1:
             raise ValueError(f"num must be a positive integer, got {self.num!r}")
         cpus = tuple(tuple(c) if isinstance(c, (list, tuple)) else c for c in self.cpus or ())
@@ -100,6 +105,9 @@ class Pipeline:
     # Tiers below each worker's pool. `redis_url: local` has the launcher start a private
     # redis-server (Debian's package) for a one-host cluster.
     kv_pool: KVStoreConfig = KVStoreConfig()
+    # Prompts (text, or chat message lists) the launcher prefills and pins on every prefill
+    # and collocated worker once the cluster is healthy, e.g. the deployment's system prompts.
+    warmup_prompts: tuple = ()
 
     def __post_init__(self) -> None:
         disagg = self.prefill is not None or self.decode is not None
@@ -110,10 +118,25 @@ class Pipeline:
         for name in ("routing", "load_balancer"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        object.__setattr__(self, "warmup_prompts", _warmup_prompts(self.warmup_prompts))
 
     @property
     def roles(self) -> list[tuple[str, Role]]:
         return [(n, r) for n in ("prefill", "decode", "collocated") if (r := getattr(self, n))]
+
+
+def _warmup_prompts(value: Any) -> tuple:
+    from pdserve.cluster.warmup import WarmupError, check_prompt
+
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"warmup_prompts must be a list of prompts, got {value!r:.80}")
+    try:
+        return tuple(
+            p if isinstance(p, str) else tuple(p)
+            for p in (check_prompt(v, f"warmup_prompts[{i}]") for i, v in enumerate(value))
+        )
+    except WarmupError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def pipeline_from_dict(data: dict[str, Any]) -> Pipeline:

@@ -84,6 +84,7 @@ def _engine_config(p: Pipeline, r: Role, kv_pool=None) -> EngineConfig:
             kv_budget_tokens=r.kv_budget_tokens,
             kv_sink_tokens=r.kv_sink_tokens,
             kv_recent_tokens=r.kv_recent_tokens,
+            max_pinned_fraction=r.max_pinned_fraction,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=r.max_num_seqs,
@@ -140,6 +141,32 @@ class Cluster:
         self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)],
                     router_env)  # fmt: skip
         self._wait_healthy(p.startup_timeout_s)
+        if p.warmup_prompts:
+            self._warmup(list(p.warmup_prompts))
+
+    def _warmup(self, prompts: list) -> None:
+        """Prefill and pin the pipeline's warm-up prompts on every prefill-capable worker;
+        a prompt any worker could not warm is an error of the deployment's config."""
+        from pdserve.cluster.warmup import (
+            WarmupError,
+            ordered,
+            report_lines,
+            send_warmup,
+            warmup_body,
+        )
+
+        self._wait_all_workers(self.pipeline.startup_timeout_s)
+        body = warmup_body(prompts)
+        try:
+            answer = send_warmup(self.url, body, self.pipeline.api_key,
+                                 timeout_s=self.pipeline.startup_timeout_s)  # fmt: skip
+        except WarmupError as exc:
+            raise ClusterError(f"warm-up failed: {exc}") from None
+        lines, num_errors = report_lines(answer, ordered(body))
+        for line in lines:
+            log.info("warm-up: %s", line)
+        if num_errors:
+            raise ClusterError("warm-up failed: " + next(x for x in lines if " error: " in x))
 
     def _start_redis(self) -> str:
         """A private redis-server for a one-host cluster (L4), LRU-evicting at 1 GiB."""
@@ -173,6 +200,21 @@ class Cluster:
                 pass
             time.sleep(0.5)
         raise ClusterError(f"cluster not healthy after {timeout_s:.0f} s ({self.url}/health)")
+
+    def _wait_all_workers(self, timeout_s: float) -> None:
+        """/health is 200 once each role has a worker; warm-up wants every worker ready."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    workers = json.loads(resp.read())["workers"]
+                if all(w["healthy"] for w in workers.values()):
+                    return
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise ClusterError(f"not every worker became healthy within {timeout_s:.0f} s")
 
     def check_alive(self) -> None:
         for proc in self.processes:

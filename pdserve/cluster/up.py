@@ -52,6 +52,11 @@ def add_up_parser(sub) -> None:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"or ${API_KEY_ENV}")
     p.add_argument(
+        "--warmup-file",
+        default=None,
+        help="prompts to prefill and pin once up: one per line, or .jsonl (warmup_prompts)",
+    )
+    p.add_argument(
         "--example-request",
         action="store_true",
         help="once up, send one chat request through the cluster and print it",
@@ -79,6 +84,13 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         data = dict(top)
         if all(v is None for v in counts.values()):
             counts = {"prefill": 1, "decode": 1, "collocated": None}
+    if args.warmup_file:
+        from pdserve.cluster.warmup import WarmupError, read_prompts
+
+        try:
+            data["warmup_prompts"] = read_prompts(args.warmup_file)
+        except WarmupError as exc:
+            raise ValueError(str(exc)) from None
     if store:
         data["kv_transfer"] = {**data.get("kv_transfer", {}), **store}
     pool = {k: v for k, v in {

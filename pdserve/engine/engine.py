@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.kv_budget import KVBudget
 from pdserve.engine.kv_handoff import DecodeHandoff, KVReservation, PrefillHandoff
 from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
-from pdserve.kvcache.dropping import DropPolicy, PromptDrop, blocks_to_drop
-from pdserve.kvcache.manager import KVCacheManager, cdiv
+from pdserve.kvcache.dropping import DropPolicy, PromptDrop
+from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
@@ -30,6 +31,21 @@ from pdserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 ROLES = ("collocated", "prefill", "decode")
+# A warm-up computes the prompt and samples one token nobody sees (like a prefill-only request,
+# but ending plainly, so its blocks go back to the cache on every role).
+_WARMUP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class WarmupResult:
+    """A finished warm-up: the prompt's tokens now in the cache (full blocks) and how many of
+    them are pinned; `error` when pinning was refused (the prompt stays cached, unpinned)."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_pinned_tokens: int
+    error: str | None = None
 
 
 @dataclass
@@ -77,7 +93,9 @@ class Engine:
             config.cache.block_size,
             model_id=config.model,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            max_pinned_fraction=config.cache.max_pinned_fraction,
         )
+        self.budget = KVBudget(config.cache, self.kv, self.runner)  # token dropping
         self.max_model_len = self._max_model_len()
         self.scheduler = Scheduler(
             config.scheduler, self.kv, self.max_model_len, preallocate_prompt=role == "prefill"
@@ -86,6 +104,8 @@ class Engine:
         self.decode_handoff: DecodeHandoff | None = None
         self.offload = self._build_offload()
         self.loading: dict[str, tuple[Request, Future]] = {}  # waiting on a tier lookup
+        self.warming: dict[str, bool] = {}  # warm-up request id -> pin its blocks when done
+        self.warmed: list[WarmupResult] = []  # finished warm-ups, drained by the caller
 
     def _build_offload(self) -> KVOffload | None:
         from pdserve.kvstore.base import EntryFormat
@@ -160,11 +180,12 @@ class Engine:
         request = self._new_request(request_id, prompt_token_ids, params)
         if request_id in self.scheduler.requests or request_id in self.decode_handoff.awaiting:
             raise ValueError(f"request id {request_id!r} is already in use")
-        drop = None
-        if request.kv_budget_tokens is not None:
-            policy = self.drop_policy(request.kv_budget_tokens)
-            drop = policy.prompt_drop(request.num_prompt_tokens, self.kv.block_size)
-        return self.decode_handoff.reserve(request, drop)
+        reservation = self.decode_handoff.reserve(request, self.budget.prompt_drop(request))
+        if self.offload is not None:
+            # The reservation may have evicted cached blocks: save what they hold now, since
+            # a prefill may start writing into them as soon as this returns.
+            self.offload.save_evicted()
+        return reservation
 
     def start_decode(
         self,
@@ -205,6 +226,52 @@ class Engine:
         self._enqueue(request)
         return request
 
+    # ---- cache warm-up ------------------------------------------------------------------
+
+    def warmup(self, request_id: str, prompt_token_ids: list[int], pin: bool = True) -> None:
+        """Prefill a prompt into the prefix cache (e.g. a deployment's system prompt), so the
+        first real request already hits; with `pin` its full blocks are then never evicted.
+        The result comes out of `drain_warmed()` once the prefill is done. Refused up front
+        (ValueError) when it cannot pin: decode role, caching off, pinned share full."""
+        if self.role == "decode":
+            raise ValueError("warm-up runs on prefill and collocated workers, not decode")
+        if not self.kv.enable_prefix_caching:
+            raise ValueError("warm-up needs prefix caching, which is off on this worker")
+        request = self._new_request(request_id, prompt_token_ids, _WARMUP_PARAMS)
+        if pin:
+            self.kv.pool.check_pin_room(self.kv.prompt_block_hashes(prompt_token_ids))
+        self._enqueue(request)
+        self.warming[request_id] = pin
+
+    def unpin(self, prompt_token_ids: list[int]) -> tuple[int, int]:
+        """Release a warmed prompt's pinned blocks to the LRU queue: (tokens unpinned, tokens
+        still cached)."""
+        hashes = self.kv.prompt_block_hashes(prompt_token_ids)
+        num_unpinned = self.kv.pool.unpin(hashes)
+        return num_unpinned * self.kv.block_size, self.kv.num_cached_tokens(hashes)
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Cumulative prefix-cache counts per tier (engine/cache_stats.py), for metrics."""
+        from pdserve.engine.cache_stats import cache_stats
+
+        return cache_stats(self.kv, self.offload)
+
+    def drain_warmed(self) -> list[WarmupResult]:
+        warmed, self.warmed = self.warmed, []
+        return warmed
+
+    def _finish_warmup(self, request: Request) -> None:
+        pin = self.warming.pop(request.request_id)
+        hashes = self.kv.prompt_block_hashes(request.prompt_token_ids)
+        result = WarmupResult(request.request_id, request.num_prompt_tokens, 0, 0)
+        if pin:
+            try:
+                result.num_pinned_tokens = self.kv.pool.pin(hashes) * self.kv.block_size
+            except ValueError as exc:  # pins made meanwhile filled the share
+                result.error = str(exc)
+        result.num_cached_tokens = self.kv.num_cached_tokens(hashes)
+        self.warmed.append(result)
+
     def _enqueue(self, request: Request) -> None:
         """To the scheduler, after a lookup in the tiers below L1 when there are any."""
         rid = request.request_id
@@ -240,31 +307,7 @@ class Engine:
         )
 
     def drop_policy(self, budget_tokens: int) -> DropPolicy:
-        c, bs = self.config.cache, self.config.cache.block_size
-        return DropPolicy(
-            budget_tokens // bs, cdiv(c.kv_sink_tokens, bs), cdiv(c.kv_recent_tokens, bs)
-        )
-
-    def _enforce_budgets(self) -> None:
-        """Token dropping: free the least-attended blocks of requests over their budget,
-        so the next step's token still fits."""
-        bs = self.kv.block_size
-        for request in self.scheduler.running:
-            if request.kv_budget_tokens is None or request.prefill_only:
-                continue
-            scores = self.runner.scores_of(request)
-            next_needs_block = request.num_kv_tokens % bs == 0
-            victims = blocks_to_drop(
-                scores.tolist(), next_needs_block, self.drop_policy(request.kv_budget_tokens)
-            )
-            if not victims:
-                continue
-            gone = set(victims)
-            self.kv.pool.free([request.block_ids[i] for i in victims])
-            keep = [i for i in range(len(request.block_ids)) if i not in gone]
-            request.block_ids = [request.block_ids[i] for i in keep]
-            self.runner.block_scores[request.request_id] = scores[keep]
-            request.num_dropped_tokens += len(victims) * bs
+        return self.budget.policy(budget_tokens)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -282,6 +325,7 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         """End a request in any state; its blocks are freed now or, if a KV transfer may
         still read them, as soon as the transfer stops."""
+        self.warming.pop(request_id, None)
         if self.loading.pop(request_id, None) is not None:
             if self.prefill_handoff is not None:
                 self.prefill_handoff.abort(request_id)
@@ -322,6 +366,10 @@ class Engine:
                 self.runner.block_scores.pop(request.request_id, None)
             if request.prefill_only and request.is_finished and handoff:
                 handoff.on_finished(request)
+            if request.request_id in self.warming:
+                if request.is_finished:
+                    self._finish_warmup(request)
+                continue
             if token is None:
                 continue
             dropped, scores = handoff.dropped(request) if handoff else (0, None)
@@ -339,5 +387,5 @@ class Engine:
                 )
             )
         if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):
-            self._enforce_budgets()
+            self.budget.enforce(self.scheduler.running)
         return outputs

@@ -30,6 +30,7 @@ class KVOffload:
         self.store, self.kv, self.kv_cache = store, kv, kv_cache
         kv.pool.evicted = []
         self.block_shape = (kv_cache.shape[0], *kv_cache.shape[2:])
+        self.block_bytes = kv_cache[:, 0].numel() * kv_cache.element_size()  # all layers
         self.lookups = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
         self.num_tokens_loaded = 0
         self.num_blocks_saved = 0
@@ -71,6 +72,7 @@ class KVOffload:
             self.kv_cache[:, block_id] = data.view(self.block_shape).to(self.kv_cache.device)
             self.kv.pool.cache_block(block_id, block_hash)
         self.kv.pool.free(reversed(block_ids))
+        request.num_loaded_blocks = len(payloads)
         self.num_tokens_loaded += len(payloads) * self.kv.block_size
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from pdserve.kvcache.dropping import over_budget
 from pdserve.model import native
 from pdserve.model.attention import AttentionMetadata, PrefillSpan, decode_tables
 from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_fused import can_fuse, fuse_layers
 from pdserve.model.cpu_linear import can_pack, pack_linears
 from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
 from pdserve.model.loader import load_model, torch_dtype
@@ -116,6 +117,8 @@ class ModelRunner:
                 device=self.device,
             )
         self.kv_cache = kv_cache
+        if self.kernels is not None and can_fuse(self.model, kv_cache):
+            fuse_layers(self.model, self.kernels)
         self.layer_caches = layer_caches(kv_cache, cache.kv_cache_dtype)
         self.block_scores: dict[str, torch.Tensor] = {}  # token dropping, per request
         self.num_blocks = kv_cache.shape[1]

@@ -110,6 +110,7 @@ class Scheduler:
             if not self.kv.allocate(request, num_reserved, hits):
                 break  # first come, first served: do not let later requests jump ahead
             self.waiting.popleft()
+            self.kv.record_admission(request, len(hits))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled_new.append((request, num_new))

@@ -5,6 +5,10 @@ A block is in exactly one of two states:
   - free:   ref_cnt == 0, in `free_queue` in eviction order (front = evicted first). A free
             block that still has a hash stays findable until it is handed out again, so a
             later request with the same prefix can take it back without recomputation.
+
+Pinning (cache warm-up) holds one extra reference on a cached block, so a pinned block is
+"in use" by the pool itself: never in the free queue, never evicted nor handed out, and
+`num_free_blocks` stays `len(free_queue)` with no special case.
 """
 
 from __future__ import annotations
@@ -14,9 +18,19 @@ from collections.abc import Iterable
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, max_pinned_fraction: float = 0.5
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if not 0 <= max_pinned_fraction <= 1:
+            raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
+        self.max_pinned_blocks = int(num_blocks * max_pinned_fraction)
+        # Hashes of pinned blocks. A set, not counts: pinning is declarative operator state
+        # ("keep these prompts warm"), so a replayed or repeated warm-up never stacks pins that
+        # one unpin could not release. The price: unpinning a prompt also unpins the blocks
+        # it shares with another pinned prompt (warm that one again).
+        self.pinned: set[int] = set()
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
@@ -79,6 +93,42 @@ class BlockPool:
         self.cached_blocks[block_hash] = block_id
         if self.events is not None:
             self.events[0].append(block_hash)
+
+    def pin(self, block_hashes: Iterable[int]) -> int:
+        """Keep the cached blocks of these hashes resident until unpinned; returns how many
+        of the given hashes are pinned now. Hashes not in the cache are skipped (nothing to
+        keep). Idempotent. All or nothing: ValueError if the pinned share would pass its bound."""
+        block_hashes = list(block_hashes)
+        new = {h for h in block_hashes if h in self.cached_blocks and h not in self.pinned}
+        self.check_pin_room(new)
+        self.touch(self.cached_blocks[h] for h in new)
+        self.pinned |= new
+        return sum(1 for h in block_hashes if h in self.pinned)
+
+    def check_pin_room(self, block_hashes: Iterable[int]) -> None:
+        """ValueError naming the numbers if pinning these blocks (cached now or once computed)
+        would pass the bound on the pinned share."""
+        num_new = len({h for h in block_hashes if h not in self.pinned})
+        if len(self.pinned) + num_new > self.max_pinned_blocks:
+            raise ValueError(
+                f"cannot pin {num_new} more blocks: {len(self.pinned)} of at most "
+                f"{self.max_pinned_blocks} pinned (max_pinned_fraction of {self.num_blocks} blocks)"
+            )
+
+    def unpin(self, block_hashes: Iterable[int]) -> int:
+        """Release pinned blocks to the LRU free queue (or to the requests still using them);
+        returns how many were pinned. Unknown or unpinned hashes are ignored."""
+        gone = [h for h in dict.fromkeys(block_hashes) if h in self.pinned]
+        self.pinned.difference_update(gone)
+        self.free(self.cached_blocks[h] for h in reversed(gone))
+        return len(gone)
+
+    def is_pinned(self, block_hash: int) -> bool:
+        return block_hash in self.pinned
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.pinned)
 
     def drain_events(self) -> tuple[list[int], list[int]]:
         """(stored, removed) hashes since the last call; starts recording on first use."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.hashing import hash_blocks, root_hash
 from pdserve.request import Request
@@ -9,6 +11,21 @@ from pdserve.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class CacheCounters:
+    """Cumulative prefix-cache counts since start, taken once per admission (a preempted
+    request is counted again when readmitted: its tokens really are looked up again).
+
+    L1 lookups are a prompt's full blocks that could be hit (all but the last token);
+    L1 hits the ones the pool already held, not counting blocks a lower tier loaded into
+    it for this request (those are that tier's hits)."""
+
+    l1_lookup_blocks: int = 0
+    l1_hit_blocks: int = 0
+    cached_prompt_tokens: int = 0  # served from the cache, any tier
+    computed_prompt_tokens: int = 0
 
 
 class KVCacheManager:
@@ -24,9 +41,11 @@ class KVCacheManager:
         block_size: int,
         model_id: str = "",
         enable_prefix_caching: bool = True,
+        max_pinned_fraction: float = 0.5,
     ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, max_pinned_fraction)
+        self.counters = CacheCounters()
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash(model_id)
 
@@ -64,6 +83,29 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits
+
+    def prompt_block_hashes(self, token_ids: list[int]) -> list[int]:
+        """Hashes of every full block of `token_ids` (what warm-up pins and unpin releases)."""
+        return hash_blocks(token_ids, self.block_size, self.root_hash)
+
+    def num_cached_tokens(self, block_hashes: list[int]) -> int:
+        """Tokens of the longest prefix of these blocks the pool holds now."""
+        num_blocks = 0
+        for block_hash in block_hashes:
+            if self.pool.lookup(block_hash) is None:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def record_admission(self, request: Request, num_hit_blocks: int) -> None:
+        c = self.counters
+        num_hit_tokens = num_hit_blocks * self.block_size
+        if self.enable_prefix_caching:
+            c.l1_lookup_blocks += (request.num_tokens - 1) // self.block_size
+            c.l1_hit_blocks += num_hit_blocks - min(request.num_loaded_blocks, num_hit_blocks)
+        request.num_loaded_blocks = 0
+        c.cached_prompt_tokens += num_hit_tokens
+        c.computed_prompt_tokens += request.num_tokens - num_hit_tokens
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> int:
         num_tokens = request.num_kv_tokens + num_hit_blocks * self.block_size + num_new_tokens

@@ -86,9 +86,20 @@ def paged_attention(
     Stores the new K/V in the cache first, then attends each token to its request's context.
     """
     cache.write(k, v, meta.slot_block_ids, meta.slot_offsets)
+    return attend(q, k, v, cache, meta)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerCache,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """`paged_attention` once this step's K/V are already in the cache."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decode_tokens
     if n and meta.kernels is not None and native.reads_in_place(cache, q):
         out[:n] = native.paged_decode_attention(

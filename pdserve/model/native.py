@@ -90,8 +90,16 @@ def load() -> ctypes.CDLL | None:
         return None
     lib.pd_linear_small_m.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
     lib.pd_linear_small_m.restype = None
-    lib.pd_paged_decode_attn.argtypes = [_ptr] * 6 + [_i64] * 6 + [_f32]
+    lib.pd_paged_decode_attn.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 6 + [_f32]
     lib.pd_paged_decode_attn.restype = ctypes.c_int
+    lib.pd_rmsnorm.argtypes = [_ptr] * 3 + [_i64] * 2 + [_f32]
+    lib.pd_rmsnorm.restype = None
+    lib.pd_add_rmsnorm.argtypes = [_ptr] * 4 + [_i64] * 2 + [_f32]
+    lib.pd_add_rmsnorm.restype = None
+    lib.pd_rope_qkv_store.argtypes = [_ptr] * 6 + [_i64] * 5
+    lib.pd_rope_qkv_store.restype = None
+    lib.pd_silu_mul.argtypes = [_ptr] * 2 + [_i64] * 2
+    lib.pd_silu_mul.restype = None
     return lib
 
 
@@ -128,18 +136,20 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, heads, d] against the paged K/V of `blocks` [num_blocks, 2, kv_heads,
-    block_size, d] -> [B, heads, d]. `block_tables` [B, max_blocks] and `context_lens` [B]
-    are int64; `scores` [B, max_blocks], if given, gains each block's attention probability
-    summed over heads."""
-    q = q.contiguous()
+    """q [B, heads, d] (rows may be strided, as in a fused QKV output) against the paged
+    K/V of `blocks` [num_blocks, 2, kv_heads, block_size, d] -> [B, heads, d].
+    `block_tables` [B, max_blocks] and `context_lens` [B] are int64; `scores` [B, max_blocks],
+    if given, gains each block's attention probability summed over heads."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
     b, heads, d = q.shape
     _, _, kv_heads, block_size, _ = blocks.shape
     tables = block_tables.contiguous()
     lens = context_lens.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(b, heads, d)
     rc = lib.pd_paged_decode_attn(
         q.data_ptr(),
+        q.stride(0),
         blocks.data_ptr(),
         tables.data_ptr(),
         lens.data_ptr(),
@@ -156,3 +166,57 @@ def paged_decode_attention(
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch buffer")
     return out
+
+
+def rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`F.rms_norm` over the last dim of a contiguous [M, D] fp32 tensor."""
+    y = torch.empty_like(x)
+    lib.pd_rmsnorm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps)
+    return y
+
+
+def add_rmsnorm(
+    lib: ctypes.CDLL, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x += add (in place: the residual stream), then returns rms_norm(x)."""
+    y = torch.empty_like(x)
+    lib.pd_add_rmsnorm(
+        x.data_ptr(), add.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps
+    )
+    return y
+
+
+def rope_qkv_store(
+    lib: ctypes.CDLL,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    blocks: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    num_heads: int,
+) -> None:
+    """In place on qkv [T, (heads + 2 kv_heads) d]: RoPE on q and k; k and v stored at their
+    slots of `blocks` [num_blocks, 2, kv_heads, block_size, d]."""
+    _, _, kv_heads, block_size, d = blocks.shape
+    lib.pd_rope_qkv_store(
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        blocks.data_ptr(),
+        slot_blocks.data_ptr(),
+        slot_offsets.data_ptr(),
+        qkv.shape[0],
+        num_heads,
+        kv_heads,
+        d,
+        block_size,
+    )
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2I] (gate | up) -> silu(gate) * up, [M, I]."""
+    m, two_i = gate_up.shape
+    y = torch.empty(m, two_i // 2)
+    lib.pd_silu_mul(gate_up.data_ptr(), y.data_ptr(), m, two_i // 2)
+    return y

@@ -58,7 +58,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         try:
             api = parse_request(
-                await _read_json(request), chat, state.config.model, state.config.max_tokens_limit
+                await read_json(request), chat, state.config.model, state.config.max_tokens_limit
             )
             prompt_ids = _tokenize(state, api)
             params = finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
@@ -162,7 +162,7 @@ async def _stream(
     return response, None
 
 
-async def _read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> Any:
     raw = await request.read()  # over client_max_size: aiohttp raises 413
     try:
         return json.loads(raw.decode("utf-8"))

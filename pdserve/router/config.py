@@ -45,6 +45,7 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)
     heartbeat_timeout_s: float = 3.0
     admission_timeout_s: float = 10.0
+    warmup_timeout_s: float = 600.0  # one warm-up prefill (a long prompt on a CPU core)
     max_recoveries: int = 3  # re-drives of one request after worker failures, then 502
     max_pending: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
@@ -60,7 +61,7 @@ class RouterConfig:
         for name in ("policy", "load_balancer"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
-        for name in ("heartbeat_timeout_s", "admission_timeout_s"):
+        for name in ("heartbeat_timeout_s", "admission_timeout_s", "warmup_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if isinstance(self.max_recoveries, bool) or not isinstance(self.max_recoveries, int):

@@ -1,7 +1,9 @@
 """Prometheus metrics in the text exposition format, written by hand (no client library).
 
 Per-worker gauges come from each worker's last Stats at scrape time; latency histograms and
-request counters are kept here as requests finish.
+request counters are kept here as requests finish. Workers send cumulative totals (KV bytes,
+prefix-cache lookups and hits per tier, ...), which are exported as counters as they are: a
+worker that restarts starts from zero, which Prometheus' rate() reads as a counter reset.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class RouterMetrics:
             "Prompt KV blocks a decode worker already held (prefix cache), so not transferred.",
             per_worker("kv_blocks_skipped"),
         )
+        lines.extend(render_cache(workers))
         family("pdserve_pending_requests", "gauge", "Requests in flight.", [("", num_pending)])
         family(
             "pdserve_requests_total",
@@ -143,6 +146,78 @@ class RouterMetrics:
         for histogram in (self.ttft, self.tpot, self.e2e):
             lines.extend(histogram.render())
         return "\n".join(lines) + "\n"
+
+
+def render_cache(workers: list[dict[str, Any]]) -> list[str]:
+    """Prefix-cache families per worker and tier (L1 the worker's pool, L2 host DRAM, L3 disk,
+    L4 Redis): hit rate = hits_total / lookups_total, both in blocks."""
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str, samples: list[tuple[str, Any]]) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{{{labels}}} {value}" for labels, value in samples)
+
+    def per_tier(key: str) -> list[tuple[str, Any]]:
+        return [
+            (f'worker="{_esc(w["worker"])}",tier="{_esc(tier)}"', counts.get(key, 0))
+            for w in workers
+            for tier, counts in sorted(w.get("kv_tiers", {}).items())
+        ]
+
+    def per_worker(key: str) -> list[tuple[str, Any]]:
+        return [(f'worker="{_esc(w["worker"])}"', w.get(key, 0)) for w in workers]
+
+    family(
+        "pdserve_kv_cache_lookups_total",
+        "counter",
+        "Prompt blocks looked up in the tier (L2 and below: what the tiers above missed).",
+        per_tier("lookups"),
+    )
+    family(
+        "pdserve_kv_cache_hits_total",
+        "counter",
+        "Prompt blocks found in the tier.",
+        per_tier("hits"),
+    )
+    family(
+        "pdserve_kv_tier_bytes_total",
+        "counter",
+        "Bytes read from / written to the tier (L1: copied down from / loaded into the pool).",
+        [
+            (f'{labels},direction="{d}"', value)
+            for d in ("read", "written")
+            for labels, value in per_tier(f"bytes_{d}")
+        ],
+    )
+    family(
+        "pdserve_kv_tier_moved_bytes_total",
+        "counter",
+        "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
+        [
+            (f'worker="{_esc(w["worker"])}",src="{_esc(src)}",dst="{_esc(dst)}"', num_bytes)
+            for w in workers
+            for path, num_bytes in sorted(w.get("kv_moved_bytes", {}).items())
+            for src, dst in [path.split("->", 1)]
+        ],
+    )
+    family(
+        "pdserve_worker_prompt_tokens_total",
+        "counter",
+        "Prompt tokens a worker prefilled, served from its cache (any tier) or computed.",
+        [
+            (f'{labels},source="{source}"', value)
+            for source in ("cached", "computed")
+            for labels, value in per_worker(f"num_{source}_prompt_tokens")
+        ],
+    )
+    family(
+        "pdserve_kv_blocks_pinned",
+        "gauge",
+        "KV blocks pinned by cache warm-up.",
+        per_worker("num_pinned_blocks"),
+    )
+    return lines
 
 
 def _esc(value: str) -> str:

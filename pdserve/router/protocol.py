@@ -105,7 +105,7 @@ def parse_request(body: Any, chat: bool, served_model: str, max_tokens_limit: in
             )
         include_usage = _field(stream_options, "include_usage", bool, False, "stream_options.")
     if chat:
-        messages = _parse_messages(body)
+        messages = parse_messages(body)
         prompt = None
         max_tokens = _field(body, "max_completion_tokens", int, None)
         if max_tokens is None:
@@ -220,7 +220,7 @@ def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """Messages with text-part lists flattened to strings (what the OpenAI SDK may send); the
     tokenizer checks roles and contents when it renders the template."""
     messages = body.get("messages")

@@ -21,6 +21,7 @@ from pdserve.router.completions import STATE, RouterState, chat_completions, com
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import make_policy
 from pdserve.router.protocol import ApiError
+from pdserve.router.warmup import unpin, warmup
 from pdserve.router.workers import ControlPlane
 
 __all__ = ["STATE", "RouterState", "build_app", "load_router_tokenizer", "serve", "start_server"]
@@ -61,6 +62,8 @@ def build_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.A
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/cache/warmup", warmup)
+    app.router.add_delete("/v1/cache/warmup", unpin)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app
@@ -165,6 +168,11 @@ async def _metrics(request: web.Request) -> web.Response:
                 "kv_bytes_received": s.kv_bytes_received if s else 0,
                 "kv_blocks_skipped": s.kv_blocks_skipped if s else 0,
                 "active_requests": w.active_requests,
+                "kv_tiers": s.kv_tiers if s else {},
+                "kv_moved_bytes": s.kv_moved_bytes if s else {},
+                "num_cached_prompt_tokens": s.num_cached_prompt_tokens if s else 0,
+                "num_computed_prompt_tokens": s.num_computed_prompt_tokens if s else 0,
+                "num_pinned_blocks": s.num_pinned_blocks if s else 0,
                 "unacked_releases": sum(k[0] == w.worker_id for k in state.plane.unacked_releases),
             }
         )

@@ -34,7 +34,13 @@ from pdserve.router.policies import WorkerLoad
 
 log = logging.getLogger(__name__)
 
-_REQUEST_MESSAGES = (messages.Reserved, messages.Rejected, messages.Tokens, messages.Failed)
+_REQUEST_MESSAGES = (
+    messages.Reserved,
+    messages.Rejected,
+    messages.Tokens,
+    messages.Failed,
+    messages.WarmedUp,
+)
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 

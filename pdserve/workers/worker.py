@@ -164,6 +164,9 @@ class Worker:
         if isinstance(msg, m.Shutdown):
             self.running = False
             return
+        if isinstance(msg, (m.Warmup, m.Unpin)):
+            self._handle_warmup(msg)
+            return
         if isinstance(msg, m.StartDecode):
             try:
                 e.start_decode(
@@ -207,6 +210,21 @@ class Worker:
         except (ValueError, TypeError) as exc:
             self.send(m.Rejected(wid, getattr(msg, "request_id", ""), str(exc), False))
 
+    def _handle_warmup(self, msg: m.Warmup | m.Unpin) -> None:
+        """A Warmup is answered once its prefill is done (`_send_warmed`); an Unpin at once."""
+        e, wid = self.engine, self.spec.worker_id
+        try:
+            if isinstance(msg, m.Warmup):
+                e.warmup(msg.request_id, msg.prompt_token_ids, msg.pin)
+                return
+            e.validate_prompt(msg.prompt_token_ids)
+            num_unpinned, num_cached = e.unpin(msg.prompt_token_ids)
+        except (ValueError, TypeError) as exc:
+            self.send(m.Rejected(wid, msg.request_id, str(exc), False))
+            return
+        n = len(msg.prompt_token_ids)
+        self.send(m.WarmedUp(wid, msg.request_id, n, num_cached, num_unpinned))
+
     def _step(self) -> None:
         for out in self.engine.step():
             finished = out.finished and out.finish_reason is not FinishReason.HANDOFF
@@ -216,6 +234,18 @@ class Worker:
                 out.num_prompt_tokens, out.num_cached_tokens,
                 out.kv_num_dropped_tokens, out.kv_block_scores,
             ))  # fmt: skip
+        self._send_warmed()
+
+    def _send_warmed(self) -> None:
+        wid = self.spec.worker_id
+        for r in self.engine.drain_warmed():
+            if r.error is not None:
+                self.send(m.Failed(wid, r.request_id, r.error))
+            else:
+                self.send(m.WarmedUp(
+                    wid, r.request_id, r.num_prompt_tokens, r.num_cached_tokens,
+                    r.num_pinned_tokens,
+                ))  # fmt: skip
 
     def _send_kv_events(self) -> None:
         stored, removed = self.engine.kv.pool.drain_events()
@@ -244,12 +274,15 @@ class Worker:
         self._next_stats = now + self.spec.heartbeat_interval_s / 10
         s, kv, handoff = self.engine.scheduler, self.engine.kv, self.engine.decode_handoff
         queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
+        cache = self.engine.cache_stats()
         self._stats = (m.Stats(
             self.spec.worker_id, self.spec.role, s.num_waiting, s.num_running,
             kv.num_free_blocks, kv.num_blocks, queued,
             self.sender.stats()["bytes_sent"] if self.sender else 0,
             self.receiver.stats().get("bytes_received", 0) if self.receiver else 0,
             handoff.num_skipped_blocks if handoff else 0,
+            cache["tiers"], cache["moved_bytes"], cache["cached_prompt_tokens"],
+            cache["computed_prompt_tokens"], cache["num_pinned_blocks"],
         ))  # fmt: skip
 
     def close(self) -> None:

@@ -188,3 +188,48 @@ def test_1p1d_with_a_decode_budget_drops_before_the_transfer(tiny_served_model):
         assert sent == expected
         blocks = wait_blocks_free(url)
         assert all(free == total for free, total in blocks.values()), blocks
+
+
+WORKERS = ("collocated-0", "collocated-1")
+
+
+def _pins(url: str, expected: list[int], timeout_s: float = 15) -> list[int]:
+    """Each worker's pinned blocks, once they equal `expected` (heartbeats carry them)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pins = [_metric(url, "pdserve_kv_blocks_pinned", w) for w in WORKERS]
+        if pins == expected or time.monotonic() > deadline:
+            return pins
+        time.sleep(0.2)
+
+
+def _metric(url: str, name: str, worker: str, extra: str = "") -> int:
+    match = re.search(rf'{name}\{{worker="{worker}"{extra}\}} (\d+)', get_text(url, "/metrics"))
+    return int(match.group(1)) if match else -1
+
+
+def test_warmup_prompts_are_pinned_on_every_worker_and_hit_at_once(tiny_served_model):
+    """The launcher warms `warmup_prompts` on both collocated workers; the very first request
+    with that prefix hits wherever it goes (round robin), and `pdserve warmup --unpin`
+    releases the pins."""
+    model = str(tiny_served_model)
+    system = "".join(chr(60 + i % 50) for i in range(100))  # 100 byte tokens: 6 full blocks
+    pipeline = dict(collocated=role(num=2), routing="round_robin", warmup_prompts=[system])
+    with start(tiny_served_model, **pipeline) as url:
+        assert _pins(url, [6, 6]) == [6, 6]
+        body = {"model": model, "prompt": system + "Go.", "max_tokens": 2, "temperature": 0}
+        for _ in range(2):  # one request per worker
+            usage = post(url, "/v1/completions", body)["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 96
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "warmup", "--url", url, "--unpin",
+             "--prompt", system],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert sorted(line.split(" [")[0] for line in out.stdout.splitlines()) == list(WORKERS)
+        assert "96/100 tokens cached, 96 unpinned" in out.stdout
+        assert _pins(url, [0, 0]) == [0, 0]
+        assert wait_blocks_free(url) == {w: (256, 256) for w in WORKERS}
+        hit = _metric(url, "pdserve_worker_prompt_tokens_total", WORKERS[0], ',source="cached"')
+        assert hit == 96

@@ -75,3 +75,26 @@ def test_worker_specs_round_trip_through_json():
     assert all(WorkerSpec.from_json(s.to_json()) == s for s in specs)
     with pytest.raises(ValueError, match="unknown deployment"):
         pipeline_for("2x", "m")
+
+
+def test_warmup_prompts_from_yaml_and_from_a_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "collocated: {num: 1}\nwarmup_prompts:\n  - You are terse.\n"
+        "  - [{role: system, content: Be kind.}]\n"
+    )
+    p = pipeline_from_args(up_args("--config", str(path)))
+    assert p.warmup_prompts == ("You are terse.", ({"role": "system", "content": "Be kind."},))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"one"\n\n{"messages": [{"role": "system", "content": "two"}]}\n')
+    p = pipeline_from_args(up_args("--collocated", "1", "--warmup-file", str(prompts)))
+    assert p.warmup_prompts == ("one", ({"role": "system", "content": "two"},))
+    prompts.write_text('"one"\n{"prompt": 3}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: a prompt must be"):
+        pipeline_from_args(up_args("--collocated", "1", "--warmup-file", str(prompts)))
+    p = pipeline_from_args(up_args("--collocated", "1"))
+    assert worker_specs(p, "tcp://x:1")[0].engine.cache.max_pinned_fraction == 0.5
+    with pytest.raises(ValueError, match="max_pinned_fraction"):
+        Role(max_pinned_fraction=2)
+    with pytest.raises(ValueError, match=r"warmup_prompts\[1\]"):
+        Pipeline(collocated=Role(), warmup_prompts=["ok", [{"content": "no role"}]])

@@ -9,6 +9,8 @@ from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kvcache.hashing import hash_blocks
 from pdserve.kvstore.config import KVStoreConfig
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.registry import make_receiver
 from tests.engine.test_engine import GREEDY, prompts, run
 from tests.kvstore.conftest import redis_server  # noqa: F401  (fixture)
 
@@ -86,3 +88,46 @@ def test_fp8_blocks_and_scales_round_trip_through_a_tier(tiny_model_dir, tmp_pat
     assert eng.runner.kv_cache.dtype.itemsize == 1
     _, cached = shared_prefix_run(eng, prefix)
     assert cached == 40
+
+
+def test_a_reservation_saves_the_blocks_it_evicts_before_any_write(tiny_model_dir, tmp_path):
+    """A decode worker's reservation can take cached blocks; what they held must reach the
+    tiers before the reply goes out, since the prefill may write into them right after."""
+    cache = CacheConfig(block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512)
+    store = KVStoreConfig(host_bytes=1 << 20, host_root=str(tmp_path))
+    eng = Engine(EngineConfig(model="tiny", cache=cache, kvstore=store), tiny_model_dir, "decode")
+    layout = KVLayout.from_tensor(eng.runner.kv_cache)
+    rx = make_receiver("tcp", eng.runner.kv_cache, layout, b"secret")
+    eng.attach_receiver(rx)
+    run(eng, prompts(2, seed=5, lo=40, hi=41))  # fills L1 with cached-but-free blocks
+    cached = list(eng.kv.pool.cached_blocks)
+    assert cached
+    saved_before = eng.offload.num_blocks_saved
+    assert eng.reserve("r", prompts(1, seed=6, lo=80, hi=81)[0], GREEDY) is not None
+    assert eng.offload.num_blocks_saved > saved_before  # saved at once, not at the next step
+    assert eng.offload.store.flush(5)
+    gone = [h for h in cached if eng.kv.pool.lookup(h) is None]
+    assert gone and all(eng.offload.store.contains(h) for h in gone)
+    rx.close()
+
+
+def test_cache_stats_count_a_hit_from_the_host_tier(tiny_model_dir, tmp_path, prefix):
+    eng = engine(tiny_model_dir, KVStoreConfig(host_bytes=1 << 20, host_root=str(tmp_path)))
+    run(eng, [prefix + [7, 7]])
+    run(eng, prompts(4, seed=9, lo=30, hi=40))  # evicts the prefix's blocks from L1
+    eng.offload.store.flush(5)
+    before = eng.cache_stats()
+    run(eng, [prefix + [7, 7]])
+    after = eng.cache_stats()
+
+    def delta(tier: str, key: str) -> int:
+        return after["tiers"][tier][key] - before["tiers"][tier][key]
+
+    block_bytes = eng.offload.block_bytes
+    assert (delta("L1", "lookups"), delta("L1", "hits")) == (10, 0)  # loaded blocks are L2's
+    assert delta("L2", "hits") == 10 and delta("L2", "lookups") >= 10
+    assert delta("L1", "bytes_written") == 10 * block_bytes
+    assert delta("L2", "bytes_read") >= 10 * block_bytes
+    assert before["tiers"]["L1"]["bytes_read"] > 0 and before["tiers"]["L2"]["bytes_written"] > 0
+    assert after["cached_prompt_tokens"] - before["cached_prompt_tokens"] == 40
+    assert after["computed_prompt_tokens"] - before["computed_prompt_tokens"] == 2

@@ -62,3 +62,62 @@ def test_caching_disabled_never_indexes():
     (a,) = pool.allocate(1)
     pool.cache_block(a, 9)
     assert pool.lookup(9) is None
+
+
+def _cached_free_blocks(pool: BlockPool, hashes: list[int]) -> list[int]:
+    """Blocks holding `hashes`, computed and freed (tail first), as after a request ends."""
+    block_ids = pool.allocate(len(hashes))
+    for block_id, block_hash in zip(block_ids, hashes):
+        pool.cache_block(block_id, block_hash)
+    pool.free(reversed(block_ids))
+    return block_ids
+
+
+def test_pinned_blocks_are_never_evicted_nor_counted_free():
+    pool = BlockPool(6)
+    a, b = _cached_free_blocks(pool, [10, 11])
+    assert pool.num_free_blocks == 6
+    assert pool.pin([10, 11]) == 2
+    assert pool.num_free_blocks == 4 and pool.num_pinned_blocks == 2
+    assert a not in pool.free_queue and b not in pool.free_queue
+    assert sorted(pool.allocate(4)) == [2, 3, 4, 5]  # everything else, never a or b
+    with pytest.raises(RuntimeError, match="0 free"):
+        pool.allocate(1)
+    assert pool.lookup(10) == a and pool.lookup(11) == b and pool.num_evicted == 0
+
+
+def test_pin_is_idempotent_and_unpin_returns_blocks_to_the_lru_queue():
+    pool = BlockPool(6)
+    a, b = _cached_free_blocks(pool, [10, 11])
+    pool.pin([10, 11])
+    assert pool.pin([10, 11]) == 2  # again: no second reference
+    assert pool.ref_cnt[a] == pool.ref_cnt[b] == 1
+    assert pool.unpin([10, 11]) == 2
+    assert pool.num_free_blocks == 6 and pool.num_pinned_blocks == 0
+    assert list(pool.free_queue)[-2:] == [b, a]  # cached, tail evicted first
+    assert pool.lookup(10) == a  # still cached after the unpin
+    assert pool.unpin([10, 11]) == 0
+
+
+def test_pin_shares_blocks_with_running_requests():
+    pool = BlockPool(4)
+    (a,) = pool.allocate(1)
+    pool.cache_block(a, 10)
+    pool.pin([10])
+    assert pool.ref_cnt[a] == 2 and pool.num_free_blocks == 3
+    pool.free([a])  # the request ends: the pin keeps it
+    assert pool.num_free_blocks == 3
+    pool.unpin([10])
+    assert pool.num_free_blocks == 4 and pool.ref_cnt[a] == 0
+
+
+def test_pin_skips_uncached_hashes_and_is_bounded():
+    pool = BlockPool(4, max_pinned_fraction=0.5)
+    _cached_free_blocks(pool, [10, 11, 12])
+    assert pool.pin([99]) == 0
+    pool.pin([10, 11])
+    with pytest.raises(ValueError, match="cannot pin 1 more blocks: 2 of at most 2 pinned"):
+        pool.pin([12])
+    assert pool.num_pinned_blocks == 2 and pool.num_free_blocks == 2  # nothing changed
+    with pytest.raises(ValueError, match="max_pinned_fraction"):
+        BlockPool(4, max_pinned_fraction=1.5)

@@ -3,6 +3,8 @@
 Fake workers speak the real protocol (`pdserve.messages` over ZMQ) and play a fixed token
 `script`: collocated workers emit it one token per step; a prefill worker answers a Prefill
 with its first token; a decode worker reserves blocks and emits the rest after StartDecode.
+A Warmup or Unpin is answered with WarmedUp counting full 16-token blocks (`refuse_pins`
+makes it Failed); `cache_stats` are extra Stats fields every heartbeat carries.
 Every message a fake receives is appended to `cluster.events` as (worker_id, type, request_id).
 """
 
@@ -69,6 +71,8 @@ class FakeWorker:
         self.max_model_len: int = behaviour.get("max_model_len", 512)
         self.num_cached_blocks: int = behaviour.get("num_cached_blocks", 0)  # in Reserved
         self.kv_keep_blocks: int | None = behaviour.get("kv_keep_blocks")  # in Reserved
+        self.refuse_pins: str | None = behaviour.get("refuse_pins")
+        self.cache_stats: dict[str, Any] = behaviour.get("cache_stats", {})
         self.heartbeat = True
         self.num_tokens_sent = 0
         self.aborted: list[str] = []
@@ -101,7 +105,21 @@ class FakeWorker:
         while True:
             if self.heartbeat:
                 running = len(self._tasks)
-                self.send(messages.Stats(self.worker_id, self.role, 0, running, 60, 64, 0, 7, 9, 3))
+                self.send(
+                    messages.Stats(
+                        self.worker_id,
+                        self.role,
+                        0,
+                        running,
+                        60,
+                        64,
+                        0,
+                        7,
+                        9,
+                        3,
+                        **self.cache_stats,
+                    )
+                )
             await asyncio.sleep(0.05)
 
     def _handle(self, m: Any) -> None:
@@ -132,6 +150,16 @@ class FakeWorker:
                 ))  # fmt: skip
         elif isinstance(m, messages.Prefill):
             self._tasks[m.request_id] = asyncio.create_task(self._prefill(m))
+        elif isinstance(m, (messages.Warmup, messages.Unpin)):
+            num_prompt = len(m.prompt_token_ids)
+            num_cached = num_prompt // 16 * 16
+            if isinstance(m, messages.Warmup) and m.pin and self.refuse_pins:
+                self.send(messages.Failed(self.worker_id, m.request_id, self.refuse_pins))
+                return
+            num_pinned = num_cached if isinstance(m, messages.Unpin) or m.pin else 0
+            self.send(
+                messages.WarmedUp(self.worker_id, m.request_id, num_prompt, num_cached, num_pinned)
+            )
         elif isinstance(m, messages.StartDecode):
             assert m.first_token_id == script[0]
             self._start(m.request_id, script[1 : self._max_tokens[m.request_id]])

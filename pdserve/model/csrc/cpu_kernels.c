@@ -7,6 +7,10 @@
  *                         from the cache blocks (no gather copy), GQA heads sharing a K/V
  *                         read; optionally adds each block's attention probability to a
  *                         score row (token dropping).
+ *   pd_rmsnorm, pd_add_rmsnorm, pd_rope_qkv_store, pd_silu_mul
+ *                         the elementwise rest of a decoder layer, one call each where
+ *                         PyTorch dispatches 5-10 small ops (at batch 1 the dispatch, not
+ *                         the arithmetic, is the cost).
  *
  * fp32, AVX2 + FMA, OpenMP (the same libgomp PyTorch loaded, so one thread pool). */
 #include <immintrin.h>
@@ -83,10 +87,10 @@ static inline void axpy(float *y, float a, const float *x, int64_t d) {
     for (; i < d; i++) y[i] += a * x[i];
 }
 
-/* q [B, H, D]; cache [num_blocks, 2, KVH, BS, D] (0 = K, 1 = V); tables [B, max_blocks];
+/* q [B, H, D] with rows q_stride floats apart; cache [num_blocks, 2, KVH, BS, D] (0 = K, 1 = V); tables [B, max_blocks];
  * context_lens [B]; out [B, H, D]; scores [B, max_blocks] or NULL. Returns 0, or -1 when
  * scratch memory could not be allocated. */
-int pd_paged_decode_attn(const float *q, const float *cache, const int64_t *tables,
+int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache, const int64_t *tables,
                          const int64_t *context_lens, float *out, float *scores, int64_t B,
                          int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
                          float scale) {
@@ -104,7 +108,7 @@ int pd_paged_decode_attn(const float *q, const float *cache, const int64_t *tabl
             if (!p) continue;
             int64_t b = item / KVH, h = item % KVH, len = context_lens[b];
             const int64_t *table = tables + b * max_blocks;
-            const float *qb = q + (b * H + h * G) * D;
+            const float *qb = q + b * q_stride + h * G * D;
             /* scores: every key of the context against the G query heads of this KV head */
             for (int64_t t = 0; t < len; t++) {
                 const float *k = cache + (((table[t / BS] * 2 + 0) * KVH + h) * BS + t % BS) * D;
@@ -136,4 +140,144 @@ int pd_paged_decode_attn(const float *q, const float *cache, const int64_t *tabl
         free(p);
     }
     return failed ? -1 : 0;
+}
+
+#define PAR_IF(work) if ((work) > (1 << 16))
+
+static void rmsnorm_row(const float *x, const float *w, float *y, int64_t D, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum(acc);
+    for (; i < D; i++) ss += x[i] * x[i];
+    float inv = 1.f / sqrtf(ss / (float)D + eps);
+    for (i = 0; i < D; i++) y[i] = w[i] * (x[i] * inv);
+}
+
+/* y = w * x / rms(x), row by row: x, y [M, D]. */
+void pd_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t D, float eps) {
+#pragma omp parallel for PAR_IF(M * D)
+    for (int64_t m = 0; m < M; m++) rmsnorm_row(x + m * D, w, y + m * D, D, eps);
+}
+
+/* The residual stream: x += add, then y = rmsnorm(x). */
+void pd_add_rmsnorm(float *x, const float *add, const float *w, float *y, int64_t M, int64_t D,
+                    float eps) {
+#pragma omp parallel for PAR_IF(M * D)
+    for (int64_t m = 0; m < M; m++) {
+        float *xm = x + m * D;
+        const float *am = add + m * D;
+        for (int64_t i = 0; i < D; i++) xm[i] += am[i];
+        rmsnorm_row(xm, w, y + m * D, D, eps);
+    }
+}
+
+static inline void rope_row(float *x, const float *c, const float *s, int64_t D) {
+    int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * c[i] - b * s[i];
+        x[i + half] = b * c[i + half] + a * s[i + half];
+    }
+}
+
+/* qkv [T, (H + 2 KVH) D] as the fused projection left it: rotate q and k in place (rotate-
+ * half RoPE; cos, sin [T, D] are each token's rows), then store k and v at each token's
+ * cache slot (cache [num_blocks, 2, KVH, BS, D]). */
+void pd_rope_qkv_store(float *qkv, const float *cos, const float *sin, float *cache,
+                       const int64_t *slot_blocks,
+                       const int64_t *slot_offsets, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                       int64_t BS) {
+    int64_t row = (H + 2 * KVH) * D;
+#pragma omp parallel for PAR_IF(T * row)
+    for (int64_t t = 0; t < T; t++) {
+        float *r = qkv + t * row;
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < H + KVH; h++) rope_row(r + h * D, c, s, D);
+        const float *k = r + H * D, *v = k + KVH * D;
+        for (int64_t h = 0; h < KVH; h++) {
+            float *kd = cache + (((slot_blocks[t] * 2 + 0) * KVH + h) * BS + slot_offsets[t]) * D;
+            float *vd = cache + (((slot_blocks[t] * 2 + 1) * KVH + h) * BS + slot_offsets[t]) * D;
+            for (int64_t i = 0; i < D; i++) {
+                kd[i] = k[h * D + i];
+                vd[i] = v[h * D + i];
+            }
+        }
+    }
+}
+
+/* gate_up [M, 2I] (gate | up) -> y [M, I] = silu(gate) * up. */
+void pd_silu_mul(const float *gate_up, float *y, int64_t M, int64_t I) {
+#pragma omp parallel for PAR_IF(M * I)
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gate_up + m * 2 * I, *u = g + I;
+        float *ym = y + m * I;
+        for (int64_t i = 0; i < I; i++) ym[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* ---- small-M GEMM on panel-packed weights --------------------------------------------
+ * W [N, K] is packed once into panels of 16 output columns, [ceil(N/16)][K][16] (zero-
+ * padded), so that for every k one panel row is two aligned vectors. A micro-kernel keeps
+ * a block of up to 6 rows of x times 16 columns in 12 accumulators and, per k, loads the
+ * two weight vectors once and broadcasts each x value: 12 FMAs per 2 loads + 6 broadcasts.
+ * At M = 1 the same loop streams the weights at memory speed (no horizontal sums). */
+#define PANEL 16
+#define MR 6
+
+static inline void store_row(float *y, __m256 lo, __m256 hi, const float *bias, int64_t ncols) {
+    float out[PANEL] __attribute__((aligned(32)));
+    _mm256_store_ps(out, lo);
+    _mm256_store_ps(out + 8, hi);
+    for (int64_t j = 0; j < ncols; j++) y[j] = out[j] + (bias ? bias[j] : 0.f);
+}
+
+/* Named accumulators (an array of them gets spilled to the stack by gcc); `mr` is a
+ * constant at every call, so the rows past it compile away. */
+#define ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps()
+#define FMA_ROW(i)                                                                           \
+    if (mr > i) {                                                                            \
+        __m256 xb = _mm256_broadcast_ss(x + i * K + k);                                      \
+        c##i##0 = _mm256_fmadd_ps(w0, xb, c##i##0);                                          \
+        c##i##1 = _mm256_fmadd_ps(w1, xb, c##i##1);                                          \
+    }
+#define STORE_ROW(i)                                                                         \
+    if (mr > i) store_row(y + i * N, c##i##0, c##i##1, bias, ncols)
+
+static inline __attribute__((always_inline)) void
+micro(const float *x, int64_t K, const float *wp, const float *bias, float *y, int64_t N,
+      int64_t ncols, const int mr) {
+    ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5);
+    for (int64_t k = 0; k < K; k++) {
+        __m256 w0 = _mm256_load_ps(wp + k * PANEL), w1 = _mm256_load_ps(wp + k * PANEL + 8);
+        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+    }
+    STORE_ROW(0); STORE_ROW(1); STORE_ROW(2); STORE_ROW(3); STORE_ROW(4); STORE_ROW(5);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias), W panel-packed by pd_pack_panels. */
+void pd_linear_panels(const float *x, const float *wp, const float *bias, float *y, int64_t M,
+                      int64_t N, int64_t K) {
+    int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *w = wp + p * K * PANEL;
+        int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+        const float *b = bias ? bias + n0 : NULL;
+        for (int64_t m = 0; m < M; m += MR) {
+            const float *xm = x + m * K;
+            float *ym = y + m * N + n0;
+            switch (M - m < MR ? M - m : MR) {
+            case 1: micro(xm, K, w, b, ym, N, ncols, 1); break;
+            case 2: micro(xm, K, w, b, ym, N, ncols, 2); break;
+            case 3: micro(xm, K, w, b, ym, N, ncols, 3); break;
+            case 4: micro(xm, K, w, b, ym, N, ncols, 4); break;
+            case 5: micro(xm, K, w, b, ym, N, ncols, 5); break;
+            default: micro(xm, K, w, b, ym, N, ncols, 6); break;
+            }
+        }
+    }
 }

@@ -1,0 +1,161 @@
+"""Cache warm-up routes: `POST /v1/cache/warmup` prefills (and pins) prompts on every healthy
+prefill and collocated worker, `DELETE /v1/cache/warmup` unpins them.
+
+    {"model": "...", "prompts": ["...", ...], "messages": [[{"role", "content"}, ...], ...],
+     "pin": true}
+    -> {"object": "cache.warmup", "pin": true, "workers": {"p0": [{"index": 0,
+        "num_prompt_tokens": 30, "num_cached_tokens": 16, "num_pinned_tokens": 16}, ...]}}
+
+Every prefill-capable worker gets every prompt: whichever worker a later request is routed
+to then hits, and the workers' KVEvents tell the router's prefix index what they hold. A
+worker that is not healthy, fails or refuses (e.g. its pinned share is full) gets an `error`
+entry per prompt, so a caller sees who was not warmed; the others still answer (200). With
+no healthy prefill-capable worker at all the answer is 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from pdserve import messages
+from pdserve.router.completions import STATE, RouterState, read_json
+from pdserve.router.protocol import ApiError, parse_messages
+from pdserve.router.workers import WorkerLost
+
+WARMUP_ROLES = ("prefill", "collocated")
+MAX_PROMPTS = 1024
+_NOT_HEALTHY = {"error": "worker not healthy (not ready, or lost): not warmed"}
+
+
+async def warmup(request: web.Request) -> web.Response:
+    return await _warm(request, unpin=False)
+
+
+async def unpin(request: web.Request) -> web.Response:
+    return await _warm(request, unpin=True)
+
+
+async def _warm(request: web.Request, unpin: bool) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json(request)
+    prompts, pin = parse_warmup(body, state.config.model)
+    prompt_ids = [_tokenize(state, prompt, param) for prompt, param in prompts]
+    worker_ids = [w.worker_id for w in state.plane.workers.values() if w.role in WARMUP_ROLES]
+    healthy = [wid for wid in worker_ids if state.plane.is_healthy(wid)]
+    if not healthy:
+        raise ApiError(503, "no healthy prefill or collocated worker to warm", type="server_error")
+    pin = pin and not unpin
+    asks = [_ask(state, wid, ids, pin, unpin) for wid in healthy for ids in prompt_ids]
+    answers = iter(await asyncio.gather(*asks))
+    workers = {
+        wid: [
+            {"index": i, **(next(answers) if wid in healthy else _NOT_HEALTHY)}
+            for i in range(len(prompt_ids))
+        ]
+        for wid in worker_ids
+    }
+    return web.json_response({"object": "cache.warmup", "pin": pin, "workers": workers})
+
+
+def parse_warmup(body: Any, served_model: str) -> tuple[list[tuple[Any, str]], bool]:
+    """(prompt, param name) pairs, texts first, then message lists; and the pin flag."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = body.get("model", served_model)
+    if model != served_model:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{served_model}`",
+            param="model",
+            code="model_not_found",
+        )
+    pin = body.get("pin", True)
+    if not isinstance(pin, bool):
+        raise ApiError(400, f"pin must be a boolean, got {pin!r}", param="pin")
+    texts = body.get("prompts") or []
+    if not isinstance(texts, list) or not all(isinstance(p, str) and p for p in texts):
+        raise ApiError(400, "prompts must be a list of non-empty strings", param="prompts")
+    chats = body.get("messages") or []
+    if not isinstance(chats, list) or not all(isinstance(c, list) for c in chats):
+        raise ApiError(400, "messages must be a list of message lists", param="messages")
+    prompts = [(p, f"prompts[{i}]") for i, p in enumerate(texts)]
+    for i, chat in enumerate(chats):
+        try:
+            prompts.append((parse_messages({"messages": chat}), f"messages[{i}]"))
+        except ApiError as exc:
+            raise ApiError(400, f"messages[{i}]: {exc.message}", param=f"messages[{i}]") from None
+    if not prompts:
+        raise ApiError(400, "give prompts and/or messages to warm", param="prompts")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(
+            400, f"at most {MAX_PROMPTS} prompts per call, got {len(prompts)}", param="prompts"
+        )
+    return prompts, pin
+
+
+def _tokenize(state: RouterState, prompt: str | list[dict], param: str) -> list[int]:
+    try:
+        if isinstance(prompt, str):
+            ids = state.tokenizer.encode(prompt)
+        else:
+            ids = state.tokenizer.apply_chat_template(prompt)
+    except ValueError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param) from None
+    if not ids:
+        raise ApiError(400, f"{param} encodes to zero tokens", param=param)
+    max_len = state.plane.max_model_len()
+    if max_len is not None and len(ids) >= max_len:
+        raise ApiError(
+            400,
+            f"{param} has {len(ids)} tokens; this model's maximum context length is {max_len}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return ids
+
+
+async def _ask(
+    state: RouterState, worker_id: str, prompt_ids: list[int], pin: bool, unpin: bool
+) -> dict[str, Any]:
+    """One prompt on one worker: its WarmedUp counts, or {"error": ...}. A client that goes
+    away, or a warm-up past its deadline, aborts the prefill on the worker."""
+    plane, request_id = state.plane, f"warmup-{uuid.uuid4().hex[:16]}"
+    queue = plane.open(request_id)
+    done = False
+    try:
+        message = messages.Unpin if unpin else messages.Warmup
+        args = (request_id, prompt_ids) if unpin else (request_id, prompt_ids, pin)
+        if not plane.send(worker_id, message(*args)):
+            done = True
+            return {"error": f"cannot reach worker {worker_id}"}
+        async with asyncio.timeout(state.config.warmup_timeout_s):
+            while True:
+                reply = await queue.get()
+                if isinstance(reply, WorkerLost) and reply.worker_id != worker_id:
+                    continue
+                done = True
+                return _answer(reply)
+    except TimeoutError:
+        return {"error": f"no answer within {state.config.warmup_timeout_s:.0f} s"}
+    finally:
+        plane.close_request(request_id)
+        if not done and not unpin:
+            plane.send(worker_id, messages.Abort(request_id))
+
+
+def _answer(reply: Any) -> dict[str, Any]:
+    if isinstance(reply, messages.WarmedUp):
+        return {
+            "num_prompt_tokens": reply.num_prompt_tokens,
+            "num_cached_tokens": reply.num_cached_tokens,
+            "num_pinned_tokens": reply.num_pinned_tokens,
+        }
+    if isinstance(reply, WorkerLost):
+        return {"error": f"worker lost: {reply.reason}"}
+    if isinstance(reply, (messages.Rejected, messages.Failed)):
+        return {"error": getattr(reply, "reason", None) or getattr(reply, "error", "failed")}
+    return {"error": f"unexpected {type(reply).__name__}"}

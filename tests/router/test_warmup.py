@@ -1,0 +1,112 @@
+"""Cache warm-up over HTTP and the prefix-cache metrics, against fake workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import requests
+
+from tests.router.harness import Cluster
+
+SYSTEM = "You are a helpful assistant who answers briefly."  # 48 bytes: 3 full blocks
+
+
+def test_warmup_goes_to_every_prefill_capable_worker(tokenizer_dir: Path, script) -> None:
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
+    with Cluster(tokenizer_dir, script, roles) as c:
+        body = {"prompts": [SYSTEM], "messages": [[{"role": "system", "content": "Be brief."}]]}
+        r = requests.post(f"{c.url}/v1/cache/warmup", json=body)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["object"] == "cache.warmup" and answer["pin"] is True
+        assert sorted(answer["workers"]) == ["p0", "p1"]  # never the decode worker
+        first, chat = answer["workers"]["p0"]
+        assert first == {
+            "index": 0, "num_prompt_tokens": 48, "num_cached_tokens": 48, "num_pinned_tokens": 48,
+        }  # fmt: skip
+        assert chat["index"] == 1 and chat["num_prompt_tokens"] > len("Be brief.")
+        assert "Warmup" not in c.kinds("d0")
+
+        r = requests.delete(f"{c.url}/v1/cache/warmup", json={"prompts": [SYSTEM]})
+        assert r.status_code == 200 and r.json()["pin"] is False
+        assert r.json()["workers"]["p1"][0]["num_pinned_tokens"] == 48  # released
+        assert "Unpin" in c.kinds("p1")
+
+
+def test_warmup_without_pin_and_a_worker_that_refuses(tokenizer_dir: Path, script) -> None:
+    behaviour = {"c1": {"refuse_pins": "cannot pin 3 more blocks: 32 of at most 32 pinned"}}
+    roles = {"c0": "collocated", "c1": "collocated"}
+    with Cluster(tokenizer_dir, script, roles, behaviour) as c:
+        r = requests.post(f"{c.url}/v1/cache/warmup", json={"prompts": [SYSTEM], "pin": False})
+        assert r.json()["workers"]["c1"][0]["num_pinned_tokens"] == 0
+        r = requests.post(f"{c.url}/v1/cache/warmup", json={"prompts": [SYSTEM]})
+        assert r.status_code == 200
+        assert r.json()["workers"]["c0"][0]["num_pinned_tokens"] == 48
+        assert r.json()["workers"]["c1"][0] == {"index": 0, "error": behaviour["c1"]["refuse_pins"]}
+
+
+def test_bad_warmup_bodies_are_400_naming_the_field(tokenizer_dir: Path, script) -> None:
+    with Cluster(tokenizer_dir, script, {"c0": "collocated"}, api_key="k") as c:
+        url, auth = f"{c.url}/v1/cache/warmup", {"Authorization": "Bearer k"}
+        assert requests.post(url, json={"prompts": [SYSTEM]}).status_code == 401
+        for body, param in (
+            ({}, "prompts"),
+            ({"prompts": "one string"}, "prompts"),
+            ({"prompts": [""]}, "prompts"),
+            ({"prompts": [SYSTEM], "pin": "yes"}, "pin"),
+            ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
+            ({"messages": [[{"role": "robot", "content": "x"}]]}, "messages[0]"),
+            ({"prompts": ["x" * 600]}, "prompts[0]"),  # over the fake's 512-token context
+        ):
+            r = requests.post(url, json=body, headers=auth)
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"]["param"] == param, (body, r.json())
+        r = requests.post(url, json={"model": "other", "prompts": [SYSTEM]}, headers=auth)
+        assert r.status_code == 404
+        assert requests.post(url, data=b"{", headers=auth).status_code == 400
+        assert not [k for k in c.kinds("c0") if k in ("Warmup", "Unpin")]
+
+
+def test_unhealthy_workers_are_named_and_none_healthy_is_503(tokenizer_dir: Path, script) -> None:
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
+    with Cluster(tokenizer_dir, script, roles) as c:
+        c.workers["p1"].heartbeat = False
+        c.wait_until(lambda: not c.app_state.plane.is_healthy("p1"), timeout=10)
+        r = requests.post(f"{c.url}/v1/cache/warmup", json={"prompts": [SYSTEM]})
+        assert r.status_code == 200
+        assert r.json()["workers"]["p0"][0]["num_pinned_tokens"] == 48
+        assert "not healthy" in r.json()["workers"]["p1"][0]["error"]
+        c.workers["p0"].heartbeat = False
+        c.wait_until(lambda: not c.app_state.plane.is_healthy("p0"), timeout=10)
+        r = requests.post(f"{c.url}/v1/cache/warmup", json={"prompts": [SYSTEM]})
+        assert r.status_code == 503
+
+
+def test_metrics_show_cache_hits_per_tier_and_tokens(tokenizer_dir: Path, script) -> None:
+    stats = {
+        "kv_tiers": {
+            "L1": {"lookups": 10, "hits": 4, "bytes_read": 512, "bytes_written": 1024},
+            "L2": {"lookups": 6, "hits": 2, "bytes_read": 1030, "bytes_written": 520},
+        },
+        "kv_moved_bytes": {"L2->L3": 300},
+        "num_cached_prompt_tokens": 96,
+        "num_computed_prompt_tokens": 70,
+        "num_pinned_blocks": 3,
+    }
+    with Cluster(tokenizer_dir, script, {"c0": "collocated"}, {"c0": {"cache_stats": stats}}) as c:
+        c.wait_until(lambda: c.app_state.plane.workers["c0"].stats is not None)
+        text = requests.get(f"{c.url}/metrics").text
+        for line in (
+            "# TYPE pdserve_kv_cache_hits_total counter",
+            'pdserve_kv_cache_lookups_total{worker="c0",tier="L1"} 10',
+            'pdserve_kv_cache_hits_total{worker="c0",tier="L1"} 4',
+            'pdserve_kv_cache_lookups_total{worker="c0",tier="L2"} 6',
+            'pdserve_kv_cache_hits_total{worker="c0",tier="L2"} 2',
+            'pdserve_kv_tier_bytes_total{worker="c0",tier="L2",direction="read"} 1030',
+            'pdserve_kv_tier_bytes_total{worker="c0",tier="L1",direction="written"} 1024',
+            'pdserve_kv_tier_moved_bytes_total{worker="c0",src="L2",dst="L3"} 300',
+            'pdserve_worker_prompt_tokens_total{worker="c0",source="cached"} 96',
+            'pdserve_worker_prompt_tokens_total{worker="c0",source="computed"} 70',
+            'pdserve_kv_blocks_pinned{worker="c0"} 3',
+        ):
+            assert line in text, line
