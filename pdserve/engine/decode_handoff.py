@@ -128,6 +128,10 @@ class DecodeHandoff:
                 f"prompt tokens, the reservation expects {expected}"
             )
         if not expected:
+            if block_scores is not None:
+                raise ValueError(
+                    f"request {request.request_id!r}: kept-block scores for a prompt sent whole"
+                )
             return
         if not isinstance(block_scores, list) or len(block_scores) != len(request.block_ids):
             raise ValueError(

@@ -311,6 +311,9 @@ def test_a_drop_where_none_was_reserved_is_refused() -> None:
     handoff.reserve(request(list(range(30))))
     with pytest.raises(ValueError, match="expects 0"):
         handoff.start("r", 5, 12, [1.0] * 8)
+    handoff.reserve(request(list(range(30)), "s"))
+    with pytest.raises(ValueError, match="prompt sent whole"):
+        handoff.start("s", 5, 0, [1.0] * 8)
 
 
 @pytest.mark.parametrize("stage", ["before_prefill", "after_first_token"])
