@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from pdserve.config import CPU_KERNELS
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
@@ -120,13 +121,19 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--cpu-kernels", default="native", choices=CPU_KERNELS)
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
 
     # No prefix caching: repeats of one prompt must be computed again, as transformers does.
-    llm = LLM(args.model, kv_cache_bytes=2 * 2**30, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        kv_cache_bytes=2 * 2**30,
+        enable_prefix_caching=False,
+        cpu_kernels=args.cpu_kernels,
+    )
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
     cfg = llm.engine.model_config
     num_params = sum(p.numel() for p in hf.parameters())
@@ -147,6 +154,7 @@ def main() -> None:
             "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
+            "cpu_kernels": args.cpu_kernels,
             **limits,
         },
         "model": {"name": args.model, "params": num_params},
@@ -168,7 +176,10 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     m, b = r["machine"], r["bounds"]
-    print(f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    print(
+        f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, "
+        f"pdserve cpu_kernels={m.get('cpu_kernels', 'onednn')}"
+    )
     print(
         f"fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s, read {m['read_gbs']:.1f} GB/s, "
         f"copy {m['copy_gbs']:.1f} GB/s -> compute bound {b['compute_tok_s']:.0f} tok/s, "

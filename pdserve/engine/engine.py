@@ -86,7 +86,7 @@ class Engine:
             config.device,
             config.seed,
             kv_cache,
-            decodes=role != "prefill",
+            role=role,
         )
         self.kv = KVCacheManager(
             self.runner.num_blocks,

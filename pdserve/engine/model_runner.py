@@ -93,10 +93,11 @@ class ModelRunner:
         device: DeviceConfig,
         seed: int = 0,
         kv_cache: torch.Tensor | None = None,
-        decodes: bool = True,
+        role: str = "collocated",
     ) -> None:
-        """`decodes`: this runner runs one-token decode steps (not a prefill-only worker),
-        so the native small-batch linear kernels are worth their copy of the weights."""
+        """`role` picks the CPU linear kernels' weight copies: a prefill worker runs only
+        large GEMMs (oneDNN), a decode worker only decode batches (native panels), a
+        collocated one both."""
         if device.threads:
             torch.set_num_threads(device.threads)
         self.device = torch.device(device.device)
@@ -106,7 +107,8 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         self.kernels = native.load() if device.cpu_kernels == "native" and on_cpu else None
         if device.cpu_kernels in ("native", "onednn") and can_pack(self.model):
-            pack_linears(self.model, small_m=self.kernels if decodes else None)
+            panels = self.kernels if role != "prefill" else None
+            pack_linears(self.model, panels, onednn=role != "decode" or panels is None)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         if kv_cache is None:

@@ -8,10 +8,12 @@ weights reordered once into its blocked layout runs batch-32 decode GEMMs at ~71
 `nn.Linear`; `pack_linears` swaps the modules, and `F.linear` remains the reference the
 tests compare against.
 
-With the native kernels (`native.py`), a `PackedLinear` also keeps the plain weight and sends
-inputs of at most `native.SMALL_M_MAX` rows (batch-1..4 decode) to the C GEMV, which reads the
-weight once with every thread: oneDNN's GEMV runs on one core. That costs a second copy of
-the linear weights; a prefill-only worker never has such small inputs and skips it.
+With the native kernels (`native.py`) a linear can instead (decode workers) or also
+(collocated workers, which see both prefill chunks and decode batches) keep its weight packed
+in 16-column panels for `native.linear_panels`, which runs inputs of up to
+`native.PANEL_M_MAX` rows: at batch 1 it streams the weight with every thread where oneDNN's
+GEMV uses one core, and up to batch 64 it matches or beats oneDNN's GEMM
+(benchmarks/bench_kernels.py). A prefill-only worker keeps only the oneDNN copy.
 """
 
 from __future__ import annotations
@@ -25,22 +27,31 @@ from pdserve.model import native
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` with its weight in oneDNN's blocked layout (fp32, CPU only), and
-    optionally the plain weight too for the native small-M kernel."""
+    """`nn.Linear` for fp32 on the CPU, its weight prepacked for oneDNN, for the native
+    panel kernel, or both (then small inputs take the panel kernel)."""
 
-    def __init__(self, linear: nn.Linear, small_m: ctypes.CDLL | None = None) -> None:
+    def __init__(
+        self, linear: nn.Linear, panels: ctypes.CDLL | None = None, onednn: bool = True
+    ) -> None:
         super().__init__()
+        if panels is None and not onednn:
+            raise ValueError("a PackedLinear needs the oneDNN weights, the panel kernel or both")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer(
-            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight, None)
-        )
         self.bias = linear.bias
-        self.small_m = small_m
-        self.weight = linear.weight.detach().contiguous() if small_m is not None else None
+        self.lib = panels
+        self.packed_weight = (
+            torch.ops.mkldnn._reorder_linear_weight(linear.weight, None) if onednn else None
+        )
+        self.panel_weight = native.pack_panels(linear.weight) if panels is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_m is not None and x.dim() == 2 and x.shape[0] <= native.SMALL_M_MAX:
-            return native.linear_small_m(self.small_m, x, self.weight, self.bias)
+        if self.lib is not None and (
+            self.packed_weight is None or x.shape[0] <= native.PANEL_M_MAX
+        ):
+            return native.linear_panels(
+                self.lib, x.reshape(-1, self.in_features), self.panel_weight,
+                self.out_features, self.bias,
+            ).view(*x.shape[:-1], self.out_features)  # fmt: skip
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
@@ -51,9 +62,9 @@ def can_pack(model: nn.Module) -> bool:
     )
 
 
-def pack_linears(model: nn.Module, small_m: ctypes.CDLL | None = None) -> int:
-    """Replace every `nn.Linear` in `model` by a `PackedLinear` (with the native small-M
-    path when `small_m` is the loaded kernel library); returns how many."""
+def pack_linears(model: nn.Module, panels: ctypes.CDLL | None = None, onednn: bool = True) -> int:
+    """Replace every `nn.Linear` in `model` by a `PackedLinear` (with the native panel
+    kernel when `panels` is the loaded kernel library); returns how many."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -61,5 +72,5 @@ def pack_linears(model: nn.Module, small_m: ctypes.CDLL | None = None) -> int:
         if isinstance(child, nn.Linear)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, small_m))
+        setattr(parent, name, PackedLinear(child, panels, onednn))
     return len(targets)

@@ -35,9 +35,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-# Above this many rows a GEMM is compute-bound and oneDNN's blocked kernels win (measured
-# in benchmarks/bench_kernels.py).
-SMALL_M_MAX = 4
+PANEL = 16  # output columns per packed weight panel (two AVX2 vectors)
+# Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
+# chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies.
+PANEL_M_MAX = 64
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -88,8 +89,8 @@ def load() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         log.warning("native CPU kernels off (PyTorch paths used instead): %s", e)
         return None
-    lib.pd_linear_small_m.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
-    lib.pd_linear_small_m.restype = None
+    lib.pd_linear_panels.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
+    lib.pd_linear_panels.restype = None
     lib.pd_paged_decode_attn.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 6 + [_f32]
     lib.pd_paged_decode_attn.restype = ctypes.c_int
     lib.pd_rmsnorm.argtypes = [_ptr] * 3 + [_i64] * 2 + [_f32]
@@ -115,16 +116,28 @@ def reads_in_place(cache, q: torch.Tensor) -> bool:
     )
 
 
-def linear_small_m(
-    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K, 16]: each panel's 16 output columns side by side for every
+    k (zero-padded past N), the layout `linear_panels` streams."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight.detach()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear_panels(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x [M, K] with few rows; fp32, contiguous, CPU."""
+    """`F.linear(x, weight, bias)` for x [M, K] with `panels = pack_panels(weight)`."""
     x = x.contiguous()
     m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
+    y = torch.empty(m, out_features, dtype=x.dtype)
     b = bias.data_ptr() if bias is not None else None
-    lib.pd_linear_small_m(x.data_ptr(), weight.data_ptr(), b, y.data_ptr(), m, n, k)
+    lib.pd_linear_panels(x.data_ptr(), panels.data_ptr(), b, y.data_ptr(), m, out_features, k)
     return y
 
 

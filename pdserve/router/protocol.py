@@ -80,10 +80,8 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-def parse_request(body: Any, chat: bool, served_model: str, max_tokens_limit: int) -> ApiRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    model = _field(body, "model", str, served_model)
+def check_model(model: Any, served_model: str) -> None:
+    """The OpenAI error for a request naming a model this server does not serve."""
     if model != served_model:
         raise ApiError(
             404,
@@ -91,6 +89,13 @@ def parse_request(body: Any, chat: bool, served_model: str, max_tokens_limit: in
             param="model",
             code="model_not_found",
         )
+
+
+def parse_request(body: Any, chat: bool, served_model: str, max_tokens_limit: int) -> ApiRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    model = _field(body, "model", str, served_model)
+    check_model(model, served_model)
     for name, allowed in _OFF_VALUES.items():
         value = body.get(name)
         if not any(value == ok and type(value) is type(ok) for ok in allowed):

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from pdserve import messages
 from pdserve.router.completions import STATE, RouterState, read_json
-from pdserve.router.protocol import ApiError, parse_messages
+from pdserve.router.protocol import ApiError, check_model, parse_messages
 from pdserve.router.workers import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
@@ -65,14 +65,7 @@ def parse_warmup(body: Any, served_model: str) -> tuple[list[tuple[Any, str]], b
     """(prompt, param name) pairs, texts first, then message lists; and the pin flag."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    model = body.get("model", served_model)
-    if model != served_model:
-        raise ApiError(
-            404,
-            f"The model `{model}` does not exist; this server serves `{served_model}`",
-            param="model",
-            code="model_not_found",
-        )
+    check_model(body.get("model", served_model), served_model)
     pin = body.get("pin", True)
     if not isinstance(pin, bool):
         raise ApiError(400, f"pin must be a boolean, got {pin!r}", param="pin")

@@ -5,19 +5,36 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model import native
+from pdserve.model.cpu_linear import PackedLinear
 
 lib = native.load()
 pytestmark = pytest.mark.skipif(lib is None, reason="native CPU kernels unavailable here")
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
 @pytest.mark.parametrize("n,k", [(96, 64), (7, 40), (33, 100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_small_m_equals_f_linear(m, n, k, bias):
+def test_linear_panels_equals_f_linear(m, n, k, bias):
+    """Every micro-kernel height (1..6 rows), partial last panels, odd K."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    torch.testing.assert_close(native.linear_small_m(lib, x, w, b), F.linear(x, w, b))
+    y = native.linear_panels(lib, x, native.pack_panels(w), n, b)
+    torch.testing.assert_close(y, F.linear(x, w, b))
+
+
+def test_packed_linear_takes_either_path():
+    """Small inputs take the panel kernel, large ones oneDNN; a decode-only copy takes any."""
+    linear = torch.nn.Linear(40, 24)
+    both, panels_only = PackedLinear(linear, lib), PackedLinear(linear, lib, onednn=False)
+    assert panels_only.packed_weight is None
+    for m in (1, native.PANEL_M_MAX, native.PANEL_M_MAX + 1, 200):
+        x = torch.randn(m, 40)
+        want = linear(x).detach()
+        torch.testing.assert_close(both(x), want)
+        torch.testing.assert_close(panels_only(x), want)
+    with pytest.raises(ValueError, match="needs"):
+        PackedLinear(linear, None, onednn=False)
 
 
 def reference_attention(q, blocks, tables, lens):
@@ -67,3 +84,40 @@ def test_build_is_cached(tmp_path):
     first = native.build(tmp_path)
     mtime = first.stat().st_mtime_ns
     assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+
+
+def test_elementwise_kernels_equal_torch():
+    g = torch.Generator().manual_seed(7)
+    x, add, w = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g), torch.randn(40)
+    torch.testing.assert_close(native.rmsnorm(lib, x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5))
+    residual = x.clone()
+    y = native.add_rmsnorm(lib, residual, add, w, 1e-5)
+    torch.testing.assert_close(residual, x + add)
+    torch.testing.assert_close(y, F.rms_norm(x + add, (40,), w, 1e-5))
+    gate_up = torch.randn(3, 2 * 37, generator=g) * 30  # large |x| too: exp saturates cleanly
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(lib, gate_up), F.silu(gate) * up)
+
+
+def test_rope_qkv_store_equals_rope_then_write():
+    from pdserve.model.kv_cache import LayerCache
+    from pdserve.model.rope import apply_rope, cos_sin_table
+
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, d, bs, t = 4, 2, 16, 4, 6
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    cos, sin = cos_sin_table(d, 10000.0, None, 64)
+    positions = torch.tensor([0, 5, 9, 17, 33, 63])
+    slots_b, slots_o = torch.tensor([3, 3, 1, 0, 2, 2]), torch.tensor([0, 1, 3, 2, 0, 3])
+    blocks = torch.zeros(4, 2, kv_heads, bs, d)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    want_q = apply_rope(q.view(t, heads, d), cos[positions], sin[positions])
+    want_k = apply_rope(k.reshape(t, kv_heads, d), cos[positions], sin[positions])
+    want_blocks = torch.zeros_like(blocks)
+    LayerCache(want_blocks).write(want_k, v.reshape(t, kv_heads, d), slots_b, slots_o)
+    qkv_out = qkv.clone()
+    native.rope_qkv_store(
+        lib, qkv_out, cos[positions], sin[positions], blocks, slots_b, slots_o, heads
+    )
+    torch.testing.assert_close(qkv_out[:, : heads * d].view(t, heads, d), want_q)
+    torch.testing.assert_close(blocks, want_blocks)

@@ -1,8 +1,8 @@
 /* CPU kernels for the two memory-bound parts of decode, where PyTorch's CPU paths leave
  * most of the machine idle (see pdserve/model/native.py for how they are built and used):
  *
- *   pd_linear_small_m     y = x W^T (+ b) for a few rows of x (batch-1..8 decode): every
- *                         weight row is read once from memory, by all threads.
+ *   pd_linear_panels      y = x W^T (+ b) for decode-sized batches (1..64 rows) on weights
+ *                         packed in 16-column panels: all threads stream the weights once.
  *   pd_paged_decode_attn  one query token per sequence against its paged K/V, read in place
  *                         from the cache blocks (no gather copy), GQA heads sharing a K/V
  *                         read; optionally adds each block's attention probability to a
@@ -25,49 +25,24 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[m, n], y[m, n+1] for every row m: the two weight rows stay in L1 while x's rows pass. */
-static void row_pair(const float *x, const float *w0, const float *w1, const float *bias,
-                     float *y, int64_t M, int64_t N, int64_t K, int64_t n) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        int mm = M - m0 < 4 ? (int)(M - m0) : 4;
-        const float *xm = x + m0 * K;
-        __m256 a0[4], a1[4];
-        for (int m = 0; m < 4; m++) a0[m] = a1[m] = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-            for (int m = 0; m < mm; m++) {
-                __m256 xv = _mm256_loadu_ps(xm + m * K + k);
-                a0[m] = _mm256_fmadd_ps(v0, xv, a0[m]);
-                a1[m] = _mm256_fmadd_ps(v1, xv, a1[m]);
-            }
-        }
-        for (int m = 0; m < mm; m++) {
-            float s0 = hsum(a0[m]), s1 = hsum(a1[m]);
-            for (int64_t j = k; j < K; j++) {
-                s0 += w0[j] * xm[m * K + j];
-                s1 += w1[j] * xm[m * K + j];
-            }
-            if (bias) {
-                s0 += bias[n];
-                s1 += bias[n + 1];
-            }
-            y[(m0 + m) * N + n] = s0;
-            if (w1 != w0) y[(m0 + m) * N + n + 1] = s1;
-        }
-    }
-}
-
-void pd_linear_small_m(const float *x, const float *w, const float *bias, float *y,
-                       int64_t M, int64_t N, int64_t K) {
-    int64_t pairs = (N + 1) / 2;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < pairs; p++) {
-        int64_t n = 2 * p;
-        const float *w0 = w + n * K;
-        const float *w1 = n + 1 < N ? w0 + K : w0; /* odd N: the last row alone */
-        row_pair(x, w0, w1, bias, y, M, N, K, n);
-    }
+/* e^x for 8 floats: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (the
+ * classic Cephes expf coefficients), 2^n built in the exponent bits. Relative error ~2e-7,
+ * like libm's expf, at a fraction of the cost of eight scalar calls. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 static inline float dot(const float *a, const float *b, int64_t d) {
@@ -87,13 +62,93 @@ static inline void axpy(float *y, float a, const float *x, int64_t d) {
     for (; i < d; i++) y[i] += a * x[i];
 }
 
-/* q [B, H, D] with rows q_stride floats apart; cache [num_blocks, 2, KVH, BS, D] (0 = K, 1 = V); tables [B, max_blocks];
- * context_lens [B]; out [B, H, D]; scores [B, max_blocks] or NULL. Returns 0, or -1 when
- * scratch memory could not be allocated. */
-int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache, const int64_t *tables,
-                         const int64_t *context_lens, float *out, float *scores, int64_t B,
-                         int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
-                         float scale) {
+/* Eight dot products at once: acc[i] holds key i's partial sums; one transposing reduction
+ * gives the eight scores (instead of eight horizontal sums). */
+static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                             __m256 a6, __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* s[i] = scale * q . k_i for the n keys of one [BS, D] tile. */
+static void tile_scores(const float *q, const float *k, int64_t n, int64_t D, float scale,
+                        float *s) {
+    int64_t i = 0;
+    if (D % 8 == 0) {
+        for (; i + 8 <= n; i += 8) {
+            const float *r = k + i * D;
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(q + d);
+                for (int j = 0; j < 8; j++)
+                    a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + j * D + d), a[j]);
+            }
+            __m256 sum = reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+        }
+    }
+    for (; i < n; i++) s[i] = dot(q, k + i * D, D) * scale;
+}
+
+/* In place: p[0..len) -> softmax(p). */
+static void softmax(float *p, int64_t len) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < len; t++) mx = p[t] > mx ? p[t] : mx;
+    __m256 m8 = _mm256_set1_ps(mx), s8 = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), m8));
+        _mm256_storeu_ps(p + t, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    sum = hsum(s8);
+    for (; t < len; t++) sum += (p[t] = expf(p[t] - mx));
+    __m256 inv8 = _mm256_set1_ps(1.f / sum);
+    for (t = 0; t + 8 <= len; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), inv8));
+    for (; t < len; t++) p[t] *= 1.f / sum;
+}
+
+/* o[0..D) = sum_t p[t] v_t over the sequence's V tiles; 32 output floats stay in registers
+ * while the tiles stream (no load/store of o per token). */
+static void weighted_values(const float *p, const float *cache, const int64_t *table,
+                            int64_t len, int64_t h, int64_t KVH, int64_t BS, int64_t D,
+                            float *o) {
+    int64_t d0 = 0;
+    for (; D % 32 == 0 && d0 < D; d0 += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j * BS < len; j++) {
+            const float *v = cache + ((table[j] * 2 + 1) * KVH + h) * BS * D + d0;
+            int64_t n = len - j * BS < BS ? len - j * BS : BS;
+            for (int64_t t = 0; t < n; t++) {
+                __m256 w = _mm256_set1_ps(p[j * BS + t]);
+                const float *r = v + t * D;
+                a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
+                a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
+                a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
+                a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+            }
+        }
+        _mm256_storeu_ps(o + d0, a0);
+        _mm256_storeu_ps(o + d0 + 8, a1);
+        _mm256_storeu_ps(o + d0 + 16, a2);
+        _mm256_storeu_ps(o + d0 + 24, a3);
+    }
+    if (d0 == D) return;
+    for (int64_t i = 0; i < D; i++) o[i] = 0.f;
+    for (int64_t t = 0; t < len; t++)
+        axpy(o, p[t], cache + (((table[t / BS] * 2 + 1) * KVH + h) * BS + t % BS) * D, D);
+}
+
+/* q [B, H, D] with rows q_stride floats apart; cache [num_blocks, 2, KVH, BS, D] (0 = K,
+ * 1 = V); tables [B, max_blocks]; context_lens [B]; out [B, H, D]; scores [B, max_blocks]
+ * or NULL. One work item per (sequence, KV head): its G query heads share every K/V tile
+ * read. Returns 0, or -1 when scratch memory could not be allocated. */
+int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache,
+                         const int64_t *tables, const int64_t *context_lens, float *out,
+                         float *scores, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                         int64_t max_blocks, float scale) {
     int64_t G = H / KVH, max_len = max_blocks * BS;
     int failed = 0;
 #pragma omp parallel
@@ -109,17 +164,14 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache, c
             int64_t b = item / KVH, h = item % KVH, len = context_lens[b];
             const int64_t *table = tables + b * max_blocks;
             const float *qb = q + b * q_stride + h * G * D;
-            /* scores: every key of the context against the G query heads of this KV head */
-            for (int64_t t = 0; t < len; t++) {
-                const float *k = cache + (((table[t / BS] * 2 + 0) * KVH + h) * BS + t % BS) * D;
-                for (int64_t g = 0; g < G; g++) p[g * len + t] = dot(qb + g * D, k, D) * scale;
-            }
             for (int64_t g = 0; g < G; g++) {
-                float *pg = p + g * len, mx = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < len; t++) mx = pg[t] > mx ? pg[t] : mx;
-                for (int64_t t = 0; t < len; t++) sum += (pg[t] = expf(pg[t] - mx));
-                float inv = 1.f / sum;
-                for (int64_t t = 0; t < len; t++) pg[t] *= inv;
+                float *pg = p + g * max_len;
+                for (int64_t j = 0; j * BS < len; j++) {
+                    const float *k = cache + ((table[j] * 2 + 0) * KVH + h) * BS * D;
+                    int64_t n = len - j * BS < BS ? len - j * BS : BS;
+                    tile_scores(qb + g * D, k, n, D, scale, pg + j * BS);
+                }
+                softmax(pg, len);
                 if (scores) {
                     for (int64_t j = 0; j * BS < len; j++) {
                         float s = 0.f;
@@ -128,13 +180,7 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache, c
                         scores[b * max_blocks + j] += s;
                     }
                 }
-            }
-            /* values: each V row is read once and added to the G outputs that share it */
-            float *o = out + (b * H + h * G) * D;
-            for (int64_t i = 0; i < G * D; i++) o[i] = 0.f;
-            for (int64_t t = 0; t < len; t++) {
-                const float *v = cache + (((table[t / BS] * 2 + 1) * KVH + h) * BS + t % BS) * D;
-                for (int64_t g = 0; g < G; g++) axpy(o + g * D, p[g * len + t], v, D);
+                weighted_values(pg, cache, table, len, h, KVH, BS, D, out + (b * H + h * G + g) * D);
             }
         }
         free(p);
@@ -211,11 +257,17 @@ void pd_rope_qkv_store(float *qkv, const float *cos, const float *sin, float *ca
 
 /* gate_up [M, 2I] (gate | up) -> y [M, I] = silu(gate) * up. */
 void pd_silu_mul(const float *gate_up, float *y, int64_t M, int64_t I) {
-#pragma omp parallel for PAR_IF(M * I)
+#pragma omp parallel for PAR_IF(M * I * 8)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *ym = y + m * I;
-        for (int64_t i = 0; i < I; i++) ym[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+            _mm256_storeu_ps(ym + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) ym[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
 }
 
@@ -252,13 +304,13 @@ micro(const float *x, int64_t K, const float *wp, const float *bias, float *y, i
       int64_t ncols, const int mr) {
     ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5);
     for (int64_t k = 0; k < K; k++) {
-        __m256 w0 = _mm256_load_ps(wp + k * PANEL), w1 = _mm256_load_ps(wp + k * PANEL + 8);
+        __m256 w0 = _mm256_loadu_ps(wp + k * PANEL), w1 = _mm256_loadu_ps(wp + k * PANEL + 8);
         FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
     }
     STORE_ROW(0); STORE_ROW(1); STORE_ROW(2); STORE_ROW(3); STORE_ROW(4); STORE_ROW(5);
 }
 
-/* y [M, N] = x [M, K] W^T (+ bias), W panel-packed by pd_pack_panels. */
+/* y [M, N] = x [M, K] W^T (+ bias), W panel-packed (native.pack_panels). */
 void pd_linear_panels(const float *x, const float *wp, const float *bias, float *y, int64_t M,
                       int64_t N, int64_t K) {
     int64_t panels = (N + PANEL - 1) / PANEL;

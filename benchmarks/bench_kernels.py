@@ -1,0 +1,102 @@
+"""CPU kernels side by side at the default model's shapes: the native panel GEMM vs oneDNN
+(prepacked) vs PyTorch's `F.linear`, and native paged decode attention vs the PyTorch path
+(gather + SDPA).
+
+    .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--repeats 30]
+
+Linear shapes are SmolLM2-135M's (hidden 576, intermediate 1536, fused QKV 960, fused
+gate/up 3072, vocabulary 49152), at the row counts decode batches (1..64) and prefill chunks
+(512) produce. Figures are medians; GB/s counts the weight bytes read once per call.
+Run on an idle machine: two busy cores halve any figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from bench_engine import timed
+
+from pdserve.model import native
+from pdserve.model.attention import AttentionMetadata, attend, decode_tables
+from pdserve.model.kv_cache import LayerCache
+
+LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+           "lm_head": (49152, 576)}  # fmt: skip
+
+
+def linear_times(lib, w: torch.Tensor, m: int, repeats: int) -> tuple[float, float, float]:
+    """(native panels, oneDNN, F.linear) seconds for x [m, K] @ w.T."""
+    n, k = w.shape
+    x = torch.randn(m, k)
+    panels, packed = native.pack_panels(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return (
+        timed(lambda: native.linear_panels(lib, x, panels, n, None), repeats),
+        timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats),
+        timed(lambda: F.linear(x, w), repeats),
+    )
+
+
+def bench_linears(lib, rows: list[int], repeats: int) -> None:
+    print("| linear | rows | native panels | oneDNN | F.linear | oneDNN time / native |")
+    print("|---|---|---|---|---|---|")
+    for name, (n, k) in LINEARS.items():
+        w = torch.randn(n, k)
+        for m in rows:
+            times = linear_times(lib, w, m, repeats)
+            flops, weight_bytes = 2 * m * n * k, n * k * 4
+            cells = [
+                f"{t * 1e6:.0f} us, {flops / t / 1e9:.0f} GF, {weight_bytes / t / 1e9:.1f} GB/s"
+                for t in times
+            ]
+            print(f"| {name} {n}x{k} | {m} | {' | '.join(cells)} | {times[1] / times[0]:.2f}x |")
+
+
+def attention_times(lib, b: int, context: int, repeats: int) -> tuple[float, float]:
+    """(native, PyTorch) seconds for one layer's decode attention, SmolLM2's heads."""
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    per_seq = -(-context // bs)
+    blocks = torch.randn(b * per_seq + 1, 2, kv_heads, bs, d)
+    ids = torch.randperm(b * per_seq).view(b, per_seq) + 1
+    tables, mask = decode_tables(ids.tolist(), [context] * b, bs, torch.device("cpu"))
+    lens = torch.full((b,), context)
+    zeros = torch.zeros(b, dtype=torch.long)
+    meta = AttentionMetadata(zeros, zeros, b, tables, mask, lens)
+    q, kv = torch.randn(b, heads, d), torch.randn(b, kv_heads, d)
+    cache = LayerCache(blocks)
+    return (
+        timed(lambda: native.paged_decode_attention(lib, q, blocks, tables, lens), repeats),
+        timed(lambda: attend(q, kv, kv, cache, meta), repeats),
+    )
+
+
+def bench_attention(lib, batches: list[int], context: int, repeats: int) -> None:
+    print(f"\n| decode attention ({context}-token contexts), batch | native | PyTorch | speed-up |")
+    print("|---|---|---|---|")
+    for b in batches:
+        ours, theirs = attention_times(lib, b, context, repeats)
+        print(f"| {b} | {ours * 1e6:.0f} us | {theirs * 1e6:.0f} us | {theirs / ours:.1f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
+    ap.add_argument("--context", type=int, default=256)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lib = native.load()
+    if lib is None:
+        raise SystemExit("native kernels unavailable on this machine (see the log line above)")
+    torch.manual_seed(0)
+    print(f"threads: {torch.get_num_threads()}\n")
+    with torch.inference_mode():
+        bench_linears(lib, args.rows, args.repeats)
+        bench_attention(lib, [1, 8, 32], args.context, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
