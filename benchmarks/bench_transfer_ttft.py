@@ -17,16 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 
 import torch
+from handoff_clock import timed_handoff
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.model.registry import resolve_model
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer import KVLayout, TransferStatus, make_receiver, make_sender
+from pdserve.transfer import KVLayout, make_receiver, make_sender
 from pdserve.transfer.shm import create_shared_kv
 
 SECRET = b"bench-ttft"
@@ -60,49 +60,9 @@ class Setup:
         rid = f"r{time.monotonic_ns()}"
         prompt = torch.randint(1000, 40000, (num_tokens,)).tolist()
         params = SamplingParams(max_tokens=2, temperature=0)
-        blocks = self.d.reserve(rid, prompt, params)
+        blocks = self.d.reserve(rid, prompt, params).block_ids  # prefix caching is off
         self.p.add_prefill(rid, prompt, params, self.rx.address(), blocks)
-        last_layer = self.p.model_config.num_layers - 1
-        stamps: dict[str, float] = {}
-        model = self.p.runner.model
-        original = model.forward
-
-        def forward(*args, **kwargs):
-            hook = args[4] if len(args) > 4 else kwargs.get("on_layer_done")
-
-            def timed(i):
-                if hook:
-                    hook(i)
-                if i == last_layer:
-                    stamps["last_layer"] = time.perf_counter()
-
-            return original(*args[:4], timed)
-
-        model.forward = forward
-        landed = threading.Event()
-
-        def watch():
-            while not landed.is_set():
-                for request_id, status, _ in self.rx.pop_finished():
-                    if request_id == rid and status is TransferStatus.DONE:
-                        stamps["landed"] = time.perf_counter()
-                        landed.set()
-                time.sleep(0.0002)
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            while self.p.has_unfinished_requests():
-                self.p.step()
-            if not landed.wait(120):
-                raise RuntimeError("KV never landed")
-        finally:
-            model.forward = original
-        self.d.decode_handoff.landed.add(rid)  # consumed by the watcher: release the blocks
-        self.d.abort_request(rid)
-        while self.p.prefill_handoff.sending:
-            self.p.poll_transfers()
-            time.sleep(0.001)
+        stamps = timed_handoff(self.p, self.d, self.rx, rid)
         return stamps["landed"] - stamps["last_layer"]
 
 

@@ -65,7 +65,9 @@ class Reserve:
 class Prefill:
     """Prefill worker: compute the prompt, write its KV into `kv_block_ids` at `kv_peer`
     (a receiver address from Reserved), sample the first token. The first `kv_skip_blocks`
-    destination blocks already hold the prefix (Reserved.num_cached_blocks): not sent."""
+    destination blocks already hold the prefix (Reserved.num_cached_blocks): not sent.
+    With `kv_keep_blocks` (from Reserved) only that many prompt blocks are sent, the sink,
+    recent and highest-scored ones, into the `kv_keep_blocks` destination blocks."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -73,14 +75,21 @@ class Prefill:
     kv_peer: dict[str, Any]
     kv_block_ids: list[int]
     kv_skip_blocks: int = 0
+    kv_keep_blocks: int | None = None
+    kv_sink_blocks: int = 0
+    kv_recent_blocks: int = 0
 
 
 @dataclass
 class StartDecode:
-    """Decode worker: the first token is known; decode once the KV has landed."""
+    """Decode worker: the first token is known; decode once the KV has landed. For a prompt
+    dropped before the transfer, also the tokens dropped and the kept blocks' scores (from
+    the prefill worker's Tokens)."""
 
     request_id: str
     first_token_id: int
+    num_dropped_tokens: int = 0
+    kv_block_scores: list[float] | None = None
 
 
 @dataclass
@@ -128,13 +137,20 @@ class Ready:
 class Reserved:
     """`kv_block_ids` has one block per prompt block; the first `num_cached_blocks` are the
     decode worker's own prefix-cache hit, already holding their KV, so only the rest is
-    expected from the prefill worker (and a write into the cached ones is rejected)."""
+    expected from the prefill worker (and a write into the cached ones is rejected).
+
+    A prompt over the request's KV budget: `kv_keep_blocks` is set, `kv_block_ids` has that
+    many blocks (no cached ones), and the prefill worker drops the rest before sending,
+    keeping `kv_sink_blocks` first and `kv_recent_blocks` last blocks (the decode policy)."""
 
     worker_id: str
     request_id: str
     kv_peer: dict[str, Any]
     kv_block_ids: list[int]
     num_cached_blocks: int = 0
+    kv_keep_blocks: int | None = None
+    kv_sink_blocks: int = 0
+    kv_recent_blocks: int = 0
 
 
 @dataclass
@@ -156,6 +172,9 @@ class Tokens:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Prefill worker's first token of a prompt dropped before the transfer: for StartDecode.
+    kv_num_dropped_tokens: int = 0
+    kv_block_scores: list[float] | None = None
 
 
 @dataclass

@@ -56,6 +56,9 @@ class Request:
     # seeded sampling keys token i on i counted from the original start.
     num_prior_output_tokens: int = 0
     num_dropped_tokens: int = 0  # tokens whose KV was dropped (whole blocks)
+    # Prefill role: the decode worker keeps only this many prompt blocks (dropped before the
+    # transfer), so the prompt's blocks are scored even without a budget here.
+    kv_keep_blocks: int | None = None
     num_loaded_blocks: int = 0  # prefix blocks a lower tier put into L1 for it (metrics)
 
     @property

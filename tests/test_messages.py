@@ -5,6 +5,7 @@ from pdserve.messages import (
     Prefill,
     Reserved,
     Shutdown,
+    StartDecode,
     Stats,
     Tokens,
     Unpin,
@@ -26,6 +27,20 @@ SECRET = b"s" * 32
         Prefill("r1", [1, 2, 3], {}, {"host": "h", "port": 1}, [5, 6], kv_skip_blocks=1),
         Reserved("w0", "r1", {"host": "h", "port": 1}, [5, 6], num_cached_blocks=1),
         Tokens("w0", "r1", [7], True, "stop", 3, 0),
+        Reserved("w0", "r1", {}, [5, 6, 7], 0, kv_keep_blocks=3, kv_sink_blocks=1),
+        Prefill("r1", [1] * 9, {}, {}, [5, 6, 7], 0, kv_keep_blocks=3, kv_recent_blocks=1),
+        Tokens(
+            "w0",
+            "r1",
+            [7],
+            False,
+            None,
+            3,
+            0,
+            kv_num_dropped_tokens=16,
+            kv_block_scores=[0.5, 1.25, 3.0],
+        ),  # fmt: skip
+        StartDecode("r1", 7, num_dropped_tokens=16, kv_block_scores=[0.5, 1.25, 3.0]),
         Stats("w0", "decode", 1, 2, 3, 4, 5),
         Stats("w0", "decode", 1, 2, 3, 4, 5, 6, 7, kv_blocks_skipped=8),
         Stats(

@@ -42,6 +42,11 @@ class Role:
     long_prefill_token_threshold: int = 512
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "fp8": E4M3 with per-token scales
+    # Token dropping (CacheConfig). Disaggregated, the decode role's budget is the one that
+    # counts: a prompt over it is dropped on the prefill worker before the transfer.
+    kv_budget_tokens: int | None = None
+    kv_sink_tokens: int = 16
+    kv_recent_tokens: int = 64
     max_pinned_fraction: float = 0.5  # most of each worker's pool warm-up may pin
 
     def __post_init__(self) -> None:

@@ -81,6 +81,9 @@ def _engine_config(p: Pipeline, r: Role, kv_pool=None) -> EngineConfig:
             kv_cache_bytes=r.kv_cache_bytes,
             enable_prefix_caching=r.enable_prefix_caching,
             kv_cache_dtype=r.kv_cache_dtype,
+            kv_budget_tokens=r.kv_budget_tokens,
+            kv_sink_tokens=r.kv_sink_tokens,
+            kv_recent_tokens=r.kv_recent_tokens,
             max_pinned_fraction=r.max_pinned_fraction,
         ),
         scheduler=SchedulerConfig(

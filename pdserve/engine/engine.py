@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.kv_budget import KVBudget
 from pdserve.engine.kv_handoff import DecodeHandoff, KVReservation, PrefillHandoff
 from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
-from pdserve.kvcache.dropping import DropPolicy, blocks_to_drop
-from pdserve.kvcache.manager import KVCacheManager, cdiv
+from pdserve.kvcache.dropping import DropPolicy, PromptDrop
+from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
@@ -58,6 +59,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # Prefill role, a prompt dropped before the transfer: what the decode worker needs.
+    kv_num_dropped_tokens: int = 0
+    kv_block_scores: list[float] | None = None
 
 
 class Engine:
@@ -91,6 +95,7 @@ class Engine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             max_pinned_fraction=config.cache.max_pinned_fraction,
         )
+        self.budget = KVBudget(config.cache, self.kv, self.runner)  # token dropping
         self.max_model_len = self._max_model_len()
         self.scheduler = Scheduler(
             config.scheduler, self.kv, self.max_model_len, preallocate_prompt=role == "prefill"
@@ -133,6 +138,7 @@ class Engine:
         """`wire_source` (from `wire_source()`) when the decode side stores KV in another
         dtype: the sender must then read from its tensor, not from this engine's cache."""
         self.prefill_handoff = PrefillHandoff(sender, self.kv, self.model_config.num_layers, mode)
+        self.prefill_handoff.scores_of = lambda r: self.runner.scores_of(r).tolist()
         if wire_source is not None:
             self.prefill_handoff.convert = wire_source.convert
 
@@ -144,6 +150,7 @@ class Engine:
 
     def attach_receiver(self, receiver: Any) -> None:
         self.decode_handoff = DecodeHandoff(receiver, self.scheduler, self.kv)
+        self.decode_handoff.install_scores = self.runner.install_scores
 
     def add_prefill(
         self,
@@ -153,12 +160,13 @@ class Engine:
         kv_peer: dict[str, Any],
         kv_block_ids: list[int],
         kv_skip_blocks: int = 0,
+        kv_drop: PromptDrop | None = None,
     ) -> Request:
         """Prefill role: compute the prompt, send its KV to `kv_block_ids` at `kv_peer`
-        (all but the first `kv_skip_blocks`, which the decode worker already holds), sample
-        the first token."""
+        (all but the first `kv_skip_blocks`, which the decode worker already holds; with
+        `kv_drop`, only the blocks the decode worker keeps), sample the first token."""
         request = self._new_request(request_id, prompt_token_ids, params, prefill_only=True)
-        self.prefill_handoff.add(request, kv_peer, kv_block_ids, kv_skip_blocks)
+        self.prefill_handoff.add(request, kv_peer, kv_block_ids, kv_skip_blocks, kv_drop)
         self._enqueue(request)
         return request
 
@@ -166,19 +174,28 @@ class Engine:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> KVReservation | None:
         """Decode role: reserve blocks for a prompt's KV (taking the prefix this worker
-        already caches); None when they do not fit now."""
+        already caches); None when they do not fit now. A prompt over the request's KV
+        budget gets only the blocks it keeps (`KVReservation.drop`): this worker decides
+        what it holds, the prefill worker drops the rest before sending."""
         request = self._new_request(request_id, prompt_token_ids, params)
         if request_id in self.scheduler.requests or request_id in self.decode_handoff.awaiting:
             raise ValueError(f"request id {request_id!r} is already in use")
-        reservation = self.decode_handoff.reserve(request)
+        reservation = self.decode_handoff.reserve(request, self.budget.prompt_drop(request))
         if self.offload is not None:
             # The reservation may have evicted cached blocks: save what they hold now, since
             # a prefill may start writing into them as soon as this returns.
             self.offload.save_evicted()
         return reservation
 
-    def start_decode(self, request_id: str, first_token_id: int) -> None:
-        self.decode_handoff.start(request_id, first_token_id)
+    def start_decode(
+        self,
+        request_id: str,
+        first_token_id: int,
+        num_dropped_tokens: int = 0,
+        block_scores: list[float] | None = None,
+    ) -> None:
+        """The first token from the prefill worker (with what it dropped, if it did)."""
+        self.decode_handoff.start(request_id, first_token_id, num_dropped_tokens, block_scores)
 
     def poll_transfers(self) -> list[tuple[str, str]]:
         """Advance KV transfers; returns (request id, error) for requests they failed."""
@@ -276,6 +293,8 @@ class Engine:
     def _new_request(self, request_id, prompt_token_ids, params, prefill_only=False) -> Request:
         self.validate_prompt(prompt_token_ids)
         budget = params.kv_budget_tokens or self.config.cache.kv_budget_tokens
+        if prefill_only:  # never drops itself: the decode worker's reservation says what it keeps
+            budget = None
         if budget is not None:
             self.drop_policy(budget)  # a budget too small to honour is the caller's error
         return Request(
@@ -288,31 +307,7 @@ class Engine:
         )
 
     def drop_policy(self, budget_tokens: int) -> DropPolicy:
-        c, bs = self.config.cache, self.config.cache.block_size
-        return DropPolicy(
-            budget_tokens // bs, cdiv(c.kv_sink_tokens, bs), cdiv(c.kv_recent_tokens, bs)
-        )
-
-    def _enforce_budgets(self) -> None:
-        """Token dropping: free the least-attended blocks of requests over their budget,
-        so the next step's token still fits."""
-        bs = self.kv.block_size
-        for request in self.scheduler.running:
-            if request.kv_budget_tokens is None or request.prefill_only:
-                continue
-            scores = self.runner.scores_of(request)
-            next_needs_block = request.num_kv_tokens % bs == 0
-            victims = blocks_to_drop(
-                scores.tolist(), next_needs_block, self.drop_policy(request.kv_budget_tokens)
-            )
-            if not victims:
-                continue
-            gone = set(victims)
-            self.kv.pool.free([request.block_ids[i] for i in victims])
-            keep = [i for i in range(len(request.block_ids)) if i not in gone]
-            request.block_ids = [request.block_ids[i] for i in keep]
-            self.runner.block_scores[request.request_id] = scores[keep]
-            request.num_dropped_tokens += len(victims) * bs
+        return self.budget.policy(budget_tokens)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -377,6 +372,7 @@ class Engine:
                 continue
             if token is None:
                 continue
+            dropped, scores = handoff.dropped(request) if handoff else (0, None)
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -386,8 +382,10 @@ class Engine:
                     request.num_prompt_tokens,
                     request.num_cached_tokens,
                     len(request.output_token_ids),
+                    dropped,
+                    scores,
                 )
             )
         if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):
-            self._enforce_budgets()
+            self.budget.enforce(self.scheduler.running)
         return outputs

@@ -1,6 +1,7 @@
 """The two halves of disaggregation inside one engine: a prefill engine hands a request's
 KV to a decode engine's reserved blocks. Both are request states on top of the ordinary
-scheduler, not a second engine (DESIGN.md §2).
+scheduler, not a second engine (DESIGN.md §2). The decode half's code is in
+engine/decode_handoff.py (re-exported here).
 
 Prefill side, per request:   RUNNING (chunks; the blocks each completes are sent, but not
                                      those the decode worker already holds)
@@ -12,6 +13,13 @@ Decode side, per request:    WAITING_FOR_KV (blocks reserved: the prompt's prefi
                                 the new blocks are expected from the prefill worker)
                              -> RUNNING once both the KV has landed and the first token is
                                 known; the reservation is released so no late write lands.
+
+A prompt over the decode worker's KV budget is dropped before the transfer (PromptDrop,
+kvcache/dropping.py): the decode worker reserves only the blocks it keeps, without its prefix
+cache; the prefill worker computes the prompt's block scores, and after the last chunk sends
+just the kept blocks, in order, in one send (layer-wise sending cannot know the victims before
+every layer has run); the first token then travels with the number of dropped tokens and the
+kept blocks' scores, from which the decode worker's own dropping continues.
 
 Deadlines bound every wait on a peer, so a dead or stuck peer (or a lost message) costs
 seconds, never blocks forever (each failure is reported to the router as `Failed`):
@@ -31,34 +39,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.engine.decode_handoff import (  # re-exported: the two halves live here
+    LAND_TIMEOUT_S,
+    RESERVE_TIMEOUT_S,
+    DecodeHandoff,
+    KVReservation,
+)
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager, cdiv
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.base import KVReceiver, KVSender, TransferStatus
+from pdserve.transfer.base import KVSender, TransferStatus
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "LAND_TIMEOUT_S",
+    "RESERVE_TIMEOUT_S",
+    "DecodeHandoff",
+    "KVReservation",
+    "PrefillHandoff",
+    "KVDestination",
+]
+
 TRANSFER_MODES = ("layerwise", "full")
 SEND_TIMEOUT_S = 5.0
-# Covers the whole prefill queue (minutes when a CPU prefill worker is saturated); a dead
-# prefill worker is noticed by the router long before this, from its heartbeats.
-RESERVE_TIMEOUT_S = 600.0
-LAND_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class KVReservation:
-    """A decode worker's blocks for one prompt, one per prompt block::
-
-        block_ids:  [ c0 c1 c2 | n0 n1 n2 n3 ]
-                     cached      new: expected from the prefill worker
-                     (num_cached_blocks)
-
-    The cached blocks are the decode worker's own prefix-cache hit: shared, ref-counted,
-    already holding this prefix's KV, so they are never written and never sent."""
-
-    block_ids: list[int]
-    num_cached_blocks: int = 0
 
 
 @dataclass
@@ -69,6 +74,8 @@ class KVDestination:
     # Only ever grows.
     num_sent_full_blocks: int = 0
     num_skip_blocks: int = 0  # leading blocks the decode worker already holds
+    drop: PromptDrop | None = None  # send only the kept blocks, after the last chunk
+    kept_scores: list[float] | None = None  # the kept blocks' scores, once chosen
 
 
 @dataclass
@@ -102,14 +109,30 @@ class PrefillHandoff:
         # sender reads, so conversion happens before the wire (fewer bytes, and shm's
         # one-sided writes leave the receiver no chance to convert).
         self.convert: Callable[[list[int], list[int]], None] | None = None
+        # A request's per-block attention scores (the model runner's): ranks dropped prompts.
+        self.scores_of: Callable[[Request], list[float]] | None = None
 
     def add(
-        self, request: Request, peer: dict[str, Any], block_ids: list[int], skip_blocks: int = 0
+        self,
+        request: Request,
+        peer: dict[str, Any],
+        block_ids: list[int],
+        skip_blocks: int = 0,
+        drop: PromptDrop | None = None,
     ) -> None:
         """Send the prompt's KV into `block_ids` at `peer`, except the first `skip_blocks`
         (the decode worker's own cached prefix). The last block is always sent: a prefix hit
-        never covers a whole prompt, and the final send is what completes the transfer."""
+        never covers a whole prompt, and the final send is what completes the transfer.
+        With `drop`, only the kept blocks are sent, one per destination block."""
         needed = cdiv(request.num_prompt_tokens, self.kv.block_size)
+        if drop is not None:
+            if skip_blocks:
+                raise ValueError("a dropped prompt is reserved without cached blocks to skip")
+            if drop.num_keep_blocks >= needed:
+                raise ValueError(
+                    f"keeping {drop.num_keep_blocks} of {needed} prompt blocks drops nothing"
+                )
+            needed = drop.num_keep_blocks
         if len(block_ids) != needed:
             raise ValueError(f"got {len(block_ids)} destination blocks for {needed} prompt blocks")
         if isinstance(skip_blocks, bool) or not isinstance(skip_blocks, int):
@@ -121,8 +144,9 @@ class PrefillHandoff:
                 f"{request.num_prompt_tokens} tokens (the block with the last token is sent)"
             )
         self.destinations[request.request_id] = KVDestination(
-            peer, list(block_ids), num_sent_full_blocks=skip_blocks, num_skip_blocks=skip_blocks
+            peer, list(block_ids), skip_blocks, skip_blocks, drop
         )
+        request.kv_keep_blocks = drop.num_keep_blocks if drop else None  # scores it
 
     def plan(self, out: SchedulerOutput) -> list[_Send]:
         """The blocks each scheduled prefill chunk completes, from the first not yet sent
@@ -131,7 +155,8 @@ class PrefillHandoff:
         A middle chunk sends only full blocks: the next chunk writes into a partial one,
         and a send still reading it would see it change (tcp's checksum fails the request,
         a shm copy tears). The last chunk sends its partial block. A middle chunk inside
-        the decode worker's cached prefix sends nothing."""
+        the decode worker's cached prefix sends nothing. A dropped prompt sends nothing
+        until its last chunk, then everything it keeps (`after_step`)."""
         sends = []
         for request, num_new in out.scheduled:
             dest = self.destinations.get(request.request_id)
@@ -139,6 +164,10 @@ class PrefillHandoff:
                 continue
             end = request.num_computed_tokens + num_new
             last = end >= request.num_prompt_tokens
+            if dest.drop is not None:
+                if last:
+                    sends.append(_Send(request, dest, [], [], True))
+                continue
             first = dest.num_sent_full_blocks
             stop = cdiv(end, self.kv.block_size) if last else end // self.kv.block_size
             dest.num_sent_full_blocks = max(first, end // self.kv.block_size)
@@ -150,6 +179,7 @@ class PrefillHandoff:
 
     def layer_hook(self, sends: list[_Send]) -> Callable[[int], None] | None:
         """Layer-wise mode: send layer i's blocks while layer i+1 computes."""
+        sends = [s for s in sends if s.dest.drop is None]
         if self.mode != "layerwise" or not sends:
             return None
         final = self.num_layers - 1
@@ -162,17 +192,36 @@ class PrefillHandoff:
 
     def after_step(self, sends: list[_Send]) -> None:
         """Full mode: one send of every layer once the whole prompt is computed (all but
-        the blocks the decode worker already holds)."""
-        if self.mode != "full":
-            return
+        the blocks the decode worker already holds). A dropped prompt, in either mode: one
+        send of the blocks it keeps, now that every layer's scores exist."""
         for s in sends:
-            if s.last:
+            if s.dest.drop is not None:
+                self._send_kept(s)
+            elif s.last and self.mode == "full":
                 skip, num_blocks = s.dest.num_skip_blocks, len(s.dest.block_ids)
                 src = s.request.block_ids[skip:num_blocks]
                 dst = s.dest.block_ids[skip:]
-                self._send(
-                    _Send(s.request, s.dest, src, dst, True), list(range(self.num_layers)), True
-                )
+                self._send(_Send(s.request, s.dest, src, dst, True), self._all_layers(), True)
+
+    def _send_kept(self, s: _Send) -> None:
+        """The kept blocks, in order, into the destination blocks (as many as kept)."""
+        scores = self.scores_of(s.request)
+        kept = s.dest.drop.kept(scores)
+        s.dest.kept_scores = [float(scores[i]) for i in kept]
+        src = [s.request.block_ids[i] for i in kept]
+        self._send(_Send(s.request, s.dest, src, s.dest.block_ids, True), self._all_layers(), True)
+
+    def _all_layers(self) -> list[int]:
+        return list(range(self.num_layers))
+
+    def dropped(self, request: Request) -> tuple[int, list[float] | None]:
+        """What the decode worker needs with the first token: the number of prompt tokens
+        dropped before the transfer and the kept blocks' scores (0 and None: no drop)."""
+        dest = self.destinations.get(request.request_id)
+        if dest is None or dest.drop is None:
+            return 0, None
+        bs = self.kv.block_size
+        return dest.drop.num_dropped_tokens(request.num_prompt_tokens, bs), dest.kept_scores
 
     def _send(self, s: _Send, layers: list[int], last: bool) -> None:
         if s.request.request_id not in self.destinations:
@@ -231,104 +280,3 @@ class PrefillHandoff:
                 self.kv.free(request)
             return
         self.sender.abort(request_id)
-
-
-class DecodeHandoff:
-    def __init__(
-        self,
-        receiver: KVReceiver,
-        scheduler: Scheduler,
-        kv: KVCacheManager,
-        reserve_timeout_s: float = RESERVE_TIMEOUT_S,
-        land_timeout_s: float = LAND_TIMEOUT_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.receiver, self.scheduler, self.kv = receiver, scheduler, kv
-        self.reserve_timeout_s, self.land_timeout_s = reserve_timeout_s, land_timeout_s
-        self.clock = clock
-        self.awaiting: dict[str, Request] = {}  # WAITING_FOR_KV
-        self.landed: set[str] = set()
-        self.first_tokens: dict[str, int] = {}
-        self._deadlines: dict[str, tuple[float, str]] = {}  # request id -> (when, what)
-        self.num_skipped_blocks = 0  # prompt blocks reserved from the own prefix cache
-
-    def reserve(self, request: Request) -> KVReservation | None:
-        """Blocks for the prompt's KV, or None when they do not fit right now.
-
-        The prompt's longest prefix this worker already caches is taken by reference (its
-        blocks are shared and only read); the receiver expects just the new blocks, so a
-        write into a shared cached block is rejected by the transfer layer."""
-        hits = self.kv.find_cached_prefix(request)
-        num_new_tokens = request.num_prompt_tokens - len(hits) * self.kv.block_size
-        if not self.kv.allocate(request, num_new_tokens, hits):
-            return None
-        try:
-            self.receiver.expect(request.request_id, request.block_ids[len(hits) :])
-        except ValueError:
-            self.kv.free(request)  # the hit's references too
-            raise
-        request.status = RequestStatus.WAITING_FOR_KV
-        self.awaiting[request.request_id] = request
-        when = self.clock() + self.reserve_timeout_s
-        self._deadlines[request.request_id] = (when, f"no KV within {self.reserve_timeout_s} s")
-        self.num_skipped_blocks += len(hits)
-        log.debug("decode %s: -> waiting_for_kv (%d cached blocks)", request.request_id, len(hits))
-        return KVReservation(list(request.block_ids), len(hits))
-
-    def start(self, request_id: str, first_token_id: int) -> None:
-        if request_id not in self.awaiting:
-            raise KeyError(f"no reservation for request {request_id!r}")
-        self.first_tokens[request_id] = first_token_id
-        what = f"KV did not land within {self.land_timeout_s} s of the first token"
-        self._deadlines[request_id] = (self.clock() + self.land_timeout_s, what)
-        self._activate_if_ready(request_id)
-
-    def poll(self) -> list[tuple[str, str]]:
-        """Activate requests whose KV landed; returns (request id, error) of failed ones
-        (transfer errors and reservations past their deadline)."""
-        failed = []
-        now = self.clock()
-        for request_id, (when, what) in list(self._deadlines.items()):
-            if when <= now and request_id in self.awaiting:
-                log.warning("decode %s: %s; releasing its blocks", request_id, what)
-                self._drop(request_id)
-                failed.append((request_id, what))
-        for request_id, status, error in self.receiver.pop_finished():
-            if request_id not in self.awaiting:
-                continue
-            if status is TransferStatus.DONE:
-                self.landed.add(request_id)
-                self._activate_if_ready(request_id)
-            else:
-                self._drop(request_id)
-                failed.append((request_id, error or "KV transfer failed"))
-        return failed
-
-    def abort(self, request_id: str) -> bool:
-        if request_id not in self.awaiting:
-            return False
-        self._drop(request_id)
-        return True
-
-    def _activate_if_ready(self, request_id: str) -> None:
-        if request_id not in self.landed or request_id not in self.first_tokens:
-            return
-        request = self.awaiting.pop(request_id)
-        self._deadlines.pop(request_id, None)
-        log.debug("decode %s: waiting_for_kv -> running", request_id)
-        self.landed.discard(request_id)
-        request.output_token_ids.append(self.first_tokens.pop(request_id))
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.receiver.release(request_id)
-        self.kv.cache_computed_blocks(request)
-        self.scheduler.add_running(request)
-
-    def _drop(self, request_id: str) -> None:
-        request = self.awaiting.pop(request_id)
-        self._deadlines.pop(request_id, None)
-        log.debug("decode %s: waiting_for_kv -> finished (blocks freed)", request_id)
-        self.receiver.release(request_id)  # returns only once no write can land any more
-        self.landed.discard(request_id)
-        self.first_tokens.pop(request_id, None)
-        request.status = RequestStatus.FINISHED
-        self.kv.free(request)

@@ -14,6 +14,7 @@ import torch
 
 from pdserve.config import CacheConfig, DeviceConfig
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kvcache.dropping import over_budget
 from pdserve.model import native
 from pdserve.model.attention import AttentionMetadata, PrefillSpan, decode_tables
 from pdserve.model.config import ModelConfig
@@ -163,12 +164,28 @@ class ModelRunner:
         if meta.decode_scores is not None:
             for i in range(meta.num_decode_tokens):
                 request = out.scheduled[i][0]
-                if request.kv_budget_tokens is not None:
+                if self._scores_wanted(request):
                     n = len(request.block_ids)
                     self.scores_of(request)[:n] += meta.decode_scores[i, :n].cpu()
         for span, (request, _) in zip(meta.prefills, out.scheduled[meta.num_decode_tokens :]):
             if span.scores is not None:
                 self.block_scores[request.request_id] = span.scores.cpu()
+
+    def _scores_wanted(self, request: Request) -> bool:
+        return request.kv_budget_tokens is not None or request.kv_keep_blocks is not None
+
+    def _scores_prompt(self, request: Request) -> bool:
+        """Whether a prompt's last chunk ranks its blocks: when the drop right after it
+        frees some, or when it is dropped before the transfer (the same test: a decode
+        worker drops before the transfer exactly when a collocated engine would drop here)."""
+        budget = request.kv_budget_tokens
+        over = budget is not None and over_budget(request.num_tokens, budget, self.block_size)
+        return over or request.kv_keep_blocks is not None
+
+    def install_scores(self, request: Request, scores: list[float]) -> None:
+        """A decode worker's request whose prompt was dropped before the transfer: its kept
+        blocks' scores, so later drops rank them as the collocated engine would."""
+        self.block_scores[request.request_id] = torch.tensor(scores, dtype=torch.float32)
 
     def scores_of(self, request: Request) -> torch.Tensor:
         """The request's block scores, grown with zeros to its current number of blocks."""
@@ -220,12 +237,11 @@ class ModelRunner:
             meta.decode_context_lens = torch.tensor(decode_lens, device=dev)
             meta.kernels = self.kernels
             decodes = out.scheduled[: len(decode_block_ids)]
-            if any(r.kv_budget_tokens is not None for r, _ in decodes):
+            if any(self._scores_wanted(r) for r, _ in decodes):
                 meta.decode_scores = torch.zeros(meta.decode_block_tables.shape, device=dev)
         scheduled_prefills = out.scheduled[len(decode_block_ids) :]
         for span, (request, num_new) in zip(meta.prefills, scheduled_prefills):
-            budget = request.kv_budget_tokens
-            if budget is not None and out.samples(request, num_new) and request.num_tokens > budget:
+            if out.samples(request, num_new) and self._scores_prompt(request):
                 span.scores = torch.zeros(len(request.block_ids), device=dev)
         return (
             torch.tensor(input_ids, device=dev),

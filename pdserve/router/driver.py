@@ -146,7 +146,13 @@ class RequestDriver:
                 raise ApiError(
                     502, f"prefill worker {worker_id} sent no token", type="server_error"
                 )
-            self._send(self._decode_id, messages.StartDecode(self.request_id, tokens.token_ids[-1]))
+            start = messages.StartDecode(
+                self.request_id,
+                tokens.token_ids[-1],
+                tokens.kv_num_dropped_tokens,  # a prompt dropped before the transfer
+                tokens.kv_block_scores,
+            )
+            self._send(self._decode_id, start)
             self._transition("transferring")
         while True:
             message = await self._next()
@@ -209,6 +215,9 @@ class RequestDriver:
                 reply.kv_peer,
                 reply.kv_block_ids,
                 reply.num_cached_blocks,  # D holds that prefix already: P does not send it
+                reply.kv_keep_blocks,  # over D's budget: P sends only the blocks D keeps
+                reply.kv_sink_blocks,
+                reply.kv_recent_blocks,
             )
             self._send(prefill_id, prefill)
             self._charge_prefill(prefill_id)

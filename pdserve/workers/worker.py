@@ -21,6 +21,7 @@ import zmq
 
 from pdserve import messages as m
 from pdserve.engine.engine import Engine
+from pdserve.kvcache.dropping import PromptDrop
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
 from pdserve.workers.spec import WorkerSpec
@@ -168,8 +169,13 @@ class Worker:
             return
         if isinstance(msg, m.StartDecode):
             try:
-                e.start_decode(msg.request_id, msg.first_token_id)
-            except KeyError as exc:  # reservation already aborted, failed or timed out
+                e.start_decode(
+                    msg.request_id, msg.first_token_id, msg.num_dropped_tokens,
+                    msg.kv_block_scores,
+                )  # fmt: skip
+            # KeyError: reservation already aborted, failed or timed out; ValueError: the
+            # prefill's drop does not match it (the reservation is freed).
+            except (KeyError, ValueError) as exc:
                 self.send(m.Failed(wid, msg.request_id, str(exc)))
             return
         try:
@@ -184,14 +190,20 @@ class Worker:
                 if r is None:
                     self.send(m.Rejected(wid, msg.request_id, "no free KV blocks", True))
                 else:
+                    d = r.drop
                     self.send(m.Reserved(
                         wid, msg.request_id, self.receiver.address(),
                         r.block_ids, r.num_cached_blocks,
+                        d.num_keep_blocks if d else None, d.sink_blocks if d else 0,
+                        d.recent_blocks if d else 0,
                     ))  # fmt: skip
             elif isinstance(msg, m.Prefill):
+                drop = None
+                if msg.kv_keep_blocks is not None:
+                    drop = PromptDrop(msg.kv_keep_blocks, msg.kv_sink_blocks, msg.kv_recent_blocks)
                 e.add_prefill(
                     msg.request_id, msg.prompt_token_ids, params, msg.kv_peer,
-                    msg.kv_block_ids, msg.kv_skip_blocks,
+                    msg.kv_block_ids, msg.kv_skip_blocks, drop,
                 )  # fmt: skip
             else:
                 log.warning("%s: unexpected %s", wid, type(msg).__name__)
@@ -220,6 +232,7 @@ class Worker:
                 self.spec.worker_id, out.request_id, out.new_token_ids, finished,
                 out.finish_reason.value if finished else None,
                 out.num_prompt_tokens, out.num_cached_tokens,
+                out.kv_num_dropped_tokens, out.kv_block_scores,
             ))  # fmt: skip
         self._send_warmed()
 

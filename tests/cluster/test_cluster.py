@@ -158,6 +158,38 @@ def test_prefix_cache_routing_sends_a_repeated_prefix_back(tiny_served_model):
         assert [cached() for _ in range(3)] == [192, 192, 192]  # 12 of 12 full blocks hit
 
 
+def test_1p1d_with_a_decode_budget_drops_before_the_transfer(tiny_served_model):
+    """Only the decode role has a budget (64 tokens = 4 blocks of 16): the prefill worker
+    drops the long prompts before sending, and the output is the collocated engine's with
+    the same budget (both drop right after the unchunked prompt, by the same scores)."""
+    model = str(tiny_served_model)
+    budget = {"kv_budget_tokens": 64, "kv_sink_tokens": 16, "kv_recent_tokens": 16}
+    rng = random.Random(3)
+    long_prompts = [[rng.randrange(40, 120) for _ in range(n)] for n in (70, 130, 20)]
+
+    def complete(url: str) -> list[str]:
+        return [post(url, "/v1/completions", {
+            "model": model, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+        })["choices"][0]["text"] for p in long_prompts]  # fmt: skip
+
+    with start(tiny_served_model, collocated=role(**budget)) as url:
+        reference = complete(url)
+    store = TensorStore(backend="tcp", mode="layerwise")
+    with start(tiny_served_model, prefill=role(), decode=role(**budget), kv_transfer=store) as url:
+        assert complete(url) == reference
+        # 4 + 4 + 2 blocks crossed (5 + 9 + 2 without the budget), 8 KiB each.
+        expected = 10 * 2 * 2 * 2 * 16 * 16 * 4  # blocks * layers * K,V * heads * tokens * dims
+        sent, deadline = 0, time.monotonic() + 10
+        while sent != expected and time.monotonic() < deadline:  # stats lag a heartbeat
+            time.sleep(0.2)
+            match = re.search(r"pdserve_kv_transfer_bytes_total\S*sent\S* (\d+)",
+                              get_text(url, "/metrics"))  # fmt: skip
+            sent = int(match.group(1)) if match else 0
+        assert sent == expected
+        blocks = wait_blocks_free(url)
+        assert all(free == total for free, total in blocks.values()), blocks
+
+
 WORKERS = ("collocated-0", "collocated-1")
 
 

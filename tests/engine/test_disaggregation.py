@@ -24,18 +24,21 @@ SECRET = b"k" * 32
 NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 
-def config(kv_cache_dtype="auto", **sched) -> EngineConfig:
+def config(kv_cache_dtype="auto", cache=None, **sched) -> EngineConfig:
     cache = CacheConfig(
         block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, **(cache or {}),
     )  # fmt: skip
     return EngineConfig(model="tiny", cache=cache, scheduler=SchedulerConfig(**sched))
 
 
 class Pair:
-    def __init__(self, model_dir, backend, mode, p_dtype="auto", d_dtype="auto", **sched) -> None:
+    def __init__(
+        self, model_dir, backend, mode, p_dtype="auto", d_dtype="auto", d_cache=None, **sched
+    ) -> None:
+        """`d_cache`: CacheConfig fields of the decode engine only (e.g. a KV budget)."""
         row, kind = (20, "uint8") if d_dtype == "fp8" else (16, "float32")
-        cfg = config(d_dtype)
+        cfg = config(d_dtype, d_cache)
         mc = ModelConfig.from_dir(model_dir)
         num_blocks = num_kv_blocks(mc, cfg.cache, torch.device("cpu"), torch.float32)
         layout = KVLayout(2, num_blocks, BLOCK_SIZE, 2, row, kind)
@@ -58,6 +61,9 @@ class Pair:
 
         self.tx.send = record
 
+    def on_decode_step(self) -> None:
+        """Called before each decode step (tests watch the decode side's blocks here)."""
+
     def close(self):
         self.tx.close()
         self.rx.close()
@@ -70,7 +76,7 @@ class Pair:
             r = self.reservations[rid] = self.d.reserve(rid, prompt, params)
             assert r is not None
             self.p.add_prefill(
-                rid, prompt, params, self.rx.address(), r.block_ids, r.num_cached_blocks
+                rid, prompt, params, self.rx.address(), r.block_ids, r.num_cached_blocks, r.drop
             )
             out[rid] = []
         pending = set(out)
@@ -81,11 +87,15 @@ class Pair:
                 for o in self.p.step():
                     out[o.request_id] += o.new_token_ids
                     if o.finish_reason is FinishReason.HANDOFF:
-                        self.d.start_decode(o.request_id, o.new_token_ids[0])
+                        self.d.start_decode(
+                            o.request_id, o.new_token_ids[0],
+                            o.kv_num_dropped_tokens, o.kv_block_scores,
+                        )  # fmt: skip
                     else:
                         self.d.abort_request(o.request_id)
                         pending.discard(o.request_id)
             if self.d.has_unfinished_requests():
+                self.on_decode_step()
                 for o in self.d.step():
                     out[o.request_id] += o.new_token_ids
                     if o.finished:

@@ -9,6 +9,7 @@ import pytest
 from pdserve.config import SchedulerConfig
 from pdserve.engine.kv_handoff import DecodeHandoff, KVReservation, PrefillHandoff
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
@@ -252,3 +253,107 @@ def test_layerwise_never_sends_a_block_the_next_chunk_writes() -> None:
     handoff, tx, r = prefill_side("layerwise", 22)
     run_chunks(handoff, r, 6)
     assert sent_dst(tx, 0) == [[0], [1, 2], [3], [4, 5]]
+
+
+# ---- a prompt dropped before the transfer ------------------------------------------------
+
+# 30 tokens (8 blocks); the decode worker keeps 5: sink 1, recent 2, the last, one more.
+DROP = PromptDrop(num_keep_blocks=5, sink_blocks=1, recent_blocks=2)
+SCORES = [0.0, 1.0, 7.0, 2.0, 3.0, 0.5, 0.5, 0.5]  # block 2 is the best droppable one
+
+
+def test_decode_reserves_only_the_kept_blocks_and_skips_its_prefix_cache() -> None:
+    handoff, rx, kv = decode_side()
+    cache_prefix(kv, PREFIX)
+    free = kv.num_free_blocks
+    r = handoff.reserve(request(PREFIX + list(range(14))), DROP)  # 30 tokens, 8 blocks
+    assert r.num_cached_blocks == 0 and r.drop == DROP and len(r.block_ids) == 5
+    assert rx.expected["r"] == r.block_ids and kv.num_free_blocks == free - 5
+    assert handoff.drops == {"r": 12}  # 3 full blocks
+
+
+def test_landed_dropped_prompt_starts_after_its_kept_tokens_and_indexes_nothing() -> None:
+    handoff, rx, kv = decode_side()
+    installed = {}
+    handoff.install_scores = lambda req, scores: installed.update({req.request_id: scores})
+    r = handoff.reserve(request(list(range(30))), DROP)
+    rx.finished.append(("r", TransferStatus.DONE, None))
+    handoff.start("r", 5, 12, [1.0, 7.0, 0.5, 0.5, 0.5])
+    assert handoff.poll() == []
+    running = handoff.scheduler.requests["r"]
+    assert running.block_ids == r.block_ids and running.num_computed_tokens == 30
+    # The first token (position 30) gets its KV at slot 30 - 12 = 18: block 4, offset 2.
+    assert running.num_dropped_tokens == 12 and running.num_kv_tokens == 18
+    assert installed == {"r": [1.0, 7.0, 0.5, 0.5, 0.5]}
+    assert kv.pool.cached_blocks == {}  # block i no longer holds hash i
+    assert handoff.drops == {} and handoff.kept_scores == {}
+    free = kv.num_free_blocks
+    handoff.scheduler.finish_request("r", FinishReason.STOP)
+    assert kv.num_free_blocks == free + 5
+
+
+@pytest.mark.parametrize(
+    "dropped, scores, match",
+    [(0, None, "dropped 0"), (16, [1.0] * 5, "dropped 16"), (12, [1.0] * 4, "5 kept-block"),
+     (12, [1.0] * 4 + [float("nan")], "finite"), (12, None, "5 kept-block")],
+)  # fmt: skip
+def test_a_start_that_does_not_match_the_drop_frees_the_reservation(dropped, scores, match):
+    handoff, rx, kv = decode_side()
+    free = kv.num_free_blocks
+    handoff.reserve(request(list(range(30))), DROP)
+    with pytest.raises(ValueError, match=match):
+        handoff.start("r", 5, dropped, scores)
+    assert kv.num_free_blocks == free and rx.released == ["r"] and not handoff.drops
+
+
+def test_a_drop_where_none_was_reserved_is_refused() -> None:
+    handoff, rx, kv = decode_side()
+    handoff.reserve(request(list(range(30))))
+    with pytest.raises(ValueError, match="expects 0"):
+        handoff.start("r", 5, 12, [1.0] * 8)
+    handoff.reserve(request(list(range(30)), "s"))
+    with pytest.raises(ValueError, match="prompt sent whole"):
+        handoff.start("s", 5, 0, [1.0] * 8)
+
+
+@pytest.mark.parametrize("stage", ["before_prefill", "after_first_token"])
+def test_dropped_reservation_deadline_frees_everything(stage: str) -> None:
+    now = [0.0]
+    handoff, rx, kv = decode_side(now)
+    free = kv.num_free_blocks
+    handoff.reserve(request(list(range(30))), DROP)
+    if stage == "after_first_token":
+        handoff.start("r", 5, 12, [1.0] * 5)
+    now[0] = 31.0
+    [(request_id, _)] = handoff.poll()
+    assert request_id == "r" and kv.num_free_blocks == free
+    assert not handoff.drops and not handoff.kept_scores
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "full"])
+def test_prefill_sends_only_the_kept_blocks_once_after_the_last_chunk(mode: str) -> None:
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="m")
+    tx = FakeSender()
+    handoff = PrefillHandoff(tx, kv, 2, mode)
+    handoff.scores_of = lambda req: SCORES
+    r = request(list(range(30)))
+    r.block_ids = list(range(100, 108))
+    handoff.add(r, {"host": "d"}, [0, 1, 2, 3, 4], 0, DROP)
+    assert r.kv_keep_blocks == 5  # the model runner scores this prompt
+    run_chunks(handoff, r, 6)
+    #            sink   best   recent recent last
+    assert tx.sends == [([0, 1], [100, 102, 105, 106, 107], [0, 1, 2, 3, 4], True)]
+    assert handoff.dropped(r) == (12, [0.0, 7.0, 0.5, 0.5, 0.5])
+
+
+@pytest.mark.parametrize(
+    "dst, skip, match",
+    [(list(range(8)), 0, "5 prompt blocks"), ([0, 1, 2, 3, 4], 1, "cached blocks to skip")],
+)  # fmt: skip
+def test_prefill_refuses_a_drop_that_does_not_fit(dst, skip, match) -> None:
+    handoff = PrefillHandoff(FakeSender(), KVCacheManager(NUM_BLOCKS, BLOCK_SIZE), 2, "full")
+    with pytest.raises(ValueError, match=match):
+        handoff.add(request(list(range(30))), {}, dst, skip, DROP)
+    keep_all = PromptDrop(8, 1, 2)
+    with pytest.raises(ValueError, match="drops nothing"):
+        handoff.add(request(list(range(30))), {}, list(range(8)), 0, keep_all)

@@ -74,3 +74,17 @@ def test_deployment_default_and_bad_budget(tiny_model_dir):
     assert eng.add_request("d", [5, 6, 7], SamplingParams()).kv_budget_tokens == 40
     with pytest.raises(ValueError, match="KV budget"):
         eng.add_request("e", [5, 6, 7], params(8))
+
+
+@pytest.mark.parametrize("prompt_len", [32, 29])
+def test_a_prompt_at_its_budget_is_dropped_by_its_scores(tiny_model_dir, prompt_len):
+    """32 tokens under a 32-token budget: the first token opens a 9th block, so a block
+    goes right after the prompt; 29 under 30 (7 blocks of budget): the 8th block is over.
+    Either way the prompt's window scores rank it (they used to be computed only for
+    prompts longer than the budget, so these dropped by all-zero scores)."""
+    eng = engine(tiny_model_dir)
+    budget = 32 if prompt_len == 32 else 30
+    r = eng.add_request("a", prompts(1, lo=prompt_len, hi=prompt_len + 1)[0], params(budget))
+    eng.step()  # the whole prompt in one chunk, then the drop
+    assert r.num_dropped_tokens == BS
+    assert float(eng.runner.block_scores["a"].sum()) > 0
