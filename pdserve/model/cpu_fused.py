@@ -31,6 +31,13 @@ class FusedDecoderLayer(nn.Module):
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.self_attn = layer.self_attn
         self.mlp = layer.mlp
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                   layer.mlp.down_proj)  # fmt: skip
+        # A decode-only step runs the whole layer in one C call when every linear has its
+        # panel weights (not on prefill workers) and only QKV has a bias, as in Llama.
+        self.one_call = all(getattr(m, "panel_weight", None) is not None for m in linears) and all(
+            m.bias is None for m in linears[1:]
+        )
 
     def forward(
         self,
@@ -41,6 +48,9 @@ class FusedDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Updates the residual stream `x` [T, hidden] in place and returns it."""
+        t = x.shape[0]
+        if self.one_call and not meta.prefills and t <= native.PANEL_M_MAX:
+            return self._decode_step(x, cos, sin, cache, meta)
         lib, attn, mlp = self.lib, self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -48,13 +58,48 @@ class FusedDecoderLayer(nn.Module):
         native.rope_qkv_store(
             lib, qkv, cos, sin, cache.blocks, meta.slot_block_ids, meta.slot_offsets, h
         )
-        t = x.shape[0]
         q = qkv[:, : h * d].view(t, h, d)
         k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         o = attn.o_proj(attend(q, k, v, cache, meta).view(t, h * d))
         y = native.add_rmsnorm(lib, x, o, norm2.weight, norm2.eps)
         return x.add_(mlp.down_proj(native.silu_mul(lib, mlp.gate_up_proj(y))))
+
+    def _decode_step(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The same layer for a step of one-token decodes only, in one native call."""
+        attn, mlp = self.self_attn, self.mlp
+        m, hidden = x.shape
+        h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        inter = mlp.down_proj.in_features
+        scratch = torch.empty(self.lib.pd_decode_layer_scratch(m, hidden, h, kvh, d, inter))
+        tables, lens, scores = (
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.decode_scores,
+        )
+        qkv_bias = attn.qkv_proj.bias
+        rc = self.lib.pd_decode_layer(
+            x.data_ptr(), scratch.data_ptr(), m,
+            self.input_layernorm.weight.data_ptr(), attn.qkv_proj.panel_weight.data_ptr(),
+            qkv_bias.data_ptr() if qkv_bias is not None else None,
+            attn.o_proj.panel_weight.data_ptr(), self.post_attention_layernorm.weight.data_ptr(),
+            mlp.gate_up_proj.panel_weight.data_ptr(), mlp.down_proj.panel_weight.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), cache.blocks.data_ptr(),
+            meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
+            tables.data_ptr(), lens.data_ptr(), scores.data_ptr() if scores is not None else None,
+            tables.shape[1], hidden, h, kvh, d, inter, cache.block_size,
+            self.input_layernorm.eps,
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("decode attention could not allocate its scratch buffer")
+        return x
 
 
 def can_fuse(model: nn.Module, kv_cache: torch.Tensor) -> bool:

@@ -101,6 +101,10 @@ def load() -> ctypes.CDLL | None:
     lib.pd_rope_qkv_store.restype = None
     lib.pd_silu_mul.argtypes = [_ptr] * 2 + [_i64] * 2
     lib.pd_silu_mul.restype = None
+    lib.pd_decode_layer_scratch.argtypes = [_i64] * 6
+    lib.pd_decode_layer_scratch.restype = _i64
+    lib.pd_decode_layer.argtypes = [_ptr, _ptr, _i64] + [_ptr] * 15 + [_i64] * 7 + [_f32]
+    lib.pd_decode_layer.restype = ctypes.c_int
     return lib
 
 

@@ -43,12 +43,20 @@ def test_native_engine_equals_torch_engine(tiny_model_dir):
         tiny_model_dir, "native", max_num_batched_tokens=24, long_prefill_token_threshold=8
     )
     assert isinstance(fast.runner.model.layers[0], FusedDecoderLayer)
+    assert fast.runner.model.layers[0].one_call  # decode-only steps: one native call a layer
     slow = engine(tiny_model_dir, "torch")
     assert not isinstance(slow.runner.model.layers[0], FusedDecoderLayer)
     batch = prompts(8, seed=4, lo=3, hi=60)
     assert run(fast, batch) == run(slow, batch)
     again = [p + [5, 6, 7] for p in batch[:3]]  # prefix-cache hits: prefill with context
     assert run(fast, again) == run(slow, again)
+
+
+def test_prefill_worker_layers_never_take_the_one_call_path(tiny_model_dir):
+    cache = CacheConfig(block_size=4, kv_cache_bytes=1 << 20)
+    eng = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir, role="prefill")
+    layer = eng.runner.model.layers[0]
+    assert isinstance(layer, FusedDecoderLayer) and not layer.one_call  # no panel weights
 
 
 def test_fp8_cache_keeps_the_reference_layer(tiny_model_dir):

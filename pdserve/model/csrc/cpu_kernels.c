@@ -359,3 +359,39 @@ void pd_linear_panels(const float *x, const float *wp, const float *bias, float 
         }
     }
 }
+
+/* ---- a whole decoder layer for a decode-only step ------------------------------------
+ * The calls FusedDecoderLayer would make from Python, made here: at batch 1 the ~10 Python
+ * round trips per layer cost more than the layer's own arithmetic besides its GEMMs.
+ * x [M, Dm] is the residual stream, updated in place; scratch holds the intermediates
+ * (decode_layer_scratch floats). Linear weights are panel-packed; only QKV may have a bias.
+ * Returns pd_paged_decode_attn's status. */
+int64_t pd_decode_layer_scratch(int64_t M, int64_t Dm, int64_t H, int64_t KVH, int64_t D,
+                                int64_t I) {
+    return M * (2 * Dm + (2 * H + 2 * KVH) * D + 3 * I);
+}
+
+int pd_decode_layer(float *x, float *scratch, int64_t M, const float *norm1,
+                    const float *qkv_w, const float *qkv_b, const float *o_w, const float *norm2,
+                    const float *gate_up_w, const float *down_w, const float *cos,
+                    const float *sin, float *cache, const int64_t *slot_blocks,
+                    const int64_t *slot_offsets, const int64_t *tables,
+                    const int64_t *context_lens, float *scores, int64_t max_blocks, int64_t Dm,
+                    int64_t H, int64_t KVH, int64_t D, int64_t I, int64_t BS, float eps) {
+    int64_t nqkv = (H + 2 * KVH) * D;
+    float *y = scratch, *qkv = y + M * Dm, *att = qkv + M * nqkv, *o = att + M * H * D;
+    float *gu = o + M * Dm, *act = gu + M * 2 * I;
+    pd_rmsnorm(x, norm1, y, M, Dm, eps);
+    pd_linear_panels(y, qkv_w, qkv_b, qkv, M, nqkv, Dm);
+    pd_rope_qkv_store(qkv, cos, sin, cache, slot_blocks, slot_offsets, M, H, KVH, D, BS);
+    int rc = pd_paged_decode_attn(qkv, nqkv, cache, tables, context_lens, att, scores, M, H,
+                                  KVH, D, BS, max_blocks, 1.f / sqrtf((float)D));
+    if (rc != 0) return rc;
+    pd_linear_panels(att, o_w, NULL, o, M, Dm, H * D);
+    pd_add_rmsnorm(x, o, norm2, y, M, Dm, eps);
+    pd_linear_panels(y, gate_up_w, NULL, gu, M, 2 * I, Dm);
+    pd_silu_mul(gu, act, M, I);
+    pd_linear_panels(act, down_w, NULL, o, M, Dm, I);
+    for (int64_t i = 0; i < M * Dm; i++) x[i] += o[i];
+    return 0;
+}
