@@ -10,7 +10,7 @@ tests compare against.
 
 With the native kernels (`native.py`) a linear can instead (decode workers) or also
 (collocated workers, which see both prefill chunks and decode batches) keep its weight packed
-in 16-column panels for `native.linear_panels`, which runs inputs of up to
+in 24-column panels for `native.linear_panels`, which runs inputs of up to
 `native.PANEL_M_MAX` rows: at batch 1 it streams the weight with every thread where oneDNN's
 GEMV uses one core, and up to batch 64 it matches or beats oneDNN's GEMM
 (benchmarks/bench_kernels.py). A prefill-only worker keeps only the oneDNN copy.

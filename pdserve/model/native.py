@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-PANEL = 16  # output columns per packed weight panel (two AVX2 vectors)
+PANEL = 24  # output columns per packed weight panel (three AVX2 vectors)
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
 # chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies.
 PANEL_M_MAX = 64
@@ -121,7 +121,7 @@ def reads_in_place(cache, q: torch.Tensor) -> bool:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 16), K, 16]: each panel's 16 output columns side by side for every
+    """[N, K] -> [ceil(N / 24), K, 24]: each panel's 24 output columns side by side for every
     k (zero-padded past N), the layout `linear_panels` streams."""
     n, k = weight.shape
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
