@@ -32,7 +32,7 @@ def linear_times(lib, w: torch.Tensor, m: int, repeats: int) -> tuple[float, flo
     x = torch.randn(m, k)
     panels, packed = native.pack_panels(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
     return (
-        timed(lambda: native.linear_panels(lib, x, panels, n, None), repeats),
+        timed(lambda: native.linear_panels(lib, x, panels, None), repeats),
         timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats),
         timed(lambda: F.linear(x, w), repeats),
     )

@@ -38,6 +38,8 @@ class FusedDecoderLayer(nn.Module):
         self.one_call = all(getattr(m, "panel_weight", None) is not None for m in linears) and all(
             m.bias is None for m in linears[1:]
         )
+        if self.one_call:  # the C side's pd_weight[4], built once (the tensors stay alive)
+            self.weights = (native.PdWeight * 4)(*(m.panel_weight.as_c() for m in linears))
 
     def forward(
         self,
@@ -87,18 +89,17 @@ class FusedDecoderLayer(nn.Module):
         qkv_bias = attn.qkv_proj.bias
         rc = self.lib.pd_decode_layer(
             x.data_ptr(), scratch.data_ptr(), m,
-            self.input_layernorm.weight.data_ptr(), attn.qkv_proj.panel_weight.data_ptr(),
+            self.input_layernorm.weight.data_ptr(), ctypes.addressof(self.weights),
             qkv_bias.data_ptr() if qkv_bias is not None else None,
-            attn.o_proj.panel_weight.data_ptr(), self.post_attention_layernorm.weight.data_ptr(),
-            mlp.gate_up_proj.panel_weight.data_ptr(), mlp.down_proj.panel_weight.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), cache.blocks.data_ptr(),
+            self.post_attention_layernorm.weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            cache.blocks.data_ptr(),
             meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), scores.data_ptr() if scores is not None else None,
             tables.shape[1], hidden, h, kvh, d, inter, cache.block_size,
             self.input_layernorm.eps,
         )  # fmt: skip
         if rc != 0:
-            raise MemoryError("decode attention could not allocate its scratch buffer")
+            raise MemoryError("a decode-layer kernel could not allocate its scratch buffer")
         return x
 
 

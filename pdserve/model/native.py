@@ -23,11 +23,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from pdserve.model import panel_codec
 from pdserve.model.kv_cache import LayerCache
 from pdserve.model.registry import default_cache_dir
 
@@ -89,8 +91,8 @@ def load() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as e:
         log.warning("native CPU kernels off (PyTorch paths used instead): %s", e)
         return None
-    lib.pd_linear_panels.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64]
-    lib.pd_linear_panels.restype = None
+    lib.pd_linear_panels.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
+    lib.pd_linear_panels.restype = ctypes.c_int
     lib.pd_paged_decode_attn.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 6 + [_f32]
     lib.pd_paged_decode_attn.restype = ctypes.c_int
     lib.pd_rmsnorm.argtypes = [_ptr] * 3 + [_i64] * 2 + [_f32]
@@ -103,7 +105,7 @@ def load() -> ctypes.CDLL | None:
     lib.pd_silu_mul.restype = None
     lib.pd_decode_layer_scratch.argtypes = [_i64] * 6
     lib.pd_decode_layer_scratch.restype = _i64
-    lib.pd_decode_layer.argtypes = [_ptr, _ptr, _i64] + [_ptr] * 15 + [_i64] * 7 + [_f32]
+    lib.pd_decode_layer.argtypes = [_ptr, _ptr, _i64] + [_ptr] * 12 + [_i64] * 7 + [_f32]
     lib.pd_decode_layer.restype = ctypes.c_int
     return lib
 
@@ -120,28 +122,53 @@ def reads_in_place(cache, q: torch.Tensor) -> bool:
     )
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 24), K, 24]: each panel's 24 output columns side by side for every
-    k (zero-padded past N), the layout `linear_panels` streams."""
+class PdWeight(ctypes.Structure):
+    """The C side's `pd_weight`: a packed weight and its format."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("codec", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class PanelWeight:
+    """A linear weight packed for `linear_panels`: 24-column panels, in fp32 or a lossless
+    compact format (panel_codec.py)."""
+
+    data: torch.Tensor
+    codec: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def as_c(self) -> PdWeight:
+        return PdWeight(self.data.data_ptr(), self.codec)
+
+
+def pack_panels(weight: torch.Tensor, compact: bool = True) -> PanelWeight:
+    """Pack an [N, K] weight into ceil(N / 24) panels, each holding its 24 output columns
+    side by side for every k (zero-padded past N) — in the smallest format that reproduces
+    every weight bit for bit (`compact=False`: always fp32)."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=weight.dtype)
-    padded[:n] = weight.detach()
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    codec, data = panel_codec.encode(weight, compact)
+    return PanelWeight(data, codec, n, k)
 
 
 def linear_panels(
-    lib: ctypes.CDLL,
-    x: torch.Tensor,
-    panels: torch.Tensor,
-    out_features: int,
-    bias: torch.Tensor | None,
+    lib: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x [M, K] with `panels = pack_panels(weight)`."""
+    """`F.linear(x, w, bias)` for x [M, K] with `weight = pack_panels(w)`."""
     x = x.contiguous()
     m, k = x.shape
-    y = torch.empty(m, out_features, dtype=x.dtype)
+    y = torch.empty(m, weight.out_features, dtype=x.dtype)
     b = bias.data_ptr() if bias is not None else None
-    lib.pd_linear_panels(x.data_ptr(), panels.data_ptr(), b, y.data_ptr(), m, out_features, k)
+    rc = lib.pd_linear_panels(
+        x.data_ptr(), weight.data.data_ptr(), weight.codec, b, y.data_ptr(), m,
+        weight.out_features, k,
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the panel GEMM could not allocate its expansion buffer")
     return y
 
 

@@ -19,7 +19,7 @@ def test_linear_panels_equals_f_linear(m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    y = native.linear_panels(lib, x, native.pack_panels(w), n, b)
+    y = native.linear_panels(lib, x, native.pack_panels(w), b)
     torch.testing.assert_close(y, F.linear(x, w, b))
 
 

@@ -2,7 +2,8 @@
  * most of the machine idle (see pdserve/model/native.py for how they are built and used):
  *
  *   pd_linear_panels      y = x W^T (+ b) for decode-sized batches (1..64 rows) on weights
- *                         packed in 24-column panels: all threads stream the weights once.
+ *                         packed in 24-column panels, fp32 or a lossless compact format
+ *                         (4-/8-bit grids of GGUF weights): all threads stream them once.
  *   pd_paged_decode_attn  one query token per sequence against its paged K/V, read in place
  *                         from the cache blocks (no gather copy), GQA heads sharing a K/V
  *                         read; optionally adds each block's attention probability to a
@@ -92,6 +93,14 @@ static void tile_scores(const float *q, const float *k, int64_t n, int64_t D, fl
     for (; i < n; i++) s[i] = dot(q, k + i * D, D) * scale;
 }
 
+#ifndef PF_AHEAD
+#define PF_AHEAD 3
+#endif
+/* Ask for the `floats` floats at t (part of a K or V tile) to be brought into cache. */
+static inline void prefetch_range(const float *t, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) _mm_prefetch((const char *)(t + i), _MM_HINT_T0);
+}
+
 /* In place: p[0..len) -> softmax(p). */
 static void softmax(float *p, int64_t len) {
     float mx = -INFINITY, sum = 0.f;
@@ -116,6 +125,7 @@ static void softmax(float *p, int64_t len) {
 static inline __attribute__((always_inline)) void
 values_32(const float *p, int64_t p_stride, const float *cache, const int64_t *table,
           int64_t len, int64_t h, int64_t KVH, int64_t BS, int64_t D, float *o, const int gg) {
+    int64_t nblk = (len + BS - 1) / BS;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         __m256 a[3][4];
         for (int g = 0; g < 3; g++)
@@ -123,8 +133,13 @@ values_32(const float *p, int64_t p_stride, const float *cache, const int64_t *t
         for (int64_t j = 0; j * BS < len; j++) {
             const float *v = cache + ((table[j] * 2 + 1) * KVH + h) * BS * D + d0;
             int64_t n = len - j * BS < BS ? len - j * BS : BS;
+            /* the first pass asks for the tile PF_AHEAD on, a row per row it reads */
+            const float *ahead = d0 == 0 && j + PF_AHEAD < nblk
+                                     ? cache + ((table[j + PF_AHEAD] * 2 + 1) * KVH + h) * BS * D
+                                     : NULL;
             for (int64_t t = 0; t < n; t++) {
                 const float *r = v + t * D;
+                if (ahead) prefetch_range(ahead + t * D, D);
                 __m256 r0 = _mm256_loadu_ps(r), r1 = _mm256_loadu_ps(r + 8);
                 __m256 r2 = _mm256_loadu_ps(r + 16), r3 = _mm256_loadu_ps(r + 24);
                 for (int g = 0; g < gg; g++) {
@@ -182,14 +197,27 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < B * KVH; item++) {
             if (!p) continue;
-            int64_t b = item / KVH, h = item % KVH, len = context_lens[b];
+            int64_t b = item / KVH, h = item % KVH, len = context_lens[b], nblk = (len + BS - 1) / BS;
             const int64_t *table = tables + b * max_blocks;
             const float *qb = q + b * q_stride + h * G * D;
             for (int64_t j = 0; j * BS < len; j++) { /* a K tile stays in L1 across heads */
                 const float *k = cache + ((table[j] * 2 + 0) * KVH + h) * BS * D;
                 int64_t n = len - j * BS < BS ? len - j * BS : BS;
-                for (int64_t g = 0; g < G; g++)
+                /* tiles are scattered, so no hardware prefetcher finds the next ones: ask for
+                 * the tile PF_AHEAD on (past the last K tile, the first V tiles), a part
+                 * before each head's pass so the requests spread out */
+                if (j == 0)
+                    for (int64_t a = 1; a < PF_AHEAD && a < nblk; a++)
+                        prefetch_range(cache + ((table[a] * 2 + 0) * KVH + h) * BS * D, BS * D);
+                int64_t a = j + PF_AHEAD, part = (BS * D / G + 15) / 16 * 16;
+                const float *ahead =
+                    a < 2 * nblk ? cache + ((table[a < nblk ? a : a - nblk] * 2 + (a >= nblk)) * KVH + h) * BS * D
+                                 : NULL;
+                for (int64_t g = 0; g < G; g++) {
+                    if (ahead && g * part < BS * D)
+                        prefetch_range(ahead + g * part, g * part + part < BS * D ? part : BS * D - g * part);
                     tile_scores(qb + g * D, k, n, D, scale, p + g * max_len + j * BS);
+                }
             }
             for (int64_t g = 0; g < G; g++) {
                 float *pg = p + g * max_len;
@@ -344,43 +372,135 @@ micro(const float *x, int64_t K, const float *wp, const float *bias, float *y, i
     STORE_ROW(0); STORE_ROW(1); STORE_ROW(2); STORE_ROW(3);
 }
 
-/* y [M, N] = x [M, K] W^T (+ bias), W panel-packed (native.pack_panels). */
-void pd_linear_panels(const float *x, const float *wp, const float *bias, float *y, int64_t M,
-                      int64_t N, int64_t K) {
-    int64_t panels = (N + PANEL - 1) / PANEL;
+/* ---- lossless compact panel formats ------------------------------------------------
+ * Weights dequantized from a GGUF file sit on a grid: every 32 consecutive inputs (k) of
+ * one output column are d * q + m with q a 4-bit integer (Q4_1), or d * q with q an int8
+ * (Q8_0), d and m fp16 values. panel_codec.py finds that grid (and keeps a matrix in fp32
+ * unless every weight round-trips bitwise), stores each panel's q and (d, m) per 32-row k
+ * block, and the GEMM expands one panel at a time into a per-thread fp32 buffer that the
+ * micro-kernel then reads as it would an fp32 panel. d * q is exact in fp32 (11 + 8 bits),
+ * so the expanded weights are bit-identical to the fp32 ones and so is the result; what
+ * changes is the bytes streamed from memory per step: 0.75 (Q4) or 1.125 (Q8) per weight
+ * instead of 4. Block layouts (one per 32 k of a panel):
+ *   PD_Q4A  float d[24], m[24]; uint32 q[32][3] (word g of row k: columns 8g..8g+7,
+ *           column 8g+j in bits 4j..4j+3)                                   576 bytes
+ *   PD_Q8S  float d[24]; int8 q[32][24]                                     864 bytes */
+enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2 };
+#define QBLOCK 32
+
+static void expand_q4a(const uint8_t *src, int64_t K, float *out) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i nibble = _mm256_set1_epi32(0xF);
+    for (int64_t kb = 0; kb < K / QBLOCK; kb++, src += 576) {
+        const float *d = (const float *)src, *m = d + PANEL;
+        const uint32_t *q = (const uint32_t *)(m + PANEL);
+        __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8), d2 = _mm256_loadu_ps(d + 16);
+        __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8), m2 = _mm256_loadu_ps(m + 16);
+        for (int k = 0; k < QBLOCK; k++, q += 3, out += PANEL) {
+#define Q4(g, dg, mg)                                                                         \
+    _mm256_store_ps(out + 8 * g,                                                              \
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(                      \
+                                        _mm256_srlv_epi32(_mm256_set1_epi32((int)q[g]), shifts), \
+                                        nibble)),                                             \
+                                    dg, mg))
+            Q4(0, d0, m0); Q4(1, d1, m1); Q4(2, d2, m2);
+#undef Q4
+        }
+    }
+}
+
+static void expand_q8s(const uint8_t *src, int64_t K, float *out) {
+    for (int64_t kb = 0; kb < K / QBLOCK; kb++, src += 864) {
+        const float *d = (const float *)src;
+        const int8_t *q = (const int8_t *)(d + PANEL);
+        __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8), d2 = _mm256_loadu_ps(d + 16);
+        for (int k = 0; k < QBLOCK; k++, q += PANEL, out += PANEL) {
+#define Q8(g, dg)                                                                             \
+    _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(         \
+                                                   _mm_loadl_epi64((const __m128i *)(q + 8 * g)))), \
+                                               dg))
+            Q8(0, d0); Q8(1, d1); Q8(2, d2);
+#undef Q8
+        }
+    }
+}
+
+/* Bytes of one packed panel of K rows (K a multiple of 32 for the compact formats). */
+static inline int64_t panel_bytes(int codec, int64_t K) {
+    return codec == PD_Q4A ? K / QBLOCK * 576 : codec == PD_Q8S ? K / QBLOCK * 864 : K * PANEL * 4;
+}
+
+/* This thread's expansion buffer, grown on demand and kept (at most K * 24 floats). */
+static __thread float *expand_buf;
+static __thread int64_t expand_cap;
+
+static float *expansion_buffer(int64_t floats) {
+    if (floats > expand_cap) {
+        free(expand_buf);
+        expand_buf = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        expand_cap = expand_buf ? floats : 0;
+    }
+    return expand_buf;
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias), W panel-packed in `codec` (native.PanelWeight).
+ * Returns 0, or -1 when an expansion buffer could not be allocated. */
+int pd_linear_panels(const float *x, const void *wp, int64_t codec, const float *bias, float *y,
+                     int64_t M, int64_t N, int64_t K) {
+    int64_t panels = (N + PANEL - 1) / PANEL, stride = panel_bytes((int)codec, K);
+    int failed = 0;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
-        const float *w = wp + p * K * PANEL;
+        const float *w = (const float *)((const uint8_t *)wp + p * stride);
+        const float *pf = NULL;
+        if (codec != PD_F32) {
+            float *buf = expansion_buffer(K * PANEL);
+            if (!buf) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            (codec == PD_Q4A ? expand_q4a : expand_q8s)((const uint8_t *)w, K, buf);
+            w = buf;
+        } else if (p + 1 < panels) {
+            pf = w + K * PANEL;
+        }
         int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
         const float *b = bias ? bias + n0 : NULL;
         for (int64_t m = 0; m < M; m += MR) {
             const float *xm = x + m * K;
             float *ym = y + m * N + n0;
-            const float *pf = m == 0 && p + 1 < panels ? w + K * PANEL : NULL;
+            const float *pfm = m == 0 ? pf : NULL;
             switch (M - m < MR ? M - m : MR) {
-            case 1: micro(xm, K, w, b, ym, N, ncols, 1, pf); break;
-            case 2: micro(xm, K, w, b, ym, N, ncols, 2, pf); break;
-            case 3: micro(xm, K, w, b, ym, N, ncols, 3, pf); break;
-            default: micro(xm, K, w, b, ym, N, ncols, 4, pf); break;
+            case 1: micro(xm, K, w, b, ym, N, ncols, 1, pfm); break;
+            case 2: micro(xm, K, w, b, ym, N, ncols, 2, pfm); break;
+            case 3: micro(xm, K, w, b, ym, N, ncols, 3, pfm); break;
+            default: micro(xm, K, w, b, ym, N, ncols, 4, pfm); break;
             }
         }
     }
+    return failed ? -1 : 0;
 }
 
 /* ---- a whole decoder layer for a decode-only step ------------------------------------
  * The calls FusedDecoderLayer would make from Python, made here: at batch 1 the ~10 Python
  * round trips per layer cost more than the layer's own arithmetic besides its GEMMs.
  * x [M, Dm] is the residual stream, updated in place; scratch holds the intermediates
- * (decode_layer_scratch floats). Linear weights are panel-packed; only QKV may have a bias.
- * Returns pd_paged_decode_attn's status. */
+ * (decode_layer_scratch floats). The four linear weights (QKV, output, gate/up, down) are
+ * panel-packed, each in its format; only QKV may have a bias. Returns 0, or -1 when a
+ * kernel could not allocate its scratch memory. */
 int64_t pd_decode_layer_scratch(int64_t M, int64_t Dm, int64_t H, int64_t KVH, int64_t D,
                                 int64_t I) {
     return M * (2 * Dm + (2 * H + 2 * KVH) * D + 3 * I);
 }
 
+typedef struct {
+    const void *data;
+    int64_t codec;
+} pd_weight;
+
 int pd_decode_layer(float *x, float *scratch, int64_t M, const float *norm1,
-                    const float *qkv_w, const float *qkv_b, const float *o_w, const float *norm2,
-                    const float *gate_up_w, const float *down_w, const float *cos,
+                    const pd_weight *w, const float *qkv_b, const float *norm2, const float *cos,
                     const float *sin, float *cache, const int64_t *slot_blocks,
                     const int64_t *slot_offsets, const int64_t *tables,
                     const int64_t *context_lens, float *scores, int64_t max_blocks, int64_t Dm,
@@ -389,16 +509,16 @@ int pd_decode_layer(float *x, float *scratch, int64_t M, const float *norm1,
     float *y = scratch, *qkv = y + M * Dm, *att = qkv + M * nqkv, *o = att + M * H * D;
     float *gu = o + M * Dm, *act = gu + M * 2 * I;
     pd_rmsnorm(x, norm1, y, M, Dm, eps);
-    pd_linear_panels(y, qkv_w, qkv_b, qkv, M, nqkv, Dm);
+    if (pd_linear_panels(y, w[0].data, w[0].codec, qkv_b, qkv, M, nqkv, Dm)) return -1;
     pd_rope_qkv_store(qkv, cos, sin, cache, slot_blocks, slot_offsets, M, H, KVH, D, BS);
-    int rc = pd_paged_decode_attn(qkv, nqkv, cache, tables, context_lens, att, scores, M, H,
-                                  KVH, D, BS, max_blocks, 1.f / sqrtf((float)D));
-    if (rc != 0) return rc;
-    pd_linear_panels(att, o_w, NULL, o, M, Dm, H * D);
+    if (pd_paged_decode_attn(qkv, nqkv, cache, tables, context_lens, att, scores, M, H, KVH, D,
+                             BS, max_blocks, 1.f / sqrtf((float)D)))
+        return -1;
+    if (pd_linear_panels(att, w[1].data, w[1].codec, NULL, o, M, Dm, H * D)) return -1;
     pd_add_rmsnorm(x, o, norm2, y, M, Dm, eps);
-    pd_linear_panels(y, gate_up_w, NULL, gu, M, 2 * I, Dm);
+    if (pd_linear_panels(y, w[2].data, w[2].codec, NULL, gu, M, 2 * I, Dm)) return -1;
     pd_silu_mul(gu, act, M, I);
-    pd_linear_panels(act, down_w, NULL, o, M, Dm, I);
+    if (pd_linear_panels(act, w[3].data, w[3].codec, NULL, o, M, Dm, I)) return -1;
     for (int64_t i = 0; i < M * Dm; i++) x[i] += o[i];
     return 0;
 }

@@ -1,0 +1,168 @@
+"""Lossless compact storage for panel-packed weights (`native.pack_panels`).
+
+A decode step reads every weight once, so at small batches its GEMMs are bound by the bytes
+they stream. Weights that came from a GGUF file sit on a grid: each run of 32 consecutive
+inputs of one output row is `d * q + m` with q a 4-bit integer (Q4_1) or `d * q` with q an
+int8 (Q8_0), d and m fp16 values — the fp32 weights the loader produced are exactly those
+products. `encode` finds that grid and stores q plus (d, m) per block, 0.75 or 1.125 bytes
+per weight instead of 4; the native GEMM expands a panel at a time back to fp32 in cache.
+Because d is an fp16 value, `d * q` is exact in fp32, so the expanded weights are
+bit-identical to the fp32 ones and every result is unchanged. A matrix is stored compactly
+only if *every* weight round-trips bitwise; anything else (HF checkpoints, trained or
+random weights) keeps the fp32 panels. Block layouts are described in csrc/cpu_kernels.c.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PANEL = 24  # output columns per panel (native.PANEL)
+QBLOCK = 32  # consecutive inputs sharing one (d, m)
+F32, Q4A, Q8S = 0, 1, 2
+CODEC_NAMES = {F32: "fp32", Q4A: "q4 affine", Q8S: "q8 symmetric"}
+BYTES_PER_WEIGHT = {F32: 4.0, Q4A: 576 / 768, Q8S: 864 / 768}
+
+
+def _fp16_steps(x: torch.Tensor) -> list[torch.Tensor]:
+    """x rounded to fp16, and its two fp16 neighbours: the candidates for a block's d."""
+    h = x.half()
+    up = torch.nextafter(h.float(), torch.full_like(x, float("inf"))).half()
+    down = torch.nextafter(h.float(), torch.zeros_like(x)).half()
+    return [h.float(), up.float(), down.float()]
+
+
+def _pick(blocks: torch.Tensor, estimates, fit) -> tuple | None:
+    """For blocks [B, 32], per block the first fp16 step d whose grid reproduces it exactly,
+    as (q [B, 32], d [B, 1]); None if some block has none. estimates(blocks) lists [B, 1]
+    guesses of the step, each tried rounded to fp16 and then as its two fp16 neighbours;
+    fit(blocks, d) returns (q, reconstruction). Nearly every block fits the first guess, so
+    the rest are tried only on the blocks that did not."""
+    d = estimates(blocks)[0].half().float()
+    q, rebuilt = fit(blocks, d)
+    todo = torch.nonzero(~(rebuilt == blocks).all(-1)).flatten()
+    if len(todo) == 0:
+        return q, d
+    sub = blocks[todo]
+    candidates = [c for e in estimates(sub) for c in _fp16_steps(e)][1:]
+    for i, cand in enumerate(candidates):
+        q_c, rebuilt = fit(sub, cand)
+        ok = (rebuilt == sub).all(-1)
+        q[todo[ok]], d[todo[ok]] = q_c[ok], cand[ok]
+        todo, sub = todo[~ok], sub[~ok]
+        if len(todo) == 0:
+            return q, d
+        candidates[i + 1 :] = [c[~ok] for c in candidates[i + 1 :]]
+    return None
+
+
+def _sample_fits(weight: torch.Tensor, grid) -> bool:
+    """A cheap first look on a few rows, so a matrix off the grid costs little to reject."""
+    return weight.shape[0] <= 64 or grid(weight[:: max(1, weight.shape[0] // 16)][:16]) is not None
+
+
+def q4_affine_grid(weight: torch.Tensor):
+    """(q uint8 [N, K], d [N, K/32], m [N, K/32]) with weight == d * q + m exactly, or None."""
+    n, k = weight.shape
+    blocks = weight.reshape(-1, QBLOCK)
+    m = blocks.amin(-1, keepdim=True)
+
+    def estimates(sub):
+        return [(sub.amax(-1, keepdim=True) - sub.amin(-1, keepdim=True)) / 15]
+
+    def fit(sub, d):
+        lo = sub.amin(-1, keepdim=True)
+        q = torch.where(d > 0, ((sub - lo) / torch.where(d > 0, d, 1.0)).round(), 0.0)
+        q = q.clamp_(0, 15)
+        return q, torch.addcmul(lo, q, d)
+
+    picked = _pick(blocks, estimates, fit)
+    if picked is None:
+        return None
+    q, d = picked
+    return q.to(torch.uint8).reshape(n, k), d.reshape(n, -1), m.reshape(n, -1)
+
+
+def q8_symmetric_grid(weight: torch.Tensor):
+    """(q int8 [N, K], d [N, K/32]) with weight == d * q exactly, or None."""
+    n, k = weight.shape
+    blocks = weight.reshape(-1, QBLOCK)
+
+    def estimates(sub):  # 127 steps each side (Q8_0), or 8 (Q4_0's d * (q - 8))
+        amax = sub.abs().amax(-1, keepdim=True)
+        return [amax / 127, amax / 8]
+
+    def fit(sub, d):
+        q = torch.where(d > 0, (sub / torch.where(d > 0, d, 1.0)).round(), 0.0)
+        q = q.clamp_(-127, 127)
+        return q, q * d
+
+    picked = _pick(blocks, estimates, fit)
+    if picked is None:
+        return None
+    q, d = picked
+    return q.to(torch.int8).reshape(n, k), d.reshape(n, -1)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def _block_floats(v: torch.Tensor, panels: int) -> torch.Tensor:
+    """[Np, K/32] per-row block values -> [P, K/32, 96] bytes: each block's 24 floats."""
+    return v.float().reshape(panels, PANEL, -1).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def _encode_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, panels: int) -> torch.Tensor:
+    kb = q.shape[1] // QBLOCK
+    # [P, 24, kb, 32] -> [P, kb, 32 (k), 3 (g), 8 (j)]: word g of row k packs columns 8g+j,
+    # little-endian, so its byte b holds columns 8g+2b (low nibble) and 8g+2b+1 (high)
+    nib = q.reshape(panels, 3, 8, kb, QBLOCK).permute(0, 3, 4, 1, 2)
+    word_bytes = nib[..., 0::2] | (nib[..., 1::2] << 4)  # [P, kb, 32, 3, 4] uint8
+    parts = [_block_floats(d, panels), _block_floats(m, panels), word_bytes.reshape(panels, kb, -1)]
+    return torch.cat(parts, -1).reshape(panels, -1).contiguous()
+
+
+def _encode_q8(q: torch.Tensor, d: torch.Tensor, panels: int) -> torch.Tensor:
+    kb = q.shape[1] // QBLOCK
+    qs = q.reshape(panels, PANEL, kb, QBLOCK).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    parts = [_block_floats(d, panels), qs.reshape(panels, kb, -1)]
+    return torch.cat(parts, -1).reshape(panels, -1).contiguous()
+
+
+def encode(weight: torch.Tensor, compact: bool = True) -> tuple[int, torch.Tensor]:
+    """(codec, panel data) for an fp32 [N, K] weight: the smallest lossless format."""
+    weight = weight.detach().float().cpu()
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    if compact and k % QBLOCK == 0:
+        rows = panels * PANEL
+        if _sample_fits(weight, q4_affine_grid) and (g := q4_affine_grid(weight)) is not None:
+            q, d, m = (_pad_rows(t, rows) for t in g)
+            return Q4A, _encode_q4(q, d, m, panels)
+        if _sample_fits(weight, q8_symmetric_grid) and (g := q8_symmetric_grid(weight)) is not None:
+            q, d = (_pad_rows(t, rows) for t in g)
+            return Q8S, _encode_q8(q, d, panels)
+    padded = _pad_rows(weight, panels * PANEL)
+    return F32, padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def decode(codec: int, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The fp32 [N, K] weight back from `encode`'s panels (a reference for tests)."""
+    panels, kb = data.shape[0], k // QBLOCK
+    if codec == F32:
+        cols = data.transpose(1, 2)
+    else:
+        size = 576 if codec == Q4A else 864
+        blocks = data.reshape(panels, kb, size)
+        d = blocks[..., :96].contiguous().view(torch.float32)  # [P, kb, 24]
+        if codec == Q4A:
+            m = blocks[..., 96:192].contiguous().view(torch.float32)
+            words = blocks[..., 192:].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            words = words.reshape(panels, kb, QBLOCK, 3, 1)
+            q = ((words >> (4 * torch.arange(8))) & 0xF).reshape(panels, kb, QBLOCK, PANEL)
+        else:
+            m = torch.zeros_like(d)
+            q = blocks[..., 96:].contiguous().view(torch.int8).reshape(panels, kb, QBLOCK, PANEL)
+        w = torch.addcmul(m.unsqueeze(2), q.float(), d.unsqueeze(2))  # [P, kb, 32, 24]
+        cols = w.reshape(panels, k, PANEL).transpose(1, 2)
+    return cols.reshape(panels * PANEL, k)[:n].contiguous()
