@@ -19,7 +19,7 @@ from pdserve.model import native
 from pdserve.model.attention import AttentionMetadata, PrefillSpan, decode_tables
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_fused import can_fuse, fuse_layers
-from pdserve.model.cpu_linear import can_pack, pack_linears
+from pdserve.model.cpu_linear import can_pack, log_panel_formats, pack_linears
 from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
 from pdserve.model.loader import load_model, torch_dtype
 from pdserve.model.sampler import SamplingRow, sample
@@ -109,6 +109,7 @@ class ModelRunner:
         if device.cpu_kernels in ("native", "onednn") and can_pack(self.model):
             panels = self.kernels if role != "prefill" else None
             pack_linears(self.model, panels, onednn=role != "decode" or panels is None)
+            log_panel_formats(self.model)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         if kv_cache is None:

@@ -21,11 +21,15 @@ prefill-only worker keeps only the oneDNN copy.
 from __future__ import annotations
 
 import ctypes
+import logging
+from collections import Counter
 
 import torch
 from torch import nn
 
-from pdserve.model import native
+from pdserve.model import native, panel_codec
+
+log = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
@@ -75,3 +79,20 @@ def pack_linears(model: nn.Module, panels: ctypes.CDLL | None = None, onednn: bo
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child, panels, onednn))
     return len(targets)
+
+
+def log_panel_formats(model: nn.Module) -> None:
+    """One line on how the panel weights are stored: formats, and bytes vs fp32."""
+    panels = [
+        m.panel_weight for m in model.modules() if getattr(m, "panel_weight", None) is not None
+    ]
+    if not panels:
+        return
+    formats = Counter(panel_codec.CODEC_NAMES[p.codec] for p in panels)
+    fp32 = sum(p.out_features * p.in_features * 4 for p in panels)
+    log.info(
+        "decode GEMM weights: %s; %.0f MB (%.0f MB as fp32, lossless either way)",
+        ", ".join(f"{n} x{c}" for n, c in formats.most_common()),
+        sum(p.nbytes for p in panels) / 1e6,
+        fp32 / 1e6,
+    )

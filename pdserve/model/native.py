@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-PANEL = 24  # output columns per packed weight panel (three AVX2 vectors)
+PANEL = panel_codec.PANEL
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
 # chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies.
 PANEL_M_MAX = 64

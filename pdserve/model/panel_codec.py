@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-PANEL = 24  # output columns per panel (native.PANEL)
+PANEL = 24  # output columns per packed weight panel (three AVX2 vectors)
 QBLOCK = 32  # consecutive inputs sharing one (d, m)
 F32, Q4A, Q8S = 0, 1, 2
 CODEC_NAMES = {F32: "fp32", Q4A: "q4 affine", Q8S: "q8 symmetric"}
