@@ -13,6 +13,7 @@ write). tests/model/test_cpu_fused.py holds it equal to the reference layer.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ class FusedDecoderLayer(nn.Module):
         m, hidden = x.shape
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         inter = mlp.down_proj.in_features
-        scratch = torch.empty(self.lib.pd_decode_layer_scratch(m, hidden, h, kvh, d, inter))
+        scratch = _scratch(self.lib.pd_decode_layer_scratch(m, hidden, h, kvh, d, inter))
         tables, lens, scores = (
             meta.decode_block_tables,
             meta.decode_context_lens,
@@ -101,6 +102,19 @@ class FusedDecoderLayer(nn.Module):
         if rc != 0:
             raise MemoryError("a decode-layer kernel could not allocate its scratch buffer")
         return x
+
+
+_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """The decode layers' intermediates buffer: one per thread (engines in one process may
+    step in different threads), grown as batches grow, reused by every layer and step
+    instead of a fresh ~1 MB allocation per layer."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _local.buf = torch.empty(numel)
+    return buf
 
 
 def can_fuse(model: nn.Module, kv_cache: torch.Tensor) -> bool:

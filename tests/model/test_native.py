@@ -60,11 +60,14 @@ def reference_attention(q, blocks, tables, lens):
 @pytest.mark.parametrize(
     "heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 2, 36), (8, 2, 64), (4, 2, 32), (3, 3, 32)]
 )
-def test_paged_decode_attention_equals_dense(heads, kv_heads, d):
+@pytest.mark.parametrize("copies", [1, 8])
+def test_paged_decode_attention_equals_dense(heads, kv_heads, d, copies):
+    """5 sequences take one work item per (sequence, KV head); 40 (copies=8) one per
+    sequence, walking all its KV heads block by block."""
     g = torch.Generator().manual_seed(heads + d)
     num_blocks, bs = 40, 16
     blocks = torch.randn(num_blocks, 2, kv_heads, bs, d, generator=g)
-    lens = torch.tensor([1, 16, 17, 150, 63])
+    lens = torch.tensor([1, 16, 17, 150, 63] * copies)
     max_blocks = -(-int(lens.max()) // bs)
     perm = torch.randperm(num_blocks, generator=g)
     tables = torch.zeros(len(lens), max_blocks, dtype=torch.long)  # 0-padded like decode_tables
