@@ -450,65 +450,8 @@ static float *expansion_buffer(int64_t floats) {
     return expand_buf;
 }
 
-/* Like `micro`, over kn rows of a panel chunk, the sums carried in acc [mr][24] across
- * chunks (first: start from zero). Same order of additions as `micro` over the whole K. */
-static inline __attribute__((always_inline)) void
-micro_chunk(const float *x, int64_t K, const float *wp, int64_t kn, float *acc, const int mr,
-            const int first) {
-    ACC(0); ACC(1); ACC(2); ACC(3);
-    if (!first) {
-#define LOAD_ROW(i)                                                                          \
-    if (mr > i) {                                                                            \
-        c##i##0 = _mm256_load_ps(acc + i * PANEL);                                           \
-        c##i##1 = _mm256_load_ps(acc + i * PANEL + 8);                                       \
-        c##i##2 = _mm256_load_ps(acc + i * PANEL + 16);                                      \
-    }
-        LOAD_ROW(0) LOAD_ROW(1) LOAD_ROW(2) LOAD_ROW(3)
-#undef LOAD_ROW
-    }
-    for (int64_t k = 0; k < kn; k++) {
-        const float *r = wp + k * PANEL;
-        __m256 w0 = _mm256_load_ps(r), w1 = _mm256_load_ps(r + 8), w2 = _mm256_load_ps(r + 16);
-        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3)
-    }
-#define SAVE_ROW(i)                                                                          \
-    if (mr > i) {                                                                            \
-        _mm256_store_ps(acc + i * PANEL, c##i##0);                                           \
-        _mm256_store_ps(acc + i * PANEL + 8, c##i##1);                                       \
-        _mm256_store_ps(acc + i * PANEL + 16, c##i##2);                                      \
-    }
-    SAVE_ROW(0) SAVE_ROW(1) SAVE_ROW(2) SAVE_ROW(3)
-#undef SAVE_ROW
-}
-
-/* One compact panel: expanded KCHUNK rows at a time into an L1-sized buffer that every row
- * block then reads (rather than the whole panel into L2 and each row block reading it
- * from there), the partial sums kept in acc [M][24]. */
-#define KCHUNK 128
-static void compact_panel(const float *x, const uint8_t *w, int codec, const float *bias,
-                          float *y, int64_t M, int64_t N, int64_t K, int64_t ncols, float *buf,
-                          float *acc) {
-    int64_t block_bytes = codec == PD_Q4A ? 576 : 864;
-    for (int64_t k0 = 0; k0 < K; k0 += KCHUNK) {
-        int64_t kn = K - k0 < KCHUNK ? K - k0 : KCHUNK;
-        (codec == PD_Q4A ? expand_q4a : expand_q8s)(w + k0 / QBLOCK * block_bytes, kn, buf);
-        for (int64_t m = 0; m < M; m += MR) {
-            const float *xm = x + m * K + k0;
-            float *am = acc + m * PANEL;
-            switch (M - m < MR ? M - m : MR) {
-            case 1: micro_chunk(xm, K, buf, kn, am, 1, k0 == 0); break;
-            case 2: micro_chunk(xm, K, buf, kn, am, 2, k0 == 0); break;
-            case 3: micro_chunk(xm, K, buf, kn, am, 3, k0 == 0); break;
-            default: micro_chunk(xm, K, buf, kn, am, 4, k0 == 0); break;
-            }
-        }
-    }
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < ncols; j++) y[m * N + j] = acc[m * PANEL + j] + (bias ? bias[j] : 0.f);
-}
-
 /* y [M, N] = x [M, K] W^T (+ bias), W panel-packed in `codec` (native.PanelWeight).
- * Returns 0, or -1 when a thread's buffers could not be allocated. */
+ * Returns 0, or -1 when an expansion buffer could not be allocated. */
 int pd_linear_panels(const float *x, const void *wp, int64_t codec, const float *bias, float *y,
                      int64_t M, int64_t N, int64_t K) {
     int64_t panels = (N + PANEL - 1) / PANEL, stride = panel_bytes((int)codec, K);
@@ -516,20 +459,21 @@ int pd_linear_panels(const float *x, const void *wp, int64_t codec, const float 
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         const float *w = (const float *)((const uint8_t *)wp + p * stride);
-        int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
-        const float *b = bias ? bias + n0 : NULL;
+        const float *pf = NULL;
         if (codec != PD_F32) {
-            float *buf = expansion_buffer((KCHUNK + M) * PANEL); /* chunk, then acc */
+            float *buf = expansion_buffer(K * PANEL);
             if (!buf) {
 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
-            compact_panel(x, (const uint8_t *)w, (int)codec, b, y + n0, M, N, K, ncols, buf,
-                          buf + KCHUNK * PANEL);
-            continue;
+            (codec == PD_Q4A ? expand_q4a : expand_q8s)((const uint8_t *)w, K, buf);
+            w = buf;
+        } else if (p + 1 < panels) {
+            pf = w + K * PANEL;
         }
-        const float *pf = p + 1 < panels ? w + K * PANEL : NULL;
+        int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+        const float *b = bias ? bias + n0 : NULL;
         for (int64_t m = 0; m < M; m += MR) {
             const float *xm = x + m * K;
             float *ym = y + m * N + n0;
