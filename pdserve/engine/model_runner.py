@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -123,6 +124,9 @@ class ModelRunner:
         if self.kernels is not None and can_fuse(self.model, kv_cache):
             fuse_layers(self.model, self.kernels)
         self.layer_caches = layer_caches(kv_cache, cache.kv_cache_dtype)
+        self._argmax = None
+        if self.kernels is not None and self.device.type == "cpu" and self.dtype == torch.float32:
+            self._argmax = partial(native.argmax_rows, self.kernels)
         self.block_scores: dict[str, torch.Tensor] = {}  # token dropping, per request
         self.num_blocks = kv_cache.shape[1]
         log.info(
@@ -156,7 +160,7 @@ class ModelRunner:
             for r in sample_ids
             for p in (r.sampling_params,)
         ]
-        tokens = sample(logits, rows, self.generator)
+        tokens = sample(logits, rows, self.generator, self._argmax)
         return {r.request_id: t for r, t in zip(sample_ids, tokens)}
 
     def _keep_scores(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:

@@ -1,4 +1,4 @@
-"""The Llama decoder layer on the native CPU kernels — a transform applied after loading.
+"""The Llama decoder layers on the native CPU kernels — a transform applied after loading.
 
 At batch 1 a decode step is ~60 small PyTorch ops per layer (RMSNorm alone is seven), and on
 a CPU each costs microseconds of dispatch while its arithmetic costs nanoseconds: the step is
@@ -7,7 +7,9 @@ bound by dispatch, not by the hardware. `FusedDecoderLayer` runs the same math a
 GEMM, residual add + norm, gate/up GEMM, SiLU·mul, down GEMM, residual add. It shares the
 parameters of the layer it replaces and is only used where every kernel applies: fp32 on
 the CPU with full-precision KV (an FP8 cache keeps the PyTorch layer, which quantizes on
-write). tests/model/test_cpu_fused.py holds it equal to the reference layer.
+write). A step of decodes only goes further: `FusedLayerStack` runs all layers in one
+native call (at batch 32, a ctypes call and its argument building per layer cost ~5% of
+the step). tests/model/test_cpu_fused.py holds both equal to the reference layers.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 from pdserve.model import native
 from pdserve.model.attention import AttentionMetadata, attend
 from pdserve.model.kv_cache import LayerCache
-from pdserve.model.llama import DecoderLayer
+from pdserve.model.llama import DecoderLayer, LayerStack
 
 
 class FusedDecoderLayer(nn.Module):
@@ -32,15 +34,6 @@ class FusedDecoderLayer(nn.Module):
         self.post_attention_layernorm = layer.post_attention_layernorm
         self.self_attn = layer.self_attn
         self.mlp = layer.mlp
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                   layer.mlp.down_proj)  # fmt: skip
-        # A decode-only step runs the whole layer in one C call when every linear has its
-        # panel weights (not on prefill workers) and only QKV has a bias, as in Llama.
-        self.one_call = all(getattr(m, "panel_weight", None) is not None for m in linears) and all(
-            m.bias is None for m in linears[1:]
-        )
-        if self.one_call:  # the C side's pd_weight[4], built once (the tensors stay alive)
-            self.weights = (native.PdWeight * 4)(*(m.panel_weight.as_c() for m in linears))
 
     def forward(
         self,
@@ -52,8 +45,6 @@ class FusedDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """Updates the residual stream `x` [T, hidden] in place and returns it."""
         t = x.shape[0]
-        if self.one_call and not meta.prefills and t <= native.PANEL_M_MAX:
-            return self._decode_step(x, cos, sin, cache, meta)
         lib, attn, mlp = self.lib, self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -68,40 +59,77 @@ class FusedDecoderLayer(nn.Module):
         y = native.add_rmsnorm(lib, x, o, norm2.weight, norm2.eps)
         return x.add_(mlp.down_proj(native.silu_mul(lib, mlp.gate_up_proj(y))))
 
-    def _decode_step(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: LayerCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The same layer for a step of one-token decodes only, in one native call."""
-        attn, mlp = self.self_attn, self.mlp
+
+class FusedLayerStack(LayerStack):
+    """The fused layers, and the decode-only step as one native call over all of them."""
+
+    def __init__(self, layers: LayerStack, lib: ctypes.CDLL) -> None:
+        super().__init__(FusedDecoderLayer(layer, lib) for layer in layers)
+        self.lib = lib
+        # Decode-only steps take the one call when every linear has its panel weights (not
+        # on prefill workers), only QKV has a bias (as in Llama) and the norms share an eps.
+        self.one_call = len({n.eps for layer in self for n in _norms(layer)}) == 1 and all(
+            getattr(m, "panel_weight", None) is not None and (m.bias is None or i == 0)
+            for layer in self
+            for i, m in enumerate(_linears(layer))
+        )
+        self._layers_c = None  # the C side's pd_layer[L], built for one set of caches
+        self._caches_key: tuple[int, ...] = ()
+
+    def forward(self, x, cos, sin, caches, meta, on_layer_done=None):
+        if not (self.one_call and not meta.prefills and x.shape[0] <= native.PANEL_M_MAX):
+            return super().forward(x, cos, sin, caches, meta, on_layer_done)
+        layers_c = self._layers_for(caches)
+        first = self[0]
+        attn, mlp = first.self_attn, first.mlp
         m, hidden = x.shape
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         inter = mlp.down_proj.in_features
         scratch = _scratch(self.lib.pd_decode_layer_scratch(m, hidden, h, kvh, d, inter))
-        tables, lens, scores = (
-            meta.decode_block_tables,
-            meta.decode_context_lens,
-            meta.decode_scores,
-        )
-        qkv_bias = attn.qkv_proj.bias
-        rc = self.lib.pd_decode_layer(
-            x.data_ptr(), scratch.data_ptr(), m,
-            self.input_layernorm.weight.data_ptr(), ctypes.addressof(self.weights),
-            qkv_bias.data_ptr() if qkv_bias is not None else None,
-            self.post_attention_layernorm.weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            cache.blocks.data_ptr(),
-            meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
-            tables.data_ptr(), lens.data_ptr(), scores.data_ptr() if scores is not None else None,
-            tables.shape[1], hidden, h, kvh, d, inter, cache.block_size,
-            self.input_layernorm.eps,
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("a decode-layer kernel could not allocate its scratch buffer")
+        tables, lens, scores = meta.decode_block_tables, meta.decode_context_lens, meta.decode_scores
+        # With a hook between layers (layer-wise KV transfer), one call per layer.
+        spans = [(0, len(self))] if on_layer_done is None else [(i, 1) for i in range(len(self))]
+        for start, count in spans:
+            rc = self.lib.pd_decode_layers(
+                x.data_ptr(), scratch.data_ptr(), m,
+                ctypes.addressof(layers_c) + start * ctypes.sizeof(native.PdLayer), count,
+                cos.data_ptr(), sin.data_ptr(),
+                meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
+                tables.data_ptr(), lens.data_ptr(), scores.data_ptr() if scores is not None else None,
+                tables.shape[1], hidden, h, kvh, d, inter, caches[0].block_size,
+                first.input_layernorm.eps,
+            )  # fmt: skip
+            if rc != 0:
+                raise MemoryError("a decode-layer kernel could not allocate its scratch buffer")
+            if on_layer_done is not None:
+                on_layer_done(start)
         return x
+
+    def _layers_for(self, caches: list[LayerCache]):
+        """pd_layer[L] for these caches (rebuilt only if a cache tensor moved)."""
+        key = tuple(c.blocks.data_ptr() for c in caches)
+        if key != self._caches_key:
+            layers_c = (native.PdLayer * len(self))()
+            for c_layer, layer, cache in zip(layers_c, self, caches):
+                bias = layer.self_attn.qkv_proj.bias
+                c_layer.norm1 = layer.input_layernorm.weight.data_ptr()
+                c_layer.norm2 = layer.post_attention_layernorm.weight.data_ptr()
+                c_layer.qkv_bias = bias.data_ptr() if bias is not None else None
+                for j, linear in enumerate(_linears(layer)):
+                    c_layer.w[j] = linear.panel_weight.as_c()
+                c_layer.cache = cache.blocks.data_ptr()
+            self._layers_c, self._caches_key = layers_c, key
+        return self._layers_c
+
+
+def _norms(layer: nn.Module) -> tuple[nn.Module, nn.Module]:
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """QKV, output, gate/up, down: the order of pd_layer.w."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)  # fmt: skip
 
 
 _local = threading.local()
@@ -130,8 +158,6 @@ def can_fuse(model: nn.Module, kv_cache: torch.Tensor) -> bool:
 
 
 def fuse_layers(model: nn.Module, lib: ctypes.CDLL) -> int:
-    """Replace each decoder layer of `model` by a `FusedDecoderLayer`; returns how many."""
-    layers = model.layers
-    for i, layer in enumerate(layers):
-        layers[i] = FusedDecoderLayer(layer, lib)
-    return len(layers)
+    """Replace `model`'s decoder layers by a `FusedLayerStack`; returns how many layers."""
+    model.layers = FusedLayerStack(model.layers, lib)
+    return len(model.layers)

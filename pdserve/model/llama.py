@@ -81,12 +81,24 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class LayerStack(nn.ModuleList):
+    """The decoder layers, run in order. A backend may swap in a stack that runs some steps
+    in fewer calls (cpu_fused.FusedLayerStack); the parameters' names stay `layers.{i}.*`."""
+
+    def forward(self, x, cos, sin, caches, meta, on_layer_done=None):
+        for i, layer in enumerate(self):
+            x = layer(x, cos, sin, caches[i], meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return x
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = LayerStack(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -110,11 +122,7 @@ class LlamaForCausalLM(nn.Module):
         layer-wise KV transfer hooks in here."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions].to(x.dtype), self.rope_sin[positions].to(x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, caches[i], meta)
-            if on_layer_done is not None:
-                on_layer_done(i)
-        return self.norm(x)
+        return self.norm(self.layers(x, cos, sin, caches, meta, on_layer_done))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -105,8 +105,11 @@ def load() -> ctypes.CDLL | None:
     lib.pd_silu_mul.restype = None
     lib.pd_decode_layer_scratch.argtypes = [_i64] * 6
     lib.pd_decode_layer_scratch.restype = _i64
-    lib.pd_decode_layer.argtypes = [_ptr, _ptr, _i64] + [_ptr] * 12 + [_i64] * 7 + [_f32]
-    lib.pd_decode_layer.restype = ctypes.c_int
+    lib.pd_decode_layers.argtypes = [_ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 7 + [_i64] * 7
+    lib.pd_decode_layers.argtypes += [_f32]
+    lib.pd_decode_layers.restype = ctypes.c_int
+    lib.pd_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.pd_argmax_rows.restype = None
     return lib
 
 
@@ -126,6 +129,19 @@ class PdWeight(ctypes.Structure):
     """The C side's `pd_weight`: a packed weight and its format."""
 
     _fields_ = [("data", ctypes.c_void_p), ("codec", ctypes.c_int64)]
+
+
+class PdLayer(ctypes.Structure):
+    """The C side's `pd_layer`: one decoder layer's parameters and KV cache, for
+    `pd_decode_layers`. It holds raw pointers: whoever builds it keeps the tensors alive."""
+
+    _fields_ = [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("w", PdWeight * 4),
+        ("cache", ctypes.c_void_p),
+    ]
 
 
 @dataclass(frozen=True)
@@ -264,3 +280,12 @@ def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, two_i // 2)
     lib.pd_silu_mul(gate_up.data_ptr(), y.data_ptr(), m, two_i // 2)
     return y
+
+
+def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of a contiguous fp32 [M, N], on every thread (NaN and ties as torch)."""
+    x = x.contiguous()
+    m, n = x.shape
+    out = torch.empty(m, dtype=torch.int64)
+    lib.pd_argmax_rows(x.data_ptr(), m, n, out.data_ptr())
+    return out

@@ -6,6 +6,7 @@ not depend on which other requests share the batch, nor on preemption and recomp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +46,15 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow], fallback: torch.Generator) -> list[int]:
-    """logits [B, V] fp32 -> one token id per row."""
-    tokens = logits.argmax(dim=-1)
+def sample(
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    fallback: torch.Generator,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[int]:
+    """logits [B, V] fp32 -> one token id per row. `argmax`, if given, replaces
+    `logits.argmax(-1)` (the native kernels' multi-threaded one on CPU)."""
+    tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     for i, row in enumerate(rows):
         if row.temperature == 0.0:
             continue

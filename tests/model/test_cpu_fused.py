@@ -1,5 +1,7 @@
 """The fused decoder layer (native kernels) equals the PyTorch reference layer."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -43,7 +45,7 @@ def test_native_engine_equals_torch_engine(tiny_model_dir):
         tiny_model_dir, "native", max_num_batched_tokens=24, long_prefill_token_threshold=8
     )
     assert isinstance(fast.runner.model.layers[0], FusedDecoderLayer)
-    assert fast.runner.model.layers[0].one_call  # decode-only steps: one native call a layer
+    assert fast.runner.model.layers.one_call  # decode-only steps: one native call
     slow = engine(tiny_model_dir, "torch")
     assert not isinstance(slow.runner.model.layers[0], FusedDecoderLayer)
     batch = prompts(8, seed=4, lo=3, hi=60)
@@ -55,8 +57,8 @@ def test_native_engine_equals_torch_engine(tiny_model_dir):
 def test_prefill_worker_layers_never_take_the_one_call_path(tiny_model_dir):
     cache = CacheConfig(block_size=4, kv_cache_bytes=1 << 20)
     eng = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir, role="prefill")
-    layer = eng.runner.model.layers[0]
-    assert isinstance(layer, FusedDecoderLayer) and not layer.one_call  # no panel weights
+    layers = eng.runner.model.layers
+    assert isinstance(layers[0], FusedDecoderLayer) and not layers.one_call  # no panel weights
 
 
 def test_fp8_cache_keeps_the_reference_layer(tiny_model_dir):
@@ -64,3 +66,25 @@ def test_fp8_cache_keeps_the_reference_layer(tiny_model_dir):
     eng = Engine(EngineConfig(model="tiny", cache=cache), model_dir=tiny_model_dir)
     assert not isinstance(eng.runner.model.layers[0], FusedDecoderLayer)
     assert run(eng, prompts(2, seed=1))  # and it runs
+
+
+def test_one_call_stack_with_a_layer_hook_equals_without(tiny_model_dir):
+    """With a hook between layers (layer-wise KV transfer) the stack calls C once a layer."""
+    plain, hooked = engine(tiny_model_dir, "native"), engine(tiny_model_dir, "native")
+    stack, seen = hooked.runner.model.layers, []
+    forward = stack.forward
+
+    def with_hook(x, cos, sin, caches, meta, on_layer_done=None):
+        seen.clear()
+        return forward(x, cos, sin, caches, meta, seen.append)
+
+    real, counts = stack.lib, []  # layers per native call
+    stack.lib = SimpleNamespace(
+        pd_decode_layer_scratch=real.pd_decode_layer_scratch,
+        pd_decode_layers=lambda *a: counts.append(a[4]) or real.pd_decode_layers(*a),
+    )
+    stack.forward = with_hook
+    batch = prompts(4, seed=9, lo=3, hi=30)
+    assert run(hooked, batch) == run(plain, batch)
+    assert counts and set(counts) == {1}
+    assert seen == list(range(len(stack)))

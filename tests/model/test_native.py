@@ -126,3 +126,17 @@ def test_rope_qkv_store_equals_rope_then_write():
     )
     torch.testing.assert_close(qkv_out[:, : heads * d].view(t, heads, d), want_q)
     torch.testing.assert_close(blocks, want_blocks)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 49152 + 3])
+def test_argmax_rows_equals_torch_argmax(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g)
+    x[1] = x[1].round()  # ties: the first maximal index wins
+    x[2, n // 2] = float("nan")  # a NaN wins over everything
+    x[3] = float("-inf")
+    x[4, -1] = float("inf")
+    x[5] = 0.0
+    x[5, n - 1] = -0.0  # -0.0 == 0.0: still the first zero
+    x[6, :: max(n // 3, 1)] = float("nan")  # the first NaN
+    assert torch.equal(native.argmax_rows(lib, x), x.argmax(-1))
