@@ -86,7 +86,8 @@ class FusedLayerStack(LayerStack):
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         inter = mlp.down_proj.in_features
         scratch = _scratch(self.lib.pd_decode_layer_scratch(m, hidden, h, kvh, d, inter))
-        tables, lens, scores = meta.decode_block_tables, meta.decode_context_lens, meta.decode_scores
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        scores = meta.decode_scores
         # With a hook between layers (layer-wise KV transfer), one call per layer.
         spans = [(0, len(self))] if on_layer_done is None else [(i, 1) for i in range(len(self))]
         for start, count in spans:
@@ -95,7 +96,7 @@ class FusedLayerStack(LayerStack):
                 ctypes.addressof(layers_c) + start * ctypes.sizeof(native.PdLayer), count,
                 cos.data_ptr(), sin.data_ptr(),
                 meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
-                tables.data_ptr(), lens.data_ptr(), scores.data_ptr() if scores is not None else None,
+                tables.data_ptr(), lens.data_ptr(), None if scores is None else scores.data_ptr(),
                 tables.shape[1], hidden, h, kvh, d, inter, caches[0].block_size,
                 first.input_layernorm.eps,
             )  # fmt: skip

@@ -30,7 +30,9 @@ def test_encode_picks_the_smallest_lossless_format(qtype, codec, n, k):
     assert got == codec
     assert torch.equal(panel_codec.decode(got, data, n, k), w)
     panels = -(-n // 24)
-    assert data.numel() * data.element_size() == panels * k * 24 * panel_codec.BYTES_PER_WEIGHT[codec]
+    assert (
+        data.numel() * data.element_size() == panels * k * 24 * panel_codec.BYTES_PER_WEIGHT[codec]
+    )
 
 
 def test_one_off_grid_weight_keeps_fp32():
