@@ -246,7 +246,8 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache,
     return failed ? -1 : 0;
 }
 
-#define PAR_IF(work) if ((work) > (1 << 16))
+/* Threads only for work that repays waking them (a decode batch of 32, not of 1). */
+#define PAR_IF(work) if ((work) > (1 << 14))
 
 static void rmsnorm_row(const float *x, const float *w, float *y, int64_t D, float eps) {
     __m256 acc = _mm256_setzero_ps();
@@ -529,17 +530,21 @@ typedef struct {
     float *cache;
 } pd_layer;
 
-static int decode_layer(float *x, float *scratch, int64_t M, const pd_layer *l,
-                        const float *cos, const float *sin, const int64_t *slot_blocks,
-                        const int64_t *slot_offsets, const int64_t *tables,
-                        const int64_t *context_lens, float *scores, int64_t max_blocks,
-                        int64_t Dm, int64_t H, int64_t KVH, int64_t D, int64_t I, int64_t BS,
-                        float eps) {
+/* One layer. Its input is x + *pending (the previous layer's MLP output, not yet added:
+ * the add rides along with this layer's first norm), and it leaves its own MLP output in
+ * *pending; the caller adds the last one. */
+static int decode_layer(float *x, const float **pending, float *scratch, int64_t M,
+                        const pd_layer *l, const float *cos, const float *sin,
+                        const int64_t *slot_blocks, const int64_t *slot_offsets,
+                        const int64_t *tables, const int64_t *context_lens, float *scores,
+                        int64_t max_blocks, int64_t Dm, int64_t H, int64_t KVH, int64_t D,
+                        int64_t I, int64_t BS, float eps) {
     int64_t nqkv = (H + 2 * KVH) * D;
     float *y = scratch, *qkv = y + M * Dm, *att = qkv + M * nqkv, *o = att + M * H * D;
     float *gu = o + M * Dm, *act = gu + M * 2 * I;
     const pd_weight *w = l->w;
-    pd_rmsnorm(x, l->norm1, y, M, Dm, eps);
+    if (*pending) pd_add_rmsnorm(x, *pending, l->norm1, y, M, Dm, eps);
+    else pd_rmsnorm(x, l->norm1, y, M, Dm, eps);
     if (pd_linear_panels(y, w[0].data, w[0].codec, l->qkv_bias, qkv, M, nqkv, Dm)) return -1;
     pd_rope_qkv_store(qkv, cos, sin, l->cache, slot_blocks, slot_offsets, M, H, KVH, D, BS);
     if (pd_paged_decode_attn(qkv, nqkv, l->cache, tables, context_lens, att, scores, M, H, KVH,
@@ -550,7 +555,7 @@ static int decode_layer(float *x, float *scratch, int64_t M, const pd_layer *l,
     if (pd_linear_panels(y, w[2].data, w[2].codec, NULL, gu, M, 2 * I, Dm)) return -1;
     pd_silu_mul(gu, act, M, I);
     if (pd_linear_panels(act, w[3].data, w[3].codec, NULL, o, M, Dm, I)) return -1;
-    for (int64_t i = 0; i < M * Dm; i++) x[i] += o[i];
+    *pending = o;
     return 0;
 }
 
@@ -561,10 +566,14 @@ int pd_decode_layers(float *x, float *scratch, int64_t M, const pd_layer *layers
                      const int64_t *slot_offsets, const int64_t *tables,
                      const int64_t *context_lens, float *scores, int64_t max_blocks, int64_t Dm,
                      int64_t H, int64_t KVH, int64_t D, int64_t I, int64_t BS, float eps) {
+    const float *pending = NULL;
     for (int64_t l = 0; l < L; l++)
-        if (decode_layer(x, scratch, M, layers + l, cos, sin, slot_blocks, slot_offsets, tables,
-                         context_lens, scores, max_blocks, Dm, H, KVH, D, I, BS, eps))
+        if (decode_layer(x, &pending, scratch, M, layers + l, cos, sin, slot_blocks,
+                         slot_offsets, tables, context_lens, scores, max_blocks, Dm, H, KVH, D,
+                         I, BS, eps))
             return -1;
+    if (pending)
+        for (int64_t i = 0; i < M * Dm; i++) x[i] += pending[i];
     return 0;
 }
 
