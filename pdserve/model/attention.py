@@ -65,10 +65,11 @@ def decode_tables(
     """Block tables padded to the longest context (padding points at block 0), and the key
     mask that hides padding and the unused tail of each last block."""
     max_blocks = -(-max(context_lens) // block_size)
-    table = torch.zeros(len(block_tables), max_blocks, dtype=torch.long)
-    for i, (blocks, n) in enumerate(zip(block_tables, context_lens)):
+    rows = []
+    for blocks, n in zip(block_tables, context_lens):
         used = -(-n // block_size)
-        table[i, :used] = torch.tensor(blocks[:used], dtype=torch.long)
+        rows.append(blocks[:used] + [0] * (max_blocks - used))
+    table = torch.tensor(rows, dtype=torch.long)  # one tensor, not one per row (~0.3 ms at 32)
     positions = torch.arange(max_blocks * block_size)
     mask = positions.unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
     return table.to(device), mask[None, :, None, :].to(device)
