@@ -1,4 +1,5 @@
-"""The C kernels of `csrc/cpu_kernels.c`: built on first use, loaded with ctypes.
+"""The C kernels of `csrc/` (one file per kernel family, see csrc/kernels.h): built on first
+use into one library, loaded with ctypes.
 
 Why C and not more PyTorch: at decode's shapes PyTorch's CPU paths are bound by things
 other than the hardware. A batch-1 fp32 GEMV in MKL or oneDNN runs on one core (~11 GB/s
@@ -7,7 +8,7 @@ into a dense copy before SDPA reads it again. The kernels read each weight row o
 all threads, and read K/V in place from the paged cache.
 
 Plain C with no PyTorch headers compiles in about a second with the system `gcc`, into
-`<model cache>/_kernels/<hash of source and flags>.so`, once per machine (a different source
+`<model cache>/_kernels/<hash of sources and flags>.so`, once per machine (a different source
 or flags gives a new file; a concurrent build by another process is harmless: each writes a
 temporary file and renames it). It is linked against the OpenMP runtime PyTorch already
 loaded, so both share one thread pool and `torch.set_num_threads`. Without a compiler,
@@ -35,7 +36,7 @@ from pdserve.model.registry import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 PANEL = panel_codec.PANEL
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
@@ -55,9 +56,12 @@ def cpu_supports_avx2() -> bool:
 
 def build(out_dir: Path | None = None) -> Path:
     """Compile the kernels (if not already) and return the shared library's path."""
-    source = SOURCE.read_bytes()
     cc = os.environ.get("CC", "gcc")
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    sources = sorted(CSRC.glob("*.c"))
+    digest = hashlib.sha256(" ".join([cc, *FLAGS]).encode())
+    for path in sorted(CSRC.glob("*.[ch]")):  # the key covers the header too
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    key = digest.hexdigest()[:16]
     out_dir = out_dir or default_cache_dir() / "_kernels"
     lib = out_dir / f"cpu_kernels-{key}.so"
     if lib.exists():
@@ -68,10 +72,10 @@ def build(out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True)
+        subprocess.run([cc, *FLAGS, *map(str, sources), "-o", tmp], check=True, capture_output=True)
         os.replace(tmp, lib)
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"building {SOURCE.name} failed: {e.stderr.decode()[-2000:]}") from e
+        raise RuntimeError(f"building {CSRC} failed: {e.stderr.decode()[-2000:]}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -9,7 +9,7 @@ per weight instead of 4; the native GEMM expands a panel at a time back to fp32 
 Because d is an fp16 value, `d * q` is exact in fp32, so the expanded weights are
 bit-identical to the fp32 ones and every result is unchanged. A matrix is stored compactly
 only if *every* weight round-trips bitwise; anything else (HF checkpoints, trained or
-random weights) keeps the fp32 panels. Block layouts are described in csrc/cpu_kernels.c.
+random weights) keeps the fp32 panels. Block layouts are described in csrc/gemm.c.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+/* ---- the decoder layers of a decode-only step ----------------------------------------
+ * The calls FusedDecoderLayer would make from Python, made here, for every layer at once:
+ * at batch 1 the ~10 Python round trips per layer cost more than the layer's arithmetic
+ * besides its GEMMs, and at batch 32 a ctypes call per layer still costs ~5% of a step.
+ * x [M, Dm] is the residual stream, updated in place; scratch holds the intermediates
+ * (pd_decode_layer_scratch floats). Each layer's four linear weights (QKV, output,
+ * gate/up, down) are panel-packed, each in its format; only QKV may have a bias. Returns
+ * 0, or -1 when a kernel could not allocate its scratch memory. */
+#include "kernels.h"
+
+int64_t pd_decode_layer_scratch(int64_t M, int64_t Dm, int64_t H, int64_t KVH, int64_t D,
+                                int64_t I) {
+    return M * (2 * Dm + (2 * H + 2 * KVH) * D + 3 * I);
+}
+
+typedef struct {
+    const void *data;
+    int64_t codec;
+} pd_weight;
+
+/* One layer's parameters and its KV cache (native.PdLayer). */
+typedef struct {
+    const float *norm1, *norm2, *qkv_bias;
+    pd_weight w[4];
+    float *cache;
+} pd_layer;
+
+/* One layer. Its input is x + *pending (the previous layer's MLP output, not yet added:
+ * the add rides along with this layer's first norm), and it leaves its own MLP output in
+ * *pending; the caller adds the last one. */
+static int decode_layer(float *x, const float **pending, float *scratch, int64_t M,
+                        const pd_layer *l, const float *cos, const float *sin,
+                        const int64_t *slot_blocks, const int64_t *slot_offsets,
+                        const int64_t *tables, const int64_t *context_lens, float *scores,
+                        int64_t max_blocks, int64_t Dm, int64_t H, int64_t KVH, int64_t D,
+                        int64_t I, int64_t BS, float eps) {
+    int64_t nqkv = (H + 2 * KVH) * D;
+    float *y = scratch, *qkv = y + M * Dm, *att = qkv + M * nqkv, *o = att + M * H * D;
+    float *gu = o + M * Dm, *act = gu + M * 2 * I;
+    const pd_weight *w = l->w;
+    if (*pending) pd_add_rmsnorm(x, *pending, l->norm1, y, M, Dm, eps);
+    else pd_rmsnorm(x, l->norm1, y, M, Dm, eps);
+    if (pd_linear_panels(y, w[0].data, w[0].codec, l->qkv_bias, qkv, M, nqkv, Dm)) return -1;
+    pd_rope_qkv_store(qkv, cos, sin, l->cache, slot_blocks, slot_offsets, M, H, KVH, D, BS);
+    if (pd_paged_decode_attn(qkv, nqkv, l->cache, tables, context_lens, att, scores, M, H, KVH,
+                             D, BS, max_blocks, 1.f / sqrtf((float)D)))
+        return -1;
+    if (pd_linear_panels(att, w[1].data, w[1].codec, NULL, o, M, Dm, H * D)) return -1;
+    pd_add_rmsnorm(x, o, l->norm2, y, M, Dm, eps);
+    if (pd_linear_panels(y, w[2].data, w[2].codec, NULL, gu, M, 2 * I, Dm)) return -1;
+    pd_silu_mul(gu, act, M, I);
+    if (pd_linear_panels(act, w[3].data, w[3].codec, NULL, o, M, Dm, I)) return -1;
+    *pending = o;
+    return 0;
+}
+
+/* Layers [0, L) of `layers` in order (the caller passes one at a time when it acts between
+ * layers, e.g. to send each layer's KV as soon as it is written). */
+int pd_decode_layers(float *x, float *scratch, int64_t M, const pd_layer *layers, int64_t L,
+                     const float *cos, const float *sin, const int64_t *slot_blocks,
+                     const int64_t *slot_offsets, const int64_t *tables,
+                     const int64_t *context_lens, float *scores, int64_t max_blocks, int64_t Dm,
+                     int64_t H, int64_t KVH, int64_t D, int64_t I, int64_t BS, float eps) {
+    const float *pending = NULL;
+    for (int64_t l = 0; l < L; l++)
+        if (decode_layer(x, &pending, scratch, M, layers + l, cos, sin, slot_blocks,
+                         slot_offsets, tables, context_lens, scores, max_blocks, Dm, H, KVH, D,
+                         I, BS, eps))
+            return -1;
+    if (pending)
+        for (int64_t i = 0; i < M * Dm; i++) x[i] += pending[i];
+    return 0;
+}
