@@ -107,7 +107,8 @@ class FusedLayerStack(LayerStack):
         return x
 
     def _layers_for(self, caches: list[LayerCache]):
-        """pd_layer[L] for these caches (rebuilt only if a cache tensor moved)."""
+        """pd_layer[L] for these caches (rebuilt only if a cache tensor moved; the
+        parameters and panel weights stay where loading put them)."""
         key = tuple(c.blocks.data_ptr() for c in caches)
         if key != self._caches_key:
             layers_c = (native.PdLayer * len(self))()
