@@ -132,7 +132,10 @@ def test_pdserve_up_then_ctrl_c_leaves_no_process(tiny_served_model, tmp_path):
             assert line or proc.poll() is None, "pdserve up exited early"
         assert _pdserve_children(port), "no worker or router process found"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        # communicate, not wait: it drains the pipe (a full pipe would block the shutdown
+        # logs) and keeps the output for the failure message
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out[-3000:]
         time.sleep(0.5)
         assert _pdserve_children(port) == []
     finally:
