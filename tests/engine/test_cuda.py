@@ -17,12 +17,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 def engine(model_dir, device: str, num_blocks=256, dtype="float32", kv="auto", **sched):
     # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes per token (fp32).
     cache = CacheConfig(block_size=4, kv_cache_bytes=num_blocks * 4 * 512, kv_cache_dtype=kv)
+    # the CPU reference is PyTorch's plain path; on CUDA the default config applies
+    kernels = "torch" if device == "cpu" else "native"
     return Engine(
         EngineConfig(
             model="tiny",
             cache=cache,
             scheduler=SchedulerConfig(**sched),
-            device=DeviceConfig(device=device, dtype=dtype, cpu_kernels="torch"),
+            device=DeviceConfig(device, dtype, cpu_kernels=kernels),
         ),
         model_dir=model_dir,
     )
