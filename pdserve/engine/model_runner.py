@@ -125,7 +125,7 @@ class ModelRunner:
             fuse_layers(self.model, self.kernels)
         self.layer_caches = layer_caches(kv_cache, cache.kv_cache_dtype)
         self._argmax = None
-        if self.kernels is not None and self.device.type == "cpu" and self.dtype == torch.float32:
+        if self.kernels is not None and self.dtype == torch.float32:  # kernels: CPU only
             self._argmax = partial(native.argmax_rows, self.kernels)
         self.block_scores: dict[str, torch.Tensor] = {}  # token dropping, per request
         self.num_blocks = kv_cache.shape[1]

@@ -6,28 +6,18 @@ chunked, preempted and prefix-cached alike. Run on a GPU machine with
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.engine import Engine
+from pdserve.config import DeviceConfig
 from pdserve.sampling_params import SamplingParams
-from tests.engine.test_engine import GREEDY, prompts, run
+from tests.engine.test_engine import GREEDY, make_engine, prompts, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 def engine(model_dir, device: str, num_blocks=256, dtype="float32", kv="auto", **sched):
-    # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes per token (fp32).
-    cache = CacheConfig(block_size=4, kv_cache_bytes=num_blocks * 4 * 512, kv_cache_dtype=kv)
     # the CPU reference is PyTorch's plain path; on CUDA the default config applies
     kernels = "torch" if device == "cpu" else "native"
-    return Engine(
-        EngineConfig(
-            model="tiny",
-            cache=cache,
-            scheduler=SchedulerConfig(**sched),
-            device=DeviceConfig(device, dtype, cpu_kernels=kernels),
-        ),
-        model_dir=model_dir,
-    )
+    config = DeviceConfig(device, dtype, cpu_kernels=kernels)
+    return make_engine(model_dir, num_blocks, device=config, kv_cache_dtype=kv, **sched)
 
 
 def test_engine_runs_on_the_gpu(tiny_model_dir):

@@ -4,18 +4,29 @@ import random
 
 import pytest
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
-def make_engine(model_dir, num_blocks=256, block_size=4, **sched) -> Engine:
-    # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes per token.
-    cache = CacheConfig(block_size=block_size, kv_cache_bytes=num_blocks * block_size * 512)
+def make_engine(
+    model_dir, num_blocks=256, block_size=4, device=None, kv_cache_dtype="auto", **sched
+) -> Engine:
+    # 2 layers * 2 (K,V) * 2 kv heads * 16 dims * 4 bytes = 512 bytes per token (fp32).
+    cache = CacheConfig(
+        block_size=block_size,
+        kv_cache_bytes=num_blocks * block_size * 512,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     return Engine(
-        EngineConfig(model="tiny", cache=cache, scheduler=SchedulerConfig(**sched)),
+        EngineConfig(
+            model="tiny",
+            cache=cache,
+            scheduler=SchedulerConfig(**sched),
+            device=device or DeviceConfig(),
+        ),
         model_dir=model_dir,
     )
 

@@ -5,12 +5,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model import native
 from pdserve.model.cpu_fused import FusedDecoderLayer, fuse_layers
 from pdserve.model.loader import load_model
-from tests.engine.test_engine import prompts, run
+from tests.engine.test_engine import make_engine, prompts, run
 from tests.model.test_llama import our_logits
 
 lib = native.load()
@@ -27,16 +27,7 @@ def test_fused_prefill_logits_equal_reference(tiny_model_dir):
 
 
 def engine(model_dir, kernels: str, **sched) -> Engine:
-    cache = CacheConfig(block_size=4, kv_cache_bytes=256 * 4 * 512)
-    return Engine(
-        EngineConfig(
-            model="tiny",
-            cache=cache,
-            scheduler=SchedulerConfig(**sched),
-            device=DeviceConfig(cpu_kernels=kernels),
-        ),
-        model_dir=model_dir,
-    )
+    return make_engine(model_dir, device=DeviceConfig(cpu_kernels=kernels), **sched)
 
 
 def test_native_engine_equals_torch_engine(tiny_model_dir):
