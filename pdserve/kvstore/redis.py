@@ -1,16 +1,19 @@
-"""L4: a Redis server shared by hosts, through a minimal RESP client of our own.
+"""L4: a Redis server shared by hosts, through redis-py.
 
-Why not the `redis` package: we need five commands (GET, SET, DEL, EXISTS, PING, plus SELECT
-and AUTH on connect), binary values, hard per-call timeouts and our own failure policy; 100
-lines over a socket give exactly that with no new dependency, and every failure mode is one
-code path we can test (any socket/protocol error closes the connection and backs off).
+Failure policy: every call has an overall deadline (`timeout_s`, default 0.25 s) for sending
+the command and reading the whole reply, handshake included. A socket timeout alone bounds
+each socket operation, not the call: a server that trickles a reply, or answers each handshake
+command just in time, would pass them all. So the sockets of this tier's connections set their
+timeout before every send and receive to what is left of the calling thread's deadline. (A
+thread per call with a timed wait would bound the caller too, but the hand-off measured
+~100 us per call on a busy 2-core host, several times a small local GET.) Connecting is bounded by `timeout_s` per address.
+redis-py's own retries are off: one attempt per call.
 
-Failure policy: each socket operation has a short timeout (`timeout_s`, default 0.25 s). A
-failed call closes the connection and marks the tier down for `backoff_s` (doubling per
+A failed call (timeout, connection error) marks the tier down for `backoff_s` (doubling per
 consecutive failure up to `max_backoff_s`); while down every call returns a miss/False at
-once without touching the network, so a dead Redis costs one timeout per backoff period, not
-per call. The first call after the backoff reconnects. Server error replies (e.g. OOM under
-maxmemory with `noeviction`) fail that call only.
+once without touching the network, so a dead or paused Redis costs one deadline per backoff
+period, not per call. The first call after the backoff tries again. Server error replies
+(e.g. OOM under maxmemory with `noeviction`) fail that call only.
 
 Capacity is Redis' job: run it with ``maxmemory <bytes>`` and ``maxmemory-policy
 allkeys-lru`` (Redis evicts approximately-LRU keys itself, so `capacity_bytes` is 0 and this
@@ -25,100 +28,64 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from pdserve.kvstore.base import EntryError, EntryFormat, KVTier, Payload
 
 log = logging.getLogger(__name__)
 
-Arg = bytes | list[Payload]  # a list is sent as one bulk string made of its parts
+_call_deadline = threading.local()  # `at`: time.monotonic() by which this thread's call ends
 
 
-class RespError(Exception):
-    """An error reply from the server; the connection stays usable."""
+class _DeadlineSocket(socket.socket):
+    """A socket whose sends and receives end by the calling thread's deadline, if it has one.
+
+    redis-py's own timeouts (`settimeout`: the socket timeout, or 0 for its "is there data?"
+    polls) are kept when they are shorter than what is left of the deadline.
+    """
+
+    _timeout_s: float | None = None
+
+    def settimeout(self, value: float | None) -> None:
+        self._timeout_s = value
+        super().settimeout(value)
+
+    def _arm(self) -> None:
+        deadline = getattr(_call_deadline, "at", None)
+        timeout = self._timeout_s
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("redis call deadline passed")
+            timeout = left if timeout is None else min(timeout, left)
+        super().settimeout(timeout)
+
+    def recv(self, *args: Any) -> bytes:
+        self._arm()
+        return super().recv(*args)
+
+    def recv_into(self, *args: Any) -> int:
+        self._arm()
+        return super().recv_into(*args)
+
+    def sendall(self, *args: Any) -> None:
+        self._arm()
+        return super().sendall(*args)
 
 
-class RespClient:
-    """One connection, opened lazily; not thread-safe (RedisTier serialises calls)."""
-
-    def __init__(self, host: str, port: int, db: int, password: str | None, timeout_s: float):
-        self.host, self.port, self.db, self.password = host, port, db, password
-        self.timeout_s = timeout_s
-        self._sock: socket.socket | None = None
-        self._rfile = None
-
-    def call(self, *args: Arg):
-        """Send one command and read its reply; any socket or protocol error closes the
-        connection (its state is unknown) and propagates as OSError."""
-        if self._sock is None:
-            self._connect()
-        try:
-            self._send(args)
-            return self._read_reply()
-        except (OSError, ValueError) as e:
-            self.close()
-            raise OSError(f"redis {self.host}:{self.port}: {e or type(e).__name__}") from e
-
-    def _connect(self) -> None:
-        sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock, self._rfile = sock, sock.makefile("rb")
-        try:  # a connection that failed AUTH/SELECT must not serve the wrong database
-            if self.password is not None:
-                self.call(b"AUTH", self.password.encode())
-            if self.db:
-                self.call(b"SELECT", str(self.db).encode())
-        except RespError as e:
-            self.close()
-            raise OSError(f"redis {self.host}:{self.port}: connect: {e}") from e
-
-    def _send(self, args: tuple[Arg, ...]) -> None:
-        buf = bytearray(b"*%d\r\n" % len(args))
-        for arg in args:
-            parts = arg if isinstance(arg, list) else [arg]
-            buf += b"$%d\r\n" % sum(memoryview(p).nbytes for p in parts)
-            for part in parts:
-                if memoryview(part).nbytes < 65536:
-                    buf += part
-                else:  # large payloads go straight from the caller's buffer
-                    self._sock.sendall(buf)
-                    self._sock.sendall(part)
-                    buf = bytearray()
-            buf += b"\r\n"
-        self._sock.sendall(buf)
-
-    def _read_reply(self):
-        line = self._rfile.readline()
-        if not line.endswith(b"\r\n"):
-            raise ConnectionError("connection closed mid-reply")
-        kind, rest = line[:1], line[1:-2]
-        if kind == b"+":
-            return rest
-        if kind == b"-":
-            raise RespError(rest.decode(errors="replace"))
-        if kind == b":":
-            return int(rest)
-        if kind == b"$":
-            n = int(rest)
-            if n < 0:
-                return None
-            data = self._rfile.read(n + 2)
-            if len(data) != n + 2:
-                raise ConnectionError("connection closed mid-value")
-            return data[:-2]
-        if kind == b"*":
-            n = int(rest)
-            return None if n < 0 else [self._read_reply() for _ in range(n)]
-        raise ValueError(f"bad RESP reply type {kind!r}")
-
-    def close(self) -> None:
-        if self._sock is not None:
-            for closeable in (self._rfile, self._sock):
-                try:
-                    closeable.close()
-                except OSError:
-                    pass
-        self._sock = self._rfile = None
+class _DeadlineConnection(redis.Connection):
+    def _connect(self) -> socket.socket:
+        sock = super()._connect()
+        timeout = sock.gettimeout()
+        wrapped = _DeadlineSocket(sock.family, sock.type, sock.proto, sock.detach())
+        wrapped.settimeout(timeout)
+        return wrapped
 
 
 class _Unavailable(Exception):
@@ -126,11 +93,7 @@ class _Unavailable(Exception):
 
 
 class RedisTier(KVTier):
-    """Entries as Redis string values; see the module docstring for capacity and failures.
-
-    Calls share one connection under a lock, so a get may wait behind a writer-thread put
-    (at most `timeout_s` per socket operation); one connection keeps the failure state simple.
-    """
+    """Entries as Redis string values; see the module docstring for capacity and failures."""
 
     def __init__(
         self,
@@ -150,15 +113,27 @@ class RedisTier(KVTier):
         db_text = parts.path.lstrip("/") or "0"
         if not db_text.isdigit():
             raise ValueError(f"redis_url database must be an integer, got {db_text!r} in {url!r}")
-        password = unquote(parts.password) if parts.password else None
         port = parts.port or 6379
         self.url = f"redis://{parts.hostname}:{port}/{db_text}"  # without the password
-        self._client = RespClient(parts.hostname, port, int(db_text), password, timeout_s)
+        pool = redis.ConnectionPool(
+            connection_class=_DeadlineConnection,
+            host=parts.hostname,
+            port=port,
+            db=int(db_text),
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password else None,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            driver_info=None,  # no CLIENT SETINFO round trips on connect
+        )
+        self._client = redis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
         self._prefix = f"pdkv:{namespace or fmt.namespace}:".encode()
-        self._ttl_ms = b"%d" % int(ttl_s * 1000) if ttl_s else None
+        self._ttl_ms = int(ttl_s * 1000) if ttl_s else None
+        self.timeout_s = timeout_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.max_entry_bytes = max_entry_bytes
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the backoff state below
         self._next_backoff_s = backoff_s
         self._down_until = 0.0
         self._skipped = 0
@@ -166,26 +141,32 @@ class RedisTier(KVTier):
     def _key(self, block_hash: int) -> bytes:
         return self._prefix + b"%016x" % (block_hash & 0xFFFF_FFFF_FFFF_FFFF)
 
-    def _call(self, *args: Arg):
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             if time.monotonic() < self._down_until:
                 self._skipped += 1
                 raise _Unavailable
-            try:
-                reply = self._client.call(*args)
-            except RespError as e:
-                log.warning("redis tier: %s: %s", args[0].decode(), e)
-                self._stats.add(errors=1)
-                raise _Unavailable from e
-            except OSError as e:
-                if self._next_backoff_s == self.backoff_s:  # log the transition, not each retry
-                    log.warning("redis tier down (%s); retrying in %.1fs", e, self.backoff_s)
+        _call_deadline.at = time.monotonic() + self.timeout_s
+        try:
+            reply = fn(*args, **kwargs)
+        except redis.ResponseError as e:
+            log.warning("redis tier: %s: %s", fn.__name__, e)
+            self._stats.add(errors=1)
+            raise _Unavailable from e
+        except (redis.RedisError, OSError) as e:
+            with self._lock:
+                if self._next_backoff_s == self.backoff_s:  # log the transition, not retries
+                    log.warning("redis tier %s down (%r); retrying in %.1fs", self.url, e,
+                                self.backoff_s)  # fmt: skip
                 self._down_until = time.monotonic() + self._next_backoff_s
                 self._next_backoff_s = min(2 * self._next_backoff_s, self.max_backoff_s)
-                self._stats.add(errors=1)
-                raise _Unavailable from e
+            self._stats.add(errors=1)
+            raise _Unavailable from e
+        finally:
+            _call_deadline.at = None
+        with self._lock:
             self._next_backoff_s = self.backoff_s
-            return reply
+        return reply
 
     def put(self, block_hash: int, payload: Payload) -> bool:
         header = self.fmt.encode_header(block_hash, payload)
@@ -193,11 +174,8 @@ class RedisTier(KVTier):
         if size > self.max_entry_bytes:
             self._stats.add(rejected_puts=1)
             return False
-        args: list[Arg] = [b"SET", self._key(block_hash), [header, payload]]
-        if self._ttl_ms:
-            args += [b"PX", self._ttl_ms]
         try:
-            self._call(*args)
+            self._call(self._client.set, self._key(block_hash), header + payload, px=self._ttl_ms)
         except _Unavailable:
             self._stats.add(rejected_puts=1)
             return False
@@ -206,7 +184,7 @@ class RedisTier(KVTier):
 
     def get(self, block_hash: int) -> bytes | None:
         try:
-            data = self._call(b"GET", self._key(block_hash))
+            data = self._call(self._client.get, self._key(block_hash))
         except _Unavailable:
             data = None
         if data is None:
@@ -224,19 +202,19 @@ class RedisTier(KVTier):
 
     def contains(self, block_hash: int) -> bool:
         try:
-            return bool(self._call(b"EXISTS", self._key(block_hash)))
+            return bool(self._call(self._client.exists, self._key(block_hash)))
         except _Unavailable:
             return False
 
     def delete(self, block_hash: int) -> bool:
         try:
-            return bool(self._call(b"DEL", self._key(block_hash)))
+            return bool(self._call(self._client.delete, self._key(block_hash)))
         except _Unavailable:
             return False
 
     def ping(self) -> bool:
         try:
-            return self._call(b"PING") == b"PONG"
+            return bool(self._call(self._client.ping))
         except _Unavailable:
             return False
 
@@ -251,5 +229,4 @@ class RedisTier(KVTier):
         }
 
     def close(self) -> None:
-        with self._lock:
-            self._client.close()
+        self._client.close()

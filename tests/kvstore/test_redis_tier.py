@@ -3,14 +3,17 @@ turns every call into a fast miss/False, never an exception."""
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 import time
 
 import pytest
+import redis
 
 from pdserve.kvstore.disk import DiskTier
 from pdserve.kvstore.host import HostTier
-from pdserve.kvstore.redis import RedisTier, RespClient
+from pdserve.kvstore.redis import RedisTier
 from pdserve.kvstore.tiered import TieredStore
 from tests.kvstore.conftest import entry_bytes, free_port, payload
 
@@ -36,13 +39,13 @@ def test_round_trip(fmt, redis_server):
 def test_keys_carry_the_namespace_and_damage_is_a_miss(fmt, redis_server):
     tier = RedisTier(fmt, redis_server.url.replace("/0", "/3"))
     tier.put(7, payload(7))
-    raw = RespClient("127.0.0.1", redis_server.port, 3, None, 1.0)
+    raw = redis.Redis(port=redis_server.port, db=3)
     key = f"pdkv:{fmt.namespace}:{7:016x}".encode()
-    stored = raw.call(b"GET", key)
+    stored = raw.get(key)
     assert fmt.decode(7, stored) == payload(7)
-    raw.call(b"SET", key, stored[:-1])
+    raw.set(key, stored[:-1])
     assert tier.get(7) is None and tier.stats()["corrupt"] == 1
-    assert raw.call(b"EXISTS", key) == 0  # a corrupt entry is deleted
+    assert raw.exists(key) == 0  # a corrupt entry is deleted
     raw.close()
 
 
@@ -74,6 +77,54 @@ def test_server_that_never_answers_times_out_then_backs_off(fmt):
         assert tier.get(1) is None and not tier.put(1, payload(1))
         assert time.monotonic() - start < 0.05  # backing off: no network at all
         assert tier.stats()["errors"] == 1
+
+
+def test_paused_server_costs_one_deadline_per_backoff(fmt, redis_server):
+    tier = RedisTier(fmt, redis_server.url, timeout_s=0.2, backoff_s=0.3)
+    assert tier.put(1, payload(1))  # a pooled connection exists: the pause hits a live one
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert tier.get(1) is None
+        assert 0.15 < time.monotonic() - start < 0.5
+        start = time.monotonic()
+        assert tier.get(1) is None and not tier.put(2, payload(2)) and not tier.contains(1)
+        assert time.monotonic() - start < 0.05  # backing off
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while tier.get(1) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tier.get(1) == payload(1)
+    tier.close()
+
+
+def test_a_reply_trickling_within_socket_timeouts_still_meets_the_deadline(fmt):
+    """Each byte comes well within the socket timeout; only an overall deadline stops it."""
+    stop = threading.Event()
+
+    def serve(listener: socket.socket) -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)  # the GET
+            for byte in b"$1024\r\n" + bytes(1024):
+                if stop.wait(0.05):
+                    return
+                conn.sendall(bytes([byte]))
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", free_port()))
+        listener.listen(8)
+        server = threading.Thread(target=serve, args=(listener,), daemon=True)
+        server.start()
+        tier = RedisTier(fmt, f"redis://127.0.0.1:{listener.getsockname()[1]}/0", timeout_s=0.3)
+        start = time.monotonic()
+        assert tier.get(1) is None
+        assert time.monotonic() - start < 0.45
+        assert tier.stats()["down"] == 1
+        stop.set()
+        server.join(5)
+        tier.close()
 
 
 def test_bad_url_is_a_clear_error(fmt):
