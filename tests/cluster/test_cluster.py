@@ -207,7 +207,9 @@ def _pins(url: str, expected: list[int], timeout_s: float = 15) -> list[int]:
 
 
 def _metric(url: str, name: str, worker: str, extra: str = "") -> int:
-    match = re.search(rf'{name}\{{worker="{worker}"{extra}\}} (\d+)', get_text(url, "/metrics"))
+    """A worker's sample; `extra` holds the labels that sort before `worker` (the exposition
+    lists labels in name order)."""
+    match = re.search(rf'{name}\{{{extra}worker="{worker}"\}} (\d+)', get_text(url, "/metrics"))
     return int(match.group(1)) if match else -1
 
 
@@ -234,5 +236,5 @@ def test_warmup_prompts_are_pinned_on_every_worker_and_hit_at_once(tiny_served_m
         assert "96/100 tokens cached, 96 unpinned" in out.stdout
         assert _pins(url, [0, 0]) == [0, 0]
         assert wait_blocks_free(url) == {w: (256, 256) for w in WORKERS}
-        hit = _metric(url, "pdserve_worker_prompt_tokens_total", WORKERS[0], ',source="cached"')
+        hit = _metric(url, "pdserve_worker_prompt_tokens_total", WORKERS[0], 'source="cached",')
         assert hit == 96

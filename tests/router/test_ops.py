@@ -45,7 +45,7 @@ def test_metrics_expose_named_series(tokenizer_dir: Path, script: list[int]) -> 
             'pdserve_queue_length{worker="c0"} 0',
             'pdserve_kv_blocks_free{worker="c0"} 60',
             'pdserve_kv_blocks_total{worker="c0"} 64',
-            'pdserve_kv_transfer_bytes_total{worker="c0",direction="sent"} 7',
+            'pdserve_kv_transfer_bytes_total{direction="sent",worker="c0"} 7',
             'pdserve_kv_transfer_skipped_blocks_total{worker="c0"} 3',
             'pdserve_requests_total{status="success"} 1',
             "# TYPE pdserve_time_to_first_token_seconds histogram",

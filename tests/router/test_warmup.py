@@ -98,15 +98,15 @@ def test_metrics_show_cache_hits_per_tier_and_tokens(tokenizer_dir: Path, script
         text = requests.get(f"{c.url}/metrics").text
         for line in (
             "# TYPE pdserve_kv_cache_hits_total counter",
-            'pdserve_kv_cache_lookups_total{worker="c0",tier="L1"} 10',
-            'pdserve_kv_cache_hits_total{worker="c0",tier="L1"} 4',
-            'pdserve_kv_cache_lookups_total{worker="c0",tier="L2"} 6',
-            'pdserve_kv_cache_hits_total{worker="c0",tier="L2"} 2',
-            'pdserve_kv_tier_bytes_total{worker="c0",tier="L2",direction="read"} 1030',
-            'pdserve_kv_tier_bytes_total{worker="c0",tier="L1",direction="written"} 1024',
-            'pdserve_kv_tier_moved_bytes_total{worker="c0",src="L2",dst="L3"} 300',
-            'pdserve_worker_prompt_tokens_total{worker="c0",source="cached"} 96',
-            'pdserve_worker_prompt_tokens_total{worker="c0",source="computed"} 70',
+            'pdserve_kv_cache_lookups_total{tier="L1",worker="c0"} 10',
+            'pdserve_kv_cache_hits_total{tier="L1",worker="c0"} 4',
+            'pdserve_kv_cache_lookups_total{tier="L2",worker="c0"} 6',
+            'pdserve_kv_cache_hits_total{tier="L2",worker="c0"} 2',
+            'pdserve_kv_tier_bytes_total{direction="read",tier="L2",worker="c0"} 1030',
+            'pdserve_kv_tier_bytes_total{direction="written",tier="L1",worker="c0"} 1024',
+            'pdserve_kv_tier_moved_bytes_total{dst="L3",src="L2",worker="c0"} 300',
+            'pdserve_worker_prompt_tokens_total{source="cached",worker="c0"} 96',
+            'pdserve_worker_prompt_tokens_total{source="computed",worker="c0"} 70',
             'pdserve_kv_blocks_pinned{worker="c0"} 3',
         ):
             assert line in text, line
