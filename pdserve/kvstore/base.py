@@ -2,8 +2,8 @@
 
 A tier stores *entries*: one KV block, all layers, keyed by its chained block hash (the same
 64-bit hash as the prefix cache, `pdserve.kvcache.hashing`). The payload is opaque bytes here;
-the engine packs it (e.g. ``kv[:, b]`` of one block, ``num_layers * layout.block_bytes``,
-plus FP8 scales when compressed) and says how in ``EntryFormat.extra``.
+the engine stores ``kv[:, b]``, one block of its pool in every layer (``num_layers *
+layout.block_bytes``).
 
 Every stored entry carries a header, so a reader never takes bytes it cannot trust::
 
@@ -66,6 +66,10 @@ class EntryFormat:
 
     `num_blocks` of the KVLayout is left out on purpose: it is the size of one worker's pool,
     not a property of a block, and differs between workers that can share blocks.
+
+    An FP8 pool needs no tag of its own: it is a uint8 tensor whose rows are head_dim E4M3
+    values and a 4-byte scale (model/kv_cache.py), so its `dtype` ("uint8") and `head_dim`
+    (the row width) already differ from any full-precision pool of the same model.
     """
 
     model_id: str
@@ -74,21 +78,19 @@ class EntryFormat:
     block_size: int
     head_dim: int
     dtype: str
-    extra: str = ""  # payload packing beyond the layout, e.g. "fp8-scales-per-block"
 
     @classmethod
-    def from_layout(cls, model_id: str, layout: KVLayout, extra: str = "") -> EntryFormat:
+    def from_layout(cls, model_id: str, layout: KVLayout) -> EntryFormat:
         return cls(
             model_id, layout.num_layers, layout.num_kv_heads, layout.block_size,
-            layout.head_dim, layout.dtype, extra,
+            layout.head_dim, layout.dtype,
         )  # fmt: skip
 
     @property
     def descriptor(self) -> bytes:
         return (
             f"model={self.model_id};layers={self.num_layers};kv_heads={self.num_kv_heads};"
-            f"block_size={self.block_size};head_dim={self.head_dim};dtype={self.dtype};"
-            f"extra={self.extra}"
+            f"block_size={self.block_size};head_dim={self.head_dim};dtype={self.dtype}"
         ).encode()
 
     @property

@@ -6,8 +6,9 @@ each socket operation, not the call: a server that trickles a reply, or answers 
 command just in time, would pass them all. So the sockets of this tier's connections set their
 timeout before every send and receive to what is left of the calling thread's deadline. (A
 thread per call with a timed wait would bound the caller too, but the hand-off measured
-~100 us per call on a busy 2-core host, several times a small local GET.) Connecting is bounded by `timeout_s` per address.
-redis-py's own retries are off: one attempt per call.
+~100 us per call on a busy 2-core host, several times a small local GET.)
+Connecting is bounded by `timeout_s` per address. redis-py's own retries are off: one attempt
+per call.
 
 A failed call (timeout, connection error) marks the tier down for `backoff_s` (doubling per
 consecutive failure up to `max_backoff_s`); while down every call returns a miss/False at

@@ -8,7 +8,10 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.config import CacheConfig, EngineConfig
+from pdserve.engine.engine import Engine
 from pdserve.kvstore.base import HEADER, EntryError, EntryFormat
+from pdserve.kvstore.config import KVStoreConfig
 from pdserve.transfer.layout import KVLayout
 from tests.kvstore.conftest import payload
 
@@ -50,7 +53,7 @@ def test_entry_under_wrong_hash_is_corrupt(fmt):
 
 
 @pytest.mark.parametrize(
-    "change", [{"model_id": "other"}, {"num_layers": 3}, {"dtype": "bfloat16"}, {"extra": "fp8"}]
+    "change", [{"model_id": "other"}, {"num_layers": 3}, {"dtype": "bfloat16"}, {"head_dim": 12}]
 )
 def test_other_format_is_foreign(fmt, change):
     with pytest.raises(EntryError) as e:
@@ -76,3 +79,26 @@ def test_kvstore_imports_without_torch():
         "pdserve.kvstore.redis; print('torch' in sys.modules)"
     )
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
+
+
+@pytest.mark.parametrize("writer, reader", [("fp8", "auto"), ("auto", "fp8")])
+def test_fp8_and_full_precision_pools_refuse_each_others_entries(tiny_model_dir, tmp_path,
+                                                                 writer, reader):  # fmt: skip
+    """The formats the engine derives from its pool: an FP8 pool's (uint8 rows of values and
+    a scale) and a full-precision pool's differ, so even in one place neither takes the
+    other's entries."""
+    fmts = {}
+    for kv_cache_dtype in ("auto", "fp8"):
+        config = EngineConfig(
+            model="tiny",
+            cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 16, kv_cache_dtype=kv_cache_dtype),
+            kvstore=KVStoreConfig(disk_dir=str(tmp_path / kv_cache_dtype), disk_bytes=1 << 20),
+        )
+        engine = Engine(config, tiny_model_dir)
+        fmts[kv_cache_dtype] = engine.offload.store.tiers[0].fmt
+        engine.offload.close()
+    assert (fmts["fp8"].dtype, fmts["fp8"].head_dim) == ("uint8", fmts["auto"].head_dim + 4)
+    assert fmts["fp8"].namespace != fmts["auto"].namespace
+    with pytest.raises(EntryError) as e:
+        fmts[reader].decode(5, fmts[writer].encode(5, payload(5)))
+    assert e.value.kind == "foreign"
