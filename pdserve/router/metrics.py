@@ -81,7 +81,7 @@ class RouterMetrics:
         self.generation_tokens.inc(num_output_tokens)
 
     def render(self, workers: list[dict[str, Any]], num_pending: int) -> str:
-        """The exposition text; `workers` rows hold worker, role, healthy and Stats fields."""
+        """The exposition text; `workers` rows hold worker, healthy and Stats fields."""
         scraped = [
             *worker_families(workers),
             *cache_families(workers),
@@ -94,6 +94,34 @@ class RouterMetrics:
         return (text + generate_latest(self.registry)).decode()
 
 
+# (type, name, help, key of the worker row)
+_PER_WORKER = (
+    ("gauge", "pdserve_worker_healthy", "1 if the worker is live.", "healthy"),
+    ("gauge", "pdserve_queue_length", "Requests waiting.", "num_waiting"),
+    ("gauge", "pdserve_running_requests", "Requests running.", "num_running"),
+    ("gauge", "pdserve_kv_blocks_free", "Free KV blocks.", "num_free_blocks"),
+    ("gauge", "pdserve_kv_blocks_total", "KV blocks.", "num_total_blocks"),
+    ("gauge", "pdserve_router_active_requests",
+     "Requests the router has on the worker now (its own count, not the worker's).",
+     "active_requests"),
+    ("gauge", "pdserve_unacked_releases",
+     "Aborts sent to the worker and not yet acknowledged (Released).", "unacked_releases"),
+    ("counter", "pdserve_kv_transfer_skipped_blocks_total",
+     "Prompt KV blocks a decode worker already held (prefix cache), so not transferred.",
+     "kv_blocks_skipped"),
+    ("gauge", "pdserve_kv_blocks_pinned", "KV blocks pinned by cache warm-up.",
+     "num_pinned_blocks"),
+)  # fmt: skip
+# Counters split by one more label: (name, help, row key pattern, label, its values)
+_PER_WORKER_SPLIT = (
+    ("pdserve_kv_transfer_bytes_total", "KV cache bytes sent/received by the worker.",
+     "kv_bytes_{}", "direction", ("sent", "received")),
+    ("pdserve_worker_prompt_tokens_total",
+     "Prompt tokens a worker prefilled, served from its cache (any tier) or computed.",
+     "num_{}_prompt_tokens", "source", ("cached", "computed")),
+)  # fmt: skip
+
+
 def _family(
     kind: str,
     name: str,
@@ -101,56 +129,30 @@ def _family(
     labels: list[str],
     samples: Iterable[tuple[list[str], float]],
 ) -> Metric:
-    family_class = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-    family = family_class(name, help_text, labels=labels)
+    family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+        name, help_text, labels=labels
+    )
     for values, value in samples:
         family.add_metric(values, value)
     return family
 
 
 def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
-    def per_worker(key: str) -> list[tuple[list[str], float]]:
-        return [([w["worker"]], w[key]) for w in workers]
-
-    def gauge(name: str, help_text: str, key: str) -> Metric:
-        return _family("gauge", name, help_text, ["worker"], per_worker(key))
-
-    return [
-        gauge("pdserve_worker_healthy", "1 if the worker is live.", "healthy"),
-        gauge("pdserve_queue_length", "Requests waiting.", "num_waiting"),
-        gauge("pdserve_running_requests", "Requests running.", "num_running"),
-        gauge("pdserve_kv_blocks_free", "Free KV blocks.", "num_free_blocks"),
-        gauge("pdserve_kv_blocks_total", "KV blocks.", "num_total_blocks"),
-        gauge(
-            "pdserve_router_active_requests",
-            "Requests the router has on the worker now (its own count, not the worker's).",
-            "active_requests",
-        ),
-        gauge(
-            "pdserve_unacked_releases",
-            "Aborts sent to the worker and not yet acknowledged (Released).",
-            "unacked_releases",
-        ),
+    families = [
         _family(
-            "counter",
-            "pdserve_kv_transfer_bytes_total",
-            "KV cache bytes sent/received by the worker.",
-            ["worker", "direction"],
-            [([w["worker"], d], w[f"kv_bytes_{d}"]) for w in workers for d in ("sent", "received")],
-        ),
-        _family(
-            "counter",
-            "pdserve_kv_transfer_skipped_blocks_total",
-            "Prompt KV blocks a decode worker already held (prefix cache), so not transferred.",
-            ["worker"],
-            per_worker("kv_blocks_skipped"),
-        ),
+            kind, name, help_text, ["worker"], [([w["worker"]], w.get(key, 0)) for w in workers]
+        )
+        for kind, name, help_text, key in _PER_WORKER
     ]
+    for name, help_text, key, label, values in _PER_WORKER_SPLIT:
+        samples = [([w["worker"], v], w.get(key.format(v), 0)) for w in workers for v in values]
+        families.append(_family("counter", name, help_text, ["worker", label], samples))
+    return families
 
 
 def cache_families(workers: list[dict[str, Any]]) -> list[Metric]:
-    """Prefix-cache families per worker and tier (L1 the worker's pool, L2 host DRAM, L3 disk,
-    L4 Redis): hit rate = hits_total / lookups_total, both in blocks."""
+    """Prefix-cache counters per worker and tier (L1 the worker's pool, L2 host DRAM, L3 disk,
+    L4 Redis; engine/cache_stats.py): hit rate = hits_total / lookups_total, both in blocks."""
 
     def per_tier(key: str) -> list[tuple[list[str], float]]:
         return [
@@ -159,62 +161,24 @@ def cache_families(workers: list[dict[str, Any]]) -> list[Metric]:
             for tier, counts in sorted(w.get("kv_tiers", {}).items())
         ]
 
-    def per_worker(key: str) -> list[tuple[list[str], float]]:
-        return [([w["worker"]], w.get(key, 0)) for w in workers]
-
-    return [
-        _family(
-            "counter",
-            "pdserve_kv_cache_lookups_total",
-            "Prompt blocks looked up in the tier (L2 and below: what the tiers above missed).",
-            ["worker", "tier"],
-            per_tier("lookups"),
-        ),
-        _family(
-            "counter",
-            "pdserve_kv_cache_hits_total",
-            "Prompt blocks found in the tier.",
-            ["worker", "tier"],
-            per_tier("hits"),
-        ),
-        _family(
-            "counter",
-            "pdserve_kv_tier_bytes_total",
-            "Bytes read from / written to the tier (L1: copied down from / loaded into the pool).",
-            ["worker", "tier", "direction"],
-            [
-                ([*labels, d], value)
-                for d in ("read", "written")
-                for labels, value in per_tier(f"bytes_{d}")
-            ],
-        ),
-        _family(
-            "counter",
-            "pdserve_kv_tier_moved_bytes_total",
-            "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
-            ["worker", "src", "dst"],
-            [
-                ([w["worker"], *path.split("->", 1)], num_bytes)
-                for w in workers
-                for path, num_bytes in sorted(w.get("kv_moved_bytes", {}).items())
-            ],
-        ),
-        _family(
-            "counter",
-            "pdserve_worker_prompt_tokens_total",
-            "Prompt tokens a worker prefilled, served from its cache (any tier) or computed.",
-            ["worker", "source"],
-            [
-                ([*labels, source], value)
-                for source in ("cached", "computed")
-                for labels, value in per_worker(f"num_{source}_prompt_tokens")
-            ],
-        ),
-        _family(
-            "gauge",
-            "pdserve_kv_blocks_pinned",
-            "KV blocks pinned by cache warm-up.",
-            ["worker"],
-            per_worker("num_pinned_blocks"),
-        ),
+    tier_bytes = [
+        ([*labels, d], n) for d in ("read", "written") for labels, n in per_tier(f"bytes_{d}")
     ]
+    moved = [
+        ([w["worker"], *path.split("->", 1)], num_bytes)
+        for w in workers
+        for path, num_bytes in sorted(w.get("kv_moved_bytes", {}).items())
+    ]
+    return [
+        _family("counter", "pdserve_kv_cache_lookups_total",
+                "Prompt blocks looked up in the tier (L2 and below: what the tiers above missed).",
+                ["worker", "tier"], per_tier("lookups")),
+        _family("counter", "pdserve_kv_cache_hits_total", "Prompt blocks found in the tier.",
+                ["worker", "tier"], per_tier("hits")),
+        _family("counter", "pdserve_kv_tier_bytes_total",
+                "Bytes read from / written to the tier (L1: copied down from / loaded into the "
+                "pool).", ["worker", "tier", "direction"], tier_bytes),
+        _family("counter", "pdserve_kv_tier_moved_bytes_total",
+                "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
+                ["worker", "src", "dst"], moved),
+    ]  # fmt: skip
