@@ -125,10 +125,10 @@ class RedisTier(KVTier):
             password=unquote(parts.password) if parts.password else None,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 0),  # one attempt: the deadline bounds the call
             driver_info=None,  # no CLIENT SETINFO round trips on connect
         )
-        self._client = redis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
+        self._client = redis.Redis(connection_pool=pool)
         self._prefix = f"pdkv:{namespace or fmt.namespace}:".encode()
         self._ttl_ms = int(ttl_s * 1000) if ttl_s else None
         self.timeout_s = timeout_s
