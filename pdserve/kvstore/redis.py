@@ -126,7 +126,6 @@ class RedisTier(KVTier):
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # one attempt: the deadline bounds the call
-            driver_info=None,  # no CLIENT SETINFO round trips on connect
         )
         self._client = redis.Redis(connection_pool=pool)
         self._prefix = f"pdkv:{namespace or fmt.namespace}:".encode()
