@@ -1,4 +1,4 @@
-"""KV transfer between prefill and decode workers (DESIGN.md section 4).
+"""KV transfer between prefill and decode workers (docs/transfer.md).
 
 Torch-free names are exported here; backends load lazily through ``registry``.
 """
@@ -6,10 +6,11 @@ Torch-free names are exported here; backends load lazily through ``registry``.
 from pdserve.transfer.bandwidth import parse_bandwidth
 from pdserve.transfer.base import KVReceiver, KVSender, TransferStatus
 from pdserve.transfer.layout import KVLayout, coalesce_runs
-from pdserve.transfer.registry import BACKENDS, make_receiver, make_sender
+from pdserve.transfer.registry import BACKENDS, TRANSFER_MODES, make_receiver, make_sender
 
 __all__ = [
     "BACKENDS",
+    "TRANSFER_MODES",
     "KVLayout",
     "KVReceiver",
     "KVSender",

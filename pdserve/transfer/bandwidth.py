@@ -3,6 +3,11 @@
 The cap emulates a slower link (to study transfer cost at 1/10/100 Gbit/s on one machine)
 and keeps a prefill worker from starving others on a shared NIC. The sender paces in
 chunks of at most 1 MiB, so a long transfer is smooth rather than one burst and one sleep.
+
+The burst is 64 KiB, well under one layer of a request: a layer-wise transfer idles while
+the next layer computes, so a bucket refilled to a larger burst (1 MiB held a whole
+256-token SmolLM2 layer, 384 KiB) would let the last layer through unpaced and hide the
+cap's cost in exactly the tail that layer-wise transfer measures (docs/transfer.md).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import re
 import threading
 import time
 
+BURST_BYTES = 64 << 10
 _PREFIX = {"G": 1e9, "M": 1e6, "K": 1e3, "k": 1e3, "g": 1e9, "m": 1e6, "": 1.0}
 _PATTERN = re.compile(
     r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([GMKgmk]?)(bit|bps|B)(?:/s)?\s*$"
@@ -52,7 +58,7 @@ class TokenBucket:
     (N - burst_bits) / rate seconds even after an idle period.
     """
 
-    def __init__(self, rate_bps: float, burst_bits: float = 8 * (64 << 10)) -> None:
+    def __init__(self, rate_bps: float, burst_bits: float = 8 * BURST_BYTES) -> None:
         if not rate_bps > 0:
             raise ValueError(f"rate_bps must be positive, got {rate_bps}")
         self.rate_bps = float(rate_bps)

@@ -19,20 +19,20 @@ from typing import Any
 
 import torch
 
-from pdserve.transfer import protocol as P
-from pdserve.transfer.auth import check_secret
+from pdserve.transfer import wire
 from pdserve.transfer.base import Finished, KVReceiver, TransferStatus
-from pdserve.transfer.buffer_pool import DEFAULT_BUFFER_BYTES, DEFAULT_POOL_BYTES, BufferPool
+from pdserve.transfer.buffers import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_POOL_BYTES,
+    BufferPool,
+    block_bytes_view,
+)
 from pdserve.transfer.layout import KVLayout, check_kv_tensor
 from pdserve.transfer.reservations import Reservation, ReservationTable
-from pdserve.transfer.server import Conn, FrameServer
+from pdserve.transfer.shm import unlink_shared_kv
+from pdserve.transfer.wire import Conn, FrameServer
 
 log = logging.getLogger(__name__)
-
-
-def block_bytes_view(kv: torch.Tensor, layer: int, start: int, num_blocks: int) -> torch.Tensor:
-    """The bytes of blocks ``start..start+num_blocks-1`` of ``layer``, as a uint8 view."""
-    return kv[layer, start : start + num_blocks].reshape(-1).view(torch.uint8)
 
 
 class SocketKVReceiver(KVReceiver):
@@ -56,7 +56,7 @@ class SocketKVReceiver(KVReceiver):
         check_kv_tensor(kv, layout)
         if "shm" in backends and shm_name is None:
             raise ValueError("the shm backend needs the receiver's kv in shared memory")
-        self.kv, self.layout, self._secret = kv, layout, check_secret(secret)
+        self.kv, self.layout, self._secret = kv, layout, wire.check_secret(secret)
         self.backends, self.shm_name = tuple(backends), shm_name
         self._unlink_shm = unlink_shm_on_close and shm_name is not None
         # Frames carry whole blocks, so a staging buffer must hold at least one block.
@@ -80,7 +80,7 @@ class SocketKVReceiver(KVReceiver):
             "port": self._server.port,
             "shm_name": self.shm_name,
             "layout": self.layout.to_dict(),
-            "host_id": P.host_identity(),
+            "host_id": wire.host_identity(),
             "max_frame_bytes": self.pool.buffer_bytes,
         }
 
@@ -108,8 +108,6 @@ class SocketKVReceiver(KVReceiver):
             return
         self._server.close()
         if self._unlink_shm:
-            from pdserve.transfer.shm import unlink_shared_kv
-
             unlink_shared_kv(self.shm_name)
 
     # -- connections -----------------------------------------------------------------------
@@ -122,16 +120,16 @@ class SocketKVReceiver(KVReceiver):
         if conn.hello_done:
             self._dispatch(conn, header)
             return
-        if header["type"] != P.HELLO:
-            raise P.ProtocolError("expected a hello frame first")
+        if header["type"] != wire.HELLO:
+            raise wire.ProtocolError("expected a hello frame first")
         theirs = header.get("layout")
         if not isinstance(theirs, dict) or _block_format(theirs) != self.layout.block_format():
             ours, theirs = self.layout.to_dict(), header.get("layout")
             error = f"layout mismatch: receiver has {ours}, sender {theirs}"
-            conn.reply({"type": P.HELLO_OK, "error": error})
-            raise P.ProtocolError("sender layout differs from the receiver's")
+            conn.reply({"type": wire.HELLO_OK, "error": error})
+            raise wire.ProtocolError("sender layout differs from the receiver's")
         conn.hello_done = True
-        conn.reply({"type": P.HELLO_OK})
+        conn.reply({"type": wire.HELLO_OK})
 
     def _drop(self, conn: Conn, reason: str) -> None:
         for request_id, num_leases in conn.leases.items():
@@ -145,35 +143,35 @@ class SocketKVReceiver(KVReceiver):
 
     def _dispatch(self, conn: Conn, header: dict[str, Any]) -> None:
         kind = header["type"]
-        if kind == P.DATA:
+        if kind == wire.DATA:
             self._on_data(conn, header)
-        elif kind == P.LEASE:
+        elif kind == wire.LEASE:
             self._on_lease(conn, header)
-        elif kind == P.LEASE_END:
-            request_id = P.str_field(header, "request_id")
+        elif kind == wire.LEASE_END:
+            request_id = wire.str_field(header, "request_id")
             if conn.leases.get(request_id):
                 conn.leases[request_id] -= 1
                 req = self.table.get(request_id)
                 if req is not None:
                     self._end_lease(req, 1)
-        elif kind == P.DONE:
-            request_id = P.str_field(header, "request_id")
+        elif kind == wire.DONE:
+            request_id = wire.str_field(header, "request_id")
             req = self.table.get(request_id)
             error = (
-                self.table.finish(req, P.int_field(header, "num_frames"))
+                self.table.finish(req, wire.int_field(header, "num_frames"))
                 if req
                 else "unknown request"
             )
             if error is None:
-                conn.reply({"type": P.ACK, "request_id": request_id})
+                conn.reply({"type": wire.ACK, "request_id": request_id})
             else:
                 self._reject(conn, request_id, req, error)
-        elif kind == P.ABORT:
-            req = self.table.get(P.str_field(header, "request_id"))
+        elif kind == wire.ABORT:
+            req = self.table.get(wire.str_field(header, "request_id"))
             if req is not None:
                 self.table.fail(req, "aborted by sender")
         else:
-            raise P.ProtocolError(f"unknown frame type {kind!r}")
+            raise wire.ProtocolError(f"unknown frame type {kind!r}")
 
     def _reject(self, conn: Conn, request_id: str, req: Reservation | None, error: str) -> None:
         """Fail the request (if live) and tell this sender once; memory is not touched."""
@@ -182,7 +180,7 @@ class SocketKVReceiver(KVReceiver):
             self.table.fail(req, error)
         if request_id not in conn.told_failed:
             conn.told_failed.add(request_id)
-            conn.reply({"type": P.FAILED, "request_id": request_id, "error": error})
+            conn.reply({"type": wire.FAILED, "request_id": request_id, "error": error})
 
     # -- data ------------------------------------------------------------------------------
 
@@ -192,13 +190,13 @@ class SocketKVReceiver(KVReceiver):
             view = memoryview(buf.numpy())
             while nbytes > 0:
                 k = min(nbytes, len(view))
-                P.recv_exact_into(conn.sock, view[:k])
+                wire.recv_exact_into(conn.sock, view[:k])
                 nbytes -= k
 
     def _on_data(self, conn: Conn, header: dict[str, Any]) -> None:
-        request_id = P.str_field(header, "request_id")
-        layer, dst_start = P.int_field(header, "layer"), P.int_field(header, "dst_start")
-        num_blocks, nbytes = P.int_field(header, "num_blocks"), P.int_field(header, "nbytes")
+        request_id = wire.str_field(header, "request_id")
+        layer, dst_start = wire.int_field(header, "layer"), wire.int_field(header, "dst_start")
+        num_blocks, nbytes = wire.int_field(header, "num_blocks"), wire.int_field(header, "nbytes")
         crc, written = header.get("crc32"), header.get("written", False) is True
         req, error = self.table.check_write(request_id, layer, dst_start, num_blocks)
         if req is not None and error is None:
@@ -229,7 +227,7 @@ class SocketKVReceiver(KVReceiver):
         else:
             with self.pool.borrow() as buf:
                 staged = buf[:nbytes]
-                P.recv_exact_into(conn.sock, memoryview(staged.numpy()))
+                wire.recv_exact_into(conn.sock, memoryview(staged.numpy()))
                 if crc is not None and zlib.crc32(staged.numpy()) != crc:
                     error = f"checksum mismatch in request {request_id!r} layer {layer}"
                 else:
@@ -257,7 +255,7 @@ class SocketKVReceiver(KVReceiver):
         return None
 
     def _on_lease(self, conn: Conn, header: dict[str, Any]) -> None:
-        request_id = P.str_field(header, "request_id")
+        request_id = wire.str_field(header, "request_id")
         writes = header.get("writes")
         req, error = self.table.get(request_id), None
         if req is None or not req.live:
@@ -265,13 +263,13 @@ class SocketKVReceiver(KVReceiver):
         if "shm" not in self.backends:
             error = "this receiver does not offer shm"
         if not isinstance(writes, list) or not writes:
-            raise P.ProtocolError("lease field 'writes' must be a non-empty list")
+            raise wire.ProtocolError("lease field 'writes' must be a non-empty list")
         for write in writes:
             if error is not None:
                 break
             ok = isinstance(write, list) and len(write) == 3
             if not ok or not all(type(x) is int and x >= 0 for x in write):
-                raise P.ProtocolError(f"lease write must be [layer, dst_start, n]: {write!r}")
+                raise wire.ProtocolError(f"lease write must be [layer, dst_start, n]: {write!r}")
             _, error = self.table.check_write(request_id, *write)
         if error is None:
             assert req is not None
@@ -284,9 +282,9 @@ class SocketKVReceiver(KVReceiver):
                     error = f"request {request_id!r} released or finished; lease refused"
         if error is not None:
             self._reject(conn, request_id, req, error)
-            conn.reply({"type": P.LEASE_OK, "request_id": request_id, "error": error})
+            conn.reply({"type": wire.LEASE_OK, "request_id": request_id, "error": error})
             return
-        conn.reply({"type": P.LEASE_OK, "request_id": request_id, "block_ids": req.block_ids})
+        conn.reply({"type": wire.LEASE_OK, "request_id": request_id, "block_ids": req.block_ids})
 
     def _end_lease(self, req: Reservation, num_leases: int) -> None:
         with req.cond:

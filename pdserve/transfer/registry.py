@@ -1,5 +1,6 @@
-"""Backend selection by name. Backends import lazily, so unused ones cost nothing.
+"""Backend and mode names, and the factories that build a receiver or sender by name.
 
+Backends import lazily, so the control plane (which validates names) never loads torch.
 ``auto`` on the receiver offers shm when its kv lives in shared memory (``create_shared_kv``)
 and always tcp; on the sender it picks shm per peer when the peer offers it and shares this
 host (hostname + boot id), else tcp.
@@ -13,6 +14,9 @@ from pdserve.transfer.base import KVReceiver, KVSender
 from pdserve.transfer.layout import KVLayout
 
 BACKENDS = ("auto", "shm", "tcp")
+# layerwise: one send per layer as the prefill computes it (transfer overlaps compute);
+# full: one send of every layer after the prefill's last chunk.
+TRANSFER_MODES = ("layerwise", "full")
 
 
 def _check(backend: str) -> None:
@@ -28,11 +32,10 @@ def make_receiver(
     the segment on close."""
     _check(backend)
     from pdserve.transfer.receiver import SocketKVReceiver
+    from pdserve.transfer.shm import shared_kv_name
 
     shm_name = opts.pop("shm_name", None)
     if backend in ("auto", "shm") and shm_name is None:
-        from pdserve.transfer.shm import shared_kv_name
-
         shm_name = shared_kv_name(kv)
     if backend == "shm" and shm_name is None:
         raise ValueError("backend 'shm' needs kv allocated with create_shared_kv(layout)")
@@ -47,7 +50,7 @@ def make_receiver(
 
 def make_sender(backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any) -> KVSender:
     """A sender using ``backend``; ``opts`` go to ``SocketKVSender`` (bandwidth_bps,
-    pool_bytes, buffer_bytes, checksum, ...)."""
+    pool_bytes, buffer_bytes, checksum, stage, make_writer, ...)."""
     _check(backend)
     from pdserve.transfer.sender import SocketKVSender
 

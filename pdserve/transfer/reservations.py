@@ -11,10 +11,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from pdserve.transfer.base import Finished, TransferStatus
+from pdserve.transfer.base import TERMINAL, Finished, TransferStatus
 from pdserve.transfer.layout import KVLayout
-
-TERMINAL = (TransferStatus.DONE, TransferStatus.FAILED)
 
 
 @dataclass(eq=False)

@@ -3,7 +3,8 @@
 ``send`` only validates and enqueues, so the engine goes on computing the next layer while
 a worker thread moves this one. One worker per receiver keeps a request's sends in call
 order (one request has one receiver) and lets a slow receiver hold up only its own requests.
-The data path per receiver is tcp (``tcp.py``) or shm (``shm.py``), chosen once per peer.
+The data path per receiver is a ``BlockWriter`` (``tcp.py`` or ``shm.py``) that
+``make_writer`` builds for each connection from an explicit ``WriteContext``.
 """
 
 from __future__ import annotations
@@ -12,28 +13,76 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pdserve.transfer import faults
-from pdserve.transfer import protocol as P
-from pdserve.transfer.auth import check_secret
+from pdserve.transfer import wire
 from pdserve.transfer.bandwidth import TokenBucket, parse_bandwidth
-from pdserve.transfer.base import Finished, KVSender, TransferStatus
-from pdserve.transfer.buffer_pool import DEFAULT_BUFFER_BYTES, DEFAULT_POOL_BYTES, BufferPool
+from pdserve.transfer.base import (
+    TERMINAL,
+    BlockWriter,
+    Finished,
+    KVSender,
+    Run,
+    TransferStatus,
+    WriteContext,
+)
+from pdserve.transfer.buffers import DEFAULT_BUFFER_BYTES, DEFAULT_POOL_BYTES, BufferPool
 from pdserve.transfer.layout import KVLayout, check_kv_tensor, coalesce_runs
-from pdserve.transfer.peer import PeerConnection, TransferError
-from pdserve.transfer.send_state import Job, PeerInfo, SendState, validate_send
+from pdserve.transfer.peer import PeerConnection, PeerInfo, check_send
+from pdserve.transfer.shm import ShmWriter, open_shared_kv
+from pdserve.transfer.tcp import TcpWriter
+from pdserve.transfer.wire import TransferError
 
 log = logging.getLogger(__name__)
 
-TERMINAL = (TransferStatus.DONE, TransferStatus.FAILED)
 CHUNK_BYTES = 1 << 20  # pacing and tcp frame granularity
 MAX_RECENT = 1024
 
 
+def open_writer(ctx: WriteContext) -> BlockWriter:
+    """The default ``make_writer``: shm when the receiver's pool is mapped here, else tcp."""
+    return ShmWriter(ctx) if ctx.remote_kv is not None else TcpWriter(ctx)
+
+
+@dataclass(eq=False)
+class SendState:
+    request_id: str
+    peer_key: tuple[str, int]
+    status: TransferStatus = TransferStatus.WAITING
+    error: str | None = None
+    pending: int = 0  # queued or running jobs; source blocks are read until this is 0
+    last_sent: bool = False
+    reported: bool = False
+    conn: PeerConnection | None = None
+    num_writes: int = 0
+    num_frames: int = 0
+    bytes_sent: int = 0
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "status": self.status.value,
+            "num_writes": self.num_writes,
+            "num_frames": self.num_frames,
+            "bytes_sent": self.bytes_sent,
+        }
+
+
+@dataclass
+class Job:
+    state: SendState | None
+    layers: list[int]
+    runs: list[Run]
+    last: bool
+    abort_request_id: str | None = None
+
+
 class SocketKVSender(KVSender):
+    """Construct through ``registry.make_sender``, which checks ``backend``."""
+
     def __init__(
         self,
         kv: torch.Tensor,
@@ -48,17 +97,17 @@ class SocketKVSender(KVSender):
         stage: bool | None = None,
         connect_timeout_s: float = 5.0,
         lease_timeout_s: float = 10.0,
+        make_writer: Callable[[WriteContext], BlockWriter] = open_writer,
     ) -> None:
         """``checksum`` None means on for tcp, off for shm (a local memcpy has nothing to
         catch); ``stage`` None means stage through the buffer pool only when kv is not in
-        host memory (device -> host copies in GPU backends)."""
+        host memory (device -> host copies in GPU backends). ``make_writer`` builds the
+        data path of each new connection (tests wrap it to inject faults)."""
         check_kv_tensor(kv, layout)
-        if backend not in ("auto", "tcp", "shm"):
-            raise ValueError(f"unknown sender backend {backend!r}; choose auto, tcp or shm")
-        self.kv, self.layout, self._secret = kv, layout, check_secret(secret)
-        self.backend = backend
+        self.kv, self.layout, self._secret = kv, layout, wire.check_secret(secret)
+        self.backend, self.make_writer = backend, make_writer
         rate = parse_bandwidth(bandwidth_bps)
-        self.bucket = TokenBucket(rate, burst_bits=8 * CHUNK_BYTES) if rate else None
+        self.bucket = TokenBucket(rate) if rate else None
         self.checksum = checksum
         self.chunk_bytes = max(CHUNK_BYTES, layout.block_bytes)
         if stage is None:
@@ -87,7 +136,9 @@ class SocketKVSender(KVSender):
         dst_block_ids: list[int],
         last: bool,
     ) -> None:
-        info = validate_send(self, peer, request_id, layers, src_block_ids, dst_block_ids)
+        info = check_send(
+            self.layout, self.backend, peer, request_id, layers, src_block_ids, dst_block_ids
+        )
         runs = coalesce_runs(src_block_ids, dst_block_ids)
         with self._lock:
             if self.closing:
@@ -136,7 +187,7 @@ class SocketKVSender(KVSender):
             states = list(self._ended.values()) + list(self._requests.values())
             requests = {s.request_id: s.counts() for s in states}
             peers = {
-                f"{h}:{p}": w.path.name if w.path else None for (h, p), w in self._peers.items()
+                f"{h}:{p}": w.writer.name if w.writer else None for (h, p), w in self._peers.items()
             }
             return {**self._totals, "requests": requests, "peers": peers}
 
@@ -153,19 +204,41 @@ class SocketKVSender(KVSender):
         for state in states:
             self.fail(state, "sender closed")
 
-    # -- called by worker and reader threads -----------------------------------------------
+    # -- called by worker threads, writers and connection readers ---------------------------
 
-    def should_stop(self, state: SendState) -> bool:
-        return self.closing or state.status in TERMINAL
-
-    def account(self, state: SendState, writes: int = 0, frames: int = 0, nbytes: int = 0) -> None:
+    def stopped(self, request_id: str) -> bool:
+        """True once the request is terminal or the sender closes; a request being written
+        stays in ``_requests`` (its job is pending), so the lookup finds it."""
         with self._lock:
-            state.num_writes += writes
-            state.num_frames += frames
-            state.bytes_sent += nbytes
+            state = self._requests.get(request_id)
+        return self.closing or state is None or state.status in TERMINAL
+
+    def account(self, request_id: str, writes: int, frames: int, nbytes: int) -> None:
+        with self._lock:
+            state = self._requests.get(request_id)
+            if state is not None:
+                state.num_writes += writes
+                state.num_frames += frames
+                state.bytes_sent += nbytes
             self._totals["num_writes"] += writes
             self._totals["num_frames"] += frames
             self._totals["bytes_sent"] += nbytes
+
+    def write_context(self, conn: PeerConnection, info: PeerInfo, remote_kv: Any) -> WriteContext:
+        return WriteContext(
+            kv=self.kv,
+            layout=self.layout,
+            conn=conn,
+            remote_kv=remote_kv,
+            max_frame_bytes=info.max_frame_bytes,
+            chunk_bytes=self.chunk_bytes,
+            bucket=self.bucket,
+            staging=self.pool,
+            checksum=self.checksum,
+            lease_timeout_s=self.lease_timeout_s,
+            stopped=self.stopped,
+            account=self.account,
+        )
 
     def fail(self, state: SendState, error: str) -> bool:
         with self._lock:
@@ -207,12 +280,12 @@ class SocketKVSender(KVSender):
             state = self._requests.get(request_id)
         if state is None:
             return
-        if header["type"] == P.ACK:
+        if header["type"] == wire.ACK:
             with self._lock:
                 if state.status not in TERMINAL:
                     state.status = TransferStatus.DONE
                     self._maybe_report(state)
-        elif header["type"] == P.FAILED:
+        elif header["type"] == wire.FAILED:
             self.fail(state, f"receiver rejected: {header.get('error')}")
 
     def on_lost(self, conn: PeerConnection, reason: str) -> None:
@@ -229,8 +302,8 @@ class _PeerWorker:
         self.sender, self.info = sender, info
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self.conn: PeerConnection | None = None
-        self.path: Any = None
-        self._remote_kv: torch.Tensor | None = None
+        self.writer: BlockWriter | None = None
+        self._remote_kv: torch.Tensor | None = None  # mapped once, kept across reconnects
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.name = f"kv-tx-{info.key[0]}:{info.key[1]}"
         self._thread.start()
@@ -241,8 +314,6 @@ class _PeerWorker:
             *info.key, s._secret, s.layout, s.on_message, s.on_lost, s.connect_timeout_s
         )
         if info.use_shm and self._remote_kv is None:
-            from pdserve.transfer.shm import open_shared_kv
-
             try:
                 self._remote_kv = open_shared_kv(info.shm_name, info.layout)
             except (OSError, ValueError) as e:
@@ -250,14 +321,8 @@ class _PeerWorker:
                     raise TransferError(f"cannot map receiver shm {info.shm_name!r}: {e}") from e
                 log.warning("shm unavailable (%s); falling back to tcp", e)
                 info.use_shm = False
-        if info.use_shm:
-            from pdserve.transfer.shm import ShmPath
-
-            self.path = ShmPath(s, self.conn, self._remote_kv)
-        else:
-            from pdserve.transfer.tcp import TcpPath
-
-            self.path = TcpPath(s, self.conn, info.max_frame_bytes)
+        remote_kv = self._remote_kv if info.use_shm else None
+        self.writer = s.make_writer(s.write_context(self.conn, info, remote_kv))
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
@@ -267,22 +332,14 @@ class _PeerWorker:
             state = job.state
             assert state is not None
             try:
-                if not self.sender.should_stop(state):
+                if not self.sender.stopped(state.request_id):
                     if self.conn is None or not self.conn.alive:
                         self._connect()
-                    assert self.conn is not None
+                    assert self.conn is not None and self.writer is not None
                     self.sender.job_started(state, self.conn)
-                    layers, injected = job.layers, None
-                    if faults.FAULT_FILE is not None:  # test-only hook, see faults.py
-                        state.fault = state.fault or faults.claim()
-                        layers, injected = faults.layers_to_send(state.fault, layers)
-                    self.path.write(state, layers, job.runs)
-                    if injected:
-                        raise TransferError(injected)
-                    dropped = state.fault is not None and state.fault.kind == "drop_done"
-                    if job.last and not dropped and not self.sender.should_stop(state):
-                        frames = {"num_frames": state.num_frames}
-                        self.conn.send({"type": P.DONE, "request_id": state.request_id, **frames})
+                    self.writer.write(state.request_id, job.layers, job.runs)
+                    if job.last and not self.sender.stopped(state.request_id):
+                        self.writer.finish(state.request_id, state.num_frames)
             except (TransferError, OSError) as e:
                 self.sender.fail(state, str(e) or type(e).__name__)
             except Exception as e:
@@ -299,7 +356,7 @@ class _PeerWorker:
             if self.conn is None or not self.conn.alive:
                 self._connect()
             assert self.conn is not None
-            self.conn.send({"type": P.ABORT, "request_id": request_id})
+            self.conn.send({"type": wire.ABORT, "request_id": request_id})
         except (TransferError, OSError) as e:
             log.warning("could not tell the receiver about abort of %r: %s", request_id, e)
 

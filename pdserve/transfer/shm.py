@@ -26,18 +26,14 @@ import re
 import secrets
 import threading
 import zlib
-from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.transfer import protocol as P
+from pdserve.transfer import wire
+from pdserve.transfer.base import BlockWriter, Run, WriteContext
+from pdserve.transfer.buffers import block_bytes_view
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.peer import PeerConnection, TransferError
-from pdserve.transfer.receiver import block_bytes_view
-
-if TYPE_CHECKING:
-    from pdserve.transfer.send_state import SendState
-    from pdserve.transfer.sender import SocketKVSender
+from pdserve.transfer.wire import TransferError
 
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"^pdserve-kv-[A-Za-z0-9_-]{1,64}$")
@@ -127,51 +123,56 @@ def unlink_shared_kv(name: str) -> None:
         pass
 
 
-class ShmPath:
+class ShmWriter(BlockWriter):
+    """Writes into ``ctx.remote_kv``, the receiver's pool mapped with ``open_shared_kv``."""
+
     name = "shm"
 
-    def __init__(self, sender: SocketKVSender, conn: PeerConnection, remote_kv: torch.Tensor):
-        self.sender, self.conn, self.remote_kv = sender, conn, remote_kv
-        self.checksum = bool(sender.checksum)
+    def __init__(self, ctx: WriteContext) -> None:
+        if ctx.remote_kv is None:
+            raise ValueError("ShmWriter needs the receiver's pool mapped (ctx.remote_kv)")
+        super().__init__(ctx)
+        self.remote_kv = ctx.remote_kv
+        self.checksum = bool(ctx.checksum)
 
-    def write(self, state: SendState, layers: list[int], runs: list[tuple[int, int, int]]) -> None:
-        s = self.sender
+    def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
         writes = [[layer, dst, n] for layer in layers for _, dst, n in runs]
         if not writes:
             return
-        granted = set(self.conn.request_lease(state.request_id, writes, s.lease_timeout_s))
+        conn = self.ctx.conn
+        granted = set(conn.request_lease(request_id, writes, self.ctx.lease_timeout_s))
         try:
             for layer in layers:
                 for src_start, dst_start, num_blocks in runs:
-                    if s.should_stop(state):
+                    if self.ctx.stopped(request_id):
                         return
                     if not granted.issuperset(range(dst_start, dst_start + num_blocks)):
                         end = dst_start + num_blocks - 1
                         raise TransferError(
                             f"refusing shm write to blocks {dst_start}..{end} of request "
-                            f"{state.request_id!r}: not in the receiver's grant"
+                            f"{request_id!r}: not in the receiver's grant"
                         )
-                    self._copy(state, layer, src_start, dst_start, num_blocks)
+                    self._copy(request_id, layer, src_start, dst_start, num_blocks)
         finally:
             try:
-                self.conn.send({"type": P.LEASE_END, "request_id": state.request_id})
+                conn.send({"type": wire.LEASE_END, "request_id": request_id})
             except OSError:
                 pass  # connection gone: the receiver ends the lease when it sees the drop
 
-    def _copy(self, state: SendState, layer: int, src_start: int, dst_start: int, n: int) -> None:
-        s = self.sender
-        src = block_bytes_view(s.kv, layer, src_start, n)
+    def _copy(self, request_id: str, layer: int, src_start: int, dst_start: int, n: int) -> None:
+        ctx = self.ctx
+        src = block_bytes_view(ctx.kv, layer, src_start, n)
         dst = block_bytes_view(self.remote_kv, layer, dst_start, n)
-        if s.bucket is None:
+        if ctx.bucket is None:
             dst.copy_(src)
         else:
-            for offset in range(0, src.numel(), s.chunk_bytes):
-                end = min(offset + s.chunk_bytes, src.numel())
-                s.bucket.consume(8 * (end - offset))
+            for offset in range(0, src.numel(), ctx.chunk_bytes):
+                end = min(offset + ctx.chunk_bytes, src.numel())
+                ctx.bucket.consume(8 * (end - offset))
                 dst[offset:end].copy_(src[offset:end])
         header = {
-            "type": P.DATA,
-            "request_id": state.request_id,
+            "type": wire.DATA,
+            "request_id": request_id,
             "layer": layer,
             "dst_start": dst_start,
             "num_blocks": n,
@@ -180,5 +181,5 @@ class ShmPath:
         }
         if self.checksum:
             header["crc32"] = zlib.crc32(src.numpy())
-        self.conn.send(header)
-        s.account(state, writes=1, frames=1, nbytes=src.numel())
+        ctx.conn.send(header)
+        ctx.account(request_id, 1, 1, src.numel())

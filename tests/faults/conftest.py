@@ -2,8 +2,9 @@
 
 The launcher does not restart dead workers, so `FaultCluster` remembers how it spawned each
 one and `heal()` spawns the dead ones again (same id, address and cluster secret): the router
-sees them reconnect and announce a new epoch. Transfer faults go through the test-only hook in
-`pdserve/transfer/faults.py`: `inject(fault)` writes the file one request will claim.
+sees them reconnect and announce a new epoch. Workers run as `tests/faults/faulty_worker.py`,
+the product's worker with a fault-injecting KV data path: `inject(fault)` writes the file one
+request will claim.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pdserve.cluster.config import Pipeline, Role
 from pdserve.cluster.launcher import Cluster, Process, free_port, worker_specs
 from tests.cluster.conftest import KV_BYTES
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository, so `tests` imports in workers
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 END_BOUND_S = 15.0  # every request ends (completed or a clear error) within this
 
@@ -35,6 +37,10 @@ class FaultCluster(Cluster):
         self._spawned: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        if args[0] == "pdserve.workers.main":
+            args = ["tests.faults.faulty_worker", str(self.fault_file), *args[1:]]
+            path = [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+            env = {**env, "PYTHONPATH": os.pathsep.join(path)}
         self._spawned[name] = (args, env)
         super()._spawn(name, args, env)
 
@@ -105,17 +111,9 @@ def assert_blocks_back(url: str, timeout_s: float = 12.0) -> None:
 @pytest.fixture(scope="module")
 def cluster(tiny_served_model, tmp_path_factory):
     fault_file = tmp_path_factory.mktemp("faults") / "fault"
-    old = os.environ.get("PDSERVE_FAULT_FILE")
-    os.environ["PDSERVE_FAULT_FILE"] = str(fault_file)
     role = Role(kv_cache_bytes=KV_BYTES, threads=1, num=2, long_prefill_token_threshold=32)
     pipeline = Pipeline(model=str(tiny_served_model), port=free_port(), prefill=role, decode=role)
     assert [s.worker_id for s in worker_specs(pipeline, "x")] == list(WORKERS)
     c = FaultCluster(pipeline, fault_file)
-    try:
-        with c:
-            yield c
-    finally:
-        if old is None:
-            os.environ.pop("PDSERVE_FAULT_FILE", None)
-        else:
-            os.environ["PDSERVE_FAULT_FILE"] = old
+    with c:
+        yield c

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve.transfer import TransferStatus
-from pdserve.transfer import protocol as P
-from pdserve.transfer.auth import MAGIC, NONCE_BYTES, AuthError, client_handshake
+from pdserve.transfer import wire as P
+from pdserve.transfer.wire import MAGIC, NONCE_BYTES, AuthError, client_handshake
 from tests.transfer.conftest import LAYOUT, SECRET, Pair, assert_status, wait_finished
 
 BB = LAYOUT.block_bytes

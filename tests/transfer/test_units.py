@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.transfer import KVLayout, coalesce_runs, make_receiver, parse_bandwidth
 from pdserve.transfer.bandwidth import TokenBucket
-from pdserve.transfer.buffer_pool import BufferPool
+from pdserve.transfer.buffers import BufferPool
 from tests.transfer.conftest import LAYOUT, SECRET, random_kv
 
 

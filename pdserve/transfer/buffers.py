@@ -1,9 +1,9 @@
-"""A fixed set of pre-allocated staging buffers, so transfer memory stays bounded.
+"""KV bytes on either end: uint8 views of block runs, and a bounded pool of staging buffers.
 
 Staging is needed where bytes cannot go straight between KV pools: tcp receive (bytes are
-checked in a buffer before any reaches KV memory) and, later, device -> host copies in GPU
-backends. A transfer that finds no free buffer waits for one instead of allocating, so a
-burst of requests slows down rather than exhausting host memory.
+checked in a buffer before any reaches KV memory) and tcp send from a pool outside host
+memory (a device -> host copy first). A transfer that finds no free buffer waits for one
+instead of allocating, so a burst of requests slows down rather than exhausting host memory.
 """
 
 from __future__ import annotations
@@ -16,6 +16,12 @@ import torch
 
 DEFAULT_BUFFER_BYTES = 1 << 20
 DEFAULT_POOL_BYTES = 64 << 20
+
+
+def block_bytes_view(kv: torch.Tensor, layer: int, start: int, num_blocks: int) -> torch.Tensor:
+    """The bytes of blocks ``start..start+num_blocks-1`` of ``layer``, as a uint8 view: one
+    contiguous range because ``kv`` is contiguous (see the diagram in ``layout.py``)."""
+    return kv[layer, start : start + num_blocks].reshape(-1).view(torch.uint8)
 
 
 class BufferPool:

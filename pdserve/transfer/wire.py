@@ -1,0 +1,299 @@
+"""What crosses the socket between a sender and a receiver, and the receiver's accept loop.
+
+Every connection starts with an HMAC-SHA256 challenge-response of fixed-size raw bytes, so
+nothing from an unauthenticated peer is parsed::
+
+    receiver -> sender   MAGIC (6) + server_nonce (32)
+    sender -> receiver   client_nonce (32) + HMAC(secret, "client" + server_nonce + client_nonce)
+    receiver -> sender   HMAC(secret, "server" + client_nonce + server_nonce)
+
+Both sides prove the secret (the sender must not push KV into an impostor either), the
+secret never crosses the wire, and fresh nonces stop replays. Then frames::
+
+    | u32 header_len (big-endian) | msgpack header (<= 64 KiB) | payload (header["nbytes"]) |
+
+Only ``data`` frames carry a payload; tcp sends block bytes there, shm sends the same header
+with ``nbytes=0`` and ``written=True`` after writing the blocks itself. No pickle anywhere:
+msgpack decodes to plain dicts, lists, strings and numbers only.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PDKV1\n"
+NONCE_BYTES = 32
+MAC_BYTES = 32
+LEN = struct.Struct("!I")
+MAX_HEADER_BYTES = 64 * 1024
+
+# Message types, sender -> receiver.
+HELLO = "hello"  # {layout}
+DATA = "data"  # {request_id, layer, dst_start, num_blocks, nbytes, crc32?, written?}
+LEASE = "lease"  # {request_id, writes: [[layer, dst_start, num_blocks], ...]}  (shm)
+LEASE_END = "lease_end"  # {request_id}  (shm: the sender stopped writing)
+DONE = "done"  # {request_id, num_frames}
+ABORT = "abort"  # {request_id}
+# Receiver -> sender.
+HELLO_OK = "hello_ok"  # {} or {error}
+LEASE_OK = "lease_ok"  # {request_id, block_ids} or {request_id, error}
+ACK = "ack"  # {request_id}
+FAILED = "failed"  # {request_id, error}
+
+
+class AuthError(ConnectionError):
+    """The peer failed the handshake (wrong secret, wrong protocol, or silence)."""
+
+
+class ProtocolError(ConnectionError):
+    """The byte stream is unusable (bad framing or header); the connection must close."""
+
+
+class TransferError(Exception):
+    """A request-level failure on the sender side (lease refused, peer lost, ...)."""
+
+
+def check_secret(secret: bytes) -> bytes:
+    if not isinstance(secret, bytes) or not secret:
+        raise ValueError("transfer secret must be non-empty bytes (shared by the cluster)")
+    return secret
+
+
+def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+
+
+def _recv_fixed(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise AuthError("peer closed the connection during authentication")
+        data += chunk
+    return bytes(data)
+
+
+def server_handshake(sock: socket.socket, secret: bytes, timeout_s: float = 5.0) -> None:
+    """Authenticate a connecting client; raise AuthError (caller closes) on any failure."""
+    old_timeout = sock.gettimeout()
+    sock.settimeout(timeout_s)
+    try:
+        server_nonce = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + server_nonce)
+        reply = _recv_fixed(sock, NONCE_BYTES + MAC_BYTES)
+        client_nonce, client_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+        expected = _mac(secret, b"client", server_nonce, client_nonce)
+        if not hmac.compare_digest(client_mac, expected):
+            raise AuthError("client failed authentication (wrong secret?)")
+        sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
+    except AuthError:
+        raise
+    except OSError as e:  # TimeoutError included
+        raise AuthError(f"authentication failed: {e}") from e
+    finally:
+        sock.settimeout(old_timeout)
+
+
+def client_handshake(sock: socket.socket, secret: bytes, timeout_s: float = 5.0) -> None:
+    """Authenticate to a receiver and check it knows the secret too."""
+    old_timeout = sock.gettimeout()
+    sock.settimeout(timeout_s)
+    try:
+        hello = _recv_fixed(sock, len(MAGIC) + NONCE_BYTES)
+        if hello[: len(MAGIC)] != MAGIC:
+            raise AuthError("peer is not a pdserve KV receiver (bad magic)")
+        server_nonce = hello[len(MAGIC) :]
+        client_nonce = os.urandom(NONCE_BYTES)
+        sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
+        server_mac = _recv_fixed(sock, MAC_BYTES)
+        if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce)):
+            raise AuthError("receiver failed authentication (wrong secret?)")
+    except AuthError:
+        raise
+    except OSError as e:
+        raise AuthError(f"authentication failed: {e}") from e
+    finally:
+        sock.settimeout(old_timeout)
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: Any = None) -> None:
+    """Send one frame; ``payload`` is any buffer (memoryview, numpy array) of nbytes."""
+    body = msgpack.packb(header, use_bin_type=True)
+    sock.sendall(LEN.pack(len(body)) + body)
+    if payload is not None:
+        sock.sendall(payload)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket or raise ConnectionError on EOF."""
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+
+
+def recv_header(sock: socket.socket) -> dict[str, Any] | None:
+    """Receive one frame header; None on a clean EOF between frames."""
+    prefix = bytearray(LEN.size)
+    k = sock.recv_into(prefix, LEN.size)
+    if k == 0:
+        return None
+    if k < LEN.size:
+        recv_exact_into(sock, memoryview(prefix)[k:])
+    (length,) = LEN.unpack(prefix)
+    if length == 0 or length > MAX_HEADER_BYTES:
+        raise ProtocolError(f"frame header length {length} outside 1..{MAX_HEADER_BYTES}")
+    body = bytearray(length)
+    recv_exact_into(sock, memoryview(body))
+    try:
+        header = msgpack.unpackb(bytes(body), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame header is not valid msgpack: {e}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise ProtocolError("frame header must be a map with a string 'type'")
+    return header
+
+
+def int_field(header: dict[str, Any], name: str) -> int:
+    value = header.get(name)
+    if type(value) is not int or value < 0:
+        raise ProtocolError(f"{header['type']} field {name!r} must be an int >= 0: {value!r}")
+    return value
+
+
+def str_field(header: dict[str, Any], name: str) -> str:
+    value = header.get(name)
+    if not isinstance(value, str):
+        raise ProtocolError(f"{header['type']} field {name!r} must be a str: {value!r}")
+    return value
+
+
+@functools.cache
+def host_identity() -> str:
+    """Hostname + kernel boot id: equal on both ends only when they share a machine (and
+    so can share /dev/shm). The boot id tells apart hosts that reuse a hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = "unknown"
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+def connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class Conn:
+    """One sender's connection to the receiver, and what it holds, to clean up when it drops."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.leases: dict[str, int] = {}  # shm leases granted on this connection
+        self.touched: set[str] = set()  # requests with frames on this connection
+        self.told_failed: set[str] = set()  # requests this sender was told are FAILED
+        self.hello_done = False
+
+    def reply(self, header: dict[str, Any]) -> None:
+        send_frame(self.sock, header)
+
+
+class FrameServer:
+    """The receiver's listener: accept, authenticate, then call ``on_frame(conn, header)``
+    for each frame and ``on_drop(conn, reason)`` once when the connection ends. Handlers
+    raise ProtocolError to drop the connection. One thread per connection: a connection
+    carries one sender's frames in order, and a handful of prefill workers per decode
+    worker is the expected fan-in."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        secret: bytes,
+        on_frame: Callable[[Conn, dict[str, Any]], None],
+        on_drop: Callable[[Conn, str], None],
+        auth_timeout_s: float = 5.0,
+    ) -> None:
+        self._secret, self._auth_timeout_s = secret, auth_timeout_s
+        self._on_frame, self._on_drop = on_frame, on_drop
+        self.counts = {"rejected_auth": 0, "connections": 0}
+        self._lock = threading.Lock()
+        self._conns: set[Conn] = set()
+        self.closed = False
+        self._listener = socket.create_server((host, port))
+        self.port: int = self._listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True)
+        self._thread.name = f"kv-rx-accept-{self.port}"
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            conns = list(self._conns)
+        for sock in [self._listener] + [c.sock for c in conns]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes threads blocked in accept/recv
+            except OSError:
+                pass
+        self._listener.close()
+        self._thread.join(timeout=2.0)
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            server_handshake(sock, self._secret, self._auth_timeout_s)
+        except AuthError as e:
+            with self._lock:
+                self.counts["rejected_auth"] += 1
+            log.warning("KV receiver refused a connection: %s", e)
+            sock.close()
+            return
+        conn = Conn(sock)
+        with self._lock:
+            if self.closed:
+                sock.close()
+                return
+            self._conns.add(conn)
+            self.counts["connections"] += 1
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reason = "sender connection closed"
+        try:
+            while (header := recv_header(sock)) is not None:
+                self._on_frame(conn, header)
+        except (OSError, ProtocolError) as e:
+            reason = f"sender connection lost: {e}"
+            if not self.closed:
+                log.warning("KV receiver dropping a connection: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            self._on_drop(conn, reason)
+            sock.close()
