@@ -6,6 +6,12 @@ the receiver reporting DONE, the number the engine waits on. Prints a markdown t
 one JSON line (prefixed ``JSON``) for scripts.
 
     .venv/bin/python benchmarks/bench_transfer.py [--tokens 256 1024] [--repeats 5]
+    .venv/bin/python benchmarks/bench_transfer.py --layer-gap-ms 10 --tokens 256 --caps 1Gbit
+
+With ``--layer-gap-ms`` each cell is instead the *tail* of a layer-wise send whose layers
+are that far apart (the next layer's compute): from the last layer's send to DONE, the part
+layer-wise transfer cannot hide. Under a cap it must not drop below one layer's time at the
+cap less the bucket's burst (docs/transfer.md, "Bandwidth cap").
 
 The engine-side "time added to TTFT" comparison reuses ``TransferPair`` and
 ``transfer_seconds`` (``mode="layerwise"`` sends one layer at a time, as prefill would).
@@ -21,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pdserve.transfer import KVLayout, TransferStatus, make_receiver, make_sender
+from pdserve.transfer import KVLayout, TransferStatus, make_receiver, make_sender, parse_bandwidth
 from pdserve.transfer.shm import create_shared_kv, unlink_shared_kv
 
 SECRET = b"bench-secret"
@@ -86,6 +92,25 @@ def transfer_seconds(pair: TransferPair, num_blocks: int, mode: str = "full") ->
             pair.tx.send(pair.peer, request_id, [layer], ids, ids, last=layer == layers[-1])
     else:
         raise ValueError(f"mode must be 'full' or 'layerwise', got {mode!r}")
+    return _finish(pair, request_id, start)
+
+
+def tail_seconds(pair: TransferPair, num_blocks: int, gap_s: float) -> float:
+    """Layer-wise sends ``gap_s`` apart; seconds from the last layer's send to DONE."""
+    pair._next_id += 1
+    request_id = f"bench-{pair._next_id}"
+    ids = list(range(num_blocks))
+    final = pair.layout.num_layers - 1
+    pair.rx.expect(request_id, ids)
+    for layer in range(final + 1):
+        time.sleep(gap_s)
+        start = time.perf_counter()
+        pair.tx.send(pair.peer, request_id, [layer], ids, ids, last=layer == final)
+    return _finish(pair, request_id, start)
+
+
+def _finish(pair: TransferPair, request_id: str, start: float) -> float:
+    """Seconds from ``start`` to the receiver's DONE; then release and wait for the sender."""
     while True:
         finished = {rid: (status, error) for rid, status, error in pair.rx.pop_finished()}
         if request_id in finished:
@@ -101,12 +126,20 @@ def transfer_seconds(pair: TransferPair, num_blocks: int, mode: str = "full") ->
     return elapsed
 
 
-def bench_cell(backend: str, num_tokens: int, repeats: int, **opts: Any) -> float:
+def bench_cell(
+    backend: str, num_tokens: int, repeats: int, gap_s: float | None = None, **opts: Any
+) -> float:
     layout = smollm_layout(num_tokens)
     pair = TransferPair(backend, layout, **opts)
+
+    def measure() -> float:
+        if gap_s is None:
+            return transfer_seconds(pair, layout.num_blocks)
+        return tail_seconds(pair, layout.num_blocks, gap_s)
+
     try:
-        transfer_seconds(pair, layout.num_blocks)  # warm-up: connect, map, fault pages
-        times = [transfer_seconds(pair, layout.num_blocks) for _ in range(repeats)]
+        measure()  # warm-up: connect, map, fault pages
+        times = [measure() for _ in range(repeats)]
     finally:
         pair.close()
     return statistics.median(times)
@@ -117,8 +150,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=DEFAULT_TOKENS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--caps", nargs="*", default=DEFAULT_CAPS, help="tcp bandwidth caps")
+    parser.add_argument("--layer-gap-ms", type=float, default=None, help="measure tails")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.layer_gap_ms is not None:
+        print_tails(args)
+        return
 
     columns = [("shm", "shm", {}), ("tcp", "tcp", {})]
     columns += [(f"tcp@{cap}", "tcp", {"bandwidth_bps": cap}) for cap in args.caps]
@@ -140,6 +177,26 @@ def main() -> None:
         head = f"| {row['tokens']} | {row['bytes'] / 1e6:.1f} | {row['memcpy_ms']:.1f} | "
         print(head + " | ".join(cells) + " |")
     print("JSON " + json.dumps({"memcpy_gbps": copy_gbps, "repeats": args.repeats, "rows": rows}))
+
+
+def print_tails(args: argparse.Namespace) -> None:
+    gap_s = args.layer_gap_ms / 1e3
+    print(
+        "| tokens | layer KB | cap | layer ms at cap | tcp tail ms | shm tail ms |\n"
+        + "|---" * 6
+        + "|"
+    )
+    for num_tokens in args.tokens:
+        layout = smollm_layout(num_tokens)
+        layer_bytes = layout.num_blocks * layout.block_bytes
+        for cap in args.caps or [None]:
+            tails = [
+                1e3 * bench_cell(b, num_tokens, args.repeats, gap_s, bandwidth_bps=cap)
+                for b in ("tcp", "shm")
+            ]
+            ideal = f"{8e3 * layer_bytes / parse_bandwidth(cap):.2f}" if cap else "-"
+            print(f"| {num_tokens} | {layer_bytes / 1e3:.0f} | {cap or '-'} | {ideal} | "
+                  f"{tails[0]:.2f} | {tails[1]:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -170,7 +170,6 @@ class WriteContext:
     bucket: TokenBucket | None  # the bandwidth cap, shared by all of the sender's peers
     staging: BufferPool | None  # stage source bytes here first (kv not in host memory)
     checksum: bool | None  # crc32 per write; None: the backend's default
-    lease_timeout_s: float
     stopped: Callable[[str], bool]  # the request ended (failed, aborted) or the sender closes
     account: Callable[[str, int, int, int], None]  # (request_id, writes, frames, nbytes)
 

@@ -34,6 +34,9 @@ from pdserve.transfer.wire import Conn, FrameServer
 
 log = logging.getLogger(__name__)
 
+AUTH_TIMEOUT_S = 5.0
+RELEASE_TIMEOUT_S = 5.0  # a granted shm writer that has not reported back by then is hung
+
 
 class SocketKVReceiver(KVReceiver):
     def __init__(
@@ -46,30 +49,25 @@ class SocketKVReceiver(KVReceiver):
         *,
         backends: tuple[str, ...] = ("tcp",),
         shm_name: str | None = None,
-        advertise_host: str | None = None,
         pool_bytes: int = DEFAULT_POOL_BYTES,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        auth_timeout_s: float = 5.0,
-        release_timeout_s: float = 5.0,
-        unlink_shm_on_close: bool = True,
     ) -> None:
+        """With shm, ``close`` unlinks the segment ``shm_name``."""
         check_kv_tensor(kv, layout)
         if "shm" in backends and shm_name is None:
             raise ValueError("the shm backend needs the receiver's kv in shared memory")
         self.kv, self.layout, self._secret = kv, layout, wire.check_secret(secret)
         self.backends, self.shm_name = tuple(backends), shm_name
-        self._unlink_shm = unlink_shm_on_close and shm_name is not None
         # Frames carry whole blocks, so a staging buffer must hold at least one block.
         buffer_bytes = max(buffer_bytes, layout.block_bytes)
         self.pool = BufferPool(max(pool_bytes, buffer_bytes), buffer_bytes)
         self.table = ReservationTable(layout)
-        self._release_timeout_s = release_timeout_s
         self._counts = {"num_frames": 0, "bytes_received": 0, "rejected_frames": 0}
         self._lock = threading.Lock()
         self._server = FrameServer(
-            host, port, self._secret, self._on_frame, self._drop, auth_timeout_s
+            host, port, self._secret, self._on_frame, self._drop, AUTH_TIMEOUT_S
         )
-        self._host = advertise_host or host
+        self._host = host
 
     # -- public API ------------------------------------------------------------------------
 
@@ -94,9 +92,8 @@ class SocketKVReceiver(KVReceiver):
         return self.table.pop_finished()
 
     def release(self, request_id: str) -> None:
-        if not self.table.release(request_id, self._release_timeout_s):
-            timeout_s = self._release_timeout_s
-            log.error("release(%r): shm writer still busy after %.1f s", request_id, timeout_s)
+        if not self.table.release(request_id, RELEASE_TIMEOUT_S):
+            log.error("release(%r): shm writer busy after %.1f s", request_id, RELEASE_TIMEOUT_S)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -107,7 +104,7 @@ class SocketKVReceiver(KVReceiver):
         if self._server.closed:
             return
         self._server.close()
-        if self._unlink_shm:
+        if self.shm_name is not None:
             unlink_shared_kv(self.shm_name)
 
     # -- connections -----------------------------------------------------------------------

@@ -28,8 +28,7 @@ def make_receiver(
     backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any
 ) -> KVReceiver:
     """A receiver offering ``backend``; ``opts`` go to ``SocketKVReceiver`` (host, port,
-    pool_bytes, buffer_bytes, shm_name, advertise_host, ...). With shm the receiver unlinks
-    the segment on close."""
+    pool_bytes, buffer_bytes, shm_name). With shm the receiver unlinks the segment on close."""
     _check(backend)
     from pdserve.transfer.receiver import SocketKVReceiver
     from pdserve.transfer.shm import shared_kv_name
@@ -50,7 +49,7 @@ def make_receiver(
 
 def make_sender(backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any) -> KVSender:
     """A sender using ``backend``; ``opts`` go to ``SocketKVSender`` (bandwidth_bps,
-    pool_bytes, buffer_bytes, checksum, stage, make_writer, ...)."""
+    pool_bytes, buffer_bytes, checksum, stage, make_writer)."""
     _check(backend)
     from pdserve.transfer.sender import SocketKVSender
 

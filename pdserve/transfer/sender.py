@@ -40,7 +40,8 @@ from pdserve.transfer.wire import TransferError
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # pacing and tcp frame granularity
-MAX_RECENT = 1024
+MAX_RECENT = 1024  # ended requests kept for status() and stats()
+CONNECT_TIMEOUT_S = 5.0  # connect, handshake and hello
 
 
 def open_writer(ctx: WriteContext) -> BlockWriter:
@@ -63,12 +64,8 @@ class SendState:
     bytes_sent: int = 0
 
     def counts(self) -> dict[str, Any]:
-        return {
-            "status": self.status.value,
-            "num_writes": self.num_writes,
-            "num_frames": self.num_frames,
-            "bytes_sent": self.bytes_sent,
-        }
+        counts = {"status": self.status.value, "num_writes": self.num_writes}
+        return {**counts, "num_frames": self.num_frames, "bytes_sent": self.bytes_sent}
 
 
 @dataclass
@@ -95,8 +92,6 @@ class SocketKVSender(KVSender):
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         checksum: bool | None = None,
         stage: bool | None = None,
-        connect_timeout_s: float = 5.0,
-        lease_timeout_s: float = 10.0,
         make_writer: Callable[[WriteContext], BlockWriter] = open_writer,
     ) -> None:
         """``checksum`` None means on for tcp, off for shm (a local memcpy has nothing to
@@ -116,7 +111,6 @@ class SocketKVSender(KVSender):
         if stage:
             buffer_bytes = max(buffer_bytes, layout.block_bytes)
             self.pool = BufferPool(max(pool_bytes, buffer_bytes), buffer_bytes)
-        self.connect_timeout_s, self.lease_timeout_s = connect_timeout_s, lease_timeout_s
         self._lock = threading.Lock()
         self._requests: dict[str, SendState] = {}
         self._ended: OrderedDict[str, SendState] = OrderedDict()
@@ -235,7 +229,6 @@ class SocketKVSender(KVSender):
             bucket=self.bucket,
             staging=self.pool,
             checksum=self.checksum,
-            lease_timeout_s=self.lease_timeout_s,
             stopped=self.stopped,
             account=self.account,
         )
@@ -311,7 +304,7 @@ class _PeerWorker:
     def _connect(self) -> None:
         s, info = self.sender, self.info
         self.conn = PeerConnection(
-            *info.key, s._secret, s.layout, s.on_message, s.on_lost, s.connect_timeout_s
+            *info.key, s._secret, s.layout, s.on_message, s.on_lost, CONNECT_TIMEOUT_S
         )
         if info.use_shm and self._remote_kv is None:
             try:

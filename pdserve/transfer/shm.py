@@ -36,6 +36,7 @@ from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.wire import TransferError
 
 SHM_DIR = "/dev/shm"
+LEASE_TIMEOUT_S = 10.0
 _NAME = re.compile(r"^pdserve-kv-[A-Za-z0-9_-]{1,64}$")
 _owned: dict[int, str] = {}  # data_ptr of kv tensors made by create_shared_kv -> name
 _owned_lock = threading.Lock()
@@ -140,7 +141,7 @@ class ShmWriter(BlockWriter):
         if not writes:
             return
         conn = self.ctx.conn
-        granted = set(conn.request_lease(request_id, writes, self.ctx.lease_timeout_s))
+        granted = set(conn.request_lease(request_id, writes, LEASE_TIMEOUT_S))
         try:
             for layer in layers:
                 for src_start, dst_start, num_blocks in runs:

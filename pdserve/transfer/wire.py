@@ -27,7 +27,8 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgpack
@@ -86,19 +87,13 @@ def _recv_fixed(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, timeout_s: float = 5.0) -> None:
-    """Authenticate a connecting client; raise AuthError (caller closes) on any failure."""
+@contextmanager
+def _handshake(sock: socket.socket, timeout_s: float) -> Iterator[None]:
+    """Bound the handshake by ``timeout_s``; any socket error becomes an AuthError."""
     old_timeout = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        server_nonce = os.urandom(NONCE_BYTES)
-        sock.sendall(MAGIC + server_nonce)
-        reply = _recv_fixed(sock, NONCE_BYTES + MAC_BYTES)
-        client_nonce, client_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
-        expected = _mac(secret, b"client", server_nonce, client_nonce)
-        if not hmac.compare_digest(client_mac, expected):
-            raise AuthError("client failed authentication (wrong secret?)")
-        sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
+        yield
     except AuthError:
         raise
     except OSError as e:  # TimeoutError included
@@ -107,11 +102,22 @@ def server_handshake(sock: socket.socket, secret: bytes, timeout_s: float = 5.0)
         sock.settimeout(old_timeout)
 
 
+def server_handshake(sock: socket.socket, secret: bytes, timeout_s: float = 5.0) -> None:
+    """Authenticate a connecting client; raise AuthError (caller closes) on any failure."""
+    with _handshake(sock, timeout_s):
+        server_nonce = os.urandom(NONCE_BYTES)
+        sock.sendall(MAGIC + server_nonce)
+        reply = _recv_fixed(sock, NONCE_BYTES + MAC_BYTES)
+        client_nonce, client_mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+        expected = _mac(secret, b"client", server_nonce, client_nonce)
+        if not hmac.compare_digest(client_mac, expected):
+            raise AuthError("client failed authentication (wrong secret?)")
+        sock.sendall(_mac(secret, b"server", client_nonce, server_nonce))
+
+
 def client_handshake(sock: socket.socket, secret: bytes, timeout_s: float = 5.0) -> None:
     """Authenticate to a receiver and check it knows the secret too."""
-    old_timeout = sock.gettimeout()
-    sock.settimeout(timeout_s)
-    try:
+    with _handshake(sock, timeout_s):
         hello = _recv_fixed(sock, len(MAGIC) + NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:
             raise AuthError("peer is not a pdserve KV receiver (bad magic)")
@@ -121,12 +127,6 @@ def client_handshake(sock: socket.socket, secret: bytes, timeout_s: float = 5.0)
         server_mac = _recv_fixed(sock, MAC_BYTES)
         if not hmac.compare_digest(server_mac, _mac(secret, b"server", client_nonce, server_nonce)):
             raise AuthError("receiver failed authentication (wrong secret?)")
-    except AuthError:
-        raise
-    except OSError as e:
-        raise AuthError(f"authentication failed: {e}") from e
-    finally:
-        sock.settimeout(old_timeout)
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: Any = None) -> None:
