@@ -2,11 +2,11 @@
 
     python -m tests.faults.faulty_worker FAULT_FILE <pdserve.workers.main arguments>
 
-It runs the product's worker unchanged except for the sender's ``make_writer`` seam, which
-it wraps so every data path consults FAULT_FILE. The first send job of a request that finds
-the file claims it (atomic rename, so exactly one request in the whole cluster gets each
-fault, whichever prefill worker runs it) and that request's transfer then misbehaves as the
-file says:
+It runs the product's worker unchanged except for the sender's ``make_writer`` seam, whose
+default it replaces with one that wraps every data path to consult FAULT_FILE. The first
+send job of a request that finds the file claims it (atomic rename, so exactly one request
+in the whole cluster gets each fault, whichever prefill worker runs it) and that request's
+transfer then misbehaves as the file says:
 
     drop_done           every block lands, but the final "done" message is never sent
     fail_after_layer:N  layers after N fail with a transfer error (a break mid-request)
@@ -15,15 +15,13 @@ file says:
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
 from dataclasses import dataclass
 
-from pdserve.transfer import registry
 from pdserve.transfer.base import BlockWriter, Run, WriteContext
-from pdserve.transfer.sender import open_writer
+from pdserve.transfer.sender import SocketKVSender, open_writer
 from pdserve.transfer.wire import TransferError
 
 KINDS = ("drop_done", "fail_after_layer", "delay_s")
@@ -89,10 +87,9 @@ def faulty_writers(fault_file: str):
 
 def main() -> int:
     fault_file, *argv = sys.argv[1:]
-    # Before the worker module is imported, so whichever way it imports make_sender it
-    # gets this one.
-    make_writer = faulty_writers(fault_file)
-    registry.make_sender = functools.partial(registry.make_sender, make_writer=make_writer)
+    # The default of the keyword-only argument, so every sender this process builds gets it,
+    # however the worker reaches SocketKVSender.
+    SocketKVSender.__init__.__kwdefaults__["make_writer"] = faulty_writers(fault_file)
     from pdserve.workers.main import main as worker_main
 
     return worker_main(argv)
