@@ -4,6 +4,10 @@ router both use it.
 Stop strings are matched on text, so a match may end mid-token and may span tokens. While a
 request runs, the last `max(len(stop)) - 1` characters are held back: they could still turn
 out to start a stop string, and OpenAI-style APIs never return the stop string itself.
+
+Work per token is bounded whatever the request's length: only the unsent tail is kept, and
+it never exceeds the held-back characters plus one step's new text, so each token costs
+O(num_stop * (hold_back + new text)), never a pass over everything generated so far.
 """
 
 from __future__ import annotations
@@ -17,14 +21,10 @@ from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 class TextState:
     detokenizer: IncrementalDetokenizer
     stop: tuple[str, ...]
-    text: str = ""  # all text so far (stop string excluded once matched)
-    num_sent: int = 0  # characters already returned
+    hold_back: int  # characters that may still begin a stop string
+    pending: str = ""  # text not returned yet; at most hold_back chars between calls
     stopped: bool = False
     token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def hold_back(self) -> int:
-        return max((len(s) for s in self.stop), default=1) - 1
 
 
 @dataclass
@@ -39,7 +39,8 @@ class OutputProcessor:
         self.states: dict[str, TextState] = {}
 
     def add_request(self, request_id: str, stop: tuple[str, ...] = ()) -> None:
-        self.states[request_id] = TextState(self.tokenizer.detokenizer(), tuple(stop))
+        hold_back = max((len(s) for s in stop), default=1) - 1
+        self.states[request_id] = TextState(self.tokenizer.detokenizer(), tuple(stop), hold_back)
 
     def process(self, request_id: str, new_token_ids: list[int], finished: bool) -> TextDelta:
         """Feed new tokens; returns the text that may be sent now. After a stop-string match
@@ -47,34 +48,36 @@ class OutputProcessor:
         state = self.states[request_id]
         if state.stopped:
             return TextDelta("", True)
+        ready: list[str] = []
         for token in new_token_ids:
             state.token_ids.append(token)
-            old_len = len(state.text)
-            state.text += state.detokenizer.push(token)
-            if state.stop and self._match_stop(state, old_len):
+            if self._add_text(state, state.detokenizer.push(token), ready):
                 break
         if finished and not state.stopped:
-            state.text += state.detokenizer.finish()
-        end = len(state.text)
-        if not (finished or state.stopped):
-            end = max(state.num_sent, end - state.hold_back)
-        delta = state.text[state.num_sent : end]
-        state.num_sent = end
-        return TextDelta(delta, state.stopped)
-
-    def text(self, request_id: str) -> str:
-        return self.states[request_id].text
+            self._add_text(state, state.detokenizer.finish(), ready)
+        if finished or state.stopped:
+            ready.append(state.pending)
+            state.pending = ""
+        return TextDelta("".join(ready), state.stopped)
 
     def remove(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
     @staticmethod
-    def _match_stop(state: TextState, old_len: int) -> bool:
-        # Only a match that ends in the new text is new: search from where it could start.
-        start = max(0, old_len - state.hold_back)
-        hits = [i for s in state.stop if (i := state.text.find(s, start)) >= 0]
-        if not hits:
+    def _add_text(state: TextState, text: str, ready: list[str]) -> bool:
+        """Append `text`, cut at a stop string, move what can no longer start one to `ready`.
+        A match ending in `text` starts within the held-back tail, so only `pending` is
+        searched."""
+        if not text:
             return False
-        state.text = state.text[: min(hits)]
-        state.stopped = True
-        return True
+        state.pending += text
+        hits = [i for s in state.stop if (i := state.pending.find(s)) >= 0]
+        if hits:
+            state.pending = state.pending[: min(hits)]
+            state.stopped = True
+            return True
+        cut = len(state.pending) - state.hold_back
+        if cut > 0:
+            ready.append(state.pending[:cut])
+            state.pending = state.pending[cut:]
+        return False

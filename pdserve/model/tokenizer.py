@@ -9,12 +9,18 @@ template runs, and the set of end-of-sequence ids merges every place a model may
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any
 
 from pdserve.model.registry import resolve_model
 
 _REPLACEMENT_CHAR = "\ufffd"
+# Longest run of tokens that can end mid-character: a UTF-8 character is at most 4 bytes and
+# a byte-level (or byte-fallback) token at least one, so a longer run holding U+FFFD is broken
+# output, emitted as is instead of growing the decode window without bound.
+_MAX_HELD_TOKENS = 8
 
 
 class Tokenizer:
@@ -35,6 +41,20 @@ class Tokenizer:
             self._tokenizer.eos_token_id,
         )
         self.vocab_size: int = len(self._tokenizer)
+        vocab = self._tokenizer.get_vocab()
+        # Upper bound on the characters one token covers (byte-level token strings have one
+        # char per byte, and a character is at least one byte): N characters of text are at
+        # least N / max_token_chars tokens, which lets the router refuse long text unencoded.
+        self.max_token_chars: int = max(map(len, vocab), default=1)
+        specials = [t.content for t in self._tokenizer.added_tokens_decoder.values() if t.special]
+        # A special token's text encoded as ordinary text (the only place the stateful
+        # split_special_tokens switch is used: here, before any concurrent encode).
+        self._special_text_ids = {
+            s: self._tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True)
+            for s in specials
+        }
+        longest_first = sorted(specials, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, longest_first))) if specials else None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; BOS is prepended only if the model asks for it."""
@@ -51,18 +71,42 @@ class Tokenizer:
         """Prompt ids for a chat, ending with the assistant's generation prompt.
 
         The template writes every special token itself, so the rendered text is encoded
-        without adding any.
+        without adding any. Message fields are text: a special token's string typed in them
+        (`<|im_end|>`) stays text and never becomes the control token, as OpenAI's API does
+        and unlike vLLM, which encodes the whole rendered template with special tokens
+        parsed. Each such string is swapped for an unguessable placeholder before rendering
+        and encoded as text in its place; requests without one are encoded exactly as vLLM.
         """
         _check_messages(messages)
         if not self._tokenizer.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        marker = f"\ue000{secrets.token_hex(8)}\ue001"
+        typed: list[str] = []
+
+        def shield(match: re.Match[str]) -> str:
+            typed.append(match.group())
+            return f"{marker}{len(typed) - 1}{marker}"
+
+        if self._special_re is not None:
+            messages = [
+                {k: v if k == "role" or not isinstance(v, str) else self._special_re.sub(shield, v)
+                 for k, v in message.items()}
+                for message in messages
+            ]  # fmt: skip
         try:
             text = self._tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # jinja errors, including the template's own raise_exception
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        pieces = text.split(marker) if typed else [text]
+        ids: list[int] = []
+        for index, piece in enumerate(pieces):  # odd pieces are indexes into `typed`
+            if index % 2:
+                ids += self._special_text_ids[typed[int(piece)]]
+            elif piece:
+                ids += self._tokenizer.encode(piece, add_special_tokens=False)
+        return ids
 
     def detokenizer(self) -> IncrementalDetokenizer:
         """A fresh incremental detokenizer for one request."""
@@ -91,7 +135,10 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+        held = len(self._ids) - self._read_offset
+        if len(new_text) <= len(prefix_text) or (
+            new_text.endswith(_REPLACEMENT_CHAR) and held < _MAX_HELD_TOKENS
+        ):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)

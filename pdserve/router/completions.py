@@ -4,7 +4,6 @@ answer as JSON or SSE, and record each request's outcome in the metrics."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,14 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.driver import RequestDriver
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
-from pdserve.router.protocol import ApiError, ApiRequest, finalize_sampling, parse_request
+from pdserve.router.protocol import (
+    ApiError,
+    ApiRequest,
+    check_prompt_chars,
+    finalize_sampling,
+    parse_json,
+    parse_request,
+)
 from pdserve.router.workers import ControlPlane
 
 
@@ -57,10 +63,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state.num_pending += 1
     try:
         try:
-            api = parse_request(
-                await read_json(request), chat, state.config.model, state.config.max_tokens_limit
-            )
-            prompt_ids = _tokenize(state, api)
+            api = parse_request(await read_json(request), chat, state.config)
+            prompt_ids = await _tokenize(state, api)
             params = finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
         except ApiError:
             state.metrics.requests["invalid"] += 1
@@ -135,9 +139,7 @@ async def _stream(
     returned, the status line being long gone)."""
     deltas = driver.stream()
     first = await anext(deltas)
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+    response = responses.EventStream(request.app[STATE].config.write_timeout_s)
     await response.prepare(request)
     await response.write(
         responses.sse(responses.chunk(ctx, first.text, first.finish_reason, first=True))
@@ -163,23 +165,20 @@ async def _stream(
 
 
 async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # over client_max_size: aiohttp raises 413
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ApiError(400, "request body is not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    return parse_json(await request.read())  # over client_max_size: aiohttp raises 413
 
 
-def _tokenize(state: RouterState, api: ApiRequest) -> list[int]:
+async def _tokenize(state: RouterState, api: ApiRequest) -> list[int]:
+    """Prompt ids, tokenized off the event loop (the HF tokenizer releases the GIL), once
+    the text is known to be short enough to possibly fit."""
+    check_prompt_chars(api, state.tokenizer.max_token_chars, state.plane.max_model_len())
     if api.chat:
         try:
-            return state.tokenizer.apply_chat_template(api.messages or [])
+            return await asyncio.to_thread(state.tokenizer.apply_chat_template, api.messages or [])
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from None
     if isinstance(api.prompt, str):
-        ids = state.tokenizer.encode(api.prompt)
+        ids = await asyncio.to_thread(state.tokenizer.encode, api.prompt)
         if not ids:
             raise ApiError(400, "prompt encodes to zero tokens", param="prompt")
         return ids

@@ -50,6 +50,16 @@ class RouterConfig:
     max_pending: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
     max_tokens_limit: int = 1 << 20  # larger max_tokens are rejected as a typo, not clamped
+    # What one request may ask of the router's event loop (README "Security model"). Every
+    # stop string is searched for after every token, so their count and length bound that work.
+    max_num_stop: int = 16  # entries in `stop` and in `stop_token_ids` (OpenAI allows 4)
+    max_stop_len: int = 256  # characters in one stop string
+    # Slow clients. aiohttp's keep-alive timer runs from connect (and from each response) to
+    # the next complete request head, so it bounds idle and dribbled heads alike.
+    head_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0  # complete head -> complete body; a request slot waits for it
+    write_timeout_s: float = 30.0  # longest a client may leave a response chunk unread
+    protect_health_metrics: bool = False  # /health and /metrics need api_key too
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -61,17 +71,21 @@ class RouterConfig:
         for name in ("policy", "load_balancer"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
-        for name in ("heartbeat_timeout_s", "admission_timeout_s", "warmup_timeout_s"):
+        timeouts = ("heartbeat_timeout_s", "admission_timeout_s", "warmup_timeout_s")
+        for name in (*timeouts, "head_timeout_s", "body_timeout_s", "write_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if isinstance(self.max_recoveries, bool) or not isinstance(self.max_recoveries, int):
             raise ValueError(f"max_recoveries must be an integer, got {self.max_recoveries!r}")
         if self.max_recoveries < 0:
             raise ValueError(f"max_recoveries must be >= 0, got {self.max_recoveries}")
-        for name in ("max_pending", "max_body_bytes", "max_tokens_limit"):
+        limits = ("max_pending", "max_body_bytes", "max_tokens_limit")
+        for name in (*limits, "max_num_stop", "max_stop_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.protect_health_metrics and not self.api_key:
+            raise ValueError("protect_health_metrics needs api_key: there is nothing to check")
         ids = [w.worker_id for w in self.workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"workers: duplicate worker_id in {ids}")

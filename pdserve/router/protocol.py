@@ -3,15 +3,29 @@
 Validation happens here, before any worker hears of the request, so a bad field costs a 400
 naming it and never a half-started request. Sampling values are checked by `SamplingParams`
 itself (one source of truth); its ValueError names the field, which becomes the error's `param`.
+
+Hostile input is refused here too, each with a 400 naming the field: integers beyond 64 bits
+(msgpack cannot carry them to a worker), lone UTF-16 surrogates (no UTF-8 form, so neither
+the tokenizer nor msgpack can take them), nesting deeper than any OpenAI body needs, and more
+or longer stop strings than the router matches per token (`RouterConfig.max_num_stop`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.router.config import RouterConfig
 from pdserve.sampling_params import SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_JSON_DEPTH = 16  # an OpenAI body nests 5 deep (messages[i].content[j].text)
+_MAX_INT_DIGITS = 20  # longer integer literals are parsed as an out-of-range stand-in
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a lone surrogate enters JSON
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -85,21 +99,70 @@ def check_model(model: Any, served_model: str) -> None:
     if model != served_model:
         raise ApiError(
             404,
-            f"The model `{model}` does not exist; this server serves `{served_model}`",
+            f"The model {_show(model)} does not exist; this server serves `{served_model}`",
             param="model",
             code="model_not_found",
         )
 
 
-def parse_request(body: Any, chat: bool, served_model: str, max_tokens_limit: int) -> ApiRequest:
+def parse_json(raw: bytes) -> Any:
+    """The JSON body, or a 400. Integer literals too long for 64 bits become a stand-in that
+    is out of range, so the field's own check names it (Python would otherwise parse, or
+    refuse with a ValueError, a number of any length)."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_int=_parse_int)
+    except UnicodeDecodeError:
+        raise ApiError(400, "request body is not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_tree(body, check_strings=_SURROGATE_ESCAPE.search(raw) is not None)
+    return body
+
+
+def _parse_int(literal: str) -> int:
+    if len(literal) <= _MAX_INT_DIGITS:
+        return int(literal)
+    return INT64_MIN * 2 if literal.startswith("-") else INT64_MAX * 2
+
+
+def _check_tree(root: Any, check_strings: bool) -> None:
+    """400 naming the first value nested deeper than MAX_JSON_DEPTH or (when the raw body
+    escapes a surrogate at all) the first string holding a lone surrogate."""
+    stack: list[tuple[Any, str, int]] = [(root, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise ApiError(400, f"{path} holds a lone UTF-16 surrogate", param=path or None)
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise ApiError(400, f"{path} nests deeper than {MAX_JSON_DEPTH} levels", param=path)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if check_strings and _SURROGATE.search(key):
+                    where = path or "the body"
+                    message = f"a key in {where} holds a lone UTF-16 surrogate"
+                    raise ApiError(400, message, param=path or None)
+                if isinstance(item, (dict, list)) or (check_strings and isinstance(item, str)):
+                    stack.append((item, f"{path}.{key}" if path else key, depth + 1))
+        else:
+            for index, item in enumerate(value):
+                if isinstance(item, (dict, list)) or (check_strings and isinstance(item, str)):
+                    stack.append((item, f"{path}[{index}]", depth + 1))
+
+
+def parse_request(body: Any, chat: bool, config: RouterConfig) -> ApiRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    served_model = config.model
     model = _field(body, "model", str, served_model)
     check_model(model, served_model)
     for name, allowed in _OFF_VALUES.items():
         value = body.get(name)
         if not any(value == ok and type(value) is type(ok) for ok in allowed):
-            raise ApiError(400, f"{name}={value!r} is not supported by this server", param=name)
+            raise ApiError(400, f"{name}={_show(value)} is not supported here", param=name)
     stream = _field(body, "stream", bool, False) or False
     stream_options = _field(body, "stream_options", dict, None)
     include_usage = False
@@ -119,12 +182,34 @@ def parse_request(body: Any, chat: bool, served_model: str, max_tokens_limit: in
         messages = None
         prompt = _parse_prompt(body)
         max_tokens = _field(body, "max_tokens", int, None)
-    if max_tokens is not None and max_tokens > max_tokens_limit:
-        raise ApiError(
-            400, f"max_tokens must be <= {max_tokens_limit}, got {max_tokens}", param="max_tokens"
-        )
-    sampling = _parse_sampling(body)
+    if max_tokens is not None and max_tokens > config.max_tokens_limit:
+        limit = config.max_tokens_limit
+        raise ApiError(400, f"max_tokens must be <= {limit}, got {max_tokens}", param="max_tokens")
+    sampling = _parse_sampling(body, config)
     return ApiRequest(chat, model, prompt, messages, max_tokens, sampling, stream, include_usage)
+
+
+def check_prompt_chars(
+    request: ApiRequest, max_token_chars: int, max_model_len: int | None
+) -> None:
+    """Refuse, before tokenizing, text that cannot fit the context whatever its tokens: no
+    token covers more than `max_token_chars` characters. Tokenizing costs time proportional
+    to the text, so a prompt that is sure to fail must not pay it."""
+    if max_model_len is None or isinstance(request.prompt, list):
+        return  # no worker ready yet, or token ids (finalize_sampling counts those)
+    if request.chat:
+        contents = (m.get("content") for m in request.messages or [])
+        num_chars = sum(len(c) for c in contents if isinstance(c, str))
+    else:
+        num_chars = len(request.prompt or "")
+    if num_chars > max_model_len * max_token_chars:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_chars} characters, more than that many tokens can hold",
+            param="messages" if request.chat else "prompt",
+            code="context_length_exceeded",
+        )
 
 
 def finalize_sampling(
@@ -169,7 +254,7 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
     }
 
 
-def _parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
+def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
         value = _field(body, name, kind, None)
@@ -184,10 +269,21 @@ def _parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         stop = [stop]
     elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+    if len(stop) > config.max_num_stop:
+        raise ApiError(400, f"stop holds at most {config.max_num_stop} strings", param="stop")
+    if any(len(s) > config.max_stop_len for s in stop):
+        raise ApiError(400, f"stop strings hold at most {config.max_stop_len} chars", param="stop")
     kwargs["stop"] = stop
     stop_token_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_token_ids, list):
-        raise ApiError(400, "stop_token_ids must be a list of integers", param="stop_token_ids")
+    if not isinstance(stop_token_ids, list) or not all(
+        _is_int(t) and 0 <= t <= INT64_MAX for t in stop_token_ids
+    ):
+        raise ApiError(
+            400, "stop_token_ids must be a list of non-negative token ids", param="stop_token_ids"
+        )
+    if len(stop_token_ids) > config.max_num_stop:
+        limit = config.max_num_stop
+        raise ApiError(400, f"stop_token_ids holds at most {limit} ids", param="stop_token_ids")
     kwargs["stop_token_ids"] = stop_token_ids
     _sampling_params({**kwargs, "max_tokens": 1})  # validate now: fail before tokenizing
     return kwargs
@@ -242,11 +338,17 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             )
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             parts = message["content"]
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in parts
+            ):
                 raise ApiError(
-                    400, f"messages[{index}]: only text content is supported", param="messages"
+                    400,
+                    f"messages[{index}].content: only parts {{type: text, text: string}} are "
+                    "supported",
+                    param="messages",
                 )
-            message = {**message, "content": "".join(str(p.get("text", "")) for p in parts)}
+            message = {**message, "content": "".join(p["text"] for p in parts)}
         out.append(message)
     return out
 
@@ -264,9 +366,19 @@ def _field(body: dict[str, Any], name: str, kind: type, default: Any, prefix: st
         kind_name = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
         expected = kind_name.get(kind, "an object")
         raise ApiError(
-            400, f"{prefix}{name} must be {expected}, got {value!r}", param=f"{prefix}{name}"
+            400, f"{prefix}{name} must be {expected}, got {_show(value)}", param=f"{prefix}{name}"
+        )
+    if _is_int(value) and not INT64_MIN <= value <= INT64_MAX:
+        raise ApiError(
+            400, f"{prefix}{name} must fit in 64 bits, got {_show(value)}", param=f"{prefix}{name}"
         )
     return float(value) if kind is float else value
+
+
+def _show(value: Any) -> str:
+    """A value for an error message, cut short: the client sent it and may have sent a lot."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"
 
 
 def _is_int(value: Any) -> bool:

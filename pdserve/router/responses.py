@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
+
+from aiohttp import web
 
 
 @dataclass
@@ -106,3 +110,43 @@ def sse(body: dict[str, Any] | str) -> bytes:
 
 
 SSE_DONE = sse("[DONE]")
+
+
+class EventStream(web.StreamResponse):
+    """An SSE response each of whose writes must drain within `write_timeout_s`. A client
+    that stops reading is cut off (ConnectionResetError, as if it had left, so the request
+    is aborted on its workers) instead of holding a request slot, the workers' KV blocks and
+    a socket buffer for as long as it likes. Memory per such client stays within the
+    transport's write buffer: a write waits for it to drain below its high-water mark."""
+
+    def __init__(self, write_timeout_s: float) -> None:
+        super().__init__(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.write_timeout_s = write_timeout_s
+        self._request: web.BaseRequest | None = None
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        self._request = request
+        return await self._bounded(super().prepare(request))
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await self._bounded(super().write(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self._bounded(super().write_eof(data))
+
+    async def _bounded(self, write: Awaitable[Any]) -> Any:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                return await write
+        except TimeoutError:
+            abort_connection(self._request)
+            raise ConnectionResetError(
+                f"client read nothing for {self.write_timeout_s} s; dropped"
+            ) from None
+
+
+def abort_connection(request: web.BaseRequest | None) -> None:
+    """Drop the client's connection and whatever is still buffered for it."""
+    transport = request.transport if request is not None else None
+    if transport is not None:
+        transport.abort()

@@ -3,6 +3,11 @@
 Handlers run with aiohttp's handler cancellation on, so a client that disconnects cancels its
 handler wherever it is waiting, and the driver's `close()` (in a `finally`) aborts the request
 on every worker at once.
+
+Slow clients cost a socket for a bounded time and never a request slot (README "Security
+model"): the request head must arrive within `head_timeout_s` (aiohttp's keep-alive timer,
+which runs from connect to a complete head), the body within `body_timeout_s` and before the
+handler takes a slot, and each response write must drain within `write_timeout_s`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pdserve.router.completions import STATE, RouterState, chat_completions, com
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import make_policy
 from pdserve.router.protocol import ApiError
+from pdserve.router.responses import abort_connection
 from pdserve.router.warmup import unpin, warmup
 from pdserve.router.workers import ControlPlane
 
@@ -48,7 +54,9 @@ def build_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.A
         make_policy(config.policy, config.load_balancer),
         OutputProcessor(tokenizer),
     )
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors, _auth])
+    app = web.Application(
+        client_max_size=config.max_body_bytes, middlewares=[_errors, _auth, _limits]
+    )
     app[STATE] = state
 
     async def start(_: web.Application) -> None:
@@ -73,7 +81,9 @@ async def start_server(app: web.Application) -> tuple[web.AppRunner, int]:
     """Serve `app` on its config's host and port; returns the runner and the bound port
     (port 0 picks a free one, which tests use)."""
     config = app[STATE].config
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, keepalive_timeout=config.head_timeout_s
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -116,19 +126,58 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    api_key = request.app[STATE].config.api_key
-    if api_key and request.path.startswith("/v1"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+    """With an api_key every path needs it (unknown ones too: no probing for routes), except
+    /health and /metrics unless `protect_health_metrics`."""
+    config = request.app[STATE].config
+    public = () if config.protect_health_metrics else _OPS_PATHS
+    if config.api_key and request.path not in public:
+        # aiohttp keeps header bytes that are not UTF-8 as surrogate escapes: compare bytes.
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
             raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
     return await handler(request)
+
+
+_OPS_PATHS = ("/health", "/metrics")
+
+
+@web.middleware
+async def _limits(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Read the whole body within `body_timeout_s` before the handler runs (and takes a
+    request slot); write a non-streamed response within `write_timeout_s` (EventStream
+    bounds streamed ones)."""
+    config = request.app[STATE].config
+    if request.body_exists:
+        declared = request.content_length or 0
+        if declared > config.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(config.max_body_bytes, declared)
+        try:
+            async with asyncio.timeout(config.body_timeout_s):
+                await request.read()  # kept by aiohttp: the handler's read() returns it
+        except TimeoutError:
+            raise ApiError(
+                408, f"request body not received within {config.body_timeout_s} s"
+            ) from None
+    response = await handler(request)
+    if not response.prepared:
+        try:
+            async with asyncio.timeout(config.write_timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            abort_connection(request)
+            raise ConnectionResetError("client did not read its response; dropped") from None
+    return response
 
 
 def error_response(error: ApiError) -> web.Response:
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
-    return web.json_response(error.body(), status=error.status, headers=headers)
+    response = web.json_response(error.body(), status=error.status, headers=headers)
+    if error.status in (408, 413):
+        response.force_close()  # the rest of the body may never come: do not wait for it
+    return response
 
 
 # ---- routes -------------------------------------------------------------------------------
