@@ -42,3 +42,23 @@ def test_earliest_of_several_stops_wins(tokenizer):
 
 def test_partial_stop_prefix_is_released_at_the_end(tokenizer):
     assert stream(tokenizer, "ends with EN", stop=["END"]) == ("ends with EN", False)
+
+
+def test_kept_text_stays_within_the_hold_back_however_long_the_output(tokenizer):
+    # Per-token work is a search of the kept tail, so the tail must not grow with the output.
+    stop = ("x" * 40, "STOP")
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", stop)
+    out = []
+    for token in tokenizer.encode("ab " * 2000):
+        out.append(proc.process("r", [token], finished=False).text)
+        assert len(proc.states["r"].pending) <= 39
+    out.append(proc.process("r", tokenizer.encode("STOP tail"), finished=False).text)
+    assert "".join(out) == "ab " * 2000 and proc.states["r"].stopped
+
+
+def test_a_batch_of_tokens_gives_what_one_at_a_time_gives(tokenizer):
+    proc = OutputProcessor(tokenizer)
+    proc.add_request("r", ("END",))
+    delta = proc.process("r", tokenizer.encode("The answer is 42. END more"), finished=False)
+    assert (delta.text, delta.stopped) == ("The answer is 42. ", True)

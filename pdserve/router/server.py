@@ -145,28 +145,39 @@ _OPS_PATHS = ("/health", "/metrics")
 async def _limits(request: web.Request, handler: Any) -> web.StreamResponse:
     """Read the whole body within `body_timeout_s` before the handler runs (and takes a
     request slot); write a non-streamed response within `write_timeout_s` (EventStream
-    bounds streamed ones)."""
+    bounds streamed ones). A body too slow or too large ends the connection after the reply:
+    aiohttp would otherwise linger, draining the rest of it, for up to 10 s more."""
     config = request.app[STATE].config
     if request.body_exists:
-        declared = request.content_length or 0
-        if declared > config.max_body_bytes:
-            raise web.HTTPRequestEntityTooLarge(config.max_body_bytes, declared)
         try:
+            declared = request.content_length or 0
+            if declared > config.max_body_bytes:
+                raise web.HTTPRequestEntityTooLarge(config.max_body_bytes, declared)
             async with asyncio.timeout(config.body_timeout_s):
                 await request.read()  # kept by aiohttp: the handler's read() returns it
-        except TimeoutError:
-            raise ApiError(
-                408, f"request body not received within {config.body_timeout_s} s"
-            ) from None
-    response = await handler(request)
-    if not response.prepared:
-        try:
-            async with asyncio.timeout(config.write_timeout_s):
-                await response.prepare(request)
-                await response.write_eof()
-        except TimeoutError:
-            abort_connection(request)
-            raise ConnectionResetError("client did not read its response; dropped") from None
+        except (TimeoutError, web.HTTPRequestEntityTooLarge) as exc:
+            late = isinstance(exc, TimeoutError)
+            message = f"request body not received within {config.body_timeout_s} s"
+            error = ApiError(408, message) if late else ApiError(413, "Request Entity Too Large")
+            response = await _send(request, error_response(error), config.write_timeout_s)
+            if request.transport is not None:
+                request.transport.close()  # after the reply is flushed
+            return response
+    return await _send(request, await handler(request), config.write_timeout_s)
+
+
+async def _send(
+    request: web.Request, response: web.StreamResponse, timeout_s: float
+) -> web.StreamResponse:
+    if response.prepared:
+        return response
+    try:
+        async with asyncio.timeout(timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    except TimeoutError:
+        abort_connection(request)
+        raise ConnectionResetError("client did not read its response; dropped") from None
     return response
 
 
@@ -174,10 +185,7 @@ def error_response(error: ApiError) -> web.Response:
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
-    response = web.json_response(error.body(), status=error.status, headers=headers)
-    if error.status in (408, 413):
-        response.force_close()  # the rest of the body may never come: do not wait for it
-    return response
+    return web.json_response(error.body(), status=error.status, headers=headers)
 
 
 # ---- routes -------------------------------------------------------------------------------

@@ -67,6 +67,37 @@ CASES = [
     ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
     ("chat/completions", {"messages": MSGS, "max_completion_tokens": -3}, 400, "max_tokens"),
     ("chat/completions", {"messages": MSGS, "logprobs": True}, 400, "logprobs"),
+    # Out of range: nothing past 64 bits reaches msgpack, float() or a comparison that lies.
+    ("completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
+    ("completions", {"prompt": "hi", "top_k": 2**70}, 400, "top_k"),
+    ("completions", {"prompt": "hi", "temperature": 10**400}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": -(10**30)}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "stop_token_ids": [2**64]}, 400, "stop_token_ids"),
+    ("completions", {"prompt": [2**64]}, 400, "prompt"),
+    (
+        "chat/completions",
+        {"messages": MSGS, "max_completion_tokens": 2**80},
+        400,
+        "max_completion_tokens",
+    ),  # fmt: skip
+    # Lone surrogates have no UTF-8 form: neither the tokenizer nor msgpack can take them.
+    ("completions", {"prompt": "hi \ud800"}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "stop": ["\udfff"]}, 400, "stop[0]"),
+    ("completions", {"prompt": "hi", "model": "\ud800"}, 400, "model"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "\udc00"}]},
+        400,
+        "messages[0].content",
+    ),  # fmt: skip
+    # Content parts must be text parts holding text.
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
+        400,
+        "messages",
+    ),  # fmt: skip
 ]
 
 
@@ -102,6 +133,37 @@ def test_malformed_bodies(cluster: Cluster, data: bytes, status: int, words: str
     r = requests.post(f"{cluster.url}/v1/completions", data=data)
     assert r.status_code == status and words in r.json()["error"]["message"]
     assert r.json()["error"]["type"] == "invalid_request_error"
+    assert_still_serves(cluster)
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    ("data", "param", "words"),
+    [
+        # Python's int() takes any length up to 4,300 digits, then raises ValueError (a 500).
+        (b'{"prompt": "hi", "seed": 1' + b"0" * 4000 + b"}", "seed", "64 bits"),
+        (b'{"prompt": "hi", "top_k": -' + b"9" * 30 + b"}", "top_k", "64 bits"),
+        # Nesting deeper than any OpenAI body: the path to the first too-deep value.
+        (
+            b'{"prompt": "hi", "logit_bias": ' + nested(40).encode() + b"}",
+            "logit_bias" + "[0]" * 15,
+            "deeper",
+        ),  # fmt: skip
+        # Deeper than Python's own parser recurses (was a RecursionError and a 500).
+        (b'{"prompt": ' + nested(2000).encode() + b"}", None, "deeper"),
+        (b'{"\\ud800": 1, "prompt": "hi"}', None, "surrogate"),
+    ],
+)
+def test_hostile_json_gets_400_naming_the_field(
+    cluster: Cluster, data: bytes, param: str | None, words: str
+) -> None:
+    r = requests.post(f"{cluster.url}/v1/completions", data=data)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+    assert len(r.text) < 1000  # the echoed value is cut short
     assert_still_serves(cluster)
 
 
