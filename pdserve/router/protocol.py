@@ -193,20 +193,21 @@ def check_prompt_chars(
     request: ApiRequest, max_token_chars: int, max_model_len: int | None
 ) -> None:
     """Refuse, before tokenizing, text that cannot fit the context whatever its tokens: no
-    token covers more than `max_token_chars` characters. Tokenizing costs time proportional
-    to the text, so a prompt that is sure to fail must not pay it."""
+    token covers more than `max_token_chars` characters, and every chat message renders to
+    at least one token (one that rendered to none would be no message at all). Tokenizing
+    costs time proportional to the text, so a prompt that is sure to fail must not pay it."""
     if max_model_len is None or isinstance(request.prompt, list):
         return  # no worker ready yet, or token ids (finalize_sampling counts those)
-    if request.chat:
-        contents = (m.get("content") for m in request.messages or [])
-        num_chars = sum(len(c) for c in contents if isinstance(c, str))
-    else:
-        num_chars = len(request.prompt or "")
-    if num_chars > max_model_len * max_token_chars:
+    messages = request.messages or []
+    contents = (m.get("content") for m in messages)
+    num_chars = sum(len(c) for c in contents if isinstance(c, str)) + len(request.prompt or "")
+    too_many = len(messages) > max_model_len
+    if too_many or num_chars > max_model_len * max_token_chars:
+        what = f"{len(messages)} messages" if too_many else f"{num_chars} characters"
         raise ApiError(
             400,
             f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_chars} characters, more than that many tokens can hold",
+            f"{what}, more than that many tokens can hold",
             param="messages" if request.chat else "prompt",
             code="context_length_exceeded",
         )

@@ -104,6 +104,9 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(
     chat = {"messages": [{"role": "user", "content": too_long}]}
     r = requests.post(f"{cluster.url}/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    many = {"messages": [{"role": "user", "content": ""}] * (MAX_MODEL_LEN + 1)}
+    r = requests.post(f"{cluster.url}/v1/chat/completions", json=many, timeout=60)
+    assert r.status_code == 400 and "4097 messages" in r.json()["error"]["message"]
     # Just under the bound the prompt is tokenized and the exact count decides.
     r = post(cluster, {"prompt": "a" * MAX_MODEL_LEN})
     assert r.status_code == 400 and "4096 tokens" in r.json()["error"]["message"]
