@@ -33,6 +33,7 @@ from pdserve.router.workers import ControlPlane
 __all__ = ["STATE", "RouterState", "build_app", "load_router_tokenizer", "serve", "start_server"]
 
 log = logging.getLogger(__name__)
+_OPS_PATHS = ("/health", "/metrics")  # public unless `protect_health_metrics`
 
 
 def load_router_tokenizer(config: RouterConfig) -> Tokenizer:
@@ -136,9 +137,6 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
             raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
     return await handler(request)
-
-
-_OPS_PATHS = ("/health", "/metrics")
 
 
 @web.middleware

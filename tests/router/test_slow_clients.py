@@ -109,6 +109,14 @@ def dribble_then_check(cluster: Cluster, first_bytes: bytes) -> Dribbler:
     return dribbler
 
 
+def test_requests_may_run_longer_than_the_timeouts(cluster: Cluster) -> None:
+    start = time.monotonic()
+    body = {"prompt": "hi", "max_tokens": 2500}
+    r = requests.post(f"{cluster.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2500
+    assert time.monotonic() - start > 2 * TIMEOUT_S  # generating is not being slow
+
+
 def test_dribbled_request_heads_are_closed_after_head_timeout(cluster: Cluster) -> None:
     dribble_then_check(cluster, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
 
