@@ -32,6 +32,8 @@ from handoff_clock import timed_handoff
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.roles.decode import DecodeRole
+from pdserve.engine.roles.prefill import KVDestination, PrefillRole
 from pdserve.model.registry import resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer import KVLayout, make_receiver, make_sender
@@ -49,11 +51,11 @@ class Setup:
             cache=CacheConfig(kv_cache_bytes=kv_bytes, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_batched_tokens=8192),
         )
-        self.p = Engine(cfg, model_dir, role="prefill")
+        self.p = Engine(cfg, model_dir, "prefill")
         self.layout = KVLayout.from_tensor(self.p.runner.kv_cache)
-        self.d = Engine(cfg, model_dir, role="decode")
+        self.d = Engine(cfg, model_dir, "decode")
         self.rx = make_receiver("tcp", self.d.runner.kv_cache, self.layout, SECRET)
-        self.d.attach_receiver(self.rx)
+        self.d.switch_role(DecodeRole.of(self.d, self.rx))
         self.tx = None
 
     def close(self) -> None:
@@ -66,13 +68,14 @@ class Setup:
             self.tx.close()
         self.tx = make_sender("tcp", self.p.runner.kv_cache, self.layout, SECRET,
                               bandwidth_bps=cap)  # fmt: skip
-        self.p.attach_sender(self.tx, mode)
+        self.p.switch_role(PrefillRole.of(self.p, self.tx, mode))
         rid = f"r{time.monotonic_ns()}"
         params = SamplingParams(max_tokens=2, temperature=0, kv_budget_tokens=budget)
         r = self.d.reserve(rid, prompt, params)
         if r is None:
             raise RuntimeError("the decode engine has no room: raise kv_bytes")
-        self.p.add_prefill(rid, prompt, params, self.rx.address(), r.block_ids, 0, r.drop)
+        dest = KVDestination(self.rx.address(), r.block_ids, 0, r.drop)
+        self.p.add_prefill(rid, prompt, params, dest)
         stamps = timed_handoff(self.p, self.d, self.rx, rid)
         sent = self.tx.stats()["requests"][rid]["bytes_sent"]
         return {

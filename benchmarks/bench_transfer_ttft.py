@@ -24,10 +24,12 @@ from handoff_clock import timed_handoff
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.roles.decode import DecodeRole
+from pdserve.engine.roles.prefill import KVDestination, PrefillRole
 from pdserve.model.registry import resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer import KVLayout, make_receiver, make_sender
-from pdserve.transfer.shm import create_shared_kv
+from pdserve.workers.worker import shared_kv
 
 SECRET = b"bench-ttft"
 KV_BYTES = 4096 * 46080 + (64 << 20)
@@ -42,12 +44,11 @@ class Setup:
             cache=CacheConfig(kv_cache_bytes=KV_BYTES, enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_batched_tokens=8192),
         )
-        self.p = Engine(cfg, model_dir, role="prefill")
+        self.p = Engine(cfg, model_dir, "prefill")
         layout = KVLayout.from_tensor(self.p.runner.kv_cache)
-        d_kv = create_shared_kv(layout)[0] if backend == "shm" else None
-        self.d = Engine(cfg, model_dir, role="decode", kv_cache=d_kv)
+        self.d = Engine(cfg, model_dir, "decode", shared_kv if backend == "shm" else None)
         self.rx = make_receiver(backend, self.d.runner.kv_cache, layout, SECRET)
-        self.d.attach_receiver(self.rx)
+        self.d.switch_role(DecodeRole.of(self.d, self.rx))
         self.backend, self.layout = backend, layout
         self.tx = None
 
@@ -56,12 +57,12 @@ class Setup:
             self.tx.close()
         self.tx = make_sender(self.backend, self.p.runner.kv_cache, self.layout, SECRET,
                               bandwidth_bps=cap)  # fmt: skip
-        self.p.attach_sender(self.tx, mode)
+        self.p.switch_role(PrefillRole.of(self.p, self.tx, mode))
         rid = f"r{time.monotonic_ns()}"
         prompt = torch.randint(1000, 40000, (num_tokens,)).tolist()
         params = SamplingParams(max_tokens=2, temperature=0)
         blocks = self.d.reserve(rid, prompt, params).block_ids  # prefix caching is off
-        self.p.add_prefill(rid, prompt, params, self.rx.address(), blocks)
+        self.p.add_prefill(rid, prompt, params, KVDestination(self.rx.address(), blocks))
         stamps = timed_handoff(self.p, self.d, self.rx, rid)
         return stamps["landed"] - stamps["last_layer"]
 

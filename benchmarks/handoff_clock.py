@@ -51,9 +51,9 @@ def timed_handoff(p: Engine, d: Engine, rx, rid: str) -> dict[str, float]:
             raise RuntimeError("KV never landed")
     finally:
         model.forward = original
-    d.decode_handoff.landed.add(rid)  # consumed by the watcher: release the blocks
+    d.role.awaiting[rid].landed = True  # consumed by the watcher: release the blocks
     d.abort_request(rid)
-    while p.prefill_handoff.sending:
+    while p.role.num_in_flight():
         p.poll_transfers()
         time.sleep(0.001)
     return stamps

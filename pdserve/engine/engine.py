@@ -1,13 +1,14 @@
 """The engine: one per worker process, whatever its role. Token ids in, token ids out.
 
-Roles differ only in request states (engine/kv_handoff.py): `collocated` runs requests end to
-end; `prefill` runs them to their first token and streams their KV to a decode worker;
-`decode` reserves blocks, receives KV and continues from the first token.
+What differs by role is one object (engine/roles/, docs/roles.md): `collocated` runs
+requests end to end; `prefill` runs them to their first token and streams their KV to a
+decode worker; `decode` reserves blocks, receives KV and continues from the first token.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +18,15 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_budget import KVBudget
-from pdserve.engine.kv_handoff import DecodeHandoff, KVReservation, PrefillHandoff
 from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.roles.base import Role
+from pdserve.engine.roles.collocated import CollocatedRole
+from pdserve.engine.roles.decode import KVReservation
+from pdserve.engine.roles.prefill import KVDestination
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
-from pdserve.kvcache.dropping import DropPolicy, PromptDrop
+from pdserve.kvcache.dropping import DropPolicy
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason, Request
@@ -30,7 +34,6 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-ROLES = ("collocated", "prefill", "decode")
 # A warm-up computes the prompt and samples one token nobody sees (like a prefill-only request,
 # but ending plainly, so its blocks go back to the cache on every role).
 _WARMUP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -69,25 +72,21 @@ class Engine:
         self,
         config: EngineConfig,
         model_dir: Path | None = None,
-        role: str = "collocated",
-        kv_cache: torch.Tensor | None = None,
+        kernels: str = "collocated",
+        allocate_kv: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
+        """Starts in the collocated role (`switch_role` to another). `kernels`: the role
+        whose CPU linear kernels to prepare (model_runner.py); `allocate_kv(shape, dtype)`:
+        where the KV pool lives (e.g. shared memory a prefill worker writes into)."""
         from pdserve.model.registry import resolve_model
 
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.config, self.role = config, role
+        self.config = config
         self.model_dir = Path(model_dir) if model_dir else resolve_model(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.runner = ModelRunner(
-            self.model_dir,
-            self.model_config,
-            config.cache,
-            config.device,
-            config.seed,
-            kv_cache,
-            role=role,
-        )
+            self.model_dir, self.model_config, config.cache, config.device, config.seed,
+            allocate_kv, kernels,
+        )  # fmt: skip
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.cache.block_size,
@@ -97,11 +96,8 @@ class Engine:
         )
         self.budget = KVBudget(config.cache, self.kv, self.runner)  # token dropping
         self.max_model_len = self._max_model_len()
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv, self.max_model_len, preallocate_prompt=role == "prefill"
-        )
-        self.prefill_handoff: PrefillHandoff | None = None
-        self.decode_handoff: DecodeHandoff | None = None
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.role: Role = CollocatedRole()
         self.offload = self._build_offload()
         self.loading: dict[str, tuple[Request, Future]] = {}  # waiting on a tier lookup
         self.warming: dict[str, bool] = {}  # warm-up request id -> pin its blocks when done
@@ -132,15 +128,15 @@ class Engine:
             log.warning("KV cache holds %d tokens: max_model_len capped from %d", capacity, limit)
         return min(limit, capacity)
 
-    # ---- disaggregation ----------------------------------------------------------------
+    # ---- roles ---------------------------------------------------------------------------
 
-    def attach_sender(self, sender: Any, mode: str, wire_source: WireSource | None = None) -> None:
-        """`wire_source` (from `wire_source()`) when the decode side stores KV in another
-        dtype: the sender must then read from its tensor, not from this engine's cache."""
-        self.prefill_handoff = PrefillHandoff(sender, self.kv, self.model_config.num_layers, mode)
-        self.prefill_handoff.scores_of = lambda r: self.runner.scores_of(r).tolist()
-        if wire_source is not None:
-            self.prefill_handoff.convert = wire_source.convert
+    def switch_role(self, role: Role) -> None:
+        """Take `role` (built with this engine's scheduler and KV manager); only between
+        requests, so no request ever sees two roles."""
+        if self.has_unfinished_requests() or self.role.num_in_flight():
+            raise RuntimeError(f"cannot switch from {self.role.name} to {role.name}: busy")
+        self.role = role
+        self.scheduler.preallocate_prompt = role.preallocate_prompt
 
     def wire_source(self, kv_cache_dtype: str) -> WireSource | None:
         """A shadow pool in the decode side's KV dtype, or None when it is this engine's."""
@@ -148,25 +144,18 @@ class Engine:
             return None
         return WireSource(self.runner.layer_caches, kv_cache_dtype, self.runner.dtype)
 
-    def attach_receiver(self, receiver: Any) -> None:
-        self.decode_handoff = DecodeHandoff(receiver, self.scheduler, self.kv)
-        self.decode_handoff.install_scores = self.runner.install_scores
-
     def add_prefill(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_peer: dict[str, Any],
-        kv_block_ids: list[int],
-        kv_skip_blocks: int = 0,
-        kv_drop: PromptDrop | None = None,
+        destination: KVDestination,
     ) -> Request:
-        """Prefill role: compute the prompt, send its KV to `kv_block_ids` at `kv_peer`
-        (all but the first `kv_skip_blocks`, which the decode worker already holds; with
-        `kv_drop`, only the blocks the decode worker keeps), sample the first token."""
+        """Prefill role: compute the prompt, send its KV to `destination` (all but the
+        blocks the decode worker already holds; with a drop, only the blocks it keeps),
+        sample the first token."""
         request = self._new_request(request_id, prompt_token_ids, params, prefill_only=True)
-        self.prefill_handoff.add(request, kv_peer, kv_block_ids, kv_skip_blocks, kv_drop)
+        self.role.add_prefill(request, destination)
         self._enqueue(request)
         return request
 
@@ -178,9 +167,7 @@ class Engine:
         budget gets only the blocks it keeps (`KVReservation.drop`): this worker decides
         what it holds, the prefill worker drops the rest before sending."""
         request = self._new_request(request_id, prompt_token_ids, params)
-        if request_id in self.scheduler.requests or request_id in self.decode_handoff.awaiting:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        reservation = self.decode_handoff.reserve(request, self.budget.prompt_drop(request))
+        reservation = self.role.reserve(request, self.budget.prompt_drop(request))
         if self.offload is not None:
             # The reservation may have evicted cached blocks: save what they hold now, since
             # a prefill may start writing into them as soon as this returns.
@@ -195,20 +182,11 @@ class Engine:
         block_scores: list[float] | None = None,
     ) -> None:
         """The first token from the prefill worker (with what it dropped, if it did)."""
-        self.decode_handoff.start(request_id, first_token_id, num_dropped_tokens, block_scores)
+        self.role.start(request_id, first_token_id, num_dropped_tokens, block_scores)
 
     def poll_transfers(self) -> list[tuple[str, str]]:
         """Advance KV transfers; returns (request id, error) for requests they failed."""
-        failed: list[tuple[str, str]] = []
-        if self.decode_handoff is not None:
-            failed += self.decode_handoff.poll()
-        if self.prefill_handoff is not None:
-            for request_id, error in self.prefill_handoff.poll():
-                if error is None:
-                    continue
-                self.scheduler.finish_request(request_id, FinishReason.ABORT)  # if still running
-                failed.append((request_id, error))
-        return failed
+        return self.role.poll()
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -233,8 +211,10 @@ class Engine:
         first real request already hits; with `pin` its full blocks are then never evicted.
         The result comes out of `drain_warmed()` once the prefill is done. Refused up front
         (ValueError) when it cannot pin: decode role, caching off, pinned share full."""
-        if self.role == "decode":
-            raise ValueError("warm-up runs on prefill and collocated workers, not decode")
+        if not self.role.takes_pins:
+            raise ValueError(
+                f"warm-up runs on prefill and collocated workers, not {self.role.name}"
+            )
         if not self.kv.enable_prefix_caching:
             raise ValueError("warm-up needs prefix caching, which is off on this worker")
         request = self._new_request(request_id, prompt_token_ids, _WARMUP_PARAMS)
@@ -326,19 +306,15 @@ class Engine:
         """End a request in any state; its blocks are freed now or, if a KV transfer may
         still read them, as soon as the transfer stops."""
         self.warming.pop(request_id, None)
-        if self.loading.pop(request_id, None) is not None:
-            if self.prefill_handoff is not None:
-                self.prefill_handoff.abort(request_id)
-            return True
-        if self.decode_handoff is not None and self.decode_handoff.abort(request_id):
-            return True
-        keep = self.prefill_handoff is not None
+        loaded = self.loading.pop(request_id, None) is not None
+        request = self.scheduler.requests.get(request_id)
+        # A prefill-only request's blocks may be under a send: its role frees them.
+        keep = request is not None and request.prefill_only
         request = self.scheduler.finish_request(request_id, FinishReason.ABORT, not keep)
-        if self.prefill_handoff is not None:
-            if request is not None:
-                self.prefill_handoff.on_finished(request)
-            self.prefill_handoff.abort(request_id)
-        return request is not None
+        if request is not None:
+            self.role.on_finished(request)
+        held = self.role.abort(request_id)
+        return loaded or held or request is not None
 
     def finish_request(self, request_id: str, reason: FinishReason) -> None:
         """End a request early (e.g. its text hit a stop string)."""
@@ -353,26 +329,21 @@ class Engine:
         out = self.scheduler.schedule()
         if self.offload is not None:
             self.offload.save_evicted()
-        handoff = self.prefill_handoff
-        sends = handoff.plan(out) if handoff else []
-        sampled = self.runner.execute(out, handoff.layer_hook(sends) if handoff else None)
-        if handoff:
-            handoff.after_step(sends)
+        sampled = self.runner.execute(out, self.role.plan(out))
+        self.role.after_step()
         outputs = []
         for request in out.preempted:
             self.runner.block_scores.pop(request.request_id, None)
         for request, token in self.scheduler.update_from_output(out, sampled):
             if request.is_finished:
                 self.runner.block_scores.pop(request.request_id, None)
-            if request.prefill_only and request.is_finished and handoff:
-                handoff.on_finished(request)
+                self.role.on_finished(request)
             if request.request_id in self.warming:
                 if request.is_finished:
                     self._finish_warmup(request)
                 continue
             if token is None:
                 continue
-            dropped, scores = handoff.dropped(request) if handoff else (0, None)
             outputs.append(
                 RequestOutput(
                     request.request_id,
@@ -382,8 +353,7 @@ class Engine:
                     request.num_prompt_tokens,
                     request.num_cached_tokens,
                     len(request.output_token_ids),
-                    dropped,
-                    scores,
+                    *self.role.dropped(request),
                 )
             )
         if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):

@@ -93,12 +93,13 @@ class ModelRunner:
         cache: CacheConfig,
         device: DeviceConfig,
         seed: int = 0,
-        kv_cache: torch.Tensor | None = None,
-        role: str = "collocated",
+        allocate_kv: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        kernels: str = "collocated",
     ) -> None:
-        """`role` picks the CPU linear kernels' weight copies: a prefill worker runs only
-        large GEMMs (oneDNN), a decode worker only decode batches (native panels), a
-        collocated one both."""
+        """`kernels` (a role name) picks the CPU linear kernels' weight copies: a prefill
+        worker runs only large GEMMs (oneDNN), a decode worker only decode batches (native
+        panels), a collocated one both. `allocate_kv(shape, dtype)` places the KV pool
+        (zeroed, on this device, by default); its size is computed here, once."""
         if device.threads:
             torch.set_num_threads(device.threads)
         self.device = torch.device(device.device)
@@ -108,18 +109,18 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         self.kernels = native.load() if device.cpu_kernels == "native" and on_cpu else None
         if device.cpu_kernels in ("native", "onednn") and can_pack(self.model):
-            panels = self.kernels if role != "prefill" else None
-            pack_linears(self.model, panels, onednn=role != "decode" or panels is None)
+            panels = self.kernels if kernels != "prefill" else None
+            pack_linears(self.model, panels, onednn=kernels != "decode" or panels is None)
             log_panel_formats(self.model)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        if kv_cache is None:
-            num_blocks = num_kv_blocks(model_config, cache, self.device, self.dtype)
-            kv_cache = torch.zeros(
-                kv_cache_shape(model_config, num_blocks, cache.block_size, cache.kv_cache_dtype),
-                dtype=storage_dtype(cache.kv_cache_dtype, self.dtype),
-                device=self.device,
-            )
+        num_blocks = num_kv_blocks(model_config, cache, self.device, self.dtype)
+        shape = kv_cache_shape(model_config, num_blocks, cache.block_size, cache.kv_cache_dtype)
+        dtype = storage_dtype(cache.kv_cache_dtype, self.dtype)
+        if allocate_kv is None:
+            kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            kv_cache = allocate_kv(shape, dtype)
         self.kv_cache = kv_cache
         if self.kernels is not None and can_fuse(self.model, kv_cache):
             fuse_layers(self.model, self.kernels)

@@ -6,7 +6,7 @@
 The loop never blocks while there is work; when idle it waits on the control socket for a
 few milliseconds only, so a KV transfer landing on a decode worker is noticed at once.
 Every Abort is answered with Released; a KV wait past its deadline (spec.kv_*_timeout_s,
-enforced in engine/kv_handoff.py) and a broken transfer are answered with Failed.
+enforced in engine/roles/) and a broken transfer are answered with Failed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import zmq
 
 from pdserve import messages as m
 from pdserve.engine.engine import Engine
+from pdserve.engine.roles.prefill import KVDestination
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
@@ -48,59 +49,37 @@ class Worker:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
 
     def _build_engine(self) -> Engine:
+        """The engine, in the spec's role. A decode worker's KV pool lives in shared memory
+        when shm may be used, so a prefill worker on the same host writes into it directly."""
+        from pdserve.engine.roles.decode import DecodeRole
+        from pdserve.engine.roles.prefill import PrefillRole
         from pdserve.transfer.layout import KVLayout
         from pdserve.transfer.registry import make_receiver, make_sender
 
         spec = self.spec
         self.receiver = self.sender = None
+        shm = spec.role == "decode" and spec.transfer_backend != "tcp"
+        engine = Engine(spec.engine, kernels=spec.role, allocate_kv=shared_kv if shm else None)
         if spec.role == "decode":
-            engine = self._decode_engine()
             kv = engine.runner.kv_cache
             self.receiver = make_receiver(
                 spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
                 host=spec.transfer_host, pool_bytes=spec.transfer_buffer_bytes,
             )  # fmt: skip
-            engine.attach_receiver(self.receiver)
-            # Deadlines are set here until Engine.attach_* take them (engine.py is not ours).
-            engine.decode_handoff.reserve_timeout_s = spec.kv_reserve_timeout_s
-            engine.decode_handoff.land_timeout_s = spec.kv_land_timeout_s
-            return engine
-        engine = Engine(spec.engine, role=spec.role)
-        if spec.role == "prefill":
+            engine.switch_role(DecodeRole.of(
+                engine, self.receiver, spec.kv_reserve_timeout_s, spec.kv_land_timeout_s
+            ))  # fmt: skip
+        elif spec.role == "prefill":
             wire = engine.wire_source(spec.wire_kv_cache_dtype)
             kv = wire.kv if wire else engine.runner.kv_cache
             self.sender = make_sender(
                 spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
                 bandwidth_bps=spec.transfer_bandwidth, pool_bytes=spec.transfer_buffer_bytes,
             )  # fmt: skip
-            engine.attach_sender(self.sender, spec.transfer_mode, wire)
-            engine.prefill_handoff.send_timeout_s = spec.kv_send_timeout_s
+            engine.switch_role(PrefillRole.of(
+                engine, self.sender, spec.transfer_mode, wire, spec.kv_send_timeout_s
+            ))  # fmt: skip
         return engine
-
-    def _decode_engine(self) -> Engine:
-        """A decode worker's KV pool lives in shared memory when shm may be used, so a
-        prefill worker on the same host can write into it directly."""
-        if self.spec.transfer_backend == "tcp":
-            return Engine(self.spec.engine, role="decode")
-        from pdserve.engine.model_runner import kv_cache_shape, num_kv_blocks
-        from pdserve.model.config import ModelConfig
-        from pdserve.model.kv_cache import storage_dtype
-        from pdserve.model.loader import torch_dtype
-        from pdserve.model.registry import resolve_model
-        from pdserve.transfer.layout import KVLayout
-        from pdserve.transfer.shm import create_shared_kv
-
-        cfg = self.spec.engine
-        model_dir = resolve_model(cfg.model)
-        mc = ModelConfig.from_dir(model_dir)
-        dtype = torch_dtype(cfg.device.dtype)
-        num_blocks = num_kv_blocks(mc, cfg.cache, torch.device("cpu"), dtype)
-        shape = kv_cache_shape(mc, num_blocks, cfg.cache.block_size, cfg.cache.kv_cache_dtype)
-        kind = str(storage_dtype(cfg.cache.kv_cache_dtype, dtype)).removeprefix("torch.")
-        num_layers, _, _, num_kv_heads, block_size, row = shape
-        layout = KVLayout(num_layers, num_blocks, block_size, num_kv_heads, row, kind)
-        kv, _ = create_shared_kv(layout)
-        return Engine(cfg, model_dir, role="decode", kv_cache=kv)
 
     # ---- loop ------------------------------------------------------------------------
 
@@ -135,11 +114,7 @@ class Worker:
             self.close()
 
     def _idle_wait_ms(self) -> int:
-        e = self.engine
-        waiting_kv = (e.decode_handoff and e.decode_handoff.awaiting) or (
-            e.prefill_handoff and e.prefill_handoff.sending
-        )
-        return 1 if waiting_kv else 20
+        return 1 if self.engine.role.num_in_flight() else 20
 
     def _drain(self, timeout_ms: int) -> None:
         if not self.ctrl.poll(timeout_ms):
@@ -201,10 +176,8 @@ class Worker:
                 drop = None
                 if msg.kv_keep_blocks is not None:
                     drop = PromptDrop(msg.kv_keep_blocks, msg.kv_sink_blocks, msg.kv_recent_blocks)
-                e.add_prefill(
-                    msg.request_id, msg.prompt_token_ids, params, msg.kv_peer,
-                    msg.kv_block_ids, msg.kv_skip_blocks, drop,
-                )  # fmt: skip
+                dest = KVDestination(msg.kv_peer, msg.kv_block_ids, msg.kv_skip_blocks, drop)
+                e.add_prefill(msg.request_id, msg.prompt_token_ids, params, dest)
             else:
                 log.warning("%s: unexpected %s", wid, type(msg).__name__)
         except (ValueError, TypeError) as exc:
@@ -272,18 +245,17 @@ class Worker:
         if now < self._next_stats:
             return
         self._next_stats = now + self.spec.heartbeat_interval_s / 10
-        s, kv, handoff = self.engine.scheduler, self.engine.kv, self.engine.decode_handoff
+        s, kv = self.engine.scheduler, self.engine.kv
         queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
         cache = self.engine.cache_stats()
-        self._stats = (m.Stats(
-            self.spec.worker_id, self.spec.role, s.num_waiting, s.num_running,
+        self._stats = m.Stats(
+            self.spec.worker_id, self.engine.role.name, s.num_waiting, s.num_running,
             kv.num_free_blocks, kv.num_blocks, queued,
-            self.sender.stats()["bytes_sent"] if self.sender else 0,
-            self.receiver.stats().get("bytes_received", 0) if self.receiver else 0,
-            handoff.num_skipped_blocks if handoff else 0,
-            cache["tiers"], cache["moved_bytes"], cache["cached_prompt_tokens"],
-            cache["computed_prompt_tokens"], cache["num_pinned_blocks"],
-        ))  # fmt: skip
+            kv_tiers=cache["tiers"], kv_moved_bytes=cache["moved_bytes"],
+            num_cached_prompt_tokens=cache["cached_prompt_tokens"],
+            num_computed_prompt_tokens=cache["computed_prompt_tokens"],
+            num_pinned_blocks=cache["num_pinned_blocks"], **self.engine.role.transfer_stats(),
+        )  # fmt: skip
 
     def close(self) -> None:
         self._stop_heartbeat.set()
@@ -301,3 +273,15 @@ def _remaining(params: SamplingParams, num_done: int) -> SamplingParams:
     import dataclasses
 
     return dataclasses.replace(params, max_tokens=max(1, params.max_tokens - num_done))
+
+
+def shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A KV pool in /dev/shm (the engine's `allocate_kv`): the receiver offers it to
+    prefill workers on this host, which write into it directly."""
+    from pdserve.transfer.layout import KVLayout
+    from pdserve.transfer.shm import create_shared_kv
+
+    num_layers, num_blocks, _, num_kv_heads, block_size, row = shape
+    kind = str(dtype).removeprefix("torch.")
+    layout = KVLayout(num_layers, num_blocks, block_size, num_kv_heads, row, kind)
+    return create_shared_kv(layout)[0]

@@ -10,14 +10,13 @@ import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.kv_handoff import KVReservation
-from pdserve.engine.model_runner import num_kv_blocks
-from pdserve.model.config import ModelConfig
+from pdserve.engine.roles.decode import DecodeRole, KVReservation
+from pdserve.engine.roles.prefill import KVDestination, PrefillRole
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.registry import make_receiver, make_sender
-from pdserve.transfer.shm import create_shared_kv
+from pdserve.workers.worker import shared_kv
 from tests.engine.test_engine import GREEDY, prompts, run
 
 SECRET = b"k" * 32
@@ -37,20 +36,16 @@ class Pair:
         self, model_dir, backend, mode, p_dtype="auto", d_dtype="auto", d_cache=None, **sched
     ) -> None:
         """`d_cache`: CacheConfig fields of the decode engine only (e.g. a KV budget)."""
-        row, kind = (20, "uint8") if d_dtype == "fp8" else (16, "float32")
-        cfg = config(d_dtype, d_cache)
-        mc = ModelConfig.from_dir(model_dir)
-        num_blocks = num_kv_blocks(mc, cfg.cache, torch.device("cpu"), torch.float32)
-        layout = KVLayout(2, num_blocks, BLOCK_SIZE, 2, row, kind)
-        kv = create_shared_kv(layout)[0] if backend != "tcp" else None
-        self.d = Engine(cfg, model_dir, role="decode", kv_cache=kv)
-        self.rx = make_receiver(backend, self.d.runner.kv_cache, layout, SECRET)
-        self.d.attach_receiver(self.rx)
-        self.p = Engine(config(p_dtype, **sched), model_dir, role="prefill")
+        allocate = shared_kv if backend != "tcp" else None
+        self.d = Engine(config(d_dtype, d_cache), model_dir, "decode", allocate)
+        kv = self.d.runner.kv_cache
+        self.rx = make_receiver(backend, kv, KVLayout.from_tensor(kv), SECRET)
+        self.d.switch_role(DecodeRole.of(self.d, self.rx))
+        self.p = Engine(config(p_dtype, **sched), model_dir, "prefill")
         wire = self.p.wire_source(d_dtype)
         source = wire.kv if wire else self.p.runner.kv_cache
         self.tx = make_sender(backend, source, KVLayout.from_tensor(source), SECRET)
-        self.p.attach_sender(self.tx, mode, wire)
+        self.p.switch_role(PrefillRole.of(self.p, self.tx, mode, wire))
         self.reservations: dict[str, KVReservation] = {}
         self.sent_dst: dict[str, set[int]] = {}  # request id -> destination blocks sent
         send = self.tx.send
@@ -75,9 +70,8 @@ class Pair:
             rid = f"r{i}-{time.monotonic_ns()}"
             r = self.reservations[rid] = self.d.reserve(rid, prompt, params)
             assert r is not None
-            self.p.add_prefill(
-                rid, prompt, params, self.rx.address(), r.block_ids, r.num_cached_blocks, r.drop
-            )
+            dest = KVDestination(self.rx.address(), r.block_ids, r.num_cached_blocks, r.drop)
+            self.p.add_prefill(rid, prompt, params, dest)
             out[rid] = []
         pending = set(out)
         deadline = time.monotonic() + 30
@@ -103,7 +97,7 @@ class Pair:
             else:
                 time.sleep(0.001)
         # Let the prefill side see its sends confirmed and free its blocks.
-        while self.p.prefill_handoff.sending and time.monotonic() < deadline:
+        while self.p.role.num_in_flight() and time.monotonic() < deadline:
             self.p.poll_transfers()
             time.sleep(0.001)
         assert not pending, "requests did not finish"
@@ -153,7 +147,7 @@ def assert_only_new_blocks_sent(pair: Pair, num_cached_blocks: int) -> None:
         r = pair.reservations[rid]
         assert r.num_cached_blocks == num_cached_blocks
         assert pair.sent_dst[rid] == set(r.block_ids[num_cached_blocks:])
-        if pair.p.prefill_handoff.mode == "full":  # one send: every new block once per layer
+        if pair.p.role.mode == "full":  # one send: every new block once per layer
             expected = len(r.block_ids[num_cached_blocks:]) * num_layers * layout.block_bytes
             assert per_request[rid]["bytes_sent"] == expected
 
@@ -176,7 +170,7 @@ def test_decode_holding_the_prefix_receives_only_the_rest(
         assert warm_bytes < cold_bytes * 3  # three requests, each sending far fewer blocks
         if backend == "tcp":  # shm writes land without passing through the receiver
             assert pair.rx.stats()["bytes_received"] == pair.tx.stats()["bytes_sent"]
-        assert pair.d.decode_handoff.num_skipped_blocks == 18
+        assert pair.d.role.num_cached_blocks == 18
         assert pair.p.kv.num_free_blocks == free_p and pair.d.kv.num_free_blocks == free_d
     finally:
         pair.close()
@@ -222,7 +216,9 @@ def test_abort_with_a_decode_prefix_hit_returns_every_reference(tiny_model_dir, 
         pool = pair.d.kv.pool
         assert [pool.ref_cnt[b] for b in r.block_ids] == [1] * len(r.block_ids)
         if stage == "mid_prefill":
-            pair.p.add_prefill("a", later[3], GREEDY, pair.rx.address(), r.block_ids, 6)
+            pair.p.add_prefill(
+                "a", later[3], GREEDY, KVDestination(pair.rx.address(), r.block_ids, 6)
+            )
             for _ in range(5):  # 30 of 40 tokens: block 6 sent (7 is partial)
                 pair.p.step()
             assert pair.sent_dst["a"] == {r.block_ids[6]}
@@ -286,7 +282,9 @@ def test_abort_mid_prefill_frees_prefill_blocks(tiny_model_dir):
     try:
         free_p = pair.p.kv.num_free_blocks
         r = pair.d.reserve("a", list(range(2, 30)), GREEDY)
-        pair.p.add_prefill("a", list(range(2, 30)), GREEDY, pair.rx.address(), r.block_ids)
+        pair.p.add_prefill(
+            "a", list(range(2, 30)), GREEDY, KVDestination(pair.rx.address(), r.block_ids)
+        )
         pair.p.step()  # first chunk sent
         pair.p.abort_request("a")
         pair.d.abort_request("a")
@@ -304,7 +302,9 @@ def test_wrong_number_of_destination_blocks_is_rejected(tiny_model_dir):
     pair = Pair(tiny_model_dir, "tcp", "full")
     try:
         with pytest.raises(ValueError, match="destination blocks"):
-            pair.p.add_prefill("a", [5] * 9, SamplingParams(), pair.rx.address(), [1])
+            pair.p.add_prefill(
+                "a", [5] * 9, SamplingParams(), KVDestination(pair.rx.address(), [1])
+            )
     finally:
         pair.close()
 

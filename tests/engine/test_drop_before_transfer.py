@@ -13,6 +13,7 @@ import time
 import pytest
 
 from pdserve.engine.engine import Engine
+from pdserve.engine.roles.prefill import KVDestination
 from pdserve.sampling_params import SamplingParams
 from tests.engine.test_disaggregation import BLOCK_SIZE, Pair, config
 from tests.engine.test_engine import GREEDY, prompts, run
@@ -89,7 +90,7 @@ def test_chunked_prefill_sends_sink_recent_and_best_blocks_in_order(tiny_model_d
     pair = WatchedPair(tiny_model_dir, backend, "layerwise", d_cache=BUDGET, **CHUNK)
     ranked: dict[str, tuple[list[int], list[float]]] = {}  # request id -> (blocks, scores)
     sent_src: dict[str, list[int]] = {}
-    scores_of, send = pair.p.prefill_handoff.scores_of, pair.tx.send
+    scores_of, send = pair.p.role.scores_of, pair.tx.send
 
     def record_scores(request):
         scores = scores_of(request)
@@ -100,7 +101,7 @@ def test_chunked_prefill_sends_sink_recent_and_best_blocks_in_order(tiny_model_d
         sent_src.setdefault(request_id, []).extend(src)
         send(peer, request_id, layers, src, dst, last)
 
-    pair.p.prefill_handoff.scores_of, pair.tx.send = record_scores, record_src
+    pair.p.role.scores_of, pair.tx.send = record_scores, record_src
     try:
         free_p, free_d = pair.p.kv.num_free_blocks, pair.d.kv.num_free_blocks
         outs = pair.generate(budget_prompts()[:4], GREEDY_LONG)
@@ -175,7 +176,8 @@ def test_abort_at_any_stage_frees_both_sides(tiny_model_dir, backend, stage):
         r = pair.d.reserve("a", prompt, GREEDY)
         assert r.drop is not None and pair.d.kv.num_free_blocks == free_d - num_kept(prompt)
         if stage != "reserved":
-            pair.p.add_prefill("a", prompt, GREEDY, pair.rx.address(), r.block_ids, 0, r.drop)
+            dest = KVDestination(pair.rx.address(), r.block_ids, 0, r.drop)
+            pair.p.add_prefill("a", prompt, GREEDY, dest)
             pair.p.step()
             assert "a" not in pair.sent_dst  # nothing crosses before the last chunk
         if stage in ("sent", "first_token"):
@@ -191,7 +193,7 @@ def test_abort_at_any_stage_frees_both_sides(tiny_model_dir, backend, stage):
         pair.d.abort_request("a")
         assert pair.d.kv.num_free_blocks == free_d
         assert pair.rx.stats()["num_reservations"] == 0
-        assert pair.d.decode_handoff.drops == {} and pair.d.decode_handoff.kept_scores == {}
+        assert pair.d.role.awaiting == {}
         wait_for(pair, free_p)
         assert not pair.p.has_unfinished_requests() and not pair.d.has_unfinished_requests()
     finally:

@@ -5,7 +5,18 @@ import pytest
 
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.engine.roles.decode import DecodeRole
+from pdserve.engine.roles.prefill import PrefillRole
+from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.registry import make_receiver, make_sender
 from tests.engine.test_engine import GREEDY, make_engine, prompts, run
+
+SECRET = b"k" * 32
+
+
+def layout(engine: Engine) -> KVLayout:
+    return KVLayout.from_tensor(engine.runner.kv_cache)
+
 
 SYSTEM = prompts(1, seed=11, lo=30, hi=31)[0]  # 30 tokens: 7 full blocks of 4
 
@@ -64,11 +75,19 @@ def test_pin_beyond_the_bound_is_refused_before_any_work(tiny_model_dir):
 
 def test_warmup_on_the_prefill_role_and_not_on_decode(tiny_model_dir):
     cache = CacheConfig(block_size=4, kv_cache_bytes=64 * 4 * 512)
-    prefill = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir, role="prefill")
-    assert warm(prefill, SYSTEM).num_pinned_tokens == 28
-    decode = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir, role="decode")
-    with pytest.raises(ValueError, match="not decode"):
-        decode.warmup("w", SYSTEM)
+    prefill = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir, "prefill")
+    decode = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir, "decode")
+    tx = make_sender("tcp", prefill.runner.kv_cache, prefill_layout := layout(prefill), SECRET)
+    rx = make_receiver("tcp", decode.runner.kv_cache, prefill_layout, SECRET)
+    try:
+        prefill.switch_role(PrefillRole.of(prefill, tx, "full"))
+        decode.switch_role(DecodeRole.of(decode, rx))
+        assert warm(prefill, SYSTEM).num_pinned_tokens == 28
+        with pytest.raises(ValueError, match="not decode"):
+            decode.warmup("w", SYSTEM)
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_cache_counters_split_cached_and_computed_tokens(tiny_model_dir):

@@ -1,10 +1,11 @@
-"""Worker-side deadlines (engine/kv_handoff.py) on a fake clock: a wait on a peer that
+"""Worker-side deadlines (engine/roles/) on a fake clock: a wait on a peer that
 never ends is failed within its bound, and the blocks come back."""
 
 from __future__ import annotations
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_handoff import DecodeHandoff, PrefillHandoff
+from pdserve.engine.roles.decode import DecodeRole
+from pdserve.engine.roles.prefill import KVDestination, PrefillRole
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request
@@ -53,11 +54,11 @@ def request(request_id: str = "r") -> Request:
     return Request(request_id, list(range(40)), SamplingParams(max_tokens=4))
 
 
-def decode_handoff(now: list[float]) -> tuple[DecodeHandoff, FakeReceiver, KVCacheManager]:
+def decode_handoff(now: list[float]) -> tuple[DecodeRole, FakeReceiver, KVCacheManager]:
     kv = KVCacheManager(NUM_BLOCKS, 16, model_id="m")
     rx = FakeReceiver()
     scheduler = Scheduler(SchedulerConfig(), kv, 256)
-    handoff = DecodeHandoff(rx, scheduler, kv, 30.0, 5.0, clock=lambda: now[0])
+    handoff = DecodeRole(rx, scheduler, kv, lambda r, s: None, 30.0, 5.0, clock=lambda: now[0])
     return handoff, rx, kv
 
 
@@ -102,14 +103,17 @@ def test_unacknowledged_send_is_aborted_and_its_blocks_freed() -> None:
     now = [0.0]
     kv = KVCacheManager(NUM_BLOCKS, 16, model_id="m")
     sender = FakeSender()
-    handoff = PrefillHandoff(sender, kv, 2, "layerwise", 5.0, clock=lambda: now[0])
+    scheduler = Scheduler(SchedulerConfig(), kv, 256)
+    handoff = PrefillRole(
+        sender, scheduler, kv, 2, "layerwise", list, None, 5.0, clock=lambda: now[0]
+    )
     r = request()
     assert kv.allocate(r, r.num_prompt_tokens)
-    handoff.add(r, {"host": "x"}, [0, 1, 2])
+    handoff.add_prefill(r, KVDestination({"host": "x"}, [0, 1, 2]))
     handoff.on_finished(r)  # first token out: SENDING_KV, blocks pinned
     assert handoff.poll() == [] and kv.num_free_blocks == NUM_BLOCKS - 3
     now[0] = 5.1
     # Aborted; freed once the sender confirms it stopped reading (this fake does at once).
     assert handoff.poll() == [("r", "KV send not acknowledged within 5.0 s")]
     assert sender.aborted == ["r"]
-    assert kv.num_free_blocks == NUM_BLOCKS and not handoff.sending
+    assert kv.num_free_blocks == NUM_BLOCKS and not handoff.handoffs

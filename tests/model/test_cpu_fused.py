@@ -47,7 +47,7 @@ def test_native_engine_equals_torch_engine(tiny_model_dir):
 
 def test_prefill_worker_layers_never_take_the_one_call_path(tiny_model_dir):
     cache = CacheConfig(block_size=4, kv_cache_bytes=1 << 20)
-    eng = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir, role="prefill")
+    eng = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir, kernels="prefill")
     layers = eng.runner.model.layers
     assert isinstance(layers[0], FusedDecoderLayer) and not layers.one_call  # no panel weights
 

@@ -1,13 +1,15 @@
-"""Block arithmetic of the handoff when the decode worker already holds a prompt's prefix:
-which blocks it reserves and expects, which ones the prefill worker sends, and that every
-reference comes back however the request ends. Torch-free, with fake transfer ends."""
+"""Block arithmetic of the prefill and decode roles when the decode worker already holds a
+prompt's prefix: which blocks it reserves and expects, which ones the prefill worker sends,
+and that every reference comes back however the request ends. Torch-free, with fake
+transfer ends."""
 
 from __future__ import annotations
 
 import pytest
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_handoff import DecodeHandoff, KVReservation, PrefillHandoff
+from pdserve.engine.roles.decode import DecodeRole, KVReservation
+from pdserve.engine.roles.prefill import KVDestination, PrefillRole
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager
@@ -50,11 +52,12 @@ def request(tokens: list[int], request_id: str = "r") -> Request:
     return Request(request_id, list(tokens), SamplingParams(max_tokens=4))
 
 
-def decode_side(now: list[float] | None = None):
+def decode_side(now: list[float] | None = None, install=lambda request, scores: None):
     kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="m")
     rx = FakeReceiver()
     clock = (lambda: now[0]) if now is not None else (lambda: 0.0)
-    handoff = DecodeHandoff(rx, Scheduler(SchedulerConfig(), kv, 256), kv, 30.0, 5.0, clock)
+    scheduler = Scheduler(SchedulerConfig(), kv, 256)
+    handoff = DecodeRole(rx, scheduler, kv, install, 30.0, 5.0, clock)
     return handoff, rx, kv
 
 
@@ -81,7 +84,7 @@ def test_reserve_takes_the_cached_prefix_and_expects_only_new_blocks() -> None:
     assert r.block_ids[:4] == cached and len(r.block_ids) == 6
     assert rx.expected["r"] == r.block_ids[4:]
     assert [kv.pool.ref_cnt[b] for b in r.block_ids] == [1] * 6
-    assert handoff.num_skipped_blocks == 4
+    assert handoff.num_cached_blocks == 4
     assert handoff.abort("r")
     assert kv.num_free_blocks == free and all(kv.pool.ref_cnt[b] == 0 for b in r.block_ids)
     again = handoff.reserve(request(PREFIX + [7], "again"))  # the prefix is still cached
@@ -177,28 +180,32 @@ def test_a_refused_expectation_returns_every_block() -> None:
 
 
 def prefill_side(mode: str, prompt_len: int, num_hit_tokens: int = 0, skip: int = 0):
-    """A prefill handoff for a request whose blocks are 100, 101, ... (the first
+    """A prefill role for a request whose blocks are 100, 101, ... (the first
     `num_hit_tokens` already computed: its own prefix hit), sending to blocks 0, 1, ..."""
     kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="m")
     tx = FakeSender()
-    handoff = PrefillHandoff(tx, kv, 2, mode)
+    handoff = prefill_role(tx, kv, mode)
     r = request(list(range(prompt_len)))
     num_blocks = -(-prompt_len // BLOCK_SIZE)
     r.block_ids = list(range(100, 100 + num_blocks))
     r.num_computed_tokens = num_hit_tokens
-    handoff.add(r, {"host": "d"}, list(range(num_blocks)), skip)
+    handoff.add_prefill(r, KVDestination({"host": "d"}, list(range(num_blocks)), skip))
     return handoff, tx, r
 
 
-def run_chunks(handoff: PrefillHandoff, r: Request, chunk: int) -> None:
+def prefill_role(tx: FakeSender, kv: KVCacheManager, mode: str, scores=None) -> PrefillRole:
+    scheduler = Scheduler(SchedulerConfig(), kv, 256)
+    return PrefillRole(tx, scheduler, kv, 2, mode, lambda request: scores)
+
+
+def run_chunks(handoff: PrefillRole, r: Request, chunk: int) -> None:
     while r.num_computed_tokens < r.num_prompt_tokens:
         num_new = min(chunk, r.num_prompt_tokens - r.num_computed_tokens)
-        sends = handoff.plan(SchedulerOutput([(r, num_new)]))
-        hook = handoff.layer_hook(sends)
+        hook = handoff.plan(SchedulerOutput([(r, num_new)]))
         for layer in range(2):
             if hook is not None:
                 hook(layer)
-        handoff.after_step(sends)
+        handoff.after_step()
         r.num_computed_tokens += num_new
 
 
@@ -244,7 +251,7 @@ def test_full_mode_sends_the_rest_once(skip: int) -> None:
 
 @pytest.mark.parametrize("skip", [-1, 6, True, "1"])
 def test_a_skip_that_would_leave_nothing_to_send_is_rejected(skip) -> None:
-    with pytest.raises(ValueError, match="kv_skip_blocks"):
+    with pytest.raises(ValueError, match="num_cached_blocks"):
         prefill_side("full", 21, skip=skip)  # 21 tokens: blocks 0..5, at most 5 skipped
 
 
@@ -269,13 +276,14 @@ def test_decode_reserves_only_the_kept_blocks_and_skips_its_prefix_cache() -> No
     r = handoff.reserve(request(PREFIX + list(range(14))), DROP)  # 30 tokens, 8 blocks
     assert r.num_cached_blocks == 0 and r.drop == DROP and len(r.block_ids) == 5
     assert rx.expected["r"] == r.block_ids and kv.num_free_blocks == free - 5
-    assert handoff.drops == {"r": 12}  # 3 full blocks
+    assert handoff.awaiting["r"].num_dropped_tokens == 12  # 3 full blocks
 
 
 def test_landed_dropped_prompt_starts_after_its_kept_tokens_and_indexes_nothing() -> None:
-    handoff, rx, kv = decode_side()
     installed = {}
-    handoff.install_scores = lambda req, scores: installed.update({req.request_id: scores})
+    handoff, rx, kv = decode_side(
+        install=lambda req, scores: installed.update({req.request_id: scores})
+    )
     r = handoff.reserve(request(list(range(30))), DROP)
     rx.finished.append(("r", TransferStatus.DONE, None))
     handoff.start("r", 5, 12, [1.0, 7.0, 0.5, 0.5, 0.5])
@@ -286,7 +294,7 @@ def test_landed_dropped_prompt_starts_after_its_kept_tokens_and_indexes_nothing(
     assert running.num_dropped_tokens == 12 and running.num_kv_tokens == 18
     assert installed == {"r": [1.0, 7.0, 0.5, 0.5, 0.5]}
     assert kv.pool.cached_blocks == {}  # block i no longer holds hash i
-    assert handoff.drops == {} and handoff.kept_scores == {}
+    assert handoff.awaiting == {}  # nothing kept about it
     free = kv.num_free_blocks
     handoff.scheduler.finish_request("r", FinishReason.STOP)
     assert kv.num_free_blocks == free + 5
@@ -303,7 +311,7 @@ def test_a_start_that_does_not_match_the_drop_frees_the_reservation(dropped, sco
     handoff.reserve(request(list(range(30))), DROP)
     with pytest.raises(ValueError, match=match):
         handoff.start("r", 5, dropped, scores)
-    assert kv.num_free_blocks == free and rx.released == ["r"] and not handoff.drops
+    assert kv.num_free_blocks == free and rx.released == ["r"] and not handoff.awaiting
 
 
 def test_a_drop_where_none_was_reserved_is_refused() -> None:
@@ -327,18 +335,17 @@ def test_dropped_reservation_deadline_frees_everything(stage: str) -> None:
     now[0] = 31.0
     [(request_id, _)] = handoff.poll()
     assert request_id == "r" and kv.num_free_blocks == free
-    assert not handoff.drops and not handoff.kept_scores
+    assert not handoff.awaiting
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "full"])
 def test_prefill_sends_only_the_kept_blocks_once_after_the_last_chunk(mode: str) -> None:
     kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="m")
     tx = FakeSender()
-    handoff = PrefillHandoff(tx, kv, 2, mode)
-    handoff.scores_of = lambda req: SCORES
+    handoff = prefill_role(tx, kv, mode, SCORES)
     r = request(list(range(30)))
     r.block_ids = list(range(100, 108))
-    handoff.add(r, {"host": "d"}, [0, 1, 2, 3, 4], 0, DROP)
+    handoff.add_prefill(r, KVDestination({"host": "d"}, [0, 1, 2, 3, 4], 0, DROP))
     assert r.kv_keep_blocks == 5  # the model runner scores this prompt
     run_chunks(handoff, r, 6)
     #            sink   best   recent recent last
@@ -351,9 +358,11 @@ def test_prefill_sends_only_the_kept_blocks_once_after_the_last_chunk(mode: str)
     [(list(range(8)), 0, "5 prompt blocks"), ([0, 1, 2, 3, 4], 1, "cached blocks to skip")],
 )  # fmt: skip
 def test_prefill_refuses_a_drop_that_does_not_fit(dst, skip, match) -> None:
-    handoff = PrefillHandoff(FakeSender(), KVCacheManager(NUM_BLOCKS, BLOCK_SIZE), 2, "full")
+    handoff = prefill_role(FakeSender(), KVCacheManager(NUM_BLOCKS, BLOCK_SIZE), "full")
     with pytest.raises(ValueError, match=match):
-        handoff.add(request(list(range(30))), {}, dst, skip, DROP)
+        handoff.add_prefill(request(list(range(30))), KVDestination({}, dst, skip, DROP))
     keep_all = PromptDrop(8, 1, 2)
     with pytest.raises(ValueError, match="drops nothing"):
-        handoff.add(request(list(range(30))), {}, list(range(8)), 0, keep_all)
+        handoff.add_prefill(
+            request(list(range(30))), KVDestination({}, list(range(8)), 0, keep_all)
+        )

@@ -1,0 +1,1 @@
+"""What differs between a collocated, a prefill and a decode engine (see base.py)."""

@@ -1,0 +1,84 @@
+"""The role interface: what a collocated, prefill or decode engine adds to the ordinary
+scheduler loop. An engine holds exactly one role object; `Engine.switch_role` replaces it
+between requests.
+
+Contract, per engine step (engine.py)::
+
+    role.plan(out)          before the model runs: what the step's chunks send; returns a
+                            per-layer hook (layer-wise sends) or None
+    runner.execute(out, hook)
+    role.after_step()       after the model ran: sends that need every layer (or scores)
+    role.on_finished(r)     for each request the scheduler finished this step or aborted
+    role.dropped(r)         what a first token carries for a prompt dropped before transfer
+
+and between steps `poll()` (transfers that completed or failed, deadlines), `abort(id)`.
+
+Invariants every role keeps:
+  - A block a transfer may still read or write is never freed: a prefill-only request the
+    scheduler finished keeps its blocks until its sends end (`on_finished`); a decode
+    reservation is released in the receiver before its blocks are freed.
+  - `num_in_flight()` counts the requests the role holds outside the scheduler (sending,
+    awaiting KV); the engine switches roles only when it and the scheduler are empty.
+  - Requests a role cannot take (a Reserve on a prefill engine) are refused with
+    ValueError naming the role, before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.request import Request
+
+
+class Role:
+    name: ClassVar[str]
+    # The prefill role reserves a prompt's blocks on admission: a running prefill is never
+    # preempted, since a transfer may be reading its blocks.
+    preallocate_prompt: ClassVar[bool] = False
+    # A pinned warm-up leaves the prompt in this engine's cache for later requests here;
+    # a decode engine never prefills its own requests' prompts, so pins there are refused.
+    takes_pins: ClassVar[bool] = True
+
+    def plan(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        """Before the step runs; returns a hook called after each layer, or None."""
+        return None
+
+    def after_step(self) -> None:
+        """After the step ran (every layer's KV and scores exist)."""
+
+    def on_finished(self, request: Request) -> None:
+        """The scheduler finished `request` (any reason). A prefill-only request's blocks
+        are still held and are this role's to free."""
+
+    def dropped(self, request: Request) -> tuple[int, list[float] | None]:
+        """Prompt tokens dropped before the transfer and the kept blocks' scores."""
+        return 0, None
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Advance transfers and deadlines; (request id, error) of each failed request."""
+        return []
+
+    def abort(self, request_id: str) -> bool:
+        """Stop whatever the role holds of the request; True if it held it outside the
+        scheduler (the scheduler's part is the engine's)."""
+        return False
+
+    def num_in_flight(self) -> int:
+        return 0
+
+    def transfer_stats(self) -> dict[str, int]:
+        """Cumulative counters, named as `messages.Stats` names them."""
+        return {}
+
+    # ---- entry points of the disaggregated roles (refused by the others) ---------------
+
+    def add_prefill(self, request: Request, destination: Any) -> None:
+        raise ValueError(f"a {self.name} worker does not take Prefill (a prefill worker does)")
+
+    def reserve(self, request: Request, drop: Any) -> Any:
+        raise ValueError(f"a {self.name} worker does not take Reserve (a decode worker does)")
+
+    def start(self, request_id: str, first_token_id: int, *drop: Any) -> None:
+        raise KeyError(f"no reservation for request {request_id!r}: this is a {self.name} worker")

@@ -1,0 +1,254 @@
+"""The decode role: reserve blocks for a prompt's KV, wait for it and the first token, then
+hand the request to the scheduler as RUNNING.
+
+One request::
+
+    WAITING_FOR_KV (blocks reserved: the prompt's prefix this worker already caches is
+                    shared, the rest is new and only the new blocks are expected)
+      -> RUNNING once both the KV has landed and the first token is known; the reservation
+         is released first, so no late write lands.
+      -> FINISHED (blocks freed) when the transfer fails, the request is aborted, or a
+         deadline passes: `reserve_timeout_s` after Reserve (no prefill ever came: the
+         router or the prefill worker is gone), `land_timeout_s` after the first token (only
+         bytes in flight remain).
+
+A prompt over the request's KV budget is dropped before the transfer (PromptDrop): only the
+blocks it keeps are reserved, without the prefix cache, and the first token comes with the
+kept blocks' scores, from which this worker's own dropping continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.engine.roles.base import Role
+from pdserve.engine.scheduler import Scheduler
+from pdserve.kvcache.dropping import PromptDrop
+from pdserve.kvcache.manager import KVCacheManager
+from pdserve.request import Request, RequestStatus
+from pdserve.transfer.base import KVReceiver, TransferStatus
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Covers the whole prefill queue (minutes when a CPU prefill worker is saturated); a dead
+# prefill worker is noticed by the router long before this, from its heartbeats.
+RESERVE_TIMEOUT_S = 600.0
+LAND_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """A decode worker's blocks for one prompt, one per prompt block::
+
+        block_ids:  [ c0 c1 c2 | n0 n1 n2 n3 ]
+                     cached      new: expected from the prefill worker
+                     (num_cached_blocks)
+
+    The cached blocks are the decode worker's own prefix-cache hit: shared, ref-counted,
+    already holding this prefix's KV, so they are never written and never sent. With `drop`
+    (a prompt over budget) there are only `drop.num_keep_blocks` blocks and no cached ones."""
+
+    block_ids: list[int]
+    num_cached_blocks: int = 0
+    drop: PromptDrop | None = None
+
+
+@dataclass
+class _Awaiting:
+    """One reserved request, until it runs or is dropped."""
+
+    request: Request
+    deadline: float
+    deadline_error: str
+    num_dropped_tokens: int = 0  # before the transfer, as reserved
+    landed: bool = False
+    first_token_id: int | None = None
+    kept_scores: list[float] | None = None  # a dropped prompt's, from the prefill worker
+
+
+class DecodeRole(Role):
+    name = "decode"
+    takes_pins = False
+
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        scheduler: Scheduler,
+        kv: KVCacheManager,
+        install_scores: Callable[[Request, list[float]], None],
+        reserve_timeout_s: float = RESERVE_TIMEOUT_S,
+        land_timeout_s: float = LAND_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`install_scores` hands a dropped prompt's kept-block scores to the model runner."""
+        self.receiver, self.scheduler, self.kv = receiver, scheduler, kv
+        self.install_scores = install_scores
+        self.reserve_timeout_s, self.land_timeout_s = reserve_timeout_s, land_timeout_s
+        self.clock = clock
+        self.awaiting: dict[str, _Awaiting] = {}
+        self.num_cached_blocks = 0  # prompt blocks reserved from the own prefix cache
+
+    @classmethod
+    def of(
+        cls,
+        engine: Engine,
+        receiver: KVReceiver,
+        reserve_timeout_s: float = RESERVE_TIMEOUT_S,
+        land_timeout_s: float = LAND_TIMEOUT_S,
+    ) -> DecodeRole:
+        return cls(
+            receiver, engine.scheduler, engine.kv, engine.runner.install_scores,
+            reserve_timeout_s, land_timeout_s,
+        )  # fmt: skip
+
+    def reserve(self, request: Request, drop: PromptDrop | None = None) -> KVReservation | None:
+        """Blocks for the prompt's KV, or None when they do not fit right now.
+
+        The prompt's longest prefix this worker already caches is taken by reference (its
+        blocks are shared and only read); the receiver expects just the new blocks, so a
+        write into a shared cached block is rejected by the transfer layer. A prompt over
+        budget (`drop`) gets only the blocks it keeps, and no prefix-cache hit (the kept
+        blocks are scattered through the prompt; a hit would rarely line up with them)."""
+        request_id, bs = request.request_id, self.kv.block_size
+        if request_id in self.awaiting or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        hits = [] if drop else self.kv.find_cached_prefix(request)
+        num_dropped = drop.num_dropped_tokens(request.num_prompt_tokens, bs) if drop else 0
+        num_new_tokens = request.num_prompt_tokens - len(hits) * bs - num_dropped
+        if not self.kv.allocate(request, num_new_tokens, hits):
+            return None
+        try:
+            self.receiver.expect(request_id, request.block_ids[len(hits) :])
+        except ValueError:
+            self.kv.free(request)  # the hit's references too
+            raise
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.awaiting[request_id] = _Awaiting(
+            request, self.clock() + self.reserve_timeout_s,
+            f"no KV within {self.reserve_timeout_s} s", num_dropped,
+        )  # fmt: skip
+        self.num_cached_blocks += len(hits)
+        log.debug("decode %s: -> waiting_for_kv (%d cached blocks)", request_id, len(hits))
+        return KVReservation(list(request.block_ids), len(hits), drop)
+
+    def start(
+        self,
+        request_id: str,
+        first_token_id: int,
+        num_dropped_tokens: int = 0,
+        block_scores: list[float] | None = None,
+    ) -> None:
+        """The first token is known (and, for a prompt dropped before the transfer, how
+        many tokens went and the kept blocks' scores). A reply that does not match the
+        reservation fails the request (ValueError) and frees its blocks."""
+        waiting = self.awaiting.get(request_id)
+        if waiting is None:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        try:
+            _check_drop(waiting, num_dropped_tokens, block_scores)
+        except ValueError:
+            self._drop(request_id)
+            raise
+        if block_scores is not None:
+            waiting.kept_scores = [float(x) for x in block_scores]
+        waiting.first_token_id = first_token_id
+        waiting.deadline = self.clock() + self.land_timeout_s
+        waiting.deadline_error = (
+            f"KV did not land within {self.land_timeout_s} s of the first token"
+        )
+        self._activate_if_ready(waiting)
+
+    def poll(self) -> list[tuple[str, str]]:
+        """Activate requests whose KV landed; returns (request id, error) of failed ones
+        (transfer errors and reservations past their deadline)."""
+        failed = []
+        now = self.clock()
+        for request_id, waiting in list(self.awaiting.items()):
+            if waiting.deadline <= now:
+                error = waiting.deadline_error
+                log.warning("decode %s: %s; releasing its blocks", request_id, error)
+                self._drop(request_id)
+                failed.append((request_id, waiting.deadline_error))
+        for request_id, status, error in self.receiver.pop_finished():
+            waiting = self.awaiting.get(request_id)
+            if waiting is None:
+                continue
+            if status is TransferStatus.DONE:
+                waiting.landed = True
+                self._activate_if_ready(waiting)
+            else:
+                self._drop(request_id)
+                failed.append((request_id, error or "KV transfer failed"))
+        return failed
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self.awaiting:
+            return False
+        self._drop(request_id)
+        return True
+
+    def num_in_flight(self) -> int:
+        return len(self.awaiting)
+
+    def transfer_stats(self) -> dict[str, int]:
+        return {
+            "kv_bytes_received": self.receiver.stats().get("bytes_received", 0),
+            "kv_blocks_skipped": self.num_cached_blocks,
+        }
+
+    def _activate_if_ready(self, waiting: _Awaiting) -> None:
+        if not waiting.landed or waiting.first_token_id is None:
+            return
+        request = waiting.request
+        del self.awaiting[request.request_id]
+        log.debug("decode %s: waiting_for_kv -> running", request.request_id)
+        request.output_token_ids.append(waiting.first_token_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        # Positions stay original (RoPE), KV slots shift: the first token's KV goes to slot
+        # num_prompt_tokens - num_dropped_tokens, right after the last kept block's tokens.
+        request.num_dropped_tokens = waiting.num_dropped_tokens
+        if waiting.kept_scores is not None:
+            self.install_scores(request, waiting.kept_scores)
+        self.receiver.release(request.request_id)
+        # A no-op after a drop (block i no longer holds hash i), as in the collocated path.
+        self.kv.cache_computed_blocks(request)
+        self.scheduler.add_running(request)
+
+    def _drop(self, request_id: str) -> None:
+        request = self.awaiting.pop(request_id).request
+        log.debug("decode %s: waiting_for_kv -> finished (blocks freed)", request_id)
+        self.receiver.release(request_id)  # returns only once no write can land any more
+        request.status = RequestStatus.FINISHED
+        self.kv.free(request)
+
+
+def _check_drop(
+    waiting: _Awaiting, num_dropped_tokens: int, block_scores: list[float] | None
+) -> None:
+    request, expected = waiting.request, waiting.num_dropped_tokens
+    if num_dropped_tokens != expected:
+        raise ValueError(
+            f"request {request.request_id!r}: the prefill dropped {num_dropped_tokens!r} "
+            f"prompt tokens, the reservation expects {expected}"
+        )
+    if not expected:
+        if block_scores is not None:
+            raise ValueError(
+                f"request {request.request_id!r}: kept-block scores for a prompt sent whole"
+            )
+        return
+    if not isinstance(block_scores, list) or len(block_scores) != len(request.block_ids):
+        raise ValueError(
+            f"request {request.request_id!r}: expected {len(request.block_ids)} kept-block "
+            f"scores, got {block_scores!r:.80}"
+        )
+    if not all(isinstance(x, int | float) and math.isfinite(x) for x in block_scores):
+        raise ValueError(f"request {request.request_id!r}: kept-block scores must be finite")
