@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.output_processor import OutputProcessor
-from pdserve.request import FinishReason
+from pdserve.request import WARMUP_PARAMS, FinishReason
 from pdserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -123,15 +123,15 @@ class LLM:
         Returns each prompt's tokens now cached; ValueError when pinning is refused."""
         prompt_ids = self._warmup_ids(prompts)
         request_ids = [f"warmup-{next(self._ids)}" for _ in prompt_ids]
+        results = {}
         try:
             for request_id, ids in zip(request_ids, prompt_ids):
-                self.engine.warmup(request_id, ids, pin)
+                self.engine.add_request(request_id, ids, WARMUP_PARAMS, pin=pin)
             while self.engine.has_unfinished_requests():
-                self.engine.step()
+                results.update({o.request_id: o for o in self.engine.step() if o.finished})
         finally:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
-        results = {r.request_id: r for r in self.engine.drain_warmed()}
         errors = [r.error for r in results.values() if r.error]
         if errors:
             raise ValueError(errors[0])

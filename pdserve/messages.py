@@ -1,12 +1,13 @@
 """Every message between processes: typed dataclasses, one msgpack codec, HMAC-signed.
 
-Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown, Warmup, Unpin
+Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown, Unpin
 Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Released, Stats, KVEvents,
-                   WarmedUp
+                   Unpinned
 
-Cache warm-up (prefill and collocated workers): Warmup ─▶ WarmedUp once the prompt is
-prefilled (and pinned), or Rejected (refused up front) / Failed (pin refused after the
-prefill); Unpin ─▶ WarmedUp at once.
+Cache warm-up (prefill and collocated workers) is an ordinary request: Generate with `pin`
+set and WARMUP_PARAMS ─▶ one finished Tokens counting the prompt's cached and pinned
+tokens, or Rejected (refused up front) / Failed (pin refused after the prefill);
+Unpin ─▶ Unpinned at once.
 
 A disaggregated request (DESIGN.md §2):
 
@@ -44,12 +45,14 @@ MAC_BYTES = 32
 class Generate:
     """Run a whole request on this worker (collocated, or a decode worker prefilling
     locally). `output_token_ids` resumes a request whose earlier worker died: they are
-    recomputed as part of the prompt and not produced again."""
+    recomputed as part of the prompt and not produced again. `pin` set: a cache warm-up
+    (`Request.pin`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     output_token_ids: list[int] = field(default_factory=list)
+    pin: bool | None = None
 
 
 @dataclass
@@ -100,16 +103,6 @@ class Abort:
 @dataclass
 class Shutdown:
     pass
-
-
-@dataclass
-class Warmup:
-    """Prefill a prompt into the prefix cache, generating nothing; with `pin`, keep its full
-    blocks resident until an Unpin (cache warm-up, e.g. a deployment's system prompts)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    pin: bool = True
 
 
 @dataclass
@@ -175,6 +168,9 @@ class Tokens:
     # Prefill worker's first token of a prompt dropped before the transfer: for StartDecode.
     kv_num_dropped_tokens: int = 0
     kv_block_scores: list[float] | None = None
+    # A warm-up's (Generate.pin set): num_cached_tokens counts the prompt's tokens the cache
+    # holds now, this how many of them are pinned.
+    num_pinned_tokens: int | None = None
 
 
 @dataclass
@@ -197,15 +193,15 @@ class Released:
 
 
 @dataclass
-class WarmedUp:
-    """The answer to Warmup / Unpin: the prompt's tokens now in the cache (full blocks) and
-    how many of them are pinned (after an Unpin: how many were released)."""
+class Unpinned:
+    """The answer to Unpin: the prompt's tokens in the cache (full blocks) and how many of
+    them were released."""
 
     worker_id: str
     request_id: str
     num_prompt_tokens: int
     num_cached_tokens: int
-    num_pinned_tokens: int
+    num_unpinned_tokens: int
 
 
 @dataclass
@@ -248,7 +244,6 @@ Message = (
     | StartDecode
     | Abort
     | Shutdown
-    | Warmup
     | Unpin
     | Ready
     | Reserved
@@ -258,7 +253,7 @@ Message = (
     | Released
     | Stats
     | KVEvents
-    | WarmedUp
+    | Unpinned
 )
 _TYPES: dict[str, type] = {
     t.__name__: t
@@ -269,7 +264,6 @@ _TYPES: dict[str, type] = {
         StartDecode,
         Abort,
         Shutdown,
-        Warmup,
         Unpin,
         Ready,
         Reserved,
@@ -279,7 +273,7 @@ _TYPES: dict[str, type] = {
         Released,
         Stats,
         KVEvents,
-        WarmedUp,
+        Unpinned,
     )
 }
 

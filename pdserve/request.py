@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 from pdserve.sampling_params import SamplingParams
 
+# A warm-up computes the prompt and samples one token nobody sees; it ends plainly (a
+# prefill worker runs it whole), so its blocks go back to the cache on every role.
+WARMUP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no blocks (or lost them to preemption)
@@ -60,6 +64,10 @@ class Request:
     # transfer), so the prompt's blocks are scored even without a budget here.
     kv_keep_blocks: int | None = None
     num_loaded_blocks: int = 0  # prefix blocks a lower tier put into L1 for it (metrics)
+    # Cache warm-up (e.g. a deployment's system prompt, run with WARMUP_PARAMS): the prompt is
+    # prefilled into the prefix cache; with True its full blocks are then pinned (never
+    # evicted until unpinned). None: an ordinary request.
+    pin: bool | None = None
 
     @property
     def num_kv_tokens(self) -> int:

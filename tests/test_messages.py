@@ -2,6 +2,7 @@ import pytest
 
 from pdserve.messages import (
     CodecError,
+    Generate,
     Prefill,
     Reserved,
     Shutdown,
@@ -9,8 +10,7 @@ from pdserve.messages import (
     Stats,
     Tokens,
     Unpin,
-    WarmedUp,
-    Warmup,
+    Unpinned,
     decode,
     encode,
 )
@@ -56,9 +56,9 @@ SECRET = b"s" * 32
             num_cached_prompt_tokens=16,
         ),  # fmt: skip
         Shutdown(),
-        Warmup("warm-1", [1, 2, 3], pin=False),
+        Generate("warm-1", [1, 2, 3], {"max_tokens": 1}, pin=False),
         Unpin("warm-2", [1, 2, 3]),
-        WarmedUp("w0", "warm-1", 3, 0, 0),
+        Unpinned("w0", "warm-2", 3, 0, 0),
     ],
 )
 def test_round_trip(msg):

@@ -34,22 +34,6 @@ from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# A warm-up computes the prompt and samples one token nobody sees (like a prefill-only request,
-# but ending plainly, so its blocks go back to the cache on every role).
-_WARMUP_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-
-@dataclass
-class WarmupResult:
-    """A finished warm-up: the prompt's tokens now in the cache (full blocks) and how many of
-    them are pinned; `error` when pinning was refused (the prompt stays cached, unpinned)."""
-
-    request_id: str
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_pinned_tokens: int
-    error: str | None = None
-
 
 @dataclass
 class RequestOutput:
@@ -65,6 +49,11 @@ class RequestOutput:
     # Prefill role, a prompt dropped before the transfer: what the decode worker needs.
     kv_num_dropped_tokens: int = 0
     kv_block_scores: list[float] | None = None
+    # A finished warm-up (`Request.pin` set): `num_cached_tokens` then counts the prompt's
+    # tokens the cache holds now (full blocks), this how many of them are pinned; `error`
+    # when pinning was refused after the prefill (the prompt stays cached, unpinned).
+    num_pinned_tokens: int | None = None
+    error: str | None = None
 
 
 class Engine:
@@ -100,8 +89,6 @@ class Engine:
         self.role: Role = CollocatedRole()
         self.offload = self._build_offload()
         self.loading: dict[str, tuple[Request, Future]] = {}  # waiting on a tier lookup
-        self.warming: dict[str, bool] = {}  # warm-up request id -> pin its blocks when done
-        self.warmed: list[WarmupResult] = []  # finished warm-ups, drained by the caller
 
     def _build_offload(self) -> KVOffload | None:
         from pdserve.kvstore.base import EntryFormat
@@ -196,32 +183,40 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         num_prior_output_tokens: int = 0,
+        pin: bool | None = None,
     ) -> Request:
         """`num_prior_output_tokens`: the prompt's last tokens were produced by an earlier
-        attempt of this request (resumed after a worker died)."""
+        attempt of this request (resumed after a worker died). `pin`: a cache warm-up
+        (`Request.pin`, with `WARMUP_PARAMS`), refused up front (ValueError) when it cannot
+        pin: decode role, caching off, pinned share full."""
         request = self._new_request(request_id, prompt_token_ids, params)
-        request.num_prior_output_tokens = num_prior_output_tokens
+        if pin is not None:
+            self._check_pin(prompt_token_ids, pin)
+        request.num_prior_output_tokens, request.pin = num_prior_output_tokens, pin
         self._enqueue(request)
         return request
 
     # ---- cache warm-up ------------------------------------------------------------------
 
-    def warmup(self, request_id: str, prompt_token_ids: list[int], pin: bool = True) -> None:
-        """Prefill a prompt into the prefix cache (e.g. a deployment's system prompt), so the
-        first real request already hits; with `pin` its full blocks are then never evicted.
-        The result comes out of `drain_warmed()` once the prefill is done. Refused up front
-        (ValueError) when it cannot pin: decode role, caching off, pinned share full."""
+    def _check_pin(self, prompt_token_ids: list[int], pin: bool) -> None:
         if not self.role.takes_pins:
             raise ValueError(
                 f"warm-up runs on prefill and collocated workers, not {self.role.name}"
             )
         if not self.kv.enable_prefix_caching:
             raise ValueError("warm-up needs prefix caching, which is off on this worker")
-        request = self._new_request(request_id, prompt_token_ids, _WARMUP_PARAMS)
         if pin:
             self.kv.pool.check_pin_room(self.kv.prompt_block_hashes(prompt_token_ids))
-        self._enqueue(request)
-        self.warming[request_id] = pin
+
+    def _finish_warmup(self, request: Request, output: RequestOutput) -> None:
+        hashes = self.kv.prompt_block_hashes(request.prompt_token_ids)
+        output.num_pinned_tokens = 0
+        if request.pin:
+            try:
+                output.num_pinned_tokens = self.kv.pool.pin(hashes) * self.kv.block_size
+            except ValueError as exc:  # pins made meanwhile filled the share
+                output.error = str(exc)
+        output.num_cached_tokens = self.kv.num_cached_tokens(hashes)
 
     def unpin(self, prompt_token_ids: list[int]) -> tuple[int, int]:
         """Release a warmed prompt's pinned blocks to the LRU queue: (tokens unpinned, tokens
@@ -235,22 +230,6 @@ class Engine:
         from pdserve.engine.cache_stats import cache_stats
 
         return cache_stats(self.kv, self.offload)
-
-    def drain_warmed(self) -> list[WarmupResult]:
-        warmed, self.warmed = self.warmed, []
-        return warmed
-
-    def _finish_warmup(self, request: Request) -> None:
-        pin = self.warming.pop(request.request_id)
-        hashes = self.kv.prompt_block_hashes(request.prompt_token_ids)
-        result = WarmupResult(request.request_id, request.num_prompt_tokens, 0, 0)
-        if pin:
-            try:
-                result.num_pinned_tokens = self.kv.pool.pin(hashes) * self.kv.block_size
-            except ValueError as exc:  # pins made meanwhile filled the share
-                result.error = str(exc)
-        result.num_cached_tokens = self.kv.num_cached_tokens(hashes)
-        self.warmed.append(result)
 
     def _enqueue(self, request: Request) -> None:
         """To the scheduler, after a lookup in the tiers below L1 when there are any."""
@@ -305,7 +284,6 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         """End a request in any state; its blocks are freed now or, if a KV transfer may
         still read them, as soon as the transfer stops."""
-        self.warming.pop(request_id, None)
         loaded = self.loading.pop(request_id, None) is not None
         request = self.scheduler.requests.get(request_id)
         # A prefill-only request's blocks may be under a send: its role frees them.
@@ -338,24 +316,21 @@ class Engine:
             if request.is_finished:
                 self.runner.block_scores.pop(request.request_id, None)
                 self.role.on_finished(request)
-            if request.request_id in self.warming:
-                if request.is_finished:
-                    self._finish_warmup(request)
-                continue
             if token is None:
                 continue
-            outputs.append(
-                RequestOutput(
-                    request.request_id,
-                    [token],
-                    request.is_finished,
-                    request.finish_reason,
-                    request.num_prompt_tokens,
-                    request.num_cached_tokens,
-                    len(request.output_token_ids),
-                    *self.role.dropped(request),
-                )
+            output = RequestOutput(
+                request.request_id,
+                [token],
+                request.is_finished,
+                request.finish_reason,
+                request.num_prompt_tokens,
+                request.num_cached_tokens,
+                len(request.output_token_ids),
+                *self.role.dropped(request),
             )
+            if request.pin is not None and request.is_finished:
+                self._finish_warmup(request, output)
+            outputs.append(output)
         if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):
             self.budget.enforce(self.scheduler.running)
         return outputs

@@ -22,12 +22,14 @@ from typing import Any
 from aiohttp import web
 
 from pdserve import messages
+from pdserve.request import WARMUP_PARAMS
 from pdserve.router.completions import STATE, RouterState, read_json
-from pdserve.router.protocol import ApiError, check_model, parse_messages
+from pdserve.router.protocol import ApiError, check_model, parse_messages, sampling_to_wire
 from pdserve.router.workers import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
 MAX_PROMPTS = 1024
+_WARMUP_SAMPLING = sampling_to_wire(WARMUP_PARAMS)
 _NOT_HEALTHY = {"error": "worker not healthy (not ready, or lost): not warmed"}
 
 
@@ -114,15 +116,17 @@ def _tokenize(state: RouterState, prompt: str | list[dict], param: str) -> list[
 async def _ask(
     state: RouterState, worker_id: str, prompt_ids: list[int], pin: bool, unpin: bool
 ) -> dict[str, Any]:
-    """One prompt on one worker: its WarmedUp counts, or {"error": ...}. A client that goes
-    away, or a warm-up past its deadline, aborts the prefill on the worker."""
+    """One prompt on one worker: its warm-up (or Unpin) counts, or {"error": ...}. A client
+    that goes away, or a warm-up past its deadline, aborts the prefill on the worker."""
     plane, request_id = state.plane, f"warmup-{uuid.uuid4().hex[:16]}"
     queue = plane.open(request_id)
     done = False
     try:
-        message = messages.Unpin if unpin else messages.Warmup
-        args = (request_id, prompt_ids) if unpin else (request_id, prompt_ids, pin)
-        if not plane.send(worker_id, message(*args)):
+        if unpin:
+            message = messages.Unpin(request_id, prompt_ids)
+        else:
+            message = messages.Generate(request_id, prompt_ids, _WARMUP_SAMPLING, pin=pin)
+        if not plane.send(worker_id, message):
             done = True
             return {"error": f"cannot reach worker {worker_id}"}
         async with asyncio.timeout(state.config.warmup_timeout_s):
@@ -141,11 +145,13 @@ async def _ask(
 
 
 def _answer(reply: Any) -> dict[str, Any]:
-    if isinstance(reply, messages.WarmedUp):
+    if isinstance(reply, messages.Tokens | messages.Unpinned):
         return {
             "num_prompt_tokens": reply.num_prompt_tokens,
             "num_cached_tokens": reply.num_cached_tokens,
-            "num_pinned_tokens": reply.num_pinned_tokens,
+            "num_pinned_tokens": reply.num_pinned_tokens
+            if isinstance(reply, messages.Tokens)
+            else reply.num_unpinned_tokens,
         }
     if isinstance(reply, WorkerLost):
         return {"error": f"worker lost: {reply.reason}"}

@@ -39,7 +39,7 @@ _REQUEST_MESSAGES = (
     messages.Rejected,
     messages.Tokens,
     messages.Failed,
-    messages.WarmedUp,
+    messages.Unpinned,
 )
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 

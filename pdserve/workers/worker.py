@@ -139,8 +139,8 @@ class Worker:
         if isinstance(msg, m.Shutdown):
             self.running = False
             return
-        if isinstance(msg, (m.Warmup, m.Unpin)):
-            self._handle_warmup(msg)
+        if isinstance(msg, m.Unpin):
+            self._unpin(msg)
             return
         if isinstance(msg, m.StartDecode):
             try:
@@ -159,7 +159,7 @@ class Worker:
                 prompt = msg.prompt_token_ids + msg.output_token_ids
                 if msg.output_token_ids:  # resumed: what was already produced counts
                     params = _remaining(params, len(msg.output_token_ids))
-                e.add_request(msg.request_id, prompt, params, len(msg.output_token_ids))
+                e.add_request(msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin)
             elif isinstance(msg, m.Reserve):
                 r = e.reserve(msg.request_id, msg.prompt_token_ids, params)
                 if r is None:
@@ -183,42 +183,30 @@ class Worker:
         except (ValueError, TypeError) as exc:
             self.send(m.Rejected(wid, getattr(msg, "request_id", ""), str(exc), False))
 
-    def _handle_warmup(self, msg: m.Warmup | m.Unpin) -> None:
-        """A Warmup is answered once its prefill is done (`_send_warmed`); an Unpin at once."""
+    def _unpin(self, msg: m.Unpin) -> None:
         e, wid = self.engine, self.spec.worker_id
         try:
-            if isinstance(msg, m.Warmup):
-                e.warmup(msg.request_id, msg.prompt_token_ids, msg.pin)
-                return
             e.validate_prompt(msg.prompt_token_ids)
             num_unpinned, num_cached = e.unpin(msg.prompt_token_ids)
         except (ValueError, TypeError) as exc:
             self.send(m.Rejected(wid, msg.request_id, str(exc), False))
             return
         n = len(msg.prompt_token_ids)
-        self.send(m.WarmedUp(wid, msg.request_id, n, num_cached, num_unpinned))
+        self.send(m.Unpinned(wid, msg.request_id, n, num_cached, num_unpinned))
 
     def _step(self) -> None:
+        wid = self.spec.worker_id
         for out in self.engine.step():
+            if out.error is not None:
+                self.send(m.Failed(wid, out.request_id, out.error))
+                continue
             finished = out.finished and out.finish_reason is not FinishReason.HANDOFF
             self.send(m.Tokens(
-                self.spec.worker_id, out.request_id, out.new_token_ids, finished,
+                wid, out.request_id, out.new_token_ids, finished,
                 out.finish_reason.value if finished else None,
                 out.num_prompt_tokens, out.num_cached_tokens,
-                out.kv_num_dropped_tokens, out.kv_block_scores,
+                out.kv_num_dropped_tokens, out.kv_block_scores, out.num_pinned_tokens,
             ))  # fmt: skip
-        self._send_warmed()
-
-    def _send_warmed(self) -> None:
-        wid = self.spec.worker_id
-        for r in self.engine.drain_warmed():
-            if r.error is not None:
-                self.send(m.Failed(wid, r.request_id, r.error))
-            else:
-                self.send(m.WarmedUp(
-                    wid, r.request_id, r.num_prompt_tokens, r.num_cached_tokens,
-                    r.num_pinned_tokens,
-                ))  # fmt: skip
 
     def _send_kv_events(self) -> None:
         stored, removed = self.engine.kv.pool.drain_events()

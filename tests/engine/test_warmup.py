@@ -7,6 +7,7 @@ from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.roles.decode import DecodeRole
 from pdserve.engine.roles.prefill import PrefillRole
+from pdserve.request import WARMUP_PARAMS
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.registry import make_receiver, make_sender
 from tests.engine.test_engine import GREEDY, make_engine, prompts, run
@@ -22,12 +23,12 @@ SYSTEM = prompts(1, seed=11, lo=30, hi=31)[0]  # 30 tokens: 7 full blocks of 4
 
 
 def warm(engine: Engine, prompt: list[int], pin: bool = True, request_id: str = "w"):
-    engine.warmup(request_id, prompt, pin)
+    engine.add_request(request_id, prompt, WARMUP_PARAMS, pin=pin)
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
-    assert outputs == []  # nothing generated for anyone
-    (result,) = engine.drain_warmed()
+    (result,) = outputs  # one token, the warm-up's own
+    assert result.request_id == request_id and result.finished
     return result
 
 
@@ -67,7 +68,7 @@ def test_pin_beyond_the_bound_is_refused_before_any_work(tiny_model_dir):
     cache = CacheConfig(block_size=4, kv_cache_bytes=24 * 4 * 512, max_pinned_fraction=0.25)
     engine = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir)
     with pytest.raises(ValueError, match="cannot pin 7 more blocks: 0 of at most 6 pinned"):
-        engine.warmup("w", SYSTEM)
+        engine.add_request("w", SYSTEM, WARMUP_PARAMS, pin=True)
     assert not engine.has_unfinished_requests()
     assert warm(engine, SYSTEM[:24]).num_pinned_tokens == 24  # 6 blocks fit
     assert warm(engine, SYSTEM[:24], request_id="again").num_pinned_tokens == 24  # idempotent
@@ -84,7 +85,7 @@ def test_warmup_on_the_prefill_role_and_not_on_decode(tiny_model_dir):
         decode.switch_role(DecodeRole.of(decode, rx))
         assert warm(prefill, SYSTEM).num_pinned_tokens == 28
         with pytest.raises(ValueError, match="not decode"):
-            decode.warmup("w", SYSTEM)
+            decode.add_request("w", SYSTEM, WARMUP_PARAMS, pin=True)
     finally:
         tx.close()
         rx.close()

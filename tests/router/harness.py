@@ -3,8 +3,9 @@
 Fake workers speak the real protocol (`pdserve.messages` over ZMQ) and play a fixed token
 `script`: collocated workers emit it one token per step; a prefill worker answers a Prefill
 with its first token; a decode worker reserves blocks and emits the rest after StartDecode.
-A Warmup or Unpin is answered with WarmedUp counting full 16-token blocks (`refuse_pins`
-makes it Failed); `cache_stats` are extra Stats fields every heartbeat carries.
+A warm-up (Generate with `pin`) is answered with one Tokens, an Unpin with Unpinned, both
+counting full 16-token blocks (`refuse_pins` fails pinning warm-ups); `cache_stats` are
+extra Stats fields every heartbeat carries.
 Every message a fake receives is appended to `cluster.events` as (worker_id, type, request_id).
 """
 
@@ -132,6 +133,8 @@ class FakeWorker:
             if task:
                 task.cancel()
             self.send(messages.Released(self.worker_id, m.request_id))
+        elif isinstance(m, messages.Generate) and m.pin is not None:
+            self._warm(m)
         elif isinstance(m, messages.Generate):  # resumed: continue the script where it was
             done = m.output_token_ids
             assert done == script[: len(done)], "resumed with tokens the script never made"
@@ -150,19 +153,24 @@ class FakeWorker:
                 ))  # fmt: skip
         elif isinstance(m, messages.Prefill):
             self._tasks[m.request_id] = asyncio.create_task(self._prefill(m))
-        elif isinstance(m, (messages.Warmup, messages.Unpin)):
-            num_prompt = len(m.prompt_token_ids)
-            num_cached = num_prompt // 16 * 16
-            if isinstance(m, messages.Warmup) and m.pin and self.refuse_pins:
-                self.send(messages.Failed(self.worker_id, m.request_id, self.refuse_pins))
-                return
-            num_pinned = num_cached if isinstance(m, messages.Unpin) or m.pin else 0
-            self.send(
-                messages.WarmedUp(self.worker_id, m.request_id, num_prompt, num_cached, num_pinned)
-            )
+        elif isinstance(m, messages.Unpin):
+            n, num_cached = len(m.prompt_token_ids), len(m.prompt_token_ids) // 16 * 16
+            self.send(messages.Unpinned(self.worker_id, m.request_id, n, num_cached, num_cached))
         elif isinstance(m, messages.StartDecode):
             assert m.first_token_id == script[0]
             self._start(m.request_id, script[1 : self._max_tokens[m.request_id]])
+
+    def _warm(self, m: messages.Generate) -> None:
+        assert m.sampling["max_tokens"] == 1
+        num_prompt = len(m.prompt_token_ids)
+        num_cached = num_prompt // 16 * 16
+        if m.pin and self.refuse_pins:
+            self.send(messages.Failed(self.worker_id, m.request_id, self.refuse_pins))
+            return
+        self.send(messages.Tokens(
+            self.worker_id, m.request_id, [self.cluster.script[0]], True, "length", num_prompt,
+            num_cached, num_pinned_tokens=num_cached if m.pin else 0,
+        ))  # fmt: skip
 
     async def _prefill(self, m: messages.Prefill) -> None:
         await asyncio.sleep(self.prefill_s)

@@ -25,7 +25,7 @@ def test_warmup_goes_to_every_prefill_capable_worker(tokenizer_dir: Path, script
             "index": 0, "num_prompt_tokens": 48, "num_cached_tokens": 48, "num_pinned_tokens": 48,
         }  # fmt: skip
         assert chat["index"] == 1 and chat["num_prompt_tokens"] > len("Be brief.")
-        assert "Warmup" not in c.kinds("d0")
+        assert "Generate" not in c.kinds("d0")
 
         r = requests.delete(f"{c.url}/v1/cache/warmup", json={"prompts": [SYSTEM]})
         assert r.status_code == 200 and r.json()["pin"] is False
@@ -64,7 +64,7 @@ def test_bad_warmup_bodies_are_400_naming_the_field(tokenizer_dir: Path, script)
         r = requests.post(url, json={"model": "other", "prompts": [SYSTEM]}, headers=auth)
         assert r.status_code == 404
         assert requests.post(url, data=b"{", headers=auth).status_code == 400
-        assert not [k for k in c.kinds("c0") if k in ("Warmup", "Unpin")]
+        assert not [k for k in c.kinds("c0") if k in ("Generate", "Unpin")]
 
 
 def test_unhealthy_workers_are_named_and_none_healthy_is_503(tokenizer_dir: Path, script) -> None:
