@@ -66,21 +66,21 @@ class Reserve:
 
 @dataclass
 class Prefill:
-    """Prefill worker: compute the prompt, write its KV into `kv_block_ids` at `kv_peer`
-    (a receiver address from Reserved), sample the first token. The first `kv_skip_blocks`
+    """Prefill worker: compute the prompt, write its KV into `block_ids` at `peer`
+    (a receiver address from Reserved), sample the first token. The first `num_cached_blocks`
     destination blocks already hold the prefix (Reserved.num_cached_blocks): not sent.
-    With `kv_keep_blocks` (from Reserved) only that many prompt blocks are sent, the sink,
-    recent and highest-scored ones, into the `kv_keep_blocks` destination blocks."""
+    With `num_keep_blocks` (from Reserved) only that many prompt blocks are sent, the sink,
+    recent and highest-scored ones, into the `num_keep_blocks` destination blocks."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
-    kv_peer: dict[str, Any]
-    kv_block_ids: list[int]
-    kv_skip_blocks: int = 0
-    kv_keep_blocks: int | None = None
-    kv_sink_blocks: int = 0
-    kv_recent_blocks: int = 0
+    peer: dict[str, Any]
+    block_ids: list[int]
+    num_cached_blocks: int = 0
+    num_keep_blocks: int | None = None
+    sink_blocks: int = 0
+    recent_blocks: int = 0
 
 
 @dataclass
@@ -92,7 +92,7 @@ class StartDecode:
     request_id: str
     first_token_id: int
     num_dropped_tokens: int = 0
-    kv_block_scores: list[float] | None = None
+    kept_block_scores: list[float] | None = None
 
 
 @dataclass
@@ -128,22 +128,22 @@ class Ready:
 
 @dataclass
 class Reserved:
-    """`kv_block_ids` has one block per prompt block; the first `num_cached_blocks` are the
+    """`block_ids` has one block per prompt block; the first `num_cached_blocks` are the
     decode worker's own prefix-cache hit, already holding their KV, so only the rest is
     expected from the prefill worker (and a write into the cached ones is rejected).
 
-    A prompt over the request's KV budget: `kv_keep_blocks` is set, `kv_block_ids` has that
+    A prompt over the request's KV budget: `num_keep_blocks` is set, `block_ids` has that
     many blocks (no cached ones), and the prefill worker drops the rest before sending,
-    keeping `kv_sink_blocks` first and `kv_recent_blocks` last blocks (the decode policy)."""
+    keeping `sink_blocks` first and `recent_blocks` last blocks (the decode policy)."""
 
     worker_id: str
     request_id: str
-    kv_peer: dict[str, Any]
-    kv_block_ids: list[int]
+    peer: dict[str, Any]
+    block_ids: list[int]
     num_cached_blocks: int = 0
-    kv_keep_blocks: int | None = None
-    kv_sink_blocks: int = 0
-    kv_recent_blocks: int = 0
+    num_keep_blocks: int | None = None
+    sink_blocks: int = 0
+    recent_blocks: int = 0
 
 
 @dataclass
@@ -166,8 +166,8 @@ class Tokens:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     # Prefill worker's first token of a prompt dropped before the transfer: for StartDecode.
-    kv_num_dropped_tokens: int = 0
-    kv_block_scores: list[float] | None = None
+    num_dropped_tokens: int = 0
+    kept_block_scores: list[float] | None = None
     # A warm-up's (Generate.pin set): num_cached_tokens counts the prompt's tokens the cache
     # holds now, this how many of them are pinned.
     num_pinned_tokens: int | None = None

@@ -62,7 +62,7 @@ class Request:
     num_dropped_tokens: int = 0  # tokens whose KV was dropped (whole blocks)
     # Prefill role: the decode worker keeps only this many prompt blocks (dropped before the
     # transfer), so the prompt's blocks are scored even without a budget here.
-    kv_keep_blocks: int | None = None
+    num_keep_blocks: int | None = None
     num_loaded_blocks: int = 0  # prefix blocks a lower tier put into L1 for it (metrics)
     # Cache warm-up (e.g. a deployment's system prompt, run with WARMUP_PARAMS): the prompt is
     # prefilled into the prefix cache; with True its full blocks are then pinned (never

@@ -24,11 +24,11 @@ SECRET = b"s" * 32
         Prefill(
             "r1", [1, 2, 3], {"max_tokens": 4, "stop": ["x"]}, {"host": "h", "port": 1}, [5, 6]
         ),
-        Prefill("r1", [1, 2, 3], {}, {"host": "h", "port": 1}, [5, 6], kv_skip_blocks=1),
+        Prefill("r1", [1, 2, 3], {}, {"host": "h", "port": 1}, [5, 6], num_cached_blocks=1),
         Reserved("w0", "r1", {"host": "h", "port": 1}, [5, 6], num_cached_blocks=1),
         Tokens("w0", "r1", [7], True, "stop", 3, 0),
-        Reserved("w0", "r1", {}, [5, 6, 7], 0, kv_keep_blocks=3, kv_sink_blocks=1),
-        Prefill("r1", [1] * 9, {}, {}, [5, 6, 7], 0, kv_keep_blocks=3, kv_recent_blocks=1),
+        Reserved("w0", "r1", {}, [5, 6, 7], 0, num_keep_blocks=3, sink_blocks=1),
+        Prefill("r1", [1] * 9, {}, {}, [5, 6, 7], 0, num_keep_blocks=3, recent_blocks=1),
         Tokens(
             "w0",
             "r1",
@@ -37,10 +37,10 @@ SECRET = b"s" * 32
             None,
             3,
             0,
-            kv_num_dropped_tokens=16,
-            kv_block_scores=[0.5, 1.25, 3.0],
+            num_dropped_tokens=16,
+            kept_block_scores=[0.5, 1.25, 3.0],
         ),  # fmt: skip
-        StartDecode("r1", 7, num_dropped_tokens=16, kv_block_scores=[0.5, 1.25, 3.0]),
+        StartDecode("r1", 7, num_dropped_tokens=16, kept_block_scores=[0.5, 1.25, 3.0]),
         Stats("w0", "decode", 1, 2, 3, 4, 5),
         Stats("w0", "decode", 1, 2, 3, 4, 5, 6, 7, kv_blocks_skipped=8),
         Stats(
@@ -102,10 +102,10 @@ def test_frames_without_the_prefix_skip_fields_decode_to_zero():
         payload = msgpack.packb(obj)
         return hmac.new(SECRET, payload, hashlib.sha256).digest() + payload
 
-    reserved = {"worker_id": "w0", "request_id": "r", "kv_peer": {}, "kv_block_ids": [3]}
+    reserved = {"worker_id": "w0", "request_id": "r", "peer": {}, "block_ids": [3]}
     assert decode(frame(["Reserved", reserved]), SECRET).num_cached_blocks == 0
     prefill = {
-        "request_id": "r", "prompt_token_ids": [1], "sampling": {}, "kv_peer": {},
-        "kv_block_ids": [3],
+        "request_id": "r", "prompt_token_ids": [1], "sampling": {}, "peer": {},
+        "block_ids": [3],
     }  # fmt: skip
-    assert decode(frame(["Prefill", prefill]), SECRET).kv_skip_blocks == 0
+    assert decode(frame(["Prefill", prefill]), SECRET).num_cached_blocks == 0

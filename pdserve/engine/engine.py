@@ -47,8 +47,8 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     # Prefill role, a prompt dropped before the transfer: what the decode worker needs.
-    kv_num_dropped_tokens: int = 0
-    kv_block_scores: list[float] | None = None
+    num_dropped_tokens: int = 0
+    kept_block_scores: list[float] | None = None
     # A finished warm-up (`Request.pin` set): `num_cached_tokens` then counts the prompt's
     # tokens the cache holds now (full blocks), this how many of them are pinned; `error`
     # when pinning was refused after the prefill (the prompt stays cached, unpinned).
@@ -166,10 +166,10 @@ class Engine:
         request_id: str,
         first_token_id: int,
         num_dropped_tokens: int = 0,
-        block_scores: list[float] | None = None,
+        kept_block_scores: list[float] | None = None,
     ) -> None:
         """The first token from the prefill worker (with what it dropped, if it did)."""
-        self.role.start(request_id, first_token_id, num_dropped_tokens, block_scores)
+        self.role.start(request_id, first_token_id, num_dropped_tokens, kept_block_scores)
 
     def poll_transfers(self) -> list[tuple[str, str]]:
         """Advance KV transfers; returns (request id, error) for requests they failed."""

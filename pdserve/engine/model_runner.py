@@ -178,7 +178,7 @@ class ModelRunner:
                 self.block_scores[request.request_id] = span.scores.cpu()
 
     def _scores_wanted(self, request: Request) -> bool:
-        return request.kv_budget_tokens is not None or request.kv_keep_blocks is not None
+        return request.kv_budget_tokens is not None or request.num_keep_blocks is not None
 
     def _scores_prompt(self, request: Request) -> bool:
         """Whether a prompt's last chunk ranks its blocks: when the drop right after it
@@ -186,7 +186,7 @@ class ModelRunner:
         worker drops before the transfer exactly when a collocated engine would drop here)."""
         budget = request.kv_budget_tokens
         over = budget is not None and over_budget(request.num_tokens, budget, self.block_size)
-        return over or request.kv_keep_blocks is not None
+        return over or request.num_keep_blocks is not None
 
     def install_scores(self, request: Request, scores: list[float]) -> None:
         """A decode worker's request whose prompt was dropped before the transfer: its kept

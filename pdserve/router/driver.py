@@ -149,8 +149,8 @@ class RequestDriver:
             start = messages.StartDecode(
                 self.request_id,
                 tokens.token_ids[-1],
-                tokens.kv_num_dropped_tokens,  # a prompt dropped before the transfer
-                tokens.kv_block_scores,
+                tokens.num_dropped_tokens,  # a prompt dropped before the transfer
+                tokens.kept_block_scores,
             )
             self._send(self._decode_id, start)
             self._transition("transferring")
@@ -212,12 +212,12 @@ class RequestDriver:
                 self.request_id,
                 self.prompt_token_ids,
                 self.sampling,
-                reply.kv_peer,
-                reply.kv_block_ids,
+                reply.peer,
+                reply.block_ids,
                 reply.num_cached_blocks,  # D holds that prefix already: P does not send it
-                reply.kv_keep_blocks,  # over D's budget: P sends only the blocks D keeps
-                reply.kv_sink_blocks,
-                reply.kv_recent_blocks,
+                reply.num_keep_blocks,  # over D's budget: P sends only the blocks D keeps
+                reply.sink_blocks,
+                reply.recent_blocks,
             )
             self._send(prefill_id, prefill)
             self._charge_prefill(prefill_id)

@@ -146,7 +146,7 @@ class Worker:
             try:
                 e.start_decode(
                     msg.request_id, msg.first_token_id, msg.num_dropped_tokens,
-                    msg.kv_block_scores,
+                    msg.kept_block_scores,
                 )  # fmt: skip
             # KeyError: reservation already aborted, failed or timed out; ValueError: the
             # prefill's drop does not match it (the reservation is freed).
@@ -174,9 +174,9 @@ class Worker:
                     ))  # fmt: skip
             elif isinstance(msg, m.Prefill):
                 drop = None
-                if msg.kv_keep_blocks is not None:
-                    drop = PromptDrop(msg.kv_keep_blocks, msg.kv_sink_blocks, msg.kv_recent_blocks)
-                dest = KVDestination(msg.kv_peer, msg.kv_block_ids, msg.kv_skip_blocks, drop)
+                if msg.num_keep_blocks is not None:
+                    drop = PromptDrop(msg.num_keep_blocks, msg.sink_blocks, msg.recent_blocks)
+                dest = KVDestination(msg.peer, msg.block_ids, msg.num_cached_blocks, drop)
                 e.add_prefill(msg.request_id, msg.prompt_token_ids, params, dest)
             else:
                 log.warning("%s: unexpected %s", wid, type(msg).__name__)
@@ -205,7 +205,7 @@ class Worker:
                 wid, out.request_id, out.new_token_ids, finished,
                 out.finish_reason.value if finished else None,
                 out.num_prompt_tokens, out.num_cached_tokens,
-                out.kv_num_dropped_tokens, out.kv_block_scores, out.num_pinned_tokens,
+                out.num_dropped_tokens, out.kept_block_scores, out.num_pinned_tokens,
             ))  # fmt: skip
 
     def _send_kv_events(self) -> None:

@@ -83,7 +83,7 @@ class Pair:
                     if o.finish_reason is FinishReason.HANDOFF:
                         self.d.start_decode(
                             o.request_id, o.new_token_ids[0],
-                            o.kv_num_dropped_tokens, o.kv_block_scores,
+                            o.num_dropped_tokens, o.kept_block_scores,
                         )  # fmt: skip
                     else:
                         self.d.abort_request(o.request_id)
@@ -170,7 +170,7 @@ def test_decode_holding_the_prefix_receives_only_the_rest(
         assert warm_bytes < cold_bytes * 3  # three requests, each sending far fewer blocks
         if backend == "tcp":  # shm writes land without passing through the receiver
             assert pair.rx.stats()["bytes_received"] == pair.tx.stats()["bytes_sent"]
-        assert pair.d.role.num_cached_blocks == 18
+        assert pair.d.role.kv_blocks_skipped == 18
         assert pair.p.kv.num_free_blocks == free_p and pair.d.kv.num_free_blocks == free_d
     finally:
         pair.close()

@@ -187,8 +187,8 @@ def test_abort_at_any_stage_frees_both_sides(tiny_model_dir, backend, stage):
             assert pair.sent_dst["a"] == set(r.block_ids)
             if stage == "first_token":
                 o = outs[-1]
-                pair.d.start_decode("a", o.new_token_ids[0], o.kv_num_dropped_tokens,
-                                    o.kv_block_scores)  # fmt: skip
+                pair.d.start_decode("a", o.new_token_ids[0], o.num_dropped_tokens,
+                                    o.kept_block_scores)  # fmt: skip
         pair.p.abort_request("a")
         pair.d.abort_request("a")
         assert pair.d.kv.num_free_blocks == free_d

@@ -84,7 +84,7 @@ def test_reserve_takes_the_cached_prefix_and_expects_only_new_blocks() -> None:
     assert r.block_ids[:4] == cached and len(r.block_ids) == 6
     assert rx.expected["r"] == r.block_ids[4:]
     assert [kv.pool.ref_cnt[b] for b in r.block_ids] == [1] * 6
-    assert handoff.num_cached_blocks == 4
+    assert handoff.kv_blocks_skipped == 4
     assert handoff.abort("r")
     assert kv.num_free_blocks == free and all(kv.pool.ref_cnt[b] == 0 for b in r.block_ids)
     again = handoff.reserve(request(PREFIX + [7], "again"))  # the prefix is still cached
@@ -346,7 +346,7 @@ def test_prefill_sends_only_the_kept_blocks_once_after_the_last_chunk(mode: str)
     r = request(list(range(30)))
     r.block_ids = list(range(100, 108))
     handoff.add_prefill(r, KVDestination({"host": "d"}, [0, 1, 2, 3, 4], 0, DROP))
-    assert r.kv_keep_blocks == 5  # the model runner scores this prompt
+    assert r.num_keep_blocks == 5  # the model runner scores this prompt
     run_chunks(handoff, r, 6)
     #            sink   best   recent recent last
     assert tx.sends == [([0, 1], [100, 102, 105, 106, 107], [0, 1, 2, 3, 4], True)]

@@ -71,7 +71,7 @@ class FakeWorker:
         self.die_after_tokens: int | None = behaviour.get("die_after_tokens")
         self.max_model_len: int = behaviour.get("max_model_len", 512)
         self.num_cached_blocks: int = behaviour.get("num_cached_blocks", 0)  # in Reserved
-        self.kv_keep_blocks: int | None = behaviour.get("kv_keep_blocks")  # in Reserved
+        self.num_keep_blocks: int | None = behaviour.get("num_keep_blocks")  # in Reserved
         self.refuse_pins: str | None = behaviour.get("refuse_pins")
         self.cache_stats: dict[str, Any] = behaviour.get("cache_stats", {})
         self.heartbeat = True
@@ -147,7 +147,7 @@ class FakeWorker:
                 self._max_tokens[m.request_id] = m.sampling["max_tokens"]
                 peer = {"backend": "fake", "address": "nowhere"}
                 blocks, cached = [0, 1], self.num_cached_blocks
-                keep = self.kv_keep_blocks
+                keep = self.num_keep_blocks
                 self.send(messages.Reserved(
                     self.worker_id, m.request_id, peer, blocks, cached, keep, 1, 1
                 ))  # fmt: skip
@@ -179,9 +179,9 @@ class FakeWorker:
             return
         first = self.cluster.script[0]
         reason = "stop" if first == EOS else None
-        if m.kv_keep_blocks is not None:  # dropped before the transfer: tell D what went
+        if m.num_keep_blocks is not None:  # dropped before the transfer: tell D what went
             self.send(messages.Tokens(self.worker_id, m.request_id, [first], True, reason, 5, 0,
-                                      16, [1.5] * m.kv_keep_blocks))  # fmt: skip
+                                      16, [1.5] * m.num_keep_blocks))  # fmt: skip
             self._tasks.pop(m.request_id, None)
             return
         self._tokens(m.request_id, [first], True, reason)

@@ -31,35 +31,35 @@ def test_reserve_prefill_start_decode_in_order(tokenizer_dir: Path, script: list
 
 
 def test_decode_cached_prefix_is_skipped_by_prefill(tokenizer_dir: Path, script: list[int]) -> None:
-    """The blocks D already holds (Reserved.num_cached_blocks) reach P as kv_skip_blocks."""
+    """The blocks D already holds (Reserved.num_cached_blocks) reach P as num_cached_blocks."""
     with Cluster(tokenizer_dir, script, PD, {"d0": {"num_cached_blocks": 1}}) as c:
         assert post(c, {"prompt": "Hello", "max_tokens": 3}).ok
         [prefill] = [m for m in c.workers["p0"].received if type(m).__name__ == "Prefill"]
-        assert prefill.kv_block_ids == [0, 1] and prefill.kv_skip_blocks == 1
+        assert prefill.block_ids == [0, 1] and prefill.num_cached_blocks == 1
 
 
 def test_decode_budget_reaches_prefill_and_the_drop_reaches_decode(
     tokenizer_dir: Path, script: list[int]
 ) -> None:
-    """Reserved's kv_keep_blocks (and policy) go to P in Prefill; what P dropped and the kept
+    """Reserved's num_keep_blocks (and policy) go to P in Prefill; what P dropped and the kept
     blocks' scores go back to D in StartDecode."""
-    with Cluster(tokenizer_dir, script, PD, {"d0": {"kv_keep_blocks": 2}}) as c:
+    with Cluster(tokenizer_dir, script, PD, {"d0": {"num_keep_blocks": 2}}) as c:
         assert post(c, {"prompt": "Hello", "max_tokens": 3}).ok
         [prefill] = [m for m in c.workers["p0"].received if type(m).__name__ == "Prefill"]
-        assert (prefill.kv_keep_blocks, prefill.kv_sink_blocks, prefill.kv_recent_blocks) == (
+        assert (prefill.num_keep_blocks, prefill.sink_blocks, prefill.recent_blocks) == (
             2, 1, 1,
         )  # fmt: skip
         [start] = [m for m in c.workers["d0"].received if type(m).__name__ == "StartDecode"]
-        assert start.num_dropped_tokens == 16 and start.kv_block_scores == [1.5, 1.5]
+        assert start.num_dropped_tokens == 16 and start.kept_block_scores == [1.5, 1.5]
 
 
 def test_without_a_budget_nothing_is_dropped(tokenizer_dir: Path, script: list[int]) -> None:
     with Cluster(tokenizer_dir, script, PD) as c:
         assert post(c, {"prompt": "Hello", "max_tokens": 3}).ok
         [prefill] = [m for m in c.workers["p0"].received if type(m).__name__ == "Prefill"]
-        assert prefill.kv_keep_blocks is None
+        assert prefill.num_keep_blocks is None
         [start] = [m for m in c.workers["d0"].received if type(m).__name__ == "StartDecode"]
-        assert start.num_dropped_tokens == 0 and start.kv_block_scores is None
+        assert start.num_dropped_tokens == 0 and start.kept_block_scores is None
 
 
 def test_first_token_streams_before_decode_tokens(tokenizer_dir: Path, script: list[int]) -> None:

@@ -71,7 +71,7 @@ class _Awaiting:
     num_dropped_tokens: int = 0  # before the transfer, as reserved
     landed: bool = False
     first_token_id: int | None = None
-    kept_scores: list[float] | None = None  # a dropped prompt's, from the prefill worker
+    kept_block_scores: list[float] | None = None  # a dropped prompt's, from the prefill worker
 
 
 class DecodeRole(Role):
@@ -94,7 +94,7 @@ class DecodeRole(Role):
         self.reserve_timeout_s, self.land_timeout_s = reserve_timeout_s, land_timeout_s
         self.clock = clock
         self.awaiting: dict[str, _Awaiting] = {}
-        self.num_cached_blocks = 0  # prompt blocks reserved from the own prefix cache
+        self.kv_blocks_skipped = 0  # prompt blocks reserved from the own prefix cache, never sent
 
     @classmethod
     def of(
@@ -135,7 +135,7 @@ class DecodeRole(Role):
             request, self.clock() + self.reserve_timeout_s,
             f"no KV within {self.reserve_timeout_s} s", num_dropped,
         )  # fmt: skip
-        self.num_cached_blocks += len(hits)
+        self.kv_blocks_skipped += len(hits)
         log.debug("decode %s: -> waiting_for_kv (%d cached blocks)", request_id, len(hits))
         return KVReservation(list(request.block_ids), len(hits), drop)
 
@@ -144,7 +144,7 @@ class DecodeRole(Role):
         request_id: str,
         first_token_id: int,
         num_dropped_tokens: int = 0,
-        block_scores: list[float] | None = None,
+        kept_block_scores: list[float] | None = None,
     ) -> None:
         """The first token is known (and, for a prompt dropped before the transfer, how
         many tokens went and the kept blocks' scores). A reply that does not match the
@@ -153,12 +153,12 @@ class DecodeRole(Role):
         if waiting is None:
             raise KeyError(f"no reservation for request {request_id!r}")
         try:
-            _check_drop(waiting, num_dropped_tokens, block_scores)
+            _check_drop(waiting, num_dropped_tokens, kept_block_scores)
         except ValueError:
             self._drop(request_id)
             raise
-        if block_scores is not None:
-            waiting.kept_scores = [float(x) for x in block_scores]
+        if kept_block_scores is not None:
+            waiting.kept_block_scores = [float(x) for x in kept_block_scores]
         waiting.first_token_id = first_token_id
         waiting.deadline = self.clock() + self.land_timeout_s
         waiting.deadline_error = (
@@ -201,7 +201,7 @@ class DecodeRole(Role):
     def transfer_stats(self) -> dict[str, int]:
         return {
             "kv_bytes_received": self.receiver.stats().get("bytes_received", 0),
-            "kv_blocks_skipped": self.num_cached_blocks,
+            "kv_blocks_skipped": self.kv_blocks_skipped,
         }
 
     def _activate_if_ready(self, waiting: _Awaiting) -> None:
@@ -215,8 +215,8 @@ class DecodeRole(Role):
         # Positions stay original (RoPE), KV slots shift: the first token's KV goes to slot
         # num_prompt_tokens - num_dropped_tokens, right after the last kept block's tokens.
         request.num_dropped_tokens = waiting.num_dropped_tokens
-        if waiting.kept_scores is not None:
-            self.install_scores(request, waiting.kept_scores)
+        if waiting.kept_block_scores is not None:
+            self.install_scores(request, waiting.kept_block_scores)
         self.receiver.release(request.request_id)
         # A no-op after a drop (block i no longer holds hash i), as in the collocated path.
         self.kv.cache_computed_blocks(request)
@@ -231,7 +231,7 @@ class DecodeRole(Role):
 
 
 def _check_drop(
-    waiting: _Awaiting, num_dropped_tokens: int, block_scores: list[float] | None
+    waiting: _Awaiting, num_dropped_tokens: int, kept_block_scores: list[float] | None
 ) -> None:
     request, expected = waiting.request, waiting.num_dropped_tokens
     if num_dropped_tokens != expected:
@@ -240,15 +240,15 @@ def _check_drop(
             f"prompt tokens, the reservation expects {expected}"
         )
     if not expected:
-        if block_scores is not None:
+        if kept_block_scores is not None:
             raise ValueError(
                 f"request {request.request_id!r}: kept-block scores for a prompt sent whole"
             )
         return
-    if not isinstance(block_scores, list) or len(block_scores) != len(request.block_ids):
+    if not isinstance(kept_block_scores, list) or len(kept_block_scores) != len(request.block_ids):
         raise ValueError(
             f"request {request.request_id!r}: expected {len(request.block_ids)} kept-block "
-            f"scores, got {block_scores!r:.80}"
+            f"scores, got {kept_block_scores!r:.80}"
         )
-    if not all(isinstance(x, int | float) and math.isfinite(x) for x in block_scores):
+    if not all(isinstance(x, int | float) and math.isfinite(x) for x in kept_block_scores):
         raise ValueError(f"request {request.request_id!r}: kept-block scores must be finite")

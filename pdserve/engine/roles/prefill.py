@@ -61,7 +61,7 @@ class _Handoff:
     # Full blocks already sent or never to be sent (the decode side's cached prefix first).
     # Only ever grows.
     num_sent_full_blocks: int
-    kept_scores: list[float] | None = None  # a dropped prompt's, once chosen
+    kept_block_scores: list[float] | None = None  # a dropped prompt's, once chosen
     send_deadline: float | None = None  # SENDING_KV: abort the send after this
     error: str | None = None  # aborted for its deadline: the error to report
 
@@ -148,7 +148,7 @@ class PrefillRole(Role):
                 f"{request.num_prompt_tokens} tokens (the block with the last token is sent)"
             )
         self.handoffs[request.request_id] = _Handoff(request, dest, skip)
-        request.kv_keep_blocks = dest.drop.num_keep_blocks if dest.drop else None  # scores it
+        request.num_keep_blocks = dest.drop.num_keep_blocks if dest.drop else None  # scores it
 
     def plan(self, out: SchedulerOutput) -> Callable[[int], None] | None:
         """The blocks each scheduled prefill chunk completes, from the first not yet sent
@@ -202,7 +202,7 @@ class PrefillRole(Role):
             if h.dest.drop is not None:
                 scores = self.scores_of(h.request)
                 kept = h.dest.drop.kept(scores)
-                h.kept_scores = [float(scores[i]) for i in kept]
+                h.kept_block_scores = [float(scores[i]) for i in kept]
                 src = [h.request.block_ids[i] for i in kept]
                 self._send(_Send(h, src, h.dest.block_ids, True), all_layers, True)
             elif s.last and self.mode == "full":
@@ -220,7 +220,7 @@ class PrefillRole(Role):
         num_dropped = handoff.dest.drop.num_dropped_tokens(
             request.num_prompt_tokens, self.kv.block_size
         )
-        return num_dropped, handoff.kept_scores
+        return num_dropped, handoff.kept_block_scores
 
     def _send(self, s: _Send, layers: list[int], last: bool) -> None:
         request_id = s.handoff.request.request_id
