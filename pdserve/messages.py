@@ -1,6 +1,7 @@
 """Every message between processes: typed dataclasses, one msgpack codec, HMAC-signed.
 
-Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown, Unpin
+Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown, Unpin,
+                   SwitchRole
 Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Released, Stats, KVEvents,
                    Unpinned
 
@@ -21,6 +22,10 @@ A disaggregated request (DESIGN.md §2):
            ──Abort─────▶ any        (client gone, stop string, re-drive after a failure)
            ◀─Released──             (acknowledged: the worker's blocks are free)
 
+A role switch (docs/roles.md): SwitchRole ─▶ the worker refuses new work (Rejected,
+retryable), drains, switches, and announces itself again: Ready with the new role (the
+router stopped routing to it when it sent SwitchRole, and routes by the new role now).
+
 A frame is `hmac_sha256(secret, payload) || payload`; the payload is msgpack of
 `[type name, {field: value}]`. No pickle: a peer can only ever make us build these types.
 """
@@ -36,6 +41,7 @@ from typing import Any
 import msgpack
 
 MAC_BYTES = 32
+ROLES = ("collocated", "prefill", "decode")
 
 
 # ---- router -> worker ------------------------------------------------------------------
@@ -103,6 +109,13 @@ class Abort:
 @dataclass
 class Shutdown:
     pass
+
+
+@dataclass
+class SwitchRole:
+    """Take `role` once the requests this worker holds are done; answered by Ready."""
+
+    role: str
 
 
 @dataclass
@@ -245,6 +258,7 @@ Message = (
     | Abort
     | Shutdown
     | Unpin
+    | SwitchRole
     | Ready
     | Reserved
     | Rejected
@@ -265,6 +279,7 @@ _TYPES: dict[str, type] = {
         Abort,
         Shutdown,
         Unpin,
+        SwitchRole,
         Ready,
         Reserved,
         Rejected,

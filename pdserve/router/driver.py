@@ -134,7 +134,7 @@ class RequestDriver:
         if not self.num_output_tokens and {"prefill", "decode"} <= roles:
             worker_id, tokens = await self._disaggregated_first_token()
         else:
-            worker_id, tokens = await self._generate_first_token(roles)
+            worker_id, tokens = await self._generate_first_token()
         delta = self._on_tokens(worker_id, tokens, is_prefill=self.state == "prefilled")
         if not self._yielded or delta.text or delta.finish_reason:
             self._yielded = True
@@ -170,15 +170,17 @@ class RequestDriver:
             if delta.finish_reason is not None:
                 return
 
-    async def _generate_first_token(self, roles: set[str]) -> tuple[str, messages.Tokens]:
+    async def _generate_first_token(self) -> tuple[str, messages.Tokens]:
         """The whole request on one worker: collocated, a decode worker prefilling locally
-        (no healthy prefill worker), or a resumed request recomputing its streamed tokens."""
-        role = next((r for r in _GENERATE_ROLES if r in roles), None)
-        if role is None:
-            raise _unavailable("no healthy worker can serve the request")
+        (no healthy prefill worker), or a resumed request recomputing its streamed tokens.
+        The role is chosen again after each refusal (a worker may have switched roles)."""
         deadline = time.monotonic() + self.admission_timeout_s
         done = list(self.processor.states[self.key].token_ids)
         while True:
+            roles = self.plane.healthy_roles()
+            role = next((r for r in _GENERATE_ROLES if r in roles), None)
+            if role is None:
+                raise _unavailable("no healthy worker can serve the request")
             self._new_attempt()
             worker_id = await self._pick(role, deadline)
             generate = messages.Generate(
@@ -246,6 +248,8 @@ class RequestDriver:
                 self.plane.workers[load.worker_id].active_requests += 1
                 return load.worker_id
             if role not in self.plane.healthy_roles():
+                if self.plane.switching(role):  # re-drive with the roles there are now
+                    raise Lost(f"every {role} worker is switching roles")
                 raise _unavailable(f"no healthy {role} worker")
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -64,6 +64,7 @@ class WorkerState:
     lost: bool = False  # declared dead; cleared when it is heard from (or reconnects) again
     disconnected: bool = False  # its control connection dropped and has not come back
     cached_hashes: set[int] = field(default_factory=set)  # its prefix cache, from KVEvents
+    switching_to: str | None = None  # asked to switch roles: not routed to until Ready
 
     @property
     def worker_id(self) -> str:
@@ -159,6 +160,7 @@ class ControlPlane:
             return
         log.warning("worker %s lost: %s", worker_id, reason)
         worker.lost = True
+        worker.switching_to = None  # a restarted process announces its own role
         worker.epoch += 1
         worker.sent_prefill_tokens = worker.active_requests = 0
         worker.cached_hashes.clear()
@@ -181,6 +183,18 @@ class ControlPlane:
         except (KeyError, zmq.ZMQError) as exc:
             log.error("cannot send %s to %s: %r", type(message).__name__, worker_id, exc)
             return False
+
+    def switch_role(self, worker_id: str, role: str) -> bool:
+        """Ask a worker to take `role`. It is not routed to from now on; it drains what it
+        holds, switches and announces itself again (Ready), and is then routed by its new
+        role. False when the worker is not healthy or already switching."""
+        if role not in messages.ROLES:
+            raise ValueError(f"role must be one of {messages.ROLES}, got {role!r}")
+        worker = self.workers[worker_id]
+        if worker.switching_to or not self.is_healthy(worker_id):
+            return False
+        worker.switching_to = role
+        return self.send(worker_id, messages.SwitchRole(role))
 
     def shutdown_workers(self) -> None:
         for worker_id in self._pushes:
@@ -222,7 +236,12 @@ class ControlPlane:
         if worker.lost and not worker.disconnected:
             log.info("worker %s is back", worker_id)
             worker.lost = False
-        if isinstance(message, messages.Ready):
+        if isinstance(message, messages.Ready) and worker.switching_to and worker.ready:
+            # The same process (a restart would have been lost first), done switching: its
+            # requests were drained, its prefix cache stays, so no new epoch.
+            log.info("worker %s switched to %s", worker_id, message.role)
+            worker.ready, worker.switching_to = message, None
+        elif isinstance(message, messages.Ready):
             if message.role != worker.endpoint.role:
                 log.warning(
                     "worker %s announced role %s, configured as %s; using %s",
@@ -276,7 +295,7 @@ class ControlPlane:
                 WorkerLoad(
                     worker_id=w.worker_id,
                     role=w.role,
-                    healthy=self.is_healthy(w.worker_id),
+                    healthy=self._routable(w),
                     num_waiting=s.num_waiting if s else 0,
                     num_running=s.num_running if s else 0,
                     num_free_blocks=s.num_free_blocks
@@ -291,12 +310,23 @@ class ControlPlane:
             )
         return out
 
+    def _routable(self, worker: WorkerState) -> bool:
+        return self.is_healthy(worker.worker_id) and worker.switching_to is None
+
     def healthy_roles(self) -> set[str]:
-        return {w.role for w in self.workers.values() if self.is_healthy(w.worker_id)}
+        """The roles new requests can be routed to now."""
+        return {w.role for w in self.workers.values() if self._routable(w)}
+
+    def switching(self, role: str) -> bool:
+        """Whether a healthy worker of `role` is switching away from it."""
+        return any(
+            w.switching_to and w.role == role and self.is_healthy(w.worker_id)
+            for w in self.workers.values()
+        )
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """Healthy when every configured role has at least one ready, live worker."""
-        needed = {w.endpoint.role for w in self.workers.values()}
+        """Healthy when every role the workers have has at least one routable worker."""
+        needed = {w.role for w in self.workers.values()}
         missing = sorted(needed - self.healthy_roles())
         ok = bool(needed) and not missing
         detail: dict[str, Any] = {

@@ -21,10 +21,15 @@ import zmq
 
 from pdserve import messages as m
 from pdserve.engine.engine import Engine
-from pdserve.engine.roles.prefill import KVDestination
+from pdserve.engine.roles.base import Role
+from pdserve.engine.roles.collocated import CollocatedRole
+from pdserve.engine.roles.decode import DecodeRole
+from pdserve.engine.roles.prefill import KVDestination, PrefillRole
+from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.base import KVReceiver, KVSender
 from pdserve.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -35,7 +40,15 @@ class Worker:
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
         self.spec, self.secret = spec, secret
-        self.engine = self._build_engine()
+        # A decode worker's KV pool lives in shared memory when shm may be used, so a
+        # prefill worker on the same host writes into it directly.
+        shm = spec.role == "decode" and spec.transfer_backend != "tcp"
+        self.engine = Engine(spec.engine, kernels=spec.role, allocate_kv=shared_kv if shm else None)
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self._wire: WireSource | None = None
+        self.engine.switch_role(self._role(spec.role))
+        self._next_role: Role | None = None  # switching to it once drained
         self.ctx = zmq.Context()
         self.ctrl = self.ctx.socket(zmq.PULL)
         self.ctrl.bind(spec.ctrl_address)
@@ -48,57 +61,79 @@ class Worker:
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
 
-    def _build_engine(self) -> Engine:
-        """The engine, in the spec's role. A decode worker's KV pool lives in shared memory
-        when shm may be used, so a prefill worker on the same host writes into it directly."""
-        from pdserve.engine.roles.decode import DecodeRole
-        from pdserve.engine.roles.prefill import PrefillRole
+    def _role(self, name: str) -> Role:
+        """The role object `name` on this worker's engine; a transfer endpoint is started
+        the first time a role needs it and kept (a worker may switch back)."""
         from pdserve.transfer.layout import KVLayout
         from pdserve.transfer.registry import make_receiver, make_sender
 
-        spec = self.spec
-        self.receiver = self.sender = None
-        shm = spec.role == "decode" and spec.transfer_backend != "tcp"
-        engine = Engine(spec.engine, kernels=spec.role, allocate_kv=shared_kv if shm else None)
-        if spec.role == "decode":
-            kv = engine.runner.kv_cache
-            self.receiver = make_receiver(
-                spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
-                host=spec.transfer_host, pool_bytes=spec.transfer_buffer_bytes,
-            )  # fmt: skip
-            engine.switch_role(DecodeRole.of(
-                engine, self.receiver, spec.kv_reserve_timeout_s, spec.kv_land_timeout_s
-            ))  # fmt: skip
-        elif spec.role == "prefill":
-            wire = engine.wire_source(spec.wire_kv_cache_dtype)
-            kv = wire.kv if wire else engine.runner.kv_cache
-            self.sender = make_sender(
-                spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
-                bandwidth_bps=spec.transfer_bandwidth, pool_bytes=spec.transfer_buffer_bytes,
-            )  # fmt: skip
-            engine.switch_role(PrefillRole.of(
-                engine, self.sender, spec.transfer_mode, wire, spec.kv_send_timeout_s
-            ))  # fmt: skip
-        return engine
+        e, spec = self.engine, self.spec
+        if name == "decode":
+            if self.receiver is None:
+                kv = e.runner.kv_cache
+                self.receiver = make_receiver(
+                    spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
+                    host=spec.transfer_host, pool_bytes=spec.transfer_buffer_bytes,
+                )  # fmt: skip
+            return DecodeRole.of(
+                e, self.receiver, spec.kv_reserve_timeout_s, spec.kv_land_timeout_s
+            )
+        if name == "prefill":
+            if self.sender is None:
+                self._wire = e.wire_source(spec.wire_kv_cache_dtype)
+                kv = self._wire.kv if self._wire else e.runner.kv_cache
+                self.sender = make_sender(
+                    spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
+                    bandwidth_bps=spec.transfer_bandwidth, pool_bytes=spec.transfer_buffer_bytes,
+                )  # fmt: skip
+            return PrefillRole.of(
+                e, self.sender, spec.transfer_mode, self._wire, spec.kv_send_timeout_s
+            )
+        if name == "collocated":
+            return CollocatedRole()
+        raise ValueError(f"role must be one of {m.ROLES}, got {name!r}")
 
+    # ---- role switch -----------------------------------------------------------------
+
+    def _begin_switch(self, name: str) -> None:
+        """SwitchRole: take no new work from now on (it is refused as retryable), drain,
+        then switch (`_maybe_switch`). A role this worker cannot take is refused at once,
+        by re-announcing the current one."""
+        try:
+            self._next_role = self._role(name)
+        except ValueError as exc:
+            log.warning("%s: cannot switch to %s: %s", self.spec.worker_id, name, exc)
+            self._announce()
+            return
+        log.info(
+            "%s: draining to switch from %s to %s", self.spec.worker_id, self.engine.role.name, name
+        )
+
+    def _maybe_switch(self) -> None:
+        e = self.engine
+        if self._next_role is None or e.has_unfinished_requests() or e.role.num_in_flight():
+            return
+        e.switch_role(self._next_role)
+        self._next_role = None
+        self._announce()
+
+    # ---- loop ------------------------------------------------------------------------
     # ---- loop ------------------------------------------------------------------------
 
     def send(self, message) -> None:
         self.out.send(m.encode(message, self.secret))
 
+    def _announce(self) -> None:
+        e = self.engine
+        self.send(m.Ready(
+            self.spec.worker_id, e.role.name, self.spec.engine.model, e.kv.num_blocks,
+            e.kv.block_size, e.max_model_len,
+        ))  # fmt: skip
+        log.info("worker %s (%s) ready", self.spec.worker_id, e.role.name)
+
     def run(self) -> None:
         e = self.engine
-        self.send(
-            m.Ready(
-                self.spec.worker_id,
-                self.spec.role,
-                self.spec.engine.model,
-                e.kv.num_blocks,
-                e.kv.block_size,
-                e.max_model_len,
-            )
-        )
-        log.info("worker %s (%s) ready", self.spec.worker_id, self.spec.role)
+        self._announce()
         self._maybe_stats()
         self._heartbeat.start()
         try:
@@ -108,6 +143,7 @@ class Worker:
                     self.send(m.Failed(self.spec.worker_id, request_id, error))
                 if e.has_unfinished_requests():
                     self._step()
+                self._maybe_switch()
                 self._send_kv_events()
                 self._maybe_stats()
         finally:
@@ -141,6 +177,13 @@ class Worker:
             return
         if isinstance(msg, m.Unpin):
             self._unpin(msg)
+            return
+        if isinstance(msg, m.SwitchRole):
+            self._begin_switch(msg.role)
+            return
+        if self._next_role is not None and isinstance(msg, (m.Generate, m.Reserve, m.Prefill)):
+            reason = f"switching to the {self._next_role.name} role"
+            self.send(m.Rejected(wid, msg.request_id, reason, True))
             return
         if isinstance(msg, m.StartDecode):
             try:
