@@ -26,7 +26,6 @@ from pdserve.engine.roles.decode import KVReservation
 from pdserve.engine.roles.prefill import KVDestination
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
-from pdserve.kvcache.dropping import DropPolicy
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason, Request
@@ -45,7 +44,6 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    num_output_tokens: int
     # Prefill role, a prompt dropped before the transfer: what the decode worker needs.
     num_dropped_tokens: int = 0
     kept_block_scores: list[float] | None = None
@@ -255,7 +253,7 @@ class Engine:
         if prefill_only:  # never drops itself: the decode worker's reservation says what it keeps
             budget = None
         if budget is not None:
-            self.drop_policy(budget)  # a budget too small to honour is the caller's error
+            self.budget.policy(budget)  # a budget too small to honour is the caller's error
         return Request(
             request_id,
             list(prompt_token_ids),
@@ -264,9 +262,6 @@ class Engine:
             prefill_only=prefill_only,
             kv_budget_tokens=budget,
         )
-
-    def drop_policy(self, budget_tokens: int) -> DropPolicy:
-        return self.budget.policy(budget_tokens)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -325,7 +320,6 @@ class Engine:
                 request.finish_reason,
                 request.num_prompt_tokens,
                 request.num_cached_tokens,
-                len(request.output_token_ids),
                 *self.role.dropped(request),
             )
             if request.pin is not None and request.is_finished:

@@ -30,9 +30,9 @@ class WorkerSpec:
     transfer_bandwidth: str | None = None
     wire_kv_cache_dtype: str = "auto"  # prefill: the decode workers' KV dtype (converted to)
     heartbeat_interval_s: float = 0.5
-    # Deadlines on waits for a peer (engine/kv_handoff.py says which wait each bounds).
+    # Deadlines on waits for a peer (engine/roles/ says which wait each bounds).
     kv_send_timeout_s: float = 5.0
-    kv_reserve_timeout_s: float = 600.0  # see kv_handoff.RESERVE_TIMEOUT_S
+    kv_reserve_timeout_s: float = 600.0  # see engine/roles/decode.py
     kv_land_timeout_s: float = 5.0
 
     def to_json(self) -> str:
