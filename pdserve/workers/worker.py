@@ -101,7 +101,7 @@ class Worker:
         by re-announcing the current one."""
         try:
             self._next_role = self._role(name)
-        except ValueError as exc:
+        except (ValueError, OSError) as exc:  # an unknown role, an endpoint that cannot start
             log.warning("%s: cannot switch to %s: %s", self.spec.worker_id, name, exc)
             self._announce()
             return
@@ -117,7 +117,6 @@ class Worker:
         self._next_role = None
         self._announce()
 
-    # ---- loop ------------------------------------------------------------------------
     # ---- loop ------------------------------------------------------------------------
 
     def send(self, message) -> None:

@@ -2,7 +2,8 @@
 
 Fake workers speak the real protocol (`pdserve.messages` over ZMQ) and play a fixed token
 `script`: collocated workers emit it one token per step; a prefill worker answers a Prefill
-with its first token; a decode worker reserves blocks and emits the rest after StartDecode.
+with its first token; a decode worker reserves blocks and emits the rest after StartDecode;
+a SwitchRole is answered, `switch_s` later, by Ready with the new role.
 A warm-up (Generate with `pin`) is answered with one Tokens, an Unpin with Unpinned, both
 counting full 16-token blocks (`refuse_pins` fails pinning warm-ups); `cache_stats` are
 extra Stats fields every heartbeat carries.
@@ -74,6 +75,7 @@ class FakeWorker:
         self.num_keep_blocks: int | None = behaviour.get("num_keep_blocks")  # in Reserved
         self.refuse_pins: str | None = behaviour.get("refuse_pins")
         self.cache_stats: dict[str, Any] = behaviour.get("cache_stats", {})
+        self.switch_s: float = behaviour.get("switch_s", 0.0)  # SwitchRole to Ready
         self.heartbeat = True
         self.num_tokens_sent = 0
         self.aborted: list[str] = []
@@ -88,7 +90,7 @@ class FakeWorker:
         pull.bind(self.address)
         self.push = ctx.socket(zmq.PUSH)
         self.push.connect(self.cluster.router_address)
-        self.send(messages.Ready(self.worker_id, self.role, "tiny", 64, 16, self.max_model_len))
+        self._announce()
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             while True:
@@ -98,6 +100,14 @@ class FakeWorker:
                 task.cancel()
             pull.close(linger=0)
             self.push.close(linger=0)
+
+    def _announce(self) -> None:
+        self.send(messages.Ready(self.worker_id, self.role, "tiny", 64, 16, self.max_model_len))
+
+    async def _switch(self, role: str) -> None:
+        await asyncio.sleep(self.switch_s)
+        self.role = role
+        self._announce()
 
     def send(self, message: Any) -> None:
         self.push.send(messages.encode(message, SECRET))
@@ -156,6 +166,8 @@ class FakeWorker:
         elif isinstance(m, messages.Unpin):
             n, num_cached = len(m.prompt_token_ids), len(m.prompt_token_ids) // 16 * 16
             self.send(messages.Unpinned(self.worker_id, m.request_id, n, num_cached, num_cached))
+        elif isinstance(m, messages.SwitchRole):
+            self._tasks["switch"] = asyncio.create_task(self._switch(m.role))
         elif isinstance(m, messages.StartDecode):
             assert m.first_token_id == script[0]
             self._start(m.request_id, script[1 : self._max_tokens[m.request_id]])

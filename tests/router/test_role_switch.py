@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import requests
 
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
@@ -107,3 +108,27 @@ def test_collocated_workers_switch_to_prefill_and_decode_under_load(tiny_served_
                 proc.terminate()
             for proc in procs:
                 proc.wait(10)
+
+
+def test_a_switching_worker_is_not_routed_to_and_keeps_its_epoch(tokenizer_dir, script):
+    roles = {"c0": "collocated", "c1": "collocated"}
+    behaviour = {"c1": {"switch_s": 1.0}}
+    with Cluster(tokenizer_dir, script, roles, behaviour, policy="round_robin") as c:
+        plane = c.app_state.plane
+        epoch = plane.workers["c1"].epoch
+
+        async def ask(role: str) -> bool:
+            return plane.switch_role("c1", role)
+
+        with pytest.raises(ValueError, match="role must be one of"):
+            c.call(ask("router"))
+        assert c.call(ask("prefill"))
+        assert not c.call(ask("decode"))  # one switch at a time
+        body = {"prompt": "Hi", "max_tokens": 3}
+        for _ in range(4):  # round robin, but c1 is draining: all on c0
+            assert requests.post(f"{c.url}/v1/completions", json=body).status_code == 200
+        assert "Generate" not in c.kinds("c1") and c.kinds("c0").count("Generate") == 4
+        assert plane.healthy_roles() == {"collocated"}
+        c.wait_until(lambda: plane.workers["c1"].role == "prefill")
+        assert plane.workers["c1"].switching_to is None and plane.workers["c1"].epoch == epoch
+        assert plane.healthy_roles() == {"collocated", "prefill"}
