@@ -121,7 +121,7 @@ class LLM:
         resident) so later requests starting with them hit; nothing is generated. A prompt is
         text, token ids or a chat message list (rendered with the chat template, like `chat`).
         Returns each prompt's tokens now cached; ValueError when pinning is refused."""
-        prompt_ids = self._warmup_ids(prompts)
+        prompt_ids = self._prompt_ids(prompts, chat=True)
         request_ids = [f"warmup-{next(self._ids)}" for _ in prompt_ids]
         results = {}
         try:
@@ -140,16 +140,19 @@ class LLM:
     def unpin(self, prompts: Sequence[Prompt | list[dict]]) -> list[int]:
         """Release the pins of warmed prompts (their blocks stay cached until evicted);
         returns each prompt's tokens that were pinned."""
-        return [self.engine.unpin(ids)[0] for ids in self._warmup_ids(prompts)]
+        return [self.engine.unpin(ids)[0] for ids in self._prompt_ids(prompts, chat=True)]
 
-    def _warmup_ids(self, prompts) -> list[list[int]]:
+    def _prompt_ids(self, prompts, chat: bool = False) -> list[list[int]]:
+        """Token ids of one prompt or a list of them (with `chat`, message lists are
+        rendered with the chat template), all checked before any request starts."""
+        single = (int, dict) if chat else (int,)
         if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], single)
         ):
             prompts = [prompts]
         prompt_ids = [
             self.tokenizer.apply_chat_template(p)
-            if isinstance(p, list) and p and isinstance(p[0], dict)
+            if chat and isinstance(p, list) and p and isinstance(p[0], dict)
             else p
             if isinstance(p, list)
             else self._encode(p)
@@ -160,13 +163,7 @@ class LLM:
         return prompt_ids
 
     def _normalize(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompt_ids = [p if isinstance(p, list) else self._encode(p) for p in prompts]
-        for ids in prompt_ids:
-            self.engine.validate_prompt(ids)  # all checked before any request starts
+        prompt_ids = self._prompt_ids(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompt_ids)
         else:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,28 +270,7 @@ Message = (
     | KVEvents
     | Unpinned
 )
-_TYPES: dict[str, type] = {
-    t.__name__: t
-    for t in (
-        Generate,
-        Reserve,
-        Prefill,
-        StartDecode,
-        Abort,
-        Shutdown,
-        Unpin,
-        SwitchRole,
-        Ready,
-        Reserved,
-        Rejected,
-        Tokens,
-        Failed,
-        Released,
-        Stats,
-        KVEvents,
-        Unpinned,
-    )
-}
+_TYPES: dict[str, type] = {t.__name__: t for t in typing.get_args(Message)}
 
 
 class CodecError(ValueError):

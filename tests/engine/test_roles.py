@@ -1,6 +1,7 @@
 """Block arithmetic of the prefill and decode roles when the decode worker already holds a
 prompt's prefix: which blocks it reserves and expects, which ones the prefill worker sends,
-and that every reference comes back however the request ends. Torch-free, with fake
+and that every reference comes back however the request ends. Torch-free (the last test
+excepted), with fake
 transfer ends."""
 
 from __future__ import annotations
@@ -366,3 +367,29 @@ def test_prefill_refuses_a_drop_that_does_not_fit(dst, skip, match) -> None:
         handoff.add_prefill(
             request(list(range(30))), KVDestination({}, list(range(8)), 0, keep_all)
         )
+
+
+# ---- roles on an engine ------------------------------------------------------------------
+
+
+def test_an_engine_refuses_what_its_role_does_not_take_and_switches_only_when_idle(
+    tiny_model_dir,
+) -> None:
+    from tests.engine.test_engine import GREEDY, make_engine
+
+    engine = make_engine(tiny_model_dir)
+    with pytest.raises(ValueError, match="collocated worker does not take Reserve"):
+        engine.reserve("r", [5, 6, 7], GREEDY)
+    with pytest.raises(ValueError, match="collocated worker does not take Prefill"):
+        engine.add_prefill("p", [5, 6, 7], GREEDY, KVDestination({}, [0]))
+    with pytest.raises(KeyError, match="no reservation"):
+        engine.start_decode("r", 5)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("a", [5, 6, 7], GREEDY)
+    role = prefill_role(FakeSender(), engine.kv, "full")
+    with pytest.raises(RuntimeError, match="cannot switch from collocated to prefill: busy"):
+        engine.switch_role(role)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.switch_role(role)
+    assert engine.role is role and engine.scheduler.preallocate_prompt

@@ -20,16 +20,22 @@ Invariants every role keeps:
   - `num_in_flight()` counts the requests the role holds outside the scheduler (sending,
     awaiting KV); the engine switches roles only when it and the scheduler are empty.
   - Requests a role cannot take (a Reserve on a prefill engine) are refused with
-    ValueError naming the role, before any state changes.
+    ValueError naming the role, before any state changes (a first token for a reservation
+    it does not hold: KeyError).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kvcache.dropping import PromptDrop
 from pdserve.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.engine.roles.decode import KVReservation
+    from pdserve.engine.roles.prefill import KVDestination
 
 
 class Role:
@@ -74,11 +80,18 @@ class Role:
 
     # ---- entry points of the disaggregated roles (refused by the others) ---------------
 
-    def add_prefill(self, request: Request, destination: Any) -> None:
+    def add_prefill(self, request: Request, destination: KVDestination) -> None:
         raise ValueError(f"a {self.name} worker does not take Prefill (a prefill worker does)")
 
-    def reserve(self, request: Request, drop: Any) -> Any:
+    def reserve(self, request: Request, drop: PromptDrop | None) -> KVReservation | None:
         raise ValueError(f"a {self.name} worker does not take Reserve (a decode worker does)")
 
-    def start(self, request_id: str, first_token_id: int, *drop: Any) -> None:
+    def start(
+        self,
+        request_id: str,
+        first_token_id: int,
+        num_dropped_tokens: int = 0,
+        kept_block_scores: list[float] | None = None,
+    ) -> None:
+        """KeyError, as for a reservation that is gone."""
         raise KeyError(f"no reservation for request {request_id!r}: this is a {self.name} worker")
