@@ -1,8 +1,7 @@
 """Block arithmetic of the prefill and decode roles when the decode worker already holds a
 prompt's prefix: which blocks it reserves and expects, which ones the prefill worker sends,
 and that every reference comes back however the request ends. Torch-free (the last test
-excepted), with fake
-transfer ends."""
+excepted), with fake transfer ends."""
 
 from __future__ import annotations
 
