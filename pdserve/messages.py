@@ -92,14 +92,11 @@ class Prefill:
 
 @dataclass
 class StartDecode:
-    """Decode worker: the first token is known; decode once the KV has landed. For a prompt
-    dropped before the transfer, also the tokens dropped and the kept blocks' scores (from
-    the prefill worker's Tokens)."""
+    """Decode worker: the first token is known; decode once the KV has landed (a prompt
+    dropped before the transfer: what went and the kept blocks' scores come with it)."""
 
     request_id: str
     first_token_id: int
-    num_dropped_tokens: int = 0
-    kept_block_scores: list[float] | None = None
 
 
 @dataclass
@@ -179,9 +176,6 @@ class Tokens:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    # Prefill worker's first token of a prompt dropped before the transfer: for StartDecode.
-    num_dropped_tokens: int = 0
-    kept_block_scores: list[float] | None = None
     # A warm-up's (Generate.pin set): num_cached_tokens counts the prompt's tokens the cache
     # holds now, this how many of them are pinned.
     num_pinned_tokens: int | None = None

@@ -29,18 +29,8 @@ SECRET = b"s" * 32
         Tokens("w0", "r1", [7], True, "stop", 3, 0),
         Reserved("w0", "r1", {}, [5, 6, 7], 0, num_keep_blocks=3, sink_blocks=1),
         Prefill("r1", [1] * 9, {}, {}, [5, 6, 7], 0, num_keep_blocks=3, recent_blocks=1),
-        Tokens(
-            "w0",
-            "r1",
-            [7],
-            False,
-            None,
-            3,
-            0,
-            num_dropped_tokens=16,
-            kept_block_scores=[0.5, 1.25, 3.0],
-        ),  # fmt: skip
-        StartDecode("r1", 7, num_dropped_tokens=16, kept_block_scores=[0.5, 1.25, 3.0]),
+        Tokens("w0", "r1", [7], False, None, 3, 0, num_pinned_tokens=16),
+        StartDecode("r1", 7),
         Stats("w0", "decode", 1, 2, 3, 4, 5),
         Stats("w0", "decode", 1, 2, 3, 4, 5, 6, 7, kv_blocks_skipped=8),
         Stats(

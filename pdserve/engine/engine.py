@@ -44,9 +44,6 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    # Prefill role, a prompt dropped before the transfer: what the decode worker needs.
-    num_dropped_tokens: int = 0
-    kept_block_scores: list[float] | None = None
     # A finished warm-up (`Request.pin` set): `num_cached_tokens` then counts the prompt's
     # tokens the cache holds now (full blocks), this how many of them are pinned; `error`
     # when pinning was refused after the prefill (the prompt stays cached, unpinned).
@@ -159,15 +156,9 @@ class Engine:
             self.offload.save_evicted()
         return reservation
 
-    def start_decode(
-        self,
-        request_id: str,
-        first_token_id: int,
-        num_dropped_tokens: int = 0,
-        kept_block_scores: list[float] | None = None,
-    ) -> None:
-        """The first token from the prefill worker (with what it dropped, if it did)."""
-        self.role.start(request_id, first_token_id, num_dropped_tokens, kept_block_scores)
+    def start_decode(self, request_id: str, first_token_id: int) -> None:
+        """The first token from the prefill worker."""
+        self.role.start(request_id, first_token_id)
 
     def poll_transfers(self) -> list[tuple[str, str]]:
         """Advance KV transfers; returns (request id, error) for requests they failed."""
@@ -320,7 +311,6 @@ class Engine:
                 request.finish_reason,
                 request.num_prompt_tokens,
                 request.num_cached_tokens,
-                *self.role.dropped(request),
             )
             if request.pin is not None and request.is_finished:
                 self._finish_warmup(request, output)

@@ -146,12 +146,7 @@ class RequestDriver:
                 raise ApiError(
                     502, f"prefill worker {worker_id} sent no token", type="server_error"
                 )
-            start = messages.StartDecode(
-                self.request_id,
-                tokens.token_ids[-1],
-                tokens.num_dropped_tokens,  # a prompt dropped before the transfer
-                tokens.kept_block_scores,
-            )
+            start = messages.StartDecode(self.request_id, tokens.token_ids[-1])
             self._send(self._decode_id, start)
             self._transition("transferring")
         while True:

@@ -7,6 +7,7 @@ Flow for one request (docs/transfer.md)::
     rx.address()  ──(router)──▶   tx.send(peer, rid, [l], src_ids, dst_ids, last=False)  x L
                                   ...                                 (or one send, last=True)
     rx.pop_finished() -> DONE  ◀── bytes + "done"; receiver acks ──▶  tx.pop_finished() -> DONE
+    rx.meta(rid)               ◀── the last send's `meta`, with "done"
     ...decode...; rx.release(rid)                                     free / cache src blocks
 
 Both ends are thread-safe; work happens on background threads, so the engine only polls
@@ -83,6 +84,11 @@ class KVReceiver(ABC):
         landed, in order, inside the reservation."""
 
     @abstractmethod
+    def meta(self, request_id: str) -> dict[str, Any]:
+        """What the sender's ``last=True`` send carried (empty when nothing), once DONE and
+        until ``release``; KeyError otherwise."""
+
+    @abstractmethod
     def release(self, request_id: str) -> None:
         """Forget the reservation. When this returns, no write for the request can touch
         memory any more (a write in flight is waited for); later writes are rejected.
@@ -115,8 +121,12 @@ class KVSender(ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         last: bool,
+        meta: dict[str, Any] | None = None,
     ) -> None:
         """Enqueue copying ``layers`` x ``src_block_ids`` into ``dst_block_ids`` at ``peer``.
+        ``meta`` (msgpack-able, small: it travels in a frame header; only with ``last``)
+        reaches the receiver with the completion: what the decode side needs to continue
+        that only the transfer's end knows (a dropped prompt's kept blocks' scores).
 
         Non-blocking: a background thread moves the bytes while the caller computes the
         next layer. Layer-wise transfer calls this once per layer, full transfer once with
@@ -195,8 +205,9 @@ class BlockWriter(ABC):
         """Move the blocks of one ``send()``; returns once every byte is copied or handed to
         the socket."""
 
-    def finish(self, request_id: str, num_frames: int) -> None:
-        """Tell the receiver the request is complete after ``num_frames`` data frames; its
-        ACK (or FAILED) arrives later on the connection's reader thread."""
+    def finish(self, request_id: str, num_frames: int, meta: dict[str, Any] | None) -> None:
+        """Tell the receiver the request is complete after ``num_frames`` data frames (with
+        the last send's ``meta``); its ACK (or FAILED) arrives later on the connection's
+        reader thread."""
         header = {"type": wire.DONE, "request_id": request_id, "num_frames": num_frames}
-        self.ctx.conn.send(header)
+        self.ctx.conn.send({**header, "meta": meta} if meta else header)

@@ -91,6 +91,9 @@ class SocketKVReceiver(KVReceiver):
     def pop_finished(self) -> list[Finished]:
         return self.table.pop_finished()
 
+    def meta(self, request_id: str) -> dict[str, Any]:
+        return self.table.meta(request_id)
+
     def release(self, request_id: str) -> None:
         if not self.table.release(request_id, RELEASE_TIMEOUT_S):
             log.error("release(%r): shm writer busy after %.1f s", request_id, RELEASE_TIMEOUT_S)
@@ -155,7 +158,7 @@ class SocketKVReceiver(KVReceiver):
             request_id = wire.str_field(header, "request_id")
             req = self.table.get(request_id)
             error = (
-                self.table.finish(req, wire.int_field(header, "num_frames"))
+                self.table.finish(req, wire.int_field(header, "num_frames"), header.get("meta"))
                 if req
                 else "unknown request"
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.transfer.base import TERMINAL, Finished, TransferStatus
 from pdserve.transfer.layout import KVLayout
@@ -26,6 +27,7 @@ class Reservation:
     num_bytes: int = 0
     active_leases: int = 0  # shm writers granted and not yet finished
     released: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)  # from the sender's last send
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -69,6 +71,13 @@ class ReservationTable:
             raise KeyError(f"no reservation for request {request_id!r}")
         return req.status
 
+    def meta(self, request_id: str) -> dict[str, Any]:
+        with self._lock:
+            req = self._requests.get(request_id)
+        if req is None or req.status is not TransferStatus.DONE:
+            raise KeyError(f"no finished transfer for request {request_id!r}")
+        return req.meta
+
     def check_write(
         self, request_id: str, layer: int, dst_start: int, num_blocks: int
     ) -> tuple[Reservation | None, str | None]:
@@ -108,8 +117,9 @@ class ReservationTable:
             self._finished.append((req.request_id, TransferStatus.FAILED, error))
         return True
 
-    def finish(self, req: Reservation, num_frames: int) -> str | None:
-        """Mark DONE after the sender's last frame; an error message if that is not right."""
+    def finish(self, req: Reservation, num_frames: int, meta: Any = None) -> str | None:
+        """Mark DONE after the sender's last frame, keeping what it carried (`meta`); an
+        error message if that is not right."""
         with req.cond:
             if not req.live:
                 return f"request {req.request_id!r} is not live ({req.status.value})"
@@ -120,7 +130,9 @@ class ReservationTable:
                     f"request {req.request_id!r}: sender sent {num_frames} frames, "
                     f"{req.num_frames} arrived"
                 )
-            req.status = TransferStatus.DONE
+            if not isinstance(meta, dict | None):
+                return f"request {req.request_id!r}: meta must be a map, got {meta!r:.80}"
+            req.status, req.meta = TransferStatus.DONE, meta or {}
         with self._lock:
             self._finished.append((req.request_id, TransferStatus.DONE, None))
         return None

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 
 from pdserve.transfer import wire
@@ -75,6 +76,7 @@ class Job:
     runs: list[Run]
     last: bool
     abort_request_id: str | None = None
+    meta: dict[str, Any] | None = None  # with the last job
 
 
 class SocketKVSender(KVSender):
@@ -129,7 +131,12 @@ class SocketKVSender(KVSender):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         last: bool,
+        meta: dict[str, Any] | None = None,
     ) -> None:
+        if meta is not None and not (last and isinstance(meta, dict)):
+            raise ValueError(f"meta must be a dict on the last send, got {meta!r:.80}")
+        if meta and len(msgpack.packb(meta)) > wire.MAX_HEADER_BYTES // 2:
+            raise ValueError(f"meta of {len(msgpack.packb(meta))} bytes: it must fit a header")
         info = check_send(
             self.layout, self.backend, peer, request_id, layers, src_block_ids, dst_block_ids
         )
@@ -153,7 +160,7 @@ class SocketKVSender(KVSender):
             worker = self._peers.get(info.key)
             if worker is None:
                 worker = self._peers[info.key] = _PeerWorker(self, info)
-        worker.queue.put(Job(state, list(layers), runs, last))
+        worker.queue.put(Job(state, list(layers), runs, last, meta=meta))
 
     def status(self, request_id: str) -> TransferStatus:
         with self._lock:
@@ -332,7 +339,7 @@ class _PeerWorker:
                     self.sender.job_started(state, self.conn)
                     self.writer.write(state.request_id, job.layers, job.runs)
                     if job.last and not self.sender.stopped(state.request_id):
-                        self.writer.finish(state.request_id, state.num_frames)
+                        self.writer.finish(state.request_id, state.num_frames, job.meta)
             except (TransferError, OSError) as e:
                 self.sender.fail(state, str(e) or type(e).__name__)
             except Exception as e:

@@ -46,7 +46,7 @@ HELLO = "hello"  # {layout}
 DATA = "data"  # {request_id, layer, dst_start, num_blocks, nbytes, crc32?, written?}
 LEASE = "lease"  # {request_id, writes: [[layer, dst_start, num_blocks], ...]}  (shm)
 LEASE_END = "lease_end"  # {request_id}  (shm: the sender stopped writing)
-DONE = "done"  # {request_id, num_frames}
+DONE = "done"  # {request_id, num_frames, meta?}
 ABORT = "abort"  # {request_id}
 # Receiver -> sender.
 HELLO_OK = "hello_ok"  # {} or {error}

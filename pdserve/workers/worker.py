@@ -186,13 +186,8 @@ class Worker:
             return
         if isinstance(msg, m.StartDecode):
             try:
-                e.start_decode(
-                    msg.request_id, msg.first_token_id, msg.num_dropped_tokens,
-                    msg.kept_block_scores,
-                )  # fmt: skip
-            # KeyError: reservation already aborted, failed or timed out; ValueError: the
-            # prefill's drop does not match it (the reservation is freed).
-            except (KeyError, ValueError) as exc:
+                e.start_decode(msg.request_id, msg.first_token_id)
+            except KeyError as exc:  # the reservation was aborted, failed or timed out
                 self.send(m.Failed(wid, msg.request_id, str(exc)))
             return
         try:
@@ -247,7 +242,7 @@ class Worker:
                 wid, out.request_id, out.new_token_ids, finished,
                 out.finish_reason.value if finished else None,
                 out.num_prompt_tokens, out.num_cached_tokens,
-                out.num_dropped_tokens, out.kept_block_scores, out.num_pinned_tokens,
+                num_pinned_tokens=out.num_pinned_tokens,
             ))  # fmt: skip
 
     def _send_kv_events(self) -> None:

@@ -50,9 +50,9 @@ class Pair:
         self.sent_dst: dict[str, set[int]] = {}  # request id -> destination blocks sent
         send = self.tx.send
 
-        def record(peer, request_id, layers, src_block_ids, dst_block_ids, last):
+        def record(peer, request_id, layers, src_block_ids, dst_block_ids, last, meta=None):
             self.sent_dst.setdefault(request_id, set()).update(dst_block_ids)
-            send(peer, request_id, layers, src_block_ids, dst_block_ids, last)
+            send(peer, request_id, layers, src_block_ids, dst_block_ids, last, meta)
 
         self.tx.send = record
 
@@ -81,10 +81,7 @@ class Pair:
                 for o in self.p.step():
                     out[o.request_id] += o.new_token_ids
                     if o.finish_reason is FinishReason.HANDOFF:
-                        self.d.start_decode(
-                            o.request_id, o.new_token_ids[0],
-                            o.num_dropped_tokens, o.kept_block_scores,
-                        )  # fmt: skip
+                        self.d.start_decode(o.request_id, o.new_token_ids[0])
                     else:
                         self.d.abort_request(o.request_id)
                         pending.discard(o.request_id)

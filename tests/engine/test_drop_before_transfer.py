@@ -97,9 +97,9 @@ def test_chunked_prefill_sends_sink_recent_and_best_blocks_in_order(tiny_model_d
         ranked[request.request_id] = (list(request.block_ids), scores)
         return scores
 
-    def record_src(peer, request_id, layers, src, dst, last):
+    def record_src(peer, request_id, layers, src, dst, last, meta=None):
         sent_src.setdefault(request_id, []).extend(src)
-        send(peer, request_id, layers, src, dst, last)
+        send(peer, request_id, layers, src, dst, last, meta)
 
     pair.p.role.scores_of, pair.tx.send = record_scores, record_src
     try:
@@ -186,9 +186,7 @@ def test_abort_at_any_stage_frees_both_sides(tiny_model_dir, backend, stage):
                 outs += pair.p.step()
             assert pair.sent_dst["a"] == set(r.block_ids)
             if stage == "first_token":
-                o = outs[-1]
-                pair.d.start_decode("a", o.new_token_ids[0], o.num_dropped_tokens,
-                                    o.kept_block_scores)  # fmt: skip
+                pair.d.start_decode("a", outs[-1].new_token_ids[0])
         pair.p.abort_request("a")
         pair.d.abort_request("a")
         assert pair.d.kv.num_free_blocks == free_d
@@ -200,19 +198,29 @@ def test_abort_at_any_stage_frees_both_sides(tiny_model_dir, backend, stage):
         pair.close()
 
 
-def test_a_reply_that_does_not_match_the_reservation_fails_it(tiny_model_dir):
+def test_a_transfer_that_does_not_match_the_reservation_fails_it(tiny_model_dir):
+    """The drop arrives with the KV (the last send's meta); one the reservation did not
+    make fails the request and frees its blocks."""
     pair = Pair(tiny_model_dir, "tcp", "full", d_cache=BUDGET)
     prompt = budget_prompts()[0]
+
+    def land(request_id: str, meta: dict | None) -> list[tuple[str, str]]:
+        r = pair.reservations[request_id] = pair.d.reserve(request_id, prompt, GREEDY)
+        src = list(range(len(r.block_ids)))
+        pair.tx.send(pair.rx.address(), request_id, [0, 1], src, r.block_ids, True, meta)
+        deadline = time.monotonic() + 10
+        while not (failed := pair.d.poll_transfers()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return failed
+
     try:
         free_d = pair.d.kv.num_free_blocks
-        r = pair.d.reserve("a", prompt, GREEDY)
-        with pytest.raises(ValueError, match="dropped 0 prompt tokens"):
-            pair.d.start_decode("a", 5)  # a prefill that sent the whole prompt
+        [(_, error)] = land("a", None)  # a prefill that sent the whole prompt
+        assert "dropped 0 prompt tokens" in error
         assert pair.d.kv.num_free_blocks == free_d
-        r = pair.d.reserve("b", prompt, GREEDY)
-        dropped = r.drop.num_dropped_tokens(len(prompt), BLOCK_SIZE)
-        with pytest.raises(ValueError, match="kept-block scores"):
-            pair.d.start_decode("b", 5, dropped, [1.0])
+        dropped = pair.reservations["a"].drop.num_dropped_tokens(len(prompt), BLOCK_SIZE)
+        [(_, error)] = land("b", {"num_dropped_tokens": dropped, "kept_block_scores": [1.0]})
+        assert "kept-block scores" in error
         assert pair.d.kv.num_free_blocks == free_d
     finally:
         pair.close()

@@ -5,6 +5,8 @@ excepted), with fake transfer ends."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from pdserve.config import SchedulerConfig
@@ -26,6 +28,17 @@ class FakeReceiver:
         self.expected: dict[str, list[int]] = {}
         self.released: list[str] = []
         self.finished: list[tuple[str, TransferStatus, str | None]] = []
+        self.metas: dict[str, dict] = {}
+
+    def land(self, request_id: str, num_dropped_tokens: int = 0, scores=None) -> None:
+        """The transfer is DONE; its last send carried what the prefill dropped."""
+        self.finished.append((request_id, TransferStatus.DONE, None))
+        if num_dropped_tokens or scores is not None:
+            meta = {"num_dropped_tokens": num_dropped_tokens, "kept_block_scores": scores}
+            self.metas[request_id] = meta
+
+    def meta(self, request_id: str) -> dict:
+        return self.metas.get(request_id, {})
 
     def expect(self, request_id: str, block_ids: list[int]) -> None:
         if request_id in self.expected:
@@ -43,9 +56,12 @@ class FakeReceiver:
 class FakeSender:
     def __init__(self) -> None:
         self.sends: list[tuple[list[int], list[int], list[int], bool]] = []
+        self.metas: dict[str, dict] = {}
 
-    def send(self, peer, request_id, layers, src_block_ids, dst_block_ids, last) -> None:
+    def send(self, peer, request_id, layers, src_block_ids, dst_block_ids, last, meta=None):
         self.sends.append((list(layers), list(src_block_ids), list(dst_block_ids), last))
+        if meta is not None:
+            self.metas[request_id] = meta
 
 
 def request(tokens: list[int], request_id: str = "r") -> Request:
@@ -285,8 +301,8 @@ def test_landed_dropped_prompt_starts_after_its_kept_tokens_and_indexes_nothing(
         install=lambda req, scores: installed.update({req.request_id: scores})
     )
     r = handoff.reserve(request(list(range(30))), DROP)
-    rx.finished.append(("r", TransferStatus.DONE, None))
-    handoff.start("r", 5, 12, [1.0, 7.0, 0.5, 0.5, 0.5])
+    rx.land("r", 12, [1.0, 7.0, 0.5, 0.5, 0.5])
+    handoff.start("r", 5)
     assert handoff.poll() == []
     running = handoff.scheduler.requests["r"]
     assert running.block_ids == r.block_ids and running.num_computed_tokens == 30
@@ -305,23 +321,25 @@ def test_landed_dropped_prompt_starts_after_its_kept_tokens_and_indexes_nothing(
     [(0, None, "dropped 0"), (16, [1.0] * 5, "dropped 16"), (12, [1.0] * 4, "5 kept-block"),
      (12, [1.0] * 4 + [float("nan")], "finite"), (12, None, "5 kept-block")],
 )  # fmt: skip
-def test_a_start_that_does_not_match_the_drop_frees_the_reservation(dropped, scores, match):
+def test_a_transfer_that_does_not_match_the_drop_frees_the_reservation(dropped, scores, match):
     handoff, rx, kv = decode_side()
     free = kv.num_free_blocks
     handoff.reserve(request(list(range(30))), DROP)
-    with pytest.raises(ValueError, match=match):
-        handoff.start("r", 5, dropped, scores)
+    handoff.start("r", 5)
+    rx.land("r", dropped, scores)
+    [(request_id, error)] = handoff.poll()
+    assert request_id == "r" and re.search(match, error)
     assert kv.num_free_blocks == free and rx.released == ["r"] and not handoff.awaiting
 
 
 def test_a_drop_where_none_was_reserved_is_refused() -> None:
     handoff, rx, kv = decode_side()
     handoff.reserve(request(list(range(30))))
-    with pytest.raises(ValueError, match="expects 0"):
-        handoff.start("r", 5, 12, [1.0] * 8)
+    rx.land("r", 12, [1.0] * 8)
     handoff.reserve(request(list(range(30)), "s"))
-    with pytest.raises(ValueError, match="prompt sent whole"):
-        handoff.start("s", 5, 0, [1.0] * 8)
+    rx.land("s", 0, [1.0] * 8)
+    [(_, expects_0), (_, sent_whole)] = handoff.poll()
+    assert "expects 0" in expects_0 and "prompt sent whole" in sent_whole
 
 
 @pytest.mark.parametrize("stage", ["before_prefill", "after_first_token"])
@@ -331,7 +349,7 @@ def test_dropped_reservation_deadline_frees_everything(stage: str) -> None:
     free = kv.num_free_blocks
     handoff.reserve(request(list(range(30))), DROP)
     if stage == "after_first_token":
-        handoff.start("r", 5, 12, [1.0] * 5)
+        handoff.start("r", 5)
     now[0] = 31.0
     [(request_id, _)] = handoff.poll()
     assert request_id == "r" and kv.num_free_blocks == free
@@ -350,7 +368,9 @@ def test_prefill_sends_only_the_kept_blocks_once_after_the_last_chunk(mode: str)
     run_chunks(handoff, r, 6)
     #            sink   best   recent recent last
     assert tx.sends == [([0, 1], [100, 102, 105, 106, 107], [0, 1, 2, 3, 4], True)]
-    assert handoff.dropped(r) == (12, [0.0, 7.0, 0.5, 0.5, 0.5])
+    assert tx.metas == {
+        "r": {"num_dropped_tokens": 12, "kept_block_scores": [0.0, 7.0, 0.5, 0.5, 0.5]}
+    }
 
 
 @pytest.mark.parametrize(

@@ -70,9 +70,9 @@ class FaultyWriter(BlockWriter):
             raise TransferError(f"injected fault: transfer failed after layer {int(fault.value)}")
         self.inner.write(request_id, layers, runs)
 
-    def finish(self, request_id: str, num_frames: int) -> None:
+    def finish(self, request_id: str, num_frames: int, meta: dict | None) -> None:
         if self.faults.get(request_id, NO_FAULT).kind != "drop_done":
-            self.inner.finish(request_id, num_frames)
+            self.inner.finish(request_id, num_frames, meta)
 
 
 def faulty_writers(fault_file: str):

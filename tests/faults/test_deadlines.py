@@ -30,6 +30,9 @@ class FakeReceiver:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
+    def meta(self, request_id: str) -> dict:
+        return {}
+
 
 class FakeSender:
     """Never hears an ack; `abort` ends the request FAILED at the next poll."""

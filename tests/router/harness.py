@@ -191,11 +191,6 @@ class FakeWorker:
             return
         first = self.cluster.script[0]
         reason = "stop" if first == EOS else None
-        if m.num_keep_blocks is not None:  # dropped before the transfer: tell D what went
-            self.send(messages.Tokens(self.worker_id, m.request_id, [first], True, reason, 5, 0,
-                                      16, [1.5] * m.num_keep_blocks))  # fmt: skip
-            self._tasks.pop(m.request_id, None)
-            return
         self._tokens(m.request_id, [first], True, reason)
         self._tasks.pop(m.request_id, None)
 

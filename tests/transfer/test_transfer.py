@@ -23,6 +23,26 @@ def test_full_transfer_one_send(pair: Pair) -> None:
     assert pair.rx.status("r") == TransferStatus.DONE
 
 
+def test_the_last_send_carries_meta_to_the_receiver(pair: Pair) -> None:
+    meta = {"num_dropped_tokens": 16, "kept_block_scores": [0.5, 1.25, 3.0]}
+    with pytest.raises(ValueError, match="meta must be a dict on the last send"):
+        pair.tx.send(pair.peer, "r", [0], SRC, DST, last=False, meta=meta)
+    with pytest.raises(ValueError, match="it must fit a header"):
+        pair.tx.send(pair.peer, "r", [0], SRC, DST, last=True, meta={"x": [0.5] * 10_000})
+    pair.rx.expect("r", DST)
+    pair.rx.expect("plain", [0])
+    with pytest.raises(KeyError):
+        pair.rx.meta("r")  # not DONE yet
+    pair.tx.send(pair.peer, "r", ALL_LAYERS, SRC, DST, last=True, meta=meta)
+    pair.tx.send(pair.peer, "plain", [0], [1], [0], last=True)
+    done = wait_finished(pair.rx, ["r", "plain"])
+    assert_status(done, "r", TransferStatus.DONE)
+    assert pair.rx.meta("r") == meta and pair.rx.meta("plain") == {}
+    pair.rx.release("r")
+    with pytest.raises(KeyError):
+        pair.rx.meta("r")
+
+
 def test_layerwise_many_sends(pair: Pair) -> None:
     pair.rx.expect("r", DST)
     for layer in ALL_LAYERS:

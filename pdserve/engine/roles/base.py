@@ -9,7 +9,6 @@ Contract, per engine step (engine.py)::
     runner.execute(out, hook)
     role.after_step()       after the model ran: sends that need every layer (or scores)
     role.on_finished(r)     for each request the scheduler finished this step or aborted
-    role.dropped(r)         what a first token carries for a prompt dropped before transfer
 
 and between steps `poll()` (transfers that completed or failed, deadlines), `abort(id)`.
 
@@ -58,10 +57,6 @@ class Role:
         """The scheduler finished `request` (any reason). A prefill-only request's blocks
         are still held and are this role's to free."""
 
-    def dropped(self, request: Request) -> tuple[int, list[float] | None]:
-        """Prompt tokens dropped before the transfer and the kept blocks' scores."""
-        return 0, None
-
     def poll(self) -> list[tuple[str, str]]:
         """Advance transfers and deadlines; (request id, error) of each failed request."""
         return []
@@ -86,12 +81,6 @@ class Role:
     def reserve(self, request: Request, drop: PromptDrop | None) -> KVReservation | None:
         raise ValueError(f"a {self.name} worker does not take Reserve (a decode worker does)")
 
-    def start(
-        self,
-        request_id: str,
-        first_token_id: int,
-        num_dropped_tokens: int = 0,
-        kept_block_scores: list[float] | None = None,
-    ) -> None:
+    def start(self, request_id: str, first_token_id: int) -> None:
         """KeyError, as for a reservation that is gone."""
         raise KeyError(f"no reservation for request {request_id!r}: this is a {self.name} worker")

@@ -13,8 +13,8 @@ One request::
          bytes in flight remain).
 
 A prompt over the request's KV budget is dropped before the transfer (PromptDrop): only the
-blocks it keeps are reserved, without the prefix cache, and the first token comes with the
-kept blocks' scores, from which this worker's own dropping continues.
+blocks it keeps are reserved, without the prefix cache, and the transfer's completion
+brings the kept blocks' scores, from which this worker's own dropping continues.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class _Awaiting:
     num_dropped_tokens: int = 0  # before the transfer, as reserved
     landed: bool = False
     first_token_id: int | None = None
-    kept_block_scores: list[float] | None = None  # a dropped prompt's, from the prefill worker
+    kept_block_scores: list[float] | None = None  # a dropped prompt's, with the KV
 
 
 class DecodeRole(Role):
@@ -139,26 +139,11 @@ class DecodeRole(Role):
         log.debug("decode %s: -> waiting_for_kv (%d cached blocks)", request_id, len(hits))
         return KVReservation(list(request.block_ids), len(hits), drop)
 
-    def start(
-        self,
-        request_id: str,
-        first_token_id: int,
-        num_dropped_tokens: int = 0,
-        kept_block_scores: list[float] | None = None,
-    ) -> None:
-        """The first token is known (and, for a prompt dropped before the transfer, how
-        many tokens went and the kept blocks' scores). A reply that does not match the
-        reservation fails the request (ValueError) and frees its blocks."""
+    def start(self, request_id: str, first_token_id: int) -> None:
+        """The first token is known: run once the KV has landed too."""
         waiting = self.awaiting.get(request_id)
         if waiting is None:
             raise KeyError(f"no reservation for request {request_id!r}")
-        try:
-            _check_drop(waiting, num_dropped_tokens, kept_block_scores)
-        except ValueError:
-            self._drop(request_id)
-            raise
-        if kept_block_scores is not None:
-            waiting.kept_block_scores = [float(x) for x in kept_block_scores]
         waiting.first_token_id = first_token_id
         waiting.deadline = self.clock() + self.land_timeout_s
         waiting.deadline_error = (
@@ -168,7 +153,9 @@ class DecodeRole(Role):
 
     def poll(self) -> list[tuple[str, str]]:
         """Activate requests whose KV landed; returns (request id, error) of failed ones
-        (transfer errors and reservations past their deadline)."""
+        (transfer errors, reservations past their deadline, and a prompt dropped before the
+        transfer otherwise than reserved: the transfer's `meta` says what the prefill
+        dropped and the kept blocks' scores)."""
         failed = []
         now = self.clock()
         for request_id, waiting in list(self.awaiting.items()):
@@ -182,6 +169,14 @@ class DecodeRole(Role):
             if waiting is None:
                 continue
             if status is TransferStatus.DONE:
+                try:
+                    waiting.kept_block_scores = _kept_block_scores(
+                        waiting, self.receiver.meta(request_id)
+                    )
+                except ValueError as exc:
+                    self._drop(request_id)
+                    failed.append((request_id, str(exc)))
+                    continue
                 waiting.landed = True
                 self._activate_if_ready(waiting)
             else:
@@ -230,25 +225,27 @@ class DecodeRole(Role):
         self.kv.free(request)
 
 
-def _check_drop(
-    waiting: _Awaiting, num_dropped_tokens: int, kept_block_scores: list[float] | None
-) -> None:
+def _kept_block_scores(waiting: _Awaiting, meta: dict) -> list[float] | None:
+    """A dropped prompt's kept blocks' scores from the transfer's `meta`, checked against
+    the reservation (ValueError when it does not match)."""
     request, expected = waiting.request, waiting.num_dropped_tokens
-    if num_dropped_tokens != expected:
+    num_dropped, scores = meta.get("num_dropped_tokens", 0), meta.get("kept_block_scores")
+    if num_dropped != expected:
         raise ValueError(
-            f"request {request.request_id!r}: the prefill dropped {num_dropped_tokens!r} "
+            f"request {request.request_id!r}: the prefill dropped {num_dropped!r} "
             f"prompt tokens, the reservation expects {expected}"
         )
     if not expected:
-        if kept_block_scores is not None:
+        if scores is not None:
             raise ValueError(
                 f"request {request.request_id!r}: kept-block scores for a prompt sent whole"
             )
-        return
-    if not isinstance(kept_block_scores, list) or len(kept_block_scores) != len(request.block_ids):
+        return None
+    if not isinstance(scores, list) or len(scores) != len(request.block_ids):
         raise ValueError(
             f"request {request.request_id!r}: expected {len(request.block_ids)} kept-block "
-            f"scores, got {kept_block_scores!r:.80}"
+            f"scores, got {scores!r:.80}"
         )
-    if not all(isinstance(x, int | float) and math.isfinite(x) for x in kept_block_scores):
+    if not all(isinstance(x, int | float) and math.isfinite(x) for x in scores):
         raise ValueError(f"request {request.request_id!r}: kept-block scores must be finite")
+    return [float(x) for x in scores]

@@ -12,7 +12,8 @@ One request::
 A prompt over the decode worker's KV budget (`KVDestination.drop`, chosen by the decode
 worker) is scored by the model runner and, after its last chunk, only the kept blocks are
 sent, in order, in one send (layer-wise sending cannot know the victims before every layer
-has run); its first token carries the number of dropped tokens and the kept blocks' scores.
+has run), which carries the number of dropped tokens and the kept blocks' scores to the
+decode worker (the transfer's `meta`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ class _Handoff:
     # Full blocks already sent or never to be sent (the decode side's cached prefix first).
     # Only ever grows.
     num_sent_full_blocks: int
-    kept_block_scores: list[float] | None = None  # a dropped prompt's, once chosen
     send_deadline: float | None = None  # SENDING_KV: abort the send after this
     error: str | None = None  # aborted for its deadline: the error to report
 
@@ -202,33 +202,28 @@ class PrefillRole(Role):
             if h.dest.drop is not None:
                 scores = self.scores_of(h.request)
                 kept = h.dest.drop.kept(scores)
-                h.kept_block_scores = [float(scores[i]) for i in kept]
+                num_prompt_tokens, bs = h.request.num_prompt_tokens, self.kv.block_size
+                meta = {
+                    "num_dropped_tokens": h.dest.drop.num_dropped_tokens(num_prompt_tokens, bs),
+                    "kept_block_scores": [float(scores[i]) for i in kept],
+                }
                 src = [h.request.block_ids[i] for i in kept]
-                self._send(_Send(h, src, h.dest.block_ids, True), all_layers, True)
+                self._send(_Send(h, src, h.dest.block_ids, True), all_layers, True, meta)
             elif s.last and self.mode == "full":
                 skip, num_blocks = h.dest.num_cached_blocks, len(h.dest.block_ids)
                 src = h.request.block_ids[skip:num_blocks]
                 self._send(_Send(h, src, h.dest.block_ids[skip:], True), all_layers, True)
         self._sends = []
 
-    def dropped(self, request: Request) -> tuple[int, list[float] | None]:
-        """What the decode worker needs with the first token: the number of prompt tokens
-        dropped before the transfer and the kept blocks' scores (0 and None: no drop)."""
-        handoff = self.handoffs.get(request.request_id)
-        if handoff is None or handoff.dest.drop is None:
-            return 0, None
-        num_dropped = handoff.dest.drop.num_dropped_tokens(
-            request.num_prompt_tokens, self.kv.block_size
-        )
-        return num_dropped, handoff.kept_block_scores
-
-    def _send(self, s: _Send, layers: list[int], last: bool) -> None:
+    def _send(
+        self, s: _Send, layers: list[int], last: bool, meta: dict[str, Any] | None = None
+    ) -> None:
         request_id = s.handoff.request.request_id
         if request_id not in self.handoffs:
             return  # aborted: the sender already stopped it
         if self.convert is not None:
             self.convert(layers, s.src)
-        self.sender.send(s.handoff.dest.peer, request_id, layers, s.src, s.dst, last)
+        self.sender.send(s.handoff.dest.peer, request_id, layers, s.src, s.dst, last, meta)
 
     def on_finished(self, request: Request) -> None:
         """A prefill-only request keeps its blocks until its KV is sent."""
