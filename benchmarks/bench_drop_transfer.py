@@ -4,7 +4,7 @@ A prefill engine and a decode engine (same process, real SmolLM2 weights, tcp be
 optionally capped) prefill one prompt of N tokens and hand its KV over, once per KV budget
 (per request; "none" is the ordinary path, in each transfer mode). A prompt over its budget
 is reserved and sent as only the blocks the decode worker keeps, in one send after the last
-layer (engine/kv_handoff.py). Measured per run:
+layer (engine/roles/prefill.py). Measured per run:
 
 - blocks and bytes the sender moved for the request;
 - transfer time: from the end of the prefill (its last layer of the last chunk) to the

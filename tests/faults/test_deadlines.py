@@ -57,7 +57,7 @@ def request(request_id: str = "r") -> Request:
     return Request(request_id, list(range(40)), SamplingParams(max_tokens=4))
 
 
-def decode_handoff(now: list[float]) -> tuple[DecodeRole, FakeReceiver, KVCacheManager]:
+def decode_role(now: list[float]) -> tuple[DecodeRole, FakeReceiver, KVCacheManager]:
     kv = KVCacheManager(NUM_BLOCKS, 16, model_id="m")
     rx = FakeReceiver()
     scheduler = Scheduler(SchedulerConfig(), kv, 256)
@@ -67,7 +67,7 @@ def decode_handoff(now: list[float]) -> tuple[DecodeRole, FakeReceiver, KVCacheM
 
 def test_reservation_no_prefill_ever_fills_is_released() -> None:
     now = [0.0]
-    handoff, rx, kv = decode_handoff(now)
+    handoff, rx, kv = decode_role(now)
     assert handoff.reserve(request()) is not None and kv.num_free_blocks == NUM_BLOCKS - 3
     now[0] = 29.9
     assert handoff.poll() == []
@@ -79,7 +79,7 @@ def test_reservation_no_prefill_ever_fills_is_released() -> None:
 
 def test_kv_not_landing_after_the_first_token_fails_sooner() -> None:
     now = [0.0]
-    handoff, rx, kv = decode_handoff(now)
+    handoff, rx, kv = decode_role(now)
     handoff.reserve(request())
     now[0] = 1.0
     handoff.start("r", 7)
@@ -93,7 +93,7 @@ def test_kv_not_landing_after_the_first_token_fails_sooner() -> None:
 
 def test_kv_landing_in_time_is_never_failed() -> None:
     now = [0.0]
-    handoff, rx, kv = decode_handoff(now)
+    handoff, rx, kv = decode_role(now)
     handoff.reserve(request())
     handoff.start("r", 7)
     rx.finished.append(("r", TransferStatus.DONE, None))
