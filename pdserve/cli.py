@@ -11,6 +11,8 @@ from pdserve.cluster.up import add_up_parser
 from pdserve.cluster.warmup import add_warmup_parser
 from pdserve.config import CPU_KERNELS
 from pdserve.model.registry import DEFAULT_MODEL
+from pdserve.perf.cli import add_profile_parser
+from pdserve.sim.cli import add_plan_parser, add_simulate_parser
 
 EXIT_BAD_INPUT = 2
 
@@ -161,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_up_parser(sub)
     add_warmup_parser(sub)
     add_bench_parser(sub)
+    add_profile_parser(sub)
+    add_simulate_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,202 @@
+"""Step time as a function of what a step computes: one model for the simulator, the planner
+and (online) the adaptive planner. Torch-free; numpy for the small least-squares solves.
+
+A step runs `P` prefill tokens (rows of `n_i` new tokens after `p_i` already cached) and `D`
+one-token decodes (rows attending `c_j` context tokens). Its time is a roofline:
+
+    step_s = c_step                                     fixed cost (launch, sampling, weights
+                                                        read once when memory-bound)
+           + c_prefill * P + c_decode * D              per-token work below the knee
+           + c_knee * max(0, P + D - knee_tokens)        compute-bound past the ridge point
+           + c_pairs * sum_i n_i * (p_i + (n_i + 1)/2)   prefill attention (query-key pairs)
+           + c_context * sum_j c_j                       decode attention (KV read)
+
+With `knee_tokens` fixed the model is linear in its coefficients, so fitting is least squares
+(refreshed as samples arrive), and an analytic GPU roofline is the same model with computed
+coefficients: memory-bound below the ridge (`c_step` holds the weight read), compute-bound
+above it (`c_knee` is the FLOP time per token).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FEATURES = ("step", "prefill_tokens", "decode_requests", "tokens_over_knee", "pairs", "context")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes, in the units the model is linear in."""
+
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    prefill_attention_pairs: float = 0.0  # sum over prefill rows of n * (p + (n + 1) / 2)
+    decode_context_tokens: int = 0  # sum over decode rows of the tokens they attend
+
+    @property
+    def is_empty(self) -> bool:
+        return self.prefill_tokens == 0 and self.decode_requests == 0
+
+    @classmethod
+    def of(cls, scheduled: Iterable[tuple[object, int]]) -> StepShape:
+        """The shape of a scheduler step: `(request, num_new_tokens)` pairs, each request with
+        `num_computed_tokens` (its KV before this step) and `num_dropped_tokens`."""
+        prefill = decode = context = 0
+        pairs = 0.0
+        for request, num_new in scheduled:
+            prior = request.num_computed_tokens - request.num_dropped_tokens
+            if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
+                decode += 1
+                context += prior + 1
+            else:
+                prefill += num_new
+                pairs += num_new * (prior + (num_new + 1) / 2)
+        return cls(prefill, decode, pairs, context)
+
+
+@dataclass
+class StepCostModel:
+    """Coefficients (seconds per unit of each of `FEATURES`) for one worker configuration
+    (a thread count on CPU, a tensor-parallel degree on GPU). Invariant: all >= 0."""
+
+    coefficients: list[float]
+    knee_tokens: float = math.inf
+    # Online refits pull towards these (the profile's fit) with this many samples' weight.
+    prior: list[float] | None = None
+    prior_weight: float = 20.0
+    _xtx: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
+    _xty: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
+    num_samples: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) != len(FEATURES):
+            raise ValueError(
+                f"coefficients: expected {len(FEATURES)} ({', '.join(FEATURES)}), "
+                f"got {len(self.coefficients)}"
+            )
+        if any(not c >= 0 for c in self.coefficients):
+            raise ValueError(f"coefficients must be >= 0, got {self.coefficients}")
+        if not self.knee_tokens > 0:
+            raise ValueError(f"knee_tokens must be > 0, got {self.knee_tokens}")
+        self.coefficients = [float(c) for c in self.coefficients]
+        n = len(FEATURES)
+        self._xtx = np.zeros((n, n))
+        self._xty = np.zeros(n)
+
+    def features(self, shape: StepShape) -> list[float]:
+        tokens = shape.prefill_tokens + shape.decode_requests
+        over = max(0.0, tokens - self.knee_tokens) if math.isfinite(self.knee_tokens) else 0.0
+        return [
+            1.0,
+            float(shape.prefill_tokens),
+            float(shape.decode_requests),
+            over,
+            float(shape.prefill_attention_pairs),
+            float(shape.decode_context_tokens),
+        ]
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds for a step of this shape (0 for an empty step)."""
+        if shape.is_empty:
+            return 0.0
+        return sum(c * x for c, x in zip(self.coefficients, self.features(shape), strict=True))
+
+    def observe(self, shape: StepShape, step_s: float, weight: float = 1.0) -> None:
+        """Add one measured step; `refit()` turns the samples into coefficients."""
+        x = np.asarray(self.features(shape))
+        self._xtx += weight * np.outer(x, x)
+        self._xty += weight * step_s * x
+        self.num_samples += 1
+
+    def decay(self, factor: float) -> None:
+        """Shrink the weight of past samples (an online fit that follows a drifting machine)."""
+        self._xtx *= factor
+        self._xty *= factor
+
+    def refit(self) -> None:
+        """Least squares over the samples so far, ridge-pulled towards `prior` (feature by
+        feature, scaled by that feature's size in the samples), with coefficients held >= 0:
+        a negative one is pinned to 0 and the rest solved again (an active set)."""
+        if self.num_samples == 0:
+            return
+        n = len(FEATURES)
+        scale = np.sqrt(np.maximum(np.diag(self._xtx), 1e-30) / max(self.num_samples, 1))
+        prior = np.asarray(self.prior if self.prior is not None else np.zeros(n))
+        ridge = (self.prior_weight if self.prior is not None else 1e-6) * scale**2
+        free = [i for i in range(n) if self._xtx[i, i] > 0 or prior[i] > 0]
+        solution = np.zeros(n)
+        while free:
+            idx = np.asarray(free)
+            a = self._xtx[np.ix_(idx, idx)] + np.diag(ridge[idx])
+            b = self._xty[idx] + ridge[idx] * prior[idx]
+            sol = np.linalg.lstsq(a, b, rcond=None)[0]
+            negative = [int(i) for i, v in zip(idx, sol, strict=True) if v < 0]
+            if not negative:
+                solution[idx] = sol
+                break
+            free = [i for i in free if i not in negative]
+        self.coefficients = [float(v) for v in solution]
+
+    def fit(self, samples: Sequence[tuple[StepShape, float]]) -> None:
+        """Observe every `(shape, step_s)` and refit."""
+        for shape, step_s in samples:
+            self.observe(shape, step_s)
+        self.refit()
+
+    def to_dict(self) -> dict[str, object]:
+        knee = self.knee_tokens if math.isfinite(self.knee_tokens) else None
+        return {"coefficients": dict(zip(FEATURES, self.coefficients, strict=True)),
+                "knee_tokens": knee}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict) -> StepCostModel:
+        coefficients = data["coefficients"]
+        missing = [f for f in FEATURES if f not in coefficients]
+        if missing:
+            raise ValueError(f"cost model lacks coefficients {missing}")
+        values = [float(coefficients[f]) for f in FEATURES]
+        knee = data.get("knee_tokens")
+        return cls(values, math.inf if knee is None else float(knee), prior=list(values))
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """Time to move `num_bytes` of KV between two workers: latency + bytes / bandwidth."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}")
+        if self.latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+
+def fit_cost_model(
+    samples: Sequence[tuple[StepShape, float]], knee_candidates: Iterable[float] = ()
+) -> StepCostModel:
+    """The best model over the knee candidates (and no knee), judged by relative error: each
+    sample weighs 1/step_s^2, so a 20 ms decode step counts as much as a 2 s prefill."""
+    if not samples:
+        raise ValueError("cannot fit a cost model to no samples")
+    best: tuple[float, StepCostModel] | None = None
+    for knee in [math.inf, *knee_candidates]:
+        model = StepCostModel([0.0] * len(FEATURES), knee)
+        for shape, step_s in samples:
+            model.observe(shape, step_s, weight=1.0 / max(step_s, 1e-9) ** 2)
+        model.refit()
+        error = sum((model.predict(s) / t - 1) ** 2 for s, t in samples)
+        if best is None or error < best[0]:
+            best = (error, model)
+    assert best is not None
+    fitted = best[1]
+    fitted.prior = list(fitted.coefficients)
+    return fitted

@@ -1,0 +1,176 @@
+"""Hardware profiles: a cost model per worker size for one model on one kind of machine,
+measured (`pdserve profile`) or analytic (perf/analytic.py), stored as versioned JSON.
+
+A worker's *size* is the devices it spans: threads on a CPU (one per core), the
+tensor-parallel degree on GPUs. The profile says which (`size_unit`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pdserve.perf.cost_model import StepCostModel, TransferModel
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the performance model needs of a model: its shape and the bytes of its weights
+    and KV as the engine stores them."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    weight_bytes_per_param: float = 2.0
+    kv_bytes_per_element: float = 2.0
+    num_mlp_matrices: int = 3  # gated MLP (Llama); 2 for OPT/GPT
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
+                     "num_kv_heads", "head_dim", "vocab_size"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model {self.name!r}: {name} must be a positive integer")
+
+    @property
+    def num_params(self) -> int:
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h
+        mlp = self.num_mlp_matrices * h * self.intermediate_size
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attention + mlp) + embeddings
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.weight_bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+
+@dataclass
+class HardwareProfile:
+    """`models[size]`: the step-cost model of a worker of that size. `transfer[backend]`:
+    KV transfer between two workers. KV capacity is `kv_cache_bytes` when measured (what the
+    engine was given), else `memory_fraction` of the workers' device memory less weights."""
+
+    kind: str  # "measured" | "analytic"
+    device: str  # "cpu: <model name>" or a GPU class (A100-80GB, H100-SXM, H200)
+    model: ModelShape
+    size_unit: str  # "threads" | "tensor_parallel"
+    models: dict[int, StepCostModel]
+    transfer: dict[str, TransferModel]
+    devices_per_node: int
+    memory_bytes_per_device: float | None = None
+    memory_fraction: float = 0.9
+    kv_cache_bytes: float | None = None
+    machine: dict[str, object] = field(default_factory=dict)
+    version: int = PROFILE_VERSION
+
+    def cost_model(self, size: int) -> StepCostModel:
+        if size not in self.models:
+            raise ValueError(
+                f"the profile has no cost model for {size} {self.size_unit} "
+                f"(it has {sorted(self.models)})"
+            )
+        return self.models[size]
+
+    def transfer_model(self, backend: str | None = None) -> TransferModel:
+        if backend is None:
+            backend = next(iter(self.transfer), None)
+        if backend not in self.transfer:
+            raise ValueError(
+                f"the profile has no transfer figures for backend {backend!r} "
+                f"(it has {sorted(self.transfer)})"
+            )
+        return self.transfer[backend]
+
+    def kv_capacity_tokens(self, size: int) -> int:
+        """KV tokens a worker of `size` devices holds; ValueError if the weights leave none."""
+        if self.kv_cache_bytes is not None:
+            return int(self.kv_cache_bytes // self.model.kv_bytes_per_token)
+        assert self.memory_bytes_per_device is not None
+        usable = size * self.memory_bytes_per_device * self.memory_fraction
+        free = usable - self.model.weight_bytes
+        if free < self.model.kv_bytes_per_token * 2048:
+            raise ValueError(
+                f"{self.model.name} ({self.model.weight_bytes / 1e9:.1f} GB of weights) leaves "
+                f"no room for KV on {size} x {self.device} "
+                f"({usable / 1e9:.1f} GB usable); use more devices per worker"
+            )
+        return int(free // self.model.kv_bytes_per_token)
+
+    def check_model(self, model_name: str | None) -> None:
+        if model_name is not None and model_name != self.model.name:
+            raise ValueError(
+                f"the profile is of model {self.model.name!r}, not {model_name!r}: "
+                "profile this model first (pdserve profile) or pick its analytic profile"
+            )
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "version": self.version,
+            "kind": self.kind,
+            "device": self.device,
+            "model": asdict(self.model),
+            "size_unit": self.size_unit,
+            "models": {str(k): m.to_dict() for k, m in self.models.items()},
+            "transfer": {k: asdict(t) for k, t in self.transfer.items()},
+            "devices_per_node": self.devices_per_node,
+            "memory_bytes_per_device": self.memory_bytes_per_device,
+            "memory_fraction": self.memory_fraction,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "machine": self.machine,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> HardwareProfile:
+        version = data.get("version")
+        if version != PROFILE_VERSION:
+            raise ValueError(f"profile version {version!r}: this pdserve reads {PROFILE_VERSION}")
+        try:
+            return cls(
+                kind=data["kind"],
+                device=data["device"],
+                model=ModelShape(**data["model"]),
+                size_unit=data["size_unit"],
+                models={int(k): StepCostModel.from_dict(m) for k, m in data["models"].items()},
+                transfer={k: TransferModel(**t) for k, t in data["transfer"].items()},
+                devices_per_node=int(data["devices_per_node"]),
+                memory_bytes_per_device=data.get("memory_bytes_per_device"),
+                memory_fraction=float(data.get("memory_fraction", 0.9)),
+                kv_cache_bytes=data.get("kv_cache_bytes"),
+                machine=dict(data.get("machine", {})),
+            )
+        except KeyError as exc:
+            raise ValueError(f"profile lacks the field {exc.args[0]!r}") from None
+        except TypeError as exc:
+            raise ValueError(f"profile has a bad field: {exc}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+
+def load_profile(path: str | Path) -> HardwareProfile:
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"profile {str(path)!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile {str(path)!r} is not JSON: {exc}") from None
+    try:
+        return HardwareProfile.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"profile {str(path)!r}: {exc}") from None

@@ -1,0 +1,183 @@
+"""`pdserve simulate` and `pdserve plan`: flags, the run, the report. Torch-free.
+
+`simulate` takes every `pdserve bench` workload flag (same sessions for the same seed) and
+prints the same summary; `plan` searches deployments for a device budget (sim/plan.py).
+Bad input ends with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from pdserve.bench.metrics import SLO, format_summary, summarize
+from pdserve.config import SchedulerConfig
+from pdserve.perf.profile import HardwareProfile, load_profile
+from pdserve.router.policies import POLICIES
+from pdserve.sim.deployment import Deployment, SimConfig
+
+# The bench plan wants a target URL; nothing is sent to it.
+SIMULATED_URL = "http://simulated:0"
+
+
+def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    sim = parser.add_argument_group("simulated deployment")
+    sim.add_argument(
+        "--profile",
+        required=True,
+        help="hardware profile JSON (pdserve profile), or analytic:DEVICE:MODEL "
+        "(e.g. analytic:H100-SXM:llama-3-8b)",
+    )
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--no-prefix-caching", action="store_true")
+    sim.add_argument("--max-num-seqs", type=int, default=64)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.add_argument("--long-prefill-token-threshold", type=int, default=512)
+    sim.add_argument("--max-model-len", type=int)
+    sim.add_argument("--kv-cache-bytes", type=float, help="per worker (default: the profile's)")
+    sim.add_argument("--routing", choices=sorted(POLICIES), default="shortest_queue")
+    sim.add_argument("--load-balancer", choices=sorted(POLICIES))
+    sim.add_argument("--transfer-backend", help="a backend the profile measured (default: first)")
+
+
+def resolve_profile(spec: str, model: str | None = None) -> HardwareProfile:
+    """A profile file, or `analytic:DEVICE:MODEL` built from datasheet figures."""
+    if spec.startswith("analytic:"):
+        from pdserve.perf.analytic import analytic_profile, model_shape
+
+        parts = spec.split(":")
+        if len(parts) != 3:
+            raise ValueError(f"--profile {spec!r}: expected analytic:DEVICE:MODEL")
+        profile = analytic_profile(model_shape(parts[2]), parts[1])
+    else:
+        profile = load_profile(spec)
+    profile.check_model(model)
+    return profile
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    scheduler = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+    )
+    return SimConfig(
+        scheduler=scheduler,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        routing=args.routing,
+        load_balancer=args.load_balancer,
+        transfer_backend=args.transfer_backend,
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_model_len=args.max_model_len,
+    )
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
+    from pdserve.bench.cli import OneLineArgumentParser, add_bench_arguments
+
+    parser = subparsers.add_parser(
+        "simulate", help="replay a bench workload on a simulated deployment, from a profile"
+    )
+    parser.error = OneLineArgumentParser.error.__get__(parser)  # type: ignore[method-assign]
+    add_bench_arguments(parser)
+    _add_sim_arguments(parser)
+    parser.add_argument("--deployment", default="collocated", help="collocated, Nc or NpMd")
+    parser.add_argument("--collocated-size", type=int, default=1, help="devices per worker")
+    parser.add_argument("--prefill-size", type=int, default=1)
+    parser.add_argument("--decode-size", type=int, default=1)
+    parser.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pdserve.bench.app import build_plan, json_safe
+    from pdserve.bench.search import find_goodput
+    from pdserve.sim.run import simulate_plan
+
+    try:
+        profile = resolve_profile(args.profile, args.model)
+        deployment = Deployment.parse(
+            args.deployment, args.collocated_size, args.prefill_size, args.decode_size
+        )
+        config = sim_config(args)
+        plan = build_plan(args, url=SIMULATED_URL)
+        started = time.perf_counter()
+        document: dict[str, object] = {"config": plan.config, "profile": args.profile}
+        if plan.search is None:
+            result = simulate_plan(plan, profile, deployment, config)
+        else:
+            results = {}
+
+            def probe(rate: float) -> float:
+                arrival = plan.run.arrival.with_rate(rate)
+                run = replace(plan, run=replace(plan.run, arrival=arrival))
+                results[rate] = simulate_plan(run, profile, deployment, config)
+                return float(results[rate].summary(plan.slo)["slo_attainment"])
+
+            search = find_goodput(
+                probe, plan.search["target"], plan.search["start_rate"],
+                int(plan.search["max_probes"]),
+            )  # fmt: skip
+            result = results[search.best_rate if search.best_rate > 0 else search.probes[-1][0]]
+            document["goodput_search"] = search.to_dict()
+        wall_s = time.perf_counter() - started
+    except ValueError as exc:
+        print(f"pdserve simulate: error: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(result.records, plan.slo, result.duration_s)
+    document["summary"] = summary
+    print(f"{'deployment':<40}{deployment.describe()} ({profile.device}, {profile.model.name})")
+    print(format_summary(json_safe(summary)))
+    if "goodput_search" in document:
+        best = document["goodput_search"]["best_rate"]
+        print(f"{'max rate with >= target attainment':<40}{best:.3g} req/s")
+    print(f"{'simulated in (s)':<40}{wall_s:.2f}")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        document["records"] = [vars(r) for r in result.records]
+        Path(args.output).write_text(json.dumps(json_safe(document), indent=1))
+    return 0
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    from pdserve.bench.cli import OneLineArgumentParser, add_bench_arguments
+
+    parser = subparsers.add_parser(
+        "plan", help="search deployments for a workload, SLOs and a device budget"
+    )
+    parser.error = OneLineArgumentParser.error.__get__(parser)  # type: ignore[method-assign]
+    add_bench_arguments(parser)
+    _add_sim_arguments(parser)
+    parser.add_argument("--num-devices", type=int, required=True, help="the device budget")
+    parser.add_argument("--top", type=int, default=5, help="layouts to print")
+    parser.add_argument("--probe-requests", type=int, default=300,
+                        help="requests per simulated probe")  # fmt: skip
+    parser.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.bench.app import build_plan
+    from pdserve.sim.plan import format_plan, search_layouts
+
+    try:
+        profile = resolve_profile(args.profile, args.model)
+        if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+            raise ValueError("plan needs --slo-ttft-ms and --slo-tpot-ms")
+        if args.rate == float("inf"):
+            raise ValueError("plan needs --rate (the traffic to serve, requests/s)")
+        args.num_requests = args.probe_requests
+        plan = build_plan(args, url=SIMULATED_URL)
+        started = time.perf_counter()
+        result = search_layouts(
+            plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target
+        )
+        wall_s = time.perf_counter() - started
+    except ValueError as exc:
+        print(f"pdserve plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(result, args.top, SLO(args.slo_ttft_ms, args.slo_tpot_ms), wall_s))
+    return 0

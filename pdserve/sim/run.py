@@ -1,0 +1,20 @@
+"""One simulated run of a `pdserve bench` plan (same sessions, arrivals, think time)."""
+
+from __future__ import annotations
+
+from pdserve.bench.app import BenchPlan
+from pdserve.bench.runner import RunResult
+from pdserve.perf.profile import HardwareProfile
+from pdserve.sim.deployment import Deployment, SimConfig
+from pdserve.sim.simulator import Simulation
+
+
+def simulate_plan(
+    plan: BenchPlan, profile: HardwareProfile, deployment: Deployment, config: SimConfig
+) -> RunResult:
+    if plan.run.max_concurrency is not None:
+        raise ValueError("the simulator does not model --max-concurrency")
+    simulation = Simulation(profile, deployment, config)
+    return simulation.run(
+        plan.sessions, plan.run.arrival, plan.run.seed, plan.run.think_time_s, plan.run.duration_s
+    )

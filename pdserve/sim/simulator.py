@@ -1,0 +1,290 @@
+"""The discrete-event loop: sessions arrive, the router places each request with pdserve's
+routing policy, workers step (real scheduler, modelled step time), KV moves between prefill
+and decode workers, and every token's time lands in a `RequestRecord` as `pdserve bench`
+would have measured it.
+
+Events, in simulated seconds (ties broken by insertion order):
+    send(session, turn)      a request leaves the client; routed at once
+    step_done(worker)        the worker's step ends: tokens out, next step starts
+    kv_landed(request)       a prefill's KV reached its decode worker: decoding starts, and
+                             the prefill worker frees the blocks it kept for the send
+
+Disaggregated requests follow the router's order: reserve on a decode worker (a prefix it
+caches is taken by reference; no room: the request waits at the router, retried after each
+decode step), then prefill on a prefill worker, whose first token is the client's TTFT.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.bench.arrivals import ArrivalSpec, arrival_times
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.runner import RunResult
+from pdserve.bench.workloads import Session
+from pdserve.kvcache.hashing import hash_blocks
+from pdserve.perf.profile import HardwareProfile
+from pdserve.request import Request
+from pdserve.router.policies import RouteRequest, make_policy
+from pdserve.sampling_params import SamplingParams
+from pdserve.sim.deployment import Deployment, SimConfig
+from pdserve.sim.worker import SimWorker
+
+# Layer-wise streaming overlaps the KV send with the prefill's last step; what is left after
+# it is at least one layer's share.
+_SEND, _STEP, _LANDED = 0, 1, 2
+
+
+@dataclass
+class _Flight:
+    """One request in flight: its record, its session, and its worker-side requests."""
+
+    record: RequestRecord
+    session: Session
+    turn: int
+    history: list[int]
+    prefill: Request | None = None
+    decode: Request | None = None
+    decode_worker: SimWorker | None = None
+    last_token_s: float = 0.0
+    prompt_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks
+
+
+class Simulation:
+    def __init__(
+        self, profile: HardwareProfile, deployment: Deployment, config: SimConfig | None = None
+    ) -> None:
+        config = config or SimConfig()
+        self.profile, self.deployment, self.config = profile, deployment, config
+        self.policy = make_policy(config.routing, config.load_balancer)
+        self.transfer = profile.transfer_model(config.transfer_backend)
+        self.kv_bytes_per_token = profile.model.kv_bytes_per_token
+        self.workers: list[SimWorker] = []
+        for worker_id, role, size in deployment.workers():
+            self.workers.append(self._worker(worker_id, role, size))
+        self.by_role: dict[str, list[SimWorker]] = {}
+        for w in self.workers:
+            self.by_role.setdefault(w.role, []).append(w)
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.records: list[RequestRecord] = []
+        self.flights: dict[str, _Flight] = {}
+        self.backlog: deque[_Flight] = deque()  # waiting for a decode worker with room
+
+    def _worker(self, worker_id: str, role: str, size: int) -> SimWorker:
+        cfg = self.config
+        if cfg.kv_cache_bytes is not None:
+            capacity = int(cfg.kv_cache_bytes // self.kv_bytes_per_token)
+        else:
+            capacity = self.profile.kv_capacity_tokens(size)
+        num_blocks = capacity // cfg.block_size
+        if num_blocks < 1:
+            raise ValueError(f"worker {worker_id}: the KV cache holds less than one block")
+        max_model_len = min(cfg.max_model_len or capacity, num_blocks * cfg.block_size)
+        return SimWorker(
+            worker_id, role, size, self.profile.cost_model(size), num_blocks, cfg.block_size,
+            cfg.scheduler, max_model_len, cfg.enable_prefix_caching, self.profile.model.name,
+        )  # fmt: skip
+
+    # ---- the loop --------------------------------------------------------------------
+
+    def _push(self, when: float, kind: int, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (when, self.seq, kind, payload))
+
+    def run(
+        self,
+        sessions: list[Session],
+        arrival: ArrivalSpec,
+        seed: int = 0,
+        think_time_s: float = 0.0,
+        duration_s: float | None = None,
+    ) -> RunResult:
+        """Simulates the sessions as `pdserve bench` would send them; open loop only (the
+        schedule of first turns is fixed in advance, later turns follow their answers)."""
+        if arrival.kind == "concurrency":
+            raise ValueError("the simulator replays open-loop arrivals (poisson, gamma, trace)")
+        self.think_time_s = think_time_s
+        self.deadline_s = math.inf if duration_s is None else duration_s
+        times = arrival_times(arrival, len(sessions), np.random.default_rng(seed))
+        if times is None:
+            times = [s.arrival_s or 0.0 for s in sessions]
+        for offset, session in zip(times, sessions, strict=True):
+            if offset < self.deadline_s:
+                self._push(offset, _SEND, (session, 0, []))
+        while self.events:
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == _SEND:
+                self._send(*payload)
+            elif kind == _STEP:
+                self._step_done(payload)
+            else:
+                self._landed(payload)
+        unfinished = [f.record.request_id for f in self.flights.values()]
+        if unfinished:
+            raise RuntimeError(f"simulation ended with requests unfinished: {unfinished[:5]}")
+        records = sorted(self.records, key=lambda r: r.send_s)
+        duration = max((r.send_s + (r.e2e_s or 0.0) for r in records), default=0.0)
+        return RunResult(records, duration - min((r.send_s for r in records), default=0.0))
+
+    def _kick(self, worker: SimWorker) -> None:
+        if not worker.is_busy:
+            step = worker.start_step()
+            if step is not None:
+                self._push(self.now + step.duration_s, _STEP, worker)
+
+    # ---- requests --------------------------------------------------------------------
+
+    def _send(self, session: Session, turn: int, history: list[int]) -> None:
+        if turn > 0 and self.now >= self.deadline_s:
+            return
+        user = session.turns[turn]
+        prompt = history + user.user_ids
+        record = RequestRecord(
+            request_id=f"{session.session_id}-{turn}",
+            input_len=len(prompt),
+            requested_output_len=user.output_len,
+            send_s=self.now,
+            session_id=session.session_id,
+            turn=turn,
+        )
+        hashes = hash_blocks(prompt, self.config.block_size, self._root)
+        flight = _Flight(record, session, turn, history, prompt_ids=prompt, block_hashes=hashes)
+        self.flights[record.request_id] = flight
+        if self.deployment.is_disaggregated:
+            self._admit_disaggregated(flight)
+        else:
+            worker = self._choose("collocated", flight)
+            worker.num_active_requests += 1
+            flight.decode, flight.decode_worker = self._request(flight), worker
+            worker.scheduler.add_request(flight.decode)
+            self._kick(worker)
+
+    def _request(self, flight: _Flight, prefill_only: bool = False) -> Request:
+        # A copy each: a request extends its own hashes in place as its tokens grow.
+        hashes = list(flight.block_hashes)
+        params = SamplingParams(max_tokens=flight.record.requested_output_len, ignore_eos=True)
+        return Request(
+            flight.record.request_id, list(flight.prompt_ids), params,
+            arrival_time=self.now, block_hashes=hashes, prefill_only=prefill_only,
+        )  # fmt: skip
+
+    @property
+    def _root(self) -> int:
+        return self.workers[0].kv.root_hash
+
+    def _choose(self, role: str, flight: _Flight) -> SimWorker:
+        candidates = self.by_role[role]
+        if len(candidates) == 1:
+            return candidates[0]
+        hashes = None
+        if self.policy.needs_block_hashes and role != "decode":
+            hashes = flight.block_hashes
+        route = RouteRequest(len(flight.prompt_ids), hashes or (), self.config.block_size)
+        load = self.policy.choose(role, [w.load(hashes) for w in candidates], route)
+        assert load is not None
+        return next(w for w in candidates if w.worker_id == load.worker_id)
+
+    def _admit_disaggregated(self, flight: _Flight) -> None:
+        if self.backlog or not self._reserve(flight):
+            self.backlog.append(flight)
+
+    def _reserve(self, flight: _Flight) -> bool:
+        """Decode reservation (DecodeHandoff.reserve), then the prefill placement."""
+        decode = self._choose("decode", flight)
+        request = self._request(flight)
+        hits = decode.kv.find_cached_prefix(request)
+        num_new = request.num_prompt_tokens - len(hits) * decode.kv.block_size
+        if not decode.kv.allocate(request, num_new, hits):
+            return False
+        decode.num_active_requests += 1
+        flight.decode, flight.decode_worker = request, decode
+        prefill_worker = self._choose("prefill", flight)
+        prefill_worker.num_active_requests += 1
+        flight.prefill = self._request(flight, prefill_only=True)
+        prefill_worker.scheduler.add_request(flight.prefill)
+        self._kick(prefill_worker)
+        return True
+
+    def _retry_backlog(self) -> None:
+        while self.backlog and self._reserve(self.backlog[0]):
+            self.backlog.popleft()
+
+    # ---- steps -----------------------------------------------------------------------
+
+    def _step_done(self, worker: SimWorker) -> None:
+        duration = worker.step.duration_s if worker.step else 0.0
+        for request, token in worker.finish_step():
+            if token is None:
+                continue
+            flight = self.flights[request.request_id]
+            if worker.role == "prefill":
+                self._prefilled(worker, flight, request, duration)
+            else:
+                self._token(flight)
+                if request.is_finished:
+                    worker.num_active_requests -= 1
+                    self._finish(flight)
+        self._kick(worker)
+        if worker.role == "decode" and self.backlog:
+            self._retry_backlog()
+
+    def _token(self, flight: _Flight) -> None:
+        record = flight.record
+        elapsed = self.now - record.send_s
+        if record.ttft_s is None:
+            record.ttft_s = elapsed
+            record.cached_tokens = flight.decode.num_cached_tokens if flight.decode else 0
+        else:
+            record.itl_s.append(self.now - flight.last_token_s)
+        record.output_len += 1
+        flight.last_token_s = self.now
+
+    def _prefilled(self, worker: SimWorker, flight: _Flight, request: Request, step_s: float):
+        worker.num_active_requests -= 1
+        self._token(flight)
+        flight.record.cached_tokens = request.num_cached_tokens
+        decode = flight.decode
+        assert decode is not None and flight.decode_worker is not None
+        if flight.record.requested_output_len <= 1:
+            flight.decode_worker.kv.free(decode)
+            flight.decode_worker.num_active_requests -= 1
+            worker.kv.free(request)
+            self._finish(flight)
+            self._retry_backlog()
+            return
+        num_sent = decode.num_prompt_tokens - decode.num_computed_tokens  # D's hit not sent
+        num_bytes = num_sent * self.kv_bytes_per_token
+        size = min(worker.size, flight.decode_worker.size)  # shards send in parallel
+        wire_s = self.transfer.seconds(num_bytes / size) - self.transfer.latency_s
+        exposed_s = max(wire_s - step_s, wire_s / self.profile.model.num_layers)
+        decode.output_token_ids.append(request.output_token_ids[0])
+        self._push(self.now + self.transfer.latency_s + exposed_s, _LANDED, (worker, flight))
+
+    def _landed(self, payload: tuple[SimWorker, _Flight]) -> None:
+        prefill_worker, flight = payload
+        prefill_worker.kv.free(flight.prefill)
+        self._kick(prefill_worker)  # blocks came back: a waiting prefill may now fit
+        request, worker = flight.decode, flight.decode_worker
+        request.num_computed_tokens = request.num_prompt_tokens
+        worker.kv.cache_computed_blocks(request)
+        worker.scheduler.add_running(request)
+        self._kick(worker)
+
+    def _finish(self, flight: _Flight) -> None:
+        record = flight.record
+        record.e2e_s = self.now - record.send_s
+        del self.flights[record.request_id]
+        self.records.append(record)
+        session, turn = flight.session, flight.turn
+        if turn + 1 < len(session.turns):
+            answer = flight.decode.output_token_ids if flight.decode else []
+            history = flight.prompt_ids + list(answer)
+            self._push(self.now + self.think_time_s, _SEND, (session, turn + 1, history))

@@ -1,0 +1,114 @@
+"""A simulated worker: pdserve's own Scheduler and KVCacheManager, with the model's forward
+pass replaced by the time the cost model gives the step. Everything the scheduler decides
+(chunked prefill, preemption, prefix hits, block accounting) is the real code deciding it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
+from pdserve.kvcache.manager import KVCacheManager
+from pdserve.perf.cost_model import StepCostModel, StepShape
+from pdserve.request import Request
+from pdserve.router.policies import WorkerLoad
+
+
+@dataclass
+class Step:
+    """A step in flight: what runs, the tokens it will produce, when it ends."""
+
+    output: SchedulerOutput
+    sampled: dict[str, int]
+    shape: StepShape
+    duration_s: float
+
+
+def fake_token(request: Request) -> int:
+    """A deterministic output token (never an EOS: simulated requests carry none). Distinct
+    per request and position, so multi-turn histories hash like real, unique answers."""
+    seed = zlib.crc32(request.request_id.encode())
+    return 1 + (seed + 7919 * len(request.output_token_ids)) % 30011
+
+
+class SimWorker:
+    def __init__(
+        self,
+        worker_id: str,
+        role: str,
+        size: int,
+        cost_model: StepCostModel,
+        num_blocks: int,
+        block_size: int,
+        scheduler_config: SchedulerConfig,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        model_id: str = "",
+    ) -> None:
+        self.worker_id, self.role, self.size = worker_id, role, size
+        self.cost_model = cost_model
+        self.kv = KVCacheManager(num_blocks, block_size, model_id, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv, max_model_len, preallocate_prompt=role == "prefill"
+        )
+        self.step: Step | None = None
+        self.num_active_requests = 0  # routed here and not yet done, as the router counts
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.steps: list[tuple[StepShape, float]] | None = None  # recorded when a list
+
+    @property
+    def is_busy(self) -> bool:
+        return self.step is not None
+
+    def start_step(self) -> Step | None:
+        """Schedule the next step, or None when there is nothing to run."""
+        if not self.scheduler.has_unfinished():
+            return None
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return None
+        sampled = {r.request_id: fake_token(r) for r, n in out.scheduled if out.samples(r, n)}
+        shape = StepShape.of(out.scheduled)
+        self.step = Step(out, sampled, shape, self.cost_model.predict(shape))
+        self.busy_s += self.step.duration_s
+        self.num_steps += 1
+        self.num_preemptions += len(out.preempted)
+        if self.steps is not None:
+            self.steps.append((shape, self.step.duration_s))
+        return self.step
+
+    def finish_step(self) -> list[tuple[Request, int | None]]:
+        assert self.step is not None
+        step, self.step = self.step, None
+        return self.scheduler.update_from_output(step.output, step.sampled)
+
+    def num_queued_prefill_tokens(self) -> int:
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
+        return queued + sum(
+            r.num_prompt_tokens - r.num_computed_tokens
+            for r in self.scheduler.running
+            if r.num_computed_tokens < r.num_prompt_tokens
+        )
+
+    def load(self, block_hashes: list[int] | None = None) -> WorkerLoad:
+        """What the router would see, exactly and at once (the real one sees Stats a few
+        milliseconds old plus its own unacknowledged sends)."""
+        cached = 0
+        if block_hashes:
+            cached = self.kv.num_cached_tokens(block_hashes) // self.kv.block_size
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            role=self.role,
+            healthy=True,
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_blocks,
+            num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
+            num_active_requests=self.num_active_requests,
+            num_cached_blocks=cached,
+        )

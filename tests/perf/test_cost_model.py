@@ -1,0 +1,62 @@
+import math
+
+import pytest
+
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.perf.cost_model import FEATURES, StepCostModel, StepShape, fit_cost_model
+from pdserve.request import Request
+from pdserve.sampling_params import SamplingParams
+
+
+def _request(num_prompt: int, num_computed: int, num_output: int = 0) -> Request:
+    r = Request("r", list(range(num_prompt)), SamplingParams())
+    r.num_computed_tokens = num_computed
+    r.output_token_ids = [7] * num_output
+    return r
+
+
+def test_shape_of_a_mixed_step():
+    # A decode row with 10 prompt + 3 output tokens (12 with KV) attends 13 tokens; a prefill
+    # chunk of 4 after 8 cached tokens makes 4 * (8 + 2.5) query-key pairs.
+    out = SchedulerOutput([(_request(10, 12, 3), 1), (_request(20, 8), 4)])
+    shape = StepShape.of(out.scheduled)
+    assert shape == StepShape(prefill_tokens=4, decode_requests=1, prefill_attention_pairs=42.0,
+                              decode_context_tokens=13)  # fmt: skip
+
+
+def test_roofline_knee():
+    # 10 ms fixed, 1 ms per token past 64 tokens.
+    model = StepCostModel([0.01, 0, 0, 0.001, 0, 0], knee_tokens=64)
+    assert model.predict(StepShape(prefill_tokens=64)) == pytest.approx(0.01)
+    assert model.predict(StepShape(prefill_tokens=100)) == pytest.approx(0.046)
+    assert model.predict(StepShape()) == 0.0
+
+
+def test_fit_recovers_coefficients_and_knee():
+    truth = StepCostModel([0.02, 1e-5, 2e-4, 3e-4, 1e-8, 1e-6], knee_tokens=64)
+    shapes = [StepShape(p, d, p * p / 2, d * c) for p in (0, 16, 128, 512, 1024)
+              for d in (0, 1, 8, 32) for c in (64, 512) if p or d]  # fmt: skip
+    samples = [(s, truth.predict(s)) for s in shapes]
+    fitted = fit_cost_model(samples, knee_candidates=(32, 64, 128))
+    assert fitted.knee_tokens == 64
+    for shape in shapes:
+        assert fitted.predict(shape) == pytest.approx(truth.predict(shape), rel=1e-3)
+
+
+def test_online_refit_moves_from_the_prior_towards_new_samples():
+    model = StepCostModel.from_dict(
+        {"coefficients": dict(zip(FEATURES, [0.01, 0, 0, 0, 0, 0], strict=True))}
+    )
+    for _ in range(500):  # the machine got slower: steps now take 20 ms
+        model.observe(StepShape(decode_requests=4), 0.02)
+    model.refit()
+    assert model.predict(StepShape(decode_requests=4)) == pytest.approx(0.02, rel=0.05)
+    assert all(c >= 0 for c in model.coefficients)
+
+
+def test_bad_coefficients_are_refused():
+    with pytest.raises(ValueError, match="coefficients must be >= 0"):
+        StepCostModel([0.01, -1, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="expected 6"):
+        StepCostModel([0.01])
+    assert math.isinf(StepCostModel([0] * 6).knee_tokens)

@@ -1,0 +1,43 @@
+import pytest
+
+from pdserve.perf.analytic import MODELS, analytic_profile, model_shape
+from pdserve.perf.profile import load_profile
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    profile = analytic_profile(MODELS["llama-3-8b"], "H100-SXM")
+    profile.save(tmp_path / "p.json")
+    loaded = load_profile(tmp_path / "p.json")
+    assert loaded.to_dict() == profile.to_dict()
+    assert sorted(loaded.models) == [1, 2, 4, 8]
+
+
+def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill():
+    profile = analytic_profile(MODELS["llama-3-8b"], "H100-SXM")
+    model = profile.cost_model(1)
+    from pdserve.perf.cost_model import StepShape
+
+    one = model.predict(StepShape(decode_requests=1, decode_context_tokens=512))
+    eight = model.predict(StepShape(decode_requests=8, decode_context_tokens=8 * 512))
+    assert eight < 1.2 * one  # weights read once for the batch
+    p4k = model.predict(StepShape(prefill_tokens=4096))
+    p8k = model.predict(StepShape(prefill_tokens=8192))
+    assert p8k / p4k == pytest.approx(2, rel=0.1)  # FLOPs dominate
+    # Tensor parallelism splits the work: TP2 decode is faster than TP1, not twice as fast.
+    tp2 = profile.cost_model(2).predict(StepShape(decode_requests=1, decode_context_tokens=512))
+    assert one / 2 < tp2 < one
+
+
+def test_bad_input_is_refused_with_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="unknown device 'B300'"):
+        analytic_profile(MODELS["llama-3-8b"], "B300")
+    with pytest.raises(ValueError, match="unknown model 'gpt-5'"):
+        model_shape("gpt-5")
+    profile = analytic_profile(MODELS["llama-2-70b"], "A100-40GB")
+    with pytest.raises(ValueError, match="leaves no room for KV on 1 x A100-40GB"):
+        profile.kv_capacity_tokens(1)
+    with pytest.raises(ValueError, match="profile is of model 'llama-2-70b', not 'smollm2-135m'"):
+        profile.check_model("smollm2-135m")
+    (tmp_path / "old.json").write_text('{"version": 0}')
+    with pytest.raises(ValueError, match="profile version 0"):
+        load_profile(tmp_path / "old.json")

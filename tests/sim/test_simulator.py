@@ -1,0 +1,105 @@
+"""The simulator against hand-computed timelines (constant-cost profiles), and proof that
+pdserve's own scheduler is what runs in it."""
+
+import pytest
+
+from pdserve.bench.arrivals import ArrivalSpec
+from pdserve.bench.workloads import Session, Turn
+from pdserve.config import SchedulerConfig
+from pdserve.engine.scheduler import Scheduler
+from pdserve.perf.cost_model import StepCostModel, TransferModel
+from pdserve.perf.profile import HardwareProfile, ModelShape
+from pdserve.sim.deployment import Deployment, SimConfig
+from pdserve.sim.simulator import Simulation
+
+MODEL = ModelShape("tiny", 2, 64, 128, 4, 2, 16, 128, kv_bytes_per_element=4.0)  # 512 B/token
+
+
+def profile(coefficients=(0.01, 0, 0, 0, 0, 0), kv_tokens=4096, bandwidth=512e3, latency=0.0):
+    return HardwareProfile(
+        kind="measured", device="test", model=MODEL, size_unit="threads",
+        models={1: StepCostModel(list(coefficients))},
+        transfer={"tcp": TransferModel(bandwidth, latency)},
+        devices_per_node=2, kv_cache_bytes=kv_tokens * MODEL.kv_bytes_per_token,
+    )  # fmt: skip
+
+
+def sessions(*specs):
+    """(arrival_s, prompt_len, output_len) per single-turn session, distinct prompts."""
+    return [Session(f"s{i}", [Turn(list(range(1000 * i, 1000 * i + n)), out)], at)
+            for i, (at, n, out) in enumerate(specs)]  # fmt: skip
+
+
+def run(prof, spec, work, **config):
+    sim = Simulation(prof, Deployment.parse(spec), SimConfig(**config))
+    result = sim.run(work, ArrivalSpec("trace"))
+    return sim, {r.request_id: r for r in result.records}
+
+
+def test_collocated_timeline_by_hand():
+    # 10 ms per step. A: prefill (0-10), decodes end at 20, 30, 40. B arrives at 5 ms and is
+    # prefilled together with A's first decode (10-20): TTFT 15 ms, then 30, 40.
+    _, records = run(profile(), "collocated", sessions((0.0, 32, 4), (0.005, 32, 3)))
+    a, b = records["s0-0"], records["s1-0"]
+    assert a.ttft_s == pytest.approx(0.010) and a.e2e_s == pytest.approx(0.040)
+    assert a.itl_s == pytest.approx([0.010] * 3) and a.tpot_s == pytest.approx(0.010)
+    assert b.ttft_s == pytest.approx(0.015) and b.e2e_s == pytest.approx(0.035)
+    assert a.output_len == 4 and b.output_len == 3
+
+
+def test_chunked_prefill_runs_as_the_scheduler_chunks_it():
+    # 100 prompt tokens in chunks of 32: 4 steps of 10 ms + 1 ms per prefill token.
+    prof = profile((0.01, 0.001, 0, 0, 0, 0))
+    _, records = run(prof, "collocated", sessions((0.0, 100, 2)),
+                     scheduler=SchedulerConfig(long_prefill_token_threshold=32))  # fmt: skip
+    assert records["s0-0"].ttft_s == pytest.approx(4 * 0.010 + 0.100)
+    assert records["s0-0"].e2e_s == pytest.approx(4 * 0.010 + 0.100 + 0.010)
+
+
+def test_disaggregated_timeline_by_hand():
+    # Prefill of 64 tokens: 10 ms, first token at 10 ms. KV: 64 x 512 B at 512 kB/s = 64 ms
+    # on the wire, 10 ms of it hidden behind the step, + 2 ms latency: lands at 10 + 56 =
+    # 66 ms. Two decodes of 10 ms: tokens at 76 and 86 ms.
+    prof = profile(latency=0.002)
+    _, records = run(prof, "1p1d", sessions((0.0, 64, 3)))
+    r = records["s0-0"]
+    assert r.ttft_s == pytest.approx(0.010)
+    assert r.itl_s == pytest.approx([0.066, 0.010])
+    assert r.e2e_s == pytest.approx(0.086)
+
+
+def test_the_real_scheduler_preempts_when_blocks_run_out(monkeypatch):
+    calls = []
+    real = Scheduler.schedule
+    monkeypatch.setattr(Scheduler, "schedule", lambda self: calls.append(1) or real(self))
+    # 8 blocks of 16 tokens: four 30-token prompts fit, their 40-token answers do not.
+    sim, records = run(profile(kv_tokens=128), "collocated",
+                       sessions(*[(0.0, 30, 40)] * 4))  # fmt: skip
+    assert calls and sim.workers[0].num_preemptions > 0
+    assert all(r.output_len == 40 for r in records.values())
+
+
+def test_prefix_cache_hits_are_reported_as_bench_reports_them():
+    shared = list(range(64))
+    work = [Session(f"s{i}", [Turn(shared + [500 + i] * 8, 2)], 0.1 * i) for i in range(3)]
+    _, records = run(profile(), "collocated", work)
+    assert records["s0-0"].cached_tokens == 0
+    assert records["s1-0"].cached_tokens == records["s2-0"].cached_tokens == 64
+
+
+def test_multi_turn_prompts_carry_the_history():
+    work = [Session("s0", [Turn(list(range(20)), 3), Turn(list(range(100, 110)), 2)], 0.0)]
+    # prefix_cache routing sends turn 2 back to the worker holding turn 1's blocks.
+    _, records = run(profile(), "2c", work, routing="prefix_cache")
+    assert records["s0-1"].input_len == 20 + 3 + 10
+    assert records["s0-1"].send_s == pytest.approx(records["s0-0"].e2e_s)
+    assert records["s0-1"].cached_tokens == 16  # the first turn's full block
+
+
+def test_bad_deployments_are_refused():
+    with pytest.raises(ValueError, match="no adaptive planner yet"):
+        Deployment.parse("adaptive")
+    with pytest.raises(ValueError, match="unknown deployment '2x'"):
+        Deployment.parse("2x")
+    with pytest.raises(ValueError, match="no cost model for 4 threads"):
+        Simulation(profile(), Deployment.parse("collocated", collocated_size=4))
