@@ -12,6 +12,13 @@ TORCH_FREE = [
     "pdserve.output_processor",
     "pdserve.sampling_params",
     "pdserve.config",
+    "pdserve.perf.cost_model",
+    "pdserve.perf.profile",
+    "pdserve.perf.analytic",
+    "pdserve.perf.cli",
+    "pdserve.sim.simulator",
+    "pdserve.sim.plan",
+    "pdserve.sim.cli",
 ]
 
 

@@ -137,10 +137,15 @@ class KVCacheManager:
             return  # after a drop, block i no longer holds the tokens of hash i
         self.update_block_hashes(request)
         num_full_computed = request.num_computed_tokens // self.block_size
-        for block_id, block_hash in zip(
-            request.block_ids[:num_full_computed], request.block_hashes[:num_full_computed]
-        ):
-            self.pool.cache_block(block_id, block_hash)
+        # Blocks are indexed in prefix order, so everything before the last block that holds
+        # a hash was indexed by an earlier call: start after it (a decode step's call is O(1),
+        # not O(context)). Blocks whose content another block holds stay unhashed; they are
+        # re-offered, a no-op.
+        start = num_full_computed
+        while start > 0 and self.pool.block_hash[request.block_ids[start - 1]] is None:
+            start -= 1
+        for i in range(start, num_full_computed):
+            self.pool.cache_block(request.block_ids[i], request.block_hashes[i])
 
     def free(self, request: Request) -> None:
         self.pool.free(reversed(request.block_ids))

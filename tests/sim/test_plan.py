@@ -1,0 +1,76 @@
+import argparse
+
+import pytest
+
+from pdserve.perf.cost_model import StepCostModel
+from pdserve.sim import cli
+from pdserve.sim.deployment import Deployment
+from pdserve.sim.simulator import Simulation
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    cli.add_plan_parser(sub)
+    cli.add_simulate_parser(sub)
+    args = parser.parse_args(list(argv))
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+PLAN = ["plan", "--preset", "chat", "--rate", "50", "--slo-ttft-ms", "500", "--slo-tpot-ms",
+        "50", "--no-progress"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--profile", "analytic:B300:llama-3-8b", "--num-devices", "8"], "unknown device 'B300'"),
+        (["--profile", "analytic:A100-40GB:llama-2-70b", "--num-devices", "2"],
+         "too small for one replica"),
+        (["--profile", "analytic:H100-SXM:llama-3-8b", "--model", "llama-2-7b",
+          "--num-devices", "8"], "profile is of model 'llama-3-8b', not 'llama-2-7b'"),
+        (["--profile", "/nonexistent.json", "--num-devices", "8"], "No such file"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_bad_input_in_one_line(capsys, extra, message):
+    code, out, err = _run(capsys, *PLAN, *extra)
+    assert code == 2 and out == ""
+    assert message in err and err.count("\n") == 1
+
+
+def test_plan_finds_a_layout_for_a_small_budget(capsys):
+    code, out, _ = _run(capsys, *PLAN, "--profile", "analytic:H100-SXM:llama-3-8b",
+                        "--num-devices", "16", "--probe-requests", "60")  # fmt: skip
+    assert code == 0
+    assert "chosen:" in out and "collocated" in out and "prefill" in out
+
+
+def test_simulate_prints_the_bench_report(capsys):
+    code, out, _ = _run(capsys, "simulate", "--profile", "analytic:H100-SXM:llama-3-8b",
+                        "--preset", "chat", "--num-requests", "40", "--rate", "10",
+                        "--deployment", "1p1d", "--no-progress")  # fmt: skip
+    assert code == 0
+    assert "ttft_ms mean/p50/p90/p99" in out and "goodput (req/s)" in out
+
+
+def test_one_cost_model_serves_the_simulator_and_an_online_fit():
+    """The simulator steps with the profile's StepCostModel, and the steps it runs, fitted by
+    that same class the way an online planner fits workers' reported steps, give it back."""
+    from pdserve.bench.arrivals import ArrivalSpec
+    from pdserve.bench.workloads import Session, Turn
+    from pdserve.perf.analytic import analytic_profile, model_shape
+
+    profile = analytic_profile(model_shape("llama-3-8b"), "H100-SXM", sizes=(1,))
+    sim = Simulation(profile, Deployment(num_collocated=1))
+    worker = sim.workers[0]
+    assert worker.cost_model is profile.cost_model(1)
+    worker.steps = []
+    work = [Session(f"s{i}", [Turn(list(range(i, i + 40 * (i % 7 + 1))), 20 + i % 5)], i * 0.01)
+            for i in range(60)]  # fmt: skip
+    sim.run(work, ArrivalSpec("trace"))
+    online = StepCostModel([0.0] * 6, knee_tokens=worker.cost_model.knee_tokens)
+    online.fit(worker.steps)
+    for shape, step_s in worker.steps:
+        assert online.predict(shape) == pytest.approx(step_s, rel=1e-3)
