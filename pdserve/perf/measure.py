@@ -32,6 +32,7 @@ class ProfileConfig:
     kv_cache_bytes: int | None = None  # None: the engine's default share of free memory
     decode_steps: int = 12
     repeats: int = 2
+    grid: tuple[tuple[int, int], ...] = tuple(GRID)
 
     def __post_init__(self) -> None:
         if not self.threads or min(self.threads) < 1:
@@ -65,7 +66,7 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> list[tuple[StepShape, flo
     samples: list[tuple[StepShape, float]] = []
     params = SamplingParams(max_tokens=cfg.decode_steps, ignore_eos=True)
     for rep in range(cfg.repeats + 1):
-        for index, (prompt_len, num_requests) in enumerate(GRID):
+        for index, (prompt_len, num_requests) in enumerate(cfg.grid):
             for i in range(num_requests):
                 prompt = rng.integers(0, vocab, size=prompt_len).tolist()
                 engine.add_request(f"{rep}-{index}-{i}", prompt, params)

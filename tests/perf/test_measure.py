@@ -1,0 +1,25 @@
+"""`pdserve profile` end to end on a tiny random model: real engine steps in, a profile
+whose cost model predicts them out."""
+
+import pytest
+
+from pdserve.perf.measure import ProfileConfig, build_profile, measure_steps
+from pdserve.perf.profile import load_profile
+
+
+@pytest.mark.slow
+def test_profile_of_a_tiny_model(tiny_model_dir, tmp_path):
+    cfg = ProfileConfig(str(tiny_model_dir), (1,), kv_cache_bytes=1 << 20, decode_steps=4,
+                        repeats=1, grid=((16, 1), (200, 1), (32, 4)))  # fmt: skip
+    samples = measure_steps(cfg, 1)
+    assert any(s.prefill_tokens == 200 for s, _ in samples)
+    assert any(s.decode_requests == 4 and not s.prefill_tokens for s, _ in samples)
+    profile = build_profile(cfg, log=lambda line: None)
+    profile.save(tmp_path / "cpu.json")
+    loaded = load_profile(tmp_path / "cpu.json")
+    assert loaded.kind == "measured" and loaded.size_unit == "threads"
+    assert set(loaded.transfer) == {"tcp", "shm"}
+    assert loaded.kv_capacity_tokens(1) == (1 << 20) // loaded.model.kv_bytes_per_token
+    assert loaded.cost_model(1).predict(samples[0][0]) > 0
+    with pytest.raises(ValueError, match="no cost model for 2 threads"):
+        loaded.cost_model(2)
