@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.bench.arrivals import ArrivalSpec, arrival_times
-from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.metrics import FAILED, RequestRecord
 from pdserve.bench.runner import RunResult
 from pdserve.bench.workloads import Session
 from pdserve.kvcache.hashing import hash_blocks
@@ -77,6 +77,7 @@ class Simulation:
         self.records: list[RequestRecord] = []
         self.flights: dict[str, _Flight] = {}
         self.backlog: deque[_Flight] = deque()  # waiting for a decode worker with room
+        self.max_model_len = min(w.scheduler.max_model_len for w in self.workers)
 
     def _worker(self, worker_id: str, role: str, size: int) -> SimWorker:
         cfg = self.config
@@ -155,6 +156,12 @@ class Simulation:
             session_id=session.session_id,
             turn=turn,
         )
+        if len(prompt) >= self.max_model_len:
+            # The engine refuses it (validate_prompt): a 400 the client records as failed.
+            record.status, record.e2e_s = FAILED, 0.0
+            record.error = f"prompt of {len(prompt)} tokens; the context is {self.max_model_len}"
+            self.records.append(record)
+            return
         hashes = hash_blocks(prompt, self.config.block_size, self._root)
         flight = _Flight(record, session, turn, history, prompt_ids=prompt, block_hashes=hashes)
         self.flights[record.request_id] = flight

@@ -96,6 +96,12 @@ def test_multi_turn_prompts_carry_the_history():
     assert records["s0-1"].cached_tokens == 16  # the first turn's full block
 
 
+def test_a_prompt_over_the_context_fails_like_the_engine_refuses_it():
+    _, records = run(profile(kv_tokens=64), "1p1d", sessions((0.0, 80, 2), (0.0, 10, 2)))
+    assert records["s0-0"].status == "failed" and "context is 64" in records["s0-0"].error
+    assert records["s1-0"].ok
+
+
 def test_bad_deployments_are_refused():
     with pytest.raises(ValueError, match="no adaptive planner yet"):
         Deployment.parse("adaptive")
