@@ -15,14 +15,14 @@ import time
 
 from pdserve.bench.app import build_plan
 from pdserve.bench.cli import add_bench_arguments
-from pdserve.sim.cli import SIMULATED_URL, _add_sim_arguments, resolve_profile, sim_config
+from pdserve.sim.cli import SIMULATED_URL, add_sim_arguments, resolve_profile, sim_config
 from pdserve.sim.plan import format_plan, search_layouts
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_bench_arguments(parser)
-    _add_sim_arguments(parser)
+    add_sim_arguments(parser)
     parser.add_argument("--num-devices", type=int, default=1024)
     parser.add_argument("--probe-requests", type=int, default=300)
     parser.set_defaults(profile="analytic:H100-SXM:llama-3-8b", preset="chat", rate=100000.0,

@@ -24,7 +24,7 @@ from pdserve.sim.deployment import Deployment, SimConfig
 SIMULATED_URL = "http://simulated:0"
 
 
-def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulated deployment")
     sim.add_argument(
         "--profile",
@@ -85,7 +85,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.error = OneLineArgumentParser.error.__get__(parser)  # type: ignore[method-assign]
     add_bench_arguments(parser)
-    _add_sim_arguments(parser)
+    add_sim_arguments(parser)
     parser.add_argument("--deployment", default="collocated", help="collocated, Nc or NpMd")
     parser.add_argument("--collocated-size", type=int, default=1, help="devices per worker")
     parser.add_argument("--prefill-size", type=int, default=1)
@@ -151,7 +151,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.error = OneLineArgumentParser.error.__get__(parser)  # type: ignore[method-assign]
     add_bench_arguments(parser)
-    _add_sim_arguments(parser)
+    add_sim_arguments(parser)
     parser.add_argument("--num-devices", type=int, required=True, help="the device budget")
     parser.add_argument("--top", type=int, default=5, help="layouts to print")
     parser.add_argument("--probe-requests", type=int, default=300,

@@ -132,9 +132,8 @@ def estimate_units(plan: BenchPlan, profile: HardwareProfile, cfg: SimConfig, sl
             why = f"prefill {p:.3g}/s per worker, decode {d2:.3g}/s per worker"
             candidates.append(Candidate(unit, min(num_p * p, num_d * d2), why=why))
     if not candidates:
-        raise ValueError(
-            "no deployment fits: " + "; ".join(pruned) if pruned else "the profile has no sizes"
-        )
+        reasons = "; ".join(pruned) if pruned else "the profile has no worker sizes"
+        raise ValueError(f"no deployment fits: {reasons}")
     return candidates, pruned
 
 

@@ -35,9 +35,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.worker import SimWorker
 
-# Layer-wise streaming overlaps the KV send with the prefill's last step; what is left after
-# it is at least one layer's share.
-_SEND, _STEP, _LANDED = 0, 1, 2
+_SEND, _STEP, _LANDED = 0, 1, 2  # event kinds
 
 
 @dataclass
@@ -78,6 +76,8 @@ class Simulation:
         self.flights: dict[str, _Flight] = {}
         self.backlog: deque[_Flight] = deque()  # waiting for a decode worker with room
         self.max_model_len = min(w.scheduler.max_model_len for w in self.workers)
+        self.think_time_s = 0.0
+        self.deadline_s = math.inf  # no new turn is sent after it (--duration-s)
 
     def _worker(self, worker_id: str, role: str, size: int) -> SimWorker:
         cfg = self.config
@@ -271,6 +271,8 @@ class Simulation:
         num_bytes = num_sent * self.kv_bytes_per_token
         size = min(worker.size, flight.decode_worker.size)  # shards send in parallel
         wire_s = self.transfer.seconds(num_bytes / size) - self.transfer.latency_s
+        # Layer-wise streaming overlaps the send with the prefill's last step; what is left
+        # after it is at least one layer's share.
         exposed_s = max(wire_s - step_s, wire_s / self.profile.model.num_layers)
         decode.output_token_ids.append(request.output_token_ids[0])
         self._push(self.now + self.transfer.latency_s + exposed_s, _LANDED, (worker, flight))
