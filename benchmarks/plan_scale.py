@@ -1,6 +1,6 @@
 """`pdserve plan` at scale: a 1,024-GPU budget, a chat workload, wall time and layouts.
 
-    .venv/bin/python benchmarks/plan_scale.py [--rate 100000] [--num-devices 1024]
+    .venv/bin/python benchmarks/plan_scale.py [--rate 130000] [--num-devices 1024]
 
 Prints the planner's table, then the best disaggregated and best collocated units side by
 side (simulated goodput per GPU) and how many GPUs each needs for the rate.
@@ -25,9 +25,9 @@ def main() -> int:
     add_sim_arguments(parser)
     parser.add_argument("--num-devices", type=int, default=1024)
     parser.add_argument("--probe-requests", type=int, default=300)
-    parser.set_defaults(profile="analytic:H100-SXM:llama-3-8b", preset="chat", rate=100000.0,
+    parser.set_defaults(profile="analytic:H100-SXM:llama-3-8b", preset="chat", rate=130000.0,
                         slo_ttft_ms=500.0, slo_tpot_ms=50.0, max_num_seqs=256,
-                        max_num_batched_tokens=8192, no_progress=True)  # fmt: skip
+                        max_num_batched_tokens=8192, no_progress=True, max_probes=6)  # fmt: skip
     for action in parser._actions:
         if action.dest == "profile":
             action.required = False
@@ -37,7 +37,7 @@ def main() -> int:
     plan = build_plan(args, url=SIMULATED_URL)
     start = time.perf_counter()
     result = search_layouts(plan, profile, sim_config(args), args.num_devices, args.rate,
-                            args.goodput_target)  # fmt: skip
+                            args.goodput_target, max_probes=args.max_probes)  # fmt: skip
     wall_s = time.perf_counter() - start
     print(format_plan(result, 10, plan.slo, wall_s))
     print()

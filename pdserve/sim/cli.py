@@ -156,7 +156,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--top", type=int, default=5, help="layouts to print")
     parser.add_argument("--probe-requests", type=int, default=300,
                         help="requests per simulated probe")  # fmt: skip
-    parser.set_defaults(func=cmd_plan)
+    parser.set_defaults(func=cmd_plan, max_probes=6)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -173,8 +173,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = build_plan(args, url=SIMULATED_URL)
         started = time.perf_counter()
         result = search_layouts(
-            plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target
-        )
+            plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target,
+            max_probes=args.max_probes,
+        )  # fmt: skip
         wall_s = time.perf_counter() - started
     except ValueError as exc:
         print(f"pdserve plan: error: {exc}", file=sys.stderr)
