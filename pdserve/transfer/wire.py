@@ -19,6 +19,7 @@ msgpack decodes to plain dicts, lists, strings and numbers only.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import hmac
@@ -27,6 +28,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -222,7 +224,17 @@ class FrameServer:
     for each frame and ``on_drop(conn, reason)`` once when the connection ends. Handlers
     raise ProtocolError to drop the connection. One thread per connection: a connection
     carries one sender's frames in order, and a handful of prefill workers per decode
-    worker is the expected fan-in."""
+    worker is the expected fan-in.
+
+    Bounded, so no peer can exhaust threads or descriptors: at most ``MAX_HANDSHAKES``
+    connections authenticate at once (each for at most ``auth_timeout_s``) and at most
+    ``MAX_CONNECTIONS`` are authenticated; a connection over either bound is closed as soon
+    as it is accepted (``rejected_busy``). An accept that fails for want of descriptors or
+    memory is retried after a pause instead of ending the loop."""
+
+    MAX_HANDSHAKES = 16
+    MAX_CONNECTIONS = 128
+    ACCEPT_RETRY_S = 0.1
 
     def __init__(
         self,
@@ -235,9 +247,10 @@ class FrameServer:
     ) -> None:
         self._secret, self._auth_timeout_s = secret, auth_timeout_s
         self._on_frame, self._on_drop = on_frame, on_drop
-        self.counts = {"rejected_auth": 0, "connections": 0}
+        self.counts = {"rejected_auth": 0, "connections": 0, "rejected_busy": 0}
         self._lock = threading.Lock()
         self._conns: set[Conn] = set()
+        self._num_handshakes = 0
         self.closed = False
         self._listener = socket.create_server((host, port))
         self.port: int = self._listener.getsockname()[1]
@@ -263,21 +276,44 @@ class FrameServer:
         while not self.closed:
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+            except OSError as e:
+                if self.closed or e.errno not in _RETRY_ACCEPT:
+                    return
+                log.error("KV receiver cannot accept (%s); retrying", e)
+                time.sleep(self.ACCEPT_RETRY_S)
+                continue
+            with self._lock:
+                busy = self._num_handshakes >= self.MAX_HANDSHAKES
+                busy = busy or len(self._conns) >= self.MAX_CONNECTIONS
+                if busy:
+                    self.counts["rejected_busy"] += 1
+                else:
+                    self._num_handshakes += 1
+            if busy:
+                sock.close()
+                continue
+            try:
+                name = f"kv-rx-conn-{self.port}"
+                threading.Thread(target=self._serve, args=(sock,), name=name, daemon=True).start()
+            except RuntimeError as e:  # no thread to be had
+                log.error("KV receiver cannot start a connection thread: %s", e)
+                with self._lock:
+                    self._num_handshakes -= 1
+                sock.close()
 
     def _serve(self, sock: socket.socket) -> None:
         try:
             server_handshake(sock, self._secret, self._auth_timeout_s)
         except AuthError as e:
             with self._lock:
+                self._num_handshakes -= 1
                 self.counts["rejected_auth"] += 1
             log.warning("KV receiver refused a connection: %s", e)
             sock.close()
             return
         conn = Conn(sock)
         with self._lock:
+            self._num_handshakes -= 1
             if self.closed:
                 sock.close()
                 return
@@ -297,3 +333,10 @@ class FrameServer:
                 self._conns.discard(conn)
             self._on_drop(conn, reason)
             sock.close()
+
+
+# accept() errors that pass: out of descriptors or kernel memory, or a peer gone before
+# accept returned. Anything else means the listener itself is gone.
+_RETRY_ACCEPT = {
+    errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO,
+}  # fmt: skip

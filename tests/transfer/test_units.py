@@ -102,14 +102,18 @@ def test_registry_rejects_unknown_backend_and_shm_without_shared_kv() -> None:
 
 
 def test_sweep_removes_only_pools_of_dead_processes(tmp_path):
+    import fcntl
     import os
 
     from pdserve.transfer.shm import sweep_orphans
 
-    dead = tmp_path / "pdserve-kv-999999999-ab12"  # no such pid
-    alive = tmp_path / f"pdserve-kv-{os.getpid()}-cd34"
+    dead = tmp_path / "pdserve-kv-lk-00000000ab12"  # nobody holds its lock
+    alive = tmp_path / "pdserve-kv-lk-00000000cd34"  # its creator (here, us) holds it
     other = tmp_path / "pdserve-kv-smollm2-0011aabb"  # a host-tier name: not a pool
     for path in (dead, alive, other):
         path.write_bytes(b"x")
+    fd = os.open(alive, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
     assert sweep_orphans(str(tmp_path)) == [dead.name]
+    os.close(fd)
     assert alive.exists() and other.exists() and not dead.exists()
