@@ -89,10 +89,18 @@ class KVReceiver(ABC):
         until ``release``; KeyError otherwise."""
 
     @abstractmethod
-    def release(self, request_id: str) -> None:
-        """Forget the reservation. When this returns, no write for the request can touch
-        memory any more (a write in flight is waited for); later writes are rejected.
-        Releasing an unknown id is a no-op, so aborts may release unconditionally."""
+    def release(self, request_id: str) -> bool:
+        """Forget the reservation; later writes are rejected. Releasing an unknown id is a
+        no-op (True), so aborts may release unconditionally.
+
+        True: no write for the request can touch memory any more; its blocks may be reused.
+        False: a one-sided (shm) writer may still land in them, so they are *fenced*: the
+        caller must keep them out of reuse until ``pop_unfenced`` lists the request."""
+
+    @abstractmethod
+    def pop_unfenced(self) -> list[str]:
+        """Released requests whose fenced blocks became safe to reuse since the last call,
+        each once (the engine polls it with ``pop_finished``)."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]:

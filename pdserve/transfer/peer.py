@@ -109,7 +109,8 @@ class PeerConnection:
         self.sock = wire.connect(host, port, timeout_s)
         try:
             wire.client_handshake(self.sock, secret, timeout_s)
-            wire.send_frame(self.sock, {"type": wire.HELLO, "layout": layout.to_dict()})
+            hello = {"type": wire.HELLO, "layout": layout.to_dict()}
+            wire.send_frame(self.sock, {**hello, "process": wire.process_identity()})
             self.sock.settimeout(timeout_s)
             reply = wire.recv_header(self.sock)
             self.sock.settimeout(None)

@@ -8,11 +8,20 @@ save a copy but could leave a half-written frame with a bad checksum in reserved
 shm senders write into this worker's shared KV themselves; here they get a *lease* (the
 reserved block ids) before writing and send ``data`` notices with ``written=True`` after,
 which are re-validated. See ``shm.py`` for why leases make ``release`` safe.
+
+Fencing: a lease ends only on proof that its writer can no longer write, i.e. its
+``lease_end`` (sent by the writing thread after its last copy) or the exit of the sender's
+process (a pidfd from its hello). A dropped connection is no proof: a thread of a live
+process keeps its mapping and may be between a check and a copy. A reservation released
+while a lease is unproven stays *fenced*: ``release`` returns False and the caller keeps its
+blocks out of reuse until ``pop_unfenced`` lists it (docs/transfer.md, "Fencing").
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import zlib
 from typing import Any
@@ -35,7 +44,9 @@ from pdserve.transfer.wire import Conn, FrameServer
 log = logging.getLogger(__name__)
 
 AUTH_TIMEOUT_S = 5.0
-RELEASE_TIMEOUT_S = 5.0  # a granted shm writer that has not reported back by then is hung
+# How long release() waits for a revoked writer: a cooperative one stops within one chunk
+# (1 MiB, under a millisecond unpaced); past this the blocks are fenced instead.
+RELEASE_WAIT_S = 1.0
 
 
 class SocketKVReceiver(KVReceiver):
@@ -64,6 +75,8 @@ class SocketKVReceiver(KVReceiver):
         self.table = ReservationTable(layout)
         self._counts = {"num_frames": 0, "bytes_received": 0, "rejected_frames": 0}
         self._lock = threading.Lock()
+        self._fenced: dict[str, Reservation] = {}  # released with a lease not yet proven over
+        self._orphans: list[Conn] = []  # dropped connections whose leases wait for a pidfd
         self._server = FrameServer(
             host, port, self._secret, self._on_frame, self._drop, AUTH_TIMEOUT_S
         )
@@ -94,19 +107,51 @@ class SocketKVReceiver(KVReceiver):
     def meta(self, request_id: str) -> dict[str, Any]:
         return self.table.meta(request_id)
 
-    def release(self, request_id: str) -> None:
-        if not self.table.release(request_id, RELEASE_TIMEOUT_S):
-            log.error("release(%r): shm writer busy after %.1f s", request_id, RELEASE_TIMEOUT_S)
+    def release(self, request_id: str) -> bool:
+        req = self.table.release(request_id)
+        if req is None:
+            return True
+        with req.cond:
+            if req.active_leases == 0:
+                return True
+            holders = [conn for conn in req.holders if conn.leases.get(req)]
+        for conn in holders:  # a cooperative writer stops at its next chunk
+            self._tell_failed(conn, request_id, "reservation released by the receiver")
+        with req.cond:
+            if req.cond.wait_for(lambda: req.active_leases == 0, RELEASE_WAIT_S):
+                return True
+        with self._lock:
+            self._fenced[request_id] = req
+        log.error(
+            "release(%r): a shm writer did not end its lease within %.1f s; its blocks stay "
+            "fenced until it does or its process exits",
+            request_id,
+            RELEASE_WAIT_S,
+        )
+        return False
+
+    def pop_unfenced(self) -> list[str]:
+        self._reap()
+        with self._lock:
+            ended = [rid for rid, req in self._fenced.items() if req.active_leases == 0]
+            for request_id in ended:
+                del self._fenced[request_id]
+        return ended
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             counts = {**self._counts, **self._server.counts}
+            counts["num_fenced"], counts["num_orphans"] = len(self._fenced), len(self._orphans)
         return {**counts, "pool": self.pool.stats(), "num_reservations": len(self.table)}
 
     def close(self) -> None:
         if self._server.closed:
             return
         self._server.close()
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        for conn in orphans:
+            _close_pidfd(conn)
         if self.shm_name is not None:
             unlink_shared_kv(self.shm_name)
 
@@ -129,17 +174,33 @@ class SocketKVReceiver(KVReceiver):
             conn.reply({"type": wire.HELLO_OK, "error": error})
             raise wire.ProtocolError("sender layout differs from the receiver's")
         conn.hello_done = True
+        if "shm" in self.backends:
+            conn.pidfd = wire.open_process(header.get("process"))
         conn.reply({"type": wire.HELLO_OK})
 
     def _drop(self, conn: Conn, reason: str) -> None:
-        for request_id, num_leases in conn.leases.items():
-            req = self.table.get(request_id)
-            if req is not None:
-                self._end_lease(req, num_leases)
         for request_id in conn.touched:
             req = self.table.get(request_id)
             if req is not None:
                 self.table.fail(req, reason)
+        if not any(conn.leases.values()):
+            _close_pidfd(conn)
+        elif conn.pidfd is not None:
+            with self._lock:
+                self._orphans.append(conn)
+        else:
+            log.error("shm sender gone mid-write, process unknown: its leases never end")
+
+    def _reap(self) -> None:
+        """End the leases of dropped connections whose sender process has exited."""
+        with self._lock:
+            exited = [c for c in self._orphans if select.select([c.pidfd], [], [], 0)[0]]
+            self._orphans = [c for c in self._orphans if c not in exited]
+        for conn in exited:
+            for req, num_leases in conn.leases.items():
+                self._end_lease(req, num_leases)
+            conn.leases.clear()
+            _close_pidfd(conn)
 
     def _dispatch(self, conn: Conn, header: dict[str, Any]) -> None:
         kind = header["type"]
@@ -148,12 +209,10 @@ class SocketKVReceiver(KVReceiver):
         elif kind == wire.LEASE:
             self._on_lease(conn, header)
         elif kind == wire.LEASE_END:
-            request_id = wire.str_field(header, "request_id")
-            if conn.leases.get(request_id):
-                conn.leases[request_id] -= 1
-                req = self.table.get(request_id)
-                if req is not None:
-                    self._end_lease(req, 1)
+            req = _held(conn, wire.str_field(header, "request_id"))
+            if req is not None:
+                conn.leases[req] -= 1
+                self._end_lease(req, 1)
         elif kind == wire.DONE:
             request_id = wire.str_field(header, "request_id")
             req = self.table.get(request_id)
@@ -178,9 +237,15 @@ class SocketKVReceiver(KVReceiver):
         self._count("rejected_frames")
         if req is not None:
             self.table.fail(req, error)
+        self._tell_failed(conn, request_id, error)
+
+    def _tell_failed(self, conn: Conn, request_id: str, error: str) -> None:
         if request_id not in conn.told_failed:
             conn.told_failed.add(request_id)
-            conn.reply({"type": wire.FAILED, "request_id": request_id, "error": error})
+            try:
+                conn.reply({"type": wire.FAILED, "request_id": request_id, "error": error})
+            except OSError:
+                pass  # the connection's own thread sees the drop
 
     # -- data ------------------------------------------------------------------------------
 
@@ -250,7 +315,7 @@ class SocketKVReceiver(KVReceiver):
             return "shm write notice, but this receiver does not offer shm"
         if nbytes != 0:
             return f"shm write notice with nbytes={nbytes} (must be 0)"
-        if not conn.leases.get(request_id):
+        if _held(conn, request_id) is None:
             return f"shm write notice for request {request_id!r} without a lease"
         return None
 
@@ -276,7 +341,8 @@ class SocketKVReceiver(KVReceiver):
             with req.cond:  # atomic with release(): either it waits for us or we see it
                 if req.live:
                     req.active_leases += 1
-                    conn.leases[request_id] = conn.leases.get(request_id, 0) + 1
+                    req.holders.add(conn)
+                    conn.leases[req] = conn.leases.get(req, 0) + 1
                     conn.touched.add(request_id)
                 else:
                     error = f"request {request_id!r} released or finished; lease refused"
@@ -290,6 +356,17 @@ class SocketKVReceiver(KVReceiver):
         with req.cond:
             req.active_leases -= num_leases
             req.cond.notify_all()
+
+
+def _held(conn: Conn, request_id: str) -> Reservation | None:
+    """The reservation of a lease ``conn`` holds for the request (released ones included)."""
+    return next((r for r, n in conn.leases.items() if n and r.request_id == request_id), None)
+
+
+def _close_pidfd(conn: Conn) -> None:
+    if conn.pidfd is not None:
+        os.close(conn.pidfd)
+        conn.pidfd = None
 
 
 def _block_format(layout: dict[str, Any]) -> dict[str, Any]:

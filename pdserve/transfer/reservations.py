@@ -25,7 +25,8 @@ class Reservation:
     error: str | None = None
     num_frames: int = 0
     num_bytes: int = 0
-    active_leases: int = 0  # shm writers granted and not yet finished
+    active_leases: int = 0  # shm writers granted and not yet proven finished
+    holders: set[Any] = field(default_factory=set)  # connections granted a lease
     released: bool = False
     meta: dict[str, Any] = field(default_factory=dict)  # from the sender's last send
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -137,19 +138,18 @@ class ReservationTable:
             self._finished.append((req.request_id, TransferStatus.DONE, None))
         return None
 
-    def release(self, request_id: str, timeout_s: float) -> bool:
-        """Forget the reservation, waiting up to ``timeout_s`` for a shm write in flight.
+    def release(self, request_id: str) -> Reservation | None:
+        """Forget the reservation and mark it dead, so no lease or tcp write is admitted any
+        more; returns it (None if unknown) for the caller to wait out its shm leases.
 
-        False only if a granted shm writer did not report back in time (a hung sender);
-        tcp writes hold ``req.cond`` while copying, so they are always excluded.
+        tcp writes hold ``req.cond`` while copying, so they are excluded once this returns.
         """
         with self._lock:
             req = self._requests.pop(request_id, None)
-        if req is None:
-            return True
-        with req.cond:
-            req.released = True
-            return req.cond.wait_for(lambda: req.active_leases == 0, timeout_s)
+        if req is not None:
+            with req.cond:
+                req.released = True
+        return req
 
     def pop_finished(self) -> list[Finished]:
         with self._lock:

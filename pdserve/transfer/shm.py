@@ -12,11 +12,13 @@ mapped, so enforcement is a protocol the sender's code obeys and the receiver ch
 1. Per ``send()``, the sender asks for a *lease* listing every (layer, dst run) it will
    write. The receiver grants it only if each run lies inside a live reservation, and
    counts the lease on the reservation under the same lock ``release`` takes.
-2. The sender refuses to write any block not in the granted ids, copies, sends one
-   ``data`` notice (``nbytes=0, written=True``) per run, which the receiver re-validates
-   (reservation, lease held, optional crc over its own memory), then ends the lease.
-3. ``release`` marks the reservation dead and waits until no lease is active, so when it
-   returns no write is in flight and none can start: a late send gets its lease refused.
+2. The sender refuses to write any block not in the granted ids, copies in chunks (stopping
+   between two once the request failed), sends one ``data`` notice (``nbytes=0,
+   written=True``) per run, which the receiver re-validates (reservation, lease held,
+   optional crc over its own memory), then ends the lease.
+3. ``release`` marks the reservation dead (a late send gets its lease refused), tells the
+   lease holders the request failed, and waits for proof that they stopped: their
+   ``lease_end`` or their process's exit. Without it the blocks stay fenced (receiver.py).
 """
 
 from __future__ import annotations
@@ -231,13 +233,16 @@ class ShmWriter(BlockWriter):
         ctx = self.ctx
         src = block_bytes_view(ctx.kv, layer, src_start, n)
         dst = block_bytes_view(self.remote_kv, layer, dst_start, n)
-        if ctx.bucket is None:
-            dst.copy_(src)
-        else:
-            for offset in range(0, src.numel(), ctx.chunk_bytes):
-                end = min(offset + ctx.chunk_bytes, src.numel())
+        # In chunks, checking for a stop before each: a receiver that released the request
+        # (its "failed" stops us) waits for our lease_end, so stop soon, and never notify
+        # for a run cut short.
+        for offset in range(0, src.numel(), ctx.chunk_bytes):
+            if ctx.stopped(request_id):
+                return
+            end = min(offset + ctx.chunk_bytes, src.numel())
+            if ctx.bucket is not None:
                 ctx.bucket.consume(8 * (end - offset))
-                dst[offset:end].copy_(src[offset:end])
+            dst[offset:end].copy_(src[offset:end])
         header = {
             "type": wire.DATA,
             "request_id": request_id,

@@ -44,7 +44,7 @@ LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 64 * 1024
 
 # Message types, sender -> receiver.
-HELLO = "hello"  # {layout}
+HELLO = "hello"  # {layout, process: [pid, pid namespace] (the writer, for shm fencing)}
 DATA = "data"  # {request_id, layer, dst_start, num_blocks, nbytes, crc32?, written?}
 LEASE = "lease"  # {request_id, writes: [[layer, dst_start, num_blocks], ...]}  (shm)
 LEASE_END = "lease_end"  # {request_id}  (shm: the sender stopped writing)
@@ -205,18 +205,42 @@ def connect(host: str, port: int, timeout_s: float) -> socket.socket:
     return sock
 
 
+def process_identity() -> list[int]:
+    """[pid, pid namespace inode]: a pid means this process only to a peer in the same
+    pid namespace (containers sharing a host and /dev/shm may not share one)."""
+    return [os.getpid(), os.stat("/proc/self/ns/pid").st_ino]
+
+
+def open_process(identity: Any) -> int | None:
+    """A pidfd for the peer process ``process_identity`` described, when it lives in our
+    pid namespace; it becomes readable once that process has exited. A pidfd, not the
+    pid, so a reused pid cannot pass for the writer."""
+    ok = isinstance(identity, list) and len(identity) == 2
+    if not ok or not all(type(x) is int and x > 0 for x in identity):
+        return None
+    try:
+        if identity[1] != os.stat("/proc/self/ns/pid").st_ino:
+            return None
+        return os.pidfd_open(identity[0])
+    except (OSError, AttributeError):  # gone already, or no pidfd (Linux < 5.3)
+        return None
+
+
 class Conn:
     """One sender's connection to the receiver, and what it holds, to clean up when it drops."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.leases: dict[str, int] = {}  # shm leases granted on this connection
+        self.leases: dict[Any, int] = {}  # Reservation -> shm leases held on this connection
         self.touched: set[str] = set()  # requests with frames on this connection
         self.told_failed: set[str] = set()  # requests this sender was told are FAILED
         self.hello_done = False
+        self.pidfd: int | None = None  # the sender's process (same host), from its hello
+        self._send_lock = threading.Lock()  # replies come from its thread and from release()
 
     def reply(self, header: dict[str, Any]) -> None:
-        send_frame(self.sock, header)
+        with self._send_lock:
+            send_frame(self.sock, header)
 
 
 class FrameServer:

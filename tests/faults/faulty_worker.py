@@ -11,6 +11,9 @@ transfer then misbehaves as the file says:
     drop_done           every block lands, but the final "done" message is never sent
     fail_after_layer:N  layers after N fail with a transfer error (a break mid-request)
     delay_s:X           each send job waits X seconds first (a slow link: stage "transferring")
+    stall_copy_s:X      the first copy stalls X seconds after the writer checked it may go on,
+                        then lands whatever happened meanwhile (a frozen or descheduled
+                        shm writer, seen from the receiver)
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.transfer.base import BlockWriter, Run, WriteContext
 from pdserve.transfer.sender import SocketKVSender, open_writer
 from pdserve.transfer.wire import TransferError
 
-KINDS = ("drop_done", "fail_after_layer", "delay_s")
+KINDS = ("drop_done", "fail_after_layer", "delay_s", "stall_copy_s")
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,31 @@ def claim(fault_file: str) -> Fault:
     return Fault(kind, float(value or 0))
 
 
+class StallingBucket:
+    """Stands in for the bandwidth bucket, which every writer consults between its stop
+    check and each copy: ``stall_s`` set, the next consume sleeps that long first."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.stall_s = inner, 0.0
+
+    def consume(self, bits: float) -> float:
+        stall_s, self.stall_s = self.stall_s, 0.0
+        time.sleep(stall_s)
+        return stall_s + (self.inner.consume(bits) if self.inner is not None else 0.0)
+
+
 class FaultyWriter(BlockWriter):
     """Wraps a real writer; ``faults`` maps request ids to the fault each claimed."""
 
-    def __init__(self, inner: BlockWriter, fault_file: str, faults: dict[str, Fault]) -> None:
+    def __init__(
+        self,
+        inner: BlockWriter,
+        fault_file: str,
+        faults: dict[str, Fault],
+        bucket: StallingBucket | None = None,
+    ) -> None:
         super().__init__(inner.ctx)
-        self.inner, self.fault_file, self.faults = inner, fault_file, faults
+        self.inner, self.fault_file, self.faults, self.bucket = inner, fault_file, faults, bucket
         self.name = inner.name
 
     def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
@@ -65,6 +87,9 @@ class FaultyWriter(BlockWriter):
             fault = self.faults[request_id] = claim(self.fault_file)
         if fault.kind == "delay_s":
             time.sleep(fault.value)
+        if fault.kind == "stall_copy_s" and self.bucket is not None:
+            self.bucket.stall_s = fault.value
+            self.faults[request_id] = NO_FAULT  # the first copy only
         if fault.kind == "fail_after_layer" and max(layers, default=-1) > fault.value:
             self.inner.write(request_id, [layer for layer in layers if layer <= fault.value], runs)
             raise TransferError(f"injected fault: transfer failed after layer {int(fault.value)}")
@@ -80,7 +105,9 @@ def faulty_writers(fault_file: str):
     faults: dict[str, Fault] = {}
 
     def make_writer(ctx: WriteContext) -> BlockWriter:
-        return FaultyWriter(open_writer(ctx), fault_file, faults)
+        bucket = StallingBucket(ctx.bucket)
+        inner = open_writer(replace(ctx, bucket=bucket))
+        return FaultyWriter(inner, fault_file, faults, bucket)
 
     return make_writer
 

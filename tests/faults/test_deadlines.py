@@ -27,8 +27,12 @@ class FakeReceiver:
         finished, self.finished = self.finished, []
         return finished
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> bool:
         self.released.append(request_id)
+        return True
+
+    def pop_unfenced(self) -> list[str]:
+        return []
 
     def meta(self, request_id: str) -> dict:
         return {}

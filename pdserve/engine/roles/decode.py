@@ -10,7 +10,8 @@ One request::
       -> FINISHED (blocks freed) when the transfer fails, the request is aborted, or a
          deadline passes: `reserve_timeout_s` after Reserve (no prefill ever came: the
          router or the prefill worker is gone), `land_timeout_s` after the first token (only
-         bytes in flight remain).
+         bytes in flight remain). Blocks a shm writer may still write into are freed only
+         once the receiver lists them in `pop_unfenced` (docs/transfer.md, "Fencing").
 
 A prompt over the request's KV budget is dropped before the transfer (PromptDrop): only the
 blocks it keeps are reserved, without the prefix cache, and the transfer's completion
@@ -94,6 +95,7 @@ class DecodeRole(Role):
         self.reserve_timeout_s, self.land_timeout_s = reserve_timeout_s, land_timeout_s
         self.clock = clock
         self.awaiting: dict[str, _Awaiting] = {}
+        self.fenced: dict[str, Request] = {}  # released while a KV write may still land
         self.kv_blocks_skipped = 0  # prompt blocks reserved from the own prefix cache, never sent
 
     @classmethod
@@ -156,6 +158,8 @@ class DecodeRole(Role):
         (transfer errors, reservations past their deadline, and a prompt dropped before the
         transfer otherwise than reserved: the transfer's `meta` says what the prefill
         dropped and the kept blocks' scores)."""
+        for request_id in self.receiver.pop_unfenced():
+            self.kv.free(self.fenced.pop(request_id))
         failed = []
         now = self.clock()
         for request_id, waiting in list(self.awaiting.items()):
@@ -220,9 +224,12 @@ class DecodeRole(Role):
     def _drop(self, request_id: str) -> None:
         request = self.awaiting.pop(request_id).request
         log.debug("decode %s: waiting_for_kv -> finished (blocks freed)", request_id)
-        self.receiver.release(request_id)  # returns only once no write can land any more
+        safe = self.receiver.release(request_id)  # False: a write may still land (fenced)
         request.status = RequestStatus.FINISHED
-        self.kv.free(request)
+        if safe:
+            self.kv.free(request)
+        else:
+            self.fenced[request_id] = request  # its blocks are freed once pop_unfenced says
 
 
 def _kept_block_scores(waiting: _Awaiting, meta: dict) -> list[float] | None:

@@ -49,8 +49,12 @@ class FakeReceiver:
         finished, self.finished = self.finished, []
         return finished
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> bool:
         self.released.append(request_id)
+        return True
+
+    def pop_unfenced(self) -> list[str]:
+        return []
 
 
 def request(tokens: list[int], request_id: str = "r") -> Request:
