@@ -5,8 +5,9 @@ Tier modules are imported only when configured, so an engine without a KV store 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from pdserve.kvstore import keys
 from pdserve.kvstore.base import EntryFormat, KVTier
 from pdserve.kvstore.tiered import TieredStore
 
@@ -24,6 +25,7 @@ class KVStoreConfig:
     redis_ttl_s: float | None = None
     async_puts: bool = True
     queue_size: int = 256
+    key_file: str | None = None  # the entries' MAC key (kvstore/keys.py); None: per-user key
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "disk_bytes"):
@@ -51,7 +53,16 @@ class KVStoreConfig:
 def build_tiered_store(config: KVStoreConfig, fmt: EntryFormat) -> TieredStore | None:
     """The configured tiers in order L2, L3, L4, or None when none is configured. A directory
     that cannot be created is a ValueError naming the setting; a Redis that is down is not an
-    error (the tier degrades to misses until it comes back)."""
+    error (the tier degrades to misses until it comes back). So is a key file that is not
+    private or too short, or a tier directory another user made or may write into."""
+    if not config.enabled:
+        return None
+    try:
+        key = keys.read_key_file(config.key_file) if config.key_file else keys.default_key()
+    except (OSError, ValueError) as e:
+        setting = "kvstore.key_file" if config.key_file else f"the key {keys.DEFAULT_KEY_FILE}"
+        raise ValueError(f"{setting} is not usable: {e}") from e
+    fmt = replace(fmt, key=key)
     tiers: list[KVTier] = []
     if config.host_bytes:
         from pdserve.kvstore.host import HostTier

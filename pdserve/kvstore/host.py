@@ -34,6 +34,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from pdserve.kvstore.base import EntryError, EntryFormat, KVTier, Payload
+from pdserve.kvstore.keys import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,7 @@ class FileTier(KVTier):
         rescan_interval_s: float = 1.0,
     ) -> None:
         super().__init__(name, fmt, capacity_bytes)
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = private_dir(directory)
         self.rescan_interval_s = rescan_interval_s
         self._lock = threading.Lock()
         self._index: OrderedDict[int, tuple[int, int]] = OrderedDict()  # hash -> (size, mtime)
@@ -111,7 +111,9 @@ class FileTier(KVTier):
         path = self._path(block_hash)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                # At most one byte more than an entry: a huge file costs no memory, and a
+                # wrong size fails the decode (after its header says whether it is foreign).
+                data = f.read(self.fmt.entry_bytes + 1)
         except FileNotFoundError:
             self._forget(block_hash)
             self._stats.add(misses=1)
@@ -198,7 +200,10 @@ class FileTier(KVTier):
         except OSError:
             return
         try:
-            data = claimed.read_bytes() if self.on_evict is not None else None
+            data = None
+            if self.on_evict is not None:
+                with open(claimed, "rb") as f:
+                    data = f.read(self.fmt.entry_bytes + 1)
             claimed.unlink()
         except OSError as e:
             log.warning("%s tier: eviction of %s failed: %s", self.name, path, e)

@@ -184,7 +184,10 @@ class RedisTier(KVTier):
 
     def get(self, block_hash: int) -> bytes | None:
         try:
-            data = self._call(self._client.get, self._key(block_hash))
+            # At most one byte more than an entry: a crafted huge value costs no memory, and
+            # a wrong size fails the decode. An empty reply is a missing key.
+            key, end = self._key(block_hash), self.fmt.entry_bytes
+            data = self._call(self._client.getrange, key, 0, end) or None
         except _Unavailable:
             data = None
         if data is None:

@@ -14,13 +14,14 @@ import pytest
 
 from pdserve.kvstore.base import EntryFormat
 
-PAYLOAD_BYTES = 1024
+PAYLOAD_BYTES = 1024  # one block of the format below: 2 layers x K,V x 2 heads x 4 x 8 x 4 B
+KEY = bytes(range(32))
 
 
 @pytest.fixture
 def fmt() -> EntryFormat:
     return EntryFormat("test/tiny-llama", num_layers=2, num_kv_heads=2, block_size=4,
-                       head_dim=8, dtype="float32")  # fmt: skip
+                       head_dim=8, dtype="float32", key=KEY)  # fmt: skip
 
 
 def payload(seed: int) -> bytes:

@@ -18,8 +18,8 @@ from tests.kvstore.conftest import payload
 
 def test_round_trip_and_header_fields(fmt):
     data = fmt.encode(0xDEAD_BEEF_0123_4567, payload(1))
-    magic, version, desc_len, block_hash, payload_len, _, _ = HEADER.unpack_from(data)
-    assert (magic, version, block_hash, payload_len) == (b"PDKV", 1, 0xDEAD_BEEF_0123_4567, 1024)
+    magic, version, desc_len, block_hash, payload_len, _ = HEADER.unpack_from(data)
+    assert (magic, version, block_hash, payload_len) == (b"PDKV", 2, 0xDEAD_BEEF_0123_4567, 1024)
     assert data[HEADER.size : HEADER.size + desc_len] == fmt.descriptor
     assert fmt.decode(0xDEAD_BEEF_0123_4567, data) == payload(1)
     assert fmt.decode(0xDEAD_BEEF_0123_4567, memoryview(data)) == payload(1)

@@ -89,9 +89,10 @@ def test_corrupt_and_truncated_files_are_counted_misses(make_tier):
 def test_foreign_entry_is_a_counted_miss_and_kept(fmt, host_root):
     ours = HostTier(fmt, 10 * entry_bytes(fmt), namespace="shared", root=host_root)
     theirs = HostTier(replace(fmt, dtype="bfloat16"), 10**6, namespace="shared", root=host_root)
-    theirs.put(1, payload(1))
+    block = payload(1)[: theirs.fmt.payload_bytes]  # a bfloat16 block is half as big
+    theirs.put(1, block)
     assert ours.get(1) is None and ours.stats()["foreign"] == 1
-    assert theirs.get(1) == payload(1)
+    assert theirs.get(1) == block
 
 
 def run_child(code: str) -> str:
@@ -104,8 +105,8 @@ def run_child(code: str) -> str:
 CHILD_PRELUDE = """
     from pdserve.kvstore.base import EntryFormat
     from pdserve.kvstore.host import HostTier
-    from tests.kvstore.conftest import payload
-    fmt = EntryFormat("test/tiny-llama", 2, 2, 4, 8, "float32")
+    from tests.kvstore.conftest import KEY, payload
+    fmt = EntryFormat("test/tiny-llama", 2, 2, 4, 8, "float32", key=KEY)
     tier = HostTier(fmt, {capacity}, root={root!r})
 """
 
