@@ -3,7 +3,7 @@
 The same file-per-block store as the host tier (see host.py for atomic writes, cross-process
 LRU and its limits); only the place differs. A new process scans the directory on
 construction, so entries written before a restart are found and counted against capacity.
-No fsync: this is a cache, and a file torn by a crash fails its checksum and is a miss.
+No fsync: this is a cache, and a file torn by a crash fails its MAC and is a miss.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ base.py). The directory is the only shared state, so every worker process of a h
 restart of a worker, for disk) sees the same entries without a server:
 
 - writes are atomic: write ``.tmp-<pid>-<tid>-<hash>``, then ``os.replace`` onto the name, so
-  a reader never opens half a file (and a torn write after a crash fails the checksum);
+  a reader never opens half a file (and a torn write after a crash fails the MAC);
 - recency is the file's mtime, set explicitly (ns) on write and on every read hit, so LRU
   order is global across processes;
 - capacity: each process keeps an index (hash -> size, mtime) of the directory, in LRU order,
