@@ -212,6 +212,8 @@ class SocketKVReceiver(KVReceiver):
             req = _held(conn, wire.str_field(header, "request_id"))
             if req is not None:
                 conn.leases[req] -= 1
+                if not conn.leases[req]:
+                    del conn.leases[req]  # a long-lived connection must not collect them
                 self._end_lease(req, 1)
         elif kind == wire.DONE:
             request_id = wire.str_field(header, "request_id")

@@ -66,8 +66,9 @@ def _map(path: str, layout: KVLayout) -> torch.Tensor:
     return flat.view(layout.shape)
 
 
-class ShmSpaceError(RuntimeError):
-    """/dev/shm cannot hold the KV pool; raised at creation, never as a SIGBUS later."""
+class ShmSpaceError(ValueError):
+    """/dev/shm cannot hold the KV pool; raised at creation, never as a SIGBUS later. A
+    ValueError, as a setting that does not fit: a worker's start reports it in one line."""
 
 
 def _space_error(directory: str, need: int, free: int) -> ShmSpaceError:
