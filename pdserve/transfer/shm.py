@@ -23,6 +23,7 @@ mapped, so enforcement is a protocol the sender's code obeys and the receiver ch
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -91,7 +92,7 @@ def sweep_orphans(directory: str | None = None) -> list[str]:
     A creator holds a shared ``flock`` on its pool for its whole life (the kernel drops it
     when the process dies, however it dies), so a pool we can lock exclusively is an
     orphan. A lock, not the pid in the name: pids are reused and differ between pid
-    namespaces that share one /dev/shm. Only names ``create_shared_kv`` picks are swept;
+    namespaces that share one /dev/shm. Only names ``create_shared_kv`` picks are swept, and
     temporary ones (a creator killed before publishing) once older than a minute."""
     directory = directory or SHM_DIR
     removed = []
@@ -103,11 +104,9 @@ def sweep_orphans(directory: str | None = None) -> list[str]:
         path = os.path.join(directory, name)
         try:
             if name.startswith(_TMP_PREFIX):
-                if time.time() - os.stat(path).st_mtime > 60:
-                    os.unlink(path)
-                    removed.append(name)
-                continue
-            if not _SWEPT.match(name):
+                if time.time() - os.stat(path).st_mtime < 60:
+                    continue  # may be between its creation and its lock
+            elif not _SWEPT.match(name):
                 continue
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
@@ -160,7 +159,8 @@ def create_shared_kv(layout: KVLayout, name: str | None = None) -> tuple[torch.T
         kv = _map(path, layout)
     except BaseException:
         os.close(fd)
-        os.unlink(where)
+        with contextlib.suppress(OSError):
+            os.unlink(where)
         raise
     with _owned_lock:
         _owned[kv.data_ptr()] = (name, fd)

@@ -110,3 +110,26 @@ def test_pools_of_killed_workers_are_swept_live_ones_kept(tmp_path, monkeypatch)
         live.kill()
         live.wait()
     assert shm.sweep_orphans(str(tmp_path)) == [live_name]
+
+
+def test_half_made_pools_are_swept_only_when_old_and_unlocked(tmp_path) -> None:
+    """A creator killed between creating its pool and publishing it leaves a temporary
+    file; one still being allocated (locked) or just made is kept."""
+    import fcntl
+    import time
+
+    def temp(name: str, age_s: float) -> str:
+        path = tmp_path / f"{shm._TMP_PREFIX}{name}"
+        path.write_bytes(b"x")
+        os.utime(path, (time.time() - age_s,) * 2)
+        return str(path)
+
+    temp("orphan", 120)
+    fd = os.open(temp("allocating", 120), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    temp("fresh", 0)
+    try:
+        assert shm.sweep_orphans(str(tmp_path)) == [f"{shm._TMP_PREFIX}orphan"]
+    finally:
+        os.close(fd)
+    assert len(os.listdir(tmp_path)) == 2
