@@ -13,6 +13,7 @@ from pdserve.config import CPU_KERNELS
 from pdserve.model.registry import DEFAULT_MODEL
 from pdserve.perf.cli import add_profile_parser
 from pdserve.sim.cli import add_plan_parser, add_simulate_parser
+from pdserve.router.status_cli import add_status_parser
 
 EXIT_BAD_INPUT = 2
 
@@ -166,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_profile_parser(sub)
     add_simulate_parser(sub)
     add_plan_parser(sub)
+    add_status_parser(sub)
     return parser
 
 

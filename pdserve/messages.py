@@ -135,6 +135,8 @@ class Ready:
     num_blocks: int
     block_size: int
     max_model_len: int
+    cpus: list[int] = field(default_factory=list)  # the cores it may run on
+    threads: int = 0  # torch intra-op threads
 
 
 @dataclass

@@ -15,7 +15,8 @@ request takes ~6 us (was ~1 us), once per request and never per token, where the
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+import random
+from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -64,6 +65,20 @@ class RouterMetrics:
             buckets=_E2E_BUCKETS_S,
             registry=self.registry,
         )
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds",
+            "Time between successive output tokens of a request, as the router receives them.",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.ttft_parts = Histogram(
+            "pdserve_ttft_part_seconds",
+            "One part of a request's time to first token (router/timing.py names them).",
+            ["part"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.window = Window()  # this interval's samples, for /v1/status (router/status.py)
 
     def record_finished(
         self,
@@ -71,14 +86,23 @@ class RouterMetrics:
         e2e_s: float,
         num_prompt_tokens: int,
         num_output_tokens: int,
+        itl_s: Sequence[float] = (),
+        ttft_parts_s: Mapping[str, float] | None = None,
     ) -> None:
+        tpot_s = None
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
             if num_output_tokens > 1:
-                self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+                tpot_s = (e2e_s - ttft_s) / (num_output_tokens - 1)
+                self.tpot.observe(tpot_s)
         self.e2e.observe(e2e_s)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
+        for gap_s in itl_s:
+            self.itl.observe(gap_s)
+        for part, part_s in (ttft_parts_s or {}).items():
+            self.ttft_parts.labels(part).observe(part_s)
+        self.window.add(ttft_s, tpot_s, itl_s, ttft_parts_s, num_output_tokens)
 
     def render(self, workers: list[dict[str, Any]], num_pending: int) -> str:
         """The exposition text; `workers` rows hold worker, healthy and Stats fields."""
@@ -92,6 +116,56 @@ class RouterMetrics:
         ]  # fmt: skip
         text = generate_latest(SimpleNamespace(collect=lambda: scraped))
         return (text + generate_latest(self.registry)).decode()
+
+
+class Window:
+    """The samples of finished requests since the last `take()`: latency samples (at most
+    `max_samples` each, a uniform reservoir beyond that, so memory stays bounded whatever the
+    request rate), TTFT part sums and counts."""
+
+    def __init__(self, max_samples: int = 2048) -> None:
+        self.max_samples = max_samples
+        self.elapsed_s = 0.0  # set by whoever closes the window
+        self._rng = random.Random(0)
+        self.take()
+
+    def add(
+        self,
+        ttft_s: float | None,
+        tpot_s: float | None,
+        itl_s: Sequence[float],
+        ttft_parts_s: Mapping[str, float] | None,
+        num_output_tokens: int,
+    ) -> None:
+        self.num_finished += 1
+        self.num_output_tokens += num_output_tokens
+        for name, value in (("ttft_s", ttft_s), ("tpot_s", tpot_s)):
+            if value is not None:
+                self._sample(name, value)
+        for gap_s in itl_s:
+            self._sample("itl_s", gap_s)
+        if ttft_parts_s:
+            self.num_with_parts += 1
+            for part, part_s in ttft_parts_s.items():
+                self.ttft_parts_s[part] = self.ttft_parts_s.get(part, 0.0) + part_s
+
+    def _sample(self, name: str, value: float) -> None:
+        seen = self._num_seen[name] = self._num_seen.get(name, 0) + 1
+        values = self.samples.setdefault(name, [])
+        if len(values) < self.max_samples:
+            values.append(value)
+        elif (slot := self._rng.randrange(seen)) < self.max_samples:
+            values[slot] = value
+
+    def take(self) -> Window:
+        """A copy of what was recorded, and a fresh start."""
+        taken = Window.__new__(Window)
+        taken.__dict__.update(self.__dict__)
+        self.num_finished = self.num_output_tokens = self.num_with_parts = 0
+        self.samples: dict[str, list[float]] = {}
+        self.ttft_parts_s: dict[str, float] = {}
+        self._num_seen: dict[str, int] = {}
+        return taken
 
 
 # (type, name, help, key of the worker row)

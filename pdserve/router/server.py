@@ -27,13 +27,14 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.policies import make_policy
 from pdserve.router.protocol import ApiError
 from pdserve.router.responses import abort_connection
+from pdserve.router.status import History, add_routes, worker_rows
 from pdserve.router.warmup import unpin, warmup
 from pdserve.router.workers import ControlPlane
 
 __all__ = ["STATE", "RouterState", "build_app", "load_router_tokenizer", "serve", "start_server"]
 
 log = logging.getLogger(__name__)
-_OPS_PATHS = ("/health", "/metrics")  # public unless `protect_health_metrics`
+_OPS_PATHS = ("/health", "/metrics", "/v1/status")  # public unless `protect_health_metrics`
 
 
 def load_router_tokenizer(config: RouterConfig) -> Tokenizer:
@@ -75,6 +76,7 @@ def build_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.A
     app.router.add_delete("/v1/cache/warmup", unpin)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    add_routes(app, History())
     return app
 
 
@@ -128,10 +130,11 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     """With an api_key every path needs it (unknown ones too: no probing for routes), except
-    /health and /metrics unless `protect_health_metrics`."""
+    the dashboard's files, and /health, /metrics and /v1/status unless
+    `protect_health_metrics`."""
     config = request.app[STATE].config
     public = () if config.protect_health_metrics else _OPS_PATHS
-    if config.api_key and request.path not in public:
+    if config.api_key and request.path not in public and not _is_asset(request.path):
         # aiohttp keeps header bytes that are not UTF-8 as surrogate escapes: compare bytes.
         given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
@@ -162,6 +165,12 @@ async def _limits(request: web.Request, handler: Any) -> web.StreamResponse:
                 request.transport.close()  # after the reply is flushed
             return response
     return await _send(request, await handler(request), config.write_timeout_s)
+
+
+def _is_asset(path: str) -> bool:
+    """The dashboard's files: the same for everyone and holding no data (the page asks
+    /v1/status, with the key when one is set)."""
+    return path == "/dashboard" or path.startswith("/dashboard/")
 
 
 async def _send(
@@ -208,28 +217,5 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    rows = []
-    for w in state.plane.workers.values():
-        s = w.stats
-        rows.append(
-            {
-                "worker": w.worker_id,
-                "healthy": int(state.plane.is_healthy(w.worker_id)),
-                "num_waiting": s.num_waiting if s else 0,
-                "num_running": s.num_running if s else 0,
-                "num_free_blocks": s.num_free_blocks if s else 0,
-                "num_total_blocks": s.num_total_blocks if s else 0,
-                "kv_bytes_sent": s.kv_bytes_sent if s else 0,
-                "kv_bytes_received": s.kv_bytes_received if s else 0,
-                "kv_blocks_skipped": s.kv_blocks_skipped if s else 0,
-                "active_requests": w.active_requests,
-                "kv_tiers": s.kv_tiers if s else {},
-                "kv_moved_bytes": s.kv_moved_bytes if s else {},
-                "num_cached_prompt_tokens": s.num_cached_prompt_tokens if s else 0,
-                "num_computed_prompt_tokens": s.num_computed_prompt_tokens if s else 0,
-                "num_pinned_blocks": s.num_pinned_blocks if s else 0,
-                "unacked_releases": sum(k[0] == w.worker_id for k in state.plane.unacked_releases),
-            }
-        )
-    text = state.metrics.render(rows, state.num_pending)
+    text = state.metrics.render(worker_rows(state), state.num_pending)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")

@@ -126,7 +126,8 @@ class Worker:
         e = self.engine
         self.send(m.Ready(
             self.spec.worker_id, e.role.name, self.spec.engine.model, e.kv.num_blocks,
-            e.kv.block_size, e.max_model_len,
+            e.kv.block_size, e.max_model_len, sorted(os.sched_getaffinity(0)),
+            torch.get_num_threads(),
         ))  # fmt: skip
         log.info("worker %s (%s) ready", self.spec.worker_id, e.role.name)
 

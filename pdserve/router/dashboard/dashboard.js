@@ -1,0 +1,151 @@
+// The /dashboard page: polls /v1/status once per interval for the points it has not seen,
+// keeps the last MAX_POINTS of them and redraws the worker table and the charts.
+"use strict";
+
+const MAX_POINTS = 600;
+const PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
+  "#7f7f7f", "#bcbd22", "#17becf"];
+const PCT = ["p50", "p90", "p99"];
+const points = [];
+const charts = {};
+let lastT = 0;
+let apiKey = sessionStorage.getItem("pdserve-key");
+
+// Each chart: a title, a unit, and series named from the points seen so far.
+const CHARTS = [
+  ["ttft", "Time to first token", "s", (p) => pct(p.ttft_s)],
+  ["tpot", "Time per output token", "s", (p) => pct(p.tpot_s)],
+  ["itl", "Inter-token latency", "s", (p) => pct(p.itl_s)],
+  ["rate", "Throughput", "/s", (p) => ({
+    "requests/s": p.requests_per_s, "output tokens/s": p.output_tokens_per_s })],
+  ["queue", "Queue length (waiting)", "", (p) => Object.assign({ "router pending": p.num_pending },
+    mapValues(p.workers, (w) => w.num_waiting))],
+  ["kv", "KV blocks used", "blocks", (p) => mapValues(p.workers, (w) => w.kv_blocks_used)],
+  ["cache", "Prefix-cache hit rate per tier", "", (p) => mapValues(p.cache,
+    (c) => (c.lookups ? c.hits / c.lookups : null))],
+  ["transfer", "KV transfer", "bytes/s", (p) => ({ "sent": p.transfer_bytes_per_s })],
+  ["parts", "TTFT breakdown (mean per interval)", "s", (p) => p.ttft_parts_s],
+];
+
+function pct(values) {
+  const out = {};
+  PCT.forEach((name, i) => { out[name] = values ? values[i] : null; });
+  return out;
+}
+
+function mapValues(obj, fn) {
+  const out = {};
+  for (const key of Object.keys(obj || {})) out[key] = fn(obj[key]);
+  return out;
+}
+
+function fmtBytes(n) {
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+  return n.toFixed(i ? 1 : 0) + " " + units[i];
+}
+
+function cell(text, cls) {
+  const td = document.createElement("td");
+  if (cls) td.className = cls;
+  td.textContent = text;
+  return td;
+}
+
+function renderWorkers(status) {
+  const body = document.querySelector("#workers tbody");
+  body.replaceChildren();
+  for (const w of status.workers) {
+    const tr = document.createElement("tr");
+    tr.dataset.worker = w.worker;
+    const l1 = (w.kv_tiers || {}).L1;
+    const hit = l1 && l1.lookups ? (100 * l1.hits / l1.lookups).toFixed(1) + " %" : "–";
+    const health = !w.ready ? "starting" : w.healthy ? "healthy" : "down";
+    tr.append(cell(w.worker, "l"), cell(w.role, "l role"), cell(w.cpus.join(",") || "any", "l"),
+      cell(w.threads || "–"), cell(health, "l" + (w.healthy ? "" : " down")),
+      cell(w.num_waiting), cell(w.num_running), cell(w.active_requests));
+    const kv = cell("", "l");
+    const frac = w.num_total_blocks ? w.kv_blocks_used / w.num_total_blocks : 0;
+    const bar = document.createElement("span");
+    bar.className = "kv";
+    bar.append(Object.assign(document.createElement("span"), {}));
+    bar.firstChild.style.width = (100 * frac).toFixed(1) + "%";
+    kv.append(bar, `${w.kv_blocks_used} / ${w.num_total_blocks}`);
+    tr.append(kv, cell(hit), cell(fmtBytes(w.kv_bytes_sent)), cell(fmtBytes(w.kv_bytes_received)));
+    body.append(tr);
+  }
+  const done = Object.entries(status.requests).map(([k, v]) => `${k} ${v}`).join(", ");
+  const health = status.health.ok ? "healthy"
+    : `<span class="bad">unavailable: missing ${status.health.missing_roles.join(", ")}</span>`;
+  document.getElementById("model").textContent = status.model;
+  document.getElementById("summary").innerHTML =
+    `${health} · ${status.num_pending} in flight · finished: ${done || "none"}`;
+}
+
+function seriesNames(extract) {
+  const names = [];
+  for (const p of points) {
+    for (const name of Object.keys(extract(p) || {})) if (!names.includes(name)) names.push(name);
+  }
+  return names;
+}
+
+function drawChart(key, title, unit, extract) {
+  const names = seriesNames(extract);
+  const data = [points.map((p) => p.t)];
+  for (const name of names) data.push(points.map((p) => (extract(p) || {})[name] ?? null));
+  let chart = charts[key];
+  if (chart && chart.names.join() !== names.join()) {
+    chart.plot.destroy();
+    chart.box.remove();
+    chart = null;
+  }
+  if (!chart) {
+    const box = document.createElement("div");
+    box.className = "chart";
+    box.id = "chart-" + key;
+    box.append(Object.assign(document.createElement("h2"), { textContent: title }));
+    document.getElementById("charts").append(box);
+    const opts = {
+      width: 430, height: 200,
+      series: [{}, ...names.map((name, i) => ({ label: name, stroke: PALETTE[i % PALETTE.length],
+        width: 1.5, spanGaps: true }))],
+      axes: [{}, { label: unit, size: 60 }],
+      legend: { live: false },
+    };
+    chart = charts[key] = { names, box, plot: new uPlot(opts, data, box) };
+  } else {
+    chart.plot.setData(data);
+  }
+}
+
+async function poll() {
+  const headers = apiKey ? { Authorization: "Bearer " + apiKey } : {};
+  const resp = await fetch(`/v1/status?since=${lastT}`, { headers });
+  if (resp.status === 401) {
+    apiKey = window.prompt("API key for this router");
+    if (apiKey) sessionStorage.setItem("pdserve-key", apiKey);
+    return;
+  }
+  const status = await resp.json();
+  for (const p of status.history) points.push(p);
+  points.splice(0, Math.max(0, points.length - MAX_POINTS));
+  if (points.length) lastT = points[points.length - 1].t;
+  renderWorkers(status);
+  for (const [key, title, unit, extract] of CHARTS) drawChart(key, title, unit, extract);
+  return status.interval_s;
+}
+
+async function loop() {
+  let interval_s = 1;
+  try {
+    interval_s = (await poll()) || interval_s;
+  } catch (err) {
+    document.getElementById("summary").innerHTML =
+      `<span class="bad">router unreachable: ${err}</span>`;
+  }
+  setTimeout(loop, interval_s * 1000);
+}
+
+loop();

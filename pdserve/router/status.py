@@ -1,0 +1,232 @@
+"""The cluster at a glance: `GET /v1/status` (JSON) and the `/dashboard` page that polls it.
+
+The router keeps a ring buffer of per-interval points (`History`), one every `interval_s`,
+at most `num_points` of them, so its memory is bounded whatever the uptime. A point holds
+what happened during its interval: latency percentiles of the requests that finished in it,
+requests and tokens per second, each worker's queue and KV blocks in use, prefix-cache hits
+and lookups per tier, KV transfer bytes per second and the mean TTFT parts. Worker counters
+are cumulative (Stats), so a point holds their difference from the previous point; a worker
+that restarted (its counter went down) counts from zero.
+
+`GET /v1/status?since=T` returns the points after time T only, so a page that polls once per
+interval receives one point per poll. The JSON's top-level keys are sections; a later one
+(e.g. `planner`, for the adaptive planner) is added beside the others and the page shows a
+section only when the JSON has it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.router.completions import STATE
+from pdserve.router.metrics import Window
+
+DASHBOARD_DIR = Path(__file__).parent / "dashboard"
+PERCENTILES = (50, 90, 99)
+
+
+def worker_rows(state: Any) -> list[dict[str, Any]]:
+    """One row per configured worker: its table entry and last Stats, flat (what /metrics
+    exports and /v1/status shows)."""
+    plane = state.plane
+    rows = []
+    for w in plane.workers.values():
+        s, ready = w.stats, w.ready
+        rows.append(
+            {
+                "worker": w.worker_id,
+                "role": w.role,
+                "ready": ready is not None,
+                "healthy": int(plane.is_healthy(w.worker_id)),
+                "cpus": list(ready.cpus) if ready else [],
+                "threads": ready.threads if ready else 0,
+                "num_waiting": s.num_waiting if s else 0,
+                "num_running": s.num_running if s else 0,
+                "num_free_blocks": s.num_free_blocks if s else 0,
+                "num_total_blocks": s.num_total_blocks if s else 0,
+                "kv_bytes_sent": s.kv_bytes_sent if s else 0,
+                "kv_bytes_received": s.kv_bytes_received if s else 0,
+                "kv_blocks_skipped": s.kv_blocks_skipped if s else 0,
+                "active_requests": w.active_requests,
+                "kv_tiers": s.kv_tiers if s else {},
+                "kv_moved_bytes": s.kv_moved_bytes if s else {},
+                "num_cached_prompt_tokens": s.num_cached_prompt_tokens if s else 0,
+                "num_computed_prompt_tokens": s.num_computed_prompt_tokens if s else 0,
+                "num_pinned_blocks": s.num_pinned_blocks if s else 0,
+                "unacked_releases": sum(k[0] == w.worker_id for k in plane.unacked_releases),
+            }
+        )
+    return rows
+
+
+def percentiles(values: list[float]) -> list[float] | None:
+    """Nearest-rank p50, p90, p99; None without samples."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    last = len(ordered) - 1
+    return [ordered[min(last, int(p / 100 * len(ordered)))] for p in PERCENTILES]
+
+
+class History:
+    """Per-interval points in a ring buffer (see the module docstring)."""
+
+    def __init__(
+        self, interval_s: float = 1.0, num_points: int = 600, num_recent: int = 10
+    ) -> None:
+        self.interval_s = interval_s
+        self.points: collections.deque[dict[str, Any]] = collections.deque(maxlen=num_points)
+        # The last intervals' samples, whole: percentiles over several intervals (`recent`).
+        self.windows: collections.deque[Window] = collections.deque(maxlen=num_recent)
+        self._last_rows: dict[str, dict[str, Any]] = {}
+        self._last_t: float | None = None
+
+    def add(self, t: float, window: Window, rows: list[dict[str, Any]], num_pending: int) -> None:
+        elapsed_s = t - self._last_t if self._last_t is not None else self.interval_s
+        self._last_t = t
+        window.elapsed_s = elapsed_s
+        self.windows.append(window)
+        hits: dict[str, dict[str, int]] = {}
+        transfer_bytes = 0
+        for row in rows:
+            last = self._last_rows.get(row["worker"], row)  # first seen: its baseline
+            transfer_bytes += _delta(row["kv_bytes_sent"], last.get("kv_bytes_sent", 0))
+            last_tiers = last.get("kv_tiers", {})
+            for tier, counts in row["kv_tiers"].items():
+                total = hits.setdefault(tier, {"hits": 0, "lookups": 0})
+                for key in total:
+                    total[key] += _delta(counts.get(key, 0), last_tiers.get(tier, {}).get(key, 0))
+        self._last_rows = {row["worker"]: row for row in rows}
+        parts = window.ttft_parts_s
+        self.points.append(
+            {
+                "t": round(t, 3),
+                "num_finished": window.num_finished,
+                "requests_per_s": window.num_finished / elapsed_s,
+                "output_tokens_per_s": window.num_output_tokens / elapsed_s,
+                **{name: percentiles(window.samples.get(name, [])) for name in _LATENCIES},
+                "num_pending": num_pending,
+                "workers": {
+                    row["worker"]: {
+                        "num_waiting": row["num_waiting"],
+                        "num_running": row["num_running"],
+                        "kv_blocks_used": row["num_total_blocks"] - row["num_free_blocks"],
+                    }
+                    for row in rows
+                },
+                "cache": dict(sorted(hits.items())),
+                "transfer_bytes_per_s": transfer_bytes / elapsed_s,
+                "ttft_parts_s": {p: s / window.num_with_parts for p, s in parts.items()},
+            }
+        )
+
+    def since(self, t: float) -> list[dict[str, Any]]:
+        return [p for p in self.points if p["t"] > t]
+
+    def recent(self) -> dict[str, Any]:
+        """Rates and latency percentiles over the last few intervals together."""
+        elapsed_s = sum(w.elapsed_s for w in self.windows) or self.interval_s
+        points = list(self.points)[-len(self.windows) :] if self.windows else []
+        cache: dict[str, dict[str, int]] = {}
+        for point in points:
+            for tier, counts in point["cache"].items():
+                total = cache.setdefault(tier, {"hits": 0, "lookups": 0})
+                total["hits"] += counts["hits"]
+                total["lookups"] += counts["lookups"]
+        return {
+            "window_s": round(elapsed_s, 3),
+            "requests_per_s": sum(w.num_finished for w in self.windows) / elapsed_s,
+            "output_tokens_per_s": sum(w.num_output_tokens for w in self.windows) / elapsed_s,
+            **{
+                name: percentiles([v for w in self.windows for v in w.samples.get(name, [])])
+                for name in _LATENCIES
+            },
+            "cache": dict(sorted(cache.items())),
+        }
+
+
+_LATENCIES = ("ttft_s", "tpot_s", "itl_s")
+
+
+def _delta(now: int, before: int) -> int:
+    return now - before if now >= before else now  # a restarted worker counts from zero
+
+
+HISTORY = web.AppKey("status_history", History)
+
+
+async def sample_forever(app: web.Application) -> None:
+    """The router's sampler task: one point per interval."""
+    state, history = app[STATE], app[HISTORY]
+    while True:
+        await asyncio.sleep(history.interval_s)
+        history.add(time.time(), state.metrics.window.take(), worker_rows(state), state.num_pending)
+
+
+def status(state: Any, history: History, since: float = 0.0) -> dict[str, Any]:
+    ok, health = state.plane.health()
+    rows = worker_rows(state)
+    for row in rows:
+        row["kv_blocks_used"] = row["num_total_blocks"] - row["num_free_blocks"]
+    return {
+        "model": state.config.model,
+        "time": time.time(),
+        "interval_s": history.interval_s,
+        "health": {"ok": ok, "missing_roles": health["missing_roles"]},
+        "num_pending": state.num_pending,
+        "requests": dict(sorted(state.metrics.requests.items())),
+        "workers": rows,
+        "recent": history.recent(),
+        "history": history.since(since),
+    }
+
+
+async def status_route(request: web.Request) -> web.Response:
+    try:
+        since = float(request.query.get("since", "0"))
+    except ValueError:
+        raise web.HTTPBadRequest(reason="since must be a number (unix seconds)") from None
+    return web.json_response(status(request.app[STATE], request.app[HISTORY], since))
+
+
+_ASSET_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+
+
+def _assets() -> dict[str, tuple[bytes, str]]:
+    """The page's files (about 60 KB), read once: a request never touches the disk."""
+    return {
+        path.name: (path.read_bytes(), _ASSET_TYPES[path.suffix])
+        for path in DASHBOARD_DIR.iterdir()
+        if path.suffix in _ASSET_TYPES
+    }
+
+
+def add_routes(app: web.Application, history: History) -> None:
+    """The status route, the page and the sampler that fills `history`."""
+    app[HISTORY] = history
+
+    async def sampler(app: web.Application):  # cleanup context: runs until the app stops
+        task = asyncio.create_task(sample_forever(app))
+        yield
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    app.cleanup_ctx.append(sampler)
+    assets = _assets()
+
+    async def asset(request: web.Request) -> web.Response:
+        name = request.match_info.get("name", "index.html")
+        if name not in assets:
+            raise web.HTTPNotFound()
+        body, content_type = assets[name]
+        return web.Response(body=body, content_type=content_type, charset="utf-8")
+
+    app.router.add_get("/v1/status", status_route)
+    app.router.add_get("/dashboard", asset)
+    app.router.add_get("/dashboard/{name}", asset)
