@@ -212,12 +212,18 @@ def _family(
 
 
 def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
+    info = [
+        ([w["worker"], w.get("role", ""), ",".join(map(str, w.get("cpus", []))),
+          str(w.get("threads", 0))], 1)
+        for w in workers
+    ]  # fmt: skip
     families = [
-        _family(
-            kind, name, help_text, ["worker"], [([w["worker"]], w.get(key, 0)) for w in workers]
-        )
-        for kind, name, help_text, key in _PER_WORKER
-    ]
+        _family("gauge", "pdserve_worker_info", "A worker's role, cores and torch threads.",
+                ["worker", "role", "cpus", "threads"], info),
+        *(_family(kind, name, help_text, ["worker"],
+                  [([w["worker"]], w.get(key, 0)) for w in workers])
+          for kind, name, help_text, key in _PER_WORKER),
+    ]  # fmt: skip
     for name, help_text, key, label, values in _PER_WORKER_SPLIT:
         samples = [([w["worker"], v], w.get(key.format(v), 0)) for w in workers for v in values]
         families.append(_family("counter", name, help_text, ["worker", label], samples))
