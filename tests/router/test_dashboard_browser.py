@@ -28,7 +28,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DOCS_SCREENSHOT = Path(__file__).parents[2] / "docs" / "img" / "dashboard.png"
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)"),
+    pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (apt install chromium)"),
 ]
 
 
