@@ -181,6 +181,9 @@ class Tokens:
     # A warm-up's (Generate.pin set): num_cached_tokens counts the prompt's tokens the cache
     # holds now, this how many of them are pinned.
     num_pinned_tokens: int | None = None
+    # With a request's first tokens from a worker: its time.time() stamps (prefill_start,
+    # prefill_end; kv_landed on a decode worker), for the TTFT breakdown (router/timing.py).
+    stamps: dict[str, float] | None = None
 
 
 @dataclass

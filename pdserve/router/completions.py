@@ -25,7 +25,11 @@ from pdserve.router.protocol import (
     parse_json,
     parse_request,
 )
+from pdserve.router.timing import RequestTiming
 from pdserve.router.workers import ControlPlane
+
+REQUEST_ID_HEADER = "X-Request-Id"  # on every generation response: the id in the logs
+TIMING_HEADER = "X-PDServe-Timing"  # "1": the response carries `pdserve_timing`
 
 
 @dataclass
@@ -61,6 +65,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             retry_after_s=1,
         )
     state.num_pending += 1
+    timing = RequestTiming()
     try:
         try:
             api = parse_request(await read_json(request), chat, state.config)
@@ -69,6 +74,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         except ApiError:
             state.metrics.requests["invalid"] += 1
             raise
+        ctx = responses.ResponseContext(api.chat, state.config.model)
         driver = RequestDriver(
             state.plane,
             state.policy,
@@ -77,8 +83,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             params,
             state.config.admission_timeout_s,
             state.config.max_recoveries,
+            ctx.id,
+            timing,
         )
-        return await _run(request, state, api, driver, len(prompt_ids))
+        return await _run(request, state, api, ctx, driver, len(prompt_ids))
     finally:
         state.num_pending -= 1
 
@@ -87,11 +95,11 @@ async def _run(
     request: web.Request,
     state: RouterState,
     api: ApiRequest,
+    ctx: responses.ResponseContext,
     driver: RequestDriver,
     num_prompt_tokens: int,
 ) -> web.StreamResponse:
     """Drive one request and answer it, recording its outcome however it ends."""
-    ctx = responses.ResponseContext(api.chat, state.config.model)
     status = "failed"
     try:
         if api.stream:
@@ -108,7 +116,9 @@ async def _run(
                 num_prompt_tokens, driver.num_output_tokens, driver.num_cached_tokens
             )
             body = responses.full_response(ctx, "".join(text), finish_reason, usage)
-            response = web.json_response(body)
+            if _wants_timing(request):
+                body["pdserve_timing"] = driver.timing.report(ctx.id)
+            response = web.json_response(body, headers={REQUEST_ID_HEADER: ctx.id})
         status = "success"
         return response
     except (asyncio.CancelledError, ConnectionResetError):
@@ -121,10 +131,11 @@ async def _run(
         driver.close(status)
         state.metrics.requests[status] += 1
         if status == "success":
-            e2e_s = time.monotonic() - driver.arrival
+            timing = driver.timing
             state.metrics.record_finished(
-                driver.ttft_s, e2e_s, num_prompt_tokens, driver.num_output_tokens
-            )
+                timing.ttft_s, time.monotonic() - timing.arrival, num_prompt_tokens,
+                driver.num_output_tokens, timing.itl_s, timing.parts(),
+            )  # fmt: skip
 
 
 async def _stream(
@@ -140,15 +151,13 @@ async def _stream(
     deltas = driver.stream()
     first = await anext(deltas)
     response = responses.EventStream(request.app[STATE].config.write_timeout_s)
+    response.headers[REQUEST_ID_HEADER] = ctx.id
     await response.prepare(request)
-    await response.write(
-        responses.sse(responses.chunk(ctx, first.text, first.finish_reason, first=True))
-    )
+    timing = driver.timing if _wants_timing(request) else None
+    await response.write(_chunk(ctx, first, timing, first=True))
     try:
         async for delta in deltas:
-            await response.write(
-                responses.sse(responses.chunk(ctx, delta.text, delta.finish_reason))
-            )
+            await response.write(_chunk(ctx, delta, timing))
     except ApiError as exc:
         await response.write(responses.sse(exc.body()))
         await response.write(responses.SSE_DONE)
@@ -162,6 +171,20 @@ async def _stream(
     await response.write(responses.SSE_DONE)
     await response.write_eof()
     return response, None
+
+
+def _chunk(
+    ctx: responses.ResponseContext, delta: Any, timing: RequestTiming | None, first: bool = False
+) -> bytes:
+    """One SSE chunk; the last carries `pdserve_timing` when the client asked for it."""
+    body = responses.chunk(ctx, delta.text, delta.finish_reason, first=first)
+    if timing is not None and delta.finish_reason is not None:
+        body["pdserve_timing"] = timing.report(ctx.id)
+    return responses.sse(body)
+
+
+def _wants_timing(request: web.Request) -> bool:
+    return request.headers.get(TIMING_HEADER, "").strip().lower() in ("1", "true", "yes")
 
 
 async def read_json(request: web.Request) -> Any:

@@ -39,6 +39,7 @@ from pdserve.kvcache.hashing import hash_blocks, root_hash
 from pdserve.output_processor import OutputProcessor
 from pdserve.router.policies import RouteRequest, RoutingPolicy
 from pdserve.router.protocol import ApiError, sampling_to_wire
+from pdserve.router.timing import RequestTiming
 from pdserve.router.workers import ControlPlane, WorkerLost
 from pdserve.sampling_params import SamplingParams
 
@@ -69,6 +70,8 @@ class RequestDriver:
         params: SamplingParams,
         admission_timeout_s: float,
         max_recoveries: int = 3,
+        request_id: str = "",
+        timing: RequestTiming | None = None,
     ) -> None:
         self.plane = plane
         self.policy = policy
@@ -79,11 +82,13 @@ class RequestDriver:
         self.admission_timeout_s = admission_timeout_s
         self.max_recoveries = max_recoveries
         self.num_recoveries = 0
-        self.key = uuid.uuid4().hex  # the processor's key: stable across attempts
+        # The client's id, in every log line: the processor's key, and each attempt's
+        # worker-side id is it plus the attempt's number.
+        self.key = request_id or uuid.uuid4().hex
         self.request_id = ""  # the worker-side id of the current attempt
+        self.num_attempts = 0
         self.state = "queued"
-        self.arrival = time.monotonic()
-        self.first_token_time: float | None = None
+        self.timing = timing or RequestTiming()
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the serving worker took from its cache
         self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
@@ -125,7 +130,7 @@ class RequestDriver:
 
     @property
     def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival
+        return self.timing.ttft_s
 
     # ---- flows --------------------------------------------------------------------------
 
@@ -182,6 +187,7 @@ class RequestDriver:
                 self.request_id, self.prompt_token_ids, self.sampling, done
             )
             self._send(worker_id, generate)
+            self.timing.on_dispatch()
             self._charge_prefill(worker_id, len(done))
             self._transition("prefilling")
             reply = await self._next()
@@ -217,6 +223,7 @@ class RequestDriver:
                 reply.recent_blocks,
             )
             self._send(prefill_id, prefill)
+            self.timing.on_dispatch()
             self._charge_prefill(prefill_id)
             self._transition("prefilling")
             first = await self._next()
@@ -307,9 +314,10 @@ class RequestDriver:
             return message
 
     def _on_tokens(self, worker_id: str, tokens: messages.Tokens, is_prefill: bool) -> Delta:
-        if self.first_token_time is None and tokens.token_ids:
-            self.first_token_time = time.monotonic()
+        if self.timing.first_token is None and tokens.token_ids:
             self.num_cached_tokens = tokens.num_cached_tokens  # the prefill's prefix hit
+        decode = worker_id == self._decode_id and not is_prefill
+        self.timing.on_tokens(len(tokens.token_ids), tokens.stamps, decode)
         self._release_prefill(worker_id)
         # A prefill worker is always "finished"; only a terminal reason ends the request.
         worker_done = tokens.finished and (
@@ -339,7 +347,8 @@ class RequestDriver:
     def _new_attempt(self) -> None:
         if self.request_id:
             self.plane.close_request(self.request_id)
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
+        self.num_attempts += 1
+        self.request_id = f"{self.key}-{self.num_attempts}"
         self._queue = self.plane.open(self.request_id)
 
     def _abort_attempt(self) -> None:

@@ -1,0 +1,104 @@
+"""Where one request's time to first token went: the router's clock and the workers' stamps.
+
+    arrival ─queued─▶ dispatched ─waiting─▶ prefill_start ─prefill─▶ prefill_end
+        prefill_end ─first_token─▶ first token at the router (streamed to the client at once)
+        prefill_end ─transfer─▶ kv_landed on D ─handover─▶ D's first token at the router
+
+- queued: the router's part: parsing, tokenizing, choosing workers, the decode worker's
+  reservation round trip, backoff while every worker refused for lack of room.
+- waiting: the request in flight to the worker and in its queue until a step schedules it.
+- prefill: the worker's steps from the first that computed part of the prompt to the end of
+  the one that computed its last chunk and sampled the first token.
+- first_token: the token's way back to the router and the router's processing of it.
+- transfer (disaggregated): the KV still in flight after the prefill's last layer, until the
+  decode worker saw it land (it checks between its steps; layer-wise sending moves the
+  earlier layers while later ones compute).
+- handover (disaggregated): from the KV landing to D's first token at the router: StartDecode
+  if it came later, D's next step, the token's way back.
+
+A prefill worker's first token goes to the client at once, so the first four parts add up to
+the TTFT; the KV transfer and the hand-over delay the next token, and queued + waiting +
+prefill + transfer + handover add up to the latency of the first token decoded on D.
+
+Clocks: router times are time.monotonic(); worker stamps are time.time() (the clock hosts
+share), turned into router time with the wall-minus-monotonic offset taken at arrival. Adjacent
+parts meet at the same instant, so the sums are exact; across hosts a clock offset moves time
+between two adjacent parts, never changes a sum.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+TTFT_PARTS = ("queued", "waiting", "prefill", "first_token")
+DECODE_PARTS = ("transfer", "handover")
+
+
+@dataclass
+class RequestTiming:
+    arrival: float = field(default_factory=lambda: time.monotonic())
+    wall_offset: float = field(default_factory=lambda: time.time() - time.monotonic())
+    dispatched: float | None = None  # the attempt that computed the first token
+    first_token: float | None = None
+    first_decode_token: float | None = None
+    stamps: dict[str, float] = field(default_factory=dict)  # workers' time.time() stamps
+    itl_s: list[float] = field(default_factory=list)
+    _last_token: float | None = None
+
+    def on_dispatch(self) -> None:
+        """The router sent the request that computes the prompt (Generate or Prefill)."""
+        if self.first_token is None:  # a resumed request keeps its first token's timeline
+            self.dispatched = time.monotonic()
+            self.stamps.clear()  # an earlier attempt's stamps are not this one's
+
+    def on_tokens(self, num_tokens: int, stamps: dict[str, float] | None, decode: bool) -> None:
+        """`num_tokens` arrived from a worker (`decode`: the decode worker of a disaggregated
+        request), with its stamps for this request, if any."""
+        now = time.monotonic()
+        for key, value in (stamps or {}).items():
+            self.stamps.setdefault(key, value)
+        if self.first_token is None:
+            self.first_token = now
+        elif num_tokens:
+            gap_s = (now - (self._last_token or now)) / num_tokens
+            self.itl_s.extend([gap_s] * num_tokens)
+        if decode and self.first_decode_token is None:
+            self.first_decode_token = now
+        if num_tokens:
+            self._last_token = now
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    def parts(self) -> dict[str, float]:
+        """The parts known for this request (none before its first token, no transfer or
+        handover for a request served on one worker), in seconds."""
+        s = self.stamps
+        if self.first_token is None or self.dispatched is None:
+            return {}
+        if "prefill_start" not in s or "prefill_end" not in s:
+            return {}
+        prefill_start = s["prefill_start"] - self.wall_offset
+        prefill_end = s["prefill_end"] - self.wall_offset
+        parts = {
+            "queued": self.dispatched - self.arrival,
+            "waiting": prefill_start - self.dispatched,
+            "prefill": prefill_end - prefill_start,
+            "first_token": self.first_token - prefill_end,
+        }
+        if self.first_decode_token is not None and "kv_landed" in s:
+            kv_landed = s["kv_landed"] - self.wall_offset
+            parts["transfer"] = kv_landed - prefill_end
+            parts["handover"] = self.first_decode_token - kv_landed
+        return parts
+
+    def report(self, request_id: str) -> dict[str, Any]:
+        """The client's opt-in `pdserve_timing` field."""
+        out: dict[str, Any] = {"request_id": request_id, "ttft_s": self.ttft_s}
+        out["ttft_parts_s"] = self.parts()
+        if self.first_decode_token is not None:
+            out["first_decode_token_s"] = self.first_decode_token - self.arrival
+        return out
