@@ -25,7 +25,7 @@ from pdserve.router.protocol import (
     parse_json,
     parse_request,
 )
-from pdserve.router.timing import RequestTiming
+from pdserve.router.timing import RequestTiming, export_span
 from pdserve.router.workers import ControlPlane
 
 REQUEST_ID_HEADER = "X-Request-Id"  # on every generation response: the id in the logs
@@ -130,6 +130,7 @@ async def _run(
     finally:
         driver.close(status)
         state.metrics.requests[status] += 1
+        export_span(ctx.id, driver.timing, status)
         if status == "success":
             timing = driver.timing
             state.metrics.record_finished(

@@ -32,6 +32,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+try:
+    from opentelemetry import trace as _trace
+except ImportError:  # optional: pdserve does not depend on it
+    _trace = None
+
 TTFT_PARTS = ("queued", "waiting", "prefill", "first_token")
 DECODE_PARTS = ("transfer", "handover")
 
@@ -73,27 +78,31 @@ class RequestTiming:
     def ttft_s(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
 
-    def parts(self) -> dict[str, float]:
-        """The parts known for this request (none before its first token, no transfer or
-        handover for a request served on one worker), in seconds."""
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """(part, start, end) in router time, for the parts known (none before the first
+        token or without the workers' stamps; no transfer or handover on one worker)."""
         s = self.stamps
         if self.first_token is None or self.dispatched is None:
-            return {}
+            return []
         if "prefill_start" not in s or "prefill_end" not in s:
-            return {}
+            return []
         prefill_start = s["prefill_start"] - self.wall_offset
         prefill_end = s["prefill_end"] - self.wall_offset
-        parts = {
-            "queued": self.dispatched - self.arrival,
-            "waiting": prefill_start - self.dispatched,
-            "prefill": prefill_end - prefill_start,
-            "first_token": self.first_token - prefill_end,
-        }
+        parts = [
+            ("queued", self.arrival, self.dispatched),
+            ("waiting", self.dispatched, prefill_start),
+            ("prefill", prefill_start, prefill_end),
+            ("first_token", prefill_end, self.first_token),
+        ]
         if self.first_decode_token is not None and "kv_landed" in s:
             kv_landed = s["kv_landed"] - self.wall_offset
-            parts["transfer"] = kv_landed - prefill_end
-            parts["handover"] = self.first_decode_token - kv_landed
+            parts.append(("transfer", prefill_end, kv_landed))
+            parts.append(("handover", kv_landed, self.first_decode_token))
         return parts
+
+    def parts(self) -> dict[str, float]:
+        """Each known part's length in seconds."""
+        return {part: end - start for part, start, end in self.timeline()}
 
     def report(self, request_id: str) -> dict[str, Any]:
         """The client's opt-in `pdserve_timing` field."""
@@ -102,3 +111,26 @@ class RequestTiming:
         if self.first_decode_token is not None:
             out["first_decode_token_s"] = self.first_decode_token - self.arrival
         return out
+
+
+def export_span(request_id: str, timing: RequestTiming, status: str) -> None:
+    """One OpenTelemetry span per request, a child span per TTFT part, when the
+    `opentelemetry` package is installed (where the spans go is the SDK's configuration;
+    with the API alone they cost a no-op). Called once per finished request."""
+    if _trace is None:
+        return
+    end = time.monotonic()
+
+    def ns(t: float) -> int:
+        return int((t + timing.wall_offset) * 1e9)
+
+    tracer = _trace.get_tracer("pdserve.router")
+    attributes = {"pdserve.request_id": request_id, "pdserve.status": status}
+    span = tracer.start_span(
+        "pdserve.request", start_time=ns(timing.arrival), attributes=attributes
+    )
+    context = _trace.set_span_in_context(span)
+    for part, start, stop in timing.timeline():
+        child = tracer.start_span(f"pdserve.{part}", context=context, start_time=ns(start))
+        child.end(end_time=ns(stop))
+    span.end(end_time=ns(end))

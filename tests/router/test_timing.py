@@ -56,3 +56,31 @@ def test_a_new_attempt_drops_the_earlier_ones_stamps(clock: Clock) -> None:
     clock.now = 52.0
     t.on_dispatch()  # a resumed request keeps its first token's timeline
     assert t.dispatched == 51.0
+
+
+def test_opentelemetry_spans_follow_the_timeline(clock: Clock) -> None:
+    pytest.importorskip("opentelemetry.sdk", reason="opentelemetry-sdk is not installed")
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    t = RequestTiming(wall_offset=1000.0)
+    clock.now = 50.5
+    t.on_dispatch()
+    clock.now = 51.0
+    t.on_tokens(1, {"prefill_start": 1050.75, "prefill_end": 1050.9}, decode=False)
+    clock.now = 51.5
+    timing_module.export_span("cmpl-7", t, "success")
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"pdserve.request", "pdserve.queued", "pdserve.waiting",
+                          "pdserve.prefill", "pdserve.first_token"}  # fmt: skip
+    root = spans["pdserve.request"]
+    assert root.attributes["pdserve.request_id"] == "cmpl-7"
+    assert (root.start_time, root.end_time) == (1050 * 10**9, 1051_500_000_000)
+    assert spans["pdserve.prefill"].parent.span_id == root.context.span_id
+    assert spans["pdserve.prefill"].start_time == 1050_750_000_000
