@@ -68,6 +68,9 @@ class Request:
     # prefilled into the prefix cache; with True its full blocks are then pinned (never
     # evicted until unpinned). None: an ordinary request.
     pin: bool | None = None
+    # time.time() stamps for the router's TTFT breakdown (prefill_start, prefill_end,
+    # kv_landed), sent with the request's next output and then cleared (router/timing.py).
+    stamps: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_kv_tokens(self) -> int:

@@ -8,6 +8,7 @@ decode worker; `decode` reserves blocks, receives KV and continues from the firs
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class RequestOutput:
     # when pinning was refused after the prefill (the prompt stays cached, unpinned).
     num_pinned_tokens: int | None = None
     error: str | None = None
+    stamps: dict[str, float] | None = None  # Request.stamps taken since its last output
 
 
 class Engine:
@@ -290,11 +292,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.loading:
             self._admit_loaded()
+        started = time.time()
         out = self.scheduler.schedule()
         if self.offload is not None:
             self.offload.save_evicted()
-        sampled = self.runner.execute(out, self.role.plan(out))
+        sampled = self.runner.execute(out, _stamp_layers(self.role.plan(out), layer_done := []))
+        # The prefill's end: its last layer's KV in the cache when layers are handed over one
+        # by one (the transfer tail starts there), else the step's end (sampling included).
+        ended = layer_done[-1] if layer_done else time.time()
         self.role.after_step()
+        for request, _ in out.scheduled:
+            if request.num_computed_tokens < request.num_prompt_tokens:  # a prompt chunk
+                request.stamps.setdefault("prefill_start", started)
         outputs = []
         for request in out.preempted:
             self.runner.block_scores.pop(request.request_id, None)
@@ -312,9 +321,27 @@ class Engine:
                 request.num_prompt_tokens,
                 request.num_cached_tokens,
             )
+            if "prefill_start" in request.stamps:
+                request.stamps.setdefault("prefill_end", ended)
+            output.stamps, request.stamps = request.stamps or None, {}
             if request.pin is not None and request.is_finished:
                 self._finish_warmup(request, output)
             outputs.append(output)
         if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):
             self.budget.enforce(self.scheduler.running)
         return outputs
+
+
+def _stamp_layers(
+    hook: Callable[[int], None] | None, done: list[float]
+) -> Callable[[int], None] | None:
+    """`hook`, also noting in `done` when each layer finished (none without a hook: a hook
+    changes how the model runs)."""
+    if hook is None:
+        return None
+
+    def stamped(layer: int) -> None:
+        done.append(time.time())
+        hook(layer)
+
+    return stamped

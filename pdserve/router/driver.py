@@ -186,8 +186,8 @@ class RequestDriver:
             generate = messages.Generate(
                 self.request_id, self.prompt_token_ids, self.sampling, done
             )
+            self.timing.on_dispatch()  # before the send: the worker may start at once
             self._send(worker_id, generate)
-            self.timing.on_dispatch()
             self._charge_prefill(worker_id, len(done))
             self._transition("prefilling")
             reply = await self._next()
@@ -222,8 +222,8 @@ class RequestDriver:
                 reply.sink_blocks,
                 reply.recent_blocks,
             )
+            self.timing.on_dispatch()  # before the send: the worker may start at once
             self._send(prefill_id, prefill)
-            self.timing.on_dispatch()
             self._charge_prefill(prefill_id)
             self._transition("prefilling")
             first = await self._next()

@@ -166,7 +166,8 @@ class Worker:
                 log.warning("dropped a control frame: %s", exc)
 
     def _handle(self, msg) -> None:
-        log.debug("%s <- %s", self.spec.worker_id, type(msg).__name__)
+        log.debug("%s <- %s %s", self.spec.worker_id, type(msg).__name__,
+                  getattr(msg, "request_id", ""))  # fmt: skip
         e, wid = self.engine, self.spec.worker_id
         if isinstance(msg, m.Abort):
             e.abort_request(msg.request_id)
@@ -243,7 +244,7 @@ class Worker:
                 wid, out.request_id, out.new_token_ids, finished,
                 out.finish_reason.value if finished else None,
                 out.num_prompt_tokens, out.num_cached_tokens,
-                num_pinned_tokens=out.num_pinned_tokens,
+                num_pinned_tokens=out.num_pinned_tokens, stamps=out.stamps,
             ))  # fmt: skip
 
     def _send_kv_events(self) -> None:

@@ -182,6 +182,7 @@ class DecodeRole(Role):
                     failed.append((request_id, str(exc)))
                     continue
                 waiting.landed = True
+                waiting.request.stamps["kv_landed"] = time.time()
                 self._activate_if_ready(waiting)
             else:
                 self._drop(request_id)

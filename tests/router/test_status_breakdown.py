@@ -1,0 +1,56 @@
+"""The TTFT breakdown on a real 1P1D cluster of the default model: for each request the parts
+the response reports add up to the TTFT the client measured, within 5%."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.launcher import Cluster, free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TTFT_PARTS = ("queued", "waiting", "prefill", "first_token")
+
+
+def stream_timed(url: str, prompt: str) -> tuple[float, dict]:
+    """(TTFT the client measured, the response's pdserve_timing)."""
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 4, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "X-PDServe-Timing": "1"},
+    )
+    start = time.perf_counter()
+    ttft_s, last = None, None
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        for line in resp:
+            if line.startswith(b"data: {"):
+                ttft_s = ttft_s or time.perf_counter() - start
+                last = json.loads(line[6:])
+    assert ttft_s is not None and last is not None
+    return ttft_s, last["pdserve_timing"]
+
+
+def test_parts_add_up_to_the_ttft_the_client_measured() -> None:
+    role = Role(threads=1, kv_cache_bytes=64 * 2**20)
+    pipeline = Pipeline(port=free_port(), prefill=role, decode=role)
+    words = "the quick brown fox jumps over the lazy dog and keeps running".split()
+    with Cluster(pipeline, log_level="WARNING") as url:
+        for i in range(6):
+            prompt = f"Request {i}: " + " ".join(words[(i + k) % len(words)] for k in range(150))
+            client_ttft_s, timing = stream_timed(url, prompt)
+            parts = timing["ttft_parts_s"]
+            assert set(parts) == {*TTFT_PARTS, "transfer", "handover"}, parts
+            ttft_sum = sum(parts[p] for p in TTFT_PARTS)
+            assert ttft_sum == pytest.approx(timing["ttft_s"], abs=1e-6)  # exact by design
+            assert ttft_sum == pytest.approx(client_ttft_s, rel=0.05), (client_ttft_s, parts)
+            decode_sum = ttft_sum - parts["first_token"] + parts["transfer"] + parts["handover"]
+            assert decode_sum == pytest.approx(timing["first_decode_token_s"], abs=1e-6)
+            assert parts["prefill"] > 0.5 * ttft_sum  # a 150-word prompt on one core
+            assert min(parts.values()) > -0.005, parts  # stamps of one host's clock
