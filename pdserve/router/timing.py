@@ -7,9 +7,11 @@
 - queued: the router's part: parsing, tokenizing, choosing workers, the decode worker's
   reservation round trip, backoff while every worker refused for lack of room.
 - waiting: the request in flight to the worker and in its queue until a step schedules it.
-- prefill: the worker's steps from the first that computed part of the prompt to the end of
-  the one that computed its last chunk and sampled the first token.
-- first_token: the token's way back to the router and the router's processing of it.
+- prefill: the worker's steps from the first that computed part of the prompt to the one that
+  computed its last chunk: to its last layer on a prefill worker handing KV over layer by
+  layer (where the transfer's tail starts), else to the step's end (sampling included).
+- first_token: the rest of that step (on such a prefill worker: the LM head and sampling),
+  the token's way back to the router and the router's processing of it.
 - transfer (disaggregated): the KV still in flight after the prefill's last layer, until the
   decode worker saw it land (it checks between its steps; layer-wise sending moves the
   earlier layers while later ones compute).

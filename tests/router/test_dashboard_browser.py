@@ -101,6 +101,8 @@ async def open_dashboard(url: str, screenshot: Path, timeout_s: float = 60) -> d
                 page = Page(ws)
                 for domain in ("Runtime", "Log", "Page"):
                     await page.call(f"{domain}.enable")
+                await page.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000,
+                                deviceScaleFactor=1, mobile=False)  # fmt: skip
                 await page.call("Page.navigate", url=f"{url}/dashboard")
                 deadline = time.monotonic() + timeout_s
                 while True:  # until every chart has points (the page polls once a second)
@@ -112,7 +114,8 @@ async def open_dashboard(url: str, screenshot: Path, timeout_s: float = 60) -> d
                         break
                     if time.monotonic() > deadline:
                         break
-                shot = await page.call("Page.captureScreenshot", format="png")
+                shot = await page.call("Page.captureScreenshot", format="png",
+                                       captureBeyondViewport=True)  # fmt: skip
                 screenshot.write_bytes(base64.b64decode(shot["data"]))
                 return {**(shown or {}), "errors": page.errors}
     finally:

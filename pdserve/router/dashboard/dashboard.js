@@ -16,9 +16,9 @@ const CHARTS = [
   ["ttft", "Time to first token", "s", (p) => pct(p.ttft_s)],
   ["tpot", "Time per output token", "s", (p) => pct(p.tpot_s)],
   ["itl", "Inter-token latency", "s", (p) => pct(p.itl_s)],
-  ["rate", "Throughput", "/s", (p) => ({
+  ["rate", "Throughput (requests finished per interval)", "/s", (p) => ({
     "requests/s": p.requests_per_s, "output tokens/s": p.output_tokens_per_s })],
-  ["queue", "Queue length (waiting)", "", (p) => Object.assign({ "router pending": p.num_pending },
+  ["queue", "Queue length (waiting)", "", (p) => Object.assign({ "router in flight": p.num_pending },
     mapValues(p.workers, (w) => w.num_waiting))],
   ["kv", "KV blocks used", "blocks", (p) => mapValues(p.workers, (w) => w.kv_blocks_used)],
   ["cache", "Prefix-cache hit rate per tier", "", (p) => mapValues(p.cache,
@@ -76,11 +76,12 @@ function renderWorkers(status) {
     body.append(tr);
   }
   const done = Object.entries(status.requests).map(([k, v]) => `${k} ${v}`).join(", ");
-  const health = status.health.ok ? "healthy"
-    : `<span class="bad">unavailable: missing ${status.health.missing_roles.join(", ")}</span>`;
+  const health = Object.assign(document.createElement("span"), status.health.ok
+    ? { textContent: "healthy" }
+    : { className: "bad", textContent: "unavailable: missing " + status.health.missing_roles.join(", ") });
   document.getElementById("model").textContent = status.model;
-  document.getElementById("summary").innerHTML =
-    `${health} · ${status.num_pending} in flight · finished: ${done || "none"}`;
+  document.getElementById("summary").replaceChildren(
+    health, ` · ${status.num_pending} in flight · finished: ${done || "none"}`);
 }
 
 function seriesNames(extract) {
@@ -111,7 +112,8 @@ function drawChart(key, title, unit, extract) {
       width: 430, height: 200,
       series: [{}, ...names.map((name, i) => ({ label: name, stroke: PALETTE[i % PALETTE.length],
         width: 1.5, spanGaps: true }))],
-      axes: [{}, { label: unit, size: 60 }],
+      axes: [{}, { label: unit, size: 70,
+        values: unit === "bytes/s" ? (u, ticks) => ticks.map((v) => fmtBytes(v) + "/s") : undefined }],
       legend: { live: false },
     };
     chart = charts[key] = { names, box, plot: new uPlot(opts, data, box) };
@@ -142,8 +144,9 @@ async function loop() {
   try {
     interval_s = (await poll()) || interval_s;
   } catch (err) {
-    document.getElementById("summary").innerHTML =
-      `<span class="bad">router unreachable: ${err}</span>`;
+    const summary = document.getElementById("summary");
+    summary.replaceChildren(Object.assign(document.createElement("span"),
+      { className: "bad", textContent: `router unreachable: ${err}` }));
   }
   setTimeout(loop, interval_s * 1000);
 }
