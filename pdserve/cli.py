@@ -12,8 +12,8 @@ from pdserve.cluster.warmup import add_warmup_parser
 from pdserve.config import CPU_KERNELS
 from pdserve.model.registry import DEFAULT_MODEL
 from pdserve.perf.cli import add_profile_parser
-from pdserve.sim.cli import add_plan_parser, add_simulate_parser
 from pdserve.router.status_cli import add_status_parser
+from pdserve.sim.cli import add_plan_parser, add_simulate_parser
 
 EXIT_BAD_INPUT = 2
 
