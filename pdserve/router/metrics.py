@@ -10,19 +10,29 @@ rate() reads as a counter reset.
 Cost, measured against the hand-written exposition this replaced: recording one finished
 request takes ~6 us (was ~1 us), once per request and never per token, where the router spends
 ~8 ms of CPU on a 23-token request; a scrape of 8 workers takes ~1.3 ms (was ~0.15 ms).
+With every token gap (inter-token latency) and the TTFT parts, a 128-token request costs
+~45 us to record (~85 us past 2048 gaps a second, when the status window's reservoir is full).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.metrics import disable_created_metrics
+from prometheus_client.utils import floatToGoString
 
 # No `<name>_created` series: /metrics never had them. Process-wide, and only the router
 # uses prometheus_client.
@@ -65,11 +75,10 @@ class RouterMetrics:
             buckets=_E2E_BUCKETS_S,
             registry=self.registry,
         )
-        self.itl = Histogram(
+        self.itl = Buckets(
             "pdserve_inter_token_latency_seconds",
             "Time between successive output tokens of a request, as the router receives them.",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
+            _LATENCY_BUCKETS_S,
         )
         self.ttft_parts = Histogram(
             "pdserve_ttft_part_seconds",
@@ -78,6 +87,7 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
+        self._part_children: dict[str, Any] = {}
         self.window = Window()  # this interval's samples, for /v1/status (router/status.py)
 
     def record_finished(
@@ -98,10 +108,12 @@ class RouterMetrics:
         self.e2e.observe(e2e_s)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
-        for gap_s in itl_s:
-            self.itl.observe(gap_s)
+        self.itl.observe_many(itl_s)
         for part, part_s in (ttft_parts_s or {}).items():
-            self.ttft_parts.labels(part).observe(part_s)
+            child = self._part_children.get(part)
+            if child is None:  # labels() costs more than observe(): look each part up once
+                child = self._part_children[part] = self.ttft_parts.labels(part)
+            child.observe(part_s)
         self.window.add(ttft_s, tpot_s, itl_s, ttft_parts_s, num_output_tokens)
 
     def render(self, workers: list[dict[str, Any]], num_pending: int) -> str:
@@ -113,6 +125,7 @@ class RouterMetrics:
                     [([], num_pending)]),
             _family("counter", "pdserve_requests_total", "Finished HTTP requests by status.",
                     ["status"], [([s], n) for s, n in sorted(self.requests.items())]),
+            self.itl.family(),
         ]  # fmt: skip
         text = generate_latest(SimpleNamespace(collect=lambda: scraped))
         return (text + generate_latest(self.registry)).decode()
@@ -141,21 +154,25 @@ class Window:
         self.num_output_tokens += num_output_tokens
         for name, value in (("ttft_s", ttft_s), ("tpot_s", tpot_s)):
             if value is not None:
-                self._sample(name, value)
-        for gap_s in itl_s:
-            self._sample("itl_s", gap_s)
+                self._sample(name, (value,))
+        self._sample("itl_s", itl_s)
         if ttft_parts_s:
             self.num_with_parts += 1
             for part, part_s in ttft_parts_s.items():
                 self.ttft_parts_s[part] = self.ttft_parts_s.get(part, 0.0) + part_s
 
-    def _sample(self, name: str, value: float) -> None:
-        seen = self._num_seen[name] = self._num_seen.get(name, 0) + 1
+    def _sample(self, name: str, new: Sequence[float]) -> None:
+        """Algorithm R: the k-th value seen replaces a random slot with probability max/k."""
         values = self.samples.setdefault(name, [])
-        if len(values) < self.max_samples:
-            values.append(value)
-        elif (slot := self._rng.randrange(seen)) < self.max_samples:
-            values[slot] = value
+        seen = self._num_seen.get(name, 0)
+        room = max(0, self.max_samples - len(values))
+        values.extend(new[:room])
+        random = self._rng.random
+        for i in range(room, len(new)):
+            slot = int(random() * (seen + i + 1))
+            if slot < self.max_samples:
+                values[slot] = new[i]
+        self._num_seen[name] = seen + len(new)
 
     def take(self) -> Window:
         """A copy of what was recorded, and a fresh start."""
@@ -166,6 +183,31 @@ class Window:
         self.ttft_parts_s: dict[str, float] = {}
         self._num_seen: dict[str, int] = {}
         return taken
+
+
+class Buckets:
+    """A histogram for many observations at once (every token gap of a request): bisect
+    into plain counts, exported at scrape time. prometheus_client's Histogram takes a lock
+    per observation, ~1.3 us; this is ~0.2 us, which keeps a 128-token request's gaps at
+    ~30 us of router CPU instead of ~170 us."""
+
+    def __init__(self, name: str, help_text: str, bounds: Sequence[float]) -> None:
+        self.name, self.help_text, self.bounds = name, help_text, tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1
+        self.sum += sum(values)
+
+    def family(self) -> Metric:
+        cumulative = list(itertools.accumulate(self.counts))
+        les = [*map(floatToGoString, self.bounds), "+Inf"]
+        family = HistogramMetricFamily(self.name, self.help_text)
+        family.add_metric([], list(zip(les, cumulative)), self.sum)
+        return family
 
 
 # (type, name, help, key of the worker row)

@@ -88,7 +88,9 @@ class History:
         self._last_t: float | None = None
 
     def add(self, t: float, window: Window, rows: list[dict[str, Any]], num_pending: int) -> None:
-        elapsed_s = t - self._last_t if self._last_t is not None else self.interval_s
+        # The first point, or a wall clock set back: one nominal interval.
+        last_t = self._last_t if self._last_t is not None else t
+        elapsed_s = t - last_t if t > last_t else self.interval_s
         self._last_t = t
         window.elapsed_s = elapsed_s
         self.windows.append(window)

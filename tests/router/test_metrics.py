@@ -65,3 +65,16 @@ def test_worker_rows_are_escaped_typed_and_exact():
     moved = frozenset({worker, ("src", "L2"), ("dst", "L3")})
     assert got["pdserve_kv_tier_moved_bytes_total", moved] == 300
     assert got["pdserve_worker_prompt_tokens_total", frozenset({worker, ("source", "cached")})] == 0
+
+
+def test_token_gaps_and_ttft_parts_are_histograms():
+    m = RouterMetrics()
+    m.record_finished(0.1, 0.4, 3, 4, itl_s=[0.01, 0.05, 0.2], ttft_parts_s={"prefill": 0.08})
+    got = samples(m.render([], 0))
+    bucket = "pdserve_inter_token_latency_seconds_bucket"
+    assert got[bucket, frozenset({("le", "0.01")})] == 1  # le is inclusive
+    assert got[bucket, frozenset({("le", "0.05")})] == 2
+    assert got[bucket, frozenset({("le", "+Inf")})] == 3
+    assert got["pdserve_inter_token_latency_seconds_sum", frozenset()] == 0.26
+    part = frozenset({("part", "prefill"), ("le", "0.1")})
+    assert got["pdserve_ttft_part_seconds_bucket", part] == 1
