@@ -323,7 +323,8 @@ class Engine:
             )
             if "prefill_start" in request.stamps:
                 request.stamps.setdefault("prefill_end", ended)
-            output.stamps, request.stamps = request.stamps or None, {}
+            if request.stamps:  # sent once: later outputs carry none
+                output.stamps, request.stamps = request.stamps, {}
             if request.pin is not None and request.is_finished:
                 self._finish_warmup(request, output)
             outputs.append(output)
