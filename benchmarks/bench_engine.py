@@ -175,6 +175,7 @@ def main() -> None:
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "cpu_kernels": args.cpu_kernels,
+            "cpu_isa": getattr(llm.engine.runner.kernels, "isa", None),
             **limits,
         },
         "model": {"name": args.model, "params": num_params, "pdserve_weight_bytes": ours_bytes},
@@ -202,7 +203,7 @@ def print_table(r: dict) -> None:
     m, b = r["machine"], r["bounds"]
     print(
         f"\nmachine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}, "
-        f"pdserve cpu_kernels={m.get('cpu_kernels', 'onednn')}"
+        f"pdserve cpu_kernels={m.get('cpu_kernels', 'onednn')} ({m.get('cpu_isa')})"
     )
     print(
         f"fp32 GEMM {m['gemm_gflops']:.1f} GFLOP/s, read {m['read_gbs']:.1f} GB/s, "

@@ -2,12 +2,16 @@
 (prepacked) vs PyTorch's `F.linear`, and native paged decode attention vs the PyTorch path
 (gather + SDPA).
 
-    .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--repeats 30]
+    .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--repeats 30] [--isa avx2]
+        [--weights gguf]
 
 Linear shapes are SmolLM2-135M's (hidden 576, intermediate 1536, fused QKV 960, fused
 gate/up 3072, vocabulary 49152), at the row counts decode batches (1..64) and prefill chunks
-(512) produce. Figures are medians; GB/s counts the weight bytes read once per call.
-Run on an idle machine: two busy cores halve any figure.
+(512) produce, with random fp32 weights or (--weights gguf) weights on the default model's
+GGUF grids (Q4_1 layers, a Q8_0 LM head), which the panel kernel stores compactly. Figures
+are medians; GB/s counts the fp32 weight bytes (4 per weight) once per call. --isa picks the
+native kernel variant (default: PDSERVE_CPU_ISA, else the widest this CPU runs). Run on an
+idle machine: two busy cores halve any figure.
 """
 
 from __future__ import annotations
@@ -26,11 +30,19 @@ LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (
            "lm_head": (49152, 576)}  # fmt: skip
 
 
+def gguf_grid(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """w rounded onto a GGUF quantization grid (what the loader makes of a GGUF tensor)."""
+    from gguf import GGMLQuantizationType, quants
+
+    t = GGMLQuantizationType[qtype]
+    return torch.from_numpy(quants.dequantize(quants.quantize(w.numpy() * 0.05, t), t).copy())
+
+
 def linear_times(lib, w: torch.Tensor, m: int, repeats: int) -> tuple[float, float, float]:
     """(native panels, oneDNN, F.linear) seconds for x [m, K] @ w.T."""
     n, k = w.shape
     x = torch.randn(m, k)
-    panels, packed = native.pack_panels(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
+    panels, packed = native.pack_panels(lib, w), torch.ops.mkldnn._reorder_linear_weight(w, None)
     return (
         timed(lambda: native.linear_panels(lib, x, panels, None), repeats),
         timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats),
@@ -38,11 +50,13 @@ def linear_times(lib, w: torch.Tensor, m: int, repeats: int) -> tuple[float, flo
     )
 
 
-def bench_linears(lib, rows: list[int], repeats: int) -> None:
+def bench_linears(lib, rows: list[int], repeats: int, weights: str) -> None:
     print("| linear | rows | native panels | oneDNN | F.linear | oneDNN time / native |")
     print("|---|---|---|---|---|---|")
     for name, (n, k) in LINEARS.items():
         w = torch.randn(n, k)
+        if weights == "gguf":
+            w = gguf_grid(w, "Q8_0" if name == "lm_head" else "Q4_1")
         for m in rows:
             times = linear_times(lib, w, m, repeats)
             flops, weight_bytes = 2 * m * n * k, n * k * 4
@@ -85,16 +99,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--isa", choices=["auto", *native.ISA_FLAGS], default=None)
+    ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    lib = native.load()
+    lib = native.load(args.isa)
     if lib is None:
         raise SystemExit("native kernels unavailable on this machine (see the log line above)")
     torch.manual_seed(0)
-    print(f"threads: {torch.get_num_threads()}\n")
+    print(
+        f"threads: {torch.get_num_threads()}, native kernels: {lib.isa}, {args.weights} weights\n"
+    )
     with torch.inference_mode():
-        bench_linears(lib, args.rows, args.repeats)
+        bench_linears(lib, args.rows, args.repeats, args.weights)
         bench_attention(lib, [1, 8, 32], args.context, args.repeats)
 
 

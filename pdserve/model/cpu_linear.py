@@ -10,10 +10,10 @@ tests compare against.
 
 With the native kernels (`native.py`) a linear can instead (decode workers) or also
 (collocated workers, which see both prefill chunks and decode batches) keep its weight packed
-in 24-column panels for `native.linear_panels`, which runs inputs of up to
-`native.PANEL_M_MAX` rows: at batch 1 it streams the weight with every thread where oneDNN's
-GEMV uses one core, and up to batch 64 it matches or beats oneDNN's GEMM
-(benchmarks/bench_kernels.py). Panels of weights that came from a GGUF file are stored in a
+in panels (24 or 48 columns, the kernel variant's width) for `native.linear_panels`, which
+runs inputs of up to `native.PANEL_M_MAX` rows: at batch 1 it streams the weight with every
+thread where oneDNN's GEMV uses one core, and up to batch 64 it matches or beats oneDNN's
+GEMM (benchmarks/bench_kernels.py). Panels of weights that came from a GGUF file are stored in a
 lossless 4- or 8-bit form (panel_codec.py), 3.5-5x fewer bytes to stream per step. A
 prefill-only worker keeps only the oneDNN copy.
 """
@@ -48,7 +48,9 @@ class PackedLinear(nn.Module):
         self.packed_weight = (
             torch.ops.mkldnn._reorder_linear_weight(linear.weight, None) if onednn else None
         )
-        self.panel_weight = native.pack_panels(linear.weight) if panels is not None else None
+        self.panel_weight = (
+            native.pack_panels(panels, linear.weight) if panels is not None else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is not None and (

@@ -11,8 +11,13 @@ Plain C with no PyTorch headers compiles in about a second with the system `gcc`
 `<model cache>/_kernels/<hash of sources and flags>.so`, once per machine (a different source
 or flags gives a new file; a concurrent build by another process is harmless: each writes a
 temporary file and renames it). It is linked against the OpenMP runtime PyTorch already
-loaded, so both share one thread pool and `torch.set_num_threads`. Without a compiler,
-AVX2/FMA or a CPU device, `load()` returns None and callers keep the PyTorch paths.
+loaded, so both share one thread pool and `torch.set_num_threads`.
+
+The sources build in two variants (`ISA_FLAGS`), AVX2 and AVX-512, the widest this CPU runs
+chosen at load time, or the one PDSERVE_CPU_ISA names (auto|avx2|avx512); the variant sets
+the panel width weights are packed in (docs/cpu-kernels.md). Where a variant cannot be built
+the next narrower one is tried; without a compiler, AVX2/FMA or a CPU device, `load()`
+returns None and callers keep the PyTorch paths.
 """
 
 from __future__ import annotations
@@ -37,8 +42,16 @@ from pdserve.model.registry import default_cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-PANEL = panel_codec.PANEL
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# Widest first: `auto` takes the first one the CPU runs. The AVX-512 set is Skylake-SP's
+# (every AVX-512 server CPU has it); gcc would otherwise keep auto-vectorized loops 256-bit.
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma",
+               "-mprefer-vector-width=512"],
+    "avx2": ["-mavx2", "-mfma"],
+}  # fmt: skip
+CPU_FLAGS = {"avx512": ("avx512f", "avx512vl", "avx512bw", "avx512dq"), "avx2": ("avx2", "fma")}
+ISA_ENV = "PDSERVE_CPU_ISA"
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
 # chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies.
 PANEL_M_MAX = 64
@@ -46,24 +59,26 @@ PANEL_M_MAX = 64
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
-def cpu_supports_avx2() -> bool:
+def cpu_supports(isa: str) -> bool:
+    """Whether this CPU runs the `isa` variant (from /proc/cpuinfo; False where unreadable)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return False
-    return " avx2 " in flags and " fma " in flags
+    return all(f in flags for f in CPU_FLAGS[isa])
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile the kernels (if not already) and return the shared library's path."""
+def build(isa: str = "avx2", out_dir: Path | None = None) -> Path:
+    """Compile the `isa` variant of the kernels (if not already) and return its path."""
     cc = os.environ.get("CC", "gcc")
+    flags = [*FLAGS, *ISA_FLAGS[isa]]
     sources = sorted(CSRC.glob("*.c"))
-    digest = hashlib.sha256(" ".join([cc, *FLAGS]).encode())
+    digest = hashlib.sha256(" ".join([cc, *flags]).encode())
     for path in sorted(CSRC.glob("*.[ch]")):  # the key covers the header too
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     key = digest.hexdigest()[:16]
     out_dir = out_dir or default_cache_dir() / "_kernels"
-    lib = out_dir / f"cpu_kernels-{key}.so"
+    lib = out_dir / f"cpu_kernels-{isa}-{key}.so"
     if lib.exists():
         return lib
     if shutil.which(cc) is None:
@@ -72,29 +87,50 @@ def build(out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, *map(str, sources), "-o", tmp], check=True, capture_output=True)
+        subprocess.run([cc, *flags, *map(str, sources), "-o", tmp], check=True, capture_output=True)
         os.replace(tmp, lib)
     except subprocess.CalledProcessError as e:
-        raise RuntimeError(f"building {CSRC} failed: {e.stderr.decode()[-2000:]}") from e
+        raise RuntimeError(f"building {CSRC} for {isa} failed: {e.stderr.decode()[-2000:]}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
 
 
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The loaded kernels of variant `isa` (default: PDSERVE_CPU_ISA, else `auto`: the widest
+    this CPU runs), or None (logged once) where none can run. The library carries `isa` and
+    `panel_width` (output columns per packed panel) as attributes."""
+    isa = isa or os.environ.get(ISA_ENV, "auto")
+    if isa != "auto" and isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected auto, {' or '.join(ISA_FLAGS)}")
+    return _load(isa)
+
+
 @cache
-def load() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (logged once) where they cannot run."""
+def _load(isa: str) -> ctypes.CDLL | None:
     if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
         return None
-    if not cpu_supports_avx2():
-        log.info("native CPU kernels off: this CPU lacks AVX2/FMA")
-        return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (RuntimeError, OSError) as e:
-        log.warning("native CPU kernels off (PyTorch paths used instead): %s", e)
-        return None
+    for variant in ISA_FLAGS if isa == "auto" else [isa]:
+        if not cpu_supports(variant):
+            log.info("native CPU kernels: this CPU cannot run the %s variant", variant)
+            continue
+        try:
+            lib = _declare(ctypes.CDLL(str(build(variant))))
+        except (RuntimeError, OSError) as e:
+            log.warning("native CPU kernels: the %s variant is unavailable: %s", variant, e)
+            continue
+        lib.isa, lib.panel_width = variant, lib.pd_panel_width()
+        log.info("native CPU kernels: %s (%d-column weight panels)", variant, lib.panel_width)
+        return lib
+    log.info("native CPU kernels off (PyTorch paths used instead)")
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Argument and result types of every kernel."""
+    lib.pd_panel_width.argtypes = []
+    lib.pd_panel_width.restype = _i64
     lib.pd_linear_panels.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
     lib.pd_linear_panels.restype = ctypes.c_int
     lib.pd_paged_decode_attn.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 6 + [_f32]
@@ -150,13 +186,14 @@ class PdLayer(ctypes.Structure):
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A linear weight packed for `linear_panels`: 24-column panels, in fp32 or a lossless
-    compact format (panel_codec.py)."""
+    """A linear weight packed for `linear_panels`: `panel`-column panels (the width of the
+    kernel variant it was packed for), in fp32 or a lossless compact format (panel_codec.py)."""
 
     data: torch.Tensor
     codec: int
     out_features: int
     in_features: int
+    panel: int
 
     @property
     def nbytes(self) -> int:
@@ -166,19 +203,21 @@ class PanelWeight:
         return PdWeight(self.data.data_ptr(), self.codec)
 
 
-def pack_panels(weight: torch.Tensor, compact: bool = True) -> PanelWeight:
-    """Pack an [N, K] weight into ceil(N / 24) panels, each holding its 24 output columns
-    side by side for every k (zero-padded past N) — in the smallest format that reproduces
-    every weight bit for bit (`compact=False`: always fp32)."""
+def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor, compact: bool = True) -> PanelWeight:
+    """Pack an [N, K] weight for `lib` into ceil(N / P) panels (P = lib.panel_width), each
+    holding its P output columns side by side for every k (zero-padded past N) — in the
+    smallest format that reproduces every weight bit for bit (`compact=False`: always fp32)."""
     n, k = weight.shape
-    codec, data = panel_codec.encode(weight, compact)
-    return PanelWeight(data, codec, n, k)
+    codec, data = panel_codec.encode(weight, lib.panel_width, compact)
+    return PanelWeight(data, codec, n, k, lib.panel_width)
 
 
 def linear_panels(
     lib: ctypes.CDLL, x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for x [M, K] with `weight = pack_panels(w)`."""
+    """`F.linear(x, w, bias)` for x [M, K] with `weight = pack_panels(lib, w)`."""
+    if weight.panel != lib.panel_width:
+        raise ValueError(f"weight packed in {weight.panel}-column panels for {lib.isa} kernels")
     x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, weight.out_features, dtype=x.dtype)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
-PANEL = 24  # output columns per packed weight panel (three AVX2 vectors)
 QBLOCK = 32  # consecutive inputs sharing one (d, m)
 F32, Q4A, Q8S = 0, 1, 2
 CODEC_NAMES = {F32: "fp32", Q4A: "q4 affine", Q8S: "q8 symmetric"}
-BYTES_PER_WEIGHT = {F32: 4.0, Q4A: 576 / 768, Q8S: 864 / 768}
+# A block of 32 k by P columns: (d, m) and P 4-bit q per k, or d and P int8 q per k.
+BLOCK_BYTES_PER_COLUMN = {Q4A: 24, Q8S: 36}
+BYTES_PER_WEIGHT = {F32: 4.0, Q4A: 24 / QBLOCK, Q8S: 36 / QBLOCK}
 
 
 def _fp16_steps(x: torch.Tensor) -> list[torch.Tensor]:
@@ -107,62 +108,69 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
 
 
-def _block_floats(v: torch.Tensor, panels: int) -> torch.Tensor:
-    """[Np, K/32] per-row block values -> [P, K/32, 96] bytes: each block's 24 floats."""
-    return v.float().reshape(panels, PANEL, -1).transpose(1, 2).contiguous().view(torch.uint8)
+def _block_floats(v: torch.Tensor, panels: int, panel: int) -> torch.Tensor:
+    """[Np, K/32] per-row block values -> [P, K/32, 4 panel] bytes: each block's floats."""
+    return v.float().reshape(panels, panel, -1).transpose(1, 2).contiguous().view(torch.uint8)
 
 
-def _encode_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, panels: int) -> torch.Tensor:
+def _encode_q4(q, d, m, panels: int, panel: int) -> torch.Tensor:
     kb = q.shape[1] // QBLOCK
-    # [P, 24, kb, 32] -> [P, kb, 32 (k), 3 (g), 8 (j)]: word g of row k packs columns 8g+j,
-    # little-endian, so its byte b holds columns 8g+2b (low nibble) and 8g+2b+1 (high)
-    nib = q.reshape(panels, 3, 8, kb, QBLOCK).permute(0, 3, 4, 1, 2)
-    word_bytes = nib[..., 0::2] | (nib[..., 1::2] << 4)  # [P, kb, 32, 3, 4] uint8
-    parts = [_block_floats(d, panels), _block_floats(m, panels), word_bytes.reshape(panels, kb, -1)]
+    # [P, panel, kb, 32] -> [P, kb, 32 (k), panel/8 (g), 8 (j)]: word g of row k packs
+    # columns 8g+j, little-endian, so its byte b holds columns 8g+2b (low nibble) and
+    # 8g+2b+1 (high)
+    nib = q.reshape(panels, panel // 8, 8, kb, QBLOCK).permute(0, 3, 4, 1, 2)
+    word_bytes = nib[..., 0::2] | (nib[..., 1::2] << 4)  # [P, kb, 32, panel/8, 4] uint8
+    parts = [
+        _block_floats(d, panels, panel),
+        _block_floats(m, panels, panel),
+        word_bytes.reshape(panels, kb, -1),
+    ]
     return torch.cat(parts, -1).reshape(panels, -1).contiguous()
 
 
-def _encode_q8(q: torch.Tensor, d: torch.Tensor, panels: int) -> torch.Tensor:
+def _encode_q8(q, d, panels: int, panel: int) -> torch.Tensor:
     kb = q.shape[1] // QBLOCK
-    qs = q.reshape(panels, PANEL, kb, QBLOCK).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
-    parts = [_block_floats(d, panels), qs.reshape(panels, kb, -1)]
+    qs = q.reshape(panels, panel, kb, QBLOCK).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    parts = [_block_floats(d, panels, panel), qs.reshape(panels, kb, -1)]
     return torch.cat(parts, -1).reshape(panels, -1).contiguous()
 
 
-def encode(weight: torch.Tensor, compact: bool = True) -> tuple[int, torch.Tensor]:
-    """(codec, panel data) for an fp32 [N, K] weight: the smallest lossless format."""
+def encode(weight: torch.Tensor, panel: int, compact: bool = True) -> tuple[int, torch.Tensor]:
+    """(codec, data of `panel`-column panels) for an fp32 [N, K] weight: the smallest
+    lossless format. `panel` is the kernel variant's width, a multiple of 8."""
     weight = weight.detach().float().cpu()
     n, k = weight.shape
-    panels = -(-n // PANEL)
+    panels = -(-n // panel)
     if compact and k % QBLOCK == 0:
-        rows = panels * PANEL
+        rows = panels * panel
         if _sample_fits(weight, q4_affine_grid) and (g := q4_affine_grid(weight)) is not None:
             q, d, m = (_pad_rows(t, rows) for t in g)
-            return Q4A, _encode_q4(q, d, m, panels)
+            return Q4A, _encode_q4(q, d, m, panels, panel)
         if _sample_fits(weight, q8_symmetric_grid) and (g := q8_symmetric_grid(weight)) is not None:
             q, d = (_pad_rows(t, rows) for t in g)
-            return Q8S, _encode_q8(q, d, panels)
-    padded = _pad_rows(weight, panels * PANEL)
-    return F32, padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+            return Q8S, _encode_q8(q, d, panels, panel)
+    padded = _pad_rows(weight, panels * panel)
+    return F32, padded.view(panels, panel, k).transpose(1, 2).contiguous()
 
 
-def decode(codec: int, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def decode(codec: int, data: torch.Tensor, n: int, k: int, panel: int) -> torch.Tensor:
     """The fp32 [N, K] weight back from `encode`'s panels (a reference for tests)."""
     panels, kb = data.shape[0], k // QBLOCK
     if codec == F32:
         cols = data.transpose(1, 2)
     else:
-        size = 576 if codec == Q4A else 864
-        blocks = data.reshape(panels, kb, size)
-        d = blocks[..., :96].contiguous().view(torch.float32)  # [P, kb, 24]
+        blocks = data.reshape(panels, kb, BLOCK_BYTES_PER_COLUMN[codec] * panel)
+        floats = 4 * panel
+        d = blocks[..., :floats].contiguous().view(torch.float32)  # [P, kb, panel]
         if codec == Q4A:
-            m = blocks[..., 96:192].contiguous().view(torch.float32)
-            words = blocks[..., 192:].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-            words = words.reshape(panels, kb, QBLOCK, 3, 1)
-            q = ((words >> (4 * torch.arange(8))) & 0xF).reshape(panels, kb, QBLOCK, PANEL)
+            m = blocks[..., floats : 2 * floats].contiguous().view(torch.float32)
+            words = blocks[..., 2 * floats :].contiguous().view(torch.int32).to(torch.int64)
+            words = (words & 0xFFFFFFFF).reshape(panels, kb, QBLOCK, panel // 8, 1)
+            q = ((words >> (4 * torch.arange(8))) & 0xF).reshape(panels, kb, QBLOCK, panel)
         else:
             m = torch.zeros_like(d)
-            q = blocks[..., 96:].contiguous().view(torch.int8).reshape(panels, kb, QBLOCK, PANEL)
-        w = torch.addcmul(m.unsqueeze(2), q.float(), d.unsqueeze(2))  # [P, kb, 32, 24]
-        cols = w.reshape(panels, k, PANEL).transpose(1, 2)
-    return cols.reshape(panels * PANEL, k)[:n].contiguous()
+            q = blocks[..., floats:].contiguous().view(torch.int8)
+            q = q.reshape(panels, kb, QBLOCK, panel)
+        w = torch.addcmul(m.unsqueeze(2), q.float(), d.unsqueeze(2))  # [P, kb, 32, panel]
+        cols = w.reshape(panels, k, panel).transpose(1, 2)
+    return cols.reshape(panels * panel, k)[:n].contiguous()

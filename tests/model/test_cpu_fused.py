@@ -7,17 +7,16 @@ import torch
 
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.model import native
 from pdserve.model.cpu_fused import FusedDecoderLayer, fuse_layers
 from pdserve.model.loader import load_model
 from tests.engine.test_engine import make_engine, prompts, run
 from tests.model.test_llama import our_logits
 
-lib = native.load()
-pytestmark = pytest.mark.skipif(lib is None, reason="native CPU kernels unavailable here")
+# Every test once per kernel variant (the `lib` fixture also makes engines load it).
+pytestmark = pytest.mark.usefixtures("lib")
 
 
-def test_fused_prefill_logits_equal_reference(tiny_model_dir):
+def test_fused_prefill_logits_equal_reference(tiny_model_dir, lib):
     ids = [3, 17, 99, 4, 56, 2, 81, 33, 7, 120, 64, 5, 9]
     model = load_model(tiny_model_dir)
     want = our_logits(model, ids)

@@ -7,23 +7,20 @@ import torch.nn.functional as F
 from pdserve.model import native
 from pdserve.model.cpu_linear import PackedLinear
 
-lib = native.load()
-pytestmark = pytest.mark.skipif(lib is None, reason="native CPU kernels unavailable here")
 
-
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 8, 13, 64])
 @pytest.mark.parametrize("n,k", [(96, 64), (7, 40), (33, 100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_panels_equals_f_linear(m, n, k, bias):
-    """Every micro-kernel height (1..6 rows), partial last panels, odd K."""
+def test_linear_panels_equals_f_linear(lib, m, n, k, bias):
+    """Every micro-kernel height (1..8 rows), partial last panels, odd K."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    y = native.linear_panels(lib, x, native.pack_panels(w), b)
+    y = native.linear_panels(lib, x, native.pack_panels(lib, w), b)
     torch.testing.assert_close(y, F.linear(x, w, b))
 
 
-def test_packed_linear_takes_either_path():
+def test_packed_linear_takes_either_path(lib):
     """Small inputs take the panel kernel, large ones oneDNN; a decode-only copy takes any."""
     linear = torch.nn.Linear(40, 24)
     both, panels_only = PackedLinear(linear, lib), PackedLinear(linear, lib, onednn=False)
@@ -61,7 +58,7 @@ def reference_attention(q, blocks, tables, lens):
     "heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 2, 36), (8, 2, 64), (4, 2, 32), (3, 3, 32)]
 )
 @pytest.mark.parametrize("copies", [1, 8])
-def test_paged_decode_attention_equals_dense(heads, kv_heads, d, copies):
+def test_paged_decode_attention_equals_dense(lib, heads, kv_heads, d, copies):
     """5 sequences take one work item per (sequence, KV head); 40 (copies=8) one per
     sequence, walking all its KV heads block by block."""
     g = torch.Generator().manual_seed(heads + d)
@@ -85,13 +82,35 @@ def test_paged_decode_attention_equals_dense(heads, kv_heads, d, copies):
     torch.testing.assert_close(native.paged_decode_attention(lib, q, blocks, tables, lens), out)
 
 
-def test_build_is_cached(tmp_path):
-    first = native.build(tmp_path)
+@pytest.mark.parametrize("isa", list(native.ISA_FLAGS))
+def test_build_is_cached(tmp_path, isa):
+    """Built once per variant (compiling needs no CPU support for it)."""
+    first = native.build(isa, tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert native.build(isa, tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert isa in first.name
 
 
-def test_elementwise_kernels_equal_torch():
+def test_variant_choice(lib, monkeypatch):
+    """auto takes the widest variant this CPU runs; a forced one is taken as named; a
+    misspelt one is an error naming the variable."""
+    widest = next(isa for isa in native.ISA_FLAGS if native.cpu_supports(isa))
+    monkeypatch.setenv(native.ISA_ENV, "auto")
+    assert native.load().isa == widest
+    monkeypatch.setenv(native.ISA_ENV, lib.isa)
+    assert native.load() is lib and lib.panel_width == {"avx2": 24, "avx512": 48}[lib.isa]
+    monkeypatch.setenv(native.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match=native.ISA_ENV):
+        native.load()
+
+
+def test_weight_packed_for_another_variant_is_refused(lib):
+    other = native.PanelWeight(torch.zeros(1), 0, 8, 8, panel=lib.panel_width * 2)
+    with pytest.raises(ValueError, match="packed in"):
+        native.linear_panels(lib, torch.zeros(1, 8), other, None)
+
+
+def test_elementwise_kernels_equal_torch(lib):
     g = torch.Generator().manual_seed(7)
     x, add, w = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g), torch.randn(40)
     torch.testing.assert_close(native.rmsnorm(lib, x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5))
@@ -104,7 +123,7 @@ def test_elementwise_kernels_equal_torch():
     torch.testing.assert_close(native.silu_mul(lib, gate_up), F.silu(gate) * up)
 
 
-def test_rope_qkv_store_equals_rope_then_write():
+def test_rope_qkv_store_equals_rope_then_write(lib):
     from pdserve.model.kv_cache import LayerCache
     from pdserve.model.rope import apply_rope, cos_sin_table
 
@@ -129,7 +148,7 @@ def test_rope_qkv_store_equals_rope_then_write():
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 49152 + 3])
-def test_argmax_rows_equals_torch_argmax(n):
+def test_argmax_rows_equals_torch_argmax(lib, n):
     g = torch.Generator().manual_seed(n)
     x = torch.randn(9, n, generator=g)
     x[1] = x[1].round()  # ties: the first maximal index wins

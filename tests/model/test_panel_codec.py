@@ -8,8 +8,7 @@ from gguf import quants
 from pdserve.model import native, panel_codec
 from pdserve.model.panel_codec import F32, Q4A, Q8S
 
-lib = native.load()
-needs_kernels = pytest.mark.skipif(lib is None, reason="native kernels unavailable")
+PANELS = [24, 48]  # the AVX2 and AVX-512 variants' widths
 
 
 def gguf_weights(n: int, k: int, qtype: QT, seed: int = 0) -> torch.Tensor:
@@ -22,48 +21,48 @@ def gguf_weights(n: int, k: int, qtype: QT, seed: int = 0) -> torch.Tensor:
     "qtype,codec", [(QT.Q4_1, Q4A), (QT.Q8_0, Q8S), (QT.Q4_0, Q8S), (QT.F32, F32)]
 )
 @pytest.mark.parametrize("n,k", [(48, 64), (50, 96), (7, 32)])
-def test_encode_picks_the_smallest_lossless_format(qtype, codec, n, k):
+@pytest.mark.parametrize("panel", PANELS)
+def test_encode_picks_the_smallest_lossless_format(qtype, codec, n, k, panel):
     """GGUF grids are found (Q4_0 is a symmetric grid, so it fits the 8-bit form) and the
     panels decode back bit for bit; fp32 weights stay fp32."""
     w = gguf_weights(n, k, qtype) if qtype != QT.F32 else torch.randn(n, k)
-    got, data = panel_codec.encode(w)
+    got, data = panel_codec.encode(w, panel)
     assert got == codec
-    assert torch.equal(panel_codec.decode(got, data, n, k), w)
-    panels = -(-n // 24)
-    assert (
-        data.numel() * data.element_size() == panels * k * 24 * panel_codec.BYTES_PER_WEIGHT[codec]
-    )
+    assert torch.equal(panel_codec.decode(got, data, n, k, panel), w)
+    panels = -(-n // panel)
+    bytes_per_weight = panel_codec.BYTES_PER_WEIGHT[codec]
+    assert data.numel() * data.element_size() == panels * k * panel * bytes_per_weight
 
 
 def test_one_off_grid_weight_keeps_fp32():
     """A single weight that is not on the grid (here one ulp off) keeps the matrix fp32."""
     w = gguf_weights(24, 64, QT.Q4_1)
     w[5, 17] = torch.nextafter(w[5, 17], torch.tensor(1.0))
-    assert panel_codec.encode(w)[0] == F32
+    assert panel_codec.encode(w, 24)[0] == F32
 
 
-def test_constant_blocks_and_odd_k():
+@pytest.mark.parametrize("panel", PANELS)
+def test_constant_blocks_and_odd_k(panel):
     """All-equal blocks (d = 0) are a grid; K not a multiple of 32 never is."""
     w = gguf_weights(24, 64, QT.Q4_1)
     w[3, :32] = 0.25
     w[4] = 0.0
-    codec, data = panel_codec.encode(w)
-    assert codec == Q4A and torch.equal(panel_codec.decode(codec, data, 24, 64), w)
-    assert panel_codec.encode(gguf_weights(24, 64, QT.Q4_1)[:, :40])[0] == F32
-    assert panel_codec.encode(w, compact=False)[0] == F32
+    codec, data = panel_codec.encode(w, panel)
+    assert codec == Q4A and torch.equal(panel_codec.decode(codec, data, 24, 64, panel), w)
+    assert panel_codec.encode(gguf_weights(24, 64, QT.Q4_1)[:, :40], panel)[0] == F32
+    assert panel_codec.encode(w, panel, compact=False)[0] == F32
 
 
-@needs_kernels
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])
 @pytest.mark.parametrize("m", [1, 3, 4, 9, 32, 100])
 @pytest.mark.parametrize("n,k", [(48, 64), (61, 160)])
-def test_compact_gemm_is_bit_identical_to_fp32_panels(qtype, m, n, k):
+def test_compact_gemm_is_bit_identical_to_fp32_panels(lib, qtype, m, n, k):
     """Expansion reproduces the fp32 weights exactly, so the GEMM result is identical, not
     merely close, to the fp32-panel kernel's — and close to F.linear. 100 rows: a decode
     worker keeps only panels, so batches past PANEL_M_MAX take this path too."""
     w = gguf_weights(n, k, qtype, seed=m)
     x, b = torch.randn(m, k), torch.randn(n)
-    compact, full = native.pack_panels(w), native.pack_panels(w, compact=False)
+    compact, full = native.pack_panels(lib, w), native.pack_panels(lib, w, compact=False)
     assert compact.codec != F32 and full.codec == F32
     assert compact.nbytes * 3 < full.nbytes
     y = native.linear_panels(lib, x, compact, b)

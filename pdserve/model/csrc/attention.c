@@ -1,10 +1,11 @@
 /* Paged decode attention (see kernels.h). */
 #include "kernels.h"
 
-/* Eight dot products at once: acc[i] holds key i's partial sums; one transposing reduction
- * gives the eight scores (instead of eight horizontal sums). */
-static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
-                             __m256 a6, __m256 a7) {
+/* Eight dot products at once: acc[i] holds key i's partial sums (folded to 8 lanes); one
+ * transposing reduction gives the eight scores (instead of eight horizontal sums). */
+static inline __m256 reduce8(const vf *a) {
+    __m256 a0 = vfold8(a[0]), a1 = vfold8(a[1]), a2 = vfold8(a[2]), a3 = vfold8(a[3]);
+    __m256 a4 = vfold8(a[4]), a5 = vfold8(a[5]), a6 = vfold8(a[6]), a7 = vfold8(a[7]);
     __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
@@ -14,18 +15,16 @@ static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
 static void tile_scores(const float *q, const float *k, int64_t n, int64_t D, float scale,
                         float *s) {
     int64_t i = 0;
-    if (D % 8 == 0) {
+    if (D % VW == 0) {
         for (; i + 8 <= n; i += 8) {
             const float *r = k + i * D;
-            __m256 a[8];
-            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                __m256 qv = _mm256_loadu_ps(q + d);
-                for (int j = 0; j < 8; j++)
-                    a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + j * D + d), a[j]);
+            vf a[8];
+            for (int j = 0; j < 8; j++) a[j] = vzero();
+            for (int64_t d = 0; d < D; d += VW) {
+                vf qv = vload(q + d);
+                for (int j = 0; j < 8; j++) a[j] = vfmadd(qv, vload(r + j * D + d), a[j]);
             }
-            __m256 sum = reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
-            _mm256_storeu_ps(s + i, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
         }
     }
     for (; i < n; i++) s[i] = dot(q, k + i * D, D) * scale;
@@ -43,60 +42,60 @@ static inline void prefetch_range(const float *t, int64_t floats) {
 static void softmax(float *p, int64_t len) {
     float mx = -INFINITY, sum = 0.f;
     for (int64_t t = 0; t < len; t++) mx = p[t] > mx ? p[t] : mx;
-    __m256 m8 = _mm256_set1_ps(mx), s8 = _mm256_setzero_ps();
+    vf mv = vset1(mx), sv = vzero();
     int64_t t = 0;
-    for (; t + 8 <= len; t += 8) {
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + t), m8));
-        _mm256_storeu_ps(p + t, e);
-        s8 = _mm256_add_ps(s8, e);
+    for (; t + VW <= len; t += VW) {
+        vf e = vexp(vsub(vload(p + t), mv));
+        vstore(p + t, e);
+        sv = vadd(sv, e);
     }
-    sum = hsum(s8);
+    sum = vhsum(sv);
     for (; t < len; t++) sum += (p[t] = expf(p[t] - mx));
-    __m256 inv8 = _mm256_set1_ps(1.f / sum);
-    for (t = 0; t + 8 <= len; t += 8) _mm256_storeu_ps(p + t, _mm256_mul_ps(_mm256_loadu_ps(p + t), inv8));
+    vf inv = vset1(1.f / sum);
+    for (t = 0; t + VW <= len; t += VW) vstore(p + t, vmul(vload(p + t), inv));
     for (; t < len; t++) p[t] *= 1.f / sum;
 }
 
 /* o_g[0..D) += sum_t p_g[t] v_t over the n rows of one V tile, for gg (<= 3) query heads
- * sharing its KV head: p_g = p + g * p_stride, o_g = o + g * D. Per 32 output columns the
- * gg heads' sums sit in 12 registers while the tile's rows stream past, each row loaded once
- * for all gg heads. `ahead`, if set, is a tile to prefetch, a row per row read. */
+ * sharing its KV head: p_g = p + g * p_stride, o_g = o + g * D. Per 4 vectors of output
+ * columns (32 or 64) the gg heads' sums sit in 12 registers while the tile's rows stream
+ * past, each row loaded once for all gg heads. `ahead`, if set, is a tile to prefetch, a
+ * row per row read. */
 static inline __attribute__((always_inline)) void
-tile_values_32(const float *p, int64_t p_stride, const float *v, int64_t n, int64_t D, float *o,
+tile_values_4v(const float *p, int64_t p_stride, const float *v, int64_t n, int64_t D, float *o,
                const int gg, const float *ahead) {
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        __m256 a[3][4];
+    for (int64_t d0 = 0; d0 < D; d0 += 4 * VW) {
+        vf a[3][4];
         for (int g = 0; g < 3; g++)
             for (int c = 0; c < 4; c++)
-                a[g][c] = g < gg ? _mm256_loadu_ps(o + g * D + d0 + 8 * c) : _mm256_setzero_ps();
+                a[g][c] = g < gg ? vload(o + g * D + d0 + VW * c) : vzero();
         for (int64_t t = 0; t < n; t++) {
             const float *r = v + t * D + d0;
             if (ahead && d0 == 0) prefetch_range(ahead + t * D, D);
-            __m256 r0 = _mm256_loadu_ps(r), r1 = _mm256_loadu_ps(r + 8);
-            __m256 r2 = _mm256_loadu_ps(r + 16), r3 = _mm256_loadu_ps(r + 24);
+            vf r0 = vload(r), r1 = vload(r + VW), r2 = vload(r + 2 * VW), r3 = vload(r + 3 * VW);
             for (int g = 0; g < gg; g++) {
-                __m256 w = _mm256_set1_ps(p[g * p_stride + t]);
-                a[g][0] = _mm256_fmadd_ps(w, r0, a[g][0]);
-                a[g][1] = _mm256_fmadd_ps(w, r1, a[g][1]);
-                a[g][2] = _mm256_fmadd_ps(w, r2, a[g][2]);
-                a[g][3] = _mm256_fmadd_ps(w, r3, a[g][3]);
+                vf w = vset1(p[g * p_stride + t]);
+                a[g][0] = vfmadd(w, r0, a[g][0]);
+                a[g][1] = vfmadd(w, r1, a[g][1]);
+                a[g][2] = vfmadd(w, r2, a[g][2]);
+                a[g][3] = vfmadd(w, r3, a[g][3]);
             }
         }
         for (int g = 0; g < gg; g++)
-            for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + g * D + d0 + 8 * c, a[g][c]);
+            for (int c = 0; c < 4; c++) vstore(o + g * D + d0 + VW * c, a[g][c]);
     }
 }
 
 /* The G query heads of one KV head over one V tile: o [G, D] += p [G, (stride)] . v. */
 static void tile_values(const float *p, int64_t p_stride, const float *v, int64_t n, int64_t D,
                         int64_t G, float *o, const float *ahead) {
-    if (D % 32 == 0) {
+    if (D % (4 * VW) == 0) {
         for (int64_t g = 0; g < G; g += 3, ahead = NULL) {
             const float *pg = p + g * p_stride;
             switch (G - g < 3 ? G - g : 3) {
-            case 1: tile_values_32(pg, p_stride, v, n, D, o + g * D, 1, ahead); break;
-            case 2: tile_values_32(pg, p_stride, v, n, D, o + g * D, 2, ahead); break;
-            default: tile_values_32(pg, p_stride, v, n, D, o + g * D, 3, ahead); break;
+            case 1: tile_values_4v(pg, p_stride, v, n, D, o + g * D, 1, ahead); break;
+            case 2: tile_values_4v(pg, p_stride, v, n, D, o + g * D, 2, ahead); break;
+            default: tile_values_4v(pg, p_stride, v, n, D, o + g * D, 3, ahead); break;
             }
         }
         return;

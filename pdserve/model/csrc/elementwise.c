@@ -2,16 +2,8 @@
 #include "kernels.h"
 
 static void rmsnorm_row(const float *x, const float *w, float *y, int64_t D, float eps) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        acc = _mm256_fmadd_ps(v, v, acc);
-    }
-    float ss = hsum(acc);
-    for (; i < D; i++) ss += x[i] * x[i];
-    float inv = 1.f / sqrtf(ss / (float)D + eps);
-    for (i = 0; i < D; i++) y[i] = w[i] * (x[i] * inv);
+    float inv = 1.f / sqrtf(dot(x, x, D) / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) y[i] = w[i] * (x[i] * inv);
 }
 
 /* y = w * x / rms(x), row by row: x, y [M, D]. */
@@ -73,10 +65,10 @@ void pd_silu_mul(const float *gate_up, float *y, int64_t M, int64_t I) {
         const float *g = gate_up + m * 2 * I, *u = g + I;
         float *ym = y + m * I;
         int64_t i = 0;
-        for (; i + 8 <= I; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
-            _mm256_storeu_ps(ym + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+        for (; i + VW <= I; i += VW) {
+            vf gv = vload(g + i);
+            vf den = vadd(vset1(1.f), vexp(vsub(vzero(), gv)));
+            vstore(ym + i, vmul(vdiv(gv, den), vload(u + i)));
         }
         for (; i < I; i++) ym[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
@@ -87,17 +79,17 @@ void pd_silu_mul(const float *gate_up, float *y, int64_t M, int64_t I) {
  * maximal index, and a NaN counts as larger than everything (the first NaN wins). torch's
  * CPU argmax reads [32, 49152] logits on one thread at ~3 GB/s, 1.5% of a decode step. */
 static int64_t argmax_row(const float *x, int64_t N) {
-    __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    vf mx = vset1(-INFINITY);
+    int has_nan = 0;
     int64_t i = 0;
-    for (; i + 8 <= N; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        mx = _mm256_max_ps(mx, v);
+    for (; i + VW <= N; i += VW) {
+        vf v = vload(x + i);
+        has_nan |= vcmp_bits(v, v, _CMP_UNORD_Q);
+        mx = vmax(mx, v);
     }
-    float m = -INFINITY, lanes[8];
-    _mm256_storeu_ps(lanes, mx);
-    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
-    int has_nan = _mm256_movemask_ps(nan) != 0;
+    float m = -INFINITY, lanes[VW];
+    vstore(lanes, mx);
+    for (int j = 0; j < VW; j++) m = lanes[j] > m ? lanes[j] : m;
     for (int64_t j = i; j < N; j++) {
         has_nan |= x[j] != x[j];
         m = x[j] > m ? x[j] : m;
@@ -107,8 +99,8 @@ static int64_t argmax_row(const float *x, int64_t N) {
         while (x[j] == x[j]) j++;
         return j;
     }
-    for (__m256 mv = _mm256_set1_ps(m); j + 8 <= N; j += 8) {
-        int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), mv, _CMP_EQ_OQ));
+    for (vf mv = vset1(m); j + VW <= N; j += VW) {
+        int hits = vcmp_bits(vload(x + j), mv, _CMP_EQ_OQ);
         if (hits) return j + __builtin_ctz(hits);
     }
     for (; j < N; j++)

@@ -1,33 +1,39 @@
 /* ---- small-M GEMM on panel-packed weights --------------------------------------------
- * W [N, K] is packed once into panels of 24 output columns, [ceil(N/24)][K][24] (zero-
- * padded), so that for every k one panel row is three vectors. A micro-kernel keeps a block
- * of up to 4 rows of x times 24 columns in 12 accumulators and, per k, loads the three
- * weight vectors once and broadcasts each x value: 12 FMAs per 3 loads + 4 broadcasts, and
- * a 32-row decode batch is 8 whole blocks (a 6x16 kernel measured the same, wasting 4 rows).
+ * W [N, K] is packed once into panels of PANEL output columns (three vectors: 24 with AVX2,
+ * 48 with AVX-512), [ceil(N/PANEL)][K][PANEL] (zero-padded), so that for every k one panel
+ * row is three vectors. A micro-kernel keeps a block of up to MR rows of x times PANEL
+ * columns in 3 MR accumulators and, per k, loads the three weight vectors once and
+ * broadcasts each x value: 3 MR FMAs per 3 loads + MR broadcasts. AVX2 has 16 registers, so
+ * MR = 4 (12 accumulators; a 32-row decode batch is 8 whole blocks, where a 6x16 kernel
+ * measured the same, wasting 4 rows); AVX-512 has 32, so MR = 8 (24 accumulators, 4 blocks).
  * At M = 1 the same loop streams the weights at memory speed (no horizontal sums). */
 #include "kernels.h"
 
-#define PANEL 24
-#define MR 4
+#ifndef MR
+#define MR (VW == 16 ? 8 : 4)
+#endif
 
-static inline void store_row(float *y, __m256 v0, __m256 v1, __m256 v2, const float *bias,
-                             int64_t ncols) {
-    float out[PANEL] __attribute__((aligned(32)));
-    _mm256_store_ps(out, v0);
-    _mm256_store_ps(out + 8, v1);
-    _mm256_store_ps(out + 16, v2);
-    for (int64_t j = 0; j < ncols; j++) y[j] = out[j] + (bias ? bias[j] : 0.f);
+int64_t pd_panel_width(void) { return PANEL; }
+
+/* The last panel's columns past N are masked off (its padding is never written). */
+static inline void store_row(float *y, vf v0, vf v1, vf v2, const float *bias, int64_t ncols) {
+    vf v[3] = {v0, v1, v2};
+    for (int j = 0; j < 3 && j * VW < ncols; j++) {
+        int64_t n = ncols - j * VW;
+        if (n >= VW) vstore(y + j * VW, bias ? vadd(v[j], vload(bias + j * VW)) : v[j]);
+        else vstore_n(y + j * VW, bias ? vadd(v[j], vload_n(bias + j * VW, n)) : v[j], n);
+    }
 }
 
 /* Named accumulators (an array of them gets spilled to the stack by gcc); `mr` is a
  * constant at every call, so the rows past it compile away. */
-#define ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0
+#define ACC(i) vf c##i##0 = vzero(), c##i##1 = c##i##0, c##i##2 = c##i##0
 #define FMA_ROW(i)                                                                           \
     if (mr > i) {                                                                            \
-        __m256 xb = _mm256_broadcast_ss(x + i * K + k);                                      \
-        c##i##0 = _mm256_fmadd_ps(w0, xb, c##i##0);                                          \
-        c##i##1 = _mm256_fmadd_ps(w1, xb, c##i##1);                                          \
-        c##i##2 = _mm256_fmadd_ps(w2, xb, c##i##2);                                          \
+        vf xb = vset1(x[i * K + k]);                                                         \
+        c##i##0 = vfmadd(w0, xb, c##i##0);                                                   \
+        c##i##1 = vfmadd(w1, xb, c##i##1);                                                   \
+        c##i##2 = vfmadd(w2, xb, c##i##2);                                                   \
     }
 #define STORE_ROW(i)                                                                         \
     if (mr > i) store_row(y + i * N, c##i##0, c##i##1, c##i##2, bias, ncols)
@@ -35,19 +41,19 @@ static inline void store_row(float *y, __m256 v0, __m256 v1, __m256 v2, const fl
 static inline __attribute__((always_inline)) void
 micro(const float *x, int64_t K, const float *wp, const float *bias, float *y, int64_t N,
       int64_t ncols, const int mr, const float *prefetch) {
-    ACC(0); ACC(1); ACC(2); ACC(3);
+    ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5); ACC(6); ACC(7);
     for (int64_t k = 0; k < K; k++) {
         /* the first row block pulls the next panel in from memory while this one computes
-         * (a 96-byte panel row spans two cache lines) */
-        if (prefetch) {
-            _mm_prefetch((const char *)(prefetch + k * PANEL), _MM_HINT_T0);
-            _mm_prefetch((const char *)(prefetch + k * PANEL + 16), _MM_HINT_T0);
-        }
+         * (a panel row spans 96 or 192 bytes: two or three cache lines) */
+        if (prefetch)
+            for (int j = 0; j < PANEL; j += 16)
+                _mm_prefetch((const char *)(prefetch + k * PANEL + j), _MM_HINT_T0);
         const float *r = wp + k * PANEL;
-        __m256 w0 = _mm256_loadu_ps(r), w1 = _mm256_loadu_ps(r + 8), w2 = _mm256_loadu_ps(r + 16);
-        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3)
+        vf w0 = vload(r), w1 = vload(r + VW), w2 = vload(r + 2 * VW);
+        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5) FMA_ROW(6) FMA_ROW(7)
     }
     STORE_ROW(0); STORE_ROW(1); STORE_ROW(2); STORE_ROW(3);
+    STORE_ROW(4); STORE_ROW(5); STORE_ROW(6); STORE_ROW(7);
 }
 
 /* ---- lossless compact panel formats ------------------------------------------------
@@ -60,55 +66,47 @@ micro(const float *x, int64_t K, const float *wp, const float *bias, float *y, i
  * so the expanded weights are bit-identical to the fp32 ones and so is the result; what
  * changes is the bytes streamed from memory per step: 0.75 (Q4) or 1.125 (Q8) per weight
  * instead of 4. Block layouts (one per 32 k of a panel):
- *   PD_Q4A  float d[24], m[24]; uint32 q[32][3] (word g of row k: columns 8g..8g+7,
- *           column 8g+j in bits 4j..4j+3)                                   576 bytes
- *   PD_Q8S  float d[24]; int8 q[32][24]                                     864 bytes */
+ *   PD_Q4A  float d[PANEL], m[PANEL]; uint32 q[32][PANEL / 8] (word g of row k: columns
+ *           8g..8g+7, column 8g+j in bits 4j..4j+3)                     24 PANEL bytes
+ *   PD_Q8S  float d[PANEL]; int8 q[32][PANEL]                           36 PANEL bytes */
 enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2 };
 #define QBLOCK 32
+#define Q4A_BLOCK (24 * PANEL)
+#define Q8S_BLOCK (36 * PANEL)
 
 static void expand_q4a(const uint8_t *src, int64_t K, float *out) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i nibble = _mm256_set1_epi32(0xF);
-    for (int64_t kb = 0; kb < K / QBLOCK; kb++, src += 576) {
+    for (int64_t kb = 0; kb < K / QBLOCK; kb++, src += Q4A_BLOCK) {
         const float *d = (const float *)src, *m = d + PANEL;
         const uint32_t *q = (const uint32_t *)(m + PANEL);
-        __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8), d2 = _mm256_loadu_ps(d + 16);
-        __m256 m0 = _mm256_loadu_ps(m), m1 = _mm256_loadu_ps(m + 8), m2 = _mm256_loadu_ps(m + 16);
-        for (int k = 0; k < QBLOCK; k++, q += 3, out += PANEL) {
-#define Q4(g, dg, mg)                                                                         \
-    _mm256_store_ps(out + 8 * g,                                                              \
-                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(                      \
-                                        _mm256_srlv_epi32(_mm256_set1_epi32((int)q[g]), shifts), \
-                                        nibble)),                                             \
-                                    dg, mg))
-            Q4(0, d0, m0); Q4(1, d1, m1); Q4(2, d2, m2);
-#undef Q4
+        vf d0 = vload(d), d1 = vload(d + VW), d2 = vload(d + 2 * VW);
+        vf m0 = vload(m), m1 = vload(m + VW), m2 = vload(m + 2 * VW);
+        for (int k = 0; k < QBLOCK; k++, q += PANEL / 8, out += PANEL) {
+            vstore(out, vfmadd(vcvt_f32(vnibbles(q)), d0, m0));
+            vstore(out + VW, vfmadd(vcvt_f32(vnibbles(q + VW / 8)), d1, m1));
+            vstore(out + 2 * VW, vfmadd(vcvt_f32(vnibbles(q + 2 * VW / 8)), d2, m2));
         }
     }
 }
 
 static void expand_q8s(const uint8_t *src, int64_t K, float *out) {
-    for (int64_t kb = 0; kb < K / QBLOCK; kb++, src += 864) {
+    for (int64_t kb = 0; kb < K / QBLOCK; kb++, src += Q8S_BLOCK) {
         const float *d = (const float *)src;
         const int8_t *q = (const int8_t *)(d + PANEL);
-        __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8), d2 = _mm256_loadu_ps(d + 16);
+        vf d0 = vload(d), d1 = vload(d + VW), d2 = vload(d + 2 * VW);
         for (int k = 0; k < QBLOCK; k++, q += PANEL, out += PANEL) {
-#define Q8(g, dg)                                                                             \
-    _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(         \
-                                                   _mm_loadl_epi64((const __m128i *)(q + 8 * g)))), \
-                                               dg))
-            Q8(0, d0); Q8(1, d1); Q8(2, d2);
-#undef Q8
+            vstore(out, vmul(vcvt_f32(vbytes(q)), d0));
+            vstore(out + VW, vmul(vcvt_f32(vbytes(q + VW)), d1));
+            vstore(out + 2 * VW, vmul(vcvt_f32(vbytes(q + 2 * VW)), d2));
         }
     }
 }
 
 /* Bytes of one packed panel of K rows (K a multiple of 32 for the compact formats). */
 static inline int64_t panel_bytes(int codec, int64_t K) {
-    return codec == PD_Q4A ? K / QBLOCK * 576 : codec == PD_Q8S ? K / QBLOCK * 864 : K * PANEL * 4;
+    return codec == PD_Q4A ? K / QBLOCK * Q4A_BLOCK : codec == PD_Q8S ? K / QBLOCK * Q8S_BLOCK : K * PANEL * 4;
 }
 
-/* This thread's expansion buffer, grown on demand and kept (at most K * 24 floats). */
+/* This thread's expansion buffer, grown on demand and kept (at most K * PANEL floats). */
 static __thread float *expand_buf;
 static __thread int64_t expand_cap;
 
@@ -121,7 +119,7 @@ static float *expansion_buffer(int64_t floats) {
     return expand_buf;
 }
 
-/* Panel p of y = x W^T: 24 output columns for all M rows. Returns -1 when this thread's
+/* Panel p of y = x W^T: PANEL output columns for all M rows. Returns -1 when this thread's
  * expansion buffer could not be allocated. */
 static inline int panel_product(const float *x, const uint8_t *wp, int codec, const float *bias,
                                 float *y, int64_t M, int64_t N, int64_t K, int64_t p,
@@ -143,10 +141,13 @@ static inline int panel_product(const float *x, const uint8_t *wp, int codec, co
         float *ym = y + m * N + n0;
         const float *pfm = m == 0 ? pf : NULL;
         switch (M - m < MR ? M - m : MR) {
-        case 1: micro(xm, K, w, b, ym, N, ncols, 1, pfm); break;
-        case 2: micro(xm, K, w, b, ym, N, ncols, 2, pfm); break;
-        case 3: micro(xm, K, w, b, ym, N, ncols, 3, pfm); break;
-        default: micro(xm, K, w, b, ym, N, ncols, 4, pfm); break;
+#define MICRO(n) case n: micro(xm, K, w, b, ym, N, ncols, n, pfm); break;
+        MICRO(1) MICRO(2) MICRO(3)
+#if MR > 4
+        MICRO(4) MICRO(5) MICRO(6) MICRO(7)
+#endif
+        default: micro(xm, K, w, b, ym, N, ncols, MR, pfm); break;
+#undef MICRO
         }
     }
     return 0;

@@ -1,10 +1,10 @@
-/* The native CPU kernels: plain C (AVX2 + FMA, OpenMP), built into one shared library on
- * first use and loaded with ctypes by pdserve/model/native.py. They cover what PyTorch's CPU
- * paths do slowly at decode time, where each step is small and memory-bound:
+/* The native CPU kernels: plain C (OpenMP), built into one shared library per instruction
+ * set on first use and loaded with ctypes by pdserve/model/native.py. They cover what
+ * PyTorch's CPU paths do slowly at decode time, where each step is small and memory-bound:
  *
  *   gemm.c           pd_linear_panels: y = x W^T (+ b) for decode-sized batches (1..64
- *                    rows) on weights packed in 24-column panels, fp32 or a lossless compact
- *                    format (the 4-/8-bit grids of GGUF weights).
+ *                    rows) on weights packed in PANEL-column panels, fp32 or a lossless
+ *                    compact format (the 4-/8-bit grids of GGUF weights).
  *   attention.c      pd_paged_decode_attn: one query token per sequence against its paged
  *                    K/V, read in place from the cache blocks, GQA heads sharing each read;
  *                    optionally each block's attention probability (token dropping).
@@ -13,8 +13,11 @@
  *                    ops; pd_argmax_rows for greedy sampling.
  *   decode_layers.c  pd_decode_layers: every decoder layer of a decode-only step in one call.
  *
- * fp32 throughout; OpenMP is the libgomp PyTorch loaded, so one thread pool. This header
- * holds the SIMD helpers the files share and the kernels they call in one another. */
+ * fp32 throughout; OpenMP is the libgomp PyTorch loaded, so one thread pool. The same
+ * sources build twice (docs/cpu-kernels.md): with -mavx2 -mfma the vectors below are 8
+ * floats wide, with -mavx512f ... (__AVX512F__ defined) 16, and the kernels are written
+ * against this header's `vf` operations, so both builds share every line of them. A panel
+ * row is three vectors in either build (24 or 48 columns). */
 #ifndef PDSERVE_KERNELS_H
 #define PDSERVE_KERNELS_H
 
@@ -24,48 +27,127 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-static inline float hsum(__m256 v) {
+#ifdef __AVX512F__
+#define VW 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vadd _mm512_add_ps
+#define vsub _mm512_sub_ps
+#define vmul _mm512_mul_ps
+#define vdiv _mm512_div_ps
+#define vmax _mm512_max_ps
+#define vmin _mm512_min_ps
+#define vfmadd _mm512_fmadd_ps
+#define vfnmadd _mm512_fnmadd_ps
+#define vhsum _mm512_reduce_add_ps
+#define vround(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vcvt_i32 _mm512_cvtps_epi32
+#define vcvt_f32 _mm512_cvtepi32_ps
+#define vi_set1 _mm512_set1_epi32
+#define vi_add _mm512_add_epi32
+#define vi_slli _mm512_slli_epi32
+#define vcast_f32 _mm512_castsi512_ps
+/* Bit i set where lane i of a `pred` b holds. */
+#define vcmp_bits(a, b, pred) ((int)_mm512_cmp_ps_mask(a, b, pred))
+static inline __mmask16 tail_mask(int64_t n) { return (__mmask16)((1u << n) - 1); }
+/* The first n (< VW) lanes; the rest read as 0 and are not written. */
+static inline vf vload_n(const float *p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
+static inline void vstore_n(float *p, vf v, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), v); }
+/* The low and high 8 lanes added: a 16-lane partial sum folded onto 8. */
+static inline __m256 vfold8(vf v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+/* 4-bit values q[0..16) as int32 lanes: 16 nibbles in two 32-bit words, column j of a word in
+ * bits 4j..4j+3 (the PD_Q4A layout, gemm.c). */
+static inline vi vnibbles(const uint32_t *q) {
+    vi w = _mm512_inserti64x4(_mm512_set1_epi32((int)q[0]), _mm256_set1_epi32((int)q[1]), 1);
+    vi shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm512_and_si512(_mm512_srlv_epi32(w, shifts), _mm512_set1_epi32(0xF));
+}
+static inline vi vbytes(const int8_t *q) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)); }
+#else
+#define VW 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vadd _mm256_add_ps
+#define vsub _mm256_sub_ps
+#define vmul _mm256_mul_ps
+#define vdiv _mm256_div_ps
+#define vmax _mm256_max_ps
+#define vmin _mm256_min_ps
+#define vfmadd _mm256_fmadd_ps
+#define vfnmadd _mm256_fnmadd_ps
+#define vround(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vcvt_i32 _mm256_cvtps_epi32
+#define vcvt_f32 _mm256_cvtepi32_ps
+#define vi_set1 _mm256_set1_epi32
+#define vi_add _mm256_add_epi32
+#define vi_slli _mm256_slli_epi32
+#define vcast_f32 _mm256_castsi256_ps
+#define vcmp_bits(a, b, pred) _mm256_movemask_ps(_mm256_cmp_ps(a, b, pred))
+static inline float vhsum(vf v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_hadd_ps(s, s);
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(s);
 }
+static inline vi tail_mask(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline vf vload_n(const float *p, int64_t n) { return _mm256_maskload_ps(p, tail_mask(n)); }
+static inline void vstore_n(float *p, vf v, int64_t n) { _mm256_maskstore_ps(p, tail_mask(n), v); }
+static inline __m256 vfold8(vf v) { return v; }
+static inline vi vnibbles(const uint32_t *q) {
+    vi shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)q[0]), shifts), _mm256_set1_epi32(0xF));
+}
+static inline vi vbytes(const int8_t *q) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)); }
+#endif
 
-/* e^x for 8 floats: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (the
+/* Output columns per packed weight panel (native.py reads it back with pd_panel_width). */
+#define PANEL (3 * VW)
+
+/* e^x lane by lane: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (the
  * classic Cephes expf coefficients), 2^n built in the exponent bits. Relative error ~2e-7,
- * like libm's expf, at a fraction of the cost of eight scalar calls. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+ * like libm's expf, at a fraction of the cost of scalar calls. */
+static inline vf vexp(vf x) {
+    x = vmin(vmax(x, vset1(-87.3f)), vset1(88.3f));
+    vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+    vf r = vfnmadd(n, vset1(0.693359375f), x);
+    r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+    vf y = vset1(1.9875691500e-4f);
+    y = vfmadd(y, r, vset1(1.3981999507e-3f));
+    y = vfmadd(y, r, vset1(8.3334519073e-3f));
+    y = vfmadd(y, r, vset1(4.1665795894e-2f));
+    y = vfmadd(y, r, vset1(1.6666665459e-1f));
+    y = vfmadd(y, r, vset1(5.0000001201e-1f));
+    y = vfmadd(y, vmul(r, r), vadd(r, vset1(1.f)));
+    vi e = vi_slli(vi_add(vcvt_i32(n), vi_set1(127)), 23);
+    return vmul(y, vcast_f32(e));
 }
 
 static inline float dot(const float *a, const float *b, int64_t d) {
-    __m256 acc = _mm256_setzero_ps();
+    vf acc = vzero();
     int64_t i = 0;
-    for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < d; i++) s += a[i] * b[i];
-    return s;
+    for (; i + VW <= d; i += VW) acc = vfmadd(vload(a + i), vload(b + i), acc);
+    if (i < d) acc = vfmadd(vload_n(a + i, d - i), vload_n(b + i, d - i), acc);
+    return vhsum(acc);
 }
 
 static inline void axpy(float *y, float a, const float *x, int64_t d) {
-    __m256 av = _mm256_set1_ps(a);
+    vf av = vset1(a);
     int64_t i = 0;
-    for (; i + 8 <= d; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < d; i++) y[i] += a * x[i];
+    for (; i + VW <= d; i += VW) vstore(y + i, vfmadd(av, vload(x + i), vload(y + i)));
+    if (i < d) vstore_n(y + i, vfmadd(av, vload_n(x + i, d - i), vload_n(y + i, d - i)), d - i);
 }
 
 /* Threads only for work that repays waking them (a decode batch of 32, not of 1). */
