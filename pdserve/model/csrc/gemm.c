@@ -12,6 +12,10 @@
 #ifndef MR
 #define MR (VW == 16 ? 8 : 4)
 #endif
+/* Rows of k per chunk: a multiple of the compact formats' 32. */
+#ifndef KC
+#define KC 128
+#endif
 
 int64_t pd_panel_width(void) { return PANEL; }
 
@@ -26,34 +30,50 @@ static inline void store_row(float *y, vf v0, vf v1, vf v2, const float *bias, i
 }
 
 /* Named accumulators (an array of them gets spilled to the stack by gcc); `mr` is a
- * constant at every call, so the rows past it compile away. */
-#define ACC(i) vf c##i##0 = vzero(), c##i##1 = c##i##0, c##i##2 = c##i##0
+ * constant at every call, so the rows past it compile away. A k-chunk after the first
+ * starts from the sums the previous one left in `acc` (mr x PANEL): each output is still
+ * one fp32 sum over k in order, so chunking does not change a bit of the result. */
+#define ACC(i)                                                                               \
+    vf c##i##0 = vzero(), c##i##1 = c##i##0, c##i##2 = c##i##0;                              \
+    if (mr > i && !first) {                                                                  \
+        c##i##0 = vload(acc + i * PANEL);                                                    \
+        c##i##1 = vload(acc + i * PANEL + VW);                                               \
+        c##i##2 = vload(acc + i * PANEL + 2 * VW);                                           \
+    }
 #define FMA_ROW(i)                                                                           \
     if (mr > i) {                                                                            \
-        vf xb = vset1(x[i * K + k]);                                                         \
+        vf xb = vset1(x[i * ldx + k]);                                                       \
         c##i##0 = vfmadd(w0, xb, c##i##0);                                                   \
         c##i##1 = vfmadd(w1, xb, c##i##1);                                                   \
         c##i##2 = vfmadd(w2, xb, c##i##2);                                                   \
     }
 #define STORE_ROW(i)                                                                         \
-    if (mr > i) store_row(y + i * N, c##i##0, c##i##1, c##i##2, bias, ncols)
+    if (mr > i && last) store_row(y + i * N, c##i##0, c##i##1, c##i##2, bias, ncols);        \
+    if (mr > i && !last) {                                                                   \
+        vstore(acc + i * PANEL, c##i##0);                                                    \
+        vstore(acc + i * PANEL + VW, c##i##1);                                               \
+        vstore(acc + i * PANEL + 2 * VW, c##i##2);                                           \
+    }
 
+/* Rows [0, mr) of x (ldx apart) times kc rows of a panel at w, for the chunk that is the
+ * first and/or last of k: the last adds the bias and writes y, the others leave their sums
+ * in acc. `prefetch`, if set, is kc * pf_step bytes to request from memory meanwhile, a
+ * step per k. */
 static inline __attribute__((always_inline)) void
-micro(const float *x, int64_t K, const float *wp, const float *bias, float *y, int64_t N,
-      int64_t ncols, const int mr, const float *prefetch) {
-    ACC(0); ACC(1); ACC(2); ACC(3); ACC(4); ACC(5); ACC(6); ACC(7);
-    for (int64_t k = 0; k < K; k++) {
-        /* the first row block pulls the next panel in from memory while this one computes
-         * (a panel row spans 96 or 192 bytes: two or three cache lines) */
+micro(const float *x, int64_t ldx, int64_t kc, const float *w, float *acc, int first, int last,
+      float *y, int64_t N, const float *bias, int64_t ncols, const int mr, const char *prefetch,
+      int64_t pf_step) {
+    ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5) ACC(6) ACC(7)
+    for (int64_t k = 0; k < kc; k++) {
         if (prefetch)
-            for (int j = 0; j < PANEL; j += 16)
-                _mm_prefetch((const char *)(prefetch + k * PANEL + j), _MM_HINT_T0);
-        const float *r = wp + k * PANEL;
+            for (int64_t j = 0; j < pf_step; j += 64)
+                _mm_prefetch(prefetch + k * pf_step + j, _MM_HINT_T0);
+        const float *r = w + k * PANEL;
         vf w0 = vload(r), w1 = vload(r + VW), w2 = vload(r + 2 * VW);
         FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5) FMA_ROW(6) FMA_ROW(7)
     }
-    STORE_ROW(0); STORE_ROW(1); STORE_ROW(2); STORE_ROW(3);
-    STORE_ROW(4); STORE_ROW(5); STORE_ROW(6); STORE_ROW(7);
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3)
+    STORE_ROW(4) STORE_ROW(5) STORE_ROW(6) STORE_ROW(7)
 }
 
 /* ---- lossless compact panel formats ------------------------------------------------
@@ -106,48 +126,55 @@ static inline int64_t panel_bytes(int codec, int64_t K) {
     return codec == PD_Q4A ? K / QBLOCK * Q4A_BLOCK : codec == PD_Q8S ? K / QBLOCK * Q8S_BLOCK : K * PANEL * 4;
 }
 
-/* This thread's expansion buffer, grown on demand and kept (at most K * PANEL floats). */
-static __thread float *expand_buf;
-static __thread int64_t expand_cap;
+/* This thread's buffer: an expanded chunk (KC x PANEL floats) and the sums carried between
+ * chunks (M x PANEL), grown on demand and kept. */
+static __thread float *thread_buf;
+static __thread int64_t thread_cap;
 
-static float *expansion_buffer(int64_t floats) {
-    if (floats > expand_cap) {
-        free(expand_buf);
-        expand_buf = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
-        expand_cap = expand_buf ? floats : 0;
+static float *thread_buffer(int64_t floats) {
+    if (floats > thread_cap) {
+        free(thread_buf);
+        thread_buf = aligned_alloc(64, (size_t)((floats * 4 + 63) / 64 * 64));
+        thread_cap = thread_buf ? floats : 0;
     }
-    return expand_buf;
+    return thread_buf;
 }
 
-/* Panel p of y = x W^T: PANEL output columns for all M rows. Returns -1 when this thread's
- * expansion buffer could not be allocated. */
+/* Panel p of y = x W^T: PANEL output columns for all M rows, KC rows of k at a time, so the
+ * chunk of weights (expanded or not) stays in L1 while every row block reads it; the first
+ * row block asks for the next chunk's bytes (panels lie end to end, so that is the next
+ * panel's first chunk after the last), which no hardware prefetcher reliably runs ahead
+ * for. Returns -1 when this thread's buffer could not be allocated. */
 static inline int panel_product(const float *x, const uint8_t *wp, int codec, const float *bias,
-                                float *y, int64_t M, int64_t N, int64_t K, int64_t p,
-                                int64_t panels) {
-    const float *w = (const float *)(wp + p * panel_bytes(codec, K));
-    const float *pf = NULL;
-    if (codec != PD_F32) {
-        float *buf = expansion_buffer(K * PANEL);
-        if (!buf) return -1;
-        (codec == PD_Q4A ? expand_q4a : expand_q8s)((const uint8_t *)w, K, buf);
-        w = buf;
-    } else if (p + 1 < panels) {
-        pf = w + K * PANEL;
-    }
+                                float *y, int64_t M, int64_t N, int64_t K, int64_t p) {
+    int64_t bytes = panel_bytes(codec, K);
+    const uint8_t *panel = wp + p * bytes;
+    float *buf = thread_buffer(KC * PANEL + M * PANEL);
+    if (!buf) return -1;
     int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
     const float *b = bias ? bias + n0 : NULL;
-    for (int64_t m = 0; m < M; m += MR) {
-        const float *xm = x + m * K;
-        float *ym = y + m * N + n0;
-        const float *pfm = m == 0 ? pf : NULL;
-        switch (M - m < MR ? M - m : MR) {
-#define MICRO(n) case n: micro(xm, K, w, b, ym, N, ncols, n, pfm); break;
-        MICRO(1) MICRO(2) MICRO(3)
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        int64_t kc = K - k0 < KC ? K - k0 : KC, step = bytes / K;
+        const uint8_t *chunk = panel + k0 * step;
+        const float *w = buf;
+        if (codec == PD_Q4A) expand_q4a(chunk, kc, buf);
+        else if (codec == PD_Q8S) expand_q8s(chunk, kc, buf);
+        else w = (const float *)chunk;
+        int first = k0 == 0, last = k0 + kc == K;
+        for (int64_t m = 0; m < M; m += MR) {
+            const float *xm = x + m * K + k0;
+            const char *pf = m == 0 ? (const char *)chunk + kc * step : NULL;
+            float *ym = y + m * N + n0, *acc = buf + KC * PANEL + m * PANEL;
+            switch (M - m < MR ? M - m : MR) {
+#define MICRO(n)                                                                             \
+    case n: micro(xm, K, kc, w, acc, first, last, ym, N, b, ncols, n, pf, step); break;
+            MICRO(1) MICRO(2) MICRO(3)
 #if MR > 4
-        MICRO(4) MICRO(5) MICRO(6) MICRO(7)
+            MICRO(4) MICRO(5) MICRO(6) MICRO(7)
 #endif
-        default: micro(xm, K, w, b, ym, N, ncols, MR, pfm); break;
+            default: micro(xm, K, kc, w, acc, first, last, ym, N, b, ncols, MR, pf, step); break;
 #undef MICRO
+            }
         }
     }
     return 0;
@@ -167,11 +194,11 @@ int pd_linear_panels(const float *x, const void *wp, int64_t codec, const float 
     if (M >= 16) {
 #pragma omp parallel for schedule(dynamic, 2) reduction(| : failed)
         for (int64_t p = 0; p < panels; p++)
-            failed |= panel_product(x, wp, (int)codec, bias, y, M, N, K, p, panels);
+            failed |= panel_product(x, wp, (int)codec, bias, y, M, N, K, p);
     } else {
 #pragma omp parallel for schedule(static) reduction(| : failed)
         for (int64_t p = 0; p < panels; p++)
-            failed |= panel_product(x, wp, (int)codec, bias, y, M, N, K, p, panels);
+            failed |= panel_product(x, wp, (int)codec, bias, y, M, N, K, p);
     }
     return failed ? -1 : 0;
 }
