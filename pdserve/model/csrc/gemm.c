@@ -185,17 +185,19 @@ static inline int panel_product(const float *x, const uint8_t *wp, int codec, co
  *
  * Small batches stream the weights from memory: each thread takes one contiguous half, which
  * the hardware prefetcher follows. From 16 rows on the GEMM is compute-bound, and threads
- * take 48 columns at a time as they finish instead (two AVX2 panels, one AVX-512 panel; an
- * output projection of SmolLM2 has only 12 such grabs): on a shared VM one core often runs
- * slower for a while, and a static split waits for it (batch 32: ~8% faster over a model's
- * GEMMs). */
-#define GRAB (48 / PANEL)
+ * take runs of panels as they finish instead: on a shared VM one core often runs slower for
+ * a while, and a static split waits for it (batch 32: ~8% faster over a model's GEMMs). A
+ * run is at least 48 columns (two AVX2 panels, one AVX-512 panel: an output projection of
+ * SmolLM2 has only 12 such) and an eighth of a thread's share: within a run, the chunk each
+ * panel_product prefetches after its last is the next panel's first, the one this thread
+ * computes next, where with runs of one it would mostly be the other thread's. */
 int pd_linear_panels(const float *x, const void *wp, int64_t codec, const float *bias, float *y,
                      int64_t M, int64_t N, int64_t K) {
     int64_t panels = (N + PANEL - 1) / PANEL;
+    int64_t run = panels / (8 * omp_get_max_threads());
     int failed = 0;
     if (M >= 16) {
-#pragma omp parallel for schedule(dynamic, GRAB) reduction(| : failed)
+#pragma omp parallel for schedule(dynamic, run > 48 / PANEL ? run : 48 / PANEL) reduction(| : failed)
         for (int64_t p = 0; p < panels; p++)
             failed |= panel_product(x, wp, (int)codec, bias, y, M, N, K, p);
     } else {
