@@ -104,6 +104,24 @@ def test_variant_choice(lib, monkeypatch):
         native.load()
 
 
+def test_auto_falls_back_to_a_narrower_variant(monkeypatch):
+    """A variant that fails to build is skipped for the next narrower one; with no variant
+    the CPU runs, the kernels are off (None: callers keep the PyTorch paths)."""
+    if not native.cpu_supports("avx2"):
+        pytest.skip("this CPU runs no native kernel variant")
+    real_build = native.build
+
+    def build(isa, out_dir=None):
+        if isa != "avx2":
+            raise RuntimeError(f"{isa} build failed")
+        return real_build(isa, out_dir)
+
+    monkeypatch.setattr(native, "build", build)
+    assert native._load.__wrapped__("auto").isa == "avx2"
+    monkeypatch.setattr(native, "cpu_supports", lambda isa: False)
+    assert native._load.__wrapped__("auto") is None
+
+
 def test_weight_packed_for_another_variant_is_refused(lib):
     other = native.PanelWeight(torch.zeros(1), 0, 8, 8, panel=lib.panel_width * 2)
     with pytest.raises(ValueError, match="packed in"):
