@@ -28,15 +28,17 @@ def llm():
 
 
 def test_greedy_matches_transformers(llm):
-    """With the default native kernels, whose decode GEMMs read the GGUF weights in their
-    lossless compact form (asserted, so this is the end-to-end check of that path)."""
+    """With the default native kernels (the widest variant this CPU runs), whose decode GEMMs
+    read the GGUF weights in their lossless compact form (asserted, so this is the
+    end-to-end check of that path)."""
     from transformers import LlamaForCausalLM
 
     from pdserve.model import native, panel_codec
     from pdserve.sampling_params import SamplingParams
 
-    if native.load() is not None:
+    if (lib := native.load()) is not None:
         mlp = llm.engine.runner.model.layers[0].mlp
+        assert mlp.down_proj.panel_weight.panel == lib.panel_width  # the default variant's
         assert mlp.down_proj.panel_weight.codec == panel_codec.Q4A
         assert llm.engine.runner.model.lm_head.panel_weight.codec == panel_codec.Q8S
 
