@@ -2,6 +2,8 @@
 and prompts, in one process, next to this machine's own fp32 limits.
 
     .venv/bin/python benchmarks/bench_engine.py [--model smollm2-135m] [--repeats 3]
+    PDSERVE_CPU_ISA=avx2 .venv/bin/python benchmarks/bench_engine.py   # AVX2 kernels on an
+                                                                       # AVX-512 machine
 
 Figures (medians over repeats):
   - prefill tokens/s for one 1,024-token prompt;
