@@ -1,13 +1,10 @@
 """Convert a llama-architecture GGUF file into a Hugging Face model directory (fp32).
 
 The engine loads one format (HF config + safetensors + tokenizer files), so GGUF support is a
-one-time conversion rather than a second loader. Every tensor is dequantized with the `gguf`
-package; names are mapped to HF Llama names; and llama.cpp's Q/K row permutation is undone,
-because `convert_hf_to_gguf.py` reorders each head's rows from HF's rotate-half RoPE layout to
-llama.cpp's interleaved-pair layout:
-
-    HF head rows   [x0 x1 ... x(d/2-1) | y0 y1 ... y(d/2-1)]      (rotate_half pairs x_i, y_i)
-    GGUF head rows [x0 y0 x1 y1 ... x(d/2-1) y(d/2-1)]           (adjacent pairs)
+one-time conversion rather than a second loader. The config is built here, from the metadata
+this server supports (and rejects the rest by name); tensors are dequantized with the `gguf`
+package, then named and un-permuted (llama.cpp reorders Q/K rows for its RoPE layout) by
+transformers' GGUF loading code, giving the same fp32 values transformers loads.
 
 The output is written into a temporary sibling directory and renamed into place at the end, so an
 interrupted conversion never leaves a half-written model behind.
@@ -30,23 +27,6 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 SOURCE_MARKER = "pdserve_source.json"
 # Bump when the output format changes, so caches written by an older converter are redone.
 CONVERTER_VERSION = 1
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -84,26 +64,6 @@ def source_fingerprint(gguf_path: Path) -> dict[str, Any]:
         "mtime_ns": stat.st_mtime_ns,
         "converter_version": CONVERTER_VERSION,
     }
-
-
-def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's `permute(w, n_head)`: back to HF's rotate-half row order."""
-    rows = weight.shape[0]
-    half_head_dim = rows // num_heads // 2
-    w = weight.reshape(num_heads, half_head_dim, 2, *weight.shape[1:])
-    return w.swapaxes(1, 2).reshape(weight.shape)
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF Llama name for a GGUF tensor name, or None if it has no HF counterpart."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
-        module = _LAYER_NAMES.get(parts[2])
-        if module is not None:
-            return f"model.layers.{int(parts[1])}.{module}.weight"
-    return None
 
 
 def build_config(metadata: dict[str, Any], tensors: list[Any], path: Path) -> dict[str, Any]:
@@ -201,46 +161,39 @@ def _read_metadata(reader: Any, path: Path) -> dict[str, Any]:
     return metadata
 
 
-def _dequantize(tensor: Any, path: Path) -> np.ndarray:
-    """One tensor as fp32 in numpy (row-major) shape, whatever its GGML type."""
-    from gguf.quants import dequantize
-
-    try:
-        values = dequantize(tensor.data, tensor.tensor_type)
-        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGML lists dims fastest-first
-        return np.array(values, dtype=np.float32).reshape(shape)
-    except Exception as exc:
-        raise ValueError(f"{path}: cannot read tensor {tensor.name} ({exc})") from exc
-
-
 def _write_weights(reader: Any, config: dict[str, Any], path: Path, out_dir: Path) -> None:
-    """Dequantize, rename and un-permute every tensor into one fp32 safetensors file."""
+    """Every tensor as fp32 under its HF name, into one safetensors file: dequantized by the
+    `gguf` package, named and un-permuted by transformers' own GGUF loading code (so the
+    values are those transformers loads from the file)."""
+    import torch
+    from gguf.quants import dequantize
     from safetensors.numpy import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        LlamaTensorProcessor,
+        get_gguf_hf_weights_map,
+    )
 
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    with torch.device("meta"):  # only its parameter names are used
+        model = LlamaForCausalLM(LlamaConfig(**config))
+    processor = LlamaTensorProcessor(config)  # undoes llama.cpp's Q/K row permutation
+    hf_names = get_gguf_hf_weights_map(model, processor)
     weights: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor"):
-        hf_name = hf_tensor_name(tensor.name)
-        if hf_name is None:
+        if tensor.name not in hf_names:
             raise ValueError(f"{path}: unexpected tensor {tensor.name} for a llama model")
-        value = _dequantize(tensor, path)
-        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        if kind in heads:
-            value = unpermute_qk(value, heads[kind])
-        weights[hf_name] = np.ascontiguousarray(value)
-    _check_complete(weights, config, path)
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _check_complete(weights: dict[str, np.ndarray], config: dict[str, Any], path: Path) -> None:
-    """Fail at conversion time, not at load time, when a layer's tensor is missing."""
-    expected = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(config["num_hidden_layers"]):
-        expected += [f"model.layers.{i}.{module}.weight" for module in _LAYER_NAMES.values()]
-    missing = [name for name in expected if name not in weights]
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+            values = processor.process(weights=values, name=tensor.name).weights
+        except Exception as exc:
+            raise ValueError(f"{path}: cannot read tensor {tensor.name} ({exc})") from exc
+        weights[hf_names[tensor.name]] = np.ascontiguousarray(values, dtype=np.float32)
+    # Fail at conversion time, not at load time, when a layer's tensor is missing.
+    missing = [n for n in model.state_dict() if n not in weights and n != "lm_head.weight"]
     if missing:
         more = "..." if len(missing) > 4 else ""
         raise ValueError(f"{path}: missing tensors {', '.join(missing[:4])}{more}")
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _generation_config(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
