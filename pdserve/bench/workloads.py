@@ -156,9 +156,3 @@ def build_sessions(cfg: WorkloadConfig, tokens: TokenSource) -> list[Session]:
             text = None if text is None else join_text(prefix_text, text)
         session.turns.append(Turn(ids, output_lens[index], text))
     return sessions
-
-
-def length_histogram(sessions: list[Session]) -> tuple[list[int], list[int]]:
-    """All turns' (user input lengths, output lengths), for checks and the result file."""
-    turns = [t for s in sessions for t in s.turns]
-    return [len(t.user_ids) for t in turns], [t.output_len for t in turns]

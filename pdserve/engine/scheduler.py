@@ -24,10 +24,6 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
     def samples(self, request: Request, num_new_tokens: int) -> bool:
         """Whether this step reaches the end of the request's known tokens, so the logits of
         its last position give a new token (a middle prefill chunk samples nothing)."""

@@ -123,9 +123,6 @@ class BlockPool:
         self.free(self.cached_blocks[h] for h in reversed(gone))
         return len(gone)
 
-    def is_pinned(self, block_hash: int) -> bool:
-        return block_hash in self.pinned
-
     @property
     def num_pinned_blocks(self) -> int:
         return len(self.pinned)

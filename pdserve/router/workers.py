@@ -196,10 +196,6 @@ class ControlPlane:
         worker.switching_to = role
         return self.send(worker_id, messages.SwitchRole(role))
 
-    def shutdown_workers(self) -> None:
-        for worker_id in self._pushes:
-            self.send(worker_id, messages.Shutdown())
-
     # ---- per-request queues -------------------------------------------------------------
 
     def open(self, request_id: str) -> asyncio.Queue[Any]:

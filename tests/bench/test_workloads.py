@@ -10,12 +10,18 @@ import pytest
 from pdserve.bench.arrivals import ArrivalSpec, arrival_times
 from pdserve.bench.tokens import TokenSource
 from pdserve.bench.trace import TraceConfig, load_trace
-from pdserve.bench.workloads import LengthDist, WorkloadConfig, build_sessions, length_histogram
+from pdserve.bench.workloads import LengthDist, Session, WorkloadConfig, build_sessions
 
 
 @pytest.fixture(scope="module")
 def tokens(tokenizer_dir) -> TokenSource:
     return TokenSource.load(str(tokenizer_dir))
+
+
+def length_histogram(sessions: list[Session]) -> tuple[list[int], list[int]]:
+    """All turns' (user input lengths, output lengths)."""
+    turns = [t for s in sessions for t in s.turns]
+    return [len(t.user_ids) for t in turns], [t.output_len for t in turns]
 
 
 def test_length_distributions_have_the_requested_shape():
