@@ -54,23 +54,14 @@ def find_goodput(
             return True
         return False
 
-    lo, hi = 0.0, 0.0
     rate = start_rate
-    if passes(rate):
-        lo = rate
-        while len(search.probes) < max_probes:
-            rate *= 2
-            if not passes(rate):
-                hi = rate
-                break
+    up = passes(rate)  # passing: double until a rate fails; failing: halve until one passes
+    lo, hi = (rate, 0.0) if up else (0.0, rate)
+    while (hi if up else lo) == 0.0 and len(search.probes) < max_probes:
+        rate = rate * 2 if up else rate / 2
+        if passes(rate):
             lo = rate
-    else:
-        hi = rate
-        while len(search.probes) < max_probes:
-            rate /= 2
-            if passes(rate):
-                lo = rate
-                break
+        else:
             hi = rate
     while lo > 0 and hi > 0 and len(search.probes) < max_probes and hi / lo > 1 + rel_tol:
         mid = (lo + hi) / 2

@@ -15,25 +15,22 @@ import numpy as np
 def resolve_tokenizer_file(name_or_path: str) -> Path:
     """Find ``tokenizer.json`` for a directory, a file, or a model name from the registry.
 
-    The registry (``pdserve.model.registry``) is imported lazily so the benchmark works on
-    a machine with only the tokenizer directory, and before the registry exists.
+    The registry (``pdserve.model.registry``) is imported only for a model name, so a
+    tokenizer directory needs nothing beyond ``tokenizers``.
     """
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
     if (path / "tokenizer.json").is_file():
         return path / "tokenizer.json"
+    from pdserve.model.registry import resolve_model
+
     try:
-        from pdserve.model.registry import resolve_model
-    except ImportError:
-        resolve_model = None
-    if resolve_model is not None:
-        try:
-            resolved = Path(resolve_model(name_or_path)) / "tokenizer.json"
-        except Exception as exc:  # the registry's own errors are not ours to classify
-            raise ValueError(f"--tokenizer {name_or_path!r}: {exc}") from exc
-        if resolved.is_file():
-            return resolved
+        resolved = Path(resolve_model(name_or_path)) / "tokenizer.json"
+    except Exception as exc:  # the registry's own errors are not ours to classify
+        raise ValueError(f"--tokenizer {name_or_path!r}: {exc}") from exc
+    if resolved.is_file():
+        return resolved
     raise ValueError(f"--tokenizer {name_or_path!r}: no tokenizer.json found there")
 
 
