@@ -53,7 +53,7 @@ def full_response(
         kind = "chat.completion"
     else:
         choice, kind = _text_choice(text, finish_reason), "text_completion"
-    return {**_envelope(ctx, kind, choice), "usage": usage_body}
+    return {**_envelope(ctx, kind, [choice]), "usage": usage_body}
 
 
 def chunk(
@@ -74,34 +74,28 @@ def chunk(
         kind = "chat.completion.chunk"
     else:
         choice, kind = _text_choice(text, finish_reason), "text_completion"
-    return _envelope(ctx, kind, choice)
+    return _envelope(ctx, kind, [choice])
 
 
 def _text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
 
 
-def _envelope(ctx: ResponseContext, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+def _envelope(ctx: ResponseContext, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
     """The fields every completion object and chunk shares."""
     return {
         "id": ctx.id,
         "object": kind,
         "created": ctx.created,
         "model": ctx.model,
-        "choices": [choice],
+        "choices": choices,
     }
 
 
 def usage_chunk(ctx: ResponseContext, usage_body: dict[str, int]) -> dict[str, Any]:
     """The final chunk for `stream_options.include_usage`: empty choices, the usage."""
-    return {
-        "id": ctx.id,
-        "object": "chat.completion.chunk" if ctx.chat else "text_completion",
-        "created": ctx.created,
-        "model": ctx.model,
-        "choices": [],
-        "usage": usage_body,
-    }
+    kind = "chat.completion.chunk" if ctx.chat else "text_completion"
+    return {**_envelope(ctx, kind, []), "usage": usage_body}
 
 
 def sse(body: dict[str, Any] | str) -> bytes:
