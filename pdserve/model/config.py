@@ -34,11 +34,6 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """fp32 bytes: K and V of every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         archs = hf.get("architectures") or ["LlamaForCausalLM"]
