@@ -80,17 +80,11 @@ def _chunk_text(choice: dict) -> str:
 
 
 async def _sse_events(response: aiohttp.ClientResponse):
-    """Yields each ``data:`` payload; robust to events split across network reads."""
-    buffer = b""
-    async for data in response.content.iter_any():
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            line = line.strip()
-            if line.startswith(b"data:"):
-                yield line[len(b"data:") :].strip()
-    if buffer.strip().startswith(b"data:"):
-        yield buffer.strip()[len(b"data:") :].strip()
+    """Yields each ``data:`` payload (aiohttp reassembles lines split across reads)."""
+    async for line in response.content:
+        line = line.strip()
+        if line.startswith(b"data:"):
+            yield line[len(b"data:") :].strip()
 
 
 async def send_request(

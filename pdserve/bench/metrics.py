@@ -1,6 +1,6 @@
 """Per-request records and the arithmetic that turns them into a benchmark summary.
 
-Pure Python on purpose: every number a user reads comes from here, so it is tested on
+No I/O on purpose: every number a user reads comes from here, so it is tested on
 hand-made timelines. Times are seconds internally; SLOs are given in milliseconds because that
 is how users state them (``--slo-ttft-ms``).
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 OK = "ok"
 REJECTED = "rejected"
@@ -73,13 +75,7 @@ class SLO:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default), ``nan`` for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if len(values) else math.nan
 
 
 def latency_stats_ms(values_s: Iterable[float]) -> dict[str, float]:

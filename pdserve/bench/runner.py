@@ -8,6 +8,7 @@ sequential (turn k's prompt contains turn k-1's actual answer) with an optional 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ class _Run:
         self.start = time.perf_counter()
         self.deadline = None if cfg.duration_s is None else self.start + cfg.duration_s
         limit = cfg.max_concurrency
-        self.slots = asyncio.Semaphore(limit) if limit else None
+        self.slots = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
         self.bar = tqdm(total=total, disable=not cfg.progress, file=sys.stderr, unit="req")
 
     def expired(self) -> bool:
@@ -108,11 +109,8 @@ class _Run:
                 session_id=session.session_id,
                 turn=index,
             )
-            if self.slots is None:
+            async with self.slots:
                 answer = await send_request(http, self.cfg.client, prompt, record, self.start)
-            else:
-                async with self.slots:
-                    answer = await send_request(http, self.cfg.client, prompt, record, self.start)
             self._add(record)
             if not record.ok:
                 self._abandon(session, index + 1)

@@ -120,11 +120,6 @@ def preset_lengths(preset: str) -> tuple[str, str]:
     return PRESETS[preset]
 
 
-def _texts(tokens: TokenSource, ids: list[int], rng: np.random.Generator) -> tuple[list[int], str]:
-    text, encoded = tokens.fit_text(ids, rng)
-    return encoded, text
-
-
 def build_sessions(cfg: WorkloadConfig, tokens: TokenSource) -> list[Session]:
     """Sessions holding exactly ``cfg.num_requests`` turns, deterministic in ``cfg.seed``.
 
@@ -140,7 +135,10 @@ def build_sessions(cfg: WorkloadConfig, tokens: TokenSource) -> list[Session]:
     prefixes: list[tuple[list[int], str]] = []
     for _ in range(cfg.num_prefix_groups):
         ids = tokens.random_ids(rng, cfg.prefix_len, text=cfg.text_prompts)
-        prefixes.append(_texts(tokens, ids, rng) if cfg.text_prompts else (ids, ""))
+        prefix_text = ""
+        if cfg.text_prompts:
+            prefix_text, ids = tokens.fit_text(ids, rng)
+        prefixes.append((ids, prefix_text))
     sessions: list[Session] = []
     for index in range(cfg.num_requests):
         if index % cfg.num_turns == 0:
@@ -149,7 +147,7 @@ def build_sessions(cfg: WorkloadConfig, tokens: TokenSource) -> list[Session]:
         ids = tokens.random_ids(rng, input_lens[index], text=cfg.text_prompts)
         text: str | None = None
         if cfg.text_prompts:
-            ids, text = _texts(tokens, ids, rng)
+            text, ids = tokens.fit_text(ids, rng)
         if not session.turns and prefixes:
             prefix_ids, prefix_text = prefixes[(len(sessions) - 1) % len(prefixes)]
             ids = prefix_ids + ids
