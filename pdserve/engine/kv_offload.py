@@ -48,9 +48,7 @@ class KVOffload:
         self.kv.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.kv.block_size  # one token is computed
         hashes = request.block_hashes[:max_blocks]
-        first = 0
-        while first < len(hashes) and self.kv.pool.lookup(hashes[first]) is not None:
-            first += 1
+        first = len(self.kv.cached_prefix(hashes))
         return self.lookups.submit(self._fetch, hashes, first)
 
     def _fetch(self, hashes: list[int], first: int) -> tuple[int, list[bytes]]:

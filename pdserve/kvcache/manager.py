@@ -76,8 +76,12 @@ class KVCacheManager:
             return []
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.cached_prefix(request.block_hashes[:max_blocks])
+
+    def cached_prefix(self, block_hashes: list[int]) -> list[int]:
+        """Block ids of the longest prefix of `block_hashes` the pool holds now."""
         hits = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in block_hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -90,12 +94,7 @@ class KVCacheManager:
 
     def num_cached_tokens(self, block_hashes: list[int]) -> int:
         """Tokens of the longest prefix of these blocks the pool holds now."""
-        num_blocks = 0
-        for block_hash in block_hashes:
-            if self.pool.lookup(block_hash) is None:
-                break
-            num_blocks += 1
-        return num_blocks * self.block_size
+        return len(self.cached_prefix(block_hashes)) * self.block_size
 
     def record_admission(self, request: Request, num_hit_blocks: int) -> None:
         c = self.counters
