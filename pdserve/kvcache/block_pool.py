@@ -75,12 +75,10 @@ class BlockPool:
                 raise RuntimeError(f"double free of block {block_id}")
             self.ref_cnt[block_id] -= 1
             if self.ref_cnt[block_id] == 0:
+                self.free_queue[block_id] = None
                 if self.block_hash[block_id] is None:
                     # Nothing to reuse: hand it out before blocks that hold a cached prefix.
-                    self.free_queue[block_id] = None
                     self.free_queue.move_to_end(block_id, last=False)
-                else:
-                    self.free_queue[block_id] = None
 
     def cache_block(self, block_id: int, block_hash: int) -> None:
         """Make a full, computed block findable by its hash. If another block already holds
