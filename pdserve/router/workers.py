@@ -18,6 +18,7 @@ expects a `Released` back; unacknowledged ones are counted (a metric) and re-sen
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -281,25 +282,20 @@ class ControlPlane:
         worker holds in its cache (as its KVEvents told)."""
         out = []
         for w in self.workers.values():
-            s = w.stats
-            num_cached = 0
-            for block_hash in block_hashes:
-                if block_hash not in w.cached_hashes:
-                    break
-                num_cached += 1
+            # Before its first Stats, a ready worker is idle with every block free.
+            num_blocks = w.ready.num_blocks if w.ready else 0
+            s = w.stats or messages.Stats(w.worker_id, w.role, 0, 0, num_blocks, 0, 0)
+            num_cached = len(list(itertools.takewhile(w.cached_hashes.__contains__, block_hashes)))
             out.append(
                 WorkerLoad(
                     worker_id=w.worker_id,
                     role=w.role,
                     healthy=self._routable(w),
-                    num_waiting=s.num_waiting if s else 0,
-                    num_running=s.num_running if s else 0,
-                    num_free_blocks=s.num_free_blocks
-                    if s
-                    else (w.ready.num_blocks if w.ready else 0),
-                    num_total_blocks=s.num_total_blocks if s else 0,
-                    num_queued_prefill_tokens=(s.num_queued_prefill_tokens if s else 0)
-                    + w.sent_prefill_tokens,
+                    num_waiting=s.num_waiting,
+                    num_running=s.num_running,
+                    num_free_blocks=s.num_free_blocks,
+                    num_total_blocks=s.num_total_blocks,
+                    num_queued_prefill_tokens=s.num_queued_prefill_tokens + w.sent_prefill_tokens,
                     num_active_requests=w.active_requests,
                     num_cached_blocks=num_cached,
                 )
