@@ -54,6 +54,6 @@ def timed_handoff(p: Engine, d: Engine, rx, rid: str) -> dict[str, float]:
     d.role.awaiting[rid].landed = True  # consumed by the watcher: release the blocks
     d.abort_request(rid)
     while p.role.num_in_flight():
-        p.poll_transfers()
+        p.role.poll()
         time.sleep(0.001)
     return stamps

@@ -158,14 +158,6 @@ class Engine:
             self.offload.save_evicted()
         return reservation
 
-    def start_decode(self, request_id: str, first_token_id: int) -> None:
-        """The first token from the prefill worker."""
-        self.role.start(request_id, first_token_id)
-
-    def poll_transfers(self) -> list[tuple[str, str]]:
-        """Advance KV transfers; returns (request id, error) for requests they failed."""
-        return self.role.poll()
-
     # ---- requests ----------------------------------------------------------------------
 
     def add_request(

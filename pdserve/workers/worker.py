@@ -139,7 +139,7 @@ class Worker:
         try:
             while self.running:
                 self._drain(timeout_ms=0 if e.has_unfinished_requests() else self._idle_wait_ms())
-                for request_id, error in e.poll_transfers():
+                for request_id, error in e.role.poll():
                     self.send(m.Failed(self.spec.worker_id, request_id, error))
                 if e.has_unfinished_requests():
                     self._step()
@@ -188,7 +188,7 @@ class Worker:
             return
         if isinstance(msg, m.StartDecode):
             try:
-                e.start_decode(msg.request_id, msg.first_token_id)
+                e.role.start(msg.request_id, msg.first_token_id)
             except KeyError as exc:  # the reservation was aborted, failed or timed out
                 self.send(m.Failed(wid, msg.request_id, str(exc)))
             return

@@ -76,12 +76,12 @@ class Pair:
         pending = set(out)
         deadline = time.monotonic() + 30
         while pending and time.monotonic() < deadline:
-            assert self.p.poll_transfers() == [] and self.d.poll_transfers() == []
+            assert self.p.role.poll() == [] and self.d.role.poll() == []
             if self.p.has_unfinished_requests():
                 for o in self.p.step():
                     out[o.request_id] += o.new_token_ids
                     if o.finish_reason is FinishReason.HANDOFF:
-                        self.d.start_decode(o.request_id, o.new_token_ids[0])
+                        self.d.role.start(o.request_id, o.new_token_ids[0])
                     else:
                         self.d.abort_request(o.request_id)
                         pending.discard(o.request_id)
@@ -95,7 +95,7 @@ class Pair:
                 time.sleep(0.001)
         # Let the prefill side see its sends confirmed and free its blocks.
         while self.p.role.num_in_flight() and time.monotonic() < deadline:
-            self.p.poll_transfers()
+            self.p.role.poll()
             time.sleep(0.001)
         assert not pending, "requests did not finish"
         self.last_ids = list(out)
@@ -226,7 +226,7 @@ def test_abort_with_a_decode_prefix_hit_returns_every_reference(tiny_model_dir, 
         assert pair.rx.stats()["num_reservations"] == 0
         deadline = time.monotonic() + 10
         while pair.p.kv.num_free_blocks != free_p and time.monotonic() < deadline:
-            pair.p.poll_transfers()
+            pair.p.role.poll()
             time.sleep(0.005)
         assert pair.p.kv.num_free_blocks == free_p
         # The prefix is still cached: the next reservation takes the same blocks.
@@ -252,7 +252,7 @@ def test_a_write_into_a_shared_cached_block_is_rejected(tiny_model_dir, backend)
         deadline = time.monotonic() + 10
         failed = []
         while not failed and time.monotonic() < deadline:
-            failed = pair.d.poll_transfers()
+            failed = pair.d.role.poll()
             time.sleep(0.005)
         [(request_id, error)] = failed
         assert request_id == "a" and "outside the reservation" in error
@@ -287,7 +287,7 @@ def test_abort_mid_prefill_frees_prefill_blocks(tiny_model_dir):
         pair.d.abort_request("a")
         deadline = time.monotonic() + 10
         while pair.p.kv.num_free_blocks != free_p and time.monotonic() < deadline:
-            pair.p.poll_transfers()
+            pair.p.role.poll()
             time.sleep(0.005)
         assert pair.p.kv.num_free_blocks == free_p
         assert not pair.p.has_unfinished_requests()

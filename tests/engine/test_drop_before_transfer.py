@@ -161,7 +161,7 @@ def test_request_budget_drops_with_no_deployment_budget(tiny_model_dir):
 def wait_for(pair: Pair, free_p: int) -> None:
     deadline = time.monotonic() + 10
     while pair.p.kv.num_free_blocks != free_p and time.monotonic() < deadline:
-        pair.p.poll_transfers()
+        pair.p.role.poll()
         time.sleep(0.005)
     assert pair.p.kv.num_free_blocks == free_p
 
@@ -186,7 +186,7 @@ def test_abort_at_any_stage_frees_both_sides(tiny_model_dir, backend, stage):
                 outs += pair.p.step()
             assert pair.sent_dst["a"] == set(r.block_ids)
             if stage == "first_token":
-                pair.d.start_decode("a", outs[-1].new_token_ids[0])
+                pair.d.role.start("a", outs[-1].new_token_ids[0])
         pair.p.abort_request("a")
         pair.d.abort_request("a")
         assert pair.d.kv.num_free_blocks == free_d
@@ -209,7 +209,7 @@ def test_a_transfer_that_does_not_match_the_reservation_fails_it(tiny_model_dir)
         src = list(range(len(r.block_ids)))
         pair.tx.send(pair.rx.address(), request_id, [0, 1], src, r.block_ids, True, meta)
         deadline = time.monotonic() + 10
-        while not (failed := pair.d.poll_transfers()) and time.monotonic() < deadline:
+        while not (failed := pair.d.role.poll()) and time.monotonic() < deadline:
             time.sleep(0.005)
         return failed
 

@@ -35,12 +35,12 @@ def test_decode_engine_stamps_the_kv_landing(tiny_model_dir):
         (first,) = pair.p.step()
         assert first.finish_reason is FinishReason.HANDOFF
         assert set(first.stamps) == {"prefill_start", "prefill_end"}
-        pair.d.start_decode("r", first.new_token_ids[0])
+        pair.d.role.start("r", first.new_token_ids[0])
         decoded = []
         deadline = time.monotonic() + 10
         while not decoded and time.monotonic() < deadline:
-            pair.p.poll_transfers()
-            pair.d.poll_transfers()
+            pair.p.role.poll()
+            pair.d.role.poll()
             decoded = pair.d.step() if pair.d.has_unfinished_requests() else []
         assert decoded, "the KV never landed"
         assert set(decoded[0].stamps) == {"kv_landed"}

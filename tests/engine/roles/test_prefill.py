@@ -157,7 +157,7 @@ def test_an_engine_refuses_what_its_role_does_not_take_and_switches_only_when_id
     with pytest.raises(ValueError, match="collocated worker does not take Prefill"):
         engine.add_prefill("p", [5, 6, 7], GREEDY, KVDestination({}, [0]))
     with pytest.raises(KeyError, match="no reservation"):
-        engine.start_decode("r", 5)
+        engine.role.start("r", 5)
     assert not engine.has_unfinished_requests()
     engine.add_request("a", [5, 6, 7], GREEDY)
     role = prefill_role(FakeSender(), engine.kv, "full")
