@@ -11,6 +11,7 @@ enforced in engine/roles/) and a broken transfer are answered with Failed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -197,7 +198,8 @@ class Worker:
             if isinstance(msg, m.Generate):
                 prompt = msg.prompt_token_ids + msg.output_token_ids
                 if msg.output_token_ids:  # resumed: what was already produced counts
-                    params = _remaining(params, len(msg.output_token_ids))
+                    num_left = max(1, params.max_tokens - len(msg.output_token_ids))
+                    params = dataclasses.replace(params, max_tokens=num_left)
                 e.add_request(msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin)
             elif isinstance(msg, m.Reserve):
                 r = e.reserve(msg.request_id, msg.prompt_token_ids, params)
@@ -294,12 +296,6 @@ class Worker:
         self.ctrl.close(0)
         self.out.close()
         self.ctx.term()
-
-
-def _remaining(params: SamplingParams, num_done: int) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, max_tokens=max(1, params.max_tokens - num_done))
 
 
 def shared_kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
