@@ -178,9 +178,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
-        if not params.ignore_eos and token in request.eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
+        eos = not params.ignore_eos and token in request.eos_token_ids
+        if eos or token in params.stop_token_ids:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens:
             return FinishReason.LENGTH
