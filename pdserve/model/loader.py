@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
@@ -32,9 +33,7 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+            tensors.update(load_file(path))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"corrupt weights file {path}: {e}") from None
     return tensors
