@@ -66,10 +66,7 @@ class ClientConfig:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
-        if self.endpoint == "chat":
-            body["messages"] = prompt
-        else:
-            body["prompt"] = prompt
+        body["messages" if self.endpoint == "chat" else "prompt"] = prompt
         return body
 
 
