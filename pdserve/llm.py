@@ -20,7 +20,6 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    num_cached_tokens: int = 0
 
 
 @dataclass
