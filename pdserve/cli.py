@@ -1,4 +1,7 @@
-"""`pdserve` command line. Bad input ends with one line on stderr and exit code 2."""
+"""`pdserve` command line. Bad input ends with one line on stderr and exit code 2.
+
+Each subcommand is a function in `SUBCOMMANDS` that adds its parser (with `func` set).
+"""
 
 from __future__ import annotations
 
@@ -9,68 +12,13 @@ import sys
 from pdserve.bench.cli import add_bench_parser
 from pdserve.cluster.up import add_up_parser
 from pdserve.cluster.warmup import add_warmup_parser
-from pdserve.config import CPU_KERNELS
-from pdserve.model.registry import DEFAULT_MODEL
+from pdserve.config import EngineConfig
 from pdserve.perf.cli import add_profile_parser
 from pdserve.router.status_cli import add_status_parser
+from pdserve.schema import OneLineArgumentParser, add_flags, flag_values
 from pdserve.sim.cli import add_plan_parser, add_simulate_parser
 
 EXIT_BAD_INPUT = 2
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GB', '1048576' -> bytes."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    lowered = text.strip().lower()
-    for unit, factor in units.items():
-        if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * factor)
-    try:
-        return int(lowered)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB)") from None
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="known name, .gguf file or HF dir")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument(
-        "--cpu-kernels",
-        choices=CPU_KERNELS,
-        default="native",
-        help="CPU paths: native C kernels (default), oneDNN, or plain PyTorch",
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-bytes", type=parse_bytes, default=None)
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
-        cpu_kernels=args.cpu_kernels,
-        block_size=args.block_size,
-        kv_cache_bytes=args.kv_cache_bytes,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        enable_prefix_caching=not args.no_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -99,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.llm import LLM
 
     params = sampling_params(args)
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**flag_values(args, EngineConfig))
     prompts = [
         llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
         for p in args.prompt
@@ -119,7 +67,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from pdserve.llm import LLM
 
     params = sampling_params(args)
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(**flag_values(args, EngineConfig))
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -143,31 +91,42 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_flags(p, EngineConfig)
+    add_sampling_args(p, max_tokens=64)
+    p.add_argument("--prompt", action="append", required=True, help="repeatable")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.set_defaults(func=cmd_generate)
+
+
+def add_chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_flags(p, EngineConfig)
+    add_sampling_args(p, max_tokens=256)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+
+SUBCOMMANDS = [
+    add_generate_parser,
+    add_chat_parser,
+    add_up_parser,
+    add_warmup_parser,
+    add_bench_parser,
+    add_profile_parser,
+    add_simulate_parser,
+    add_plan_parser,
+    add_status_parser,
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = OneLineArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    add_engine_args(gen)
-    add_sampling_args(gen, max_tokens=64)
-    gen.add_argument("--prompt", action="append", required=True, help="repeatable")
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.set_defaults(func=cmd_generate)
-
-    chat = sub.add_parser("chat", help="interactive chat in the terminal")
-    add_engine_args(chat)
-    add_sampling_args(chat, max_tokens=256)
-    chat.add_argument("--system", default=None, help="system prompt")
-    chat.set_defaults(func=cmd_chat)
-
-    add_up_parser(sub)
-    add_warmup_parser(sub)
-    add_bench_parser(sub)
-    add_profile_parser(sub)
-    add_simulate_parser(sub)
-    add_plan_parser(sub)
-    add_status_parser(sub)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
+    for add_parser in SUBCOMMANDS:
+        add_parser(sub)
     return parser
 
 

@@ -1,20 +1,20 @@
 """The configuration tree. Frozen dataclasses, validated on construction; each part of the
 system receives only the sub-config it needs. Values found at run time (the number of KV
 blocks that fit, the model's context length) are returned by whoever finds them, never
-written back here."""
+written back here. Flags, YAML keys and checks derive from these fields (`pdserve.schema`,
+docs/configuration.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pdserve.kvstore.config import KVStoreConfig
+from pdserve.schema import check, knob, parse_bytes
 
-
-def _positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+ROLES = ("prefill", "decode", "collocated")  # a worker's role; `Pipeline` has one field each
+CPU_KERNELS = ("native", "onednn", "torch")
+KV_CACHE_DTYPES = ("auto", "fp8")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -22,33 +22,27 @@ class CacheConfig:
     """KV cache sizing. `kv_cache_bytes` wins over `kv_cache_memory_fraction` (a share of the
     device's free memory after the weights are loaded)."""
 
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    kv_cache_memory_fraction: float | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": E4M3 + per-token scales
+    block_size: int = knob(16, "tokens per KV block", gt=0)
+    kv_cache_bytes: int | None = knob(None, "KV pool size per worker", gt=0, parse=parse_bytes)
+    kv_cache_memory_fraction: float | None = knob(
+        None, "KV pool as a share of free device memory", gt=0, lt=1
+    )
+    enable_prefix_caching: bool = knob(True, "reuse cached prompt blocks", flag="prefix_caching")
+    kv_cache_dtype: str = knob(
+        "auto", "KV storage: the model's dtype, or fp8 (E4M3 + per-token scales)",
+        choices=KV_CACHE_DTYPES,
+    )  # fmt: skip
     # Token dropping: a request holding more KV than this frees its least-attended blocks,
     # keeping the first `kv_sink_tokens` and the last `kv_recent_tokens` (None: off).
-    kv_budget_tokens: int | None = None
-    kv_sink_tokens: int = 16
-    kv_recent_tokens: int = 64
+    kv_budget_tokens: int | None = knob(None, "most KV tokens per request (token dropping)")
+    kv_sink_tokens: int = knob(16, "first tokens token dropping always keeps")
+    kv_recent_tokens: int = knob(64, "last tokens token dropping always keeps")
     # Cache warm-up: the most of the pool that pinned prompts may hold, so pins can never
     # starve running requests of blocks.
-    max_pinned_fraction: float = 0.5
+    max_pinned_fraction: float = knob(0.5, "most of the KV pool pinned prompts hold", ge=0, le=1)
 
     def __post_init__(self) -> None:
-        _positive("block_size", self.block_size)
-        if not 0 <= self.max_pinned_fraction <= 1:
-            raise ValueError(
-                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
-            )
-        _positive("kv_cache_bytes", self.kv_cache_bytes, allow_none=True)
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
-        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
-            raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 1), got {self.kv_cache_memory_fraction}"
-            )
+        check(self)
 
 
 @dataclass(frozen=True)
@@ -56,19 +50,13 @@ class SchedulerConfig:
     """Per-step limits. A prompt longer than `long_prefill_token_threshold` is prefilled in
     chunks of that size, so one long prompt cannot stall the running decodes for long."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 512
-    max_model_len: int | None = None  # None: the model's own context length
+    max_num_seqs: int = knob(64, "most requests running at once", gt=0)
+    max_num_batched_tokens: int = knob(2048, "most tokens in one step", gt=0)
+    long_prefill_token_threshold: int = knob(512, "prefill chunk size of long prompts", gt=0)
+    max_model_len: int | None = knob(None, "context length (default: the model's)", gt=0)
 
     def __post_init__(self) -> None:
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive("long_prefill_token_threshold", self.long_prefill_token_threshold)
-        _positive("max_model_len", self.max_model_len, allow_none=True)
-
-
-CPU_KERNELS = ("native", "onednn", "torch")
+        check(self)
 
 
 @dataclass(frozen=True)
@@ -79,26 +67,25 @@ class DeviceConfig:
     attention; falls back to "onednn" where they cannot be built), "onednn" (prepacked
     GEMMs, PyTorch attention) or "torch" (plain `F.linear` and SDPA, the reference)."""
 
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int | None = None
-    cpu_kernels: str = "native"
+    device: str = knob("cpu", "cpu or cuda[:N]", pattern=(r"cpu|cuda(:\d+)?", "cpu or cuda[:N]"))
+    dtype: str = knob("float32", "weights and activations", choices=DTYPES)
+    threads: int | None = knob(None, "torch intra-op threads per worker", gt=0)
+    cpu_kernels: str = knob(
+        "native", "CPU paths: native C kernels, oneDNN, or plain PyTorch", choices=CPU_KERNELS
+    )
 
     def __post_init__(self) -> None:
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        _positive("threads", self.threads, allow_none=True)
-        if self.cpu_kernels not in CPU_KERNELS:
-            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
+        check(self)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "smollm2-135m"
+    model: str = knob("smollm2-135m", "known name, .gguf file or HF directory")
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()
-    kvstore: KVStoreConfig = KVStoreConfig()  # tiers below the worker's pool; off by default
-    seed: int = 0
+    kvstore: KVStoreConfig = knob(KVStoreConfig(), "tiers below the pool", prefix="kv_")
+    seed: int = knob(0, "engine seed for unseeded sampling")
+
+    def __post_init__(self) -> None:
+        check(self)

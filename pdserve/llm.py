@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.config import EngineConfig
 from pdserve.output_processor import OutputProcessor
 from pdserve.request import WARMUP_PARAMS, FinishReason
 from pdserve.sampling_params import SamplingParams
+from pdserve.schema import from_flat
 
 Prompt = str | list[int]
 
@@ -38,51 +40,15 @@ class LLM:
     >>> llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(
-        self,
-        model: str = "smollm2-135m",
-        *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        threads: int | None = None,
-        cpu_kernels: str = "native",
-        block_size: int = 16,
-        kv_cache_bytes: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        enable_prefix_caching: bool = True,
-        kv_cache_dtype: str = "auto",
-        kv_budget_tokens: int | None = None,
-        kv_sink_tokens: int = 16,
-        kv_recent_tokens: int = 64,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        long_prefill_token_threshold: int = 512,
-        max_model_len: int | None = None,
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, model: str = EngineConfig.model, **engine: Any) -> None:
+        """`engine`: any `EngineConfig` field by its flat name (block_size, kv_cache_bytes,
+        threads, cpu_kernels, ...; see docs/configuration.md)."""
         from pdserve.engine.engine import Engine
         from pdserve.model.registry import resolve_model
         from pdserve.model.tokenizer import Tokenizer
 
-        config = EngineConfig(
-            model=model,
-            cache=CacheConfig(
-                block_size,
-                kv_cache_bytes,
-                kv_cache_memory_fraction,
-                enable_prefix_caching,
-                kv_cache_dtype,
-                kv_budget_tokens,
-                kv_sink_tokens,
-                kv_recent_tokens,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs, max_num_batched_tokens, long_prefill_token_threshold, max_model_len
-            ),
-            device=DeviceConfig(device, dtype, threads, cpu_kernels),
-            seed=seed,
-        )
-        model_dir = resolve_model(model)
+        config = from_flat(EngineConfig, {"model": model, **engine})
+        model_dir = resolve_model(config.model)
         self.tokenizer = Tokenizer(model_dir)
         self.engine = Engine(config, model_dir)
         self._ids = itertools.count()

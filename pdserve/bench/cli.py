@@ -11,22 +11,15 @@ import argparse
 import json
 import math
 import sys
-import types
 from pathlib import Path
-from typing import NoReturn
 
 from pdserve.bench.arrivals import KINDS
 from pdserve.bench.client import ENDPOINTS
 from pdserve.bench.compare import Launch, run_compare
 from pdserve.bench.metrics import SLO, RequestRecord, format_summary
 from pdserve.bench.workloads import PRESETS
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """Reports a bad flag as one line (no usage dump), then exits 2 like argparse."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+from pdserve.config import EngineConfig
+from pdserve.schema import OneLineArgumentParser
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +28,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     target.add_argument("--model", help="model name sent in requests (default: --tokenizer)")
     target.add_argument(
-        "--tokenizer", default="smollm2-135m", help="model name or directory with tokenizer.json"
+        "--tokenizer",
+        default=EngineConfig.model,
+        help="model name or directory with tokenizer.json",
     )
     target.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
     target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
@@ -122,8 +117,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser = subparsers.add_parser(
         "bench", help="serving benchmark against any OpenAI-compatible endpoint"
     )
-    # The top-level parser's class is the caller's; make bench's own errors one line anyway.
-    parser.error = types.MethodType(OneLineArgumentParser.error, parser)  # type: ignore[method-assign]
     _configure(parser)
     return parser
 

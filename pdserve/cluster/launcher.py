@@ -13,7 +13,6 @@ import ctypes
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import shutil
 import signal
@@ -25,9 +24,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from pdserve.cluster.config import Pipeline, Role
-from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
-from pdserve.workers.spec import SECRET_ENV, WorkerSpec
+from pdserve import envs
+from pdserve.cluster.config import Pipeline
+from pdserve.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 GRACE_S = 5.0
@@ -60,9 +59,10 @@ class Process:
 def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerSpec]:
     specs = []
     for role, r in p.roles:
+        engine = r.engine_config(p.model, p.dtype, kv_pool or p.kv_pool)
         for i in range(r.num):
             specs.append(WorkerSpec(
-                worker_id=f"{role}-{i}", role=role, engine=_engine_config(p, r, kv_pool),
+                worker_id=f"{role}-{i}", role=role, engine=engine,
                 ctrl_address=f"tcp://127.0.0.1:{free_port()}", router_address=router_address,
                 cpus=r.cpus_of(i), transfer_backend=p.kv_transfer.backend,
                 transfer_mode=p.kv_transfer.mode,
@@ -71,30 +71,6 @@ def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerS
                 wire_kv_cache_dtype=p.decode.kv_cache_dtype if p.decode else "auto",
             ))  # fmt: skip
     return specs
-
-
-def _engine_config(p: Pipeline, r: Role, kv_pool=None) -> EngineConfig:
-    return EngineConfig(
-        model=p.model,
-        kvstore=kv_pool or p.kv_pool,
-        cache=CacheConfig(
-            kv_cache_bytes=r.kv_cache_bytes,
-            enable_prefix_caching=r.enable_prefix_caching,
-            kv_cache_dtype=r.kv_cache_dtype,
-            kv_budget_tokens=r.kv_budget_tokens,
-            kv_sink_tokens=r.kv_sink_tokens,
-            kv_recent_tokens=r.kv_recent_tokens,
-            max_pinned_fraction=r.max_pinned_fraction,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=r.max_num_seqs,
-            max_num_batched_tokens=r.max_num_batched_tokens,
-            long_prefill_token_threshold=r.long_prefill_token_threshold,
-        ),
-        device=DeviceConfig(
-            device=r.device, dtype=p.dtype, threads=r.threads, cpu_kernels=r.cpu_kernels
-        ),
-    )
 
 
 class Cluster:
@@ -120,7 +96,6 @@ class Cluster:
 
         resolve_model(p.model)  # convert once here, not in every worker at the same time
         secret = secrets.token_bytes(32)
-        env = {**os.environ, SECRET_ENV: secret.hex()}
         router_address = f"tcp://127.0.0.1:{free_port()}"
         kv_pool = p.kv_pool
         if kv_pool.redis_url == "local":
@@ -130,7 +105,7 @@ class Cluster:
             self._spawn(
                 spec.worker_id,
                 ["pdserve.workers.main", "--spec", spec.to_json(), "--log-level", self.log_level],
-                env,
+                envs.child_env(secret),
             )
         router = {
             "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
@@ -139,9 +114,8 @@ class Cluster:
             "policy": p.routing, "load_balancer": p.load_balancer, "log_level": self.log_level,
         }  # fmt: skip
         # The API key goes in the environment, like the secret: never on a command line.
-        router_env = {**env, "PDSERVE_API_KEY": p.api_key} if p.api_key else env
         self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)],
-                    router_env)  # fmt: skip
+                    envs.child_env(secret, p.api_key))  # fmt: skip
         self._wait_healthy(p.startup_timeout_s)
         if p.warmup_prompts:
             self._warmup(list(p.warmup_prompts))
@@ -149,6 +123,7 @@ class Cluster:
     def _warmup(self, prompts: list) -> None:
         """Prefill and pin the pipeline's warm-up prompts on every prefill-capable worker;
         a prompt any worker could not warm is an error of the deployment's config."""
+        # Lazy: cluster/warmup.py imports cluster/up.py, which imports this module.
         from pdserve.cluster.warmup import (
             WarmupError,
             ordered,

@@ -1,4 +1,8 @@
-"""`pdserve up`: start a cluster from flags or a YAML file and serve until Ctrl-C."""
+"""`pdserve up`: start a cluster from flags or a YAML file and serve until Ctrl-C.
+
+Flags are the Pipeline's fields (`--transfer-mode` is `kv_transfer.mode`), and a Role's fields
+set every role's workers (`--threads 1`); given with `--config`, flags win over the file.
+"""
 
 from __future__ import annotations
 
@@ -11,48 +15,23 @@ import sys
 import time
 import urllib.request
 
-from pdserve.cluster.config import (
-    POLICIES,
-    Pipeline,
-    Role,
-    TensorStore,
-    load_pipeline,
-    pipeline_from_dict,
-)
-from pdserve.config import CPU_KERNELS
+from pdserve import envs
+from pdserve.cluster.config import Pipeline, Role, load_pipeline
+from pdserve.cluster.launcher import Cluster, ClusterError
+from pdserve.config import ROLES
+from pdserve.schema import add_flags, flag_values, from_dict, merged, nest, to_dict
 
-API_KEY_ENV = "PDSERVE_API_KEY"
+API_KEY_ENV = envs.API_KEY  # cluster/warmup.py imports it from here
 
 
 def add_up_parser(sub) -> None:
     p = sub.add_parser("up", help="start router + workers and serve the OpenAI API")
     p.add_argument("--config", default=None, help="YAML file with Pipeline fields")
-    p.add_argument("--model", default=None)
-    p.add_argument("--prefill", type=int, default=None, help="number of prefill workers")
-    p.add_argument("--decode", type=int, default=None, help="number of decode workers")
-    p.add_argument("--collocated", type=int, default=None, help="collocated workers instead")
-    p.add_argument("--transfer", choices=["auto", "shm", "tcp"], default=None)
-    p.add_argument("--transfer-mode", choices=["layerwise", "full"], default=None)
-    p.add_argument("--transfer-bandwidth", default=None, help="e.g. 10Gbit (emulated link)")
-    p.add_argument("--routing", choices=POLICIES, default=None)
-    p.add_argument("--load-balancer", choices=POLICIES, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    p.add_argument("--cpu-kernels", choices=CPU_KERNELS, default=None, help="every worker's")
+    for name in ROLES:
+        p.add_argument(f"--{name}", type=int, default=None, help=f"number of {name} workers")
+    add_flags(p, Pipeline)
+    add_flags(p.add_argument_group("every worker (per role: the config file)"), Role, "role.")
     p.add_argument("--pin-cpus", action="store_true", help="one core per worker, in order")
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="per worker")
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=["auto", "fp8"],
-        default=None,
-        help="KV storage of every worker (per role: the config file's field)",
-    )
-    p.add_argument("--kv-host-bytes", type=int, default=None, help="L2: host DRAM (shm) tier")
-    p.add_argument("--kv-disk-dir", default=None, help="L3: local disk tier directory")
-    p.add_argument("--kv-disk-bytes", type=int, default=None)
-    p.add_argument("--kv-redis-url", default=None, help="L4: redis://host:port/db, or 'local'")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"or ${API_KEY_ENV}")
     p.add_argument(
         "--warmup-file",
         default=None,
@@ -67,44 +46,27 @@ def add_up_parser(sub) -> None:
 
 
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
-    top = {k: v for k, v in {
-        "model": args.model, "host": args.host, "port": args.port, "api_key": args.api_key,
-        "routing": args.routing, "load_balancer": args.load_balancer,
-    }.items() if v is not None}  # fmt: skip
-    store = {k: v for k, v in {
-        "backend": args.transfer, "mode": args.transfer_mode, "bandwidth": args.transfer_bandwidth,
-    }.items() if v is not None}  # fmt: skip
-    role = {k: v for k, v in {
-        "threads": args.threads, "kv_cache_bytes": args.kv_cache_bytes,
-        "kv_cache_dtype": args.kv_cache_dtype, "cpu_kernels": args.cpu_kernels,
-    }.items() if v is not None}  # fmt: skip
-    counts = {"prefill": args.prefill, "decode": args.decode, "collocated": args.collocated}
-    if args.config:
-        base = load_pipeline(args.config, {})
-        data = {**_asdict(base), **top}
-    else:
-        data = dict(top)
-        if all(v is None for v in counts.values()):
-            counts = {"prefill": 1, "decode": 1, "collocated": None}
+    """The config file's Pipeline (if any) with the flags applied; without a file and role
+    counts, one prefill and one decode worker."""
+    data = to_dict(load_pipeline(args.config, {})) if args.config else {}
+    top = flag_values(args, Pipeline)
+    if "api_key" not in top and envs.api_key():
+        top["api_key"] = envs.api_key()
+    data = merged(data, nest(Pipeline, top))
     if args.warmup_file:
+        # Lazy: cluster/warmup.py imports this module.
         from pdserve.cluster.warmup import WarmupError, read_prompts
 
         try:
             data["warmup_prompts"] = read_prompts(args.warmup_file)
         except WarmupError as exc:
             raise ValueError(str(exc)) from None
-    if store:
-        data["kv_transfer"] = {**data.get("kv_transfer", {}), **store}
-    pool = {k: v for k, v in {
-        "host_bytes": args.kv_host_bytes, "disk_dir": args.kv_disk_dir,
-        "disk_bytes": args.kv_disk_bytes, "redis_url": args.kv_redis_url,
-    }.items() if v is not None}  # fmt: skip
-    if pool:
-        data["kv_pool"] = {**data.get("kv_pool", {}), **pool}
+    counts = {name: getattr(args, name) for name in ROLES}
+    if not args.config and all(v is None for v in counts.values()):
+        counts.update(prefill=1, decode=1)
+    role = flag_values(args, Role, "role.")
     next_cpu = 0
     for name, num in counts.items():
-        if num is None and not (args.config and data.get(name)):
-            continue
         if num == 0 or (num is None and not data.get(name)):
             data[name] = None
             continue
@@ -114,18 +76,10 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
             spec["cpus"] = [[c % os.cpu_count()] for c in range(next_cpu, next_cpu + n)]
             next_cpu += n
         data[name] = spec
-    return pipeline_from_dict(data)
-
-
-def _asdict(p: Pipeline) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(p)
+    return from_dict(Pipeline, data, "flags")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pdserve.cluster.launcher import Cluster, ClusterError
-
     pipeline = pipeline_from_args(args)
     log_level = logging.getLevelName(logging.getLogger().level)
     layout = ", ".join(f"{r.num} {n}" for n, r in pipeline.roles)
@@ -165,6 +119,3 @@ def example_request(url: str, pipeline: Pipeline) -> None:
     print(f"-> {answer['choices'][0]['message']['content']!r} "
           f"({answer['usage']['completion_tokens']} tokens, {time.perf_counter() - t:.2f} s)",
           flush=True)  # fmt: skip
-
-
-__all__ = ["Pipeline", "Role", "TensorStore", "add_up_parser"]

@@ -10,40 +10,34 @@ from dataclasses import dataclass, replace
 from pdserve.kvstore import keys
 from pdserve.kvstore.base import EntryFormat, KVTier
 from pdserve.kvstore.tiered import TieredStore
+from pdserve.schema import check, knob, parse_bytes
 
 
 @dataclass(frozen=True)
 class KVStoreConfig:
     """Each tier is on when its size (or URL) is set; all off by default."""
 
-    host_bytes: int = 0  # L2 capacity in /dev/shm, shared by the workers of a host
-    host_root: str = "/dev/shm"
-    disk_dir: str | None = None  # L3 directory (entries go in a per-model subdirectory)
-    disk_bytes: int = 0
-    redis_url: str | None = None  # L4, redis://host:port/db; capacity is Redis' maxmemory
-    redis_timeout_s: float = 0.25
-    redis_ttl_s: float | None = None
-    async_puts: bool = True
-    queue_size: int = 256
-    key_file: str | None = None  # the entries' MAC key (kvstore/keys.py); None: per-user key
+    host_bytes: int = knob(0, "L2: host DRAM (shm) tier size per host", ge=0, parse=parse_bytes)
+    host_root: str = knob("/dev/shm", "L2 directory")
+    disk_dir: str | None = knob(None, "L3: local disk tier directory (per-model subdirectory)")
+    disk_bytes: int = knob(0, "L3 size", ge=0, parse=parse_bytes)
+    redis_url: str | None = knob(
+        None, "L4: redis://host:port/db (capacity: Redis' maxmemory), or 'local'",
+        pattern=(r"local|redis://.*", "'local' or start with redis://"),
+    )  # fmt: skip
+    redis_timeout_s: float = knob(0.25, "L4 request timeout", gt=0)
+    redis_ttl_s: float | None = knob(None, "L4 entry lifetime (default: none)", gt=0)
+    async_puts: bool = knob(True, "write to the tiers from a background thread")
+    queue_size: int = knob(256, "most writes waiting for that thread", ge=1)
+    key_file: str | None = knob(None, "the entries' MAC key (kvstore/keys.py; default: per user)")
 
     def __post_init__(self) -> None:
-        for name in ("host_bytes", "disk_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"kvstore.{name} must be >= 0, got {getattr(self, name)}")
+        check(self, "kvstore.")
         if (self.disk_dir is None) != (self.disk_bytes == 0):
             raise ValueError(
                 "kvstore.disk_dir and kvstore.disk_bytes go together: set both or neither "
                 f"(disk_dir={self.disk_dir!r}, disk_bytes={self.disk_bytes})"
             )
-        if self.redis_url not in (None, "local") and not self.redis_url.startswith("redis://"):
-            raise ValueError(f"kvstore.redis_url must start with redis://, got {self.redis_url!r}")
-        if self.redis_timeout_s <= 0:
-            raise ValueError(f"kvstore.redis_timeout_s must be > 0, got {self.redis_timeout_s}")
-        if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
-            raise ValueError(f"kvstore.redis_ttl_s must be > 0, got {self.redis_ttl_s}")
-        if self.queue_size < 1:
-            raise ValueError(f"kvstore.queue_size must be >= 1, got {self.queue_size}")
 
     @property
     def enabled(self) -> bool:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve import envs
 from pdserve.model import panel_codec
 from pdserve.model.kv_cache import LayerCache
 from pdserve.model.registry import default_cache_dir
@@ -51,7 +52,6 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma"],
 }  # fmt: skip
 CPU_FLAGS = {"avx512": ("avx512f", "avx512vl", "avx512bw", "avx512dq"), "avx2": ("avx2", "fma")}
-ISA_ENV = "PDSERVE_CPU_ISA"
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
 # chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies.
 PANEL_M_MAX = 64
@@ -70,7 +70,7 @@ def cpu_supports(isa: str) -> bool:
 
 def build(isa: str = "avx2", out_dir: Path | None = None) -> Path:
     """Compile the `isa` variant of the kernels (if not already) and return its path."""
-    cc = os.environ.get("CC", "gcc")
+    cc = envs.c_compiler()
     flags = [*FLAGS, *ISA_FLAGS[isa]]
     sources = sorted(CSRC.glob("*.c"))
     digest = hashlib.sha256(" ".join([cc, *flags]).encode())
@@ -101,15 +101,15 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The loaded kernels of variant `isa` (default: PDSERVE_CPU_ISA, else `auto`: the widest
     this CPU runs), or None (logged once) where none can run. The library carries `isa` and
     `panel_width` (output columns per packed panel) as attributes."""
-    isa = isa or os.environ.get(ISA_ENV, "auto")
+    isa = isa or envs.cpu_isa()
     if isa != "auto" and isa not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}={isa!r}: expected auto, {' or '.join(ISA_FLAGS)}")
+        raise ValueError(f"{envs.CPU_ISA}={isa!r}: expected auto, {' or '.join(ISA_FLAGS)}")
     return _load(isa)
 
 
 @cache
 def _load(isa: str) -> ctypes.CDLL | None:
-    if os.environ.get("PDSERVE_NATIVE_KERNELS", "1") == "0":
+    if not envs.native_kernels_allowed():
         return None
     for variant in ISA_FLAGS if isa == "auto" else [isa]:
         if not cpu_supports(variant):

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve import envs
 from pdserve.model.gguf_convert import SOURCE_MARKER, convert_gguf, source_fingerprint
 
 
@@ -42,11 +43,8 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def default_cache_dir() -> Path:
-    """The model cache root; the only place that reads PDSERVE_CACHE_DIR."""
-    env = os.environ.get("PDSERVE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "pdserve" / "models"
+    """The model cache root (`envs.CACHE_DIR`)."""
+    return envs.cache_dir()
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:

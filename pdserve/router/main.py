@@ -12,39 +12,31 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import signal
 import sys
 
 import zmq
 
+from pdserve import envs
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import serve
-
-SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
-API_KEY_ENV = "PDSERVE_API_KEY"  # preferred over the JSON's api_key: env never shows in `ps`
+from pdserve.schema import from_dict
 
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
     parser = argparse.ArgumentParser(prog="python -m pdserve.router.main")
     parser.add_argument("--config-json", required=True, help="RouterConfig fields as JSON")
     args = parser.parse_args(argv)
-    secret_hex = os.environ.get(SECRET_ENV, "")
-    if not secret_hex:
-        raise ValueError(f"{SECRET_ENV} must hold the cluster secret as hex")
-    try:
-        secret = bytes.fromhex(secret_hex)
-    except ValueError:
-        raise ValueError(f"{SECRET_ENV} is not valid hex") from None
+    secret = envs.cluster_secret()
     try:
         data = json.loads(args.config_json)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--config-json is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError("--config-json must be a JSON object")
-    if os.environ.get(API_KEY_ENV):
-        data["api_key"] = os.environ[API_KEY_ENV]
-    return RouterConfig.from_dict(data, secret=secret)
+    if envs.api_key():  # preferred over the JSON's api_key: the environment never shows in `ps`
+        data["api_key"] = envs.api_key()
+    return from_dict(RouterConfig, {**data, "secret": secret}, "router config")
 
 
 async def _serve_until_signalled(config: RouterConfig) -> None:

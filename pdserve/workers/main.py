@@ -10,7 +10,8 @@ import logging
 import signal
 import sys
 
-from pdserve.workers.spec import WorkerSpec, read_secret
+from pdserve import envs
+from pdserve.workers.spec import WorkerSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.workers.worker import Worker
 
     try:
-        worker = Worker(spec, read_secret())
+        worker = Worker(spec, envs.cluster_secret())
     except ValueError as e:
         print(f"pdserve worker {spec.worker_id}: error: {e}", file=sys.stderr)
         return 2

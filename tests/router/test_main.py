@@ -35,7 +35,7 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         ({}, None, "PDSERVE_CLUSTER_SECRET must hold"),
         ({}, "zz", "not valid hex"),
-        ({"prot": 1}, "00", "unknown router config field"),
+        ({"prot": 1}, "00", "unknown key .prot. in router config"),
         ({"policy": "random"}, "00", "policy must be one of"),
         ({"workers": [{"worker_id": "x", "role": "boss", "address": "a"}]}, "00", "role"),
     ],

@@ -1,0 +1,61 @@
+"""Every environment variable pdserve reads, named and read here and nowhere else.
+
+Secrets travel in the environment rather than on a command line, where `ps` would show them;
+the launcher builds each child's environment with `child_env`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CLUSTER_SECRET = "PDSERVE_CLUSTER_SECRET"  # hex; set by the launcher for router and workers
+API_KEY = "PDSERVE_API_KEY"  # the `/v1` bearer key (`pdserve up`, `pdserve warmup`, router)
+CACHE_DIR = "PDSERVE_CACHE_DIR"  # converted models and built kernels (~/.cache/pdserve/models)
+NATIVE_KERNELS = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load the C kernels
+CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest the CPU runs), avx2, avx512
+FAULT_FILE = "PDSERVE_FAULT_FILE"  # test-only transfer fault injection (transfer/faults.py)
+C_COMPILER = "CC"  # the compiler for the native kernels (gcc)
+
+
+def cluster_secret() -> bytes:
+    value = os.environ.get(CLUSTER_SECRET, "")
+    if not value:
+        raise ValueError(f"{CLUSTER_SECRET} must hold the cluster secret as hex")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(f"{CLUSTER_SECRET} is not valid hex") from None
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY) or None
+
+
+def cache_dir() -> Path:
+    value = os.environ.get(CACHE_DIR)
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "pdserve" / "models"
+
+
+def native_kernels_allowed() -> bool:
+    return os.environ.get(NATIVE_KERNELS, "1") != "0"
+
+
+def fault_file() -> str | None:
+    return os.environ.get(FAULT_FILE) or None
+
+
+def cpu_isa() -> str:
+    return os.environ.get(CPU_ISA, "auto")
+
+
+def c_compiler() -> str:
+    return os.environ.get(C_COMPILER, "gcc")
+
+
+def child_env(secret: bytes, api_key: str | None = None) -> dict[str, str]:
+    """This process's environment plus the cluster secret (and the API key, for the router)."""
+    env = {**os.environ, CLUSTER_SECRET: secret.hex()}
+    if api_key:
+        env[API_KEY] = api_key
+    return env

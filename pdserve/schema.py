@@ -1,0 +1,331 @@
+"""Config dataclasses as the one source of their checks, YAML/JSON keys and CLI flags.
+
+A config is a frozen dataclass; `knob` gives a field its help text, choices, bounds and flag
+spelling as metadata. From the dataclass alone:
+
+- `check(config)`, called by each `__post_init__`: type, choices, bounds and pattern of every
+  field, with a message naming the field (lists become tuples: configs stay frozen);
+- `from_dict(cls, data, where)`: a YAML/JSON mapping into nested dataclasses; an unknown key is
+  an error naming it and the closest valid key;
+- the *flat view*: a nested dataclass field's own fields appear in its parent (behind the
+  field's `prefix`), so `EngineConfig` reads as `block_size`, `threads`, `kv_host_bytes`, ...
+  `flat_fields`, `from_flat` and `with_fields_of` (a dataclass that repeats other configs'
+  fields, like a cluster `Role`) work on it;
+- `add_flags(parser, cls)` / `flag_values(args, cls)`: one argparse flag per flat field
+  (`--block-size`), whose default is the dataclass's, so a flag left out is a value left out.
+
+Why not pydantic: its models would still need this argparse derivation and the difflib hints,
+its lax mode turns "1" into 1 where today's configs reject it, and its errors are multi-line
+tables to reformat into one line; the stdlib dataclasses stay the project's config types.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from typing import Any, NoReturn
+
+
+def knob(default: Any, help: str = "", **meta: Any) -> Any:
+    """A config field. `meta` keys: choices, ge, gt, le, lt, pattern=(regex, description),
+    parse (flag text -> value), flag (the flag's name when not the field's), prefix (for a
+    nested config: its fields' flat names start with it), cli=False (no flag), repr=False."""
+    return field(default=default, repr=meta.pop("repr", True), metadata={"help": help, **meta})
+
+
+def same_as(cls: type, name: str) -> Any:
+    """A field with the default and metadata of `cls`'s field `name` (one knob, two places)."""
+    f = next(f for f in fields(cls) if f.name == name)
+    return field(default=f.default, repr=f.repr, metadata=f.metadata)
+
+
+def suggest(word: Any, valid: Any, prefix: str = "") -> str:
+    """ " (did you mean 'x'?)" for the valid word closest to `word`, or ""."""
+    close = difflib.get_close_matches(str(word), [str(v) for v in valid], n=1)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+# ---- checks ------------------------------------------------------------------------------
+
+
+@functools.cache
+def hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check(config: Any, prefix: str = "") -> None:
+    """Validates every field of `config` from its type and metadata; `prefix` leads the
+    field's name in messages ("kvstore." -> "kvstore.host_bytes must be >= 0, got -1")."""
+    for f in fields(config):
+        name, value = prefix + f.name, getattr(config, f.name)
+        coerced = _typed(name, value, hints(type(config))[f.name])
+        if coerced is not value:
+            object.__setattr__(config, f.name, coerced)
+        if coerced is not None:
+            _check_meta(name, coerced, f.metadata)
+
+
+def _union_args(hint: Any) -> tuple | None:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return None
+
+
+_DESCRIBE = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _typed(name: str, value: Any, hint: Any) -> Any:
+    """`value` if it is a `hint` (a list for a tuple becomes a tuple), else ValueError."""
+    options = _union_args(hint)
+    if options is not None:
+        if value is None and type(None) in options:
+            return None
+        hint = next(o for o in options if o is not type(None))
+    origin = typing.get_origin(hint) or hint
+    if hint is Any:
+        return value
+    if origin is tuple and isinstance(value, (list, tuple)):
+        args = typing.get_args(hint)
+        element = args[0] if len(args) == 2 and args[1] is Ellipsis else Any
+        return tuple(_typed(f"{name}[{i}]", v, element) for i, v in enumerate(value))
+    if is_dataclass(hint) and isinstance(value, Mapping):
+        return from_dict(hint, value, path=f"{name}.")
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
+        return value
+    what = _DESCRIBE.get(
+        hint, "a list" if origin is tuple else f"a {getattr(hint, '__name__', hint)}"
+    )
+    raise ValueError(f"{name} must be {what}, got {value!r:.80}")
+
+
+def _check_meta(name: str, value: Any, meta: Mapping[str, Any]) -> None:
+    choices = meta.get("choices")
+    if choices is not None and value not in choices:
+        raise ValueError(
+            f"{name} must be one of {tuple(choices)}, got {value!r}{suggest(value, choices)}"
+        )
+    pattern = meta.get("pattern")
+    if pattern is not None and not re.fullmatch(pattern[0], value):
+        raise ValueError(f"{name} must be {pattern[1]}, got {value!r}")
+    low = ("[", meta["ge"], value >= meta["ge"]) if "ge" in meta else None
+    if "gt" in meta:
+        low = ("(", meta["gt"], value > meta["gt"])
+    high = ("]", meta["le"], value <= meta["le"]) if "le" in meta else None
+    if "lt" in meta:
+        high = (")", meta["lt"], value < meta["lt"])
+    if (low and not low[2]) or (high and not high[2]):
+        if low and high:
+            bound = f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
+        elif low:
+            bound = f"{'>=' if low[0] == '[' else '>'} {low[1]}"
+        else:
+            bound = f"{'<=' if high[0] == ']' else '<'} {high[1]}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+
+
+# ---- dicts (YAML, JSON) ------------------------------------------------------------------
+
+
+def _config_type(hint: Any) -> type | None:
+    """The dataclass a field holds (`Role` for `Role | None`), or None."""
+    for option in _union_args(hint) or (hint,):
+        if is_dataclass(option):
+            return option
+    return None
+
+
+def from_dict(cls: type, data: Any, where: str | None = None, path: str = "") -> Any:
+    """`cls` from a mapping; nested mappings become the nested dataclasses. Errors name the
+    key's dotted path, after `where` (e.g. the file) when given."""
+    lead = f"{where}: " if where else ""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{lead}{path.rstrip('.') or 'the config'} must be a mapping, "
+                         f"got {data!r:.80}")  # fmt: skip
+    names = [f.name for f in fields(cls) if f.init]
+    for key in data:
+        if key not in names:
+            within = f" in {where}" if where else ""
+            raise ValueError(f"unknown key '{path}{key}'{within}{suggest(key, names, path)}")
+    kwargs = {}
+    for key, value in data.items():
+        sub = _config_type(hints(cls)[key])
+        if sub is not None and isinstance(value, Mapping):
+            value = from_dict(sub, value, where, f"{path}{key}.")
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"{lead}{path}{exc}") from None
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The inverse of `from_dict` (tuples stay tuples)."""
+    return {f.name: _plain(getattr(config, f.name)) for f in fields(config) if f.init}
+
+
+def _plain(value: Any) -> Any:
+    return to_dict(value) if is_dataclass(value) else value
+
+
+# ---- the flat view -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlatField:
+    path: tuple[str, ...]  # field names from the root config down to this field
+    field: Field
+    hint: Any
+
+
+@functools.cache
+def flat_fields(cls: type) -> dict[str, FlatField]:
+    """Flat name -> field, nested configs (not `X | None` ones) expanded behind their prefix."""
+    flat: dict[str, FlatField] = {}
+    for f in fields(cls):
+        hint = hints(cls)[f.name]
+        if is_dataclass(hint):
+            for name, sub in flat_fields(hint).items():
+                prefixed = f.metadata.get("prefix", "") + name
+                flat[prefixed] = FlatField((f.name, *sub.path), sub.field, sub.hint)
+        else:
+            flat[f.name] = FlatField((f.name,), f, hint)
+    return flat
+
+
+def nest(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat names to the nested mapping `from_dict` takes; an unknown name is an error."""
+    flat = flat_fields(cls)
+    nested: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in flat:
+            raise ValueError(f"unknown argument {name!r}{suggest(name, flat)}")
+        *parents, leaf = flat[name].path
+        node = nested
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    return nested
+
+
+def from_flat(cls: type, values: Mapping[str, Any]) -> Any:
+    """`cls` from flat names: `from_flat(EngineConfig, {"block_size": 32, "threads": 1})`."""
+    return from_dict(cls, nest(cls, values))
+
+
+def merged(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` with `over`'s values, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            value = merged(dict(out[key]), value)
+        out[key] = value
+    return out
+
+
+def with_fields_of(*parts: type, skip: tuple[str, ...] = ()):
+    """Decorator: a frozen dataclass with its own fields, then the flat fields of `parts`
+    (their defaults, help and checks), leaving out `skip`."""
+
+    def wrap(cls: type) -> type:
+        annotations = cls.__dict__.get("__annotations__", {})
+        for part in parts:
+            for name, flat in flat_fields(part).items():
+                if name in skip or name in annotations:
+                    continue
+                annotations[name] = flat.hint
+                setattr(cls, name, field(default=flat.field.default, repr=flat.field.repr,
+                                         metadata=flat.field.metadata))  # fmt: skip
+        cls.__annotations__ = annotations
+        return dataclass(frozen=True)(cls)
+
+    return wrap
+
+
+# ---- flags -------------------------------------------------------------------------------
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """Reports a bad flag as one line (no usage dump), then exits 2 like argparse."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GB', '1048576' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    try:
+        for unit, factor in units.items():
+            if lowered.endswith(unit):
+                return int(float(lowered[: -len(unit)]) * factor)
+        return int(lowered)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB)") from None
+
+
+def _flag_type(flat: FlatField) -> Any:
+    meta = flat.field.metadata
+    scalar = flat.hint
+    options = _union_args(scalar)
+    if options is not None:
+        scalar = next(o for o in options if o is not type(None))
+    parse = meta.get("parse", scalar)
+    choices = meta.get("choices")
+    if choices is None:
+        return parse
+
+    def choice(text: str) -> Any:
+        value = parse(text)
+        if value not in choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {text!r} (choose from {', '.join(map(str, choices))})"
+                + suggest(text, choices)
+            )
+        return value
+
+    choice.__name__ = getattr(parse, "__name__", "value")
+    return choice
+
+
+def flaggable(flat: FlatField) -> bool:
+    scalar = [o for o in (_union_args(flat.hint) or (flat.hint,)) if o is not type(None)]
+    return flat.field.metadata.get("cli", True) and scalar[0] in (bool, int, float, str)
+
+
+def add_flags(
+    parser: argparse.ArgumentParser | Any, cls: type, dest_prefix: str = "", skip: tuple = ()
+) -> None:
+    """One flag per flaggable flat field of `cls`; a flag not given is absent from the args."""
+    for name, flat in flat_fields(cls).items():
+        if name in skip or not flaggable(flat):
+            continue
+        meta, default = flat.field.metadata, flat.field.default
+        flag = "--" + meta.get("flag", name).replace("_", "-")
+        shown = "" if default in (None, MISSING) or flat.hint is bool else f" (default: {default})"
+        kwargs: dict[str, Any] = dict(
+            dest=dest_prefix + name, default=argparse.SUPPRESS, help=meta.get("help", "") + shown
+        )
+        if flat.hint is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["help"] += f" (default: {'on' if default else 'off'})"
+        else:
+            kwargs["type"] = _flag_type(flat)
+            if meta.get("choices"):
+                kwargs["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
+        parser.add_argument(flag, **kwargs)
+
+
+def flag_values(args: argparse.Namespace, cls: type, dest_prefix: str = "") -> dict[str, Any]:
+    """The flat values of the flags `add_flags(..., cls, dest_prefix)` that were given."""
+    given = vars(args)
+    flat = flat_fields(cls).items()
+    return {n: given[dest_prefix + n] for n, f in flat if flaggable(f) and dest_prefix + n in given}
