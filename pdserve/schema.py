@@ -100,9 +100,8 @@ def _typed(name: str, value: Any, hint: Any) -> Any:
         return value
     if isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
-    what = _DESCRIBE.get(
-        hint, "a list" if origin is tuple else f"a {getattr(hint, '__name__', hint)}"
-    )
+    what = "a list" if origin is tuple else "a mapping" if is_dataclass(hint) else None
+    what = what or _DESCRIBE.get(hint, f"a {getattr(hint, '__name__', hint)}")
     raise ValueError(f"{name} must be {what}, got {value!r:.80}")
 
 
@@ -256,7 +255,20 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     """Reports a bad flag as one line (no usage dump), then exits 2 like argparse."""
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            message += suggest(message.split()[2], _option_strings(self))
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of `parser` and its subcommands (argparse reports unknown ones at the top)."""
+    found = []
+    for action in parser._actions:
+        found += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _option_strings(sub)
+    return found
 
 
 def parse_bytes(text: str) -> int:
@@ -319,8 +331,8 @@ def add_flags(
             kwargs["help"] += f" (default: {'on' if default else 'off'})"
         else:
             kwargs["type"] = _flag_type(flat)
-            if meta.get("choices"):
-                kwargs["metavar"] = "{" + ",".join(map(str, meta["choices"])) + "}"
+            choices = meta.get("choices")
+            kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}" if choices else name.upper()
         parser.add_argument(flag, **kwargs)
 
 

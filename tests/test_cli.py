@@ -1,5 +1,6 @@
 """The command line: bad input is one line on stderr and exit code 2, never a traceback."""
 
+import signal
 import subprocess
 import sys
 
@@ -82,3 +83,57 @@ def test_warmup_bad_input_is_one_line_and_exit_2(args, message):
     out = pdserve("warmup", *args)
     assert out.returncode == 2
     assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_up_help_lists_the_config_fields_with_their_defaults():
+    out = pdserve("up", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for flag in ("--transfer {auto,shm,tcp}", "--transfer-mode {layerwise,full}",
+                 "--routing {round_robin,shortest_queue,prefix_cache}", "--kv-host-bytes",
+                 "--threads", "--no-prefix-caching", "--block-size BLOCK_SIZE"):  # fmt: skip
+        assert flag in text, flag
+    assert "tokens per KV block (default: 16)" in text
+
+
+@pytest.mark.parametrize(
+    "yaml_text, argv, message",
+    [
+        ("prefil: {num: 1}\n", [], "unknown key 'prefil' in c.yaml (did you mean 'prefill'?)"),
+        ("collocated: {threds: 1}\n", [], "unknown key 'collocated.threds' in c.yaml (did you "
+         "mean 'collocated.threads'?)"),
+        ("collocated: {num: 1}\nkv_transfer: {mode: ful}\n", [], "kv_transfer.mode must be "
+         "one of ('layerwise', 'full'), got 'ful' (did you mean 'full'?)"),
+        ("collocated: {num: 1}\n", ["--transfer", "shn"], "invalid choice 'shn' (choose from "
+         "auto, shm, tcp) (did you mean 'shm'?)"),
+        ("collocated: {num: 1}\n", ["--thred", "1"], "(did you mean '--threads'?)"),
+        ("collocated: {num: 1}\n", ["--port", "99999"], "port must be in [0, 65535], got 99999"),
+    ],
+)  # fmt: skip
+def test_up_bad_config_is_one_line_naming_the_closest_key(tmp_path, yaml_text, argv, message):
+    (tmp_path / "c.yaml").write_text(yaml_text)
+    out = pdserve("up", "--config", str(tmp_path / "c.yaml"), *argv)
+    assert out.returncode == 2
+    assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_up_collocated_starts_and_answers_once(tiny_served_model):
+    from pdserve.cluster.launcher import free_port
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--collocated", "1", "--model",
+         str(tiny_served_model), "--port", str(free_port()), "--kv-cache-bytes", "2MiB",
+         "--threads", "1", "--startup-timeout-s", "120", "--example-request"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert "serving the OpenAI API" in lines[0], lines
+        assert lines[1].startswith("$ curl ") and lines[2].startswith("-> "), lines
+        assert "tokens, " in lines[2]
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
