@@ -14,7 +14,6 @@ API_KEY = "PDSERVE_API_KEY"  # the `/v1` bearer key (`pdserve up`, `pdserve warm
 CACHE_DIR = "PDSERVE_CACHE_DIR"  # converted models and built kernels (~/.cache/pdserve/models)
 NATIVE_KERNELS = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load the C kernels
 CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest the CPU runs), avx2, avx512
-FAULT_FILE = "PDSERVE_FAULT_FILE"  # test-only transfer fault injection (transfer/faults.py)
 C_COMPILER = "CC"  # the compiler for the native kernels (gcc)
 
 
@@ -39,10 +38,6 @@ def cache_dir() -> Path:
 
 def native_kernels_allowed() -> bool:
     return os.environ.get(NATIVE_KERNELS, "1") != "0"
-
-
-def fault_file() -> str | None:
-    return os.environ.get(FAULT_FILE) or None
 
 
 def cpu_isa() -> str:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from pdserve.schema import check, knob
 
 
 @dataclass(frozen=True)
@@ -15,52 +16,25 @@ class SamplingParams:
     in the batch, because each token draws from a generator keyed by (seed, token index).
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    max_tokens: int = knob(16, ge=1)
+    temperature: float = knob(1.0, ge=0.0, le=100.0)
+    top_k: int = knob(0, ge=-1)
+    top_p: float = knob(1.0, gt=0.0, le=1.0)
+    seed: int | None = knob(None, ge=-(2**63))
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    kv_budget_tokens: int | None = None  # drop low-attention KV past this (None: deployment's)
+    kv_budget_tokens: int | None = knob(None, "drop low-attention KV past this", ge=1)
 
     def __post_init__(self) -> None:
-        # Accept lists and a lone string (as the OpenAI API does) but store tuples: frozen.
-        if isinstance(self.stop, str):
+        if isinstance(self.stop, str):  # a lone string, as the OpenAI API allows
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_float("temperature", self.temperature, 0.0, 100.0)
-        _check_int("top_k", self.top_k, minimum=-1)
-        _check_float("top_p", self.top_p, 0.0, 1.0)
-        if self.top_p == 0.0:
-            raise ValueError("top_p must be in (0, 1], got 0")
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=-(2**63))
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
-        if self.kv_budget_tokens is not None:
-            _check_int("kv_budget_tokens", self.kv_budget_tokens, minimum=1)
-        for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, minimum=0)
+        check(self)
+        if not all(self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _check_float(name: str, value: object, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")

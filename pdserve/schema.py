@@ -1,22 +1,14 @@
 """Config dataclasses as the one source of their checks, YAML/JSON keys and CLI flags.
 
-A config is a frozen dataclass; `knob` gives a field its help text, choices, bounds and flag
-spelling as metadata. From the dataclass alone:
+`knob` gives a field its help, choices, bounds and flag spelling (field metadata). Then:
+`check` (each `__post_init__`) validates every field, naming it; `from_dict` reads YAML/JSON
+into nested dataclasses, an unknown key an error naming the closest valid one; the *flat view*
+(`flat_fields`, `from_flat`, `with_fields_of`) lifts a nested config's fields into its parent
+behind the field's `prefix` (EngineConfig reads as block_size, threads, kv_host_bytes, ...);
+`add_flags` / `flag_values` give one argparse flag per flat field (`--block-size`).
 
-- `check(config)`, called by each `__post_init__`: type, choices, bounds and pattern of every
-  field, with a message naming the field (lists become tuples: configs stay frozen);
-- `from_dict(cls, data, where)`: a YAML/JSON mapping into nested dataclasses; an unknown key is
-  an error naming it and the closest valid key;
-- the *flat view*: a nested dataclass field's own fields appear in its parent (behind the
-  field's `prefix`), so `EngineConfig` reads as `block_size`, `threads`, `kv_host_bytes`, ...
-  `flat_fields`, `from_flat` and `with_fields_of` (a dataclass that repeats other configs'
-  fields, like a cluster `Role`) work on it;
-- `add_flags(parser, cls)` / `flag_values(args, cls)`: one argparse flag per flat field
-  (`--block-size`), whose default is the dataclass's, so a flag left out is a value left out.
-
-Why not pydantic: its models would still need this argparse derivation and the difflib hints,
-its lax mode turns "1" into 1 where today's configs reject it, and its errors are multi-line
-tables to reformat into one line; the stdlib dataclasses stay the project's config types.
+Not pydantic: it would still need the argparse derivation and the difflib hints, its lax mode
+turns "1" into 1 where these configs reject it, and its multi-line errors need reformatting.
 """
 
 from __future__ import annotations
@@ -24,6 +16,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import operator
 import re
 import types
 import typing
@@ -71,10 +64,15 @@ def check(config: Any, prefix: str = "") -> None:
             _check_meta(name, coerced, f.metadata)
 
 
-def _union_args(hint: Any) -> tuple | None:
+def _options(hint: Any) -> tuple:
+    """(int, NoneType) for `int | None`, (int,) for `int`."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return typing.get_args(hint)
-    return None
+    return (hint,)
+
+
+def _scalar(hint: Any) -> Any:
+    return next(o for o in _options(hint) if o is not type(None))
 
 
 _DESCRIBE = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -82,11 +80,9 @@ _DESCRIBE = {bool: "true or false", int: "an integer", float: "a number", str: "
 
 def _typed(name: str, value: Any, hint: Any) -> Any:
     """`value` if it is a `hint` (a list for a tuple becomes a tuple), else ValueError."""
-    options = _union_args(hint)
-    if options is not None:
-        if value is None and type(None) in options:
-            return None
-        hint = next(o for o in options if o is not type(None))
+    if value is None and type(None) in _options(hint):
+        return None
+    hint = _scalar(hint)
     origin = typing.get_origin(hint) or hint
     if hint is Any:
         return value
@@ -114,31 +110,16 @@ def _check_meta(name: str, value: Any, meta: Mapping[str, Any]) -> None:
     pattern = meta.get("pattern")
     if pattern is not None and not re.fullmatch(pattern[0], value):
         raise ValueError(f"{name} must be {pattern[1]}, got {value!r}")
-    low = ("[", meta["ge"], value >= meta["ge"]) if "ge" in meta else None
-    if "gt" in meta:
-        low = ("(", meta["gt"], value > meta["gt"])
-    high = ("]", meta["le"], value <= meta["le"]) if "le" in meta else None
-    if "lt" in meta:
-        high = (")", meta["lt"], value < meta["lt"])
-    if (low and not low[2]) or (high and not high[2]):
-        if low and high:
-            bound = f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
-        elif low:
-            bound = f"{'>=' if low[0] == '[' else '>'} {low[1]}"
-        else:
-            bound = f"{'<=' if high[0] == ']' else '<'} {high[1]}"
-        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    for key, (within, sign) in _BOUNDS.items():
+        if key in meta and not within(value, meta[key]):
+            raise ValueError(f"{name} must be {sign} {meta[key]}, got {value!r}")
+
+
+_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"),
+           "le": (operator.le, "<="), "lt": (operator.lt, "<")}  # fmt: skip
 
 
 # ---- dicts (YAML, JSON) ------------------------------------------------------------------
-
-
-def _config_type(hint: Any) -> type | None:
-    """The dataclass a field holds (`Role` for `Role | None`), or None."""
-    for option in _union_args(hint) or (hint,):
-        if is_dataclass(option):
-            return option
-    return None
 
 
 def from_dict(cls: type, data: Any, where: str | None = None, path: str = "") -> Any:
@@ -155,8 +136,8 @@ def from_dict(cls: type, data: Any, where: str | None = None, path: str = "") ->
             raise ValueError(f"unknown key '{path}{key}'{within}{suggest(key, names, path)}")
     kwargs = {}
     for key, value in data.items():
-        sub = _config_type(hints(cls)[key])
-        if sub is not None and isinstance(value, Mapping):
+        sub = _scalar(hints(cls)[key])  # Role for `Role | None`
+        if is_dataclass(sub) and isinstance(value, Mapping):
             value = from_dict(sub, value, where, f"{path}{key}.")
         kwargs[key] = value
     try:
@@ -167,11 +148,8 @@ def from_dict(cls: type, data: Any, where: str | None = None, path: str = "") ->
 
 def to_dict(config: Any) -> dict[str, Any]:
     """The inverse of `from_dict` (tuples stay tuples)."""
-    return {f.name: _plain(getattr(config, f.name)) for f in fields(config) if f.init}
-
-
-def _plain(value: Any) -> Any:
-    return to_dict(value) if is_dataclass(value) else value
+    values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+    return {k: to_dict(v) if is_dataclass(v) else v for k, v in values.items()}
 
 
 # ---- the flat view -----------------------------------------------------------------------
@@ -182,6 +160,14 @@ class FlatField:
     path: tuple[str, ...]  # field names from the root config down to this field
     field: Field
     hint: Any
+
+    @property
+    def scalar(self) -> Any:  # `int` for `int | None`
+        return _scalar(self.hint)
+
+    @property
+    def flaggable(self) -> bool:
+        return self.field.metadata.get("cli", True) and self.scalar in (bool, int, float, str)
 
 
 @functools.cache
@@ -285,40 +271,28 @@ def parse_bytes(text: str) -> int:
 
 
 def _flag_type(flat: FlatField) -> Any:
-    meta = flat.field.metadata
-    scalar = flat.hint
-    options = _union_args(scalar)
-    if options is not None:
-        scalar = next(o for o in options if o is not type(None))
-    parse = meta.get("parse", scalar)
-    choices = meta.get("choices")
+    parse, choices = (
+        flat.field.metadata.get("parse", flat.scalar),
+        flat.field.metadata.get("choices"),
+    )
     if choices is None:
         return parse
 
     def choice(text: str) -> Any:
-        value = parse(text)
-        if value not in choices:
+        if (value := parse(text)) not in choices:
             raise argparse.ArgumentTypeError(
                 f"invalid choice {text!r} (choose from {', '.join(map(str, choices))})"
                 + suggest(text, choices)
             )
         return value
 
-    choice.__name__ = getattr(parse, "__name__", "value")
     return choice
 
 
-def flaggable(flat: FlatField) -> bool:
-    scalar = [o for o in (_union_args(flat.hint) or (flat.hint,)) if o is not type(None)]
-    return flat.field.metadata.get("cli", True) and scalar[0] in (bool, int, float, str)
-
-
-def add_flags(
-    parser: argparse.ArgumentParser | Any, cls: type, dest_prefix: str = "", skip: tuple = ()
-) -> None:
+def add_flags(parser: argparse.ArgumentParser | Any, cls: type, dest_prefix: str = "") -> None:
     """One flag per flaggable flat field of `cls`; a flag not given is absent from the args."""
     for name, flat in flat_fields(cls).items():
-        if name in skip or not flaggable(flat):
+        if not flat.flaggable:
             continue
         meta, default = flat.field.metadata, flat.field.default
         flag = "--" + meta.get("flag", name).replace("_", "-")
@@ -340,4 +314,4 @@ def flag_values(args: argparse.Namespace, cls: type, dest_prefix: str = "") -> d
     """The flat values of the flags `add_flags(..., cls, dest_prefix)` that were given."""
     given = vars(args)
     flat = flat_fields(cls).items()
-    return {n: given[dest_prefix + n] for n, f in flat if flaggable(f) and dest_prefix + n in given}
+    return {n: given[dest_prefix + n] for n, f in flat if f.flaggable and dest_prefix + n in given}

@@ -50,7 +50,7 @@ class Outer:
     "kwargs, message",
     [
         (dict(name=3), "name must be a string, got 3"),
-        (dict(ratio=1), r"ratio must be in \(0, 1\), got 1"),
+        (dict(ratio=1), "ratio must be < 1, got 1"),
         (dict(ratio=True), "ratio must be a number, got True"),
         (dict(ids=[1, "2"]), r"ids\[1\] must be an integer, got '2'"),
         (dict(on=1), "on must be true or false, got 1"),
