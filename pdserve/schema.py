@@ -44,9 +44,6 @@ def suggest(word: Any, valid: Any, prefix: str = "") -> str:
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
-# ---- checks ------------------------------------------------------------------------------
-
-
 @functools.cache
 def hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
@@ -119,9 +116,6 @@ _BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"),
            "le": (operator.le, "<="), "lt": (operator.lt, "<")}  # fmt: skip
 
 
-# ---- dicts (YAML, JSON) ------------------------------------------------------------------
-
-
 def from_dict(cls: type, data: Any, where: str | None = None, path: str = "") -> Any:
     """`cls` from a mapping; nested mappings become the nested dataclasses. Errors name the
     key's dotted path, after `where` (e.g. the file) when given."""
@@ -144,15 +138,6 @@ def from_dict(cls: type, data: Any, where: str | None = None, path: str = "") ->
         return cls(**kwargs)
     except ValueError as exc:
         raise ValueError(f"{lead}{path}{exc}") from None
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """The inverse of `from_dict` (tuples stay tuples)."""
-    values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
-    return {k: to_dict(v) if is_dataclass(v) else v for k, v in values.items()}
-
-
-# ---- the flat view -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -185,10 +170,11 @@ def flat_fields(cls: type) -> dict[str, FlatField]:
     return flat
 
 
-def nest(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
-    """Flat names to the nested mapping `from_dict` takes; an unknown name is an error."""
+def nest(cls: type, values: Mapping[str, Any], into: dict | None = None) -> dict[str, Any]:
+    """Flat names into the nested mapping `from_dict` takes (`into`, updated, or a new one);
+    an unknown name is an error."""
     flat = flat_fields(cls)
-    nested: dict[str, Any] = {}
+    nested: dict[str, Any] = {} if into is None else into
     for name, value in values.items():
         if name not in flat:
             raise ValueError(f"unknown argument {name!r}{suggest(name, flat)}")
@@ -203,16 +189,6 @@ def nest(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
 def from_flat(cls: type, values: Mapping[str, Any]) -> Any:
     """`cls` from flat names: `from_flat(EngineConfig, {"block_size": 32, "threads": 1})`."""
     return from_dict(cls, nest(cls, values))
-
-
-def merged(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """`base` with `over`'s values, nested mappings merged key by key."""
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            value = merged(dict(out[key]), value)
-        out[key] = value
-    return out
 
 
 def with_fields_of(*parts: type, skip: tuple[str, ...] = ()):
@@ -232,9 +208,6 @@ def with_fields_of(*parts: type, skip: tuple[str, ...] = ()):
         return dataclass(frozen=True)(cls)
 
     return wrap
-
-
-# ---- flags -------------------------------------------------------------------------------
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -20,7 +21,6 @@ from pdserve.schema import (
     from_flat,
     knob,
     parse_bytes,
-    to_dict,
     with_fields_of,
 )
 
@@ -71,7 +71,7 @@ def test_lists_become_tuples_and_mappings_configs():
 def test_from_dict_round_trip_and_unknown_keys():
     outer = from_dict(Outer, {"ids": [3], "inner": {"kind": "slow"}}, "o.yaml")
     assert outer == Outer(ids=(3,), inner=Inner(kind="slow"))
-    assert from_dict(Outer, to_dict(outer)) == outer
+    assert from_dict(Outer, dataclasses.asdict(outer)) == outer
     with pytest.raises(
         ValueError, match=r"^unknown key 'inner.sise' in o.yaml \(did you mean 'inner.size'\?\)$"
     ):

