@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.config import EngineConfig
 from pdserve.model import registry
 from pdserve.model.registry import KnownModel, default_cache_dir, resolve_model
 from tests.model.test_gguf_convert import write_tiny_gguf
@@ -152,10 +153,10 @@ def test_real_smollm2_matches_transformers_gguf(tmp_path: Path) -> None:
 
     torch.set_num_threads(1)
     try:
-        gguf_path = registry.known_gguf_path(registry.DEFAULT_MODEL)
+        gguf_path = registry.known_gguf_path(EngineConfig.model)
     except ValueError as exc:
         pytest.skip(str(exc))
-    model_dir = resolve_model(registry.DEFAULT_MODEL, cache_dir=tmp_path)
+    model_dir = resolve_model(EngineConfig.model, cache_dir=tmp_path)
     tokenizer = Tokenizer(model_dir)
     prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
     assert tokenizer.decode(prompt_ids, skip_special_tokens=False).startswith("<|im_start|>")
