@@ -15,38 +15,17 @@ from pdserve.cluster.warmup import add_warmup_parser
 from pdserve.config import EngineConfig
 from pdserve.perf.cli import add_profile_parser
 from pdserve.router.status_cli import add_status_parser
+from pdserve.sampling_params import SamplingParams
 from pdserve.schema import OneLineArgumentParser, add_flags, flag_values
 from pdserve.sim.cli import add_plan_parser, add_simulate_parser
 
 EXIT_BAD_INPUT = 2
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-
-
-def sampling_params(args: argparse.Namespace):
-    from pdserve.sampling_params import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sampling_seed,
-        stop=tuple(args.stop),
-    )
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.llm import LLM
 
-    params = sampling_params(args)
+    params = SamplingParams(**flag_values(args, SamplingParams, "sampling."))
     llm = LLM(**flag_values(args, EngineConfig))
     prompts = [
         llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
@@ -66,7 +45,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from pdserve.llm import LLM
 
-    params = sampling_params(args)
+    params = SamplingParams(**flag_values(args, SamplingParams, "sampling."))
     llm = LLM(**flag_values(args, EngineConfig))
     history: list[dict] = []
     if args.system:
@@ -94,7 +73,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text for one or more prompts")
     add_flags(p, EngineConfig)
-    add_sampling_args(p, max_tokens=64)
+    add_flags(p, SamplingParams, "sampling.", max_tokens=64, temperature=0.0)
     p.add_argument("--prompt", action="append", required=True, help="repeatable")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.set_defaults(func=cmd_generate)
@@ -103,7 +82,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     add_flags(p, EngineConfig)
-    add_sampling_args(p, max_tokens=256)
+    add_flags(p, SamplingParams, "sampling.", max_tokens=256, temperature=0.0)
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=cmd_chat)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.schema import check, knob
 
@@ -16,15 +16,16 @@ class SamplingParams:
     in the batch, because each token draws from a generator keyed by (seed, token index).
     """
 
-    max_tokens: int = knob(16, ge=1)
-    temperature: float = knob(1.0, ge=0.0, le=100.0)
-    top_k: int = knob(0, ge=-1)
-    top_p: float = knob(1.0, gt=0.0, le=1.0)
-    seed: int | None = knob(None, ge=-(2**63))
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    kv_budget_tokens: int | None = knob(None, "drop low-attention KV past this", ge=1)
+    max_tokens: int = knob(16, "most tokens to generate", ge=1)
+    temperature: float = knob(1.0, "0 = greedy", ge=0.0, le=100.0)
+    top_k: int = knob(0, "sample from the k likeliest tokens (<= 0: all)", ge=-1)
+    top_p: float = knob(1.0, "sample from the smallest set holding this mass", gt=0.0, le=1.0)
+    seed: int | None = knob(None, "per-request seed", ge=-(2**63), flag="sampling_seed")
+    stop: tuple[str, ...] = knob((), "stop string")
+    stop_token_ids: tuple[int, ...] = knob((), "stop token id")
+    ignore_eos: bool = knob(False, "generate past the end-of-sequence token")
+    # Drop low-attention KV past this (None: the deployment's); the engine flag sets that.
+    kv_budget_tokens: int | None = knob(None, ge=1, cli=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string, as the OpenAI API allows

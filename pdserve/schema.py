@@ -151,8 +151,13 @@ class FlatField:
         return _scalar(self.hint)
 
     @property
-    def flaggable(self) -> bool:
-        return self.field.metadata.get("cli", True) and self.scalar in (bool, int, float, str)
+    def flaggable(self) -> bool:  # a scalar, or a tuple of scalars (a repeatable flag)
+        scalar = (typing.get_args(self.scalar) or (None,))[0] if self.repeated else self.scalar
+        return self.field.metadata.get("cli", True) and scalar in (bool, int, float, str)
+
+    @property
+    def repeated(self) -> bool:
+        return typing.get_origin(self.scalar) is tuple
 
 
 @functools.cache
@@ -262,25 +267,35 @@ def _flag_type(flat: FlatField) -> Any:
     return choice
 
 
-def add_flags(parser: argparse.ArgumentParser | Any, cls: type, dest_prefix: str = "") -> None:
-    """One flag per flaggable flat field of `cls`; a flag not given is absent from the args."""
+def add_flags(
+    parser: argparse.ArgumentParser | Any, cls: type, dest_prefix: str = "", **defaults: Any
+) -> None:
+    """One flag per flaggable flat field of `cls`; a flag not given is absent from the args,
+    unless `defaults` (by flat name) gives it a value other than the dataclass's."""
     for name, flat in flat_fields(cls).items():
         if not flat.flaggable:
             continue
-        meta, default = flat.field.metadata, flat.field.default
-        flag = "--" + meta.get("flag", name).replace("_", "-")
-        shown = "" if default in (None, MISSING) or flat.hint is bool else f" (default: {default})"
-        kwargs: dict[str, Any] = dict(
-            dest=dest_prefix + name, default=argparse.SUPPRESS, help=meta.get("help", "") + shown
+        meta = flat.field.metadata
+        default = defaults.get(name, flat.field.default)
+        shown = (
+            "" if default in (None, MISSING, ()) or flat.hint is bool else f" (default: {default})"
         )
+        kwargs: dict[str, Any] = dict(
+            dest=dest_prefix + name, default=defaults.get(name, argparse.SUPPRESS),
+            help=meta.get("help", "") + shown,
+        )  # fmt: skip
         if flat.hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["help"] += f" (default: {'on' if default else 'off'})"
+        elif flat.repeated:
+            kwargs.update(action="append", type=typing.get_args(flat.scalar)[0])
+            kwargs["metavar"] = name.upper()
+            kwargs["help"] += " (repeatable)"
         else:
             kwargs["type"] = _flag_type(flat)
             choices = meta.get("choices")
             kwargs["metavar"] = "{" + ",".join(map(str, choices)) + "}" if choices else name.upper()
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument("--" + meta.get("flag", name).replace("_", "-"), **kwargs)
 
 
 def flag_values(args: argparse.Namespace, cls: type, dest_prefix: str = "") -> dict[str, Any]:

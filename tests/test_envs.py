@@ -10,7 +10,6 @@ import pytest
 import pdserve
 from pdserve import envs
 
-
 # cluster/warmup.py (another area's) still reads PDSERVE_API_KEY itself, until it calls
 # `envs.api_key()`.
 KNOWN_READERS = {"cluster/warmup.py"}

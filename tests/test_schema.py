@@ -115,11 +115,16 @@ def test_with_fields_of_repeats_fields_defaults_and_checks():
 def test_flags_from_fields():
     parser = OneLineArgumentParser(prog="t")
     add_flags(parser, Outer)
-    args = parser.parse_args(["--in-size", "7", "--no-switch", "--ratio", "0.25"])
-    assert flag_values(args, Outer) == {"in_size": 7, "on": False, "ratio": 0.25}
+    args = parser.parse_args(["--in-size", "7", "--no-switch", "--ratio", "0.25", "--ids", "3",
+                              "--ids", "4"])  # fmt: skip
+    assert flag_values(args, Outer) == {"in_size": 7, "on": False, "ratio": 0.25, "ids": [3, 4]}
+    assert from_flat(Outer, flag_values(args, Outer)).ids == (3, 4)
     assert flag_values(parser.parse_args([]), Outer) == {}  # defaults stay the dataclass's
-    assert "ids" not in vars(parser.parse_args([]))  # a tuple field has no flag
     assert "(default: 4)" in parser.format_help()
+    other = OneLineArgumentParser(prog="t")
+    add_flags(other, Outer, "o.", in_size=8)  # a default of this command's own
+    assert flag_values(other.parse_args([]), Outer, "o.") == {"in_size": 8}
+    assert "(default: 8)" in other.format_help()
 
 
 @pytest.mark.parametrize(

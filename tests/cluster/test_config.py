@@ -38,7 +38,8 @@ def test_yaml_with_overrides_and_unknown_field(tmp_path):
     assert p.port == 9001 and p.kv_transfer.mode == "full" and p.kv_transfer.backend == "shm"
     assert p.prefill.cpus == (0,)
     path.write_text("prefill: {num: 1, cpu: [0]}\ndecode: {num: 1}\n")
-    with pytest.raises(ValueError, match=r"unknown key .prefill.cpu. in c.yaml \(did you mean .prefill.cpus.\?\)"):
+    typo = r"unknown key 'prefill.cpu' in c.yaml \(did you mean 'prefill.cpus'\?\)"
+    with pytest.raises(ValueError, match=typo):
         load_pipeline(path, {})
 
 
