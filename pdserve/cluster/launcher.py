@@ -132,7 +132,7 @@ class Cluster:
             warmup_body,
         )
 
-        self._wait_all_workers(self.pipeline.startup_timeout_s)
+        self._wait_healthy(self.pipeline.startup_timeout_s, every_worker=True)
         body = warmup_body(prompts)
         try:
             answer = send_warmup(self.url, body, self.pipeline.api_key,
@@ -165,33 +165,22 @@ class Cluster:
         popen = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         self.processes.append(Process(name, popen))
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise ClusterError(f"cluster not healthy after {timeout_s:.0f} s ({self.url}/health)")
-
-    def _wait_all_workers(self, timeout_s: float) -> None:
-        """/health is 200 once each role has a worker; warm-up wants every worker ready."""
+    def _wait_healthy(self, timeout_s: float, every_worker: bool = False) -> None:
+        """Until /health is 200 (each role has a ready worker) or, with `every_worker` (as
+        warm-up wants), every worker is ready."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
                     workers = json.loads(resp.read())["workers"]
-                if all(w["healthy"] for w in workers.values()):
+                if not every_worker or all(w["healthy"] for w in workers.values()):
                     return
             except (urllib.error.URLError, OSError, ValueError, KeyError):
                 pass
             time.sleep(0.5)
-        raise ClusterError(f"not every worker became healthy within {timeout_s:.0f} s")
+        what = "every worker" if every_worker else "the cluster"
+        raise ClusterError(f"{what} not healthy after {timeout_s:.0f} s ({self.url}/health)")
 
     def check_alive(self) -> None:
         for proc in self.processes:
