@@ -249,10 +249,8 @@ def parse_bytes(text: str) -> int:
 
 
 def _flag_type(flat: FlatField) -> Any:
-    parse, choices = (
-        flat.field.metadata.get("parse", flat.scalar),
-        flat.field.metadata.get("choices"),
-    )
+    meta = flat.field.metadata
+    parse, choices = meta.get("parse", flat.scalar), meta.get("choices")
     if choices is None:
         return parse
 
