@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pdserve.kvstore.config import KVStoreConfig
 from pdserve.schema import check, knob, parse_bytes
 
-ROLES = ("prefill", "decode", "collocated")  # a worker's role; `Pipeline` has one field each
 CPU_KERNELS = ("native", "onednn", "torch")
 KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import envs
-from pdserve.config import ROLES, CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.kvstore.config import KVStoreConfig
+from pdserve.messages import ROLES
 from pdserve.router.config import POLICY_NAMES
 from pdserve.schema import check, from_dict, from_flat, knob, parse_bytes, same_as, with_fields_of
 from pdserve.transfer.bandwidth import parse_bandwidth

@@ -19,7 +19,7 @@ import urllib.request
 from pdserve import envs
 from pdserve.cluster.config import Pipeline, Role, load_pipeline
 from pdserve.cluster.launcher import Cluster, ClusterError
-from pdserve.config import ROLES
+from pdserve.messages import ROLES
 from pdserve.schema import add_flags, flag_values, from_dict, nest
 
 API_KEY_ENV = envs.API_KEY  # cluster/warmup.py imports it from here

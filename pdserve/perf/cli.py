@@ -8,12 +8,12 @@ import sys
 
 
 def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
-    from pdserve.model.registry import DEFAULT_MODEL
+    from pdserve.config import EngineConfig
 
     parser = subparsers.add_parser(
         "profile", help="measure this machine's step times and write a hardware profile"
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=EngineConfig.model)
     cores = len(os.sched_getaffinity(0))
     parser.add_argument(
         "--threads",

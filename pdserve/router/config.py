@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field
 
-from pdserve.config import ROLES, EngineConfig
+from pdserve.config import EngineConfig
+from pdserve.messages import ROLES
 from pdserve.router.policies import POLICIES
 from pdserve.schema import check, knob, same_as
 

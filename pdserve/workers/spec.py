@@ -8,7 +8,8 @@ import dataclasses
 import json
 from dataclasses import MISSING, dataclass
 
-from pdserve.config import KV_CACHE_DTYPES, ROLES, EngineConfig
+from pdserve.config import KV_CACHE_DTYPES, EngineConfig
+from pdserve.messages import ROLES
 from pdserve.schema import check, from_dict, knob
 from pdserve.transfer.registry import BACKENDS, TRANSFER_MODES
 

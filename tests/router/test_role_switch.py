@@ -16,7 +16,8 @@ import pytest
 import requests
 
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
-from pdserve.workers.spec import SECRET_ENV, WorkerSpec
+from pdserve.envs import CLUSTER_SECRET as SECRET_ENV
+from pdserve.workers.spec import WorkerSpec
 from tests.router.harness import SECRET, Cluster
 
 KV_BYTES = 256 * 16 * 512  # 256 blocks of 16 tokens

@@ -30,6 +30,7 @@ from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager, cdiv
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.transfer.base import KVSender, TransferStatus
+from pdserve.transfer.registry import TRANSFER_MODES
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRANSFER_MODES = ("layerwise", "full")
 SEND_TIMEOUT_S = 5.0
 
 
