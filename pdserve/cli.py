@@ -1,7 +1,4 @@
-"""`pdserve` command line. Bad input ends with one line on stderr and exit code 2.
-
-Each subcommand is a function in `SUBCOMMANDS` that adds its parser (with `func` set).
-"""
+"""`pdserve` command line. Bad input ends with one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -87,6 +84,7 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_chat)
 
 
+# Each adds its subcommand's parser, with `func` set to what runs it.
 SUBCOMMANDS = [
     add_generate_parser,
     add_chat_parser,
