@@ -1,5 +1,6 @@
 import pytest
 
+from pdserve import envs
 from pdserve.model import native
 
 
@@ -10,5 +11,5 @@ def lib(request, monkeypatch):
     kernels = native.load(request.param)
     if kernels is None:
         pytest.skip(f"the {request.param} native kernels cannot run on this machine")
-    monkeypatch.setenv(native.ISA_ENV, request.param)
+    monkeypatch.setenv(envs.CPU_ISA, request.param)
     return kernels

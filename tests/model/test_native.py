@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve import envs
 from pdserve.model import native
 from pdserve.model.cpu_linear import PackedLinear
 
@@ -95,12 +96,12 @@ def test_variant_choice(lib, monkeypatch):
     """auto takes the widest variant this CPU runs; a forced one is taken as named; a
     misspelt one is an error naming the variable."""
     widest = next(isa for isa in native.ISA_FLAGS if native.cpu_supports(isa))
-    monkeypatch.setenv(native.ISA_ENV, "auto")
+    monkeypatch.setenv(envs.CPU_ISA, "auto")
     assert native.load().isa == widest
-    monkeypatch.setenv(native.ISA_ENV, lib.isa)
+    monkeypatch.setenv(envs.CPU_ISA, lib.isa)
     assert native.load() is lib and lib.panel_width == {"avx2": 24, "avx512": 48}[lib.isa]
-    monkeypatch.setenv(native.ISA_ENV, "sse2")
-    with pytest.raises(ValueError, match=native.ISA_ENV):
+    monkeypatch.setenv(envs.CPU_ISA, "sse2")
+    with pytest.raises(ValueError, match=envs.CPU_ISA):
         native.load()
 
 
