@@ -24,8 +24,7 @@ from handoff_clock import timed_handoff
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.roles.decode import DecodeRole
-from pdserve.engine.roles.prefill import KVDestination, PrefillRole
+from pdserve.engine.roles.base import KVDestination
 from pdserve.model.registry import resolve_model
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer import KVLayout, make_receiver, make_sender
@@ -48,7 +47,7 @@ class Setup:
         layout = KVLayout.from_tensor(self.p.runner.kv_cache)
         self.d = Engine(cfg, model_dir, "decode", shared_kv if backend == "shm" else None)
         self.rx = make_receiver(backend, self.d.runner.kv_cache, layout, SECRET)
-        self.d.switch_role(DecodeRole.of(self.d, self.rx))
+        self.d.switch_role(self.d.decode_role(self.rx))
         self.backend, self.layout = backend, layout
         self.tx = None
 
@@ -57,7 +56,7 @@ class Setup:
             self.tx.close()
         self.tx = make_sender(self.backend, self.p.runner.kv_cache, self.layout, SECRET,
                               bandwidth_bps=cap)  # fmt: skip
-        self.p.switch_role(PrefillRole.of(self.p, self.tx, mode))
+        self.p.switch_role(self.p.prefill_role(self.tx, mode))
         rid = f"r{time.monotonic_ns()}"
         prompt = torch.randint(1000, 40000, (num_tokens,)).tolist()
         params = SamplingParams(max_tokens=2, temperature=0)

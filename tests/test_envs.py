@@ -10,10 +10,6 @@ import pytest
 import pdserve
 from pdserve import envs
 
-# cluster/warmup.py (another area's) still reads PDSERVE_API_KEY itself, until it calls
-# `envs.api_key()`.
-KNOWN_READERS = {"cluster/warmup.py"}
-
 
 def test_only_envs_reads_the_environment():
     root = Path(pdserve.__file__).parent
@@ -22,7 +18,7 @@ def test_only_envs_reads_the_environment():
         for path in root.rglob("*.py")
         if re.search(r"\bos\.environ\b|\bgetenv\(|\"PDSERVE_", path.read_text())
     }
-    assert readers - KNOWN_READERS == {"envs.py"}
+    assert readers == {"envs.py"}
 
 
 def test_secret_and_child_environment(monkeypatch: pytest.MonkeyPatch) -> None:

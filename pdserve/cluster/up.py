@@ -22,8 +22,6 @@ from pdserve.cluster.launcher import Cluster, ClusterError
 from pdserve.messages import ROLES
 from pdserve.schema import add_flags, flag_values, from_dict, nest
 
-API_KEY_ENV = envs.API_KEY  # cluster/warmup.py imports it from here
-
 
 def add_up_parser(sub) -> None:
     p = sub.add_parser("up", help="start router + workers and serve the OpenAI API")

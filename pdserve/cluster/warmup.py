@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pdserve.cluster.up import API_KEY_ENV
+from pdserve import envs
 
 Prompt = str | list[dict[str, Any]]
 
@@ -151,7 +150,7 @@ def add_warmup_parser(sub) -> None:
         "warmup", help="prefill and pin prompts (e.g. system prompts) on a running cluster"
     )
     p.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"or ${API_KEY_ENV}")
+    p.add_argument("--api-key", default=envs.api_key(), help=f"or ${envs.API_KEY}")
     p.add_argument("--prompt", action="append", default=[], help="repeatable")
     p.add_argument("--file", default=None, help="one prompt per line, or .jsonl")
     p.add_argument("--chat", action="store_true", help="text prompts as system messages")

@@ -21,16 +21,17 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv_budget import KVBudget
 from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.roles.base import Role
+from pdserve.engine.roles.base import KVDestination, KVReservation, Role
 from pdserve.engine.roles.collocated import CollocatedRole
-from pdserve.engine.roles.decode import KVReservation
-from pdserve.engine.roles.prefill import KVDestination
+from pdserve.engine.roles.decode import LAND_TIMEOUT_S, RESERVE_TIMEOUT_S, DecodeRole
+from pdserve.engine.roles.prefill import SEND_TIMEOUT_S, PrefillRole
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer.base import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,34 @@ class Engine:
             raise RuntimeError(f"cannot switch from {self.role.name} to {role.name}: busy")
         self.role = role
         self.scheduler.preallocate_prompt = role.preallocate_prompt
+
+    def prefill_role(
+        self,
+        sender: KVSender,
+        mode: str,
+        wire: WireSource | None = None,
+        send_timeout_s: float = SEND_TIMEOUT_S,
+    ) -> PrefillRole:
+        """The prefill role on this engine's parts; `wire` when the decode side stores
+        another KV dtype."""
+        runner = self.runner
+        return PrefillRole(
+            sender, self.scheduler, self.kv, self.model_config.num_layers, mode,
+            lambda request: runner.scores_of(request).tolist(),
+            wire.convert if wire is not None else None, send_timeout_s,
+        )  # fmt: skip
+
+    def decode_role(
+        self,
+        receiver: KVReceiver,
+        reserve_timeout_s: float = RESERVE_TIMEOUT_S,
+        land_timeout_s: float = LAND_TIMEOUT_S,
+    ) -> DecodeRole:
+        """The decode role on this engine's parts."""
+        return DecodeRole(
+            receiver, self.scheduler, self.kv, self.runner.install_scores,
+            reserve_timeout_s, land_timeout_s,
+        )  # fmt: skip
 
     def wire_source(self, kv_cache_dtype: str) -> WireSource | None:
         """A shadow pool in the decode side's KV dtype, or None when it is this engine's."""

@@ -22,10 +22,8 @@ import zmq
 
 from pdserve import messages as m
 from pdserve.engine.engine import Engine
-from pdserve.engine.roles.base import Role
+from pdserve.engine.roles.base import KVDestination, Role
 from pdserve.engine.roles.collocated import CollocatedRole
-from pdserve.engine.roles.decode import DecodeRole
-from pdserve.engine.roles.prefill import KVDestination, PrefillRole
 from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.request import FinishReason
@@ -76,9 +74,7 @@ class Worker:
                     spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
                     host=spec.transfer_host, pool_bytes=spec.transfer_buffer_bytes,
                 )  # fmt: skip
-            return DecodeRole.of(
-                e, self.receiver, spec.kv_reserve_timeout_s, spec.kv_land_timeout_s
-            )
+            return e.decode_role(self.receiver, spec.kv_reserve_timeout_s, spec.kv_land_timeout_s)
         if name == "prefill":
             if self.sender is None:
                 self._wire = e.wire_source(spec.wire_kv_cache_dtype)
@@ -87,8 +83,8 @@ class Worker:
                     spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
                     bandwidth_bps=spec.transfer_bandwidth, pool_bytes=spec.transfer_buffer_bytes,
                 )  # fmt: skip
-            return PrefillRole.of(
-                e, self.sender, spec.transfer_mode, self._wire, spec.kv_send_timeout_s
+            return e.prefill_role(
+                self.sender, spec.transfer_mode, self._wire, spec.kv_send_timeout_s
             )
         if name == "collocated":
             return CollocatedRole()

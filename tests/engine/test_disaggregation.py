@@ -10,8 +10,7 @@ import torch
 
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.roles.decode import DecodeRole, KVReservation
-from pdserve.engine.roles.prefill import KVDestination, PrefillRole
+from pdserve.engine.roles.base import KVDestination, KVReservation
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.layout import KVLayout
@@ -40,12 +39,12 @@ class Pair:
         self.d = Engine(config(d_dtype, d_cache), model_dir, "decode", allocate)
         kv = self.d.runner.kv_cache
         self.rx = make_receiver(backend, kv, KVLayout.from_tensor(kv), SECRET)
-        self.d.switch_role(DecodeRole.of(self.d, self.rx))
+        self.d.switch_role(self.d.decode_role(self.rx))
         self.p = Engine(config(p_dtype, **sched), model_dir, "prefill")
         wire = self.p.wire_source(d_dtype)
         source = wire.kv if wire else self.p.runner.kv_cache
         self.tx = make_sender(backend, source, KVLayout.from_tensor(source), SECRET)
-        self.p.switch_role(PrefillRole.of(self.p, self.tx, mode, wire))
+        self.p.switch_role(self.p.prefill_role(self.tx, mode, wire))
         self.reservations: dict[str, KVReservation] = {}
         self.sent_dst: dict[str, set[int]] = {}  # request id -> destination blocks sent
         send = self.tx.send

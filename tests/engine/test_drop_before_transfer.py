@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.roles.prefill import KVDestination
+from pdserve.engine.roles.base import KVDestination
 from pdserve.sampling_params import SamplingParams
 from tests.engine.test_disaggregation import BLOCK_SIZE, Pair, config
 from tests.engine.test_engine import GREEDY, prompts, run

@@ -7,7 +7,6 @@ import pytest
 
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.roles.decode import DecodeRole
 from pdserve.kvcache.hashing import hash_blocks
 from pdserve.kvstore.config import KVStoreConfig
 from pdserve.transfer.layout import KVLayout
@@ -99,7 +98,7 @@ def test_a_reservation_saves_the_blocks_it_evicts_before_any_write(tiny_model_di
     eng = Engine(EngineConfig(model="tiny", cache=cache, kvstore=store), tiny_model_dir, "decode")
     layout = KVLayout.from_tensor(eng.runner.kv_cache)
     rx = make_receiver("tcp", eng.runner.kv_cache, layout, b"secret")
-    eng.switch_role(DecodeRole.of(eng, rx))
+    eng.switch_role(eng.decode_role(rx))
     run(eng, prompts(2, seed=5, lo=40, hi=41))  # fills L1 with cached-but-free blocks
     cached = list(eng.kv.pool.cached_blocks)
     assert cached

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from pdserve.engine.roles.prefill import KVDestination
+from pdserve.engine.roles.base import KVDestination
 from pdserve.request import FinishReason
 from tests.engine.test_disaggregation import Pair
 from tests.engine.test_engine import GREEDY, make_engine

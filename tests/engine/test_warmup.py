@@ -5,8 +5,6 @@ import pytest
 
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.engine.roles.decode import DecodeRole
-from pdserve.engine.roles.prefill import PrefillRole
 from pdserve.request import WARMUP_PARAMS
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.registry import make_receiver, make_sender
@@ -81,8 +79,8 @@ def test_warmup_on_the_prefill_role_and_not_on_decode(tiny_model_dir):
     tx = make_sender("tcp", prefill.runner.kv_cache, prefill_layout := layout(prefill), SECRET)
     rx = make_receiver("tcp", decode.runner.kv_cache, prefill_layout, SECRET)
     try:
-        prefill.switch_role(PrefillRole.of(prefill, tx, "full"))
-        decode.switch_role(DecodeRole.of(decode, rx))
+        prefill.switch_role(prefill.prefill_role(tx, "full"))
+        decode.switch_role(decode.decode_role(rx))
         assert warm(prefill, SYSTEM).num_pinned_tokens == 28
         with pytest.raises(ValueError, match="not decode"):
             decode.add_request("w", SYSTEM, WARMUP_PARAMS, pin=True)

@@ -4,8 +4,9 @@ never ends is failed within its bound, and the blocks come back."""
 from __future__ import annotations
 
 from pdserve.config import SchedulerConfig
+from pdserve.engine.roles.base import KVDestination
 from pdserve.engine.roles.decode import DecodeRole
-from pdserve.engine.roles.prefill import KVDestination, PrefillRole
+from pdserve.engine.roles.prefill import PrefillRole
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request

@@ -26,15 +26,41 @@ Invariants every role keeps:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.request import Request
 
-if TYPE_CHECKING:
-    from pdserve.engine.roles.decode import KVReservation
-    from pdserve.engine.roles.prefill import KVDestination
+
+@dataclass(frozen=True)
+class KVReservation:
+    """A decode worker's blocks for one prompt, one per prompt block::
+
+        block_ids:  [ c0 c1 c2 | n0 n1 n2 n3 ]
+                     cached      new: expected from the prefill worker
+                     (num_cached_blocks)
+
+    The cached blocks are the decode worker's own prefix-cache hit: shared, ref-counted,
+    already holding this prefix's KV, so they are never written and never sent. With `drop`
+    (a prompt over budget) there are only `drop.num_keep_blocks` blocks and no cached ones."""
+
+    block_ids: list[int]
+    num_cached_blocks: int = 0
+    drop: PromptDrop | None = None
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    """Where a prompt's KV goes: the decode worker's receiver and its reserved blocks, one
+    per prompt block (with `drop`, one per kept block). The first `num_cached_blocks` hold
+    the decode worker's own cached prefix: never sent."""
+
+    peer: dict[str, Any]
+    block_ids: list[int]
+    num_cached_blocks: int = 0
+    drop: PromptDrop | None = None
 
 
 class Role:

@@ -25,17 +25,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from pdserve.engine.roles.base import Role
+from pdserve.engine.roles.base import KVReservation, Role
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request, RequestStatus
 from pdserve.transfer.base import KVReceiver, TransferStatus
-
-if TYPE_CHECKING:
-    from pdserve.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -43,23 +39,6 @@ log = logging.getLogger(__name__)
 # prefill worker is noticed by the router long before this, from its heartbeats.
 RESERVE_TIMEOUT_S = 600.0
 LAND_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class KVReservation:
-    """A decode worker's blocks for one prompt, one per prompt block::
-
-        block_ids:  [ c0 c1 c2 | n0 n1 n2 n3 ]
-                     cached      new: expected from the prefill worker
-                     (num_cached_blocks)
-
-    The cached blocks are the decode worker's own prefix-cache hit: shared, ref-counted,
-    already holding this prefix's KV, so they are never written and never sent. With `drop`
-    (a prompt over budget) there are only `drop.num_keep_blocks` blocks and no cached ones."""
-
-    block_ids: list[int]
-    num_cached_blocks: int = 0
-    drop: PromptDrop | None = None
 
 
 @dataclass
@@ -97,19 +76,6 @@ class DecodeRole(Role):
         self.awaiting: dict[str, _Awaiting] = {}
         self.fenced: dict[str, Request] = {}  # released while a KV write may still land
         self.kv_blocks_skipped = 0  # prompt blocks reserved from the own prefix cache, never sent
-
-    @classmethod
-    def of(
-        cls,
-        engine: Engine,
-        receiver: KVReceiver,
-        reserve_timeout_s: float = RESERVE_TIMEOUT_S,
-        land_timeout_s: float = LAND_TIMEOUT_S,
-    ) -> DecodeRole:
-        return cls(
-            receiver, engine.scheduler, engine.kv, engine.runner.install_scores,
-            reserve_timeout_s, land_timeout_s,
-        )  # fmt: skip
 
     def reserve(self, request: Request, drop: PromptDrop | None = None) -> KVReservation | None:
         """Blocks for the prompt's KV, or None when they do not fit right now.

@@ -22,35 +22,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdserve.engine.roles.base import Role
+from pdserve.engine.roles.base import KVDestination, Role
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
-from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager, cdiv
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.transfer.base import KVSender, TransferStatus
 from pdserve.transfer.registry import TRANSFER_MODES
 
-if TYPE_CHECKING:
-    from pdserve.engine.engine import Engine
-    from pdserve.engine.wire_source import WireSource
-
 log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class KVDestination:
-    """Where a prompt's KV goes: the decode worker's receiver and its reserved blocks, one
-    per prompt block (with `drop`, one per kept block). The first `num_cached_blocks` hold
-    the decode worker's own cached prefix: never sent."""
-
-    peer: dict[str, Any]
-    block_ids: list[int]
-    num_cached_blocks: int = 0
-    drop: PromptDrop | None = None
 
 
 @dataclass
@@ -102,23 +85,6 @@ class PrefillRole(Role):
         self.send_timeout_s, self.clock = send_timeout_s, clock
         self.handoffs: dict[str, _Handoff] = {}
         self._sends: list[_Send] = []  # this step's
-
-    @classmethod
-    def of(
-        cls,
-        engine: Engine,
-        sender: KVSender,
-        mode: str,
-        wire: WireSource | None = None,
-        send_timeout_s: float = SEND_TIMEOUT_S,
-    ) -> PrefillRole:
-        """The role for `engine`; `wire` when the decode side stores another KV dtype."""
-        runner = engine.runner
-        return cls(
-            sender, engine.scheduler, engine.kv, engine.model_config.num_layers, mode,
-            lambda request: runner.scores_of(request).tolist(),
-            wire.convert if wire is not None else None, send_timeout_s,
-        )  # fmt: skip
 
     def add_prefill(self, request: Request, destination: KVDestination) -> None:
         """Send the prompt's KV to `destination`, except its cached blocks. The last block is

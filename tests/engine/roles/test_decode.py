@@ -9,7 +9,8 @@ import re
 import pytest
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.roles.decode import DecodeRole, KVReservation
+from pdserve.engine.roles.base import KVReservation
+from pdserve.engine.roles.decode import DecodeRole
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.roles.prefill import KVDestination, PrefillRole
+from pdserve.engine.roles.base import KVDestination
+from pdserve.engine.roles.prefill import PrefillRole
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager
