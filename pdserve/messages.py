@@ -10,7 +10,7 @@ set and WARMUP_PARAMS ─▶ one finished Tokens counting the prompt's cached an
 tokens, or Rejected (refused up front) / Failed (pin refused after the prefill);
 Unpin ─▶ Unpinned at once.
 
-A disaggregated request (DESIGN.md §2):
+A disaggregated request (docs/ARCHITECTURE.md follows one through the code):
 
     router ──Reserve──▶ decode      (blocks for the prompt's KV; no room -> Rejected)
            ◀─Reserved──             (block ids + the receiver's transfer address; the

@@ -1,5 +1,5 @@
-"""The control plane imports no torch (DESIGN.md §6): router, bench and the simulator reuse it
-in processes that never load a model."""
+"""The control plane imports no torch (docs/ARCHITECTURE.md, "Invariants"): router, bench and
+the simulator reuse it in processes that never load a model."""
 
 import subprocess
 import sys

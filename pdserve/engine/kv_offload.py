@@ -1,4 +1,4 @@
-"""The worker pool (L1) joined to the tiers below it: host DRAM, disk, Redis (DESIGN.md §3).
+"""The worker pool (L1) joined to the tiers below it: host DRAM, disk, Redis (docs/tiers.md).
 
 - Down: a cached block about to be reused for other tokens is copied out (all layers) and
   put into the store before the step that overwrites it; the store writes it on down its

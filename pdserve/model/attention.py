@@ -1,6 +1,6 @@
 """Attention over the paged KV cache — the only code that knows the paged layout.
 
-Layout of one layer's cache (one tensor for all blocks; see DESIGN.md §3):
+Layout of one layer's cache (one tensor for all blocks; docs/ARCHITECTURE.md, "KV cache layout"):
 
     kv_layer[block_id, 0 | 1, kv_head, offset, :]      0 = K, 1 = V
     a token at position p of a request lives in block block_table[p // block_size],

@@ -1,12 +1,12 @@
 """Which worker gets a request: pure functions of worker loads (torch-free, no I/O).
 
 The driver asks one question per phase: "which `role` worker for this request?", passing a
-snapshot of every worker's load. Policies never see sockets or clocks, so the simulator can
-reuse them as they are and tests can assert exact choices.
+snapshot of every worker's load. Policies never see sockets or clocks, so the simulator
+(pdserve/sim) reuses them as they are and tests can assert exact choices.
 
-A later `prefix_cache` policy scores workers by how many of the request's leading block hashes
-each one holds; `RouteRequest.block_hashes` carries them (computed by the driver only when the
-policy sets `needs_block_hashes`, with `pdserve.kvcache.hashing.hash_blocks`).
+`prefix_cache` scores workers by how many of the request's leading block hashes each one
+holds; `RouteRequest.block_hashes` carries them (computed by the driver only when the policy
+sets `needs_block_hashes`, with `pdserve.kvcache.hashing.hash_blocks`).
 """
 
 from __future__ import annotations

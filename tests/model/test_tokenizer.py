@@ -121,7 +121,7 @@ def test_load_tokenizer_resolves_a_gguf_path(model_dir: Path) -> None:
 
 
 def test_loading_does_not_import_torch(model_dir: Path) -> None:
-    """The router tokenizes and must stay torch-free (DESIGN.md, import direction)."""
+    """The router tokenizes and must stay torch-free: the control plane never imports torch."""
     import subprocess
     import sys
 

@@ -57,7 +57,7 @@ def test_config_rejects_duplicate_workers() -> None:
 
 
 def test_router_loads_a_tokenizer_without_torch(tokenizer_dir: Path) -> None:
-    """DESIGN.md: the router never imports torch (a tokenizer load included)."""
+    """The control plane is torch-free: the router never imports torch (tokenizer included)."""
     code = (
         "import sys; from pdserve.router import main, server; "
         "from pdserve.router.config import RouterConfig; "
