@@ -319,7 +319,8 @@ class RequestDriver:
         decode = worker_id == self._decode_id and not is_prefill
         self.timing.on_tokens(len(tokens.token_ids), tokens.stamps, decode)
         self._release_prefill(worker_id)
-        # A prefill worker is always "finished"; only a terminal reason ends the request.
+        # A prefill worker's Tokens ends its part but not the request (a handoff is sent as
+        # not finished); only a terminal reason from it (stop, length, abort) ends the request.
         worker_done = tokens.finished and (
             not is_prefill or tokens.finish_reason in _TERMINAL_REASONS
         )
