@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 
 CLUSTER_SECRET = "PDSERVE_CLUSTER_SECRET"  # hex; set by the launcher for router and workers
-API_KEY = "PDSERVE_API_KEY"  # the `/v1` bearer key (`pdserve up`, `pdserve warmup`, router)
+API_KEY = "PDSERVE_API_KEY"  # the `/v1` bearer key (`pdserve up`, router)
+ADMIN_KEY = "PDSERVE_ADMIN_KEY"  # the cache warm-up key (`pdserve up`, `pdserve warmup`, router)
 CACHE_DIR = "PDSERVE_CACHE_DIR"  # converted models and built kernels (~/.cache/pdserve/models)
 NATIVE_KERNELS = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load the C kernels
 CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest the CPU runs), avx2, avx512
@@ -31,6 +32,10 @@ def api_key() -> str | None:
     return os.environ.get(API_KEY) or None
 
 
+def admin_key() -> str | None:
+    return os.environ.get(ADMIN_KEY) or None
+
+
 def cache_dir() -> Path:
     value = os.environ.get(CACHE_DIR)
     return Path(value).expanduser() if value else Path.home() / ".cache" / "pdserve" / "models"
@@ -48,9 +53,12 @@ def c_compiler() -> str:
     return os.environ.get(C_COMPILER, "gcc")
 
 
-def child_env(secret: bytes, api_key: str | None = None) -> dict[str, str]:
-    """This process's environment plus the cluster secret (and the API key, for the router)."""
+def child_env(
+    secret: bytes, api_key: str | None = None, admin_key: str | None = None
+) -> dict[str, str]:
+    """This process's environment plus the cluster secret (and the keys, for the router)."""
     env = {**os.environ, CLUSTER_SECRET: secret.hex()}
-    if api_key:
-        env[API_KEY] = api_key
+    for name, value in ((API_KEY, api_key), (ADMIN_KEY, admin_key)):
+        if value:
+            env[name] = value
     return env

@@ -58,16 +58,16 @@ def test_warmup_prints_per_worker_and_prompt(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("You are a helpful assistant who answers briefly.\n\nBe kind.\n")
     roles = {"p0": "prefill", "d0": "decode"}
-    with Cluster(tokenizer_dir, [5, 2], roles, api_key="k") as c:
-        out = pdserve("warmup", "--url", c.url, "--api-key", "k", "--file", str(prompts))
+    with Cluster(tokenizer_dir, [5, 2], roles, admin_key="k") as c:
+        out = pdserve("warmup", "--url", c.url, "--admin-key", "k", "--file", str(prompts))
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert lines[0].startswith("p0 [0] 48/48 tokens cached, 48 pinned")
         assert lines[1].startswith("p0 [1] 0/8 tokens cached, 0 pinned") and len(lines) == 2
-        out = pdserve("warmup", "--url", c.url + "/v1", "--api-key", "k", "--prompt", "x", "--chat",
-                      "--unpin")  # fmt: skip
+        out = pdserve("warmup", "--url", c.url + "/v1", "--admin-key", "k", "--prompt", "x",
+                      "--chat", "--unpin")  # fmt: skip
         assert out.returncode == 0 and out.stdout.startswith("p0 [0]"), out.stderr
-        out = pdserve("warmup", "--url", c.url, "--prompt", "x")  # no API key
+        out = pdserve("warmup", "--url", c.url, "--prompt", "x")  # no admin key
         assert out.returncode == 2 and "HTTP 401" in out.stderr and out.stderr.count("\n") == 1
 
 

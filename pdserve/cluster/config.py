@@ -89,6 +89,10 @@ class Pipeline:
     host: str = knob("127.0.0.1", "the API's address")
     port: int = knob(8000, "the API's port", ge=0, le=65535)
     api_key: str | None = knob(None, f"bearer key for /v1 (or ${envs.API_KEY})", repr=False)
+    admin_key: str | None = knob(
+        None, f"bearer key for /v1/cache/warmup (or ${envs.ADMIN_KEY}; default: a random one)",
+        repr=False,
+    )  # fmt: skip
     dtype: str = same_as(DeviceConfig, "dtype")
     startup_timeout_s: float = knob(600.0, "wait this long for the workers", gt=0)
     # Tiers below each worker's pool. `redis_url: local` has the launcher start a private

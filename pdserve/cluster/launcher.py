@@ -78,6 +78,8 @@ class Cluster:
         self.pipeline, self.log_level = pipeline, log_level
         self.processes: list[Process] = []
         self.url = f"http://{pipeline.host}:{pipeline.port}"
+        # The launcher warms `warmup_prompts` itself, so a cluster always has an admin key.
+        self.admin_key = pipeline.admin_key or secrets.token_urlsafe(24)
 
     def __enter__(self) -> str:
         try:
@@ -113,9 +115,9 @@ class Cluster:
                         for s in specs],
             "policy": p.routing, "load_balancer": p.load_balancer, "log_level": self.log_level,
         }  # fmt: skip
-        # The API key goes in the environment, like the secret: never on a command line.
+        # The keys go in the environment, like the secret: never on a command line.
         self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)],
-                    envs.child_env(secret, p.api_key))  # fmt: skip
+                    envs.child_env(secret, p.api_key, self.admin_key))  # fmt: skip
         self._wait_healthy(p.startup_timeout_s)
         if p.warmup_prompts:
             self._warmup(list(p.warmup_prompts))
@@ -135,7 +137,7 @@ class Cluster:
         self._wait_healthy(self.pipeline.startup_timeout_s, every_worker=True)
         body = warmup_body(prompts)
         try:
-            answer = send_warmup(self.url, body, self.pipeline.api_key,
+            answer = send_warmup(self.url, body, self.admin_key,
                                  timeout_s=self.pipeline.startup_timeout_s)  # fmt: skip
         except WarmupError as exc:
             raise ClusterError(f"warm-up failed: {exc}") from None

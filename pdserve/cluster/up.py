@@ -51,6 +51,8 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     top = flag_values(args, Pipeline)
     if "api_key" not in top and envs.api_key():
         top["api_key"] = envs.api_key()
+    if "admin_key" not in top and envs.admin_key():
+        top["admin_key"] = envs.admin_key()
     nest(Pipeline, top, into=data)
     if args.warmup_file:
         # Lazy: cluster/warmup.py imports this module.

@@ -87,15 +87,15 @@ def ordered(body: dict[str, Any]) -> list[Prompt]:
 def send_warmup(
     url: str,
     body: dict[str, Any],
-    api_key: str | None,
+    admin_key: str | None,
     unpin: bool = False,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """POST (or, to unpin, DELETE) the body; the router's answer, or WarmupError."""
     base = url.rstrip("/").removesuffix("/v1")
     headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
+    if admin_key:
+        headers["Authorization"] = f"Bearer {admin_key}"
     req = urllib.request.Request(
         f"{base}/v1/cache/warmup",
         data=json.dumps(body).encode(),
@@ -150,7 +150,7 @@ def add_warmup_parser(sub) -> None:
         "warmup", help="prefill and pin prompts (e.g. system prompts) on a running cluster"
     )
     p.add_argument("--url", required=True, help="the router, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key", default=envs.api_key(), help=f"or ${envs.API_KEY}")
+    p.add_argument("--admin-key", default=envs.admin_key(), help=f"or ${envs.ADMIN_KEY}")
     p.add_argument("--prompt", action="append", default=[], help="repeatable")
     p.add_argument("--file", default=None, help="one prompt per line, or .jsonl")
     p.add_argument("--chat", action="store_true", help="text prompts as system messages")
@@ -169,7 +169,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         if not prompts:
             raise WarmupError("give --prompt (repeatable) and/or --file")
         body = warmup_body(prompts, args.chat, pin=not args.unpin)
-        answer = send_warmup(args.url, body, args.api_key, args.unpin, args.timeout)
+        answer = send_warmup(args.url, body, args.admin_key, args.unpin, args.timeout)
     except WarmupError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2

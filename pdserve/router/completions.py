@@ -4,7 +4,9 @@ answer as JSON or SSE, and record each request's outcome in the metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,17 +58,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
-    if state.num_pending >= state.config.max_pending:
-        state.metrics.requests["rejected"] += 1
-        raise ApiError(
-            429,
-            "too many requests in flight; retry later",
-            type="rate_limit_error",
-            retry_after_s=1,
-        )
-    state.num_pending += 1
-    timing = RequestTiming()
-    try:
+    with request_slot(state):
+        timing = RequestTiming()
         try:
             api = parse_request(await read_json(request), chat, state.config)
             prompt_ids = await _tokenize(state, api)
@@ -87,6 +80,23 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             timing,
         )
         return await _run(request, state, api, ctx, driver, len(prompt_ids))
+
+
+@contextlib.contextmanager
+def request_slot(state: RouterState) -> Iterator[None]:
+    """One of `max_pending` slots for the handler's lifetime, or 429: every route that puts
+    work on the workers (generation and warm-up) counts."""
+    if state.num_pending >= state.config.max_pending:
+        state.metrics.requests["rejected"] += 1
+        raise ApiError(
+            429,
+            "too many requests in flight; retry later",
+            type="rate_limit_error",
+            retry_after_s=1,
+        )
+    state.num_pending += 1
+    try:
+        yield
     finally:
         state.num_pending -= 1
 

@@ -41,6 +41,11 @@ class RouterConfig:
     policy: str = knob("prefix_cache", "picks prefill / collocated workers", choices=POLICY_NAMES)
     load_balancer: str = knob("shortest_queue", "picks decode workers", choices=POLICY_NAMES)
     api_key: str | None = field(default=None, repr=False)
+    # `/v1/cache/warmup` pins and unpins every prefill worker's cache: an operator's action,
+    # behind its own key (never the users'); without one, warm-up is refused.
+    admin_key: str | None = field(default=None, repr=False)
+    max_warmup_prompts: int = knob(64, "prompts in one warm-up call", ge=1)
+    max_warmup_tokens: int = knob(65536, "prompt tokens in one warm-up call, all prompts", ge=1)
     heartbeat_timeout_s: float = knob(3.0, gt=0)
     admission_timeout_s: float = knob(10.0, gt=0)
     warmup_timeout_s: float = knob(600.0, "one warm-up prefill (a long prompt on a CPU core)", gt=0)
@@ -64,6 +69,8 @@ class RouterConfig:
         check(self)
         if not self.model:
             raise ValueError("model must be a non-empty served model name")
+        if self.admin_key is not None and not self.admin_key:
+            raise ValueError("admin_key must be non-empty (or None: warm-up refused)")
         if self.protect_health_metrics and not self.api_key:
             raise ValueError("protect_health_metrics needs api_key: there is nothing to check")
         ids = [w.worker_id for w in self.workers]

@@ -36,6 +36,8 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         raise ValueError("--config-json must be a JSON object")
     if envs.api_key():  # preferred over the JSON's api_key: the environment never shows in `ps`
         data["api_key"] = envs.api_key()
+    if envs.admin_key():
+        data["admin_key"] = envs.admin_key()
     return from_dict(RouterConfig, {**data, "secret": secret}, "router config")
 
 

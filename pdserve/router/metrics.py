@@ -88,6 +88,14 @@ class RouterMetrics:
             registry=self.registry,
         )
         self._part_children: dict[str, Any] = {}
+        self.warmup_calls = Counter(
+            "pdserve_warmup_calls", "Cache warm-up calls, by action.", ["action"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.warmup_pinned_tokens = Counter(
+            "pdserve_warmup_pinned_tokens", "Prompt tokens pinned by warm-up calls, all workers.",
+            registry=self.registry,
+        )  # fmt: skip
         self.window = Window()  # this interval's samples, for /v1/status (router/status.py)
 
     def record_finished(

@@ -35,6 +35,7 @@ __all__ = ["STATE", "RouterState", "build_app", "load_router_tokenizer", "serve"
 
 log = logging.getLogger(__name__)
 _OPS_PATHS = ("/health", "/metrics", "/v1/status")  # public unless `protect_health_metrics`
+_ADMIN_PATHS = ("/v1/cache/warmup",)  # the admin key, never the API key
 
 
 def load_router_tokenizer(config: RouterConfig) -> Tokenizer:
@@ -129,17 +130,27 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    """With an api_key every path needs it (unknown ones too: no probing for routes), except
-    the dashboard's files, and /health, /metrics and /v1/status unless
-    `protect_health_metrics`."""
+    """The admin paths need the admin key (and are refused when there is none). With an
+    api_key every other path needs it (unknown ones too: no probing for routes), except the
+    dashboard's files, and /health, /metrics and /v1/status unless `protect_health_metrics`."""
     config = request.app[STATE].config
     public = () if config.protect_health_metrics else _OPS_PATHS
-    if config.api_key and request.path not in public and not _is_asset(request.path):
-        # aiohttp keeps header bytes that are not UTF-8 as surrogate escapes: compare bytes.
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
+    if request.path in _ADMIN_PATHS:
+        if not config.admin_key:
+            message = "cache warm-up is disabled: the router has no admin key (admin_key)"
+            raise ApiError(403, message, type="permission_error", code="no_admin_key")
+        if not _bearer_is(request, config.admin_key):
+            raise ApiError(401, "invalid or missing admin key", code="invalid_admin_key")
+    elif config.api_key and request.path not in public and not _is_asset(request.path):
+        if not _bearer_is(request, config.api_key):
             raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
     return await handler(request)
+
+
+def _bearer_is(request: web.Request, key: str) -> bool:
+    # aiohttp keeps header bytes that are not UTF-8 as surrogate escapes: compare bytes.
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
 @web.middleware

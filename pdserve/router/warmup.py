@@ -6,6 +6,10 @@ prefill and collocated worker, `DELETE /v1/cache/warmup` unpins them.
     -> {"object": "cache.warmup", "pin": true, "workers": {"p0": [{"index": 0,
         "num_prompt_tokens": 30, "num_cached_tokens": 16, "num_pinned_tokens": 16}, ...]}}
 
+The route needs the admin key (router/server.py), takes a request slot like a generation,
+and is budgeted: at most `max_warmup_prompts` prompts and `max_warmup_tokens` prompt tokens
+per call. /metrics counts the calls and the tokens they pinned.
+
 Every prefill-capable worker gets every prompt: whichever worker a later request is routed
 to then hits, and the workers' KVEvents tell the router's prefix index what they hold. A
 worker that is not healthy, fails or refuses (e.g. its pinned share is full) gets an `error`
@@ -23,12 +27,11 @@ from aiohttp import web
 
 from pdserve import messages
 from pdserve.request import WARMUP_PARAMS
-from pdserve.router.completions import STATE, RouterState, read_json
+from pdserve.router.completions import STATE, RouterState, read_json, request_slot
 from pdserve.router.protocol import ApiError, check_model, parse_messages, sampling_to_wire
 from pdserve.router.workers import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
-MAX_PROMPTS = 1024
 _WARMUP_SAMPLING = sampling_to_wire(WARMUP_PARAMS)
 _NOT_HEALTHY = {"error": "worker not healthy (not ready, or lost): not warmed"}
 
@@ -43,9 +46,22 @@ async def unpin(request: web.Request) -> web.Response:
 
 async def _warm(request: web.Request, unpin: bool) -> web.Response:
     state = request.app[STATE]
+    with request_slot(state):
+        return await _warm_in_slot(request, state, unpin)
+
+
+async def _warm_in_slot(request: web.Request, state: RouterState, unpin: bool) -> web.Response:
     body = await read_json(request)
-    prompts, pin = parse_warmup(body, state.config.model)
+    prompts, pin = parse_warmup(body, state.config.model, state.config.max_warmup_prompts)
     prompt_ids = [_tokenize(state, prompt, param) for prompt, param in prompts]
+    num_tokens = sum(map(len, prompt_ids))
+    if num_tokens > state.config.max_warmup_tokens:
+        raise ApiError(
+            400,
+            f"prompts and messages have {num_tokens} tokens together; at most "
+            f"{state.config.max_warmup_tokens} per warm-up call (max_warmup_tokens)",
+            param="prompts",
+        )
     worker_ids = [w.worker_id for w in state.plane.workers.values() if w.role in WARMUP_ROLES]
     healthy = [wid for wid in worker_ids if state.plane.is_healthy(wid)]
     if not healthy:
@@ -60,10 +76,16 @@ async def _warm(request: web.Request, unpin: bool) -> web.Response:
         ]
         for wid in worker_ids
     }
+    state.metrics.warmup_calls.labels("unpin" if unpin else "pin").inc()
+    pinned = [r.get("num_pinned_tokens", 0) for rows in workers.values() for r in rows]
+    if pin:
+        state.metrics.warmup_pinned_tokens.inc(sum(pinned))
     return web.json_response({"object": "cache.warmup", "pin": pin, "workers": workers})
 
 
-def parse_warmup(body: Any, served_model: str) -> tuple[list[tuple[Any, str]], bool]:
+def parse_warmup(
+    body: Any, served_model: str, max_prompts: int
+) -> tuple[list[tuple[Any, str]], bool]:
     """(prompt, param name) pairs, texts first, then message lists; and the pin flag."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -85,9 +107,11 @@ def parse_warmup(body: Any, served_model: str) -> tuple[list[tuple[Any, str]], b
             raise ApiError(400, f"messages[{i}]: {exc.message}", param=f"messages[{i}]") from None
     if not prompts:
         raise ApiError(400, "give prompts and/or messages to warm", param="prompts")
-    if len(prompts) > MAX_PROMPTS:
+    if len(prompts) > max_prompts:
         raise ApiError(
-            400, f"at most {MAX_PROMPTS} prompts per call, got {len(prompts)}", param="prompts"
+            400,
+            f"at most {max_prompts} prompts per call (max_warmup_prompts), got {len(prompts)}",
+            param="prompts",
         )
     return prompts, pin
 

@@ -219,7 +219,8 @@ def test_warmup_prompts_are_pinned_on_every_worker_and_hit_at_once(tiny_served_m
     releases the pins."""
     model = str(tiny_served_model)
     system = "".join(chr(60 + i % 50) for i in range(100))  # 100 byte tokens: 6 full blocks
-    pipeline = dict(collocated=role(num=2), routing="round_robin", warmup_prompts=[system])
+    pipeline = dict(collocated=role(num=2), routing="round_robin", warmup_prompts=[system],
+                    admin_key="operator")  # fmt: skip
     with start(tiny_served_model, **pipeline) as url:
         assert _pins(url, [6, 6]) == [6, 6]
         body = {"model": model, "prompt": system + "Go.", "max_tokens": 2, "temperature": 0}
@@ -228,7 +229,7 @@ def test_warmup_prompts_are_pinned_on_every_worker_and_hit_at_once(tiny_served_m
             assert usage["prompt_tokens_details"]["cached_tokens"] == 96
         out = subprocess.run(
             [sys.executable, "-m", "pdserve.cli", "warmup", "--url", url, "--unpin",
-             "--prompt", system],
+             "--prompt", system, "--admin-key", "operator"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
