@@ -16,6 +16,7 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.output_processor import OutputProcessor
 from pdserve.router import responses
 from pdserve.router.config import RouterConfig
+from pdserve.router.deadlines import Deadlines
 from pdserve.router.driver import RequestDriver
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
@@ -74,8 +75,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             state.processor,
             prompt_ids,
             params,
-            state.config.admission_timeout_s,
-            state.config.max_recoveries,
+            Deadlines.of(state.config),
             ctx.id,
             timing,
         )

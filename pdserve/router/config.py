@@ -50,6 +50,12 @@ class RouterConfig:
     admission_timeout_s: float = knob(10.0, gt=0)
     warmup_timeout_s: float = knob(600.0, "one warm-up prefill (a long prompt on a CPU core)", gt=0)
     max_recoveries: int = knob(3, "re-drives of one request after worker failures, then 502", ge=0)
+    # A frozen worker that still heartbeats (router/deadlines.py). First token: a long prompt
+    # queued behind others on a CPU worker, as for warm-up. Between tokens: a decode step takes
+    # well under a second, and a preempted request resumes behind a prefill chunk; a false alarm
+    # costs a re-drive (the stream goes on elsewhere), never the request.
+    first_token_timeout_s: float = knob(600.0, "dispatch to a worker's first token", gt=0)
+    token_timeout_s: float = knob(60.0, "longest silence of a worker between tokens", gt=0)
     max_pending: int = knob(256, ge=1)
     max_body_bytes: int = knob(8 * 1024 * 1024, ge=1)
     max_tokens_limit: int = knob(1 << 20, "larger max_tokens are rejected as a typo", ge=1)

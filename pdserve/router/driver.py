@@ -15,6 +15,7 @@ old attempt's late writes with a new one's), and the old attempt is aborted on e
   - Tokens already streamed: `Generate(prompt, output_token_ids=streamed)` on a decode (or
     collocated, or as a last resort prefill) worker, which recomputes them as prompt and
     continues. The stream goes on from the next token: no duplicate, none missing.
+A worker silent past a deadline (router/deadlines.py) counts as lost for the request.
 At most `max_recoveries` re-drives; then the last failure is the client's error (502), and
 "no healthy worker of a role" is a 503 at once.
 
@@ -37,6 +38,7 @@ from typing import Any
 from pdserve import messages
 from pdserve.kvcache.hashing import hash_blocks, root_hash
 from pdserve.output_processor import OutputProcessor
+from pdserve.router.deadlines import Deadlines, Lost, Watch
 from pdserve.router.policies import RouteRequest, RoutingPolicy
 from pdserve.router.protocol import ApiError, sampling_to_wire
 from pdserve.router.timing import RequestTiming
@@ -56,10 +58,6 @@ class Delta:
     finish_reason: str | None  # set on the last delta only
 
 
-class Lost(Exception):
-    """The current attempt cannot finish (a worker died, failed, or missed a deadline)."""
-
-
 class RequestDriver:
     def __init__(
         self,
@@ -68,8 +66,7 @@ class RequestDriver:
         processor: OutputProcessor,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        admission_timeout_s: float,
-        max_recoveries: int = 3,
+        deadlines: Deadlines,
         request_id: str = "",
         timing: RequestTiming | None = None,
     ) -> None:
@@ -79,8 +76,7 @@ class RequestDriver:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.sampling = sampling_to_wire(params)
-        self.admission_timeout_s = admission_timeout_s
-        self.max_recoveries = max_recoveries
+        self.deadlines = deadlines
         self.num_recoveries = 0
         # The client's id, in every log line: the processor's key, and each attempt's
         # worker-side id is it plus the attempt's number.
@@ -96,8 +92,8 @@ class RequestDriver:
         self._prefill_charge: dict[str, int] = {}  # worker id -> prompt tokens charged
         self._queue: asyncio.Queue[Any] | None = None
         self._excluded: set[str] = set()  # refused for lack of room; retried after a backoff
-        self._decode_id = ""
-        self._yielded = False
+        self._stalled: set[str] = set()  # missed a deadline: never picked again for this request
+        self._decode_id, self._yielded = "", False
         processor.add_request(self.key, params.stop)
 
     # ---- public -------------------------------------------------------------------------
@@ -113,7 +109,7 @@ class RequestDriver:
             except Lost as lost:
                 self._abort_attempt()
                 self.num_recoveries += 1
-                if self.num_recoveries > self.max_recoveries:
+                if self.num_recoveries > self.deadlines.max_recoveries:
                     raise ApiError(502, str(lost), type="server_error") from None
                 log.warning(
                     "request %s: %s; re-driving it after %d tokens (recovery %d)",
@@ -154,8 +150,10 @@ class RequestDriver:
             start = messages.StartDecode(self.request_id, tokens.token_ids[-1])
             self._send(self._decode_id, start)
             self._transition("transferring")
+            worker_id = self._decode_id
         while True:
-            message = await self._next()
+            first = self.state == "transferring"  # D's first token: after the KV lands
+            message = await self._next(watch=self.deadlines.watch(worker_id, first))
             if not isinstance(message, messages.Tokens) or message.worker_id in self.senders:
                 kind = type(message).__name__
                 raise ApiError(
@@ -174,7 +172,7 @@ class RequestDriver:
         """The whole request on one worker: collocated, a decode worker prefilling locally
         (no healthy prefill worker), or a resumed request recomputing its streamed tokens.
         The role is chosen again after each refusal (a worker may have switched roles)."""
-        deadline = time.monotonic() + self.admission_timeout_s
+        deadline = time.monotonic() + self.deadlines.admission_s
         done = list(self.processor.states[self.key].token_ids)
         while True:
             roles = self.plane.healthy_roles()
@@ -190,14 +188,14 @@ class RequestDriver:
             self._send(worker_id, generate)
             self._charge_prefill(worker_id, len(done))
             self._transition("prefilling")
-            reply = await self._next()
+            reply = await self._next(watch=self.deadlines.watch(worker_id, True))
             if isinstance(reply, messages.Tokens):
                 self._transition("decoding")
                 return worker_id, reply
             self._on_refused(reply, deadline)
 
     async def _disaggregated_first_token(self) -> tuple[str, messages.Tokens]:
-        deadline = time.monotonic() + self.admission_timeout_s
+        deadline = time.monotonic() + self.deadlines.admission_s
         while True:  # admission: a decode worker with room for the prompt's KV
             self._new_attempt()
             decode_id = await self._pick("decode", deadline)
@@ -226,7 +224,7 @@ class RequestDriver:
             self._send(prefill_id, prefill)
             self._charge_prefill(prefill_id)
             self._transition("prefilling")
-            first = await self._next()
+            first = await self._next(watch=self.deadlines.watch(prefill_id, True))
             if isinstance(first, messages.Tokens) and first.worker_id == prefill_id:
                 self._release(prefill_id)  # P is done computing; its KV may still be in flight
                 self.senders[prefill_id] = self.outstanding.pop(prefill_id)
@@ -242,9 +240,8 @@ class RequestDriver:
         backoff_s = 0.02
         while True:
             route = self._route_request(role)
-            load = self.policy.choose(
-                role, self.plane.loads(route.block_hashes), route, self._excluded
-            )
+            excluded = self._excluded | self._stalled
+            load = self.policy.choose(role, self.plane.loads(route.block_hashes), route, excluded)
             if load is not None:
                 self.outstanding[load.worker_id] = self.plane.workers[load.worker_id].epoch
                 self.plane.workers[load.worker_id].active_requests += 1
@@ -253,6 +250,8 @@ class RequestDriver:
                 if self.plane.switching(role):  # re-drive with the roles there are now
                     raise Lost(f"every {role} worker is switching roles")
                 raise _unavailable(f"no healthy {role} worker")
+            if self._stalled >= self.plane.healthy_ids(role):  # not empty: the role is healthy
+                raise _unavailable(f"every healthy {role} worker missed a deadline")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _unavailable(f"no {role} worker had room within the admission timeout")
@@ -286,10 +285,11 @@ class RequestDriver:
         if time.monotonic() >= deadline:
             raise _unavailable(f"no worker had room within the admission timeout ({reply.reason})")
 
-    async def _next(self, deadline: float | None = None) -> Any:
-        """The next message from a worker of this attempt (others' late messages dropped).
-        Raises 503 past `deadline`, and Lost when an involved worker dies or fails."""
+    async def _next(self, deadline: float | None = None, watch: Watch | None = None) -> Any:
+        """The next message from this attempt's workers (others' late ones dropped): 503 past
+        `deadline`, Lost when an involved worker dies or fails or the watched one goes silent."""
         assert self._queue is not None
+        silent_until = time.monotonic() + watch.timeout_s if watch else None
         while True:
             if self._queue.empty():
                 timeout = _POLL_S
@@ -301,6 +301,9 @@ class RequestDriver:
                     message = await asyncio.wait_for(self._queue.get(), timeout)
                 except asyncio.TimeoutError:
                     self._check_alive()
+                    if watch and time.monotonic() >= silent_until:
+                        self._stalled.add(watch.worker_id)
+                        raise watch.lost() from None
                     continue
             else:
                 message = self._queue.get_nowait()

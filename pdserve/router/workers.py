@@ -305,6 +305,9 @@ class ControlPlane:
     def _routable(self, worker: WorkerState) -> bool:
         return self.is_healthy(worker.worker_id) and worker.switching_to is None
 
+    def healthy_ids(self, role: str) -> set[str]:
+        return {w for w, x in self.workers.items() if x.role == role and self.is_healthy(w)}
+
     def healthy_roles(self) -> set[str]:
         """The roles new requests can be routed to now."""
         return {w.role for w in self.workers.values() if self._routable(w)}

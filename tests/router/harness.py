@@ -70,6 +70,8 @@ class FakeWorker:
         self.fail_with: str | None = behaviour.get("fail_with")
         self.fail_times: int = behaviour.get("fail_times", -1)  # -1: every request
         self.die_after_tokens: int | None = behaviour.get("die_after_tokens")
+        # Its engine loop hangs (tokens stop) while its heartbeat goes on.
+        self.freeze_after_tokens: int | None = behaviour.get("freeze_after_tokens")
         self.max_model_len: int = behaviour.get("max_model_len", 512)
         self.num_cached_blocks: int = behaviour.get("num_cached_blocks", 0)  # in Reserved
         self.num_keep_blocks: int | None = behaviour.get("num_keep_blocks")  # in Reserved
@@ -186,6 +188,7 @@ class FakeWorker:
 
     async def _prefill(self, m: messages.Prefill) -> None:
         await asyncio.sleep(self.prefill_s)
+        await self._freeze_if_due()
         if self._should_fail():
             self.send(messages.Failed(self.worker_id, m.request_id, self.fail_with))
             return
@@ -200,6 +203,7 @@ class FakeWorker:
     async def _emit(self, request_id: str, token_ids: list[int]) -> None:
         for i, token_id in enumerate(token_ids):
             await asyncio.sleep(self.step_s)
+            await self._freeze_if_due()
             if i == 1 and self._should_fail():
                 self.send(messages.Failed(self.worker_id, request_id, self.fail_with))
                 return
@@ -212,6 +216,11 @@ class FakeWorker:
             last = i == len(token_ids) - 1
             self._tokens(request_id, [token_id], last, "length" if last else None)
         self._tasks.pop(request_id, None)
+
+    async def _freeze_if_due(self) -> None:
+        limit = self.freeze_after_tokens
+        if limit is not None and self.num_tokens_sent >= limit:
+            await asyncio.Event().wait()
 
     def _should_fail(self) -> bool:
         if not self.fail_with or self.fail_times == 0:

@@ -1,0 +1,62 @@
+"""Router-side deadlines over fake workers whose engine loop freezes while their heartbeat
+goes on: the request is re-driven on another worker (or fails cleanly) within the bound, and
+other requests keep flowing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from pathlib import Path
+
+import requests
+
+from tests.router.conftest import OUTPUT_TEXT
+from tests.router.harness import Cluster
+from tests.router.test_recovery import stream_text
+
+C2 = {"c0": "collocated", "c1": "collocated"}
+
+
+def test_a_worker_silent_between_tokens_is_left_mid_stream(
+    tokenizer_dir: Path, script: list[int]
+) -> None:
+    behaviour = {"c0": {"freeze_after_tokens": 3}}
+    config = dict(policy="round_robin", token_timeout_s=1.0, first_token_timeout_s=1.0)
+    with Cluster(tokenizer_dir, script, C2, behaviour, **config) as c:
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            texts = list(pool.map(lambda _: stream_text(c)[0], range(2)))
+        assert texts == [OUTPUT_TEXT[:12]] * 2  # no token lost or repeated
+        assert time.monotonic() - start < 1.0 + 3.0
+        assert "Abort" in c.kinds("c0") and c.kinds("c1").count("Generate") == 2
+        assert c.app_state.plane.is_healthy("c0")  # it heartbeats: only the deadline caught it
+        for _ in range(2):  # later requests flow, one of them via c0 and its deadline
+            assert stream_text(c)[0] == OUTPUT_TEXT[:12]
+
+
+def test_a_prefill_worker_silent_before_its_first_token(
+    tokenizer_dir: Path, script: list[int]
+) -> None:
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode"}
+    behaviour = {"p0": {"freeze_after_tokens": 0}}
+    config = dict(policy="round_robin", first_token_timeout_s=1.0)
+    with Cluster(tokenizer_dir, script, roles, behaviour, **config) as c:
+        for _ in range(2):  # round robin sends one of them to p0
+            start = time.monotonic()
+            assert stream_text(c)[0] == OUTPUT_TEXT[:12]
+            assert time.monotonic() - start < 1.0 + 3.0
+        assert "Abort" in c.kinds("p0") and c.kinds("p1").count("Prefill") == 2
+
+
+def test_every_worker_silent_fails_cleanly_within_the_bound(
+    tokenizer_dir: Path, script: list[int]
+) -> None:
+    behaviour = {"c0": {"freeze_after_tokens": 0}}
+    config = dict(first_token_timeout_s=1.0)
+    with Cluster(tokenizer_dir, script, {"c0": "collocated"}, behaviour, **config) as c:
+        start = time.monotonic()
+        r = requests.post(f"{c.url}/v1/completions", json={"prompt": "Hi"}, timeout=20)
+        assert r.status_code == 503
+        assert "missed a deadline" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 1.0 + 3.0
+        assert "Abort" in c.kinds("c0")
