@@ -285,6 +285,14 @@ class Engine:
                 f"prompt has {len(prompt_token_ids)} tokens; the context length is "
                 f"{self.max_model_len} (prompt plus at least one new token)"
             )
+        # The context length ignores pins; a prompt that fits it but not the unpinned blocks
+        # would wait at the head of the queue for room that never comes: refuse it now.
+        room = self.kv.room_tokens(prompt_token_ids)
+        if len(prompt_token_ids) >= room:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; with the pinned (warmed-up) "
+                f"prompts this worker has room for {room - 1} (prompt plus one new token)"
+            )
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:

@@ -92,6 +92,14 @@ class KVCacheManager:
         """Hashes of every full block of `token_ids` (what warm-up pins and unpin releases)."""
         return hash_blocks(token_ids, self.block_size, self.root_hash)
 
+    def room_tokens(self, token_ids: list[int]) -> int:
+        """Tokens one request starting with `token_ids` can ever hold: every block but the
+        pinned ones (held for good, unlike a running request's), plus the pinned blocks of
+        its own prefix, which it shares."""
+        pinned = self.pool.pinned
+        shared = sum(h in pinned for h in self.prompt_block_hashes(token_ids)) if pinned else 0
+        return (self.num_blocks - len(pinned) + shared) * self.block_size
+
     def num_cached_tokens(self, block_hashes: list[int]) -> int:
         """Tokens of the longest prefix of these blocks the pool holds now."""
         return len(self.cached_prefix(block_hashes)) * self.block_size

@@ -96,3 +96,19 @@ def test_cache_counters_split_cached_and_computed_tokens(tiny_model_dir):
     stats = engine.cache_stats()
     assert stats["tiers"] == {"L1": {"lookups": 14, "hits": 7, "bytes_read": 0, "bytes_written": 0}}
     assert (stats["cached_prompt_tokens"], stats["computed_prompt_tokens"]) == (28, 30 + 4)
+
+
+def test_a_prompt_that_fits_the_context_but_not_the_unpinned_blocks_is_refused(tiny_model_dir):
+    cache = CacheConfig(block_size=4, kv_cache_bytes=24 * 4 * 512, max_pinned_fraction=0.75)
+    engine = Engine(EngineConfig(model="tiny", cache=cache), tiny_model_dir)
+    assert engine.max_model_len == 96  # the whole cache: pins do not change it
+    for i, pinned in enumerate(prompts(2, seed=5, lo=36, hi=37)):
+        assert warm(engine, pinned, request_id=f"w{i}").num_pinned_tokens == 36
+    assert engine.kv.pool.num_pinned_blocks == 18  # 6 blocks (24 tokens) left
+    with pytest.raises(ValueError, match="prompt has 40 tokens; .* room for 23"):
+        engine.add_request("long", prompts(1, seed=7, lo=40, hi=41)[0], GREEDY)
+    assert not engine.has_unfinished_requests()  # nothing queued behind which others wait
+    assert len(run(engine, [[5, 6, 7]])[0]) > 0  # a small request completes
+    # A prompt on the pinned prefix shares those blocks: it fits in the pins plus the rest.
+    engine.add_request("shared", pinned + [5] * 20, GREEDY)
+    engine.abort_request("shared")
