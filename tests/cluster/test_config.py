@@ -99,3 +99,20 @@ def test_warmup_prompts_from_yaml_and_from_a_file(tmp_path):
         Role(max_pinned_fraction=2)
     with pytest.raises(ValueError, match=r"warmup_prompts\[1\]"):
         Pipeline(collocated=Role(), warmup_prompts=["ok", [{"content": "no role"}]])
+
+
+def test_admin_key_from_the_flag_the_environment_or_made_per_cluster(monkeypatch):
+    from pdserve import envs
+    from pdserve.cluster.launcher import Cluster
+
+    monkeypatch.delenv(envs.ADMIN_KEY, raising=False)
+    given = pipeline_from_args(up_args("--collocated", "1", "--admin-key", "operator"))
+    assert given.admin_key == "operator" and "operator" not in repr(given)
+    assert Cluster(given).admin_key == "operator"
+    monkeypatch.setenv(envs.ADMIN_KEY, "from-env")
+    assert pipeline_from_args(up_args("--collocated", "1")).admin_key == "from-env"
+    monkeypatch.delenv(envs.ADMIN_KEY)
+    none = pipeline_from_args(up_args("--collocated", "1"))
+    keys = {Cluster(none).admin_key for _ in range(2)}
+    assert none.admin_key is None and len(keys) == 2 and all(len(k) >= 32 for k in keys)
+    assert envs.child_env(b"s", admin_key="a")[envs.ADMIN_KEY] == "a"

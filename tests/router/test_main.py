@@ -30,6 +30,13 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.api_key == "from-env" and "from-env" not in repr(config)
 
 
+def test_admin_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "00ff")
+    monkeypatch.setenv("PDSERVE_ADMIN_KEY", "admin-env")
+    config = parse_config(["--config-json", "{}"])
+    assert config.admin_key == "admin-env" and "admin-env" not in repr(config)
+
+
 @pytest.mark.parametrize(
     ("data", "env", "problem"),
     [
