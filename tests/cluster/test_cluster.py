@@ -3,6 +3,7 @@ output token for token, for every transfer backend and mode, and free every bloc
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from pdserve.cluster.config import TensorStore
+from pdserve.cluster.config import Role, TensorStore
 from tests.cluster.conftest import get_text, post, role, start
 
 NUM_PROMPTS = 4
@@ -239,3 +240,27 @@ def test_warmup_prompts_are_pinned_on_every_worker_and_hit_at_once(tiny_served_m
         assert wait_blocks_free(url) == {w: (256, 256) for w in WORKERS}
         hit = _metric(url, "pdserve_worker_prompt_tokens_total", WORKERS[0], 'source="cached",')
         assert hit == 96
+
+
+def test_a_prompt_beyond_the_unpinned_room_is_a_fast_400(tiny_served_model):
+    """The prefill worker's 16 blocks are 12 pinned by the launcher's warm-up (with the admin
+    key it made): a prompt that fits the 256-token context but not the 4 unpinned blocks is
+    refused at once, naming its length and the room; a small request still completes."""
+    import urllib.error
+
+    model = str(tiny_served_model)
+    system = "".join(chr(60 + i % 50) for i in range(192))  # 12 full blocks of 16
+    small = 16 * 16 * 512
+    prefill = Role(kv_cache_bytes=small, threads=1, max_pinned_fraction=0.75)
+    pipeline = dict(prefill=prefill,
+                    decode=role(), warmup_prompts=[system])  # fmt: skip
+    with start(tiny_served_model, **pipeline) as url:
+        start_s = time.monotonic()
+        body = {"model": model, "prompt": "x" * 150, "max_tokens": 2, "temperature": 0}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post(url, "/v1/completions", body)
+        assert refused.value.code == 400 and time.monotonic() - start_s < 10
+        message = json.loads(refused.value.read())["error"]["message"]
+        assert "prompt has 150 tokens" in message and "room for 63" in message, message
+        body = {"model": model, "prompt": "Go.", "max_tokens": 2, "temperature": 0}
+        assert post(url, "/v1/completions", body)["usage"]["completion_tokens"] == 2
