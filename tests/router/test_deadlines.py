@@ -28,7 +28,8 @@ def test_a_worker_silent_between_tokens_is_left_mid_stream(
             texts = list(pool.map(lambda _: stream_text(c)[0], range(2)))
         assert texts == [OUTPUT_TEXT[:12]] * 2  # no token lost or repeated
         assert time.monotonic() - start < 1.0 + 3.0
-        assert "Abort" in c.kinds("c0") and c.kinds("c1").count("Generate") == 2
+        c.wait_until(lambda: "Abort" in c.kinds("c0"))  # the Abort may land after the reply
+        assert c.kinds("c1").count("Generate") == 2
         assert c.app_state.plane.is_healthy("c0")  # it heartbeats: only the deadline caught it
         for _ in range(2):  # later requests flow, one of them via c0 and its deadline
             assert stream_text(c)[0] == OUTPUT_TEXT[:12]
@@ -45,7 +46,8 @@ def test_a_prefill_worker_silent_before_its_first_token(
             start = time.monotonic()
             assert stream_text(c)[0] == OUTPUT_TEXT[:12]
             assert time.monotonic() - start < 1.0 + 3.0
-        assert "Abort" in c.kinds("p0") and c.kinds("p1").count("Prefill") == 2
+        c.wait_until(lambda: "Abort" in c.kinds("p0"))
+        assert c.kinds("p1").count("Prefill") == 2
 
 
 def test_every_worker_silent_fails_cleanly_within_the_bound(
@@ -59,4 +61,4 @@ def test_every_worker_silent_fails_cleanly_within_the_bound(
         assert r.status_code == 503
         assert "missed a deadline" in r.json()["error"]["message"]
         assert time.monotonic() - start < 1.0 + 3.0
-        assert "Abort" in c.kinds("c0")
+        c.wait_until(lambda: "Abort" in c.kinds("c0"))
