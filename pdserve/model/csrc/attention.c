@@ -40,10 +40,15 @@ static inline void prefetch_range(const float *t, int64_t floats) {
 
 /* In place: p[0..len) -> softmax(p). */
 static void softmax(float *p, int64_t len) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < len; t++) mx = p[t] > mx ? p[t] : mx;
+    float mx = -INFINITY, sum = 0.f, lanes[VW];
     vf mv = vset1(mx), sv = vzero();
     int64_t t = 0;
+    for (; t + VW <= len; t += VW) mv = vmax(vload(p + t), mv);
+    vstore(lanes, mv);
+    for (int j = 0; j < VW; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    for (; t < len; t++) mx = p[t] > mx ? p[t] : mx;
+    mv = vset1(mx);
+    t = 0;
     for (; t + VW <= len; t += VW) {
         vf e = vexp(vsub(vload(p + t), mv));
         vstore(p + t, e);
