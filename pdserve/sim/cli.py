@@ -77,15 +77,23 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
     )
 
 
-def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
-    from pdserve.bench.cli import OneLineArgumentParser, add_bench_arguments
+def _workload_parser(
+    subparsers: argparse._SubParsersAction, name: str, help: str
+) -> argparse.ArgumentParser:
+    """A subcommand taking a bench workload and a profile (`pdserve`'s subparsers already
+    report errors in one line)."""
+    from pdserve.bench.cli import add_bench_arguments
 
-    parser = subparsers.add_parser(
-        "simulate", help="replay a bench workload on a simulated deployment, from a profile"
-    )
-    parser.error = OneLineArgumentParser.error.__get__(parser)  # type: ignore[method-assign]
+    parser = subparsers.add_parser(name, help=help)
     add_bench_arguments(parser)
     add_sim_arguments(parser)
+    return parser
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = _workload_parser(
+        subparsers, "simulate", "replay a bench workload on a simulated deployment, from a profile"
+    )
     parser.add_argument("--deployment", default="collocated", help="collocated, Nc or NpMd")
     parser.add_argument("--collocated-size", type=int, default=1, help="devices per worker")
     parser.add_argument("--prefill-size", type=int, default=1)
@@ -144,14 +152,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
-    from pdserve.bench.cli import OneLineArgumentParser, add_bench_arguments
-
-    parser = subparsers.add_parser(
-        "plan", help="search deployments for a workload, SLOs and a device budget"
+    parser = _workload_parser(
+        subparsers, "plan", "search deployments for a workload, SLOs and a device budget"
     )
-    parser.error = OneLineArgumentParser.error.__get__(parser)  # type: ignore[method-assign]
-    add_bench_arguments(parser)
-    add_sim_arguments(parser)
     parser.add_argument("--num-devices", type=int, required=True, help="the device budget")
     parser.add_argument("--top", type=int, default=5, help="layouts to print")
     parser.add_argument("--probe-requests", type=int, default=300,

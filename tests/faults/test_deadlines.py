@@ -12,31 +12,9 @@ from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import TransferStatus
+from tests.engine.roles.fakes import FakeReceiver
 
 NUM_BLOCKS = 16
-
-
-class FakeReceiver:
-    def __init__(self) -> None:
-        self.released: list[str] = []
-        self.finished: list[tuple[str, TransferStatus, str | None]] = []
-
-    def expect(self, request_id: str, block_ids: list[int]) -> None:
-        pass
-
-    def pop_finished(self) -> list[tuple[str, TransferStatus, str | None]]:
-        finished, self.finished = self.finished, []
-        return finished
-
-    def release(self, request_id: str) -> bool:
-        self.released.append(request_id)
-        return True
-
-    def pop_unfenced(self) -> list[str]:
-        return []
-
-    def meta(self, request_id: str) -> dict:
-        return {}
 
 
 class FakeSender:

@@ -17,45 +17,12 @@ from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import TransferStatus
+from tests.engine.roles.fakes import FakeReceiver
 
 NUM_BLOCKS, BLOCK_SIZE = 32, 4
 PREFIX = list(range(10, 26))  # 16 tokens: 4 full blocks
 # 30 tokens (8 blocks); the decode worker keeps 5: sink 1, recent 2, the last, one more.
 DROP = PromptDrop(num_keep_blocks=5, sink_blocks=1, recent_blocks=2)
-
-
-class FakeReceiver:
-    def __init__(self) -> None:
-        self.expected: dict[str, list[int]] = {}
-        self.released: list[str] = []
-        self.finished: list[tuple[str, TransferStatus, str | None]] = []
-        self.metas: dict[str, dict] = {}
-
-    def land(self, request_id: str, num_dropped_tokens: int = 0, scores=None) -> None:
-        """The transfer is DONE; its last send carried what the prefill dropped."""
-        self.finished.append((request_id, TransferStatus.DONE, None))
-        if num_dropped_tokens or scores is not None:
-            meta = {"num_dropped_tokens": num_dropped_tokens, "kept_block_scores": scores}
-            self.metas[request_id] = meta
-
-    def meta(self, request_id: str) -> dict:
-        return self.metas.get(request_id, {})
-
-    def expect(self, request_id: str, block_ids: list[int]) -> None:
-        if request_id in self.expected:
-            raise ValueError(f"request {request_id!r} already has a reservation")
-        self.expected[request_id] = list(block_ids)
-
-    def pop_finished(self) -> list[tuple[str, TransferStatus, str | None]]:
-        finished, self.finished = self.finished, []
-        return finished
-
-    def release(self, request_id: str) -> bool:
-        self.released.append(request_id)
-        return True
-
-    def pop_unfenced(self) -> list[str]:
-        return []
 
 
 def request(tokens: list[int], request_id: str = "r") -> Request:
