@@ -1,9 +1,9 @@
 """Every message between processes: typed dataclasses, one msgpack codec, HMAC-signed.
 
 Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown, Unpin,
-                   SwitchRole
+                   SwitchRole, SetCores
 Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Released, Stats, KVEvents,
-                   Unpinned
+                   Unpinned, CoresSet, StepReport
 
 Cache warm-up (prefill and collocated workers) is an ordinary request: Generate with `pin`
 set and WARMUP_PARAMS ─▶ one finished Tokens counting the prompt's cached and pinned
@@ -114,6 +114,16 @@ class SwitchRole:
     """Take `role` once the requests this worker holds are done; answered by Ready."""
 
     role: str
+
+
+@dataclass
+class SetCores:
+    """Run on `cpus` with `threads` intra-op threads from the next step boundary (adaptive
+    core groups, pdserve/planner/). `threads` 0 parks the worker: it keeps taking messages
+    and KV but runs no step until it is given cores again. Answered by CoresSet."""
+
+    cpus: list[int]
+    threads: int
 
 
 @dataclass
@@ -250,6 +260,27 @@ class Stats:
     num_pinned_blocks: int = 0
 
 
+@dataclass
+class CoresSet:
+    """SetCores applied: the worker now runs on `cpus` with `threads` (0: parked).
+    `switch_s`: from SetCores received to applied, the step in progress included."""
+
+    worker_id: str
+    cpus: list[int]
+    threads: int
+    switch_s: float
+
+
+@dataclass
+class StepReport:
+    """The engine steps a worker ran since its last report: samples for the online cost
+    model (pdserve.perf.cost_model). One row per step: prefill_tokens, decode_requests,
+    prefill_attention_pairs, decode_context_tokens (StepShape's fields), threads, seconds."""
+
+    worker_id: str
+    steps: list[list[float]]
+
+
 Message = (
     Generate
     | Reserve
@@ -259,6 +290,7 @@ Message = (
     | Shutdown
     | Unpin
     | SwitchRole
+    | SetCores
     | Ready
     | Reserved
     | Rejected
@@ -268,6 +300,8 @@ Message = (
     | Stats
     | KVEvents
     | Unpinned
+    | CoresSet
+    | StepReport
 )
 _TYPES: dict[str, type] = {t.__name__: t for t in typing.get_args(Message)}
 

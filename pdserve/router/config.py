@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, field
 
 from pdserve.config import EngineConfig
 from pdserve.messages import ROLES
+from pdserve.planner.config import AdaptiveConfig
 from pdserve.router.policies import POLICIES
 from pdserve.schema import check, knob, same_as
 
@@ -23,6 +24,8 @@ class WorkerEndpoint:
     worker_id: str = knob(MISSING, pattern=(r".+", "a non-empty string"))
     role: str = knob(MISSING, choices=ROLES)
     address: str = knob(MISSING, pattern=(r".+", "a ZMQ address"))
+    # The cores the adaptive planner may give this worker (its host's pool); () = not planned.
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check(self)
@@ -68,6 +71,7 @@ class RouterConfig:
     head_timeout_s: float = knob(30.0, gt=0)
     body_timeout_s: float = knob(30.0, "complete head -> complete body (a slot waits)", gt=0)
     write_timeout_s: float = knob(30.0, "longest a client may leave a chunk unread", gt=0)
+    adaptive: AdaptiveConfig = AdaptiveConfig()
     protect_health_metrics: bool = knob(False, "/health and /metrics need api_key too")
     log_level: str = "INFO"
 
