@@ -147,6 +147,7 @@ class Ready:
     max_model_len: int
     cpus: list[int] = field(default_factory=list)  # the cores it may run on
     threads: int = 0  # torch intra-op threads
+    kv_block_bytes: int = 0  # one block's KV over all layers, as this worker holds it
 
 
 @dataclass

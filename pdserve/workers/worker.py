@@ -120,11 +120,14 @@ class Worker:
         self.out.send(m.encode(message, self.secret))
 
     def _announce(self) -> None:
+        from pdserve.transfer.layout import KVLayout
+
         e = self.engine
+        layout = KVLayout.from_tensor(e.runner.kv_cache)
         self.send(m.Ready(
             self.spec.worker_id, e.role.name, self.spec.engine.model, e.kv.num_blocks,
             e.kv.block_size, e.max_model_len, sorted(os.sched_getaffinity(0)),
-            torch.get_num_threads(),
+            torch.get_num_threads(), layout.num_layers * layout.block_bytes,
         ))  # fmt: skip
         log.info("worker %s (%s) ready", self.spec.worker_id, e.role.name)
 
