@@ -58,10 +58,12 @@ def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
         seed=args.seed,
         progress=not args.no_progress,
     )
-    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, getattr(args, "slo_itl_ms", None))
     scales = parse_scales(args.slo_scale) if args.slo_scale else []
     if (scales or args.find_goodput) and slo == SLO():
-        raise ValueError("--find-goodput and --slo-scale need --slo-ttft-ms and/or --slo-tpot-ms")
+        raise ValueError(
+            "--find-goodput and --slo-scale need --slo-ttft-ms, --slo-tpot-ms or --slo-itl-ms"
+        )
     search = None
     if args.find_goodput:
         if arrival.kind not in ("poisson", "gamma"):

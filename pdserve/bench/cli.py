@@ -74,6 +74,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     slo = parser.add_argument_group("SLOs and search")
     slo.add_argument("--slo-ttft-ms", type=float)
     slo.add_argument("--slo-tpot-ms", type=float)
+    slo.add_argument("--slo-itl-ms", type=float, help="per request: p99 of its inter-token gaps")
     slo.add_argument(
         "--find-goodput",
         action="store_true",
@@ -108,6 +109,11 @@ def _add_compare(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=5.0,
         help="default SLOs = this x the first deployment's unloaded p50",
+    )
+    compare.add_argument(
+        "--slo-itl-multiplier",
+        type=float,
+        help="p99 ITL SLO = this x the first deployment's unloaded p50 TPOT (a stall budget)",
     )
     compare.add_argument("--calibration-requests", type=int, default=5)
 

@@ -75,9 +75,12 @@ def run_compare(
         raise ValueError("compare needs at least one deployment")
     args = workload_args
     multiplier = getattr(args, "slo_multiplier", 5.0)
+    itl_multiplier = getattr(args, "slo_itl_multiplier", None)
     calibration_requests = getattr(args, "calibration_requests", 5)
-    if multiplier <= 0 or calibration_requests < 1:
-        raise ValueError("--slo-multiplier must be > 0 and --calibration-requests >= 1")
+    if multiplier <= 0 or calibration_requests < 1 or (itl_multiplier or 1) <= 0:
+        raise ValueError(
+            "--slo-multiplier and --slo-itl-multiplier must be > 0, --calibration-requests >= 1"
+        )
     plan = build_plan(args, url="http://placeholder")
     # Calibration prompts come from another seed: re-sending the run's own prompts would
     # warm the first deployment's prefix cache and favour it.
@@ -86,14 +89,17 @@ def run_compare(
     rows: dict[str, dict[str, object]] = {}
     for name, spec in deployments.items():
         with launch(spec) as url:
-            if plan.slo == SLO():
+            if plan.slo.ttft_ms is None and plan.slo.tpot_ms is None:
                 ttft_ms, tpot_ms = _unloaded(calibration_plan, url, calibration_requests)
-                plan = replace(
-                    plan, slo=SLO(multiplier * ttft_ms, multiplier * tpot_ms if tpot_ms else None)
-                )
+                itl_ms = plan.slo.itl_ms
+                if itl_multiplier and tpot_ms:
+                    itl_ms = itl_multiplier * tpot_ms
+                slo = SLO(multiplier * ttft_ms, multiplier * tpot_ms if tpot_ms else None, itl_ms)
+                plan = replace(plan, slo=slo)
                 print(
-                    f"SLOs from {name} unloaded p50 x {multiplier:g}: TTFT {plan.slo.ttft_ms:.1f}"
-                    f" ms, TPOT {plan.slo.tpot_ms or 0:.1f} ms",
+                    f"SLOs from {name} unloaded p50 x {multiplier:g}: TTFT {slo.ttft_ms:.1f}"
+                    f" ms, TPOT {slo.tpot_ms or 0:.1f} ms"
+                    + (f", p99 ITL {slo.itl_ms:.1f} ms" if slo.itl_ms else ""),
                     file=out,
                 )
             document, result = execute(plan, url)
@@ -106,9 +112,11 @@ def run_compare(
             "p50_ttft_ms": summary["ttft_ms"]["p50"],
             "p90_ttft_ms": summary["ttft_ms"]["p90"],
             "p90_tpot_ms": summary["tpot_ms"]["p90"],
+            "p99_itl_ms": summary["itl_ms"]["p99"],
             "cache_hit_rate": summary.get("prefix_cache_hit_rate"),
             "slo_ttft_ms": plan.slo.ttft_ms,
             "slo_tpot_ms": plan.slo.tpot_ms,
+            "slo_itl_ms": plan.slo.itl_ms,
             "summary": summary,
         }
     print(format_table(rows), file=out)
@@ -126,15 +134,17 @@ def _num(value: object) -> str:
 
 
 def format_table(rows: Mapping[str, Mapping[str, object]]) -> str:
-    """Side-by-side goodput, p50/p90 TTFT and p90 TPOT, each with its ratio to the first row,
-    and the share of prompt tokens the server reports as served from its prefix cache."""
+    """Side-by-side goodput, p50/p90 TTFT, p90 TPOT and p99 ITL, each with its ratio to the
+    first row, and the share of prompt tokens the server reports as served from its prefix
+    cache."""
     base = next(iter(rows.values()))
     header = f"{'deployment':<16}{'goodput':>10}{'ratio':>8}{'p50 TTFT ms':>14}{'ratio':>8}"
-    header += f"{'p90 TTFT ms':>14}{'ratio':>8}{'p90 TPOT ms':>14}{'ratio':>8}{'cached':>9}"
+    header += f"{'p90 TTFT ms':>14}{'ratio':>8}{'p90 TPOT ms':>14}{'ratio':>8}"
+    header += f"{'p99 ITL ms':>14}{'ratio':>8}{'cached':>9}"
     lines = [header]
     for name, row in rows.items():
         line = f"{name:<16}{_num(row['goodput']):>10}{_ratio(row['goodput'], base['goodput']):>8}"
-        for key in ("p50_ttft_ms", "p90_ttft_ms", "p90_tpot_ms"):
+        for key in ("p50_ttft_ms", "p90_ttft_ms", "p90_tpot_ms", "p99_itl_ms"):
             line += f"{_num(row.get(key)):>14}{_ratio(row.get(key), base.get(key)):>8}"
         hit = row.get("cache_hit_rate")
         line += f"{hit:>9.1%}" if isinstance(hit, (int, float)) else f"{'-':>9}"

@@ -57,6 +57,14 @@ class RequestRecord:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
 
+    @property
+    def p99_itl_s(self) -> float | None:
+        """The 99th percentile of this request's gaps (nearest rank); None without gaps."""
+        if not self.ok or not self.itl_s:
+            return None
+        gaps = sorted(self.itl_s)
+        return gaps[math.ceil(0.99 * len(gaps)) - 1]
+
 
 @dataclass(frozen=True)
 class SLO:
@@ -64,12 +72,14 @@ class SLO:
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    # Per request: the 99th percentile of its gaps between chunks (nearest rank, so the
+    # longest gap for under 100 of them). TPOT averages a stall away; this does not.
+    itl_ms: float | None = None
 
     def scaled(self, factor: float) -> SLO:
-        """Both targets times ``factor`` (DistServe's SLO-scale axis)."""
+        """Every target times ``factor`` (DistServe's SLO-scale axis)."""
         return SLO(
-            None if self.ttft_ms is None else self.ttft_ms * factor,
-            None if self.tpot_ms is None else self.tpot_ms * factor,
+            *(None if v is None else v * factor for v in (self.ttft_ms, self.tpot_ms, self.itl_ms))
         )
 
 
@@ -100,7 +110,10 @@ def meets_slo(record: RequestRecord, slo: SLO) -> bool:
     if slo.ttft_ms is not None and record.ttft_s * 1000.0 > slo.ttft_ms:
         return False
     tpot = record.tpot_s
-    return not (slo.tpot_ms is not None and tpot is not None and tpot * 1000.0 > slo.tpot_ms)
+    if slo.tpot_ms is not None and tpot is not None and tpot * 1000.0 > slo.tpot_ms:
+        return False
+    itl = record.p99_itl_s
+    return not (slo.itl_ms is not None and itl is not None and itl * 1000.0 > slo.itl_ms)
 
 
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
@@ -156,6 +169,7 @@ def summarize(
         "e2e_ms": latency_stats_ms(r.e2e_s for r in done if r.e2e_s is not None),
         "slo_ttft_ms": slo.ttft_ms,
         "slo_tpot_ms": slo.tpot_ms,
+        "slo_itl_ms": slo.itl_ms,
         "slo_attainment": attainment(records, slo),
         "goodput": goodput(records, slo, duration),
     }
@@ -187,8 +201,8 @@ def format_summary(summary: dict[str, object]) -> str:
         assert isinstance(stats, dict)
         values = " / ".join(_fmt(stats[q], ".1f") for q in ("mean", "p50", "p90", "p99"))
         rows.append((f"{key} mean/p50/p90/p99", values))
-    slo = f"{_fmt(summary['slo_ttft_ms'], 'g')}, {_fmt(summary['slo_tpot_ms'], 'g')}"
-    rows.append(("SLO (ttft ms, tpot ms)", slo))
+    slo = ", ".join(_fmt(summary.get(f"slo_{k}_ms"), "g") for k in ("ttft", "tpot", "itl"))
+    rows.append(("SLO (ttft ms, tpot ms, p99 itl ms)", slo))
     rows.append(("SLO attainment", _fmt(summary["slo_attainment"], ".3f")))
     rows.append(("goodput (req/s)", _fmt(summary["goodput"], ".2f")))
     return "\n".join(f"{name:<40}{value}" for name, value in rows)

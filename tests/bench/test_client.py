@@ -94,6 +94,17 @@ def test_compare_runs_each_deployment_and_derives_slos(fake_server, tokenizer_di
     assert text.splitlines()[-2].split()[2] == "1.00x"
 
 
+def test_compare_derives_the_itl_slo_from_the_unloaded_tpot(fake_server, tokenizer_dir):
+    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "3", "--input-len", "5",
+                 "--output-len", "4")  # fmt: skip
+    args.slo_itl_multiplier = 2.0
+    out = io.StringIO()
+    rows = run_compare({"a": fake_server.url}, args, url_launch, out)
+    slo_tpot_ms, slo_itl_ms = rows["a"]["slo_tpot_ms"], rows["a"]["slo_itl_ms"]
+    assert slo_itl_ms == pytest.approx(2.0 * slo_tpot_ms / 5.0)  # 5x is the TPOT multiplier
+    assert "p99 ITL" in out.getvalue() and rows["a"]["summary"]["slo_itl_ms"] == slo_itl_ms
+
+
 def test_plots_are_written(fake_server, tokenizer_dir, tmp_path):
     pytest.importorskip("matplotlib")
     args = bench(tokenizer_dir, fake_server.url, "--num-requests", "6", "--input-len", "4",

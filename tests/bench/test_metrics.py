@@ -36,6 +36,22 @@ def test_ttft_tpot_from_timeline():
     assert not meets_slo(record, SLO(tpot_ms=99))
 
 
+def test_itl_slo_checks_each_requests_p99_gap_which_tpot_averages_away():
+    # 101 tokens, 100 gaps of 10 ms but one 500 ms stall: TPOT 14.9 ms, p99 gap 10 ms.
+    record = ok(0.0, 0.1, 0.1 + 0.99 + 0.5, 101)
+    record.itl_s = [0.01] * 99 + [0.5]
+    assert record.p99_itl_s == pytest.approx(0.01)
+    assert meets_slo(record, SLO(tpot_ms=20, itl_ms=10))
+    record.itl_s = [0.01] * 98 + [0.5, 0.5]  # two stalls: the p99 gap is a stall
+    assert record.p99_itl_s == pytest.approx(0.5)
+    assert not meets_slo(record, SLO(tpot_ms=20, itl_ms=100))
+    assert meets_slo(record, SLO(itl_ms=100).scaled(5))
+    short = ok(0.0, 0.1, 0.4, 3)
+    short.itl_s = [0.1, 0.2]  # under 100 gaps: the longest one counts
+    assert short.p99_itl_s == pytest.approx(0.2)
+    assert ok(0.0, 0.1, 0.1, 1).p99_itl_s is None
+
+
 def test_single_token_has_no_tpot_and_only_ttft_is_checked():
     record = ok(0.0, 0.05, 0.05, 1)
     assert record.tpot_s is None
