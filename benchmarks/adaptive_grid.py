@@ -1,0 +1,128 @@
+"""Issue 14's grid: adaptive vs collocated vs static 1P1D on the same cores, one run.
+
+For each input length, collocated's capacity is measured first (every request sent at once:
+the completed requests per second), then `pdserve bench compare` runs the three deployments at
+50% and 90% of it, SLOs derived as in BENCHMARKS.md §3 (5x collocated's unloaded p50 TTFT and
+TPOT). Then the interference cell: prompts of mixed length over long-running decodes with a
+stall budget (p99 ITL at most 2x collocated's unloaded TPOT).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --output grid.json
+    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --lengths 128 --fractions 0.5
+
+Each cell's full `bench compare` output goes to the JSON; the table printed at the end is what
+BENCHMARKS.md quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+DEPLOYMENTS = ("collocated=collocated", "1p1d=1p1d", "adaptive=adaptive")
+
+
+def compare(flags: list[str], deployments: tuple[str, ...]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "compare.json"
+        argv = [sys.executable, "-c", "import sys; from pdserve.cli import main; sys.exit(main())",
+                "bench", "compare", "--no-progress", "--output", str(out), *flags]  # fmt: skip
+        for d in deployments:
+            argv += ["--deployment", d]
+        print("$ pdserve", " ".join(argv[3:]), flush=True)
+        subprocess.run(argv, check=True)
+        return json.loads(out.read_text())["compare"]
+
+
+def workload(input_len: str, output_len: str, seed: int) -> list[str]:
+    return ["--input-len", input_len, "--output-len", output_len, "--seed", str(seed)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="128,512,2048", help="mean input lengths")
+    p.add_argument("--fractions", default="0.5,0.9", help="rates as fractions of capacity")
+    p.add_argument("--output-len", default="lognormal:64:0.5")
+    p.add_argument("--num-requests", type=int, default=30)
+    p.add_argument("--capacity-requests", type=int, default=16)
+    p.add_argument("--interference", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--output", default="adaptive_grid.json")
+    args = p.parse_args()
+    results: dict = {"cells": [], "interference": None}
+    for length in [int(x) for x in args.lengths.split(",") if x]:
+        shape = workload(f"lognormal:{length}:0.3", args.output_len, seed=length)
+        probe = compare(
+            [
+                *shape,
+                "--rate",
+                "inf",
+                "--num-requests",
+                str(args.capacity_requests),
+                "--slo-ttft-ms",
+                "1e9",
+            ],  # fmt: skip
+            ("collocated=collocated",),
+        )
+        capacity = probe["collocated"]["summary"]["request_throughput"]
+        for fraction in [float(x) for x in args.fractions.split(",") if x]:
+            rate = fraction * capacity
+            rows = compare(
+                [*shape, "--arrival", "poisson", "--rate", f"{rate:.4f}",
+                 "--num-requests", str(args.num_requests), "--calibration-requests", "3"],
+                DEPLOYMENTS,
+            )  # fmt: skip
+            results["cells"].append(
+                {
+                    "input_len": length,
+                    "fraction": fraction,
+                    "capacity_rps": capacity,
+                    "rate_rps": rate,
+                    "rows": rows,
+                }  # fmt: skip
+            )
+            Path(args.output).write_text(json.dumps(results, indent=1))
+    if args.interference:
+        shape = workload("lognormal:384:1.0:2048", "lognormal:128:0.3", seed=7)
+        probe = compare(
+            [
+                *shape,
+                "--rate",
+                "inf",
+                "--num-requests",
+                str(args.capacity_requests),
+                "--slo-ttft-ms",
+                "1e9",
+            ],  # fmt: skip
+            ("collocated=collocated",),
+        )
+        rate = 0.7 * probe["collocated"]["summary"]["request_throughput"]
+        rows = compare(
+            [*shape, "--arrival", "poisson", "--rate", f"{rate:.4f}", "--num-requests",
+             str(args.num_requests), "--calibration-requests", "3", "--slo-itl-multiplier", "2"],
+            DEPLOYMENTS,
+        )  # fmt: skip
+        results["interference"] = {"rate_rps": rate, "rows": rows}
+    Path(args.output).write_text(json.dumps(results, indent=1))
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    names = "  ".join(f"{d.split('=')[0]:>18}" for d in DEPLOYMENTS)
+    print(f"{'input':>6} {'load':>5} {'rate':>7}  {names}")
+    cells = [*results["cells"]]
+    if results["interference"]:
+        cells.append({"input_len": "mixed", "fraction": 0.7, **results["interference"]})
+    for cell in cells:
+        base = cell["rows"]["collocated"]["goodput"]
+        line = f"{cell['input_len']:>6} {cell['fraction']:>5.0%} {cell['rate_rps']:>7.3f}  "
+        for d in DEPLOYMENTS:
+            g = cell["rows"][d.split("=")[0]]["goodput"]
+            line += f"  {g:>8.3f} ({g / base if base else float('nan'):>5.2f}x)"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
