@@ -147,8 +147,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, launch: Launch | None = None) -> int:
     """Runs ``bench`` or ``bench compare``; returns the exit code.
 
-    ``launch`` is the hook for ``compare`` deployments given as configs (see
-    ``pdserve.bench.compare.run_compare``); without it only URL deployments work.
+    ``launch`` is the hook that brings up ``compare`` deployments (see
+    ``pdserve.bench.compare.run_compare``); by default the cluster launcher.
     """
     from pdserve.bench.app import build_plan, execute, json_safe
 

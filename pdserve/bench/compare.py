@@ -2,7 +2,8 @@
 
 Starting deployments is the launcher's job (only ``cluster`` starts processes), so it comes in
 as a hook: ``launch(spec)`` is a context manager that brings a deployment up, yields its base
-URL, and tears it down on exit. ``url_launch`` handles specs that already are URLs.
+URL, and tears it down on exit (``cluster_launcher`` in ``pdserve/cluster/deployments.py``;
+a spec that is a URL is yielded as it is).
 
 SLOs must be equal across deployments for goodput to be comparable, so when none are given
 they are derived once, from the *first* deployment's unloaded latency (sequential requests):
@@ -12,25 +13,13 @@ SLO = ``--slo-multiplier`` x its p50 TTFT / TPOT. Ratios in the table are agains
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TextIO
 
 Launch = Callable[[str], AbstractContextManager[str]]
-
-
-@contextlib.contextmanager
-def url_launch(spec: str) -> Iterator[str]:
-    """The launch hook for deployments that are already running at a URL."""
-    if not spec.startswith(("http://", "https://")):
-        raise ValueError(
-            f"deployment {spec!r} is not a URL; starting deployments from a config needs the "
-            "cluster launcher (pass NAME=http://HOST:PORT for a running server)"
-        )
-    yield spec
 
 
 def _unloaded(plan, url: str, num_requests: int) -> tuple[float, float]:
