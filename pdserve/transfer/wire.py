@@ -80,12 +80,8 @@ def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
 
 
 def _recv_fixed(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise AuthError("peer closed the connection during authentication")
-        data += chunk
+    data = bytearray(n)
+    recv_exact_into(sock, memoryview(data))  # EOF: ConnectionError, an AuthError in _handshake
     return bytes(data)
 
 
