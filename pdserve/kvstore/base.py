@@ -41,7 +41,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from pdserve.transfer.layout import DTYPE_BYTES, KVLayout
+from pdserve.transfer.layout import KVLayout
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 2
@@ -107,14 +107,10 @@ class EntryFormat:
     @property
     def payload_bytes(self) -> int:
         """Bytes of one block in every layer: the only payload size an entry may have."""
-        return (
-            self.num_layers
-            * 2
-            * self.num_kv_heads
-            * self.block_size
-            * self.head_dim
-            * (DTYPE_BYTES[self.dtype])
+        one_block = KVLayout(
+            self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
         )
+        return one_block.total_bytes
 
     @property
     def entry_bytes(self) -> int:
