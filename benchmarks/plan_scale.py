@@ -27,7 +27,7 @@ def main() -> int:
     parser.add_argument("--probe-requests", type=int, default=300)
     parser.set_defaults(profile="analytic:H100-SXM:llama-3-8b", preset="chat", rate=130000.0,
                         slo_ttft_ms=500.0, slo_tpot_ms=50.0, max_num_seqs=256,
-                        max_num_batched_tokens=8192, no_progress=True, max_probes=6)  # fmt: skip
+                        max_num_batched_tokens=8192, progress=False, max_probes=6)  # fmt: skip
     for action in parser._actions:
         if action.dest == "profile":
             action.required = False

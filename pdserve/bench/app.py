@@ -8,16 +8,77 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
-from pdserve.bench.arrivals import ArrivalSpec
-from pdserve.bench.client import ClientConfig
+from pdserve.bench.arrivals import KINDS, ArrivalSpec
+from pdserve.bench.client import ENDPOINTS, ClientConfig
 from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import RunConfig, RunResult, run_benchmark
 from pdserve.bench.search import find_goodput, parse_scales, slo_scale_sweep
 from pdserve.bench.tokens import TokenSource
-from pdserve.bench.trace import TraceConfig, load_trace
-from pdserve.bench.workloads import Session, WorkloadConfig, build_sessions, preset_lengths
+from pdserve.bench.trace import MOONCAKE_BLOCK_LEN, TraceConfig, load_trace
+from pdserve.bench.workloads import PRESETS, Session, WorkloadConfig, build_sessions
+from pdserve.config import EngineConfig
+from pdserve.schema import check, knob
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Every flag of a benchmark run (`add_bench_arguments` derives them), grouped as target,
+    workload, load, SLOs and search, output."""
+
+    url: str | None = knob(None, "OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    model: str | None = knob(None, "model name sent in requests (default: --tokenizer)")
+    tokenizer: str = knob(EngineConfig.model, "model name or directory with tokenizer.json")
+    endpoint: str = knob("completions", "API to call", choices=tuple(ENDPOINTS))
+    api_key: str | None = knob(None, "sent as 'Authorization: Bearer KEY'", repr=False)
+    prompt_format: str = knob(
+        "ids", "token-id prompts (exact lengths) or decoded text", choices=("ids", "text")
+    )
+    ignore_eos: bool = knob(True, "ask the server to generate past EOS")
+    request_timeout_s: float = knob(600.0, "one request, send to last token", gt=0)
+
+    preset: str | None = knob(None, "a workload's length shapes", choices=tuple(PRESETS))
+    input_len: str | None = knob(None, "N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MAX]")
+    output_len: str | None = knob(None, "same forms as --input-len")
+    num_prefix_groups: int = knob(0, "groups sharing a system prompt of --prefix-len", ge=0)
+    prefix_len: int = knob(0, "tokens of each group's shared system prompt", ge=0)
+    num_turns: int = knob(1, "turns per conversation", ge=1)
+    think_time_s: float = knob(0.0, "pause between a conversation's turns", ge=0)
+    trace: str | None = knob(None, "JSONL trace (Mooncake format) to replay")
+    trace_time_scale: float = knob(1.0, ">1 slows replay", gt=0)
+    trace_length_scale: float = knob(1.0, "multiplies the trace's lengths", gt=0)
+    trace_block_len: int = knob(MOONCAKE_BLOCK_LEN, "tokens per hash id", ge=1)
+    seed: int = knob(0, "workload and arrival seed")
+
+    arrival: str = knob("poisson", "arrival process", choices=KINDS)
+    rate: float = knob(math.inf, "sessions/s (inf: all at once)")
+    burstiness: float = knob(1.0, "gamma shape (1 = Poisson)", gt=0)
+    concurrency: int = knob(0, "users for --arrival concurrency", ge=0)
+    max_concurrency: int | None = knob(None, "cap on requests in flight", ge=1)
+    num_requests: int = knob(100, "requests to send", ge=1)
+    duration_s: float | None = knob(None, "stop sending after this long", gt=0)
+
+    slo_ttft_ms: float | None = knob(None, "time-to-first-token target", gt=0)
+    slo_tpot_ms: float | None = knob(None, "time-per-output-token target", gt=0)
+    slo_itl_ms: float | None = knob(None, "per request: p99 of its inter-token gaps", gt=0)
+    find_goodput: bool = knob(False, "search the highest rate with >= --goodput-target")
+    goodput_target: float = knob(0.9, "SLO attainment the search needs", gt=0, le=1)
+    start_rate: float = knob(1.0, "the search's first rate", gt=0)
+    max_probes: int = knob(8, "runs the search may make", ge=1)
+    slo_scale: str | None = knob(None, "comma-separated SLO factors, e.g. 0.5,1,2,4")
+
+    output: str | None = knob(None, "result JSON: config, per-request records, summary")
+    plot: str | None = knob(None, "directory for PNG figures (needs matplotlib)")
+    progress: bool = knob(True, "progress bar on stderr")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> BenchConfig:
+        """The benchmark's flags out of `args` (which may hold other subcommands' too)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -35,75 +96,76 @@ class BenchPlan:
 
 def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
     """Parses flags into a plan; ``url`` overrides ``--url`` (compare sets it per deployment)."""
-    text_prompts = args.prompt_format == "text" or args.endpoint == "chat"
-    arrival_kind = "trace" if args.trace else args.arrival
-    if args.trace and args.arrival not in ("poisson", "trace"):
+    cfg = BenchConfig.of(args)
+    text_prompts = cfg.prompt_format == "text" or cfg.endpoint == "chat"
+    arrival_kind = "trace" if cfg.trace else cfg.arrival
+    if cfg.trace and cfg.arrival not in ("poisson", "trace"):
         raise ValueError("--trace sets its own arrival times; drop --arrival")
-    arrival = ArrivalSpec(arrival_kind, args.rate, args.burstiness, args.concurrency)
+    arrival = ArrivalSpec(arrival_kind, cfg.rate, cfg.burstiness, cfg.concurrency)
     client = ClientConfig(
-        url=url or args.url or "",
-        model=args.model or args.tokenizer,
-        endpoint=args.endpoint,
-        api_key=args.api_key,
-        ignore_eos=args.ignore_eos,
-        request_timeout_s=args.request_timeout_s,
+        url=url or cfg.url or "",
+        model=cfg.model or cfg.tokenizer,
+        endpoint=cfg.endpoint,
+        api_key=cfg.api_key,
+        ignore_eos=cfg.ignore_eos,
+        request_timeout_s=cfg.request_timeout_s,
     )
     run = RunConfig(
         client=client,
         arrival=arrival,
         text_prompts=text_prompts,
-        think_time_s=args.think_time_s,
-        duration_s=args.duration_s,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        progress=not args.no_progress,
+        think_time_s=cfg.think_time_s,
+        duration_s=cfg.duration_s,
+        max_concurrency=cfg.max_concurrency,
+        seed=cfg.seed,
+        progress=cfg.progress,
     )
-    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, getattr(args, "slo_itl_ms", None))
-    scales = parse_scales(args.slo_scale) if args.slo_scale else []
-    if (scales or args.find_goodput) and slo == SLO():
+    slo = SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.slo_itl_ms)
+    scales = parse_scales(cfg.slo_scale) if cfg.slo_scale else []
+    if (scales or cfg.find_goodput) and slo == SLO():
         raise ValueError(
             "--find-goodput and --slo-scale need --slo-ttft-ms, --slo-tpot-ms or --slo-itl-ms"
         )
     search = None
-    if args.find_goodput:
+    if cfg.find_goodput:
         if arrival.kind not in ("poisson", "gamma"):
             raise ValueError("--find-goodput varies --rate, so it needs --arrival poisson or gamma")
         search = {
-            "target": args.goodput_target,
-            "start_rate": args.start_rate,
-            "max_probes": args.max_probes,
+            "target": cfg.goodput_target,
+            "start_rate": cfg.start_rate,
+            "max_probes": cfg.max_probes,
         }
-    tokens = TokenSource.load(args.tokenizer)
-    sessions = _sessions(args, tokens, text_prompts)
+    tokens = TokenSource.load(cfg.tokenizer)
+    sessions = _sessions(cfg, tokens, text_prompts)
     config = {k: v for k, v in vars(args).items() if not callable(v)}
     config.update(url=client.url, model=client.model, text_prompts=text_prompts)
     return BenchPlan(tokens, sessions, run, slo, scales, search, config)
 
 
-def _sessions(args: argparse.Namespace, tokens: TokenSource, text_prompts: bool) -> list[Session]:
-    if args.trace:
-        cfg = TraceConfig(
-            path=args.trace,
-            time_scale=args.trace_time_scale,
-            length_scale=args.trace_length_scale,
-            block_len=args.trace_block_len,
-            max_requests=args.num_requests,
+def _sessions(cfg: BenchConfig, tokens: TokenSource, text_prompts: bool) -> list[Session]:
+    if cfg.trace:
+        trace = TraceConfig(
+            path=cfg.trace,
+            time_scale=cfg.trace_time_scale,
+            length_scale=cfg.trace_length_scale,
+            block_len=cfg.trace_block_len,
+            max_requests=cfg.num_requests,
             text_prompts=text_prompts,
-            seed=args.seed,
+            seed=cfg.seed,
         )
-        return load_trace(cfg, tokens)
-    input_len, output_len = preset_lengths(args.preset) if args.preset else ("256", "128")
-    cfg = WorkloadConfig(
-        num_requests=args.num_requests,
-        input_len=args.input_len or input_len,
-        output_len=args.output_len or output_len,
-        num_prefix_groups=args.num_prefix_groups,
-        prefix_len=args.prefix_len,
-        num_turns=args.num_turns,
+        return load_trace(trace, tokens)
+    input_len, output_len = PRESETS[cfg.preset] if cfg.preset else ("256", "128")
+    workload = WorkloadConfig(
+        num_requests=cfg.num_requests,
+        input_len=cfg.input_len or input_len,
+        output_len=cfg.output_len or output_len,
+        num_prefix_groups=cfg.num_prefix_groups,
+        prefix_len=cfg.prefix_len,
+        num_turns=cfg.num_turns,
         text_prompts=text_prompts,
-        seed=args.seed,
+        seed=cfg.seed,
     )
-    return build_sessions(cfg, tokens)
+    return build_sessions(workload, tokens)
 
 
 def execute(plan: BenchPlan, url: str | None = None) -> tuple[dict[str, object], RunResult]:

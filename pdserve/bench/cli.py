@@ -9,86 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-from pdserve.bench.arrivals import KINDS
-from pdserve.bench.client import ENDPOINTS
+from pdserve.bench.app import BenchConfig, build_plan, execute, json_safe
 from pdserve.bench.compare import Launch, run_compare
 from pdserve.bench.metrics import SLO, RequestRecord, format_summary
-from pdserve.bench.workloads import PRESETS
-from pdserve.config import EngineConfig
-from pdserve.schema import OneLineArgumentParser
+from pdserve.schema import OneLineArgumentParser, add_flags
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every workload/run flag; shared by ``bench`` and ``bench compare``."""
-    target = parser.add_argument_group("target")
-    target.add_argument("--url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    target.add_argument("--model", help="model name sent in requests (default: --tokenizer)")
-    target.add_argument(
-        "--tokenizer",
-        default=EngineConfig.model,
-        help="model name or directory with tokenizer.json",
-    )
-    target.add_argument("--endpoint", choices=list(ENDPOINTS), default="completions")
-    target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    target.add_argument(
-        "--prompt-format",
-        choices=["ids", "text"],
-        default="ids",
-        help="token-id prompts (exact lengths) or decoded text",
-    )
-    target.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    target.add_argument("--request-timeout-s", type=float, default=600.0)
-
-    work = parser.add_argument_group("workload")
-    work.add_argument("--preset", choices=list(PRESETS))
-    work.add_argument("--input-len", help="N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MAX]")
-    work.add_argument("--output-len", help="same forms as --input-len")
-    work.add_argument(
-        "--num-prefix-groups",
-        type=int,
-        default=0,
-        help="groups sharing a system prompt of --prefix-len tokens",
-    )
-    work.add_argument("--prefix-len", type=int, default=0)
-    work.add_argument("--num-turns", type=int, default=1, help="turns per conversation")
-    work.add_argument("--think-time-s", type=float, default=0.0)
-    work.add_argument("--trace", help="JSONL trace (Mooncake format) to replay")
-    work.add_argument("--trace-time-scale", type=float, default=1.0, help=">1 slows replay")
-    work.add_argument("--trace-length-scale", type=float, default=1.0)
-    work.add_argument("--trace-block-len", type=int, default=512, help="tokens per hash id")
-    work.add_argument("--seed", type=int, default=0)
-
-    load = parser.add_argument_group("load")
-    load.add_argument("--arrival", choices=list(KINDS), default="poisson")
-    load.add_argument("--rate", type=float, default=math.inf, help="sessions/s (inf: all at once)")
-    load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    load.add_argument("--concurrency", type=int, default=0, help="users for --arrival concurrency")
-    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
-    load.add_argument("--num-requests", type=int, default=100)
-    load.add_argument("--duration-s", type=float, help="stop sending after this long")
-
-    slo = parser.add_argument_group("SLOs and search")
-    slo.add_argument("--slo-ttft-ms", type=float)
-    slo.add_argument("--slo-tpot-ms", type=float)
-    slo.add_argument("--slo-itl-ms", type=float, help="per request: p99 of its inter-token gaps")
-    slo.add_argument(
-        "--find-goodput",
-        action="store_true",
-        help="search the highest rate with >= --goodput-target attainment",
-    )
-    slo.add_argument("--goodput-target", type=float, default=0.9)
-    slo.add_argument("--start-rate", type=float, default=1.0)
-    slo.add_argument("--max-probes", type=int, default=8)
-    slo.add_argument("--slo-scale", help="comma-separated SLO factors, e.g. 0.5,1,2,4")
-
-    out = parser.add_argument_group("output")
-    out.add_argument("--output", help="result JSON: config, per-request records, summary")
-    out.add_argument("--plot", help="directory for PNG figures (needs matplotlib)")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    """One flag per `BenchConfig` field, every one present in the parsed args; shared by
+    ``bench``, ``bench compare``, ``simulate`` and ``plan``."""
+    add_flags(parser, BenchConfig, **{f.name: f.default for f in fields(BenchConfig)})
 
 
 def _add_compare(subparsers: argparse._SubParsersAction) -> None:
@@ -150,8 +84,6 @@ def main(args: argparse.Namespace, launch: Launch | None = None) -> int:
     ``launch`` is the hook that brings up ``compare`` deployments (see
     ``pdserve.bench.compare.run_compare``); by default the cluster launcher.
     """
-    from pdserve.bench.app import build_plan, execute, json_safe
-
     try:
         if getattr(args, "bench_command", None) == "compare":
             deployments = _parse_deployments(args.deployment) if args.deployment else None

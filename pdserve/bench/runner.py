@@ -35,14 +35,6 @@ class RunConfig:
     seed: int = 0
     progress: bool = True
 
-    def __post_init__(self) -> None:
-        if self.think_time_s < 0:
-            raise ValueError(f"--think-time-s must be >= 0, got {self.think_time_s}")
-        if self.duration_s is not None and self.duration_s <= 0:
-            raise ValueError(f"--duration-s must be > 0, got {self.duration_s}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
-
 
 @dataclass
 class RunResult:

@@ -40,10 +40,6 @@ def find_goodput(
     Assumes attainment falls as rate rises (true for a queueing system; noise can break it,
     which is why the result is the best rate *observed* to pass, never an interpolation).
     """
-    if not 0 < target <= 1:
-        raise ValueError(f"--goodput-target must be in (0, 1], got {target}")
-    if start_rate <= 0 or max_probes < 1:
-        raise ValueError("--start-rate must be > 0 and --max-probes >= 1")
     search = GoodputSearch(target)
 
     def passes(rate: float) -> bool:

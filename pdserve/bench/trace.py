@@ -36,12 +36,6 @@ class TraceConfig:
     text_prompts: bool = False
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        if self.time_scale <= 0 or self.length_scale <= 0:
-            raise ValueError("--trace-time-scale and --trace-length-scale must be > 0")
-        if self.block_len < 1:
-            raise ValueError(f"--trace-block-len must be >= 1, got {self.block_len}")
-
 
 def _scaled(n: int, scale: float) -> int:
     return max(1, round(n * scale))

@@ -101,23 +101,10 @@ class WorkloadConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_requests < 1:
-            raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
-        if self.num_turns < 1:
-            raise ValueError(f"--num-turns must be >= 1, got {self.num_turns}")
-        if self.num_prefix_groups < 0 or self.prefix_len < 0:
-            raise ValueError("--num-prefix-groups and --prefix-len must be >= 0")
         if self.num_prefix_groups > 0 and self.prefix_len < 1:
             raise ValueError("--num-prefix-groups needs --prefix-len >= 1")
         LengthDist.parse(self.input_len, "--input-len")
         LengthDist.parse(self.output_len, "--output-len")
-
-
-def preset_lengths(preset: str) -> tuple[str, str]:
-    """(input_len, output_len) specs of a named preset."""
-    if preset not in PRESETS:
-        raise ValueError(f"--preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    return PRESETS[preset]
 
 
 def build_sessions(cfg: WorkloadConfig, tokens: TokenSource) -> list[Session]:
