@@ -30,9 +30,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ]
     if len(prompts) == 1:
         for chunk in llm.stream(prompts, params):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+            print(chunk.text, end="", flush=True)
+        print()
         return 0
     for prompt, out in zip(args.prompt, llm.generate(prompts, params)):
         print(f"=== {prompt}\n{out.text}\n")
@@ -60,9 +59,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         answer = ""
         for chunk in llm.stream([prompt], params):
             answer += chunk.text
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+            print(chunk.text, end="", flush=True)
+        print()
         history.append({"role": "assistant", "content": answer})
     return 0
 
