@@ -61,6 +61,15 @@ class TokenSource:
         vocab = self.text_vocab_ids if text else self.vocab_ids
         return vocab[rng.integers(0, vocab.size, size=n)].tolist()
 
+    def random_prompt(self, rng: np.random.Generator, n: int, text: bool) -> tuple[list[int], str]:
+        """``n`` random ids and, with ``text``, their text re-encoded to fit (``fit_text``:
+        the ids are then the text's own); without, the text is ""."""
+        ids = self.random_ids(rng, n, text=text)
+        if not text:
+            return ids, ""
+        prompt, ids = self.fit_text(ids, rng)
+        return ids, prompt
+
     @functools.cached_property
     def text_vocab_ids(self) -> np.ndarray:
         """Ids whose text re-encodes to themselves and holds no partial UTF-8 character.

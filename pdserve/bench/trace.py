@@ -74,11 +74,7 @@ def load_trace(cfg: TraceConfig, tokens: TokenSource) -> list[Session]:
     def block(hash_id: int) -> tuple[list[int], str]:
         if hash_id not in blocks:
             rng = np.random.default_rng([cfg.seed, hash_id])
-            ids = tokens.random_ids(rng, block_len, text=cfg.text_prompts)
-            text = ""
-            if cfg.text_prompts:
-                text, ids = tokens.fit_text(ids, rng)
-            blocks[hash_id] = (ids, text)
+            blocks[hash_id] = tokens.random_prompt(rng, block_len, cfg.text_prompts)
         return blocks[hash_id]
 
     start_ms = min(e["timestamp"] for e in entries)
@@ -103,11 +99,8 @@ def load_trace(cfg: TraceConfig, tokens: TokenSource) -> list[Session]:
         if len(ids) < input_len:
             # Tokens beyond the listed hash ids are unique to this request.
             rng = np.random.default_rng([cfg.seed, 1 << 40, index])
-            extra = tokens.random_ids(rng, input_len - len(ids), text=cfg.text_prompts)
-            if cfg.text_prompts:
-                extra_text, extra = tokens.fit_text(extra, rng)
-                text = join_text(text, extra_text)
-            ids += extra
+            extra, extra_text = tokens.random_prompt(rng, input_len - len(ids), cfg.text_prompts)
+            ids, text = ids + extra, join_text(text, extra_text)
         arrival_s = (entry["timestamp"] - start_ms) / 1000.0 * cfg.time_scale
         output_len = _scaled(entry["output_length"], cfg.length_scale)
         turn = Turn(ids, output_len, text if cfg.text_prompts else None)

@@ -119,25 +119,18 @@ def build_sessions(cfg: WorkloadConfig, tokens: TokenSource) -> list[Session]:
     out_dist = LengthDist.parse(cfg.output_len, "--output-len")
     input_lens = in_dist.sample(rng, cfg.num_requests)
     output_lens = out_dist.sample(rng, cfg.num_requests)
-    prefixes: list[tuple[list[int], str]] = []
-    for _ in range(cfg.num_prefix_groups):
-        ids = tokens.random_ids(rng, cfg.prefix_len, text=cfg.text_prompts)
-        prefix_text = ""
-        if cfg.text_prompts:
-            prefix_text, ids = tokens.fit_text(ids, rng)
-        prefixes.append((ids, prefix_text))
+    prefixes = [
+        tokens.random_prompt(rng, cfg.prefix_len, cfg.text_prompts)
+        for _ in range(cfg.num_prefix_groups)
+    ]
     sessions: list[Session] = []
     for index in range(cfg.num_requests):
         if index % cfg.num_turns == 0:
             sessions.append(Session(f"s{len(sessions)}", []))
         session = sessions[-1]
-        ids = tokens.random_ids(rng, input_lens[index], text=cfg.text_prompts)
-        text: str | None = None
-        if cfg.text_prompts:
-            text, ids = tokens.fit_text(ids, rng)
+        ids, text = tokens.random_prompt(rng, input_lens[index], cfg.text_prompts)
         if not session.turns and prefixes:
             prefix_ids, prefix_text = prefixes[(len(sessions) - 1) % len(prefixes)]
-            ids = prefix_ids + ids
-            text = None if text is None else join_text(prefix_text, text)
-        session.turns.append(Turn(ids, output_lens[index], text))
+            ids, text = prefix_ids + ids, join_text(prefix_text, text)
+        session.turns.append(Turn(ids, output_lens[index], text if cfg.text_prompts else None))
     return sessions
