@@ -100,7 +100,7 @@ def test_compare_derives_the_itl_slo_from_the_unloaded_tpot(fake_server, tokeniz
                  "--output-len", "4")  # fmt: skip
     args.slo_itl_multiplier = 2.0
     out = io.StringIO()
-    rows = run_compare({"a": fake_server.url}, args, url_launch, out)
+    rows = run_compare({"a": fake_server.url}, args, contextlib.nullcontext, out)
     slo_tpot_ms, slo_itl_ms = rows["a"]["slo_tpot_ms"], rows["a"]["slo_itl_ms"]
     assert slo_itl_ms == pytest.approx(2.0 * slo_tpot_ms / 5.0)  # 5x is the TPOT multiplier
     assert "p99 ITL" in out.getvalue() and rows["a"]["summary"]["slo_itl_ms"] == slo_itl_ms
