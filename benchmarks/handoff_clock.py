@@ -8,7 +8,7 @@ import threading
 import time
 
 from pdserve.engine.engine import Engine
-from pdserve.transfer import TransferStatus
+from pdserve.transfer.base import TransferStatus
 
 
 def timed_handoff(p: Engine, d: Engine, rx, rid: str) -> dict[str, float]:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pdserve.transfer import TransferStatus
+from pdserve.transfer.base import TransferStatus
 from tests.faults.faulty_worker import faulty_writers
 from tests.transfer.conftest import Pair, assert_status, wait_finished
 

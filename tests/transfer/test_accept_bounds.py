@@ -9,8 +9,8 @@ import textwrap
 import threading
 import time
 
-from pdserve.transfer import TransferStatus
 from pdserve.transfer import wire as P
+from pdserve.transfer.base import TransferStatus
 from tests.transfer.conftest import Pair, assert_status, wait_finished
 
 
@@ -57,7 +57,7 @@ def test_silent_connections_cannot_grow_threads_or_lock_out_for_good() -> None:
 EMFILE = textwrap.dedent(
     """
     import errno, os, resource, socket, time
-    from pdserve.transfer import TransferStatus
+    from pdserve.transfer.base import TransferStatus
     from tests.transfer.conftest import Pair, wait_finished
     pair = Pair("tcp")
     port = pair.peer["port"]

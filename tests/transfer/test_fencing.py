@@ -8,7 +8,7 @@ import sys
 import textwrap
 import time
 
-from pdserve.transfer import TransferStatus
+from pdserve.transfer.base import TransferStatus
 from tests.transfer.conftest import LAYOUT, Pair, assert_status, wait_finished
 
 
@@ -48,7 +48,8 @@ def test_release_stops_a_slow_writer_at_its_next_chunk() -> None:
 FROZEN = textwrap.dedent(
     """
     import socket, sys, threading, json
-    from pdserve.transfer import make_sender, shm
+    from pdserve.transfer import shm
+    from pdserve.transfer.registry import make_sender
     from pdserve.transfer.sender import open_writer
     from tests.transfer.conftest import LAYOUT, SECRET, random_kv
 

@@ -8,8 +8,8 @@ import zlib
 import pytest
 import torch
 
-from pdserve.transfer import TransferStatus
 from pdserve.transfer import wire as P
+from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.wire import MAGIC, NONCE_BYTES, AuthError, client_handshake
 from tests.transfer.conftest import LAYOUT, SECRET, Pair, assert_status, wait_finished
 
@@ -77,7 +77,7 @@ def test_raw_socket_without_handshake_is_dropped_before_payload(tcp_pair: Pair) 
 
 
 def test_sender_with_wrong_secret_fails_its_request(tcp_pair: Pair) -> None:
-    from pdserve.transfer import make_sender
+    from pdserve.transfer.registry import make_sender
 
     tx = make_sender("tcp", tcp_pair.tx_kv, LAYOUT, b"wrong")
     try:

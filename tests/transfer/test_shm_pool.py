@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.transfer import KVLayout, shm
+from pdserve.transfer import shm
+from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.shm import ShmSpaceError, create_shared_kv, unlink_shared_kv
 
 # 4 layers x 64 blocks x 16 KiB = 4 MiB
@@ -78,7 +79,8 @@ def test_space_check_uses_statvfs(monkeypatch) -> None:
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from pdserve.transfer import KVLayout, shm
+    from pdserve.transfer import shm
+    from pdserve.transfer.layout import KVLayout
     shm.SHM_DIR = sys.argv[1]
     kv, name = shm.create_shared_kv(KVLayout(1, 4, 4, 1, 8))
     print(name, flush=True)

@@ -8,9 +8,10 @@ import time
 import msgpack
 import pytest
 
-from pdserve.transfer import KVLayout, coalesce_runs, make_receiver, parse_bandwidth
-from pdserve.transfer.bandwidth import TokenBucket
+from pdserve.transfer.bandwidth import TokenBucket, parse_bandwidth
 from pdserve.transfer.buffers import BufferPool
+from pdserve.transfer.layout import KVLayout, coalesce_runs
+from pdserve.transfer.registry import make_receiver
 from tests.transfer.conftest import LAYOUT, SECRET, random_kv
 
 
