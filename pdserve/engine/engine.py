@@ -29,6 +29,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
+from pdserve.perf.cost_model import StepShape
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import KVReceiver, KVSender
@@ -87,6 +88,7 @@ class Engine:
         self.role: Role = CollocatedRole()
         self.offload = self._build_offload()
         self.loading: dict[str, tuple[Request, Future]] = {}  # waiting on a tier lookup
+        self.last_shape = StepShape()  # what the last step computed (the cost model's units)
 
     def _build_offload(self) -> KVOffload | None:
         from pdserve.kvstore.base import EntryFormat
@@ -323,6 +325,7 @@ class Engine:
             self._admit_loaded()
         started = time.time()
         out = self.scheduler.schedule()
+        self.last_shape = StepShape.of(out.scheduled)  # before the step advances the requests
         if self.offload is not None:
             self.offload.save_evicted()
         sampled = self.runner.execute(out, _stamp_layers(self.role.plan(out), layer_done := []))

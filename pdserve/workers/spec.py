@@ -21,7 +21,10 @@ class WorkerSpec:
     engine: EngineConfig
     ctrl_address: str  # this worker's PULL socket (bound)
     router_address: str  # the router's PULL socket (connected)
-    cpus: tuple[int, ...] = ()
+    cpus: tuple[int, ...] = ()  # its cores at start, and the pool SetCores may choose from
+    # Planned by the adaptive planner: reports its steps (StepReport), keeps its KV pool in
+    # shared memory and both kernel sets, since any worker may prefill, decode or switch.
+    adaptive: bool = False
     transfer_backend: str = knob("auto", choices=BACKENDS)
     transfer_mode: str = knob("layerwise", choices=TRANSFER_MODES)
     transfer_host: str = "127.0.0.1"  # where a decode worker's KV receiver listens

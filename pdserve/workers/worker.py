@@ -29,7 +29,10 @@ from pdserve.kvcache.dropping import PromptDrop
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.base import KVReceiver, KVSender
+from pdserve.transfer.shm import shared_kv_name, unlink_shared_kv
+from pdserve.workers.cores import Cores, pin_threads
 from pdserve.workers.spec import WorkerSpec
+from pdserve.workers.step_report import StepLog
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +40,16 @@ log = logging.getLogger(__name__)
 class Worker:
     def __init__(self, spec: WorkerSpec, secret: bytes) -> None:
         if spec.cpus:
-            os.sched_setaffinity(0, spec.cpus)
+            pin_threads(spec.cpus)
         self.spec, self.secret = spec, secret
         # A decode worker's KV pool lives in shared memory when shm may be used, so a
-        # prefill worker on the same host writes into it directly.
-        shm = spec.role == "decode" and spec.transfer_backend != "tcp"
-        self.engine = Engine(spec.engine, kernels=spec.role, allocate_kv=shared_kv if shm else None)
+        # prefill worker on the same host writes into it directly. An adaptive worker may
+        # become a decode worker, and prefills and decodes whatever its role.
+        shm = (spec.role == "decode" or spec.adaptive) and spec.transfer_backend != "tcp"
+        kernels = "collocated" if spec.adaptive else spec.role
+        self.engine = Engine(spec.engine, kernels=kernels, allocate_kv=shared_kv if shm else None)
+        self.cores = Cores(spec.cpus or os.sched_getaffinity(0))
+        self.steps = StepLog(spec.worker_id) if spec.adaptive else None
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self._wire: WireSource | None = None
@@ -126,8 +133,8 @@ class Worker:
         layout = KVLayout.from_tensor(e.runner.kv_cache)
         self.send(m.Ready(
             self.spec.worker_id, e.role.name, self.spec.engine.model, e.kv.num_blocks,
-            e.kv.block_size, e.max_model_len, sorted(os.sched_getaffinity(0)),
-            torch.get_num_threads(), layout.num_layers * layout.block_bytes,
+            e.kv.block_size, e.max_model_len, self.cores.cpus, self.cores.threads,
+            layout.num_layers * layout.block_bytes,
         ))  # fmt: skip
         log.info("worker %s (%s) ready", self.spec.worker_id, e.role.name)
 
@@ -138,14 +145,17 @@ class Worker:
         self._heartbeat.start()
         try:
             while self.running:
-                self._drain(timeout_ms=0 if e.has_unfinished_requests() else self._idle_wait_ms())
+                runnable = e.has_unfinished_requests() and not self.cores.parked
+                self._drain(timeout_ms=0 if runnable else self._idle_wait_ms())
                 for request_id, error in e.role.poll():
                     self.send(m.Failed(self.spec.worker_id, request_id, error))
-                if e.has_unfinished_requests():
+                if e.has_unfinished_requests() and not self.cores.parked:
                     self._step()
                 self._maybe_switch()
                 self._send_kv_events()
                 self._maybe_stats()
+                if self.steps is not None and (report := self.steps.due(time.perf_counter())):
+                    self.send(report)
         finally:
             self.close()
 
@@ -181,6 +191,9 @@ class Worker:
             return
         if isinstance(msg, m.SwitchRole):
             self._begin_switch(msg.role)
+            return
+        if isinstance(msg, m.SetCores):
+            self._set_cores(msg)
             return
         if self._next_role is not None and isinstance(msg, (m.Generate, m.Reserve, m.Prefill)):
             reason = f"switching to the {self._next_role.name} role"
@@ -234,9 +247,27 @@ class Worker:
         n = len(msg.prompt_token_ids)
         self.send(m.Unpinned(wid, msg.request_id, n, num_cached, num_unpinned))
 
+    def _set_cores(self, msg: m.SetCores) -> None:
+        """Between steps (messages are drained only there): run on the cores given, or
+        refuse them, answering CoresSet with the cores in effect either way."""
+        started, c = time.perf_counter(), self.cores
+        refusal = c.refusal(msg.cpus, msg.threads)
+        if refusal is None:
+            c.apply(msg.cpus, msg.threads)
+            log.info("%s: on cpus %s with %d threads", self.spec.worker_id, c.cpus, c.threads)
+        else:
+            log.warning("%s: SetCores refused: %s", self.spec.worker_id, refusal)
+        self.send(m.CoresSet(self.spec.worker_id, c.cpus, c.threads,
+                             time.perf_counter() - started))  # fmt: skip
+
     def _step(self) -> None:
         wid = self.spec.worker_id
-        for out in self.engine.step():
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        if self.steps is not None:
+            now = time.perf_counter()
+            self.steps.record(self.engine.last_shape, self.cores.threads, now - started, now)
+        for out in outputs:
             if out.error is not None:
                 self.send(m.Failed(wid, out.request_id, out.error))
                 continue
@@ -292,6 +323,8 @@ class Worker:
         for endpoint in (self.sender, self.receiver):
             if endpoint is not None:
                 endpoint.close()
+        if name := shared_kv_name(self.engine.runner.kv_cache):  # no receiver unlinked it
+            unlink_shared_kv(name)
         self.ctrl.close(0)
         self.out.close()
         self.ctx.term()
