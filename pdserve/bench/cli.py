@@ -35,7 +35,7 @@ def _add_compare(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="NAME=SPEC",
-        help="a server URL, collocated, NpMd (e.g. 1p1d) or a Pipeline YAML; repeatable "
+        help="a server URL, collocated, NpMd (e.g. 1p1d), adaptive or a Pipeline YAML; repeatable "
         "(default: collocated and 1p1d on the same cores)",
     )
     compare.add_argument(

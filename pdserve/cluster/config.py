@@ -13,6 +13,7 @@ workers under their `EngineConfig` names (block_size, threads, kv_cache_bytes, .
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from pdserve import envs
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.kvstore.config import KVStoreConfig
 from pdserve.messages import ROLES
+from pdserve.planner.config import AdaptiveConfig
 from pdserve.router.config import POLICY_NAMES
 from pdserve.schema import check, from_dict, from_flat, knob, parse_bytes, same_as, with_fields_of
 from pdserve.transfer.bandwidth import parse_bandwidth
@@ -98,18 +100,54 @@ class Pipeline:
     # Tiers below each worker's pool. `redis_url: local` has the launcher start a private
     # redis-server (Debian's package) for a one-host cluster.
     kv_pool: KVStoreConfig = knob(KVStoreConfig(), prefix="kv_")
+    # Adaptive: `adaptive.workers` workers share one pool of cores and the planner gives them
+    # roles and cores; `workers` holds their engine settings and the pool (`cpus`, default:
+    # the launcher's cores), and no role is given.
+    adaptive: AdaptiveConfig = knob(AdaptiveConfig(), prefix="adaptive_")
+    workers: Role | None = None
     # Prompts (text, or chat message lists) the launcher prefills and pins on every prefill
     # and collocated worker once the cluster is healthy, e.g. the deployment's system prompts.
     warmup_prompts: tuple = knob((), "prompts to prefill and pin once up", cli=False)
 
     def __post_init__(self) -> None:
         check(self)
+        object.__setattr__(self, "warmup_prompts", _warmup_prompts(self.warmup_prompts))
+        if self.adaptive.enabled:
+            self._check_adaptive()
+            return
+        if self.workers is not None:
+            raise ValueError("workers: only an adaptive pipeline has them (set adaptive.enabled)")
         disagg = self.prefill is not None or self.decode is not None
         if disagg and (self.prefill is None or self.decode is None):
             raise ValueError("a disaggregated pipeline needs both prefill and decode workers")
         if disagg == (self.collocated is not None):
             raise ValueError("give either prefill + decode workers or collocated workers")
-        object.__setattr__(self, "warmup_prompts", _warmup_prompts(self.warmup_prompts))
+
+    def _check_adaptive(self) -> None:
+        for name in ROLES:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: an adaptive pipeline's planner gives the roles "
+                                 "(the workers' settings go in `workers`)")  # fmt: skip
+        w = self.workers or Role()
+        if w.num != 1:
+            raise ValueError("workers.num: an adaptive pipeline has adaptive.workers workers")
+        if w.threads is not None:
+            raise ValueError("workers.threads: the planner sets an adaptive worker's threads")
+        if any(isinstance(c, tuple) for c in w.cpus):
+            raise ValueError(f"workers.cpus must be one core list, the pool all adaptive "
+                             f"workers share, got {w.cpus!r}")  # fmt: skip
+        self.adaptive_cpus()
+
+    def adaptive_cpus(self) -> tuple[int, ...]:
+        """The pool of cores an adaptive pipeline's workers share: `workers.cpus`, else this
+        process's cores. ValueError if it cannot hold a core per worker."""
+        cpus = self.workers.cpus if self.workers and self.workers.cpus else None
+        pool = cpus or tuple(sorted(os.sched_getaffinity(0)))
+        if len(pool) < self.adaptive.workers:
+            where = "workers.cpus" if cpus else "this machine's cores"
+            raise ValueError(f"adaptive.workers: {self.adaptive.workers} workers need a core "
+                             f"each, the pool ({where}) has {len(pool)}: {list(pool)}")  # fmt: skip
+        return pool
 
     @property
     def roles(self) -> list[tuple[str, Role]]:

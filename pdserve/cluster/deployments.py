@@ -5,6 +5,7 @@ Both built-in layouts use the same cores, so a comparison is at equal hardware:
     collocated   1 collocated worker on every core (torch threads = cores)
     1p1d         1 prefill worker on core 0 and 1 decode worker on core 1, 1 thread each
     NpMd         N prefill and M decode workers, one core each (needs N + M cores)
+    adaptive     2 adaptive workers sharing every core; the planner moves cores between them
 
 A spec may also be a URL (an already-running server, e.g. llama.cpp's) or a YAML file with
 Pipeline fields.
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 
 from pdserve.cluster.config import Pipeline, Role, load_pipeline
 from pdserve.cluster.launcher import Cluster, free_port
+from pdserve.planner.config import AdaptiveConfig
 
 DEFAULT_DEPLOYMENTS = {"collocated": "collocated", "1p1d": "1p1d"}
 
@@ -29,6 +31,10 @@ def pipeline_for(spec: str, model: str, kv_cache_bytes: int | None = None) -> Pi
     if spec == "collocated":
         role = Role(cpus=tuple(cores), threads=len(cores), kv_cache_bytes=kv_cache_bytes)
         return Pipeline(model=model, collocated=role, port=port)
+    if spec == "adaptive":
+        workers = Role(cpus=tuple(cores), kv_cache_bytes=kv_cache_bytes)
+        return Pipeline(model=model, adaptive=AdaptiveConfig(enabled=True), workers=workers,
+                        port=port)  # fmt: skip
     match = re.fullmatch(r"(\d+)p(\d+)d", spec)
     if match:
         num_p, num_d = int(match[1]), int(match[2])
@@ -44,7 +50,8 @@ def pipeline_for(spec: str, model: str, kv_cache_bytes: int | None = None) -> Pi
     if spec.endswith((".yaml", ".yml")):
         return load_pipeline(spec, {"port": port})
     raise ValueError(
-        f"unknown deployment {spec!r}: use a URL, 'collocated', 'NpMd' (e.g. 1p1d) or a .yaml file"
+        f"unknown deployment {spec!r}: use a URL, 'collocated', 'NpMd' (e.g. 1p1d), 'adaptive' "
+        "or a .yaml file"
     )
 
 

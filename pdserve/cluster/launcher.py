@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from pdserve import envs
-from pdserve.cluster.config import Pipeline
+from pdserve.cluster.config import Pipeline, Role
 from pdserve.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -57,20 +57,43 @@ class Process:
 
 
 def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerSpec]:
-    specs = []
-    for role, r in p.roles:
-        engine = r.engine_config(p.model, p.dtype, kv_pool or p.kv_pool)
-        for i in range(r.num):
-            specs.append(WorkerSpec(
-                worker_id=f"{role}-{i}", role=role, engine=engine,
-                ctrl_address=f"tcp://127.0.0.1:{free_port()}", router_address=router_address,
-                cpus=r.cpus_of(i), transfer_backend=p.kv_transfer.backend,
-                transfer_mode=p.kv_transfer.mode,
-                transfer_buffer_bytes=p.kv_transfer.buffer_pool_size,
-                transfer_bandwidth=p.kv_transfer.bandwidth,
-                wire_kv_cache_dtype=p.decode.kv_cache_dtype if p.decode else "auto",
-            ))  # fmt: skip
-    return specs
+    kv_pool = kv_pool or p.kv_pool
+    if p.adaptive.enabled:
+        # Every worker may run on the whole pool; the planner sends each its share on Ready.
+        pool = p.adaptive_cpus()
+        role = dataclasses.replace(p.workers or Role(), threads=len(pool))
+        engine = role.engine_config(p.model, p.dtype, kv_pool)
+        roles = ["prefill"] + ["decode"] * (p.adaptive.workers - 1)
+        layout = [(f"worker-{i}", name, engine, pool) for i, name in enumerate(roles)]
+    else:
+        layout = [
+            (f"{name}-{i}", name, r.engine_config(p.model, p.dtype, kv_pool), r.cpus_of(i))
+            for name, r in p.roles for i in range(r.num)
+        ]  # fmt: skip
+    return [
+        WorkerSpec(
+            worker_id=worker_id, role=role, engine=engine, adaptive=p.adaptive.enabled,
+            ctrl_address=f"tcp://127.0.0.1:{free_port()}", router_address=router_address,
+            cpus=cpus, transfer_backend=p.kv_transfer.backend, transfer_mode=p.kv_transfer.mode,
+            transfer_buffer_bytes=p.kv_transfer.buffer_pool_size,
+            transfer_bandwidth=p.kv_transfer.bandwidth,
+            wire_kv_cache_dtype=p.decode.kv_cache_dtype if p.decode else "auto",
+        )
+        for worker_id, role, engine, cpus in layout
+    ]  # fmt: skip
+
+
+def router_settings(
+    p: Pipeline, specs: list[WorkerSpec], router_address: str, log_level: str
+) -> dict:
+    """The router's RouterConfig fields, as JSON data (its `--config-json`)."""
+    return {
+        "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
+        "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address,
+                     "cpus": s.cpus if s.adaptive else ()} for s in specs],
+        "policy": p.routing, "load_balancer": p.load_balancer, "log_level": log_level,
+        "adaptive": dataclasses.asdict(p.adaptive),
+    }  # fmt: skip
 
 
 class Cluster:
@@ -109,12 +132,7 @@ class Cluster:
                 ["pdserve.workers.main", "--spec", spec.to_json(), "--log-level", self.log_level],
                 envs.child_env(secret),
             )
-        router = {
-            "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
-            "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address}
-                        for s in specs],
-            "policy": p.routing, "load_balancer": p.load_balancer, "log_level": self.log_level,
-        }  # fmt: skip
+        router = router_settings(p, specs, router_address, self.log_level)
         # The keys go in the environment, like the secret: never on a command line.
         self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)],
                     envs.child_env(secret, p.api_key, self.admin_key))  # fmt: skip

@@ -63,9 +63,14 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         except WarmupError as exc:
             raise ValueError(str(exc)) from None
     counts = {name: getattr(args, name) for name in ROLES}
-    if not args.config and all(v is None for v in counts.values()):
+    adaptive = (data.get("adaptive") or {}).get("enabled", False)
+    if not args.config and all(v is None for v in counts.values()) and not adaptive:
         counts.update(prefill=1, decode=1)
     role = flag_values(args, Role, "role.")
+    if adaptive:
+        if args.pin_cpus:
+            raise ValueError("--pin-cpus: adaptive workers share one pool of cores (workers.cpus)")
+        data["workers"] = {**(data.get("workers") or {}), **role}
     next_cpu = 0
     for name, num in counts.items():
         if num == 0 or (num is None and not data.get(name)):
@@ -84,6 +89,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     pipeline = pipeline_from_args(args)
     log_level = logging.getLevelName(logging.getLogger().level)
     layout = ", ".join(f"{r.num} {n}" for n, r in pipeline.roles)
+    if pipeline.adaptive.enabled:
+        layout = f"{pipeline.adaptive.workers} adaptive workers on cores {pipeline.adaptive_cpus()}"
     print(f"pdserve: starting {layout} on {pipeline.model} ...", file=sys.stderr)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
