@@ -263,8 +263,9 @@ class Stats:
 
 @dataclass
 class CoresSet:
-    """SetCores applied: the worker now runs on `cpus` with `threads` (0: parked).
-    `switch_s`: from SetCores received to applied, the step in progress included."""
+    """SetCores applied (or refused: the state unchanged): the worker now runs on `cpus` with
+    `threads` (0: parked). `switch_s`: from SetCores taken off the socket, between steps, to
+    applied; the step in progress when it arrived shows in the sender's round trip only."""
 
     worker_id: str
     cpus: list[int]
