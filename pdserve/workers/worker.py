@@ -254,7 +254,7 @@ class Worker:
         refusal = c.refusal(msg.cpus, msg.threads)
         if refusal is None:
             c.apply(msg.cpus, msg.threads)
-            log.info("%s: on cpus %s with %d threads", self.spec.worker_id, c.cpus, c.threads)
+            log.debug("%s: on cpus %s with %d threads", self.spec.worker_id, c.cpus, c.threads)
         else:
             log.warning("%s: SetCores refused: %s", self.spec.worker_id, refusal)
         self.send(m.CoresSet(self.spec.worker_id, c.cpus, c.threads,
