@@ -12,6 +12,8 @@ from pathlib import Path
 CLUSTER_SECRET = "PDSERVE_CLUSTER_SECRET"  # hex; set by the launcher for router and workers
 API_KEY = "PDSERVE_API_KEY"  # the `/v1` bearer key (`pdserve up`, router)
 ADMIN_KEY = "PDSERVE_ADMIN_KEY"  # the cache warm-up key (`pdserve up`, `pdserve warmup`, router)
+# The L4 Redis password when redis_url has none (the launcher's own Redis: generated).
+REDIS_PASSWORD = "PDSERVE_REDIS_PASSWORD"
 CACHE_DIR = "PDSERVE_CACHE_DIR"  # converted models and built kernels (~/.cache/pdserve/models)
 NATIVE_KERNELS = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load the C kernels
 CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest the CPU runs), avx2, avx512
@@ -36,6 +38,10 @@ def admin_key() -> str | None:
     return os.environ.get(ADMIN_KEY) or None
 
 
+def redis_password() -> str | None:
+    return os.environ.get(REDIS_PASSWORD) or None
+
+
 def cache_dir() -> Path:
     value = os.environ.get(CACHE_DIR)
     return Path(value).expanduser() if value else Path.home() / ".cache" / "pdserve" / "models"
@@ -54,11 +60,16 @@ def c_compiler() -> str:
 
 
 def child_env(
-    secret: bytes, api_key: str | None = None, admin_key: str | None = None
+    secret: bytes,
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    redis_password: str | None = None,
 ) -> dict[str, str]:
-    """This process's environment plus the cluster secret (and the keys, for the router)."""
+    """This process's environment plus the cluster secret (and the keys, for the router; the
+    Redis password, for workers)."""
     env = {**os.environ, CLUSTER_SECRET: secret.hex()}
-    for name, value in ((API_KEY, api_key), (ADMIN_KEY, admin_key)):
+    pairs = ((API_KEY, api_key), (ADMIN_KEY, admin_key), (REDIS_PASSWORD, redis_password))
+    for name, value in pairs:
         if value:
             env[name] = value
     return env

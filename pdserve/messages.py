@@ -1,7 +1,7 @@
 """Every message between processes: typed dataclasses, one msgpack codec, HMAC-signed.
 
 Router -> worker:  Generate, Reserve, Prefill, StartDecode, Abort, Shutdown, Unpin,
-                   SwitchRole, SetCores
+                   SwitchRole, SetCores, Hello
 Worker -> router:  Ready, Reserved, Rejected, Tokens, Failed, Released, Stats, KVEvents,
                    Unpinned, CoresSet, StepReport
 
@@ -26,8 +26,17 @@ A role switch (docs/roles.md): SwitchRole ─▶ the worker refuses new work (Re
 retryable), drains, switches, and announces itself again: Ready with the new role (the
 router stopped routing to it when it sent SwitchRole, and routes by the new role now).
 
+A router that starts sends Hello to every worker (and again to one heard from without a
+Ready): the worker aborts every request it holds (the requests of a router that died are
+lost) and answers Ready, so a restarted router routes to workers that outlived it.
+
 A frame is `hmac_sha256(secret, payload) || payload`; the payload is msgpack of
-`[type name, {field: value}]`. No pickle: a peer can only ever make us build these types.
+`[type name, {field: value}, session, seq, time]`. No pickle: a peer can only ever make us
+build these types. Each sending socket has its own `Signer` (a random session id, a counter
+and the wall clock); each receiving socket a `Verifier`, which drops a frame whose seq is not
+above the last one of its session (a replay, or one overtaken), and a frame of a session it
+has not seen yet that is older than `REPLAY_WINDOW_S` (a replay of a dead process's frames).
+A restarted peer is a new session: its frames pass.
 """
 
 from __future__ import annotations
@@ -35,13 +44,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import itertools
+import os
+import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 MAC_BYTES = 32
+# A frame of an unknown session older than this is a replay. The bound also covers how long a
+# first frame may wait in a socket queue behind a worker's step, and clock skew across hosts.
+REPLAY_WINDOW_S = 120.0
 ROLES = ("collocated", "prefill", "decode")
 
 
@@ -127,6 +143,12 @@ class SetCores:
 
 
 @dataclass
+class Hello:
+    """From a router that (re)started: abort every request you hold (this router does not
+    know them) and announce yourself (Ready)."""
+
+
+@dataclass
 class Unpin:
     """Release the pinned blocks of a prompt warmed earlier (they stay cached until evicted)."""
 
@@ -148,6 +170,9 @@ class Ready:
     cpus: list[int] = field(default_factory=list)  # the cores it may run on
     threads: int = 0  # torch intra-op threads
     kv_block_bytes: int = 0  # one block's KV over all layers, as this worker holds it
+    # Random per process: a restarted worker has a new one.
+    incarnation: str = ""
+    hello: bool = False  # the answer to a Hello (not a start, nor a role switch)
 
 
 @dataclass
@@ -293,6 +318,7 @@ Message = (
     | Unpin
     | SwitchRole
     | SetCores
+    | Hello
     | Ready
     | Reserved
     | Rejected
@@ -312,18 +338,72 @@ class CodecError(ValueError):
     pass
 
 
-def encode(message: Any, secret: bytes) -> bytes:
-    payload = msgpack.packb([type(message).__name__, dataclasses.asdict(message)])
-    return hmac.new(secret, payload, hashlib.sha256).digest() + payload
+class Signer:
+    """Signs the frames of one sending socket: its session id, then 0, 1, 2, ... in order.
+    One per socket (a receiver sees one socket's frames in order; two sockets of one process
+    to one receiver interleave, so they must not share a counter)."""
+
+    def __init__(self, secret: bytes, clock: Callable[[], float] = time.time) -> None:
+        self.secret, self.clock = secret, clock
+        self.session = os.urandom(8)
+        self._seq = itertools.count()
+
+    def encode(self, message: Any) -> bytes:
+        fields = dataclasses.asdict(message)
+        payload = msgpack.packb(
+            [type(message).__name__, fields, self.session, next(self._seq), self.clock()]
+        )
+        return hmac.new(self.secret, payload, hashlib.sha256).digest() + payload
 
 
-def decode(frame: bytes, secret: bytes) -> Any:
-    """The message in a frame; CodecError for a bad signature, unknown type or fields."""
-    mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
-    if not hmac.compare_digest(mac, hmac.new(secret, payload, hashlib.sha256).digest()):
-        raise CodecError("bad message signature (wrong cluster secret?)")
-    try:
-        name, fields = msgpack.unpackb(payload)
-        return _TYPES[name](**fields)
-    except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
-        raise CodecError(f"malformed message: {e!r}") from None
+class Verifier:
+    """Checks the frames of one receiving socket: signature, then freshness (module
+    docstring). One dict lookup per frame; sessions silent for the window are forgotten."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        window_s: float = REPLAY_WINDOW_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.secret, self.window_s, self.clock = secret, window_s, clock
+        self._last: dict[bytes, tuple[int, float]] = {}  # session -> (seq, its sent time)
+        self._next_prune = 0.0
+
+    def decode(self, frame: bytes) -> Any:
+        """The message in a frame; CodecError for a bad signature, a replayed or stale
+        frame, an unknown type or fields."""
+        mac, payload = frame[:MAC_BYTES], frame[MAC_BYTES:]
+        if not hmac.compare_digest(mac, hmac.new(self.secret, payload, hashlib.sha256).digest()):
+            raise CodecError("bad message signature (wrong cluster secret?)")
+        try:
+            name, fields, session, seq, sent = msgpack.unpackb(payload)
+            message = _TYPES[name](**fields)
+        except (KeyError, TypeError, ValueError, msgpack.UnpackException) as e:
+            raise CodecError(f"malformed message: {e!r}") from None
+        now = self.clock()
+        last = self._last.get(session)
+        if last is None and now - sent > self.window_s:
+            raise CodecError(f"stale {name} of an unknown session, sent {now - sent:.0f} s ago")
+        if last is not None and seq <= last[0]:
+            raise CodecError(f"replayed {name}: seq {seq} after {last[0]} in its session")
+        self._last[session] = (seq, sent)
+        if now >= self._next_prune:
+            # A forgotten session's frames are all older than the window: refused as stale.
+            self._next_prune = now + self.window_s
+            self._last = {k: v for k, v in self._last.items() if now - v[1] <= self.window_s}
+        return message
+
+
+def max_frame_bytes(num_tokens: int) -> int:
+    """The largest frame a message carrying `num_tokens` token ids can need: each id, and
+    each block id (at most one per token), takes at most 5 bytes of msgpack (a uint32);
+    FIELDS_BYTES bounds everything else (sampling with the router's stop limits, a peer
+    address, names, the envelope)."""
+    return MAC_BYTES + FIELDS_BYTES + 2 * 5 * num_tokens
+
+
+# The non-token part of any message. The sampling dict is bounded by the router's limits
+# (RouterConfig checks that max_num_stop x max_stop_len in UTF-8 takes at most half of this:
+# 16 KiB by default); the rest holds the other fields, names and the envelope (~200 bytes).
+FIELDS_BYTES = 64 * 1024

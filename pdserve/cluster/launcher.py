@@ -3,8 +3,9 @@
 `Cluster(pipeline)` is a context manager: entering starts every process, waits until the
 router's /health says all workers are ready and returns the URL; leaving (or any worker
 dying during start-up, or Ctrl-C) stops them all — SIGTERM, then SIGKILL after a grace
-period. Children also get PR_SET_PDEATHSIG, so even a launcher killed with SIGKILL leaves
-no orphan behind.
+period. Once started, a process that dies is restarted with backoff (cluster/supervisor.py).
+Children also get PR_SET_PDEATHSIG, so even a launcher killed with SIGKILL leaves no orphan
+behind.
 """
 
 from __future__ import annotations
@@ -19,17 +20,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 
 from pdserve import envs
 from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.supervisor import Process, RestartPolicy, Supervisor
 from pdserve.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 GRACE_S = 5.0
+DEFAULT_RESTART = RestartPolicy()
 
 
 class ClusterError(RuntimeError):
@@ -48,12 +51,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
-
-
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen
 
 
 def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerSpec]:
@@ -97,9 +94,18 @@ def router_settings(
 
 
 class Cluster:
-    def __init__(self, pipeline: Pipeline, log_level: str = "INFO") -> None:
-        self.pipeline, self.log_level = pipeline, log_level
+    """`restart`: how dead processes are restarted once started; None: they are not."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        log_level: str = "INFO",
+        restart: RestartPolicy | None = DEFAULT_RESTART,
+    ) -> None:
+        self.pipeline, self.log_level, self.restart = pipeline, log_level, restart
         self.processes: list[Process] = []
+        self.supervisor: Supervisor | None = None
+        self._lock = threading.Lock()  # no process starts while stop() holds it
         self.url = f"http://{pipeline.host}:{pipeline.port}"
         # The launcher warms `warmup_prompts` itself, so a cluster always has an admin key.
         self.admin_key = pipeline.admin_key or secrets.token_urlsafe(24)
@@ -122,15 +128,16 @@ class Cluster:
         resolve_model(p.model)  # convert once here, not in every worker at the same time
         secret = secrets.token_bytes(32)
         router_address = f"tcp://127.0.0.1:{free_port()}"
-        kv_pool = p.kv_pool
+        kv_pool, redis_password = p.kv_pool, None
         if kv_pool.redis_url == "local":
-            kv_pool = dataclasses.replace(kv_pool, redis_url=self._start_redis())
+            redis_url, redis_password = self._start_redis()
+            kv_pool = dataclasses.replace(kv_pool, redis_url=redis_url)
         specs = worker_specs(p, router_address, kv_pool)
         for spec in specs:
             self._spawn(
                 spec.worker_id,
                 ["pdserve.workers.main", "--spec", spec.to_json(), "--log-level", self.log_level],
-                envs.child_env(secret),
+                envs.child_env(secret, redis_password=redis_password),
             )
         router = router_settings(p, specs, router_address, self.log_level)
         # The keys go in the environment, like the secret: never on a command line.
@@ -139,6 +146,9 @@ class Cluster:
         self._wait_healthy(p.startup_timeout_s)
         if p.warmup_prompts:
             self._warmup(list(p.warmup_prompts))
+        if self.restart is not None:
+            self.supervisor = Supervisor(self.processes, self.restart, self._lock)
+            self.supervisor.start()
 
     def _warmup(self, prompts: list) -> None:
         """Prefill and pin the pipeline's warm-up prompts on every prefill-capable worker;
@@ -165,25 +175,39 @@ class Cluster:
         if num_errors:
             raise ClusterError("warm-up failed: " + next(x for x in lines if " error: " in x))
 
-    def _start_redis(self) -> str:
-        """A private redis-server for a one-host cluster (L4), LRU-evicting at 1 GiB."""
+    def _start_redis(self) -> tuple[str, str]:
+        """A private redis-server for a one-host cluster (L4), LRU-evicting at 1 GiB, behind
+        a generated password; its URL (without the password) and the password. The config
+        goes in on stdin (`redis-server -`), so the password is on no command line."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise ClusterError("kv_pool.redis_url is 'local' but redis-server is not installed "
                                "(apt-get install redis-server)")  # fmt: skip
-        port = free_port()
-        popen = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-             "no", "--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-        )  # fmt: skip
-        self.processes.append(Process("redis", popen))
-        return f"redis://127.0.0.1:{port}/0"
+        port, password = free_port(), secrets.token_hex(32)
+        config = (
+            f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\nmaxmemory 1gb\n'
+            f"maxmemory-policy allkeys-lru\nrequirepass {password}\n"
+        )
+
+        def launch() -> subprocess.Popen:
+            popen = subprocess.Popen(
+                [binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
+            popen.stdin.write(config.encode())
+            popen.stdin.close()
+            return popen
+
+        self.processes.append(Process("redis", launch, launch()))
+        return f"redis://127.0.0.1:{port}/0", password
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         cmd = [sys.executable, "-m", *args]
-        popen = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
-        self.processes.append(Process(name, popen))
+
+        def launch() -> subprocess.Popen:
+            return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+
+        self.processes.append(Process(name, launch, launch()))
 
     def _wait_healthy(self, timeout_s: float, every_worker: bool = False) -> None:
         """Until /health is 200 (each role has a ready worker) or, with `every_worker` (as
@@ -203,12 +227,23 @@ class Cluster:
         raise ClusterError(f"{what} not healthy after {timeout_s:.0f} s ({self.url}/health)")
 
     def check_alive(self) -> None:
+        """During start: any process that died. Once supervised: the supervisor gave up."""
+        if self.supervisor is not None:
+            if self.supervisor.failure is not None:
+                raise ClusterError(self.supervisor.failure)
+            return
         for proc in self.processes:
             code = proc.popen.poll()
             if code is not None:
                 raise ClusterError(f"{proc.name} exited with code {code} (its log is above)")
 
     def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        with self._lock:  # a restart in progress finishes first; none starts after
+            self._terminate()
+
+    def _terminate(self) -> None:
         for proc in self.processes:
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGTERM)

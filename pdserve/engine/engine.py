@@ -313,6 +313,13 @@ class Engine:
         held = self.role.abort(request_id)
         return loaded or held or request is not None
 
+    def abort_all(self) -> int:
+        """Abort every request this engine holds, in any state; how many there were."""
+        ids = {*self.scheduler.requests, *self.loading, *self.role.request_ids()}
+        for request_id in ids:
+            self.abort_request(request_id)
+        return len(ids)
+
     def finish_request(self, request_id: str, reason: FinishReason) -> None:
         """End a request early (e.g. its text hit a stop string)."""
         self.scheduler.finish_request(request_id, reason)

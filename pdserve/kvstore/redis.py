@@ -19,7 +19,9 @@ period, not per call. The first call after the backoff tries again. Server error
 Capacity is Redis' job: run it with ``maxmemory <bytes>`` and ``maxmemory-policy
 allkeys-lru`` (Redis evicts approximately-LRU keys itself, so `capacity_bytes` is 0 and this
 tier never calls `on_evict`; it is the last tier). `ttl_s` adds a per-key expiry on top, for
-servers shared with data that must not be evicted (then use ``volatile-lru``). Keys are
+servers shared with data that must not be evicted (then use ``volatile-lru``). A URL without
+a password takes PDSERVE_REDIS_PASSWORD's (pdserve/envs.py): how the launcher's own Redis
+(`redis_url: local`) hands its generated password to workers, never on a command line. Keys are
 ``pdkv:<namespace>:<hash:016x>``, the namespace naming the model (see EntryFormat.namespace).
 """
 
@@ -37,6 +39,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from pdserve import envs
 from pdserve.kvstore.base import EntryError, EntryFormat, KVTier, Payload
 
 log = logging.getLogger(__name__)
@@ -122,7 +125,7 @@ class RedisTier(KVTier):
             port=port,
             db=int(db_text),
             username=unquote(parts.username) if parts.username else None,
-            password=unquote(parts.password) if parts.password else None,
+            password=unquote(parts.password) if parts.password else envs.redis_password(),
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),  # one attempt: the deadline bounds the call

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field
 
 from pdserve.config import EngineConfig
-from pdserve.messages import ROLES
+from pdserve.messages import FIELDS_BYTES, ROLES
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.router.policies import POLICIES
 from pdserve.schema import check, knob, same_as
@@ -61,6 +61,9 @@ class RouterConfig:
     token_timeout_s: float = knob(60.0, "longest silence of a worker between tokens", gt=0)
     max_pending: int = knob(256, ge=1)
     max_body_bytes: int = knob(8 * 1024 * 1024, ge=1)
+    # ZMQ_MAXMSGSIZE of the router's control socket. Workers send block ids, hashes and
+    # counters, never a prompt: Reserved for a 1M-token context at block size 1 is ~5 MiB.
+    max_message_bytes: int = knob(16 * 2**20, "largest control frame from a worker", ge=1024)
     max_tokens_limit: int = knob(1 << 20, "larger max_tokens are rejected as a typo", ge=1)
     # What one request may ask of the router's event loop (README "Security model"). Every
     # stop string is searched for after every token, so their count and length bound that work.
@@ -83,6 +86,12 @@ class RouterConfig:
             raise ValueError("admin_key must be non-empty (or None: warm-up refused)")
         if self.protect_health_metrics and not self.api_key:
             raise ValueError("protect_health_metrics needs api_key: there is nothing to check")
+        stop_bytes = self.max_num_stop * (self.max_stop_len * 4 + 5)  # UTF-8, msgpack headers
+        if stop_bytes > FIELDS_BYTES // 2:
+            raise ValueError(
+                f"max_num_stop x max_stop_len ({self.max_num_stop} x {self.max_stop_len}) "
+                f"exceeds what a worker's message size bound allows ({FIELDS_BYTES // 2} bytes)"
+            )
         ids = [w.worker_id for w in self.workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"workers: duplicate worker_id in {ids}")

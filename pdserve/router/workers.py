@@ -13,6 +13,10 @@ ZMQ socket monitor sees the process die at once) or when no message came from it
 gone even if it comes back) and puts a `WorkerLost` into every open request queue, so the
 drivers waiting on it re-drive their requests now instead of at their next poll. Every Abort
 expects a `Released` back; unacknowledged ones are counted (a metric) and re-sent.
+
+A router that starts sends Hello to every worker, and again to one heard from without a Ready
+(its answer was lost): workers that outlived a dead router drop its requests and announce
+themselves, so a restarted router routes to them.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class WorkerState:
     disconnected: bool = False  # its control connection dropped and has not come back
     cached_hashes: set[int] = field(default_factory=set)  # its prefix cache, from KVEvents
     switching_to: str | None = None  # asked to switch roles: not routed to until Ready
+    hello_sent: float = 0.0  # when it was last sent Hello (it is sent until a Ready comes)
 
     @property
     def worker_id(self) -> str:
@@ -90,11 +95,15 @@ class ControlPlane:
         self._tasks: list[asyncio.Task[None]] = []
         self._monitors: list[zmq.asyncio.Socket] = []
         self._unknown_logged: set[str] = set()
+        # One session for every push socket: each worker sees an increasing part of it.
+        self._signer = messages.Signer(config.secret)
+        self._verifier = messages.Verifier(config.secret)
         self.unacked_releases: dict[tuple[str, str], float] = {}  # (worker, request) -> sent
 
     async def start(self) -> None:
         self._pull = self._async_ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         self._pull.bind(self.config.ctrl_address)
         for worker in self.workers.values():
             push = self._sync_ctx.socket(zmq.PUSH)
@@ -109,6 +118,7 @@ class ControlPlane:
             push.connect(worker.endpoint.address)
             self._pushes[worker.worker_id] = push
             self._tasks.append(asyncio.create_task(self._monitor_loop(worker, monitor)))
+            self._hello(worker)
         self._recv_task = asyncio.create_task(self._recv_loop(), name="router-ctrl-recv")
         self._tasks += [self._recv_task, asyncio.create_task(self._watch_loop())]
 
@@ -148,6 +158,10 @@ class ControlPlane:
                 silent_s = now - worker.last_seen
                 if worker.ready and not worker.lost and silent_s > self.config.heartbeat_timeout_s:
                     self.lose(worker.worker_id, f"no heartbeat for {silent_s:.1f} s")
+                heard = worker.last_seen > worker.hello_sent
+                waited_s = now - worker.hello_sent
+                if worker.ready is None and heard and waited_s > self.config.heartbeat_timeout_s:
+                    self._hello(worker)
             for (worker_id, request_id), sent in list(self.unacked_releases.items()):
                 if now - sent > self.config.heartbeat_timeout_s and self.is_healthy(worker_id):
                     log.warning("abort of %s on %s not acknowledged: resent", request_id, worker_id)
@@ -172,12 +186,14 @@ class ControlPlane:
 
     # ---- sending ------------------------------------------------------------------------
 
+    def _hello(self, worker: WorkerState) -> None:
+        worker.hello_sent = self.clock()
+        self.send(worker.worker_id, messages.Hello())
+
     def send(self, worker_id: str, message: Any) -> bool:
         """Queue `message` for a worker without blocking; False if it could not be queued."""
         try:
-            self._pushes[worker_id].send(
-                messages.encode(message, self.config.secret), flags=zmq.NOBLOCK
-            )
+            self._pushes[worker_id].send(self._signer.encode(message), flags=zmq.NOBLOCK)
             if isinstance(message, messages.Abort):
                 self.unacked_releases[(worker_id, message.request_id)] = self.clock()
             return True
@@ -212,7 +228,7 @@ class ControlPlane:
         while True:
             frame = await self._pull.recv()
             try:
-                message = messages.decode(frame, self.config.secret)
+                message = self._verifier.decode(frame)
             except messages.CodecError as exc:
                 log.warning("dropped a control frame of %d bytes: %s", len(frame), exc)
                 continue
@@ -233,7 +249,13 @@ class ControlPlane:
         if worker.lost and not worker.disconnected:
             log.info("worker %s is back", worker_id)
             worker.lost = False
-        if isinstance(message, messages.Ready) and worker.switching_to and worker.ready:
+        if isinstance(message, messages.Ready) and message.hello and _same(worker.ready, message):
+            # The answer to a Hello from the process this router knows: everything this router
+            # sent it came after the Hello, so nothing was lost (no new epoch), and a switch in
+            # progress goes on.
+            if not worker.switching_to:
+                worker.ready = message
+        elif isinstance(message, messages.Ready) and worker.switching_to and worker.ready:
             # The same process (a restart would have been lost first), done switching: its
             # requests were drained, its prefix cache stays, so no new epoch.
             log.info("worker %s switched to %s", worker_id, message.role)
@@ -342,3 +364,7 @@ class ControlPlane:
         """The smallest context limit among ready workers: a prompt must fit all of them."""
         lens = [w.ready.max_model_len for w in self.workers.values() if w.ready]
         return min(lens) if lens else None
+
+
+def _same(known: messages.Ready | None, ready: messages.Ready) -> bool:
+    return known is not None and bool(ready.incarnation) and known.incarnation == ready.incarnation

@@ -35,6 +35,7 @@ from pdserve.workers.spec import WorkerSpec
 from pdserve.workers.step_report import StepLog
 
 log = logging.getLogger(__name__)
+KV_EVENTS_PER_MESSAGE = 4096  # block hashes (9 bytes each) in one KVEvents, stored and removed
 
 
 class Worker:
@@ -57,7 +58,10 @@ class Worker:
         self._next_role: Role | None = None  # switching to it once drained
         self.ctx = zmq.Context()
         self.ctrl = self.ctx.socket(zmq.PULL)
+        # The largest message: a Generate or Prefill of a whole context (messages.py).
+        self.ctrl.setsockopt(zmq.MAXMSGSIZE, m.max_frame_bytes(self.engine.max_model_len))
         self.ctrl.bind(spec.ctrl_address)
+        self.signer, self.verifier = m.Signer(secret), m.Verifier(secret)
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.setsockopt(zmq.LINGER, 1000)
         self.out.connect(spec.router_address)
@@ -124,9 +128,9 @@ class Worker:
     # ---- loop ------------------------------------------------------------------------
 
     def send(self, message) -> None:
-        self.out.send(m.encode(message, self.secret))
+        self.out.send(self.signer.encode(message))
 
-    def _announce(self) -> None:
+    def _announce(self, hello: bool = False) -> None:
         from pdserve.transfer.layout import KVLayout
 
         e = self.engine
@@ -135,6 +139,7 @@ class Worker:
             self.spec.worker_id, e.role.name, self.spec.engine.model, e.kv.num_blocks,
             e.kv.block_size, e.max_model_len, self.cores.cpus, self.cores.threads,
             layout.num_layers * layout.block_bytes,
+            self.signer.session.hex(), hello,
         ))  # fmt: skip
         log.info("worker %s (%s) ready", self.spec.worker_id, e.role.name)
 
@@ -171,7 +176,7 @@ class Worker:
             except zmq.Again:
                 return
             try:
-                self._handle(m.decode(frame, self.secret))
+                self._handle(self.verifier.decode(frame))
             except m.CodecError as exc:
                 log.warning("dropped a control frame: %s", exc)
 
@@ -185,6 +190,12 @@ class Worker:
             return
         if isinstance(msg, m.Shutdown):
             self.running = False
+            return
+        if isinstance(msg, m.Hello):  # a new router: what this worker holds is nobody's now
+            num_aborted = e.abort_all()
+            if num_aborted:
+                log.warning("%s: a new router; aborted %d requests", wid, num_aborted)
+            self._announce(hello=True)
             return
         if isinstance(msg, m.Unpin):
             self._unpin(msg)
@@ -281,8 +292,10 @@ class Worker:
 
     def _send_kv_events(self) -> None:
         stored, removed = self.engine.kv.pool.drain_events()
-        if stored or removed:
-            self.send(m.KVEvents(self.spec.worker_id, stored, removed))
+        # In slices, so a large pool's churn stays far below the router's message size bound.
+        for i in range(0, max(len(stored), len(removed)), KV_EVENTS_PER_MESSAGE):
+            j = i + KV_EVENTS_PER_MESSAGE
+            self.send(m.KVEvents(self.spec.worker_id, stored[i:j], removed[i:j]))
 
     def _heartbeat_loop(self) -> None:
         """Liveness on its own thread and socket (ZMQ sockets are not thread-safe): a long
@@ -291,10 +304,11 @@ class Worker:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.spec.router_address)
+        signer = m.Signer(self.secret)  # its own session: its frames interleave with `out`'s
         try:
             while not self._stop_heartbeat.wait(self.spec.heartbeat_interval_s):
                 if self._stats is not None:
-                    sock.send(m.encode(self._stats, self.secret))
+                    sock.send(signer.encode(self._stats))
         finally:
             sock.close()
 

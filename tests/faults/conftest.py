@@ -1,7 +1,7 @@
 """A real 2 prefill + 2 decode cluster whose workers tests may stop, kill and bring back.
 
-The launcher does not restart dead workers, so `FaultCluster` remembers how it spawned each
-one and `heal()` spawns the dead ones again (same id, address and cluster secret): the router
+Its launcher does not restart dead workers (`restart=None`: the tests decide when), and
+`heal()` starts the dead ones again (same id, address and cluster secret): the router
 sees them reconnect and announce a new epoch. Workers run as `tests/faults/faulty_worker.py`,
 the product's worker with a fault-injecting KV data path: `inject(fault)` writes the file one
 request will claim.
@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import requests
 
 from pdserve.cluster.config import Pipeline, Role
-from pdserve.cluster.launcher import Cluster, Process, free_port, worker_specs
+from pdserve.cluster.launcher import Cluster, free_port, worker_specs
 from tests.cluster.conftest import KV_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository, so `tests` imports in workers
@@ -32,16 +31,14 @@ END_BOUND_S = 15.0  # every request ends (completed or a clear error) within thi
 
 class FaultCluster(Cluster):
     def __init__(self, pipeline: Pipeline, fault_file: Path) -> None:
-        super().__init__(pipeline, log_level="WARNING")
+        super().__init__(pipeline, log_level="WARNING", restart=None)  # the tests heal
         self.fault_file = fault_file
-        self._spawned: dict[str, tuple[list[str], dict[str, str]]] = {}
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         if args[0] == "pdserve.workers.main":
             args = ["tests.faults.faulty_worker", str(self.fault_file), *args[1:]]
             path = [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
             env = {**env, "PYTHONPATH": os.pathsep.join(path)}
-        self._spawned[name] = (args, env)
         super()._spawn(name, args, env)
 
     def process(self, name: str) -> subprocess.Popen:
@@ -66,10 +63,7 @@ class FaultCluster(Cluster):
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGCONT)
                 continue
-            args, env = self._spawned[proc.name]
-            self.processes.remove(proc)
-            popen = subprocess.Popen([sys.executable, "-m", *args], env=env)
-            self.processes.append(Process(proc.name, popen))
+            proc.popen = proc.launch()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             metrics = requests.get(self.url + "/metrics", timeout=5).text

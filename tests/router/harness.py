@@ -85,6 +85,8 @@ class FakeWorker:
         self.address = f"ipc://{cluster.dir}/{worker_id}"
         self._max_tokens: dict[str, int] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.signer, self.verifier = messages.Signer(SECRET), messages.Verifier(SECRET)
+        self.num_hellos = 0
 
     async def run(self) -> None:
         ctx = self.cluster.zmq_ctx
@@ -96,15 +98,18 @@ class FakeWorker:
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             while True:
-                self._handle(messages.decode(await pull.recv(), SECRET))
+                self._handle(self.verifier.decode(await pull.recv()))
         finally:
             for task in [heartbeat, *self._tasks.values()]:
                 task.cancel()
             pull.close(linger=0)
             self.push.close(linger=0)
 
-    def _announce(self) -> None:
-        self.send(messages.Ready(self.worker_id, self.role, "tiny", 64, 16, self.max_model_len))
+    def _announce(self, hello: bool = False) -> None:
+        self.send(messages.Ready(
+            self.worker_id, self.role, "tiny", 64, 16, self.max_model_len,
+            incarnation=self.signer.session.hex(), hello=hello,
+        ))  # fmt: skip
 
     async def _switch(self, role: str) -> None:
         await asyncio.sleep(self.switch_s)
@@ -112,7 +117,7 @@ class FakeWorker:
         self._announce()
 
     def send(self, message: Any) -> None:
-        self.push.send(messages.encode(message, SECRET))
+        self.push.send(self.signer.encode(message))
 
     async def _heartbeat(self) -> None:
         while True:
@@ -136,6 +141,10 @@ class FakeWorker:
             await asyncio.sleep(0.05)
 
     def _handle(self, m: Any) -> None:
+        if isinstance(m, messages.Hello):  # the router's greeting, not part of any request
+            self.num_hellos += 1
+            self._announce(hello=True)
+            return
         self.cluster.events.append((self.worker_id, type(m).__name__, getattr(m, "request_id", "")))
         self.received.append(m)
         script = self.cluster.script

@@ -95,7 +95,7 @@ def test_forged_frames_are_dropped(tokenizer_dir: Path, script: list[int]) -> No
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(c.router_address)
         forged = messages.Ready("c0", "decode", "evil", 1, 16, 8)
-        push.send(messages.encode(forged, b"wrong secret"))
+        push.send(messages.Signer(b"wrong secret").encode(forged))
         push.send(b"garbage")
         push.close(linger=1000)
         r = requests.post(f"{c.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})

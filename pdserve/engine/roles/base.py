@@ -95,6 +95,10 @@ class Role:
     def num_in_flight(self) -> int:
         return 0
 
+    def request_ids(self) -> list[str]:
+        """The requests this role holds outside the scheduler."""
+        return []
+
     def transfer_stats(self) -> dict[str, int]:
         """Cumulative counters, named as `messages.Stats` names them."""
         return {}

@@ -161,6 +161,9 @@ class DecodeRole(Role):
         self._drop(request_id)
         return True
 
+    def request_ids(self) -> list[str]:
+        return list(self.awaiting)
+
     def num_in_flight(self) -> int:
         return len(self.awaiting)
 

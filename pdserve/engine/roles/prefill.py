@@ -244,6 +244,9 @@ class PrefillRole(Role):
             request.status = RequestStatus.FINISHED
             self.kv.free(request)
 
+    def request_ids(self) -> list[str]:
+        return list(self.handoffs)
+
     def num_in_flight(self) -> int:
         return sum(h.request.status is RequestStatus.SENDING_KV for h in self.handoffs.values())
 

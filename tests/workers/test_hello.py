@@ -1,0 +1,101 @@
+"""A worker that outlives its router: a new router's Hello makes it drop every request it
+holds, in any state, free their blocks, and announce itself again with the same incarnation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from pdserve import messages as m
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
+from pdserve.workers.spec import WorkerSpec
+
+SECRET = b"k" * 32
+LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+
+class FakeRouter:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(spec.router_address)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(spec.ctrl_address)
+        self.signer, self.verifier = m.Signer(SECRET), m.Verifier(SECRET)
+        self.seen: list = []  # every message received
+
+    def send(self, message) -> None:
+        self.push.send(self.signer.encode(message))
+
+    def expect(self, kind: type, timeout_s: float = 30.0, where=lambda msg: True):
+        """The next message of `kind` (others are kept in `seen`)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.pull.poll(100):
+                msg = self.verifier.decode(self.pull.recv())
+                self.seen.append(msg)
+                if isinstance(msg, kind) and where(msg):
+                    return msg
+        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self.push.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(params=["collocated", "decode"])
+def worker(request, tiny_model_dir, tmp_path):
+    from pdserve.workers.worker import Worker
+
+    engine = EngineConfig(
+        model=str(tiny_model_dir),
+        cache=CacheConfig(kv_cache_bytes=64 * 16 * 512),
+        device=DeviceConfig(threads=1),
+    )
+    spec = WorkerSpec(
+        "w0", request.param, engine, f"ipc://{tmp_path}/w0", f"ipc://{tmp_path}/router",
+        transfer_backend="tcp",
+    )  # fmt: skip
+    router = FakeRouter(spec)
+    w = Worker(spec, SECRET)
+    thread = threading.Thread(target=w.run, daemon=True)
+    thread.start()
+    try:
+        yield w, router
+    finally:
+        router.send(m.Shutdown())
+        thread.join(30)
+        router.close()
+    assert not thread.is_alive()
+
+
+def test_hello_aborts_what_the_worker_holds_and_frees_its_blocks(worker):
+    w, router = worker
+    first = router.expect(m.Ready)
+    assert first.incarnation == w.signer.session.hex()
+    prompt = list(range(3, 40))
+    if w.spec.role == "collocated":
+        router.send(m.Generate("old-1", prompt, LONG))
+        router.expect(m.Tokens)  # running
+    else:  # a reservation waiting for KV that its router will never send
+        router.send(m.Reserve("old-1", prompt, LONG))
+        router.expect(m.Reserved)
+    assert w.engine.kv.num_free_blocks < w.engine.kv.num_blocks
+    router.send(m.Hello())
+    again = router.expect(m.Ready)
+    assert again.hello and again.incarnation == first.incarnation  # the same process
+    deadline = time.monotonic() + 10
+    while w.engine.kv.num_free_blocks < w.engine.kv.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
+    assert not w.engine.has_unfinished_requests() and w.engine.role.num_in_flight() == 0
+    # Nothing of the old request reaches the new router; new work is served.
+    router.send(m.Generate("new-1", prompt, {"max_tokens": 3, "temperature": 0}))
+    done = router.expect(m.Tokens, where=lambda t: t.finished)
+    assert done.request_id == "new-1"
+    assert not [x for x in router.seen if isinstance(x, m.Tokens) and x.finished
+                and x.request_id == "old-1"]  # fmt: skip
