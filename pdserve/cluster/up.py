@@ -94,12 +94,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"pdserve: starting {layout} on {pipeline.model} ...", file=sys.stderr)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        with Cluster(pipeline, log_level=log_level if log_level != "WARNING" else "INFO") as url:
+        cluster = Cluster(pipeline, log_level=log_level if log_level != "WARNING" else "INFO")
+        with cluster as url:
             print(f"pdserve: serving the OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
             if args.example_request:
                 example_request(url, pipeline)
-            while True:
+            while True:  # dead processes are restarted; a process that keeps dying ends it
                 time.sleep(1)
+                cluster.check_alive()
     except ClusterError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 1

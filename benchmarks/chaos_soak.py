@@ -1,0 +1,310 @@
+"""Chaos soak (issue 17; not in CI): a mixed workload with prefix reuse on a supervised 1P2D
+cluster with a local Redis tier, while workers, the router and Redis fail.
+
+    python benchmarks/chaos_soak.py --minutes 20 --out bench_results/chaos_soak.json
+
+What it does, in order:
+1. Reference: the same prompt pool, greedy, through a collocated cluster (one worker).
+2. Chaos: `pdserve up`'s launcher (restarts dead processes) with 1 prefill, 2 decode workers
+   and `redis_url: local`; an open loop of requests drawn from the pool (shared prefixes,
+   repeated prompts) at --rate for --minutes, while a random worker is SIGKILLed every
+   --kill-every-s, the router is SIGKILLed --router-kills times, and Redis is paused
+   (SIGSTOP, then SIGCONT after --redis-pause-s) --redis-pauses times.
+3. Checks (the exit status is 0 only if all hold):
+   - every request ends, in success or a clean error (an HTTP error, a refused or closed
+     connection), within --request-bound-s (the client's timeout: a timeout is a failure);
+   - every successful output equals the reference for its prompt, token count included;
+   - once the load stops and the cluster is whole, every worker's KV blocks are free;
+   - after the cluster stops, no process it started is alive and no KV pool file it made is
+     left in /dev/shm (a pool no live process holds).
+
+Errors are expected: a request in flight when the router dies loses its connection, and one
+sent while the router restarts is refused. The summary counts each kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.soak import kv_blocks, pct  # noqa: E402
+from pdserve.bench.client import ClientConfig, send_request  # noqa: E402
+from pdserve.bench.metrics import OK, RequestRecord  # noqa: E402
+from pdserve.cluster.config import Pipeline, Role  # noqa: E402
+from pdserve.cluster.launcher import Cluster, free_port  # noqa: E402
+from pdserve.cluster.supervisor import RestartPolicy  # noqa: E402
+from pdserve.kvstore.config import KVStoreConfig  # noqa: E402
+
+SHM_DIR = "/dev/shm"
+WORKERS = ("prefill-0", "decode-0", "decode-1")
+
+
+@dataclass(frozen=True)
+class Item:
+    prompt: list[int]
+    max_tokens: int
+
+
+def prompt_pool(args: argparse.Namespace) -> list[Item]:
+    """--num-prompts prompts over --num-prefixes shared prefixes (system-prompt-like), each
+    with its own suffix and output length."""
+    rng = random.Random(args.seed)
+    prefixes = [
+        [rng.randrange(100, 30000) for _ in range(args.prefix_len)]
+        for _ in range(args.num_prefixes)
+    ]
+    return [
+        Item(
+            prefixes[i % args.num_prefixes]
+            + [rng.randrange(100, 30000) for _ in range(rng.randint(8, args.max_suffix_len))],
+            rng.randint(8, args.max_output_len),
+        )
+        for i in range(args.num_prompts)
+    ]
+
+
+async def one(http, cfg: ClientConfig, item: Item, start: float) -> tuple[RequestRecord, str]:
+    record = RequestRecord("", len(item.prompt), item.max_tokens)
+    text = await send_request(http, cfg, item.prompt, record, start)
+    return record, text
+
+
+def client_config(url: str, args: argparse.Namespace) -> ClientConfig:
+    return ClientConfig(url=url, model=args.model, request_timeout_s=args.request_bound_s)
+
+
+async def reference(url: str, pool: list[Item], args: argparse.Namespace) -> list[str]:
+    cfg, start, sem = client_config(url, args), time.perf_counter(), asyncio.Semaphore(4)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+
+        async def run(item: Item) -> str:
+            async with sem:
+                record, text = await one(http, cfg, item, start)
+            if record.status != OK:
+                raise RuntimeError(f"reference request failed: {record.error}")
+            return text
+
+        return await asyncio.gather(*(run(item) for item in pool))
+
+
+async def load(url: str, pool: list[Item], args: argparse.Namespace) -> list[tuple]:
+    """Open loop at --rate (Poisson) for --minutes: (pool index, record, text) each."""
+    cfg, rng = client_config(url, args), random.Random(args.seed + 1)
+    results: list[tuple] = []
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+    ) as http:
+        start = time.perf_counter()
+        end, tasks = start + 60 * args.minutes, []
+
+        async def run(i: int) -> None:
+            record, text = await one(http, cfg, pool[i], start)
+            results.append((i, record, text))
+
+        next_at = start
+        while next_at < end:
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            # Uniform over the pool: whole prompts repeat, and prefixes are shared.
+            tasks.append(asyncio.create_task(run(rng.randrange(len(pool)))))
+            next_at += rng.expovariate(args.rate)
+        await asyncio.gather(*tasks)
+    return results
+
+
+class Chaos(threading.Thread):
+    """Applies the failure schedule to the cluster's current processes; `events` logs what
+    was done when (seconds from the start of the load)."""
+
+    def __init__(self, cluster: Cluster, args: argparse.Namespace) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.args = cluster, args
+        self.events: list[tuple[float, str]] = []
+        self.stop = threading.Event()
+        duration = 60 * args.minutes
+        rng = random.Random(args.seed + 2)
+        plan = [(t, "kill", rng.choice(WORKERS))
+                for t in range(int(args.kill_every_s / 2), int(duration - 30),
+                               int(args.kill_every_s))]  # fmt: skip
+        plan += [(duration * (k + 1) / (args.router_kills + 1) + 15, "kill", "router")
+                 for k in range(args.router_kills)]  # fmt: skip
+        plan += [(duration * (k + 0.5) / max(1, args.redis_pauses) + 5, "pause", "redis")
+                 for k in range(args.redis_pauses)]  # fmt: skip
+        self.plan = sorted(plan)
+
+    def _popen(self, name: str):
+        return next(p.popen for p in self.cluster.processes if p.name == name)
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        for at, action, name in self.plan:
+            if self.stop.wait(max(0.0, at - (time.monotonic() - t0))):
+                return
+            popen = self._popen(name)
+            if popen.poll() is not None:
+                self.events.append((round(time.monotonic() - t0, 1), f"{name} already down"))
+                continue
+            if action == "kill":
+                popen.send_signal(signal.SIGKILL)
+                self.events.append((round(time.monotonic() - t0, 1), f"SIGKILL {name}"))
+            else:
+                popen.send_signal(signal.SIGSTOP)
+                self.events.append((round(time.monotonic() - t0, 1), f"SIGSTOP {name}"))
+                self.stop.wait(self.args.redis_pause_s)
+                popen.send_signal(signal.SIGCONT)
+                self.events.append((round(time.monotonic() - t0, 1), f"SIGCONT {name}"))
+
+
+def wait_whole(url: str, timeout_s: float) -> dict[str, tuple[int, int]]:
+    """Every worker healthy and every block free, or the last blocks seen at the timeout."""
+    deadline, blocks = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                healthy = all(w["healthy"] for w in json.loads(resp.read())["workers"].values())
+            blocks = kv_blocks(url)
+            if healthy and set(blocks) == set(WORKERS):
+                if all(free == total for free, total in blocks.values()):
+                    return blocks
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(1)
+    return blocks
+
+
+def orphan_pools(before: set[str]) -> list[str]:
+    """KV pool files made since `before` that no live process holds (its creator's flock)."""
+    left = []
+    for name in sorted(set(os.listdir(SHM_DIR)) - before):
+        if not name.startswith("pdserve-kv-"):
+            continue
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            left.append(name)
+        except OSError:
+            pass  # held: another live process's pool
+        finally:
+            os.close(fd)
+    return left
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def summarize(results, refs, pool, blocks, pids, pools_left, events, args) -> dict:
+    statuses = Counter(r.status for _, r, _ in results)
+    errors = Counter((r.error or "")[:60] for _, r, _ in results if r.status != OK)
+    ok = [(i, r, t) for i, r, t in results if r.status == OK]
+    wrong = [i for i, r, t in ok if t != refs[i] or r.output_len != pool[i].max_tokens]
+    ends = [r.e2e_s for _, r, _ in results if r.e2e_s is not None]
+    checks = {
+        "every_request_ended_in_bound": statuses.get("timeout", 0) == 0
+        and max(ends, default=0) <= args.request_bound_s,
+        "outputs_equal_reference": not wrong,
+        "blocks_back_to_baseline": bool(blocks)
+        and set(blocks) == set(WORKERS)
+        and all(f == t for f, t in blocks.values()),
+        "no_process_left": not [p for p in pids if alive(p)],
+        "no_shm_pool_left": not pools_left,
+    }
+    return {
+        "checks": checks,
+        "requests": len(results),
+        "statuses": dict(statuses),
+        "errors": dict(errors.most_common(8)),
+        "num_wrong_outputs": len(wrong),
+        "max_end_s": round(max(ends, default=0), 2),
+        "p50_e2e_ok_s": pct([r.e2e_s for _, r, _ in ok], 0.5),
+        "p99_e2e_ok_s": pct([r.e2e_s for _, r, _ in ok], 0.99),
+        "p99_ttft_ok_s": pct([r.ttft_s for _, r, _ in ok if r.ttft_s is not None], 0.99),
+        "cached_prompt_tokens_ok": sum(r.cached_tokens or 0 for _, r, _ in ok),
+        "prompt_tokens_ok": sum(r.input_len for _, r, _ in ok),
+        "kv_blocks_end": blocks,
+        "processes_started": len(pids),
+        "shm_pools_left": pools_left,
+        "events": events,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--minutes", type=float, default=20.0)
+    ap.add_argument("--rate", type=float, default=0.3, help="requests per second (Poisson)")
+    ap.add_argument("--kill-every-s", type=float, default=60.0)
+    ap.add_argument("--router-kills", type=int, default=2)
+    ap.add_argument("--redis-pauses", type=int, default=1)
+    ap.add_argument("--redis-pause-s", type=float, default=20.0)
+    ap.add_argument("--request-bound-s", type=float, default=180.0)
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--num-prefixes", type=int, default=4)
+    ap.add_argument("--prefix-len", type=int, default=160)
+    ap.add_argument("--max-suffix-len", type=int, default=64)
+    ap.add_argument("--max-output-len", type=int, default=32)
+    ap.add_argument("--kv-cache-mib", type=int, default=96, help="per worker: small, so L4 is used")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write the summary JSON here")
+    args = ap.parse_args()
+    pool = prompt_pool(args)
+    shm_before = set(os.listdir(SHM_DIR))
+    one_thread = {"threads": 1, "kv_cache_bytes": args.kv_cache_mib * 2**20}
+
+    t = time.monotonic()
+    ref_pipeline = Pipeline(model=args.model, port=free_port(), collocated=Role(**one_thread))
+    with Cluster(ref_pipeline, log_level="WARNING", restart=None) as url:
+        refs = asyncio.run(reference(url, pool, args))
+    print(f"reference: {len(refs)} prompts in {time.monotonic() - t:.0f} s", flush=True)
+
+    pipeline = Pipeline(
+        model=args.model, port=free_port(), prefill=Role(**one_thread),
+        decode=Role(num=2, **one_thread), kv_pool=KVStoreConfig(redis_url="local"),
+    )  # fmt: skip
+    # A restart budget above what the schedule kills (about one worker a minute).
+    policy = RestartPolicy(backoff_s=0.5, max_backoff_s=10.0, max_restarts=30, window_s=600.0)
+    cluster = Cluster(pipeline, log_level="WARNING", restart=policy)
+    with cluster as url:
+        chaos = Chaos(cluster, args)
+        chaos.start()
+        results = asyncio.run(load(url, pool, args))
+        chaos.stop.set()
+        chaos.join()
+        blocks = wait_whole(url, 180)
+        cluster.check_alive()  # the supervisor did not give up
+    pids = cluster.supervisor.pids if cluster.supervisor else []
+    time.sleep(1)
+    summary = summarize(
+        results, refs, pool, blocks, pids, orphan_pools(shm_before), chaos.events, args
+    )
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0 if all(summary["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
