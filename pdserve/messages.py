@@ -30,13 +30,10 @@ A router that starts sends Hello to every worker (and again to one heard from wi
 Ready): the worker aborts every request it holds (the requests of a router that died are
 lost) and answers Ready, so a restarted router routes to workers that outlived it.
 
-A frame is `hmac_sha256(secret, payload) || payload`; the payload is msgpack of
-`[type name, {field: value}, session, seq, time]`. No pickle: a peer can only ever make us
-build these types. Each sending socket has its own `Signer` (a random session id, a counter
-and the wall clock); each receiving socket a `Verifier`, which drops a frame whose seq is not
-above the last one of its session (a replay, or one overtaken), and a frame of a session it
-has not seen yet that is older than `REPLAY_WINDOW_S` (a replay of a dead process's frames).
-A restarted peer is a new session: its frames pass.
+A frame is `hmac_sha256(secret, payload) || payload`, the payload msgpack of `[type name,
+{field: value}, session, seq, time]` (no pickle: a peer can only make us build these types).
+A `Verifier` drops a frame whose seq is not above its session's last (a replay), and one of an
+unknown session older than `REPLAY_WINDOW_S`; a restarted peer is a new session.
 """
 
 from __future__ import annotations
@@ -349,10 +346,8 @@ class Signer:
         self._seq = itertools.count()
 
     def encode(self, message: Any) -> bytes:
-        fields = dataclasses.asdict(message)
-        payload = msgpack.packb(
-            [type(message).__name__, fields, self.session, next(self._seq), self.clock()]
-        )
+        name, fields = type(message).__name__, dataclasses.asdict(message)
+        payload = msgpack.packb([name, fields, self.session, next(self._seq), self.clock()])
         return hmac.new(self.secret, payload, hashlib.sha256).digest() + payload
 
 
@@ -396,14 +391,11 @@ class Verifier:
 
 
 def max_frame_bytes(num_tokens: int) -> int:
-    """The largest frame a message carrying `num_tokens` token ids can need: each id, and
-    each block id (at most one per token), takes at most 5 bytes of msgpack (a uint32);
-    FIELDS_BYTES bounds everything else (sampling with the router's stop limits, a peer
-    address, names, the envelope)."""
+    """The largest frame of a message with `num_tokens` token ids: each id, and each block id
+    (at most one per token), is at most 5 bytes of msgpack (a uint32); FIELDS_BYTES the rest."""
     return MAC_BYTES + FIELDS_BYTES + 2 * 5 * num_tokens
 
 
-# The non-token part of any message. The sampling dict is bounded by the router's limits
-# (RouterConfig checks that max_num_stop x max_stop_len in UTF-8 takes at most half of this:
-# 16 KiB by default); the rest holds the other fields, names and the envelope (~200 bytes).
+# The non-token part of a message: the sampling dict (RouterConfig checks that its stop limits
+# take at most half of this, 16 KiB by default), other fields, names, the envelope (~200 B).
 FIELDS_BYTES = 64 * 1024

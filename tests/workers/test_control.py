@@ -1,5 +1,6 @@
-"""A worker that outlives its router: a new router's Hello makes it drop every request it
-holds, in any state, free their blocks, and announce itself again with the same incarnation."""
+"""A worker's control socket: a new router's Hello makes it drop every request it holds, in
+any state, free their blocks, and announce itself again with the same incarnation; replayed
+frames are dropped; frames over the size bound are refused while a whole context fits."""
 
 from __future__ import annotations
 
@@ -99,3 +100,39 @@ def test_hello_aborts_what_the_worker_holds_and_frees_its_blocks(worker):
     assert done.request_id == "new-1"
     assert not [x for x in router.seen if isinstance(x, m.Tokens) and x.finished
                 and x.request_id == "old-1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("worker", ["collocated"], indirect=True)
+def test_a_replayed_request_is_not_run_again(worker):
+    w, router = worker
+    router.expect(m.Ready)
+    frame = router.signer.encode(m.Generate("r1", [5, 6, 7], {"max_tokens": 2}))
+    router.push.send(frame)
+    router.expect(m.Tokens, where=lambda t: t.finished)
+    router.push.send(frame)  # as an attacker who recorded it would
+    router.send(m.Generate("r2", [5, 6, 7], {"max_tokens": 2}))
+    router.expect(m.Tokens, where=lambda t: t.finished and t.request_id == "r2")
+    runs = [x for x in router.seen if isinstance(x, (m.Tokens, m.Rejected))]
+    assert [x.request_id for x in runs if getattr(x, "finished", True)] == ["r1", "r2"]
+
+
+@pytest.mark.parametrize("worker", ["collocated"], indirect=True)
+def test_frames_over_the_bound_are_refused_and_a_whole_context_fits(worker):
+    w, router = worker
+    router.expect(m.Ready)
+    bound = m.max_frame_bytes(w.engine.max_model_len)
+    assert w.ctrl.getsockopt(zmq.MAXMSGSIZE) == bound
+    # The largest legitimate message: a prompt of the whole context but one token.
+    prompt = [7] * (w.engine.max_model_len - 1)
+    big = m.Generate("whole", prompt, {"max_tokens": 1, "stop": ["\U0010ffff" * 256] * 16})
+    assert len(router.signer.encode(big)) <= bound
+    router.send(big)
+    done = router.expect(m.Tokens, timeout_s=60, where=lambda t: t.finished)
+    assert done.request_id == "whole" and done.num_prompt_tokens == len(prompt)
+    # One byte over: ZMQ drops it (and the connection) before any allocation or decoding.
+    attacker = router.ctx.socket(zmq.PUSH)
+    attacker.connect(w.spec.ctrl_address)
+    attacker.send(b"x" * (bound + 1))
+    attacker.close(1000)
+    router.send(m.Generate("after", [5, 6], {"max_tokens": 1}))
+    router.expect(m.Tokens, where=lambda t: t.finished and t.request_id == "after")
