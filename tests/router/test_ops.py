@@ -101,3 +101,27 @@ def test_forged_frames_are_dropped(tokenizer_dir: Path, script: list[int]) -> No
         r = requests.post(f"{c.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200
         assert c.app_state.plane.workers["c0"].role == "collocated"
+
+
+def test_replayed_frames_are_dropped(tokenizer_dir: Path, script: list[int]) -> None:
+    """A worker's frame sent again (recorded on the wire) is not acted on: here an old
+    KVEvents that would put back a prefix the worker has since evicted."""
+    import zmq
+
+    from pdserve import messages
+    from tests.router.harness import SECRET
+
+    with Cluster(tokenizer_dir, script, {"c0": "collocated"}) as c:
+        assert c.app_state.plane._pull.getsockopt(zmq.MAXMSGSIZE) == 16 * 2**20
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(c.router_address)
+        signer = messages.Signer(SECRET)
+        stored = signer.encode(messages.KVEvents("c0", [123], []))
+        push.send(stored)
+        push.send(signer.encode(messages.KVEvents("c0", [], [123])))
+        push.send(stored)  # the replay
+        push.send(signer.encode(messages.KVEvents("c0", [456], [])))
+        push.close(linger=1000)
+        hashes = c.app_state.plane.workers["c0"].cached_hashes
+        c.wait_until(lambda: 456 in hashes)
+        assert 123 not in hashes
