@@ -52,6 +52,7 @@ class Driver:
 
     def __init__(self, model: str, cpus: list[int]) -> None:
         self.secret = secrets.token_bytes(32)
+        self.signer, self.verifier = m.Signer(self.secret), m.Verifier(self.secret)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
@@ -71,14 +72,14 @@ class Driver:
         self.until(m.Ready, timeout_s=600)
 
     def send(self, message: Any) -> None:
-        self.ctrl.send(m.encode(message, self.secret))
+        self.ctrl.send(self.signer.encode(message))
 
     def _take(self, timeout_s: float) -> Any | None:
         if self.popen.poll() is not None:
             raise RuntimeError(f"worker exited with {self.popen.returncode}")
         if not self.inbox.poll(max(1, int(timeout_s * 1000))):
             return None
-        message = m.decode(self.inbox.recv(), self.secret)
+        message = self.verifier.decode(self.inbox.recv())
         if isinstance(message, m.Tokens):
             self.token_times.append(time.perf_counter())
         elif isinstance(message, m.StepReport):

@@ -25,6 +25,7 @@ KV_BYTES = 256 * 16 * 512  # 256 blocks of 16 tokens
 class WorkerProcess:
     def __init__(self, model_dir: Path, cpus: tuple[int, ...]) -> None:
         self.secret = secrets.token_bytes(32)
+        self.signer, self.verifier = m.Signer(self.secret), m.Verifier(self.secret)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
@@ -47,13 +48,13 @@ class WorkerProcess:
         self.ready = self.expect(m.Ready, timeout_s=120)
 
     def send(self, message: Any) -> None:
-        self.ctrl.send(m.encode(message, self.secret))
+        self.ctrl.send(self.signer.encode(message))
 
     def _recv(self, timeout_s: float) -> Any | None:
         assert self.popen.poll() is None, f"worker exited with {self.popen.returncode}"
         if not self.inbox.poll(max(1, int(timeout_s * 1000))):
             return None
-        message = m.decode(self.inbox.recv(), self.secret)
+        message = self.verifier.decode(self.inbox.recv())
         self.seen.append(message)
         return message
 
