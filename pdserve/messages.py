@@ -52,8 +52,7 @@ from typing import Any
 import msgpack
 
 MAC_BYTES = 32
-# A frame of an unknown session older than this is a replay. The bound also covers how long a
-# first frame may wait in a socket queue behind a worker's step, and clock skew across hosts.
+# Older, from an unknown session: a replay. Covers a queue behind a long step and host skew.
 REPLAY_WINDOW_S = 120.0
 ROLES = ("collocated", "prefill", "decode")
 
