@@ -18,6 +18,9 @@ CACHE_DIR = "PDSERVE_CACHE_DIR"  # converted models and built kernels (~/.cache/
 NATIVE_KERNELS = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load the C kernels
 CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest the CPU runs), avx2, avx512
 C_COMPILER = "CC"  # the compiler for the native kernels (gcc)
+# Where this process runs, for the transfer channel: peers with equal ids use shm. Default:
+# hostname + boot id; Ray placement sets it to the Ray node (pdserve/cluster/ray_actors.py).
+HOST_ID = "PDSERVE_HOST_ID"
 
 
 def cluster_secret() -> bytes:
@@ -45,6 +48,15 @@ def redis_password() -> str | None:
 def cache_dir() -> Path:
     value = os.environ.get(CACHE_DIR)
     return Path(value).expanduser() if value else Path.home() / ".cache" / "pdserve" / "models"
+
+
+def host_id() -> str | None:
+    return os.environ.get(HOST_ID) or None
+
+
+def set_host_id(value: str) -> None:
+    """For this process, before any transfer endpoint starts (a Ray actor: its node)."""
+    os.environ[HOST_ID] = value
 
 
 def native_kernels_allowed() -> bool:

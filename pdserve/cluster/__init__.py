@@ -1,7 +1,8 @@
 """Deployments: a Pipeline of roles, and the launcher that runs it (the only code that starts
-processes)."""
+processes): `make_cluster(pipeline)` is `Cluster` on this host or `RayCluster` (placement: ray)."""
 
 from pdserve.cluster.config import Pipeline, Role, TensorStore
 from pdserve.cluster.launcher import Cluster, ClusterError
+from pdserve.cluster.up import make_cluster
 
-__all__ = ["Cluster", "ClusterError", "Pipeline", "Role", "TensorStore"]
+__all__ = ["Cluster", "ClusterError", "Pipeline", "Role", "TensorStore", "make_cluster"]

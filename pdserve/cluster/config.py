@@ -28,6 +28,8 @@ from pdserve.schema import check, from_dict, from_flat, knob, parse_bytes, same_
 from pdserve.transfer.bandwidth import parse_bandwidth
 from pdserve.transfer.registry import BACKENDS, TRANSFER_MODES
 
+PLACEMENTS = ("local", "ray")
+
 
 @with_fields_of(CacheConfig, SchedulerConfig, DeviceConfig, skip=("dtype",))
 class Role:
@@ -39,6 +41,11 @@ class Role:
 
     num: int = knob(1, "workers of this role", ge=1, cli=False)
     cpus: tuple = knob((), "cores: one list for all workers, or one list each", cli=False)
+    # Under Ray placement (pdserve/cluster/ray.py), what each worker's actor asks of a node.
+    ray_num_cpus: float | None = knob(None, "Ray CPUs per worker (default: threads, or 1)", ge=0)
+    ray_num_gpus: float = knob(0.0, "Ray GPUs per worker", ge=0)
+    ray_resources: dict | None = knob(None, "custom Ray resources per worker, e.g. a node pool "
+                                      "{prefill_pool: 1}", cli=False)  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)
@@ -47,6 +54,10 @@ class Role:
         nested = [isinstance(c, tuple) for c in cpus]
         if any(nested) and (not all(nested) or len(cpus) != self.num):
             raise ValueError(f"cpus must be one core list or {self.num} lists, got {self.cpus!r}")
+        bad = [(k, v) for k, v in (self.ray_resources or {}).items()
+               if not isinstance(k, str) or type(v) not in (int, float) or v < 0]  # fmt: skip
+        if bad:
+            raise ValueError(f"ray_resources must map names to amounts >= 0, got {bad[0]}")
 
     def cpus_of(self, index: int) -> tuple[int, ...]:
         if self.cpus and isinstance(self.cpus[0], tuple):
@@ -55,10 +66,13 @@ class Role:
 
     def engine_config(self, model: str, dtype: str, kvstore: KVStoreConfig) -> EngineConfig:
         """The EngineConfig of each worker of this role."""
-        names = [f.name for f in dataclasses.fields(self) if f.name not in ("num", "cpus")]
+        names = [f.name for f in dataclasses.fields(self) if f.name not in _PLACEMENT_FIELDS]
         values = {n: getattr(self, n) for n in names}
         engine = from_flat(EngineConfig, {**values, "model": model, "dtype": dtype})
         return dataclasses.replace(engine, kvstore=kvstore)
+
+
+_PLACEMENT_FIELDS = ("num", "cpus", "ray_num_cpus", "ray_num_gpus", "ray_resources")
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,12 @@ class Pipeline:
     # Prompts (text, or chat message lists) the launcher prefills and pins on every prefill
     # and collocated worker once the cluster is healthy, e.g. the deployment's system prompts.
     warmup_prompts: tuple = knob((), "prompts to prefill and pin once up", cli=False)
+    # Where the processes run: `local` (this host, the embedded launcher) or `ray` (actors on
+    # a Ray cluster, docs/cluster.md). `ray_address`: None starts a local Ray instance.
+    placement: str = knob("local", "this host, or actors on a Ray cluster", choices=PLACEMENTS)
+    ray_address: str | None = knob(None, "the Ray cluster (auto, host:port, ray://...)")
+    ray_timeout_s: float = knob(60.0, "wait this long to reach Ray and place each actor", gt=0)
+    ray_max_restarts: int = knob(4, "Ray restarts of a dead worker actor (-1: always)", ge=-1)
 
     def __post_init__(self) -> None:
         check(self)

@@ -31,6 +31,9 @@ def add_up_parser(sub) -> None:
     add_flags(p, Pipeline)
     add_flags(p.add_argument_group("every worker (per role: the config file)"), Role, "role.")
     p.add_argument("--pin-cpus", action="store_true", help="one core per worker, in order")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run as Ray actors (placement: ray) on the cluster at ADDRESS, or on "
+                   "a new local Ray instance")  # fmt: skip
     p.add_argument(
         "--warmup-file",
         default=None,
@@ -49,6 +52,8 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     counts, one prefill and one decode worker."""
     data = dataclasses.asdict(load_pipeline(args.config, {})) if args.config else {}
     top = flag_values(args, Pipeline)
+    if args.ray is not None:
+        top.update(placement="ray", **({"ray_address": args.ray} if args.ray else {}))
     if "api_key" not in top and envs.api_key():
         top["api_key"] = envs.api_key()
     if "admin_key" not in top and envs.admin_key():
@@ -94,7 +99,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"pdserve: starting {layout} on {pipeline.model} ...", file=sys.stderr)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        cluster = Cluster(pipeline, log_level=log_level if log_level != "WARNING" else "INFO")
+        cluster = make_cluster(pipeline, log_level if log_level != "WARNING" else "INFO")
         with cluster as url:
             print(f"pdserve: serving the OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
             if args.example_request:
@@ -108,6 +113,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("pdserve: stopped", file=sys.stderr)
     return 0
+
+
+def make_cluster(pipeline: Pipeline, log_level: str) -> Cluster:
+    """The launcher of the pipeline's placement; Ray is imported only for `ray`."""
+    if pipeline.placement == "ray":
+        from pdserve.cluster.ray import RayCluster
+
+        return RayCluster(pipeline, log_level)
+    return Cluster(pipeline, log_level)
 
 
 def example_request(url: str, pipeline: Pipeline) -> None:

@@ -380,12 +380,14 @@ class RequestDriver:
 
     def _release_prefill(self, worker_id: str) -> None:
         charge = self._prefill_charge.pop(worker_id, 0)
-        worker = self.plane.workers[worker_id]
+        worker = self.plane.workers.get(worker_id)
+        if worker is None:  # removed (scaled down) meanwhile
+            return
         worker.sent_prefill_tokens = max(0, worker.sent_prefill_tokens - charge)
 
     def _release(self, worker_id: str) -> None:
         """Undo the routing charges of `worker_id` (once: it leaves `outstanding` after)."""
-        if worker_id in self.outstanding:
+        if worker_id in self.outstanding and worker_id in self.plane.workers:
             worker = self.plane.workers[worker_id]
             worker.active_requests = max(0, worker.active_requests - 1)
         self._release_prefill(worker_id)

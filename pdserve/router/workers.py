@@ -71,6 +71,7 @@ class WorkerState:
     cached_hashes: set[int] = field(default_factory=set)  # its prefix cache, from KVEvents
     switching_to: str | None = None  # asked to switch roles: not routed to until Ready
     hello_sent: float = 0.0  # when it was last sent Hello (it is sent until a Ready comes)
+    retiring: bool = False  # about to be removed: not routed to, finishes what it holds
 
     @property
     def worker_id(self) -> str:
@@ -93,7 +94,9 @@ class ControlPlane:
         self._pushes: dict[str, zmq.Socket] = {}
         self._recv_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._monitors: list[zmq.asyncio.Socket] = []
+        # worker -> its push socket's monitor and the task reading it
+        self._links: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
+        self._num_connects = itertools.count()
         self._unknown_logged: set[str] = set()
         # One session for every push socket: each worker sees an increasing part of it.
         self._signer = messages.Signer(config.secret)
@@ -106,31 +109,69 @@ class ControlPlane:
         self._pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         self._pull.bind(self.config.ctrl_address)
         for worker in self.workers.values():
-            push = self._sync_ctx.socket(zmq.PUSH)
-            push.setsockopt(zmq.LINGER, 0)
-            push.setsockopt(zmq.SNDHWM, 100_000)
-            monitor_ctx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
-            address = f"inproc://monitor-{id(self)}-{worker.worker_id}"
-            push.monitor(address, _MONITOR_EVENTS)
-            monitor = monitor_ctx.socket(zmq.PAIR)
-            monitor.connect(address)
-            self._monitors.append(monitor)
-            push.connect(worker.endpoint.address)
-            self._pushes[worker.worker_id] = push
-            self._tasks.append(asyncio.create_task(self._monitor_loop(worker, monitor)))
-            self._hello(worker)
+            self._connect(worker)
         self._recv_task = asyncio.create_task(self._recv_loop(), name="router-ctrl-recv")
         self._tasks += [self._recv_task, asyncio.create_task(self._watch_loop())]
 
+    def _connect(self, worker: WorkerState) -> None:
+        push = self._sync_ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 100_000)
+        monitor_ctx = zmq.asyncio.Context.shadow(self._sync_ctx.underlying)
+        address = f"inproc://monitor-{id(self)}-{worker.worker_id}-{next(self._num_connects)}"
+        push.monitor(address, _MONITOR_EVENTS)
+        monitor = monitor_ctx.socket(zmq.PAIR)
+        monitor.connect(address)
+        push.connect(worker.endpoint.address)
+        self._pushes[worker.worker_id] = push
+        task = asyncio.create_task(self._monitor_loop(worker, monitor))
+        self._links[worker.worker_id] = (monitor, task)
+        self._hello(worker)
+
+    def _disconnect(self, worker_id: str) -> None:
+        monitor, task = self._links.pop(worker_id)
+        task.cancel()
+        push = self._pushes.pop(worker_id)
+        push.disable_monitor()
+        monitor.close(linger=0)
+        push.close(linger=0)
+
+    def add_worker(self, endpoint: WorkerEndpoint) -> None:
+        """Serve a worker started after the router (scaling), or one that came back at another
+        address (restarted elsewhere): its earlier requests are lost, as on any restart."""
+        worker = self.workers.get(endpoint.worker_id)
+        if worker is not None and worker.endpoint == endpoint:
+            return
+        if worker is not None:
+            self.lose(endpoint.worker_id, f"it moved to {endpoint.address}")
+            self._disconnect(endpoint.worker_id)
+            worker.endpoint, worker.ready = endpoint, None
+        else:
+            worker = self.workers[endpoint.worker_id] = WorkerState(endpoint)
+        log.info("worker %s at %s added", endpoint.worker_id, endpoint.address)
+        self._connect(worker)
+
+    def retire(self, worker_id: str) -> bool:
+        """Route nothing new to a worker; True once it holds no request of the router's."""
+        worker = self.workers[worker_id]
+        worker.retiring = True
+        return worker.active_requests == 0 and worker.sent_prefill_tokens == 0
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Stop serving a worker (scaling down); requests still on it are re-driven."""
+        self.lose(worker_id, "removed")
+        self._disconnect(worker_id)
+        del self.workers[worker_id]
+
     async def close(self) -> None:
+        tasks = self._tasks + [task for _, task in self._links.values()]
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for push in self._pushes.values():
-            push.disable_monitor()
-        for sock in [self._pull, *self._monitors, *self._pushes.values()]:
-            if sock is not None:
-                sock.close(linger=0)
+        for worker_id in list(self._links):
+            self._disconnect(worker_id)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._pull is not None:
+            self._pull.close(linger=0)
         self._async_ctx.term()
         self._sync_ctx.term()
 
@@ -325,7 +366,8 @@ class ControlPlane:
         return out
 
     def _routable(self, worker: WorkerState) -> bool:
-        return self.is_healthy(worker.worker_id) and worker.switching_to is None
+        healthy = self.is_healthy(worker.worker_id)
+        return healthy and worker.switching_to is None and not worker.retiring
 
     def healthy_ids(self, role: str) -> set[str]:
         return {w for w, x in self.workers.items() if x.role == role and self.is_healthy(w)}

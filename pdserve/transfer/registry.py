@@ -3,7 +3,8 @@
 Backends import lazily, so the control plane (which validates names) never loads torch.
 ``auto`` on the receiver offers shm when its kv lives in shared memory (``create_shared_kv``)
 and always tcp; on the sender it picks shm per peer when the peer offers it and shares this
-host (hostname + boot id), else tcp.
+host (`host_identity()` in wire.py: hostname + boot id, or the Ray node where Ray placed the
+worker), else tcp.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ from typing import Any
 
 import msgpack
 
+from pdserve import envs
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"PDKV1\n"
@@ -185,7 +187,10 @@ def str_field(header: dict[str, Any], name: str) -> str:
 @functools.cache
 def host_identity() -> str:
     """Hostname + kernel boot id: equal on both ends only when they share a machine (and
-    so can share /dev/shm). The boot id tells apart hosts that reuse a hostname."""
+    so can share /dev/shm). The boot id tells apart hosts that reuse a hostname. A placement
+    that knows better (the Ray node) sets `envs.HOST_ID` instead."""
+    if envs.host_id():
+        return envs.host_id()
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()

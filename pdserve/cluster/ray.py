@@ -1,0 +1,281 @@
+"""Ray placement: the router and every worker as Ray actors (`pdserve up --ray [ADDRESS]`,
+`Pipeline(placement="ray")`). docs/cluster.md explains the choices.
+
+`RayCluster` is a `Cluster` (same context manager, health wait and warm-up) whose processes
+are actors: each worker asks a node for its role's `ray_num_cpus`, `ray_num_gpus` and
+`ray_resources` (a custom resource per node pool puts prefill and decode on different
+hardware) and is restarted by Ray up to `ray_max_restarts` times; the router runs on the node
+of this process, so its URL is the same as on one host. Start-up is bounded: an address that
+cannot be reached, or an actor no node can take, ends it within `ray_timeout_s` with the
+resources asked and what each node offers.
+
+The cluster secret and the API keys go into Ray's object store (`ray.put`) and every actor
+fetches them: actor arguments and runtime_env variables are shown by Ray's dashboard and state
+API, an object's value is not. Anyone who can run code on the Ray cluster can still read it:
+a Ray cluster must be reachable by its operators only.
+
+Scaling (the adaptive planner's hook): `add_worker(role)` starts one more actor of a role,
+`remove_worker(role)` drains one and kills it.
+
+Only this module and the actors import ray, lazily: without `placement: ray` it is never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.launcher import Cluster, ClusterError, worker_specs
+from pdserve.cluster.ray_actors import RouterActor, WorkerActor
+from pdserve.workers.spec import WorkerSpec
+
+log = logging.getLogger(__name__)
+STOP_GRACE_S = 5.0
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("placement 'ray' needs Ray: pip install 'pdserve[ray]'") from None
+    return ray
+
+
+def actor_options(role: Role) -> dict[str, Any]:
+    """What one worker of `role` asks of a Ray node."""
+    num_cpus = role.ray_num_cpus if role.ray_num_cpus is not None else (role.threads or 1)
+    return {"num_cpus": num_cpus, "num_gpus": role.ray_num_gpus,
+            "resources": dict(role.ray_resources or {})}  # fmt: skip
+
+
+class RayCluster(Cluster):
+    def __init__(self, pipeline: Pipeline, log_level: str = "INFO") -> None:
+        super().__init__(pipeline, log_level, restart=None)  # Ray restarts the actors
+        self.router: Any = None
+        self.workers: dict[str, Any] = {}  # worker_id -> actor handle
+        self.placements: dict[str, dict[str, str]] = {}  # worker_id -> node id, ip, pid
+        self._specs: dict[str, WorkerSpec] = {}  # worker_id -> the spec it was started with
+        self._next_index: dict[str, int] = {}
+        self._secret_refs: list = []
+        self._started_ray = False
+
+    # ---- start ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        p = self.pipeline
+        if p.kv_pool.redis_url == "local":
+            raise ClusterError("kv_pool.redis_url 'local' starts redis-server on this host only; "
+                               "under Ray give a redis:// URL every node reaches")  # fmt: skip
+        from pdserve.model.registry import resolve_model
+
+        resolve_model(p.model)  # converted here once; nodes sharing the cache dir reuse it
+        ray = self._connect()
+        keys = {"secret": secrets.token_bytes(32), "api_key": p.api_key,
+                "admin_key": self.admin_key}  # fmt: skip
+        self._secret_refs = [ray.put(keys)]
+        self._start_router()
+        router_address = self._get(self.router.address.remote(), "place the router")
+        specs = worker_specs(p, router_address["ctrl_address"])
+        for spec in specs:
+            self._start_worker(spec)
+        for spec in specs:
+            self._await_worker(spec.worker_id)
+        port = self._get(self.router.start.remote(p.startup_timeout_s), "start the router",
+                         p.startup_timeout_s)  # fmt: skip
+        self.url = f"http://{p.host if p.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{port}"
+        self._wait_healthy(p.startup_timeout_s)
+        if p.warmup_prompts:
+            self._warmup(list(p.warmup_prompts))
+
+    def _connect(self) -> Any:
+        """ray.init within `ray_timeout_s`: Ray itself retries an unreachable GCS for minutes."""
+        ray = _import_ray()
+        p = self.pipeline
+        address = p.ray_address
+        if address and address != "auto":
+            _probe(address, p.ray_timeout_s)
+        if ray.is_initialized():  # this process is connected already (a notebook, tests)
+            return ray
+        outcome: dict[str, Any] = {}
+
+        def init() -> None:
+            try:
+                ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+            except Exception as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=init, daemon=True)
+        thread.start()
+        thread.join(p.ray_timeout_s)
+        where = address or "a new local Ray instance"
+        if thread.is_alive():
+            raise ClusterError(f"could not connect to Ray at {where} within "
+                               f"{p.ray_timeout_s:.0f} s (ray_timeout_s)")  # fmt: skip
+        if "error" in outcome:
+            raise ClusterError(f"could not connect to Ray at {where}: {outcome['error']}")
+        self._started_ray = True
+        return ray
+
+    def _start_router(self) -> None:
+        ray = _import_ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        p = self.pipeline
+        config = {"host": p.host, "port": p.port, "model": p.model, "policy": p.routing,
+                  "load_balancer": p.load_balancer, "log_level": self.log_level}  # fmt: skip
+        here = ray.get_runtime_context().get_node_id()
+        actor = ray.remote(RouterActor).options(
+            num_cpus=1, max_restarts=0, max_concurrency=8, name=None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        )  # fmt: skip
+        self.router = actor.remote(json.dumps(config), self._secret_refs, self.log_level)
+
+    def _start_worker(self, spec: WorkerSpec) -> None:
+        ray = _import_ray()
+        role = getattr(self.pipeline, spec.role)
+        actor = ray.remote(WorkerActor).options(
+            **actor_options(role), max_restarts=self.pipeline.ray_max_restarts,
+            max_concurrency=4,
+        )  # fmt: skip
+        self._specs[spec.worker_id] = spec
+        index = int(spec.worker_id.rsplit("-", 1)[1])
+        self._next_index[spec.role] = max(self._next_index.get(spec.role, 0), index + 1)
+        self.workers[spec.worker_id] = actor.remote(
+            spec.to_json(), self._secret_refs, self.router, self.log_level
+        )
+
+    def _await_worker(self, worker_id: str) -> None:
+        """Placed within `ray_timeout_s`, then bound and registered within the start-up bound
+        (the model loads in between)."""
+        p, actor = self.pipeline, self.workers[worker_id]
+        role = getattr(p, self._specs[worker_id].role)
+        try:
+            self.placements[worker_id] = self._get(actor.placed.remote(), f"place {worker_id}")
+        except ClusterError:
+            offers = [n["Resources"] for n in _import_ray().nodes() if n.get("Alive")]
+            raise ClusterError(
+                f"Ray placed no actor for {worker_id} within {p.ray_timeout_s:.0f} s "
+                f"(ray_timeout_s): it asks {actor_options(role)}, the nodes offer {offers}"
+            ) from None
+        found = self._get(actor.endpoint.remote(p.startup_timeout_s), f"start {worker_id}",
+                          p.startup_timeout_s + 5)  # fmt: skip
+        log.info("%s on node %s at %s", worker_id, found["node_ip"], found["address"])
+
+    def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
+        ray = _import_ray()
+        timeout_s = timeout_s or self.pipeline.ray_timeout_s
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"could not {what} within {timeout_s:.0f} s") from None
+        except ray.exceptions.RayError as exc:
+            raise ClusterError(f"could not {what}: {_first_line(exc)}") from None
+
+    def check_alive(self) -> None:
+        if self.router is not None:
+            self._get(self.router.ping.remote(), "reach the router")
+
+    # ---- scaling --------------------------------------------------------------------------
+
+    def add_worker(self, role: str) -> str:
+        """Start one more worker of `role` (a role of the pipeline) and return its id once the
+        router serves it. Where the cluster autoscales, its resource request adds a node."""
+        if getattr(self.pipeline, role, None) is None:
+            raise ValueError(f"role {role!r} is not in this pipeline")
+        template = next(s for s in self._specs.values() if s.role == role)
+        worker_id = f"{role}-{self._next_index[role]}"
+        self._start_worker(dataclasses.replace(template, worker_id=worker_id))
+        self._await_worker(worker_id)
+        deadline = time.monotonic() + self.pipeline.startup_timeout_s
+        while not self._is_healthy(worker_id):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{worker_id} not healthy after "
+                                   f"{self.pipeline.startup_timeout_s:.0f} s")  # fmt: skip
+            time.sleep(0.2)
+        return worker_id
+
+    def _is_healthy(self, worker_id: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as exc:  # 503 while a role has no healthy worker
+            body = exc.read()
+        except OSError:
+            return False
+        return json.loads(body)["workers"].get(worker_id, {}).get("healthy", False)
+
+    def remove_worker(self, role: str, drain_timeout_s: float = 60.0) -> str:
+        """Stop one worker of `role` (the newest): the router routes nothing new to it, waits
+        up to `drain_timeout_s` for what it holds to finish (the rest is re-driven elsewhere),
+        then forgets it and the actor is killed. Refused for a role's last worker."""
+        ids = [w for w in self.workers if self._specs[w].role == role]
+        if len(ids) < 2:
+            raise ValueError(f"{role} has {len(ids)} worker(s); a role keeps at least one")
+        worker_id = max(ids, key=lambda w: int(w.rsplit("-", 1)[1]))
+        deadline = time.monotonic() + drain_timeout_s
+        while not self._get(self.router.retire.remote(worker_id), "retire a worker"):
+            if time.monotonic() > deadline:
+                log.warning("%s not drained in %.0f s: its requests are re-driven", worker_id,
+                            drain_timeout_s)  # fmt: skip
+                break
+            time.sleep(0.2)
+        self._get(self.router.remove_worker.remote(worker_id), "remove a worker")
+        self._kill(worker_id)
+        return worker_id
+
+    # ---- stop -----------------------------------------------------------------------------
+
+    def _kill(self, worker_id: str) -> None:
+        ray = _import_ray()
+        actor = self.workers.pop(worker_id)
+        self._specs.pop(worker_id)
+        self.placements.pop(worker_id, None)
+        try:
+            ray.get(actor.stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + 1)
+        except ray.exceptions.RayError:
+            pass  # dead or hung: killed below either way
+        ray.kill(actor, no_restart=True)
+
+    def stop(self) -> None:
+        try:
+            ray = _import_ray()
+        except ClusterError:
+            return
+        if not ray.is_initialized():
+            return
+        refs = [a.stop.remote(STOP_GRACE_S) for a in [*self.workers.values(), self.router] if a]
+        ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S + 1)
+        for actor in [*self.workers.values(), self.router]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self.workers, self.router = {}, None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+def _probe(address: str, timeout_s: float) -> None:
+    """A TCP connect to host:port (of `host:port` or `ray://host:port`): an address nothing
+    listens at fails here at once, not after Ray's own retries."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ClusterError(f"ray_address must be auto, host:port or ray://host:port, got "
+                           f"{address!r}")  # fmt: skip
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ClusterError(f"cannot reach Ray at {address}: {exc}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [x for x in str(exc).splitlines() if x.strip()]
+    return lines[-1] if lines else type(exc).__name__

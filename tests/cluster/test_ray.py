@@ -1,0 +1,215 @@
+"""Ray placement on a real two-node Ray cluster on this machine (two raylets, each with its
+own custom resource, so a role's `ray_resources` picks the node): disaggregated output equals
+collocated with prefill and decode on different nodes (tcp, chosen by `auto`), a killed worker
+actor comes back and its requests finish, scaling adds and removes actors, and nothing is left
+running after shutdown. One module-scoped Ray cluster keeps CI time bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'pdserve[ray]'")
+
+from pdserve.cluster.config import Pipeline, TensorStore  # noqa: E402
+from pdserve.cluster.launcher import ClusterError, free_port  # noqa: E402
+from pdserve.cluster.ray import RayCluster  # noqa: E402
+from tests.cluster.conftest import get_text, post, role  # noqa: E402
+from tests.cluster.test_cluster import complete_all  # noqa: E402
+
+pytestmark = pytest.mark.slow
+try:  # the state API (what the dashboard shows) comes with ray[default]
+    import aiohttp_cors  # noqa: F401
+
+    HAS_STATE_API = True
+except ImportError:
+    HAS_STATE_API = False
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    from ray.cluster_utils import Cluster as RayTestCluster
+
+    nodes = RayTestCluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"prefill_pool": 4}, "include_dashboard": HAS_STATE_API,
+        "dashboard_port": free_port(),
+    })  # fmt: skip
+    nodes.add_node(num_cpus=2, resources={"decode_pool": 4})
+    ray.init(address=nodes.address, logging_level="WARNING")
+    nodes.wait_for_nodes()
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+def start(model, **pipeline) -> RayCluster:
+    return RayCluster(Pipeline(model=str(model), port=free_port(), placement="ray", **pipeline),
+                      log_level="WARNING")  # fmt: skip
+
+
+def pools(**kw) -> dict:
+    """Prefill on the head node, decode on the second (their custom resources)."""
+    return {"prefill": role(ray_resources={"prefill_pool": 1}, **kw),
+            "decode": role(ray_resources={"decode_pool": 1})}  # fmt: skip
+
+
+def actor_pids() -> set[int]:
+    """pdserve's actor processes still alive (Ray titles them `ray::<class>`)."""
+    pids = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            title = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"ray::WorkerActor" in title or b"ray::RouterActor" in title:
+            pids.add(int(proc.name))
+    return pids
+
+
+def received_bytes(url: str) -> int:
+    """KV bytes decode-0 received over tcp (shm writes land without frames)."""
+    for line in get_text(url, "/metrics").splitlines():
+        if (
+            line.startswith("pdserve_kv_transfer_bytes_total")
+            and "received" in line
+            and ('"decode-0"' in line)
+        ):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def health(url: str) -> dict:
+    """/health's body, also when it is 503 (a role has no healthy worker)."""
+    try:
+        return json.loads(get_text(url, "/health"))
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+def wait_for(predicate, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@pytest.fixture(scope="module")
+def reference(ray_nodes, tiny_served_model):
+    with start(tiny_served_model, collocated=role(ray_resources={"prefill_pool": 1})) as url:
+        return complete_all(url, str(tiny_served_model))
+
+
+def test_1p1d_on_two_nodes_equals_collocated(ray_nodes, tiny_served_model, reference):
+    cluster = start(tiny_served_model, kv_transfer=TensorStore(backend="auto"), **pools())
+    with cluster as url:
+        nodes = {w: p["node_id"] for w, p in cluster.placements.items()}
+        assert nodes["prefill-0"] != nodes["decode-0"]
+        assert complete_all(url, str(tiny_served_model)) == reference
+        # `auto` saw two nodes: the bytes went over tcp (shm writes send no frames).
+        assert wait_for(lambda: received_bytes(url) > 0)
+    assert wait_for(lambda: not actor_pids())  # ray.kill ends processes asynchronously
+
+
+def test_same_node_uses_shm(ray_nodes, tiny_served_model, reference):
+    both = role(ray_resources={"decode_pool": 1})
+    cluster = start(tiny_served_model, prefill=both, decode=both)
+    with cluster as url:
+        assert (
+            cluster.placements["prefill-0"]["node_id"] == cluster.placements["decode-0"]["node_id"]
+        )
+        assert complete_all(url, str(tiny_served_model)) == reference
+        # Stats arrive with the heartbeat: give it a few beats to report any tcp bytes.
+        assert not wait_for(lambda: received_bytes(url) > 0, timeout_s=2)
+
+
+def test_killed_worker_is_restarted_and_requests_finish(ray_nodes, tiny_served_model):
+    cluster = start(tiny_served_model, **pools())
+    model = str(tiny_served_model)
+    body = {"model": model, "prompt": [50] * 20, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with cluster as url:
+        expected = post(url, "/v1/completions", body)["choices"][0]["text"]
+        results: list = []
+        streamer = threading.Thread(
+            target=lambda: results.append(post(url, "/v1/completions", body, timeout=120))
+        )
+        streamer.start()
+        time.sleep(0.5)  # the request is decoding on decode-0
+        old_pid = int(cluster.placements["decode-0"]["pid"])
+        os.kill(old_pid, signal.SIGKILL)
+        streamer.join(120)
+        assert results and results[0]["choices"][0]["text"] == expected
+
+        # Ray restarted the actor in a new process, which the router serves again.
+        def back() -> bool:
+            try:
+                pid = int(ray.get(cluster.workers["decode-0"].placed.remote(), timeout=5)["pid"])
+            except ray.exceptions.RayError:  # still restarting
+                return False
+            return pid != old_pid and health(url)["workers"]["decode-0"]["healthy"]
+
+        assert wait_for(back, timeout_s=60), "decode-0 did not come back"
+        assert post(url, "/v1/completions", body)["choices"][0]["text"] == expected
+    assert wait_for(lambda: not actor_pids())  # ray.kill ends processes asynchronously
+
+
+def test_scaling_adds_and_removes_a_worker(ray_nodes, tiny_served_model, reference):
+    cluster = start(tiny_served_model, **pools())
+    with cluster as url:
+        assert cluster.add_worker("decode") == "decode-1"
+        assert health(url)["workers"]["decode-1"]["healthy"]
+        assert complete_all(url, str(tiny_served_model)) == reference
+        assert cluster.remove_worker("decode") == "decode-1"
+        assert "decode-1" not in health(url)["workers"]
+        with pytest.raises(ValueError, match="keeps at least one"):
+            cluster.remove_worker("decode")
+        assert complete_all(url, str(tiny_served_model)) == reference
+    assert wait_for(lambda: not actor_pids())  # ray.kill ends processes asynchronously
+
+
+def test_unsatisfiable_resources_end_the_start(ray_nodes, tiny_served_model):
+    prefill = role(ray_resources={"gpu_pool": 1})
+    cluster = start(tiny_served_model, prefill=prefill, decode=role(), ray_timeout_s=3)
+    t = time.monotonic()
+    with pytest.raises(ClusterError, match=r"prefill-0 within 3 s .*gpu_pool"):
+        cluster.__enter__()
+    assert time.monotonic() - t < 30
+    assert wait_for(lambda: not actor_pids())  # ray.kill ends processes asynchronously
+
+
+def test_unreachable_address_errors_within_the_bound(tiny_served_model):
+    port = free_port()  # nothing listens there
+    cluster = RayCluster(Pipeline(model=str(tiny_served_model), prefill=role(), decode=role(),
+                                  placement="ray", ray_address=f"127.0.0.1:{port}",
+                                  ray_timeout_s=2))  # fmt: skip
+    t = time.monotonic()
+    with pytest.raises(ClusterError, match=f"cannot reach Ray at 127.0.0.1:{port}"):
+        cluster.start()
+    assert time.monotonic() - t < 10
+
+
+@pytest.mark.skipif(not HAS_STATE_API, reason="Ray's state API needs ray[default]")
+def test_secret_shows_nowhere(ray_nodes, tiny_served_model):
+    """Neither Ray's state API (what the dashboard shows) nor an actor process's command line
+    or environment (what `ps e` shows) holds the cluster secret or the API key."""
+    from ray.util.state import list_actors, list_tasks
+
+    cluster = start(tiny_served_model, collocated=role(), api_key="sk-test-key-123")
+    with cluster:
+        secret = ray.get(cluster._secret_refs[0])["secret"].hex()
+        shown = json.dumps([*list_actors(detail=True), *list_tasks(detail=True)], default=str)
+        assert "WorkerActor" in shown
+        for pid in actor_pids():
+            proc = Path(f"/proc/{pid}")
+            shown += (proc / "cmdline").read_bytes().decode(errors="replace")
+            shown += (proc / "environ").read_bytes().decode(errors="replace")
+        assert secret not in shown and "sk-test-key-123" not in shown
