@@ -306,9 +306,13 @@ class Cluster:
         self.zmq_ctx.term()
 
     def start_workers(self) -> None:
+        self.start_workers_of(list(self.workers))
+
+    def start_workers_of(self, worker_ids: list[str]) -> None:
         async def spawn() -> None:
-            for worker in self.workers.values():
-                self._worker_tasks[worker.worker_id] = asyncio.create_task(worker.run())
+            for worker_id in worker_ids:
+                task = asyncio.create_task(self.workers[worker_id].run())
+                self._worker_tasks[worker_id] = task
 
         self.call(spawn())
 
