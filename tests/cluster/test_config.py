@@ -116,3 +116,23 @@ def test_admin_key_from_the_flag_the_environment_or_made_per_cluster(monkeypatch
     keys = {Cluster(none).admin_key for _ in range(2)}
     assert none.admin_key is None and len(keys) == 2 and all(len(k) >= 32 for k in keys)
     assert envs.child_env(b"s", admin_key="a")[envs.ADMIN_KEY] == "a"
+
+
+def test_ray_flag_sets_the_placement(tmp_path):
+    assert pipeline_from_args(up_args()).placement == "local"
+    local_ray = pipeline_from_args(up_args("--ray"))
+    assert (local_ray.placement, local_ray.ray_address) == ("ray", None)
+    remote = pipeline_from_args(up_args("--ray", "10.0.0.1:6379", "--ray-timeout-s", "5"))
+    assert (remote.placement, remote.ray_address, remote.ray_timeout_s) == (
+        "ray", "10.0.0.1:6379", 5.0,
+    )  # fmt: skip
+    path = tmp_path / "c.yaml"
+    path.write_text("prefill: {ray_resources: {prefill_pool: 1}, ray_num_gpus: 1}\n"
+                    "decode: {ray_resources: {decode_pool: 0.5}}\nplacement: ray\n")  # fmt: skip
+    p = pipeline_from_args(up_args("--config", str(path)))
+    assert p.placement == "ray" and p.prefill.ray_resources == {"prefill_pool": 1}
+    assert p.prefill.ray_num_gpus == 1 and p.decode.ray_resources == {"decode_pool": 0.5}
+    with pytest.raises(ValueError, match="ray_resources must map names to amounts >= 0"):
+        Role(ray_resources={"pool": -1})
+    with pytest.raises(ValueError, match="placement must be one of"):
+        Pipeline(collocated=Role(), placement="k8s")
