@@ -97,7 +97,9 @@ class RayCluster(Cluster):
             self._warmup(list(p.warmup_prompts))
 
     def _connect(self) -> Any:
-        """ray.init within `ray_timeout_s`: Ray itself retries an unreachable GCS for minutes."""
+        """ray.init, connecting within `ray_timeout_s` (Ray itself retries an unreachable GCS
+        for minutes). A new local instance starts in this thread: Ray cannot start one from
+        another (the process exits)."""
         ray = _import_ray()
         p = self.pipeline
         address = p.ray_address
@@ -109,15 +111,21 @@ class RayCluster(Cluster):
 
         def init() -> None:
             try:
-                ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
+                # "local": a new instance even where /tmp/ray names a running (or dead) one
+                ray.init(address=address or "local", log_to_driver=True,
+                         logging_level=logging.WARNING)  # fmt: skip
             except Exception as exc:
                 outcome["error"] = exc
 
-        thread = threading.Thread(target=init, daemon=True)
-        thread.start()
-        thread.join(p.ray_timeout_s)
         where = address or "a new local Ray instance"
-        if thread.is_alive():
+        if address is None:
+            init()
+            thread = None
+        else:
+            thread = threading.Thread(target=init, daemon=True)
+            thread.start()
+            thread.join(p.ray_timeout_s)
+        if thread is not None and thread.is_alive():
             raise ClusterError(f"could not connect to Ray at {where} within "
                                f"{p.ray_timeout_s:.0f} s (ray_timeout_s)")  # fmt: skip
         if "error" in outcome:
@@ -133,8 +141,10 @@ class RayCluster(Cluster):
         config = {"host": p.host, "port": p.port, "model": p.model, "policy": p.routing,
                   "load_balancer": p.load_balancer, "log_level": self.log_level}  # fmt: skip
         here = ray.get_runtime_context().get_node_id()
+        # num_cpus=0: the router waits on sockets; a CPU reserved for it would leave a small
+        # machine (`pdserve up --ray` on 2 cores) unable to place 1P1D.
         actor = ray.remote(RouterActor).options(
-            num_cpus=1, max_restarts=0, max_concurrency=8, name=None,
+            num_cpus=0, max_restarts=0, max_concurrency=8,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         )  # fmt: skip
         self.router = actor.remote(json.dumps(config), self._secret_refs, self.log_level)
