@@ -34,7 +34,7 @@ import urllib.request
 from typing import Any
 
 from pdserve.cluster.config import Pipeline, Role
-from pdserve.cluster.launcher import Cluster, ClusterError, worker_specs
+from pdserve.cluster.launcher import Cluster, ClusterError, router_settings, worker_specs
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.workers.spec import WorkerSpec
 
@@ -72,6 +72,9 @@ class RayCluster(Cluster):
 
     def start(self) -> None:
         p = self.pipeline
+        if p.adaptive.enabled:
+            raise ClusterError("adaptive pipelines share one host's cores (adaptive.enabled); "
+                               "under Ray give roles their own workers")  # fmt: skip
         if p.kv_pool.redis_url == "local":
             raise ClusterError("kv_pool.redis_url 'local' starts redis-server on this host only; "
                                "under Ray give a redis:// URL every node reaches")  # fmt: skip
@@ -137,9 +140,9 @@ class RayCluster(Cluster):
         ray = _import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        p = self.pipeline
-        config = {"host": p.host, "port": p.port, "model": p.model, "policy": p.routing,
-                  "load_balancer": p.load_balancer, "log_level": self.log_level}  # fmt: skip
+        # The actor fills in its own control address and the workers as they register.
+        config = router_settings(self.pipeline, [], "", self.log_level)
+        del config["ctrl_address"], config["workers"]
         here = ray.get_runtime_context().get_node_id()
         # num_cpus=0: the router waits on sockets; a CPU reserved for it would leave a small
         # machine (`pdserve up --ray` on 2 cores) unable to place 1P1D.
