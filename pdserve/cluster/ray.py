@@ -78,10 +78,10 @@ class RayCluster(Cluster):
         if p.kv_pool.redis_url == "local":
             raise ClusterError("kv_pool.redis_url 'local' starts redis-server on this host only; "
                                "under Ray give a redis:// URL every node reaches")  # fmt: skip
+        ray = self._connect()  # first: an unreachable cluster fails before any conversion
         from pdserve.model.registry import resolve_model
 
         resolve_model(p.model)  # converted here once; nodes sharing the cache dir reuse it
-        ray = self._connect()
         keys = {"secret": secrets.token_bytes(32), "api_key": p.api_key,
                 "admin_key": self.admin_key}  # fmt: skip
         self._secret_refs = [ray.put(keys)]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 import urllib.error
 from pathlib import Path
 
 import pytest
+import requests
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'pdserve[ray]'")
 
@@ -138,16 +138,16 @@ def test_killed_worker_is_restarted_and_requests_finish(ray_nodes, tiny_served_m
             "ignore_eos": True}  # fmt: skip
     with cluster as url:
         expected = post(url, "/v1/completions", body)["choices"][0]["text"]
-        results: list = []
-        streamer = threading.Thread(
-            target=lambda: results.append(post(url, "/v1/completions", body, timeout=120))
-        )
-        streamer.start()
-        time.sleep(0.5)  # the request is decoding on decode-0
         old_pid = int(cluster.placements["decode-0"]["pid"])
-        os.kill(old_pid, signal.SIGKILL)
-        streamer.join(120)
-        assert results and results[0]["choices"][0]["text"] == expected
+        r = requests.post(url + "/v1/completions", json={**body, "stream": True}, stream=True,
+                          timeout=120)  # fmt: skip
+        texts = []
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(texts) == 5:  # decoding on decode-0 (the only decode worker)
+                    os.kill(old_pid, signal.SIGKILL)
+        assert len(texts) > 5 and "".join(texts) == expected
 
         # Ray restarted the actor in a new process, which the router serves again.
         def back() -> bool:
