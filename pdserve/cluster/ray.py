@@ -162,9 +162,7 @@ class RayCluster(Cluster):
         self._specs[spec.worker_id] = spec
         index = int(spec.worker_id.rsplit("-", 1)[1])
         self._next_index[spec.role] = max(self._next_index.get(spec.role, 0), index + 1)
-        self.workers[spec.worker_id] = actor.remote(
-            spec.to_json(), self._secret_refs, self.router, self.log_level
-        )
+        self.workers[spec.worker_id] = actor.remote(spec.to_json(), self.router, self.log_level)
 
     def _await_worker(self, worker_id: str) -> None:
         """Placed within `ray_timeout_s`, then bound and registered within the start-up bound

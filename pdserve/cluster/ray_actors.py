@@ -3,7 +3,7 @@
 Plain classes: `pdserve/cluster/ray.py` wraps them with `ray.remote` and each role's resource
 request, so importing this module does not import ray (only code running in an actor does).
 
-    driver ──ray.put──▶ [secret object]          fetched by each actor (never an argument)
+    driver ──ray.put──▶ [secret object]      its ref: router's argument, workers ask the router
     WorkerActor: bind on its node ──▶ RouterActor.add_worker(endpoint) ──▶ Worker.run()
     RouterActor: the router's event loop in a thread, fed new endpoints from other threads
 
@@ -47,7 +47,7 @@ def _fetch_keys(secret_refs: list) -> dict[str, Any]:
 
 
 class WorkerActor:
-    def __init__(self, spec_json: str, secret_refs: list, router: Any, log_level: str) -> None:
+    def __init__(self, spec_json: str, router: Any, log_level: str) -> None:
         self.node_id, self.node_ip = _node()
         # Transfer `auto`: shm only with peers on this Ray node (wire.host_identity()).
         envs.set_host_id(f"ray-node/{self.node_id}")
@@ -60,12 +60,10 @@ class WorkerActor:
         self._error: str | None = None
         self._started = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(
-            target=self._serve, args=(spec, secret_refs, router), daemon=True
-        )
+        self._thread = threading.Thread(target=self._serve, args=(spec, router), daemon=True)
         self._thread.start()
 
-    def _serve(self, spec: WorkerSpec, secret_refs: list, router: Any) -> None:
+    def _serve(self, spec: WorkerSpec, router: Any) -> None:
         import ray
 
         from pdserve.workers.worker import Worker
@@ -73,6 +71,9 @@ class WorkerActor:
         try:
             address = f"tcp://{self.node_ip}:{free_port(self.node_ip)}"
             spec = dataclasses.replace(spec, ctrl_address=address, transfer_host=self.node_ip)
+            # From the router, not an argument: Ray warns that a restartable actor's
+            # arguments held in the object store may be gone when it restarts.
+            secret_refs = ray.get(router.secret_refs.remote(), timeout=CALL_TIMEOUT_S)
             self.worker = Worker(spec, _fetch_keys(secret_refs)["secret"])
             endpoint = {"worker_id": spec.worker_id, "role": spec.role, "address": address}
             ray.get(router.add_worker.remote(endpoint), timeout=CALL_TIMEOUT_S)
@@ -119,7 +120,7 @@ class RouterActor:
         )
         self.config_data = json.loads(config_json)
         self.ctrl_address = f"tcp://{self.node_ip}:{free_port(self.node_ip)}"
-        self.secret_refs = secret_refs
+        self._secret_refs = secret_refs
         self._endpoints: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -129,6 +130,9 @@ class RouterActor:
 
     def address(self) -> dict[str, str]:
         return {"ctrl_address": self.ctrl_address, "node_id": self.node_id}
+
+    def secret_refs(self) -> list:
+        return self._secret_refs
 
     def add_worker(self, endpoint: dict[str, str]) -> None:
         """A worker (re)started at `endpoint`: served from now on, at that address."""
@@ -153,7 +157,7 @@ class RouterActor:
         from pdserve.router.config import RouterConfig
         from pdserve.schema import from_dict
 
-        keys = _fetch_keys(self.secret_refs)
+        keys = _fetch_keys(self._secret_refs)
         with self._lock:
             workers = list(self._endpoints.values())
         data = {**self.config_data, "ctrl_address": self.ctrl_address, "workers": workers,
