@@ -167,12 +167,13 @@ class RayCluster(Cluster):
     def _await_worker(self, worker_id: str) -> None:
         """Placed within `ray_timeout_s`, then bound and registered within the start-up bound
         (the model loads in between)."""
-        p, actor = self.pipeline, self.workers[worker_id]
+        ray, p, actor = _import_ray(), self.pipeline, self.workers[worker_id]
         role = getattr(p, self._specs[worker_id].role)
-        try:
-            self.placements[worker_id] = self._get(actor.placed.remote(), f"place {worker_id}")
-        except ClusterError:
-            offers = [n["Resources"] for n in _import_ray().nodes() if n.get("Alive")]
+        ref = actor.placed.remote()
+        if ray.wait([ref], timeout=p.ray_timeout_s)[0]:
+            self.placements[worker_id] = self._get(ref, f"place {worker_id}")
+        else:
+            offers = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
             raise ClusterError(
                 f"Ray placed no actor for {worker_id} within {p.ray_timeout_s:.0f} s "
                 f"(ray_timeout_s): it asks {actor_options(role)}, the nodes offer {offers}"
