@@ -127,7 +127,7 @@ class Pipeline:
     placement: str = knob("local", "this host, or actors on a Ray cluster", choices=PLACEMENTS)
     ray_address: str | None = knob(None, "the Ray cluster (auto, host:port, ray://...)")
     ray_timeout_s: float = knob(60.0, "wait this long to reach Ray and place each actor", gt=0)
-    ray_max_restarts: int = knob(4, "Ray restarts of a dead worker actor (-1: always)", ge=-1)
+    ray_max_restarts: int = knob(4, "Ray restarts of a dead actor (-1: always)", ge=-1)
 
     def __post_init__(self) -> None:
         check(self)

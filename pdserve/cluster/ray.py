@@ -5,7 +5,8 @@
 are actors: each worker asks a node for its role's `ray_num_cpus`, `ray_num_gpus` and
 `ray_resources` (a custom resource per node pool puts prefill and decode on different
 hardware) and is restarted by Ray up to `ray_max_restarts` times; the router runs on the node
-of this process, so its URL is the same as on one host. Start-up is bounded: an address that
+of this process, so its URL is the same as on one host, and is restarted there (it finds its
+workers again by their actor names). Start-up is bounded: an address that
 cannot be reached, or an actor no node can take, ends it within `ray_timeout_s` with the
 resources asked and what each node offers.
 
@@ -34,7 +35,13 @@ import urllib.request
 from typing import Any
 
 from pdserve.cluster.config import Pipeline, Role
-from pdserve.cluster.launcher import Cluster, ClusterError, router_settings, worker_specs
+from pdserve.cluster.launcher import (
+    Cluster,
+    ClusterError,
+    free_port,
+    router_settings,
+    worker_specs,
+)
 from pdserve.cluster.ray_actors import RouterActor, WorkerActor
 from pdserve.workers.spec import WorkerSpec
 
@@ -67,6 +74,7 @@ class RayCluster(Cluster):
         self._next_index: dict[str, int] = {}
         self._secret_refs: list = []
         self._started_ray = False
+        self._name_prefix = f"pdserve-{secrets.token_hex(4)}-"  # this cluster's actor names
 
     # ---- start ----------------------------------------------------------------------------
 
@@ -140,24 +148,29 @@ class RayCluster(Cluster):
         ray = _import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        # The actor fills in its own control address and the workers as they register.
-        config = router_settings(self.pipeline, [], "", self.log_level)
-        del config["ctrl_address"], config["workers"]
+        # On this node, at a control address chosen here: a restarted router binds the same
+        # one, which the workers' sockets reconnect to. It learns the workers as they register.
+        ip = ray.util.get_node_ip_address()
+        config = router_settings(self.pipeline, [], f"tcp://{ip}:{free_port(ip)}", self.log_level)
+        del config["workers"]
         here = ray.get_runtime_context().get_node_id()
         # num_cpus=0: the router waits on sockets; a CPU reserved for it would leave a small
         # machine (`pdserve up --ray` on 2 cores) unable to place 1P1D.
         actor = ray.remote(RouterActor).options(
-            num_cpus=0, max_restarts=0, max_concurrency=8,
+            num_cpus=0, max_restarts=self.pipeline.ray_max_restarts, max_concurrency=8,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
         )  # fmt: skip
-        self.router = actor.remote(json.dumps(config), self._secret_refs, self.log_level)
+        self.router = actor.remote(
+            json.dumps(config), self._secret_refs, self.log_level, self._name_prefix
+        )
 
     def _start_worker(self, spec: WorkerSpec) -> None:
         ray = _import_ray()
         role = getattr(self.pipeline, spec.role)
+        # Named, so that a restarted router finds its workers (RouterActor._recover()).
         actor = ray.remote(WorkerActor).options(
             **actor_options(role), max_restarts=self.pipeline.ray_max_restarts,
-            max_concurrency=4,
+            max_concurrency=4, name=self._name_prefix + spec.worker_id,
         )  # fmt: skip
         self._specs[spec.worker_id] = spec
         index = int(spec.worker_id.rsplit("-", 1)[1])
@@ -193,8 +206,15 @@ class RayCluster(Cluster):
             raise ClusterError(f"could not {what}: {_first_line(exc)}") from None
 
     def check_alive(self) -> None:
+        """The router actor answers, or Ray is restarting it; dead for good is an error."""
+        ray = _import_ray()
         if self.router is not None:
-            self._get(self.router.ping.remote(), "reach the router")
+            try:
+                ray.get(self.router.ping.remote(), timeout=self.pipeline.ray_timeout_s)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                pass
+            except ray.exceptions.RayError as exc:
+                raise ClusterError(f"the router is gone: {_first_line(exc)}") from None
 
     # ---- scaling --------------------------------------------------------------------------
 
@@ -273,6 +293,7 @@ class RayCluster(Cluster):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        self._name_prefix = f"pdserve-{secrets.token_hex(4)}-"  # this cluster's actor names
 
 
 def _probe(address: str, timeout_s: float) -> None:

@@ -29,6 +29,7 @@ from pdserve.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 30.0  # a call into the router's event loop, or from a worker to the router
+RECOVER_TIMEOUT_S = 120.0  # a restarted router: until it serves again (its tokenizer loads)
 
 
 def _node() -> tuple[str, str]:
@@ -100,7 +101,8 @@ class WorkerActor:
             raise TimeoutError(f"worker not started after {timeout_s:.0f} s")
         if self._error is not None:
             raise RuntimeError(self._error)
-        return {"address": self.worker.spec.ctrl_address, **self.placed()}
+        spec = self.worker.spec
+        return {"address": spec.ctrl_address, "role": spec.role, **self.placed()}
 
     def stop(self, timeout_s: float) -> None:
         self._stopping = True
@@ -113,13 +115,17 @@ class RouterActor:
     """The router's asyncio loop in a thread; other threads (Ray's method calls) reach the
     control plane only through `_call`, which runs a function on that loop."""
 
-    def __init__(self, config_json: str, secret_refs: list, log_level: str) -> None:
+    def __init__(
+        self, config_json: str, secret_refs: list, log_level: str, worker_prefix: str
+    ) -> None:
+        import ray
+
         self.node_id, self.node_ip = _node()
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s router %(name)s: %(message)s"
         )
         self.config_data = json.loads(config_json)
-        self.ctrl_address = f"tcp://{self.node_ip}:{free_port(self.node_ip)}"
+        self.ctrl_address = self.config_data.pop("ctrl_address")
         self._secret_refs = secret_refs
         self._endpoints: dict[str, dict[str, str]] = {}
         self._lock = threading.Lock()
@@ -127,9 +133,27 @@ class RouterActor:
         self._plane = None
         self._stop: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._recover(worker_prefix)
+
+    def _recover(self, worker_prefix: str) -> None:
+        """A restart (Ray ran the constructor again): serve the workers that registered with
+        the dead router, found by their actor names. The router sends each a Hello; they drop
+        the dead router's requests and announce themselves again."""
+        import ray
+
+        for name in ray.util.list_named_actors():
+            if name.startswith(worker_prefix):
+                found = ray.get(ray.get_actor(name).endpoint.remote(CALL_TIMEOUT_S),
+                                timeout=CALL_TIMEOUT_S + 5)  # fmt: skip
+                worker_id = name.removeprefix(worker_prefix)
+                self._endpoints[worker_id] = {"worker_id": worker_id, "role": found["role"],
+                                              "address": found["address"]}  # fmt: skip
+        log.warning("router restarted: serving %s again", sorted(self._endpoints))
+        self.start(RECOVER_TIMEOUT_S)
 
     def address(self) -> dict[str, str]:
-        return {"ctrl_address": self.ctrl_address, "node_id": self.node_id}
+        return {"ctrl_address": self.ctrl_address, "node_id": self.node_id, "pid": str(os.getpid())}
 
     def secret_refs(self) -> list:
         return self._secret_refs

@@ -162,6 +162,28 @@ def test_killed_worker_is_restarted_and_requests_finish(ray_nodes, tiny_served_m
     assert wait_for(lambda: not actor_pids())  # ray.kill ends processes asynchronously
 
 
+def test_killed_router_is_restarted_and_finds_its_workers(ray_nodes, tiny_served_model):
+    cluster = start(tiny_served_model, **pools())
+    body = {"model": str(tiny_served_model), "prompt": [60] * 30, "max_tokens": 16,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    with cluster as url:
+        expected = post(url, "/v1/completions", body)["choices"][0]["text"]
+        old_pid = int(ray.get(cluster.router.address.remote())["pid"])
+        os.kill(old_pid, signal.SIGKILL)
+        cluster.check_alive()  # restarting is not an error
+
+        def serving() -> bool:
+            try:
+                return health(url)["status"] == "ok"
+            except OSError:  # nothing listens yet
+                return False
+
+        assert wait_for(serving, timeout_s=90), "the router did not come back"
+        assert int(ray.get(cluster.router.address.remote())["pid"]) != old_pid
+        assert post(url, "/v1/completions", body)["choices"][0]["text"] == expected
+    assert wait_for(lambda: not actor_pids())
+
+
 def test_scaling_adds_and_removes_a_worker(ray_nodes, tiny_served_model, reference):
     cluster = start(tiny_served_model, **pools())
     with cluster as url:
