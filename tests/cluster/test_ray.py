@@ -235,3 +235,41 @@ def test_secret_shows_nowhere(ray_nodes, tiny_served_model):
             shown += (proc / "cmdline").read_bytes().decode(errors="replace")
             shown += (proc / "environ").read_bytes().decode(errors="replace")
         assert secret not in shown and "sk-test-key-123" not in shown
+
+
+def test_lost_node_its_worker_comes_back_on_another(ray_nodes, tiny_served_model):
+    """Last in the module: it adds two nodes and removes one. The decode worker's node is
+    lost mid-stream; the stream finishes, and Ray restarts the worker on the other node, at a
+    new address the router moves to."""
+    first, second = (ray_nodes.add_node(num_cpus=2, resources={"lost_pool": 1}) for _ in "ab")
+    ray_nodes.wait_for_nodes()
+    prefill = role(ray_resources={"prefill_pool": 1})
+    cluster = start(tiny_served_model, prefill=prefill,
+                    decode=role(ray_resources={"lost_pool": 1}))  # fmt: skip
+    body = {"model": str(tiny_served_model), "prompt": [70] * 20, "max_tokens": 120,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    with cluster as url:
+        expected = post(url, "/v1/completions", body)["choices"][0]["text"]
+        old = cluster.placements["decode-0"]
+        lost = next(n for n in (first, second) if n.node_id == old["node_id"])
+        r = requests.post(url + "/v1/completions", json={**body, "stream": True}, stream=True,
+                          timeout=120)  # fmt: skip
+        texts = []
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(texts) == 5:
+                    ray_nodes.remove_node(lost, allow_graceful=False)
+        assert "".join(texts) == expected
+
+        def moved() -> bool:
+            try:
+                placed = ray.get(cluster.workers["decode-0"].placed.remote(), timeout=5)
+            except ray.exceptions.RayError:  # still restarting
+                return False
+            back = health(url)["workers"]["decode-0"]["healthy"]
+            return placed["node_id"] != old["node_id"] and back
+
+        assert wait_for(moved, timeout_s=90), "decode-0 did not come back on the other node"
+        assert post(url, "/v1/completions", body)["choices"][0]["text"] == expected
+    assert wait_for(lambda: not actor_pids())
