@@ -10,7 +10,8 @@ request, so importing this module does not import ray (only code running in an a
 A worker actor does everything in its constructor's thread, so that a restart (Ray runs the
 constructor again) binds again on whatever node it landed on, tells the router its new address
 and sends a fresh Ready: the router re-admits it, and requests it held were already re-driven
-when its connection dropped.
+when its connection dropped. A restarted router actor binds the control address the driver
+chose (the workers' sockets reconnect to it) and finds the workers by their actor names.
 """
 
 from __future__ import annotations
@@ -143,12 +144,18 @@ class RouterActor:
         import ray
 
         for name in ray.util.list_named_actors():
-            if name.startswith(worker_prefix):
+            if not name.startswith(worker_prefix):
+                continue
+            try:
                 found = ray.get(ray.get_actor(name).endpoint.remote(CALL_TIMEOUT_S),
                                 timeout=CALL_TIMEOUT_S + 5)  # fmt: skip
-                worker_id = name.removeprefix(worker_prefix)
-                self._endpoints[worker_id] = {"worker_id": worker_id, "role": found["role"],
-                                              "address": found["address"]}  # fmt: skip
+            except (ray.exceptions.RayError, ValueError) as exc:
+                # restarting (it registers itself once up) or gone
+                log.warning("router restarted: %s not found now: %s", name, exc)
+                continue
+            worker_id = name.removeprefix(worker_prefix)
+            self._endpoints[worker_id] = {"worker_id": worker_id, "role": found["role"],
+                                          "address": found["address"]}  # fmt: skip
         log.warning("router restarted: serving %s again", sorted(self._endpoints))
         self.start(RECOVER_TIMEOUT_S)
 
