@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.schema import check, knob
+from pdserve.config import SchedulerConfig
+from pdserve.schema import check, knob, same_as
 
 
 @dataclass(frozen=True)
@@ -18,10 +19,21 @@ class AdaptiveConfig:
         False, "decide per request and per core where prefill runs", flag="adaptive"
     )
     workers: int = knob(2, "workers of an adaptive deployment", ge=2)
+    # None: derived per request from the cost model (docs/adaptive.md, "Defaults").
     slo_ttft_ms: float | None = knob(None, "time-to-first-token target (ms)", gt=0)
     slo_itl_ms: float | None = knob(None, "inter-token latency target (ms)", gt=0)
     interval_s: float = knob(1.0, "how often the planner re-plans cores and roles", gt=0)
     min_dwell_s: float = knob(30.0, "least time a worker keeps a role", ge=0)
+    core_dwell_s: float = knob(
+        2.0, "least time a shrink or merge of core groups must stay wanted before it is made", ge=0
+    )
+    # The workers' chunk size: what a local prefill adds to each decode step there.
+    prefill_chunk_tokens: int = same_as(SchedulerConfig, "long_prefill_token_threshold")
+    profile: str | None = knob(None, "pdserve profile JSON seeding the cost model")
+    min_samples: int = knob(20, "steps a (role, threads) cost model needs before it is used", ge=1)
+    fallback_prompt_tokens: int = knob(
+        256, "before the cost model is fitted: longer uncached prompts prefill remotely", ge=0
+    )
 
     def __post_init__(self) -> None:
         check(self)

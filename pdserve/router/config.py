@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, field
 from pdserve.config import EngineConfig
 from pdserve.messages import FIELDS_BYTES, ROLES
 from pdserve.planner.config import AdaptiveConfig
+from pdserve.planner.cores import check_deployment
 from pdserve.router.policies import POLICIES
 from pdserve.schema import check, knob, same_as
 
@@ -95,6 +96,8 @@ class RouterConfig:
         ids = [w.worker_id for w in self.workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"workers: duplicate worker_id in {ids}")
+        if self.adaptive.enabled and self.workers:
+            check_deployment(self.workers)
 
     @property
     def tokenizer_source(self) -> str:

@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import messages
-from pdserve.kvcache.hashing import hash_blocks, root_hash
 from pdserve.output_processor import OutputProcessor
 from pdserve.router.deadlines import Deadlines, Lost, Watch
-from pdserve.router.policies import RouteRequest, RoutingPolicy
+from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, sampling_to_wire
+from pdserve.router.routing import AdaptiveRequest, route_request
 from pdserve.router.timing import RequestTiming
 from pdserve.router.workers import ControlPlane, WorkerLost
 from pdserve.sampling_params import SamplingParams
@@ -94,6 +94,7 @@ class RequestDriver:
         self._excluded: set[str] = set()  # refused for lack of room; retried after a backoff
         self._stalled: set[str] = set()  # missed a deadline: never picked again for this request
         self._decode_id, self._yielded = "", False
+        self.adaptive = AdaptiveRequest(plane, self.key)  # no-ops unless adaptive
         processor.add_request(self.key, params.stop)
 
     # ---- public -------------------------------------------------------------------------
@@ -132,10 +133,12 @@ class RequestDriver:
 
     async def _attempt(self) -> AsyncIterator[Delta]:
         roles = self.plane.healthy_roles()
-        if not self.num_output_tokens and {"prefill", "decode"} <= roles:
+        disaggregate = not self.num_output_tokens and {"prefill", "decode"} <= roles
+        local_id = disaggregate and self.adaptive.local_prefill(self.policy, self.prompt_token_ids)
+        if disaggregate and not local_id:
             worker_id, tokens = await self._disaggregated_first_token()
         else:
-            worker_id, tokens = await self._generate_first_token()
+            worker_id, tokens = await self._generate_first_token(local_id or "")
         delta = self._on_tokens(worker_id, tokens, is_prefill=self.state == "prefilled")
         if not self._yielded or delta.text or delta.finish_reason:
             self._yielded = True
@@ -160,6 +163,8 @@ class RequestDriver:
                     502, f"unexpected {kind} from {message.worker_id}", type="server_error"
                 )
             if self.state != "decoding":
+                if self.senders:
+                    self.adaptive.on_landed(self.timing)
                 self.senders.clear()  # D decodes: its KV has landed
                 self._transition("decoding")
             delta = self._on_tokens(message.worker_id, message, is_prefill=False)
@@ -168,10 +173,10 @@ class RequestDriver:
             if delta.finish_reason is not None:
                 return
 
-    async def _generate_first_token(self) -> tuple[str, messages.Tokens]:
-        """The whole request on one worker: collocated, a decode worker prefilling locally
-        (no healthy prefill worker), or a resumed request recomputing its streamed tokens.
-        The role is chosen again after each refusal (a worker may have switched roles)."""
+    async def _generate_first_token(self, worker_id: str = "") -> tuple[str, messages.Tokens]:
+        """The whole request on one worker: collocated, a decode worker prefilling locally (no
+        healthy prefill worker, or the adaptive planner's `worker_id`), or a resumed request
+        recomputing its streamed tokens. Roles are chosen again after a refusal (switches)."""
         deadline = time.monotonic() + self.deadlines.admission_s
         done = list(self.processor.states[self.key].token_ids)
         while True:
@@ -180,7 +185,9 @@ class RequestDriver:
             if role is None:
                 raise _unavailable("no healthy worker can serve the request")
             self._new_attempt()
-            worker_id = await self._pick(role, deadline)
+            chosen = worker_id and self.plane.is_healthy(worker_id)
+            worker_id = self._claim(worker_id) if chosen else await self._pick(role, deadline)
+            await self.adaptive.cores(worker_id, deadline)
             generate = messages.Generate(
                 self.request_id, self.prompt_token_ids, self.sampling, done
             )
@@ -193,6 +200,7 @@ class RequestDriver:
                 self._transition("decoding")
                 return worker_id, reply
             self._on_refused(reply, deadline)
+            worker_id = ""
 
     async def _disaggregated_first_token(self) -> tuple[str, messages.Tokens]:
         deadline = time.monotonic() + self.deadlines.admission_s
@@ -207,8 +215,10 @@ class RequestDriver:
             self._on_refused(reply, deadline)
         self._decode_id = decode_id
         self._transition("reserved")
+        self.adaptive.num_sent_blocks = len(reply.block_ids) - reply.num_cached_blocks
         while True:  # prefill: D's reservation stays; a busy P may refuse, another may take it
             prefill_id = await self._pick("prefill", deadline)
+            await self.adaptive.cores(prefill_id, deadline)
             prefill = messages.Prefill(
                 self.request_id,
                 self.prompt_token_ids,
@@ -239,13 +249,11 @@ class RequestDriver:
         candidate is excluded because it just refused for lack of room."""
         backoff_s = 0.02
         while True:
-            route = self._route_request(role)
+            route = route_request(self.plane, self.policy, self.prompt_token_ids, role)
             excluded = self._excluded | self._stalled
             load = self.policy.choose(role, self.plane.loads(route.block_hashes), route, excluded)
             if load is not None:
-                self.outstanding[load.worker_id] = self.plane.workers[load.worker_id].epoch
-                self.plane.workers[load.worker_id].active_requests += 1
-                return load.worker_id
+                return self._claim(load.worker_id)
             if role not in self.plane.healthy_roles():
                 if self.plane.switching(role):  # re-drive with the roles there are now
                     raise Lost(f"every {role} worker is switching roles")
@@ -259,17 +267,10 @@ class RequestDriver:
             backoff_s = min(backoff_s * 2, 0.5)
             self._excluded.clear()
 
-    def _route_request(self, role: str) -> RouteRequest:
-        """What the policy sees of the request; block hashes only for policies that score
-        cache overlap (they cost a blake2b per block), with the role's block size and model."""
-        if not self.policy.needs_block_hashes:
-            return RouteRequest(len(self.prompt_token_ids))
-        ready = [w.ready for w in self.plane.workers.values() if w.ready and w.role == role]
-        if not ready:
-            return RouteRequest(len(self.prompt_token_ids))
-        parent = root_hash(ready[0].model)
-        hashes = hash_blocks(self.prompt_token_ids, ready[0].block_size, parent)
-        return RouteRequest(len(self.prompt_token_ids), hashes, ready[0].block_size)
+    def _claim(self, worker_id: str) -> str:
+        self.outstanding[worker_id] = self.plane.workers[worker_id].epoch
+        self.plane.workers[worker_id].active_requests += 1
+        return worker_id
 
     def _on_refused(self, reply: Any, deadline: float) -> None:
         """Handle a non-success reply during admission: retry (return) or raise."""

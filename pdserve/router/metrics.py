@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -97,6 +97,7 @@ class RouterMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.window = Window()  # this interval's samples, for /v1/status (router/status.py)
+        self.adaptive = AdaptiveMetrics(self.registry)
 
     def record_finished(
         self,
@@ -137,6 +138,49 @@ class RouterMetrics:
         ]  # fmt: skip
         text = generate_latest(SimpleNamespace(collect=lambda: scraped))
         return (text + generate_latest(self.registry)).decode()
+
+
+class AdaptiveMetrics:
+    """The adaptive planner's families (pdserve/planner/planner.py records them)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
+            "pdserve_adaptive_decisions", "Where requests prefilled (local: on the decode "
+            "worker; remote: on a prefill worker), by the planner's reason.",
+            ["kind", "reason"], registry=registry,
+        )  # fmt: skip
+        self.core_switches = Counter(
+            "pdserve_adaptive_core_switches", "Core-group changes a worker applied (CoresSet).",
+            registry=registry,
+        )  # fmt: skip
+        self.role_switches = Counter(
+            "pdserve_adaptive_role_switches", "Role changes the planner asked, by new role.",
+            ["role", "reason"], registry=registry,
+        )  # fmt: skip
+        self.core_switch_seconds = Histogram(
+            "pdserve_adaptive_core_switch_seconds", "A core-group change: on the worker "
+            "(SetCores received to applied) and at the router (SetCores sent to CoresSet).",
+            ["side"], buckets=_LATENCY_BUCKETS_S, registry=registry,
+        )  # fmt: skip
+        self.cores = Gauge(
+            "pdserve_adaptive_worker_cores", "Cores a worker runs steps on (0: parked).",
+            ["worker"], registry=registry,
+        )  # fmt: skip
+
+    def decision(self, kind: str, reason: str) -> None:
+        self.decisions.labels(kind, reason).inc()
+
+    def core_switch(
+        self, worker_id: str, threads: int, switch_s: float, round_trip_s: float | None
+    ) -> None:
+        self.core_switches.inc()
+        self.core_switch_seconds.labels("worker").observe(switch_s)
+        if round_trip_s is not None:
+            self.core_switch_seconds.labels("router").observe(round_trip_s)
+        self.cores.labels(worker_id).set(threads)
+
+    def role_switch(self, role: str, reason: str) -> None:
+        self.role_switches.labels(role, reason).inc()
 
 
 class Window:

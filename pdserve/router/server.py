@@ -22,6 +22,7 @@ from aiohttp import web
 
 from pdserve.model.tokenizer import Tokenizer, load_tokenizer
 from pdserve.output_processor import OutputProcessor
+from pdserve.planner.planner import Planner
 from pdserve.router.completions import STATE, RouterState, chat_completions, completions
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import make_policy
@@ -62,10 +63,17 @@ def build_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.A
     )
     app[STATE] = state
 
+    if config.adaptive.enabled:
+        plane.planner = Planner(config.adaptive, plane, state.metrics.adaptive)
+
     async def start(_: web.Application) -> None:
         await plane.start()
+        if plane.planner is not None:
+            await plane.planner.start()
 
     async def stop(_: web.Application) -> None:
+        if plane.planner is not None:
+            await plane.planner.close()
         await plane.close()
 
     app.on_startup.append(start)

@@ -176,7 +176,7 @@ def status(state: Any, history: History, since: float = 0.0) -> dict[str, Any]:
     rows = worker_rows(state)
     for row in rows:
         row["kv_blocks_used"] = row["num_total_blocks"] - row["num_free_blocks"]
-    return {
+    out = {
         "model": state.config.model,
         "time": time.time(),
         "interval_s": history.interval_s,
@@ -187,6 +187,9 @@ def status(state: Any, history: History, since: float = 0.0) -> dict[str, Any]:
         "recent": history.recent(),
         "history": history.since(since),
     }
+    if state.plane.planner is not None:
+        out["planner"] = state.plane.planner.status()
+    return out
 
 
 async def status_route(request: web.Request) -> web.Response:

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -36,6 +36,9 @@ from zmq.utils.monitor import parse_monitor_message
 from pdserve import messages
 from pdserve.router.config import RouterConfig, WorkerEndpoint
 from pdserve.router.policies import WorkerLoad
+
+if TYPE_CHECKING:
+    from pdserve.planner.planner import Planner
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +105,7 @@ class ControlPlane:
         self._signer = messages.Signer(config.secret)
         self._verifier = messages.Verifier(config.secret)
         self.unacked_releases: dict[tuple[str, str], float] = {}  # (worker, request) -> sent
+        self.planner: Planner | None = None  # an adaptive deployment's (router/server.py)
 
     async def start(self) -> None:
         self._pull = self._async_ctx.socket(zmq.PULL)
@@ -312,6 +316,8 @@ class ControlPlane:
             worker.epoch += 1
             worker.sent_prefill_tokens = worker.active_requests = 0
             log.info("worker %s ready: %s", worker_id, message)
+        if isinstance(message, messages.Ready) and self.planner is not None:
+            self.planner.on_message(message)
         elif isinstance(message, messages.Stats):
             worker.stats = message
         elif isinstance(message, messages.KVEvents):
@@ -320,6 +326,9 @@ class ControlPlane:
         elif isinstance(message, messages.Released):
             self.unacked_releases.pop((worker_id, message.request_id), None)
             log.debug("worker %s released %s", worker_id, message.request_id)
+        elif isinstance(message, (messages.CoresSet, messages.StepReport)):
+            if self.planner is not None:
+                self.planner.on_message(message)
         elif isinstance(message, _REQUEST_MESSAGES):
             queue = self._queues.get(message.request_id)
             if queue is None:

@@ -1,0 +1,222 @@
+"""Core groups on one host: how many of the pool's cores each worker gets (`plan_counts`),
+which ones (`layout`), and the protocol that moves them (`CoreGroups`). Pure: callers pass
+the time and send what `CoreGroups.sends()` returns.
+
+Invariant: the cpus of workers that run steps never overlap, at any instant. A worker runs
+on what it last acknowledged (CoresSet) or, once it has the message, on what it was last
+sent; so a worker may hold `current` and `pending` both. A shrink (to a subset, or parked)
+is sent at once; a grow only when the cpus it takes are held by no other running worker in
+either state, i.e. after the CoresSet of every shrink it depends on. One SetCores in flight
+per worker. A worker never heard from (no Ready) is taken to hold the whole pool.
+
+Dwell: giving cores to a parked worker (a request waits for them) happens at once; every
+other change (a merge back, a resize) only once the same counts were wanted for `dwell_s`,
+so a burst does not make the groups flap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+
+@dataclass(frozen=True)
+class Cores:
+    cpus: tuple[int, ...]
+    threads: int  # 0: parked (takes messages and KV, runs no step)
+
+
+@dataclass(frozen=True)
+class Demand:
+    """One worker as the core planner sees it: busy (has work that needs steps) and, for a
+    decode worker, the threads its decodes need to meet the ITL budget (0: no estimate)."""
+
+    worker_id: str
+    role: str
+    busy: bool
+    need_threads: int = 0
+
+
+def plan_counts(pool_size: int, demands: Sequence[Demand]) -> dict[str, int]:
+    """Threads per worker (0: parked). Nothing busy: the first decode worker takes every core
+    (collocated's layout); one busy worker takes every core; busy decode and prefill workers
+    split: decode workers get their `need_threads` (an even split without an estimate), the
+    prefill workers the rest, each busy worker at least one."""
+    counts = {d.worker_id: 0 for d in demands}
+    ordered = sorted(demands, key=lambda d: (d.role == "prefill", d.worker_id))
+    busy = [d for d in ordered if d.busy][:pool_size]  # more busy workers than cores: id order
+    if len(busy) <= 1:
+        if ordered:
+            counts[(busy or ordered)[0].worker_id] = pool_size
+        return counts
+    decode = [d for d in busy if d.role != "prefill"]
+    prefill = [d for d in busy if d.role == "prefill"]
+    if not decode or not prefill:
+        weights = [max(1, d.need_threads) if d.role != "prefill" else 1 for d in busy]
+        counts.update(zip([d.worker_id for d in busy], _share(pool_size, weights), strict=True))
+        return counts
+    even = max(1, pool_size // len(busy))
+    needs = [max(1, d.need_threads) if d.need_threads else even for d in decode]
+    room = pool_size - len(prefill)
+    decode_counts = _share(min(room, sum(needs)), needs) if sum(needs) > room else needs
+    counts.update(zip([d.worker_id for d in decode], decode_counts, strict=True))
+    rest = pool_size - sum(decode_counts)
+    prefill_counts = _share(rest, [1] * len(prefill))
+    counts.update(zip([d.worker_id for d in prefill], prefill_counts, strict=True))
+    return counts
+
+
+def _share(total: int, weights: Sequence[int]) -> list[int]:
+    """`total` split in proportion to `weights`, at least 1 each (largest remainders first).
+    Needs total >= len(weights)."""
+    n = len(weights)
+    spare = total - n
+    raw = [spare * w / sum(weights) for w in weights]
+    out = [1 + int(r) for r in raw]
+    by_remainder = sorted(range(n), key=lambda i: (-(raw[i] - int(raw[i])), i))
+    for i in by_remainder[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def layout(
+    pool: Sequence[int], counts: dict[str, int], roles: dict[str, str], parked: dict[str, Cores]
+) -> dict[str, Cores]:
+    """The cpus of each count: decode workers (id order) from the pool's start, prefill
+    workers from its end, so a resize moves only the cores at the boundary. A parked worker
+    keeps the cpus it had (its idle threads' affinity; it runs no step)."""
+    out: dict[str, Cores] = {}
+    start, end = 0, len(pool)
+    for worker_id in sorted(counts, key=lambda w: (roles[w] == "prefill", w)):
+        n = counts[worker_id]
+        if n == 0:
+            out[worker_id] = Cores(parked.get(worker_id, Cores(tuple(pool), 0)).cpus, 0)
+        elif roles[worker_id] == "prefill":
+            out[worker_id], end = Cores(tuple(pool[end - n : end]), n), end - n
+        else:
+            out[worker_id], start = Cores(tuple(pool[start : start + n]), n), start + n
+    return out
+
+
+class CoreGroups:
+    """One host's pool and the SetCores protocol (module docstring)."""
+
+    def __init__(self, pool: Sequence[int], worker_ids: Sequence[str], dwell_s: float) -> None:
+        self.pool = tuple(pool)
+        self.dwell_s = dwell_s
+        self.current: dict[str, Cores | None] = {w: None for w in worker_ids}
+        self.pending: dict[str, tuple[Cores, float]] = {}  # sent, not acknowledged: (to, sent)
+        self.counts: dict[str, int] = {}  # the counts being moved to
+        self.target: dict[str, Cores] = {}
+        self._proposal: tuple[dict[str, int], float] | None = None
+        self.num_switches = 0
+
+    # ---- what the workers said -----------------------------------------------------------
+
+    def on_ready(self, worker_id: str, cpus: Sequence[int], threads: int, restarted: bool) -> None:
+        """A Ready: a restarted process runs on what it says and its old SetCores is void."""
+        self.current[worker_id] = Cores(tuple(cpus), threads)
+        if restarted:
+            self.pending.pop(worker_id, None)
+
+    def on_ack(self, worker_id: str, cpus: Sequence[int], threads: int, now: float) -> float | None:
+        """A CoresSet; returns the router-side round trip of the SetCores it answers."""
+        before = self.current.get(worker_id)
+        self.current[worker_id] = Cores(tuple(cpus), threads)
+        if before != self.current[worker_id]:
+            self.num_switches += 1
+        sent = self.pending.pop(worker_id, None)
+        return None if sent is None else now - sent[1]
+
+    # ---- planning -----------------------------------------------------------------------
+
+    def want(self, counts: dict[str, int], roles: dict[str, str], now: float) -> bool:
+        """Move towards `counts` (plan_counts); True when they became the target now."""
+        if counts == self.counts:
+            self._proposal = None
+            return False
+        grant = any(n > 0 and self.counts.get(w, 0) == 0 for w, n in counts.items())
+        if not grant and self.counts:
+            if self._proposal is None or self._proposal[0] != counts:
+                self._proposal = (counts, now)
+            if now - self._proposal[1] < self.dwell_s:
+                return False
+        self._proposal = None
+        self.counts = dict(counts)
+        known = {w: c for w, c in self.current.items() if c is not None}
+        self.target = layout(self.pool, self.counts, roles, known)
+        return True
+
+    def sends(self, now: float) -> list[tuple[str, Cores]]:
+        """The SetCores to send now (recorded as pending): shrinks at once, grows once safe."""
+        out = []
+        for worker_id, target in sorted(self.target.items()):
+            current = self.current.get(worker_id)
+            if worker_id in self.pending or target == current:
+                continue
+            shrink = target.threads == 0 or (
+                current is not None and set(target.cpus) <= set(current.cpus)
+            )
+            if shrink or not set(target.cpus) & self.held(exclude=worker_id):
+                self.pending[worker_id] = (target, now)
+                out.append((worker_id, target))
+        return out
+
+    def held(self, exclude: str = "") -> set[int]:
+        """Cpus a running worker other than `exclude` may be on now."""
+        cpus: set[int] = set()
+        for worker_id, current in self.current.items():
+            if worker_id == exclude:
+                continue
+            if current is None:
+                cpus.update(self.pool)  # never heard from
+                continue
+            pending = self.pending.get(worker_id)
+            for state in (current, pending[0] if pending else None):
+                if state is not None and state.threads > 0:
+                    cpus.update(state.cpus)
+        return cpus
+
+    def threads(self, worker_id: str) -> int:
+        """Threads the worker runs with now (acknowledged), 0 when parked or unknown."""
+        current = self.current.get(worker_id)
+        return current.threads if current is not None else 0
+
+    def state(self) -> dict[str, object]:
+        return {
+            "pool": list(self.pool),
+            "workers": {
+                w: {"cpus": list(c.cpus) if c else None, "threads": c.threads if c else None,
+                    "pending": list(self.pending[w][0].cpus) if w in self.pending else None,
+                    "target_threads": self.counts.get(w)}
+                for w, c in sorted(self.current.items())
+            },
+            "num_switches": self.num_switches,
+        }  # fmt: skip
+
+
+def pools_of(endpoints: Any) -> dict[tuple[str, tuple[int, ...]], list[str]]:
+    """Workers by host pool: the same cpus on the same host (ipc addresses: this host)."""
+    pools: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for e in endpoints:
+        host = urlparse(e.address).hostname or "" if e.address.startswith("tcp") else ""
+        pools.setdefault((host, tuple(e.cpus)), []).append(e.worker_id)
+    return pools
+
+
+def check_deployment(endpoints: Any) -> None:
+    """Refuse at start, naming the field: an adaptive deployment needs each worker's core
+    pool, a prefill and a decode worker, and a pool with a core for each of its workers."""
+    roles = {e.role for e in endpoints}
+    if not {"prefill", "decode"} <= roles:
+        raise ValueError(f"adaptive: workers need a prefill and a decode role, got {sorted(roles)}")
+    for e in endpoints:
+        if not e.cpus:
+            raise ValueError(f"workers: {e.worker_id} has no cpus (the core pool adaptive plans)")
+    for (_, pool), ids in pools_of(endpoints).items():
+        if len(pool) < len(ids):
+            raise ValueError(
+                f"adaptive.workers: {len(ids)} workers cannot share {len(pool)} cores {list(pool)}"
+            )

@@ -1,0 +1,164 @@
+"""Per request: prefill on a prefill worker and move the KV (remote), or on the decode worker
+that will decode it (local). A pure function of what the router knows and the cost model
+(docs/adaptive.md, "The decision"), so tests state it as a table and the simulator reuses it.
+
+    no prefill worker                      -> local   no_prefill_worker
+    nothing runs on the decode worker      -> local   idle_decode   (no one to interfere with)
+    no usable cost model yet               -> uncached prompt <= fallback_prompt_tokens ?
+                                              local fallback_short : remote fallback_long
+    local meets the ITL and TTFT budgets   -> local   fits_slo      (collocated's behaviour)
+    remote meets both                      -> remote  itl_interference (local breaks the ITL)
+                                                      | ttft        (local breaks the TTFT)
+    neither                                -> the smaller summed relative excess over the
+                                              budgets: least_violation
+
+Local: the prompt runs in `chunk_tokens` chunks in the decode worker's steps, each step also
+carrying its running decodes: those decodes' inter-token latency is that mixed step. Remote:
+the prefill worker's queue and prompt (after its own cache hit), a core switch when it is
+parked, and the exposed KV transfer; meanwhile the decode worker decodes on its share of the
+host's cores (`decode_threads_split`), which is its inter-token latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from pdserve.perf.cost_model import StepShape
+from pdserve.planner.model import OnlineCostModel
+
+LOCAL, REMOTE = "local", "remote"
+ITL_BUDGET_FACTOR = 2.0  # default ITL budget: twice the unloaded decode step (issue 14's SLO)
+TTFT_BUDGET_FACTOR = 2.0  # default TTFT budget: twice the prompt's prefill alone on all cores
+
+
+@dataclass(frozen=True)
+class Situation:
+    """The request and its two candidate workers as the router sees them now."""
+
+    num_prompt_tokens: int
+    num_cached_decode_tokens: int  # prefix the candidate decode worker caches
+    num_cached_prefill_tokens: int  # prefix the candidate prefill worker caches
+    pool_size: int  # cores of the decode worker's host
+    num_decodes: int  # requests decoding on the decode worker
+    decode_context_tokens: int  # the KV they attend
+    decode_queue_tokens: int  # local prefill tokens already queued there
+    decode_threads_local: int  # the decode worker's threads if it prefills this locally
+    decode_threads_split: int  # ... while a remote prefill runs beside it (same host)
+    prefill_threads: int  # the prefill worker's threads for this prefill
+    prefill_queue_tokens: int
+    prefill_parked: bool  # the prefill worker has no cores yet: a core switch first
+    switch_s: float  # measured core switch latency
+    kv_bytes_per_token: float
+    chunk_tokens: int
+    has_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str  # LOCAL | REMOTE
+    reason: str
+    predictions: dict[str, float] = field(default_factory=dict)
+    decode_id: str = ""
+    prefill_id: str = ""
+    num_prefill_tokens: int = 0  # uncached tokens the chosen worker computes
+
+
+def decide(
+    s: Situation,
+    model: OnlineCostModel,
+    slo_ttft_s: float | None,
+    slo_itl_s: float | None,
+    fallback_prompt_tokens: int,
+) -> Decision:
+    local_tokens = max(1, s.num_prompt_tokens - s.num_cached_decode_tokens)
+    remote_tokens = max(1, s.num_prompt_tokens - s.num_cached_prefill_tokens)
+    local = Decision(LOCAL, "", num_prefill_tokens=local_tokens)
+    remote = Decision(REMOTE, "", num_prefill_tokens=remote_tokens)
+    if not s.has_prefill:
+        return _as(local, "no_prefill_worker")
+    if s.num_decodes == 0 and s.decode_queue_tokens == 0:
+        return _as(local, "idle_decode")
+    p = predict(s, model, slo_ttft_s, slo_itl_s)
+    if p is None:
+        if local_tokens <= fallback_prompt_tokens:
+            return _as(local, "fallback_short")
+        return _as(remote, "fallback_long")
+    itl_ok = {k: p[f"itl_{k}_s"] <= p["itl_budget_s"] for k in (LOCAL, REMOTE)}
+    ttft_ok = {k: p[f"ttft_{k}_s"] <= p["ttft_budget_s"] for k in (LOCAL, REMOTE)}
+    if itl_ok[LOCAL] and ttft_ok[LOCAL]:
+        return _as(local, "fits_slo", p)
+    if itl_ok[REMOTE] and ttft_ok[REMOTE]:
+        return _as(remote, "ttft" if itl_ok[LOCAL] else "itl_interference", p)
+
+    def excess(kind: str) -> float:
+        return max(0.0, p[f"itl_{kind}_s"] / p["itl_budget_s"] - 1) + max(
+            0.0, p[f"ttft_{kind}_s"] / p["ttft_budget_s"] - 1
+        )
+
+    best = local if excess(LOCAL) <= excess(REMOTE) else remote
+    return _as(best, "least_violation", p)
+
+
+def predict(
+    s: Situation, model: OnlineCostModel, slo_ttft_s: float | None, slo_itl_s: float | None
+) -> dict[str, float] | None:
+    """Predicted TTFT and ITL of both paths and the budgets; None without a usable model.
+    A remote request's own first gap waits for the exposed transfer: it counts in its ITL."""
+    local_tokens = max(1, s.num_prompt_tokens - s.num_cached_decode_tokens)
+    remote_tokens = max(1, s.num_prompt_tokens - s.num_cached_prefill_tokens)
+    b, ctx, chunk = s.num_decodes, s.decode_context_tokens, max(1, s.chunk_tokens)
+    t_local, t_pool, cached_local = s.decode_threads_local, s.pool_size, s.num_cached_decode_tokens
+    parts = (
+        model.step_s("decode", t_pool, StepShape(0, max(b, 1), 0, ctx)),
+        prefill_s(model, "decode", t_pool, local_tokens, cached_local, chunk),
+        prefill_s(model, "decode", t_local, s.decode_queue_tokens, 0, chunk, b, ctx),
+        prefill_s(model, "decode", t_local, local_tokens, cached_local, chunk, b, ctx),
+        prefill_s(model, "prefill", s.prefill_threads, s.prefill_queue_tokens, 0, chunk),
+        prefill_s(
+            model, "prefill", s.prefill_threads, remote_tokens, s.num_cached_prefill_tokens, chunk
+        ),
+        model.step_s("decode", s.decode_threads_split, StepShape(0, b, 0, ctx)),
+    )
+    if any(p is None for p in parts):
+        return None
+    unloaded, alone, queue_local, mixed, queue_remote, remote, split = parts  # type: ignore[misc]
+    transfer = model.transfer_s(local_tokens * s.kv_bytes_per_token)
+    return {
+        "ttft_local_s": queue_local[0] + mixed[0],
+        "itl_local_s": max(mixed[1], unloaded),
+        "ttft_remote_s": (s.switch_s if s.prefill_parked else 0.0) + queue_remote[0] + remote[0],
+        "itl_remote_s": split + transfer,
+        "transfer_s": transfer,
+        "itl_budget_s": slo_itl_s if slo_itl_s is not None else ITL_BUDGET_FACTOR * unloaded,
+        "ttft_budget_s": slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * alone[0],
+    }
+
+
+def prefill_s(
+    model: OnlineCostModel,
+    role: str,
+    threads: int,
+    num_tokens: int,
+    num_cached: int,
+    chunk_tokens: int,
+    num_decodes: int = 0,
+    context_tokens: int = 0,
+) -> tuple[float, float] | None:
+    """(seconds, longest step) to prefill `num_tokens` after `num_cached` in chunks, each step
+    also carrying `num_decodes` decodes over `context_tokens`; None without a usable model."""
+    total = longest = 0.0
+    done = num_cached
+    while num_tokens > 0:
+        n = min(chunk_tokens, num_tokens)
+        shape = StepShape(n, num_decodes, n * (done + (n + 1) / 2), context_tokens)
+        step = model.step_s(role, threads, shape)
+        if step is None:
+            return None
+        total, longest = total + step, max(longest, step)
+        done, num_tokens = done + n, num_tokens - n
+    return total, longest
+
+
+def _as(decision: Decision, reason: str, predictions: dict[str, float] | None = None) -> Decision:
+    return dataclasses.replace(decision, reason=reason, predictions=predictions or {})

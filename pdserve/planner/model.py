@@ -1,0 +1,166 @@
+"""The adaptive planner's cost model, fitted online: one `StepCostModel` (pdserve/perf, the
+simulator's class) per (role, threads), fed by the workers' StepReport rows, and a
+`TransferModel` fitted to the exposed KV transfer times the router measures. Pure: no I/O,
+no clock (callers pass times), so the simulator can drive it as the router does.
+
+Which model answers `step_s(role, threads, shape)`, first that exists:
+  1. (role, threads) with at least `min_samples` steps (or seeded from a profile);
+  2. the other role at `threads` (the step's arithmetic is the same; only kernels differ);
+  3. the nearest thread count that has one, its time scaled by `t_have / threads` (a linear
+     speed-up: an estimate, replaced as soon as that thread count has its own samples);
+  4. None: the caller uses its documented fallback.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.perf.cost_model import FEATURES, StepCostModel, StepShape, TransferModel
+from pdserve.perf.profile import HardwareProfile
+
+ROLES = ("prefill", "decode")
+STEP_FIELDS = 6  # a StepReport row: 4 StepShape fields, threads, seconds
+DECAY = 0.98  # per refit: a sample weighs half after ~35 refits (about 35 planner intervals)
+MIN_TRANSFER_SAMPLES = 3
+
+
+@dataclass
+class _Fit:
+    model: StepCostModel
+    num_new: int = 0  # samples since the last refit
+    seeded: bool = False  # from a profile: usable before any sample
+
+
+class OnlineCostModel:
+    def __init__(self, min_samples: int, profile: HardwareProfile | None = None) -> None:
+        self.min_samples = min_samples
+        self.profile = profile
+        self._fits: dict[tuple[str, int], _Fit] = {}
+        self._transfer_samples: list[tuple[float, float]] = []  # (bytes, exposed seconds)
+        self.transfer: TransferModel | None = None
+        if profile is not None:
+            for threads, seeded in profile.models.items():
+                for role in ROLES:
+                    self._fits[(role, threads)] = _Fit(_copy(seeded), seeded=True)
+            if profile.transfer:
+                self.transfer = profile.transfer_model()
+
+    # ---- samples ------------------------------------------------------------------------
+
+    def observe_steps(self, role: str, rows: Sequence[Sequence[float]]) -> int:
+        """StepReport rows of a `role` worker; returns how many were usable (a row of the
+        wrong width, an empty step or a non-positive time is skipped)."""
+        role = _kind(role)
+        used = 0
+        for row in rows:
+            if len(row) != STEP_FIELDS:
+                continue
+            prefill, decodes, pairs, context, threads, seconds = row
+            shape = StepShape(int(prefill), int(decodes), float(pairs), int(context))
+            if shape.is_empty or not seconds > 0 or int(threads) < 1:
+                continue
+            fit = self._fits.get((role, int(threads)))
+            if fit is None:
+                fit = self._fits[(role, int(threads))] = _Fit(_fresh(self.profile, int(threads)))
+            # Relative error, as `fit_cost_model`: a 20 ms decode step counts as much as a
+            # 2 s prefill, or the fit would serve prefills and get ITL wrong.
+            fit.model.observe(shape, float(seconds), weight=1.0 / float(seconds) ** 2)
+            fit.num_new += 1
+            used += 1
+        return used
+
+    def observe_transfer(self, num_bytes: float, seconds: float) -> None:
+        """One request's exposed transfer: prefill_end -> kv_landed on the decode worker."""
+        if num_bytes > 0 and seconds >= 0:
+            self._transfer_samples = [*self._transfer_samples[-255:], (num_bytes, seconds)]
+
+    def refit(self) -> None:
+        """Refit the models that have new samples; older samples fade (`DECAY`)."""
+        for fit in self._fits.values():
+            if fit.num_new:
+                fit.model.refit()
+                fit.model.decay(DECAY)
+                fit.num_new = 0
+        if len(self._transfer_samples) >= MIN_TRANSFER_SAMPLES:
+            self.transfer = _fit_transfer(self._transfer_samples) or self.transfer
+
+    # ---- predictions --------------------------------------------------------------------
+
+    def step_s(self, role: str, threads: int, shape: StepShape) -> float | None:
+        """Seconds for a step of `shape` on a `role` worker with `threads` (module docstring
+        for which model answers); None while no model is usable."""
+        if shape.is_empty:
+            return 0.0
+        role, threads = _kind(role), max(1, threads)
+        other = ROLES[1 - ROLES.index(role)]
+        for key in ((role, threads), (other, threads)):
+            if self._usable(key):
+                return self._fits[key].model.predict(shape)
+        usable = [k for k in self._fits if self._usable(k)]
+        if not usable:
+            return None
+        nearest = min(usable, key=lambda k: (abs(k[1] - threads), k[0] != role, k[1]))
+        return self._fits[nearest].model.predict(shape) * nearest[1] / threads
+
+    def transfer_s(self, num_bytes: float) -> float:
+        """Exposed transfer seconds; 0 before any fit (layer-wise sends overlap the prefill,
+        so what shows is the tail: small, and measured from the third transfer on)."""
+        return self.transfer.seconds(num_bytes) if self.transfer and num_bytes > 0 else 0.0
+
+    def ready(self) -> bool:
+        return any(self._usable(k) for k in self._fits)
+
+    def _usable(self, key: tuple[str, int]) -> bool:
+        fit = self._fits.get(key)
+        return fit is not None and (fit.seeded or fit.model.num_samples >= self.min_samples)
+
+    def state(self) -> dict[str, object]:
+        """The fit state for /v1/status: per (role, threads) the samples and coefficients."""
+        return {
+            "models": [
+                {"role": role, "threads": threads, "num_samples": f.model.num_samples,
+                 "seeded": f.seeded, "usable": self._usable((role, threads)),
+                 "coefficients": dict(zip(FEATURES, f.model.coefficients, strict=True))}
+                for (role, threads), f in sorted(self._fits.items())
+            ],
+            "transfer": None if self.transfer is None else {
+                "bandwidth_bytes_per_s": self.transfer.bandwidth_bytes_per_s,
+                "latency_s": self.transfer.latency_s,
+                "num_samples": len(self._transfer_samples)},
+        }  # fmt: skip
+
+
+def _kind(role: str) -> str:
+    """Collocated steps mix prefill and decode like a decode worker prefilling locally."""
+    return "prefill" if role == "prefill" else "decode"
+
+
+def _copy(model: StepCostModel) -> StepCostModel:
+    coefficients = list(model.coefficients)
+    return StepCostModel(coefficients, model.knee_tokens, prior=list(coefficients))
+
+
+def _fresh(profile: HardwareProfile | None, threads: int) -> StepCostModel:
+    """A new model for `threads`: pulled towards the profile's fit for it when there is one."""
+    if profile is not None and threads in profile.models:
+        return _copy(profile.models[threads])
+    return StepCostModel([0.0] * len(FEATURES))
+
+
+def _fit_transfer(samples: Sequence[tuple[float, float]]) -> TransferModel | None:
+    """latency + bytes / bandwidth by least squares (latency >= 0); None when the samples
+    show no growth with bytes (all the same size, or the transfer fully hidden)."""
+    x = np.asarray([b for b, _ in samples])
+    y = np.asarray([s for _, s in samples])
+    if np.ptp(x) > 0:
+        slope, intercept = np.polyfit(x, y, 1)
+        if slope > 0:
+            return TransferModel(1.0 / slope, max(0.0, float(intercept)))
+    mean_rate = float(np.sum(y) / np.sum(x))
+    if mean_rate > 0 and math.isfinite(mean_rate):
+        return TransferModel(1.0 / mean_rate)
+    return None

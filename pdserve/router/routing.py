@@ -1,0 +1,67 @@
+"""What a request asks of routing beside its driver's state machine (router/driver.py): the
+route the policies see (`route_request`) and, in an adaptive deployment, the planner's part
+(`AdaptiveRequest`: where it prefills, a parked worker's cores before work is sent to it,
+the KV transfer time it measured; docs/adaptive.md)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pdserve.kvcache.hashing import hash_blocks, root_hash
+from pdserve.planner.decision import LOCAL, Decision
+from pdserve.router.deadlines import Lost
+from pdserve.router.policies import RouteRequest, RoutingPolicy
+from pdserve.router.timing import RequestTiming
+
+if TYPE_CHECKING:
+    from pdserve.planner.planner import Planner
+    from pdserve.router.workers import ControlPlane
+
+
+def route_request(
+    plane: ControlPlane, policy: RoutingPolicy, prompt_token_ids: list[int], role: str
+) -> RouteRequest:
+    """What the policy sees of the request; block hashes only for policies that score
+    cache overlap (they cost a blake2b per block), with the role's block size and model."""
+    if not policy.needs_block_hashes:
+        return RouteRequest(len(prompt_token_ids))
+    ready = [w.ready for w in plane.workers.values() if w.ready and w.role == role]
+    if not ready:
+        return RouteRequest(len(prompt_token_ids))
+    parent = root_hash(ready[0].model)
+    hashes = hash_blocks(prompt_token_ids, ready[0].block_size, parent)
+    return RouteRequest(len(prompt_token_ids), hashes, ready[0].block_size)
+
+
+class AdaptiveRequest:
+    """One request's dealings with the adaptive planner; every method is a no-op (local
+    prefill never chosen, cores always there) when the deployment is not adaptive."""
+
+    def __init__(self, plane: ControlPlane, key: str) -> None:
+        self.plane = plane
+        self.planner: Planner | None = plane.planner
+        self.key = key
+        self.decision: Decision | None = None
+        self.num_sent_blocks = 0  # remote: the prompt blocks the decode worker expects
+
+    def local_prefill(self, policy: RoutingPolicy, prompt_token_ids: list[int]) -> str:
+        """The decode worker that prefills the request itself, or "" (remote)."""
+        if self.planner is None:
+            return ""
+        route = route_request(self.plane, policy, prompt_token_ids, "decode")
+        self.decision = self.planner.decide(self.key, route, policy)
+        return self.decision.decode_id if self.decision.kind == LOCAL else ""
+
+    async def cores(self, worker_id: str, deadline: float) -> None:
+        """Return once `worker_id` runs steps; a worker given none in time is lost for the
+        request (it is re-driven)."""
+        if self.planner is None:
+            return
+        if not await self.planner.cores_granted(worker_id, deadline - time.monotonic()):
+            raise Lost(f"worker {worker_id} was given no cores within the admission timeout")
+
+    def on_landed(self, timing: RequestTiming) -> None:
+        """A remote request's KV landed: its exposed transfer time is a planner sample."""
+        if self.planner and self.decision is not None and self.num_sent_blocks > 0:
+            self.planner.on_landed(self.decision, timing, self.num_sent_blocks)
