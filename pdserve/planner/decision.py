@@ -29,7 +29,9 @@ from pdserve.planner.model import OnlineCostModel
 
 LOCAL, REMOTE = "local", "remote"
 ITL_BUDGET_FACTOR = 2.0  # default ITL budget: twice the unloaded decode step (issue 14's SLO)
-TTFT_BUDGET_FACTOR = 2.0  # default TTFT budget: twice the prompt's prefill alone on all cores
+# Default TTFT budget: 3x the prompt's prefill alone on all cores (on half a pool, as a
+# remote prefill beside running decodes gets it, it takes ~2x).
+TTFT_BUDGET_FACTOR = 3.0
 
 
 @dataclass(frozen=True)

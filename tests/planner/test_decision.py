@@ -1,0 +1,94 @@
+"""The per-request decision as a table: each row a situation and the kind and reason the
+rule in pdserve/planner/decision.py gives it, on a known machine (tests/planner/conftest.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.perf.cost_model import StepShape
+from pdserve.planner.decision import LOCAL, REMOTE, Situation, decide
+from pdserve.planner.model import OnlineCostModel
+from tests.planner.conftest import rows
+
+BUSY = Situation(
+    num_prompt_tokens=4096,
+    num_cached_decode_tokens=0,
+    num_cached_prefill_tokens=0,
+    pool_size=8,
+    num_decodes=16,
+    decode_context_tokens=8000,
+    decode_queue_tokens=0,
+    decode_threads_local=8,
+    decode_threads_split=4,
+    prefill_threads=4,
+    prefill_queue_tokens=0,
+    prefill_parked=False,
+    switch_s=0.0,
+    kv_bytes_per_token=9216.0,
+    chunk_tokens=512,
+)
+
+
+@pytest.fixture(scope="module")
+def model() -> OnlineCostModel:
+    model = OnlineCostModel(min_samples=20)
+    for threads in (1, 2, 4, 8):
+        model.observe_steps("decode", rows(threads, 100, seed=threads))
+    model.refit()
+    return model
+
+
+def case(**changes):
+    return dataclasses.replace(BUSY, **changes)
+
+
+TABLE = [
+    # (situation, slo_ttft_s, slo_itl_s, kind, reason)
+    (case(has_prefill=False), None, None, LOCAL, "no_prefill_worker"),
+    (case(num_decodes=0), None, None, LOCAL, "idle_decode"),
+    (case(num_prompt_tokens=64), None, None, LOCAL, "fits_slo"),
+    (case(), None, None, REMOTE, "itl_interference"),
+    # the prompt is cached on the decode worker: 16 tokens left, no interference
+    (case(num_cached_decode_tokens=4080), None, None, LOCAL, "fits_slo"),
+    # a loose ITL, a TTFT the decode worker's queue breaks and the idle prefill worker meets
+    (case(num_prompt_tokens=256, decode_queue_tokens=8192), 0.5, 1.0, REMOTE, "ttft"),
+    # budgets nothing meets: the smaller summed relative excess (ITL: remote's split;
+    # TTFT: local's whole pool)
+    (case(), None, 1e-4, REMOTE, "least_violation"),
+    (case(), 0.01, 1.0, LOCAL, "least_violation"),
+]
+
+
+@pytest.mark.parametrize(("situation", "ttft", "itl", "kind", "reason"), TABLE)
+def test_decision_table(model, situation, ttft, itl, kind, reason):
+    d = decide(situation, model, ttft, itl, fallback_prompt_tokens=256)
+    assert (d.kind, d.reason) == (kind, reason), d.predictions
+
+
+def test_before_the_model_the_fallback_is_the_uncached_prompt_length():
+    empty = OnlineCostModel(min_samples=20)
+    assert decide(case(num_prompt_tokens=256), empty, None, None, 256).reason == "fallback_short"
+    long = decide(case(num_prompt_tokens=257), empty, None, None, 256)
+    assert (long.kind, long.reason) == (REMOTE, "fallback_long")
+    cached = decide(
+        case(num_prompt_tokens=4096, num_cached_decode_tokens=4000), empty, None, None, 256
+    )
+    assert cached.kind == LOCAL  # prefix hits count: 96 uncached tokens
+
+
+def test_remote_prices_the_core_switch_and_the_prefill_queue(model):
+    base = decide(case(), model, None, None, 256).predictions
+    parked = decide(case(prefill_parked=True, switch_s=0.25), model, None, None, 256).predictions
+    queued = decide(case(prefill_queue_tokens=2048), model, None, None, 256).predictions
+    assert parked["ttft_remote_s"] == pytest.approx(base["ttft_remote_s"] + 0.25)
+    assert queued["ttft_remote_s"] > base["ttft_remote_s"] + 0.1
+    assert parked["ttft_local_s"] == base["ttft_local_s"]
+
+
+def test_the_default_itl_budget_is_twice_the_unloaded_decode_step(model):
+    p = decide(case(), model, None, None, 256).predictions
+    unloaded = model.step_s("decode", 8, StepShape(0, 16, 0, 8000))
+    assert p["itl_budget_s"] == pytest.approx(2 * unloaded)
+    assert decide(case(), model, None, 0.05, 256).predictions["itl_budget_s"] == 0.05
