@@ -7,7 +7,9 @@ on what it last acknowledged (CoresSet) or, once it has the message, on what it 
 sent; so a worker may hold `current` and `pending` both. A shrink (to a subset, or parked)
 is sent at once; a grow only when the cpus it takes are held by no other running worker in
 either state, i.e. after the CoresSet of every shrink it depends on. One SetCores in flight
-per worker. A worker never heard from (no Ready) is taken to hold the whole pool.
+per worker. A worker never heard from (no Ready) is taken to hold the whole pool and is
+sent nothing; each worker gets a first SetCores after its Ready even when it already runs
+on its target (the planner, not the launcher, owns the layout).
 
 Dwell: giving cores to a parked worker (a request waits for them) happens at once; every
 other change (a merge back, a resize) only once the same counts were wanted for `dwell_s`,
@@ -69,13 +71,13 @@ def plan_counts(pool_size: int, demands: Sequence[Demand]) -> dict[str, int]:
 
 
 def _share(total: int, weights: Sequence[int]) -> list[int]:
-    """`total` split in proportion to `weights`, at least 1 each (largest remainders first).
-    Needs total >= len(weights)."""
-    n = len(weights)
-    spare = total - n
-    raw = [spare * w / sum(weights) for w in weights]
-    out = [1 + int(r) for r in raw]
-    by_remainder = sorted(range(n), key=lambda i: (-(raw[i] - int(raw[i])), i))
+    """`total` split in proportion to `weights`, at least 1 each (largest remainders get
+    the rest). Needs total >= len(weights)."""
+    raw = [total * w / sum(weights) for w in weights]
+    out = [max(1, int(r)) for r in raw]
+    while sum(out) > total:  # raised to 1 above: taken back from the largest
+        out[out.index(max(out))] -= 1
+    by_remainder = sorted(range(len(raw)), key=lambda i: (int(raw[i]) - raw[i], i))
     for i in by_remainder[: total - sum(out)]:
         out[i] += 1
     return out
@@ -112,6 +114,8 @@ class CoreGroups:
         self.target: dict[str, Cores] = {}
         self._proposal: tuple[dict[str, int], float] | None = None
         self.num_switches = 0
+        # Acknowledged a SetCores since its Ready: the planner, not the launcher, set its cores.
+        self.confirmed: set[str] = set()
 
     # ---- what the workers said -----------------------------------------------------------
 
@@ -120,6 +124,7 @@ class CoreGroups:
         self.current[worker_id] = Cores(tuple(cpus), threads)
         if restarted:
             self.pending.pop(worker_id, None)
+            self.confirmed.discard(worker_id)
 
     def on_ack(self, worker_id: str, cpus: Sequence[int], threads: int, now: float) -> float | None:
         """A CoresSet; returns the router-side round trip of the SetCores it answers."""
@@ -127,6 +132,7 @@ class CoreGroups:
         self.current[worker_id] = Cores(tuple(cpus), threads)
         if before != self.current[worker_id]:
             self.num_switches += 1
+        self.confirmed.add(worker_id)
         sent = self.pending.pop(worker_id, None)
         return None if sent is None else now - sent[1]
 
@@ -154,10 +160,14 @@ class CoreGroups:
         out = []
         for worker_id, target in sorted(self.target.items()):
             current = self.current.get(worker_id)
-            if worker_id in self.pending or target == current:
+            if current is None or worker_id in self.pending:
+                continue  # not ready yet (it announces what it runs on), or one in flight
+            if target == current and worker_id in self.confirmed:
                 continue
             shrink = target.threads == 0 or (
-                current is not None and set(target.cpus) <= set(current.cpus)
+                current is not None
+                and current.threads > 0  # a parked worker's cpus are not its to keep
+                and set(target.cpus) <= set(current.cpus)
             )
             if shrink or not set(target.cpus) & self.held(exclude=worker_id):
                 self.pending[worker_id] = (target, now)

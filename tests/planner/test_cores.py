@@ -1,0 +1,157 @@
+"""Core groups: the counts and cpus each worker gets, and the SetCores protocol's invariant
+(the cpus of workers that run steps never overlap) under random demand and random delays."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.planner.cores import CoreGroups, Cores, Demand, check_deployment, layout, plan_counts
+from pdserve.router.config import WorkerEndpoint
+
+POOL = tuple(range(8))
+ROLES = {"p0": "prefill", "d1": "decode", "d2": "decode"}
+
+
+def demands(busy: set[str], need: dict[str, int] | None = None) -> list[Demand]:
+    need = need or {}
+    return [Demand(w, r, w in busy, need.get(w, 0)) for w, r in ROLES.items()]
+
+
+@pytest.mark.parametrize(
+    ("busy", "need", "expected"),
+    [
+        (set(), {}, {"p0": 0, "d1": 8, "d2": 0}),  # idle: collocated's layout
+        ({"p0"}, {}, {"p0": 8, "d1": 0, "d2": 0}),
+        ({"d2"}, {}, {"p0": 0, "d1": 0, "d2": 8}),
+        ({"p0", "d1"}, {"d1": 3}, {"p0": 5, "d1": 3, "d2": 0}),
+        ({"p0", "d1"}, {}, {"p0": 4, "d1": 4, "d2": 0}),  # no model: even
+        ({"p0", "d1"}, {"d1": 8}, {"p0": 1, "d1": 7, "d2": 0}),  # prefill keeps one
+        ({"p0", "d1", "d2"}, {"d1": 2, "d2": 3}, {"p0": 3, "d1": 2, "d2": 3}),
+        ({"d1", "d2"}, {"d1": 1, "d2": 3}, {"p0": 0, "d1": 2, "d2": 6}),
+        ({"p0", "d1", "d2"}, {"d1": 6, "d2": 6}, {"p0": 1, "d1": 4, "d2": 3}),
+    ],
+)
+def test_plan_counts(busy, need, expected):
+    counts = plan_counts(8, demands(busy, need))
+    assert counts == expected
+    assert sum(counts.values()) == 8
+
+
+def test_layout_decode_from_the_start_prefill_from_the_end():
+    out = layout(POOL, {"p0": 3, "d1": 2, "d2": 3}, ROLES, {})
+    assert out == {"d1": Cores((0, 1), 2), "d2": Cores((2, 3, 4), 3), "p0": Cores((5, 6, 7), 3)}
+    parked = layout(POOL, {"p0": 0, "d1": 8, "d2": 0}, ROLES, {"p0": Cores((5, 6, 7), 3)})
+    assert parked["p0"] == Cores((5, 6, 7), 0) and parked["d1"] == Cores(POOL, 8)
+
+
+class Host:
+    """Workers that apply a SetCores some random time after it was sent and whose CoresSet
+    reaches the planner some random time after that."""
+
+    def __init__(self, rng: random.Random, groups: CoreGroups, start: dict[str, Cores]):
+        self.rng, self.groups = rng, groups
+        self.applied = dict(start)  # what each worker really runs on
+        self.in_flight: list[tuple[float, str, str, Cores]] = []  # (due, kind, worker, cores)
+        for w, c in start.items():
+            groups.on_ready(w, c.cpus, c.threads, restarted=True)
+
+    def send(self, now: float) -> None:
+        for w, cores in self.groups.sends(now):
+            self.in_flight.append((now + self.rng.uniform(0, 0.3), "apply", w, cores))
+
+    def advance(self, now: float) -> None:
+        due = sorted(m for m in self.in_flight if m[0] <= now)
+        self.in_flight = [m for m in self.in_flight if m[0] > now]
+        for _, kind, w, cores in due:
+            if kind == "apply":
+                self.applied[w] = cores
+                self.check()
+                self.in_flight.append((now + self.rng.uniform(0, 0.3), "ack", w, cores))
+            else:
+                self.groups.on_ack(w, cores.cpus, cores.threads, now)
+                self.send(now)  # the planner sends what the ack unblocked at once
+
+    def check(self) -> None:
+        seen: dict[int, str] = {}
+        for w, c in self.applied.items():
+            if c.threads > 0:
+                for cpu in c.cpus:
+                    assert cpu not in seen, f"cpu {cpu} on {seen[cpu]} and {w}: {self.applied}"
+                    seen[cpu] = w
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_running_workers_never_share_a_cpu_under_random_demand(seed):
+    rng = random.Random(seed)
+    groups = CoreGroups(POOL, list(ROLES), dwell_s=rng.choice([0.0, 0.5]))
+    start = {"p0": Cores(POOL, 0), "d1": Cores(POOL, 8), "d2": Cores(POOL, 0)}
+    host = Host(rng, groups, start)
+    now = 0.0
+    for _ in range(300):
+        now += rng.uniform(0.01, 0.2)
+        busy = {w for w in ROLES if rng.random() < 0.5}
+        need = {w: rng.randint(0, 8) for w in ("d1", "d2")}
+        groups.want(plan_counts(8, demands(busy, need)), ROLES, now)
+        host.send(now)
+        host.advance(now)
+    # demand settles: the target is reached, with every cpu in use by exactly one worker
+    final = plan_counts(8, demands({"p0", "d1"}, {"d1": 3}))
+    for _ in range(100):
+        now += 0.1
+        groups.want(final, ROLES, now)
+        host.send(now)
+        host.advance(now)
+    assert {w: c.threads for w, c in host.applied.items()} == final
+    assert groups.pending == {}
+
+
+def test_a_grow_waits_for_the_ack_of_the_shrink_it_needs():
+    groups = CoreGroups(POOL, ["p0", "d1"], dwell_s=0.0)
+    groups.on_ready("p0", POOL, 0, restarted=True)
+    groups.on_ready("d1", POOL, 8, restarted=True)
+    roles = {"p0": "prefill", "d1": "decode"}
+    assert groups.want({"p0": 4, "d1": 4}, roles, 0.0)
+    sent = dict(groups.sends(0.0))
+    assert sent == {"d1": Cores((0, 1, 2, 3), 4)}  # the shrink only
+    assert groups.sends(0.1) == []  # still unacknowledged: no grow
+    assert groups.on_ack("d1", (0, 1, 2, 3), 4, 0.2) == pytest.approx(0.2)
+    assert dict(groups.sends(0.2)) == {"p0": Cores((4, 5, 6, 7), 4)}
+
+
+def test_a_worker_never_heard_from_holds_the_whole_pool():
+    groups = CoreGroups(POOL, ["p0", "d1"], dwell_s=0.0)
+    groups.on_ready("p0", POOL, 0, restarted=True)
+    groups.want({"p0": 8, "d1": 0}, {"p0": "prefill", "d1": "decode"}, 0.0)
+    assert groups.sends(0.0) == []  # d1 has not announced itself: it may run anywhere
+    groups.on_ready("d1", POOL, 0, restarted=True)
+    assert dict(groups.sends(0.1)) == {"d1": Cores(POOL, 0), "p0": Cores(POOL, 8)}
+
+
+def test_merge_back_waits_for_the_dwell_and_a_grant_does_not():
+    groups = CoreGroups(POOL, ["p0", "d1"], dwell_s=2.0)
+    roles = {"p0": "prefill", "d1": "decode"}
+    assert groups.want({"p0": 0, "d1": 8}, roles, 0.0)  # the first plan: at once
+    assert groups.want({"p0": 4, "d1": 4}, roles, 1.0)  # p0 was parked: a grant, at once
+    assert not groups.want({"p0": 0, "d1": 8}, roles, 1.5)  # merge back: wanted since 1.5
+    assert not groups.want({"p0": 4, "d1": 4}, roles, 2.0)  # busy again: nothing to do
+    assert not groups.want({"p0": 0, "d1": 8}, roles, 2.5)
+    assert not groups.want({"p0": 0, "d1": 8}, roles, 4.4)
+    assert groups.want({"p0": 0, "d1": 8}, roles, 4.5)  # wanted for 2 s
+    assert groups.counts == {"p0": 0, "d1": 8}
+
+
+def test_check_deployment_names_the_field():
+    def endpoint(w, role, cpus=(0, 1)):
+        return WorkerEndpoint(w, role, f"ipc:///tmp/{w}", cpus)
+
+    with pytest.raises(ValueError, match="adaptive.workers: 3 workers cannot share 2 cores"):
+        check_deployment(
+            [endpoint("p0", "prefill"), endpoint("d1", "decode"), endpoint("d2", "decode")]
+        )
+    with pytest.raises(ValueError, match="workers: d1 has no cpus"):
+        check_deployment([endpoint("p0", "prefill"), endpoint("d1", "decode", ())])
+    with pytest.raises(ValueError, match="a prefill and a decode role"):
+        check_deployment([endpoint("d0", "decode"), endpoint("d1", "decode")])
+    check_deployment([endpoint("p0", "prefill"), endpoint("d1", "decode")])
