@@ -187,7 +187,7 @@ class RequestDriver:
             self._new_attempt()
             chosen = worker_id and self.plane.is_healthy(worker_id)
             worker_id = self._claim(worker_id) if chosen else await self._pick(role, deadline)
-            await self.adaptive.cores(worker_id, deadline)
+            await self.adaptive.cores(deadline, worker_id)
             generate = messages.Generate(
                 self.request_id, self.prompt_token_ids, self.sampling, done
             )
@@ -218,7 +218,7 @@ class RequestDriver:
         self.adaptive.num_sent_blocks = len(reply.block_ids) - reply.num_cached_blocks
         while True:  # prefill: D's reservation stays; a busy P may refuse, another may take it
             prefill_id = await self._pick("prefill", deadline)
-            await self.adaptive.cores(prefill_id, deadline)
+            await self.adaptive.cores(deadline, prefill_id, decode_id)
             prefill = messages.Prefill(
                 self.request_id,
                 self.prompt_token_ids,

@@ -53,13 +53,12 @@ class AdaptiveRequest:
         self.decision = self.planner.decide(self.key, route, policy)
         return self.decision.decode_id if self.decision.kind == LOCAL else ""
 
-    async def cores(self, worker_id: str, deadline: float) -> None:
-        """Return once `worker_id` runs steps; a worker given none in time is lost for the
-        request (it is re-driven)."""
-        if self.planner is None:
-            return
-        if not await self.planner.cores_granted(worker_id, deadline - time.monotonic()):
-            raise Lost(f"worker {worker_id} was given no cores within the admission timeout")
+    async def cores(self, deadline: float, *worker_ids: str) -> None:
+        """Return once every worker of `worker_ids` runs steps; one given none in time is
+        lost for the request (it is re-driven)."""
+        for worker_id in worker_ids if self.planner else ():
+            if not await self.planner.cores_granted(worker_id, deadline - time.monotonic()):
+                raise Lost(f"worker {worker_id} was given no cores within the admission timeout")
 
     def on_landed(self, timing: RequestTiming) -> None:
         """A remote request's KV landed: its exposed transfer time is a planner sample."""

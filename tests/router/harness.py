@@ -3,7 +3,9 @@
 Fake workers speak the real protocol (`pdserve.messages` over ZMQ) and play a fixed token
 `script`: collocated workers emit it one token per step; a prefill worker answers a Prefill
 with its first token; a decode worker reserves blocks and emits the rest after StartDecode;
-a SwitchRole is answered, `switch_s` later, by Ready with the new role.
+a SwitchRole is answered, `switch_s` later, by Ready with the new role; a SetCores,
+`core_switch_s` later, by CoresSet (work that arrives while it is parked is counted in
+`parked_work`).
 A warm-up (Generate with `pin`) is answered with one Tokens, an Unpin with Unpinned, both
 counting full 16-token blocks (`refuse_pins` fails pinning warm-ups); `cache_stats` are
 extra Stats fields every heartbeat carries.
@@ -78,6 +80,10 @@ class FakeWorker:
         self.refuse_pins: str | None = behaviour.get("refuse_pins")
         self.cache_stats: dict[str, Any] = behaviour.get("cache_stats", {})
         self.switch_s: float = behaviour.get("switch_s", 0.0)  # SwitchRole to Ready
+        self.cpus: list[int] = list(behaviour.get("cpus", []))  # announced in Ready
+        self.threads: int = behaviour.get("threads", 0)
+        self.core_switch_s: float = behaviour.get("core_switch_s", 0.0)  # SetCores to CoresSet
+        self.parked_work = 0  # Generate/Prefill/StartDecode received with no cores (adaptive)
         self.heartbeat = True
         self.num_tokens_sent = 0
         self.aborted: list[str] = []
@@ -107,9 +113,14 @@ class FakeWorker:
 
     def _announce(self, hello: bool = False) -> None:
         self.send(messages.Ready(
-            self.worker_id, self.role, "tiny", 64, 16, self.max_model_len,
-            incarnation=self.signer.session.hex(), hello=hello,
+            self.worker_id, self.role, "tiny", 64, 16, self.max_model_len, self.cpus,
+            self.threads, incarnation=self.signer.session.hex(), hello=hello,
         ))  # fmt: skip
+
+    async def _set_cores(self, m: messages.SetCores) -> None:
+        await asyncio.sleep(self.core_switch_s)
+        self.cpus, self.threads = list(m.cpus), m.threads
+        self.send(messages.CoresSet(self.worker_id, self.cpus, self.threads, self.core_switch_s))
 
     async def _switch(self, role: str) -> None:
         await asyncio.sleep(self.switch_s)
@@ -148,7 +159,12 @@ class FakeWorker:
         self.cluster.events.append((self.worker_id, type(m).__name__, getattr(m, "request_id", "")))
         self.received.append(m)
         script = self.cluster.script
-        if isinstance(m, messages.Abort):
+        work = (messages.Generate, messages.Prefill, messages.StartDecode)
+        if self.cluster.cpus and isinstance(m, work) and self.threads == 0:
+            self.parked_work += 1
+        if isinstance(m, messages.SetCores):
+            self._core_task = asyncio.create_task(self._set_cores(m))
+        elif isinstance(m, messages.Abort):
             self.aborted.append(m.request_id)
             task = self._tasks.pop(m.request_id, None)
             if task:
@@ -252,17 +268,21 @@ class Cluster:
         roles: dict[str, str],
         behaviour: dict[str, dict[str, Any]] | None = None,
         start_workers: bool = True,
+        cpus: tuple[int, ...] = (),  # every endpoint's core pool (adaptive deployments)
         **config: Any,
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pdr", dir="/tmp"))  # ipc paths must be short
         self.router_address = f"ipc://{self.dir}/router"
         self.script = script
         self.events: list[tuple[str, str, str]] = []
+        self.cpus = cpus
         self.workers = {
             wid: FakeWorker(self, wid, role, **(behaviour or {}).get(wid, {}))
             for wid, role in roles.items()
         }
-        endpoints = [WorkerEndpoint(w.worker_id, w.role, w.address) for w in self.workers.values()]
+        endpoints = [
+            WorkerEndpoint(w.worker_id, w.role, w.address, cpus) for w in self.workers.values()
+        ]
         self.config = RouterConfig(
             host="127.0.0.1",
             port=0,

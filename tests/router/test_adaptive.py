@@ -1,0 +1,131 @@
+"""An adaptive deployment over fake workers: the driver prefills where the planner decides
+(local on the decode worker, remote on a prefill worker once it has cores), a parked worker
+is never sent work, and every request finishes while cores and roles move under it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from pdserve.planner.config import AdaptiveConfig
+from tests.router.conftest import OUTPUT_TEXT
+from tests.router.harness import Cluster
+
+POOL = (0, 1, 2, 3)
+ADAPTIVE = AdaptiveConfig(enabled=True, interval_s=0.05, core_dwell_s=0.3, min_dwell_s=0.0,
+                          fallback_prompt_tokens=64)  # fmt: skip
+LONG = "x" * 200  # 200 tokens with the byte-level test tokenizer: over the fallback's 64
+
+
+def cluster(tokenizer_dir: Path, script: list[int], roles: dict[str, str], **behaviour) -> Cluster:
+    per_worker = {
+        w: {"cpus": POOL, "threads": len(POOL) if w == "d1" else 0, "core_switch_s": 0.05,
+            **behaviour.get(w, {})}
+        for w in roles
+    }  # fmt: skip
+    return Cluster(tokenizer_dir, script, roles, per_worker, cpus=POOL, adaptive=ADAPTIVE)
+
+
+def post(c: Cluster, prompt: str, max_tokens: int) -> requests.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens}
+    return requests.post(f"{c.url}/v1/completions", json=body, timeout=30)
+
+
+def kinds_for(c: Cluster, worker_id: str) -> list[str]:
+    return [k for k in c.kinds(worker_id) if k != "SetCores"]
+
+
+def decisions(c: Cluster) -> dict[str, float]:
+    text = requests.get(f"{c.url}/metrics", timeout=10).text
+    return {
+        line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_adaptive_decisions_total{")
+    }
+
+
+def test_idle_decode_worker_prefills_locally_with_every_core(tokenizer_dir, script):
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"}) as c:
+        c.wait_until(lambda: "SetCores" in c.kinds("d1"))  # the planner's first layout
+        r = post(c, LONG, 9)
+        assert r.json()["choices"][0]["text"] == OUTPUT_TEXT[:9]
+        assert kinds_for(c, "d1") == ["Generate"] and kinds_for(c, "p0") == []
+        assert (c.workers["d1"].threads, c.workers["p0"].threads) == (4, 0)
+        assert decisions(c) == {'kind="local",reason="idle_decode"': 1.0}
+
+
+def test_remote_waits_for_cores_local_stays_and_cores_merge_back(tokenizer_dir, script):
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
+                 d1={"step_s": 0.1}) as c:  # fmt: skip
+        plane = c.app_state.plane
+        with ThreadPoolExecutor(4) as pool:
+            running = pool.submit(post, c, "Hi", 20)  # occupies d1 for ~2 s
+            c.wait_until(lambda: plane.workers["d1"].stats.num_running >= 1)
+            remote = pool.submit(post, c, LONG, 5)
+            c.wait_until(lambda: "Prefill" in c.kinds("p0"))
+            local = pool.submit(post, c, "Hey", 5)
+            for future in (running, remote, local):
+                r = future.result()
+                assert r.status_code == 200, r.text
+        assert remote.result().json()["choices"][0]["text"] == OUTPUT_TEXT[:5]
+        assert local.result().json()["choices"][0]["text"] == OUTPUT_TEXT[:5]
+        assert kinds_for(c, "p0") == ["Prefill"]
+        assert kinds_for(c, "d1").count("Generate") == 2  # "Hi" and "Hey": local
+        assert c.workers["p0"].parked_work == 0  # Prefill only after its CoresSet
+        assert decisions(c) == {
+            'kind="local",reason="idle_decode"': 1.0,
+            'kind="remote",reason="fallback_long"': 1.0,
+            'kind="local",reason="fallback_short"': 1.0,
+        }
+        # idle again: after the dwell the prefill worker is parked, the decode worker whole
+        c.wait_until(lambda: (c.workers["p0"].threads, c.workers["d1"].threads) == (0, 4), 5)
+        status = requests.get(f"{c.url}/v1/status", timeout=10).json()["planner"]
+        assert status["split"] == {"prefill": 1, "decode": 1}
+        assert [d["reason"] for d in status["recent_decisions"]] == [
+            "idle_decode", "fallback_long", "fallback_short",
+        ]  # fmt: skip
+        assert status["num_core_switches"] >= 3  # split, and merged back
+
+
+def test_every_request_finishes_while_cores_and_roles_move(tokenizer_dir, script):
+    roles = {"p0": "prefill", "d1": "decode", "d2": "decode"}
+    with cluster(tokenizer_dir, script, roles, d1={"step_s": 0.02}, d2={"step_s": 0.02},
+                 p0={"prefill_s": 0.05}) as c:  # fmt: skip
+        overlaps: list[dict] = []
+        done = threading.Event()
+
+        def watch() -> None:  # no two workers with threads ever share a cpu
+            while not done.is_set():
+                running = [w for w in c.workers.values() if w.threads > 0]
+                cpus = [cpu for w in running for cpu in w.cpus]
+                if len(cpus) != len(set(cpus)):
+                    overlaps.append({w.worker_id: list(w.cpus) for w in running})
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        prompts = [LONG if i % 3 == 0 else "Hello" for i in range(18)]
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(post, c, p, 12) for p in prompts]
+            time.sleep(0.3)
+            c.call(_switch(c, "d2", "prefill"))
+            results = [f.result() for f in futures]
+        done.set()
+        watcher.join()
+        assert [r.status_code for r in results] == [200] * len(prompts)
+        assert {r.json()["choices"][0]["text"] for r in results} == {OUTPUT_TEXT[:12]}
+        assert not overlaps, overlaps[:3]
+        assert all(w.parked_work == 0 for w in c.workers.values())
+        kinds = {key.split(",")[0] for key in decisions(c)}
+        assert kinds == {'kind="local"', 'kind="remote"'}  # both paths taken
+        status = requests.get(f"{c.url}/v1/status", timeout=10).json()["planner"]
+        assert status["num_core_switches"] >= 2
+        c.wait_until(lambda: c.app_state.plane.workers["d2"].role == "prefill")
+
+
+async def _switch(c: Cluster, worker_id: str, role: str) -> bool:
+    return c.app_state.plane.switch_role(worker_id, role)
