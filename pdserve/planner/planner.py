@@ -325,6 +325,12 @@ class Planner:
 
     # ---- /v1/status ---------------------------------------------------------------------
 
+    def cores_of(self, worker_id: str) -> tuple[list[int], int] | None:
+        """The cpus and threads a worker last acknowledged (or announced); None if unknown."""
+        groups = self.groups.get(worker_id)
+        current = groups.current.get(worker_id) if groups else None
+        return None if current is None else (list(current.cpus), current.threads)
+
     def status(self) -> dict[str, Any]:
         roles = collections.Counter(w.role for w in self.plane.workers.values())
         groups = {id(g): g for g in self.groups.values()}.values()

@@ -38,14 +38,17 @@ def worker_rows(state: Any) -> list[dict[str, Any]]:
     rows = []
     for w in plane.workers.values():
         s, ready = w.stats, w.ready
+        cores = plane.planner.cores_of(w.worker_id) if plane.planner else None
+        if cores is None and ready:
+            cores = (list(ready.cpus), ready.threads)
         rows.append(
             {
                 "worker": w.worker_id,
                 "role": w.role,
                 "ready": ready is not None,
                 "healthy": int(plane.is_healthy(w.worker_id)),
-                "cpus": list(ready.cpus) if ready else [],
-                "threads": ready.threads if ready else 0,
+                "cpus": cores[0] if cores else [],
+                "threads": cores[1] if cores else 0,
                 "num_waiting": s.num_waiting if s else 0,
                 "num_running": s.num_running if s else 0,
                 "num_free_blocks": s.num_free_blocks if s else 0,

@@ -52,7 +52,7 @@ class Deployment:
             return cls(num_prefill=int(match[1]), num_decode=int(match[2]), **sizes)
         if spec == "adaptive":
             raise ValueError(
-                "deployment 'adaptive': pdserve has no adaptive planner yet (issue 14); "
+                "deployment 'adaptive': the simulator drives no adaptive planner yet (issue 14); "
                 "simulate a fixed layout (collocated, Nc, NpMd)"
             )
         raise ValueError(f"unknown deployment {spec!r}: use collocated, Nc (e.g. 2c) or NpMd")
