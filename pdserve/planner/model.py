@@ -3,8 +3,11 @@ simulator's class) per (role, threads), fed by the workers' StepReport rows, and
 `TransferModel` fitted to the exposed KV transfer times the router measures. Pure: no I/O,
 no clock (callers pass times), so the simulator can drive it as the router does.
 
-Which model answers `step_s(role, threads, shape)`, first that exists:
-  1. (role, threads) with at least `min_samples` steps (or seeded from a profile);
+Which model answers `step_s(role, threads, shape)`, first that exists among those *usable for
+the shape* (seeded from a profile, or at least `min_samples` steps of which some had each
+feature the shape has: a decode worker that never prefilled knows nothing of prefill cost,
+and a coefficient it never saw is 0, not unknown):
+  1. (role, threads);
   2. the other role at `threads` (the step's arithmetic is the same; only kernels differ);
   3. the nearest thread count that has one, its time scaled by `t_have / threads` (a linear
      speed-up: an estimate, replaced as soon as that thread count has its own samples);
@@ -33,6 +36,7 @@ class _Fit:
     model: StepCostModel
     num_new: int = 0  # samples since the last refit
     seeded: bool = False  # from a profile: usable before any sample
+    seen: frozenset[int] = frozenset()  # features some sample had (non-zero)
 
 
 class OnlineCostModel:
@@ -69,6 +73,7 @@ class OnlineCostModel:
             # Relative error, as `fit_cost_model`: a 20 ms decode step counts as much as a
             # 2 s prefill, or the fit would serve prefills and get ITL wrong.
             fit.model.observe(shape, float(seconds), weight=1.0 / float(seconds) ** 2)
+            fit.seen |= {i for i, x in enumerate(fit.model.features(shape)) if x}
             fit.num_new += 1
             used += 1
         return used
@@ -98,9 +103,9 @@ class OnlineCostModel:
         role, threads = _kind(role), max(1, threads)
         other = ROLES[1 - ROLES.index(role)]
         for key in ((role, threads), (other, threads)):
-            if self._usable(key):
+            if self._usable(key, shape):
                 return self._fits[key].model.predict(shape)
-        usable = [k for k in self._fits if self._usable(k)]
+        usable = [k for k in self._fits if self._usable(k, shape)]
         if not usable:
             return None
         nearest = min(usable, key=lambda k: (abs(k[1] - threads), k[0] != role, k[1]))
@@ -114,9 +119,13 @@ class OnlineCostModel:
     def ready(self) -> bool:
         return any(self._usable(k) for k in self._fits)
 
-    def _usable(self, key: tuple[str, int]) -> bool:
+    def _usable(self, key: tuple[str, int], shape: StepShape | None = None) -> bool:
         fit = self._fits.get(key)
-        return fit is not None and (fit.seeded or fit.model.num_samples >= self.min_samples)
+        if fit is None or not (fit.seeded or fit.model.num_samples >= self.min_samples):
+            return False
+        if fit.seeded or shape is None:
+            return True
+        return all(i in fit.seen for i, x in enumerate(fit.model.features(shape)) if x)
 
     def state(self) -> dict[str, object]:
         """The fit state for /v1/status: per (role, threads) the samples and coefficients."""

@@ -95,3 +95,24 @@ def test_planner_and_simulator_use_one_cost_model_class():
     assert {type(f.model) for f in model._fits.values()} == {StepCostModel}
     shape = SHAPES[2]
     assert model.step_s("decode", 4, shape) == profile.cost_model(4).predict(shape)
+
+
+def test_a_model_never_shown_a_feature_does_not_price_it():
+    """Decode-only steps leave the prefill coefficients at 0: such a model must not say a
+    prefill is free; the prefill worker's model (which saw prefills) answers instead."""
+    decode_only = [r for r in rows(4, 400) if r[0] == 0]
+    prefill_only = [
+        [n, 0, n * (n + 1) / 2, 0, 4, truth(4).predict(StepShape(n, 0, n * (n + 1) / 2, 0))]
+        for n in range(16, 528, 16)
+    ]
+    model = OnlineCostModel(min_samples=20)
+    model.observe_steps("decode", decode_only)
+    model.refit()
+    chunk = StepShape(512, 0, 512 * 256.5, 0)
+    assert model.step_s("decode", 4, StepShape(0, 8, 0, 4000)) is not None
+    assert model.step_s("decode", 4, chunk) is None
+    model.observe_steps("prefill", prefill_only)
+    model.refit()
+    assert model.step_s("decode", 4, chunk) == pytest.approx(truth(4).predict(chunk), rel=1e-3)
+    mixed = StepShape(512, 8, 512 * 256.5, 4000)
+    assert model.step_s("decode", 4, mixed) is None  # neither saw both
