@@ -110,9 +110,10 @@ class Planner:
                     message.worker_id, message.threads, message.switch_s, round_trip
                 )
             log.info(
-                "worker %s runs on %d cpus (switch %.3f s)",
+                "worker %s: %d threads on cpus %s (switch %.3f s)",
                 message.worker_id,
                 message.threads,
+                message.cpus,
                 message.switch_s,
             )
             self._send(groups)  # a grow may have waited for this shrink
