@@ -167,7 +167,8 @@ class Planner:
             if prefill
             else 0,
             pool_size=pool,
-            num_decodes=decode.num_running,
+            # Stats are a heartbeat old: what the router sent since counts too.
+            num_decodes=max(decode.num_running, decode.num_active_requests),
             decode_context_tokens=(decode.num_total_blocks - decode.num_free_blocks) * block_size,
             decode_queue_tokens=decode.num_queued_prefill_tokens,
             decode_threads_local=decode_threads if busy else pool,

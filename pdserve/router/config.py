@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, field
 
 from pdserve.config import EngineConfig
 from pdserve.messages import FIELDS_BYTES, ROLES
+from pdserve.perf.profile import load_profile
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import check_deployment
 from pdserve.router.policies import POLICIES
@@ -98,6 +99,11 @@ class RouterConfig:
             raise ValueError(f"workers: duplicate worker_id in {ids}")
         if self.adaptive.enabled and self.workers:
             check_deployment(self.workers)
+        if self.adaptive.enabled and self.adaptive.profile:
+            try:  # refused with the config, not when the planner starts
+                load_profile(self.adaptive.profile)
+            except ValueError as exc:
+                raise ValueError(f"adaptive.profile: {exc}") from None
 
     @property
     def tokenizer_source(self) -> str:

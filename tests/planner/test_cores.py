@@ -155,3 +155,20 @@ def test_check_deployment_names_the_field():
     with pytest.raises(ValueError, match="a prefill and a decode role"):
         check_deployment([endpoint("d0", "decode"), endpoint("d1", "decode")])
     check_deployment([endpoint("p0", "prefill"), endpoint("d1", "decode")])
+
+
+def test_router_config_refuses_a_bad_adaptive_deployment_naming_the_field(tmp_path):
+    from pdserve.planner.config import AdaptiveConfig
+    from pdserve.router.config import RouterConfig
+
+    on = AdaptiveConfig(enabled=True)
+    workers = (WorkerEndpoint("p0", "prefill", "ipc:///tmp/p0", (0,)),
+               WorkerEndpoint("d1", "decode", "ipc:///tmp/d1", (0,)))  # fmt: skip
+    with pytest.raises(ValueError, match="adaptive.workers: 2 workers cannot share 1 cores"):
+        RouterConfig(model="m", workers=workers, adaptive=on)
+    bad = AdaptiveConfig(enabled=True, profile=str(tmp_path / "none.json"))
+    with pytest.raises(ValueError, match="adaptive.profile: profile .*none.json"):
+        RouterConfig(model="m", adaptive=bad)
+    with pytest.raises(ValueError, match="slo_itl_ms must be > 0"):
+        AdaptiveConfig(enabled=True, slo_itl_ms=0)
+    RouterConfig(model="m", workers=workers)  # not adaptive: no pool needed
