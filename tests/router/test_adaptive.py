@@ -64,7 +64,7 @@ def test_remote_waits_for_cores_local_stays_and_cores_merge_back(tokenizer_dir, 
         plane = c.app_state.plane
         with ThreadPoolExecutor(4) as pool:
             running = pool.submit(post, c, "Hi", 20)  # occupies d1 for ~2 s
-            c.wait_until(lambda: plane.workers["d1"].stats.num_running >= 1)
+            c.wait_until(lambda: (s := plane.workers["d1"].stats) and s.num_running >= 1)
             remote = pool.submit(post, c, LONG, 5)
             c.wait_until(lambda: "Prefill" in c.kinds("p0"))
             local = pool.submit(post, c, "Hey", 5)
