@@ -316,8 +316,9 @@ class ControlPlane:
             worker.epoch += 1
             worker.sent_prefill_tokens = worker.active_requests = 0
             log.info("worker %s ready: %s", worker_id, message)
-        if isinstance(message, messages.Ready) and self.planner is not None:
-            self.planner.on_message(message)
+        if isinstance(message, (messages.Ready, messages.CoresSet, messages.StepReport)):
+            if self.planner is not None:  # an adaptive deployment's
+                self.planner.on_message(message)
         elif isinstance(message, messages.Stats):
             worker.stats = message
         elif isinstance(message, messages.KVEvents):
@@ -326,9 +327,6 @@ class ControlPlane:
         elif isinstance(message, messages.Released):
             self.unacked_releases.pop((worker_id, message.request_id), None)
             log.debug("worker %s released %s", worker_id, message.request_id)
-        elif isinstance(message, (messages.CoresSet, messages.StepReport)):
-            if self.planner is not None:
-                self.planner.on_message(message)
         elif isinstance(message, _REQUEST_MESSAGES):
             queue = self._queues.get(message.request_id)
             if queue is None:

@@ -129,3 +129,13 @@ def test_every_request_finishes_while_cores_and_roles_move(tokenizer_dir, script
 
 async def _switch(c: Cluster, worker_id: str, role: str) -> bool:
     return c.app_state.plane.switch_role(worker_id, role)
+
+
+def test_without_adaptive_nothing_changes(tokenizer_dir, script, caplog):
+    """No planner: no SetCores, the static disaggregated path, Ready taken quietly."""
+    with Cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"}) as c:
+        assert c.app_state.plane.planner is None
+        assert post(c, LONG, 5).json()["choices"][0]["text"] == OUTPUT_TEXT[:5]
+        assert [k for _, k, _ in c.events] == ["Reserve", "Prefill", "StartDecode"]
+        assert "planner" not in requests.get(f"{c.url}/v1/status", timeout=10).json()
+    assert "unexpected" not in caplog.text
