@@ -11,8 +11,9 @@ per worker. A worker never heard from (no Ready) is taken to hold the whole pool
 sent nothing; each worker gets a first SetCores after its Ready even when it already runs
 on its target (the planner, not the launcher, owns the layout).
 
-Dwell: giving cores to a parked worker (a request waits for them) happens at once; every
-other change (a merge back, a resize) only once the same counts were wanted for `dwell_s`,
+Dwell: giving cores to a parked worker (a request waits for them) and growing a decode
+group (its inter-token latency is at stake) happen at once; every other change (a merge
+back, a shrink of the decode group) only once the same counts were wanted for `dwell_s`,
 so a burst does not make the groups flap.
 """
 
@@ -143,8 +144,13 @@ class CoreGroups:
         if counts == self.counts:
             self._proposal = None
             return False
-        grant = any(n > 0 and self.counts.get(w, 0) == 0 for w, n in counts.items())
-        if not grant and self.counts:
+        old = self.counts
+        grant = any(n > 0 and old.get(w, 0) == 0 for w, n in counts.items())
+        same = {w for w, n in counts.items() if n} == {w for w, n in old.items() if n}
+        decode_grows = same and any(
+            roles[w] != "prefill" and n > old.get(w, 0) for w, n in counts.items()
+        )
+        if not (grant or decode_grows) and old:
             if self._proposal is None or self._proposal[0] != counts:
                 self._proposal = (counts, now)
             if now - self._proposal[1] < self.dwell_s:

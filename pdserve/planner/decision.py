@@ -29,8 +29,9 @@ from pdserve.planner.model import OnlineCostModel
 
 LOCAL, REMOTE = "local", "remote"
 ITL_BUDGET_FACTOR = 2.0  # default ITL budget: twice the unloaded decode step (issue 14's SLO)
-# Default TTFT budget: 3x the prompt's prefill alone on all cores (on half a pool, as a
-# remote prefill beside running decodes gets it, it takes ~2x).
+ITL_HEADROOM = 0.75  # a decode group is sized for this share of the ITL budget
+# Default TTFT budget: 3x what collocated would give the request now (its queue and prompt,
+# with the running decodes, on every core); a remote prefill on half a pool takes ~2x.
 TTFT_BUDGET_FACTOR = 3.0
 
 
@@ -106,17 +107,20 @@ def predict(
     s: Situation, model: OnlineCostModel, slo_ttft_s: float | None, slo_itl_s: float | None
 ) -> dict[str, float] | None:
     """Predicted TTFT and ITL of both paths and the budgets; None without a usable model.
-    A remote request's own first gap waits for the exposed transfer: it counts in its ITL."""
+    A remote request's own first gap waits for the exposed transfer: it counts in its ITL.
+    Queued prompts share the steps the request runs in (the scheduler batches them), so a
+    queue costs its tokens' compute, not steps of its own."""
     local_tokens = max(1, s.num_prompt_tokens - s.num_cached_decode_tokens)
     remote_tokens = max(1, s.num_prompt_tokens - s.num_cached_prefill_tokens)
     b, ctx, chunk = s.num_decodes, s.decode_context_tokens, max(1, s.chunk_tokens)
     t_local, t_pool, cached_local = s.decode_threads_local, s.pool_size, s.num_cached_decode_tokens
     parts = (
         model.step_s("decode", t_pool, StepShape(0, max(b, 1), 0, ctx)),
-        prefill_s(model, "decode", t_pool, local_tokens, cached_local, chunk),
-        prefill_s(model, "decode", t_local, s.decode_queue_tokens, 0, chunk, b, ctx),
+        queue_s(model, "decode", t_pool, s.decode_queue_tokens, chunk, b, ctx),
+        prefill_s(model, "decode", t_pool, local_tokens, cached_local, chunk, b, ctx),
+        queue_s(model, "decode", t_local, s.decode_queue_tokens, chunk, b, ctx),
         prefill_s(model, "decode", t_local, local_tokens, cached_local, chunk, b, ctx),
-        prefill_s(model, "prefill", s.prefill_threads, s.prefill_queue_tokens, 0, chunk),
+        queue_s(model, "prefill", s.prefill_threads, s.prefill_queue_tokens, chunk),
         prefill_s(
             model, "prefill", s.prefill_threads, remote_tokens, s.num_cached_prefill_tokens, chunk
         ),
@@ -124,17 +128,64 @@ def predict(
     )
     if any(p is None for p in parts):
         return None
-    unloaded, alone, queue_local, mixed, queue_remote, remote, split = parts  # type: ignore[misc]
+    unloaded, queue_pool, on_pool, queue_local, mixed, queue_remote, remote, split = parts  # type: ignore[misc]
     transfer = model.transfer_s(local_tokens * s.kv_bytes_per_token)
+    collocated = queue_pool + on_pool[0]  # what one worker on every core would give it now
     return {
-        "ttft_local_s": queue_local[0] + mixed[0],
+        "ttft_local_s": queue_local + mixed[0],
         "itl_local_s": max(mixed[1], unloaded),
-        "ttft_remote_s": (s.switch_s if s.prefill_parked else 0.0) + queue_remote[0] + remote[0],
+        "ttft_remote_s": (s.switch_s if s.prefill_parked else 0.0) + queue_remote + remote[0],
         "itl_remote_s": split + transfer,
         "transfer_s": transfer,
         "itl_budget_s": slo_itl_s if slo_itl_s is not None else ITL_BUDGET_FACTOR * unloaded,
-        "ttft_budget_s": slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * alone[0],
+        "ttft_budget_s": slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * collocated,
     }
+
+
+def decode_need(
+    model: OnlineCostModel,
+    pool: int,
+    num_decodes: int,
+    context_tokens: int,
+    slo_itl_s: float | None,
+) -> int:
+    """The fewest threads whose decode step of these decodes stays within ITL_HEADROOM of the
+    ITL budget (0: no usable model; `pool` when none does). The headroom leaves room for the
+    requests the batch admits before the planner looks again."""
+    if num_decodes <= 0:
+        return 1
+    shape = StepShape(0, num_decodes, 0, context_tokens)
+    unloaded = model.step_s("decode", pool, shape)
+    if unloaded is None:
+        return 0
+    budget = ITL_HEADROOM * (slo_itl_s if slo_itl_s is not None else ITL_BUDGET_FACTOR * unloaded)
+    for threads in range(1, pool + 1):
+        step = model.step_s("decode", threads, shape)
+        if step is not None and step <= budget:
+            return threads
+    return pool
+
+
+def queue_s(
+    model: OnlineCostModel,
+    role: str,
+    threads: int,
+    num_tokens: int,
+    chunk_tokens: int,
+    num_decodes: int = 0,
+    context_tokens: int = 0,
+) -> float | None:
+    """What `num_tokens` of queued prompts add to the steps they share with this one: their
+    compute, as independent prompts of at most a chunk each (None without a usable model)."""
+    if num_tokens <= 0:
+        return 0.0
+    n = min(chunk_tokens, num_tokens)
+    base = StepShape(1, num_decodes, 1.0, context_tokens)
+    queued = StepShape(1 + num_tokens, num_decodes, 1.0 + num_tokens * (n + 1) / 2, context_tokens)
+    with_queue, without = model.step_s(role, threads, queued), model.step_s(role, threads, base)
+    if with_queue is None or without is None:
+        return None
+    return max(0.0, with_queue - without)
 
 
 def prefill_s(

@@ -22,7 +22,7 @@ from pdserve.perf.cost_model import StepShape
 from pdserve.perf.profile import load_profile
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import CoreGroups, Demand, check_deployment, plan_counts, pools_of
-from pdserve.planner.decision import ITL_BUDGET_FACTOR, REMOTE, Decision, Situation, decide
+from pdserve.planner.decision import REMOTE, Decision, Situation, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
 from pdserve.planner.roles import RoleSplit, RoleView
 
@@ -132,7 +132,7 @@ class Planner:
         if decode is None:  # the disaggregated path reports what is missing
             return Decision(REMOTE, "no_decode_worker")
         slo_ttft = self.config.slo_ttft_ms / 1000 if self.config.slo_ttft_ms else None
-        slo_itl = self.config.slo_itl_ms / 1000 if self.config.slo_itl_ms else None
+        slo_itl = self._slo_itl_s
         situation = self._situation(route, decode, prefill)
         decision = decide(
             situation, self.model, slo_ttft, slo_itl, self.config.fallback_prompt_tokens
@@ -241,28 +241,16 @@ class Planner:
         return Demand(w.worker_id, w.role, self._busy(w), need)
 
     def _decode_need(self, w: WorkerState, pool: int) -> int:
-        """Fewest threads whose decode step meets the ITL budget for `w`'s running decodes
-        (0: no model yet; `pool` when none does)."""
         s = w.stats
-        if s is None or not s.num_running:
+        if s is None:
             return 1
         block_size = w.ready.block_size if w.ready else 16
-        shape = StepShape(
-            0, s.num_running, 0, (s.num_total_blocks - s.num_free_blocks) * block_size
-        )
-        unloaded = self.model.step_s("decode", pool, shape)
-        if unloaded is None:
-            return 0
-        budget = (
-            self.config.slo_itl_ms / 1000
-            if self.config.slo_itl_ms
-            else ITL_BUDGET_FACTOR * unloaded
-        )
-        for threads in range(1, pool + 1):
-            step = self.model.step_s("decode", threads, shape)
-            if step is not None and step <= budget:
-                return threads
-        return pool
+        context = (s.num_total_blocks - s.num_free_blocks) * block_size
+        return decode_need(self.model, pool, s.num_running, context, self._slo_itl_s)
+
+    @property
+    def _slo_itl_s(self) -> float | None:
+        return self.config.slo_itl_ms / 1000 if self.config.slo_itl_ms else None
 
     def _plan_roles(self, now: float) -> None:
         views = []

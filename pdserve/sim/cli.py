@@ -94,8 +94,13 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = _workload_parser(
         subparsers, "simulate", "replay a bench workload on a simulated deployment, from a profile"
     )
-    parser.add_argument("--deployment", default="collocated", help="collocated, Nc or NpMd")
-    parser.add_argument("--collocated-size", type=int, default=1, help="devices per worker")
+    parser.add_argument(
+        "--deployment", default="collocated", help="collocated, Nc, NpMd or adaptive"
+    )
+    parser.add_argument(
+        "--collocated-size", type=int, default=1,
+        help="devices per worker (adaptive: the pool its two workers share)",
+    )  # fmt: skip
     parser.add_argument("--prefill-size", type=int, default=1)
     parser.add_argument("--decode-size", type=int, default=1)
     parser.set_defaults(func=cmd_simulate)

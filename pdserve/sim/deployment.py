@@ -5,6 +5,8 @@ Spec strings, as `pdserve bench compare` names deployments:
     collocated   one collocated worker
     Nc           N collocated workers (e.g. 2c)
     NpMd         N prefill and M decode workers (e.g. 1p1d, 3p5d)
+    adaptive     one prefill and one decode worker sharing `collocated_size` cores, the
+                 adaptive planner placing requests and moving cores (sim/adaptive.py)
 
 A worker's size (threads on a CPU profile, tensor-parallel degree on a GPU one) comes per
 role from `collocated_size`, `prefill_size`, `decode_size`.
@@ -26,6 +28,7 @@ class Deployment:
     collocated_size: int = 1
     prefill_size: int = 1
     decode_size: int = 1
+    adaptive: bool = False  # num_prefill + num_decode workers share one pool of cores
 
     def __post_init__(self) -> None:
         for name in ("num_collocated", "num_prefill", "num_decode"):
@@ -51,11 +54,14 @@ class Deployment:
         if match := re.fullmatch(r"(\d+)p(\d+)d", spec):
             return cls(num_prefill=int(match[1]), num_decode=int(match[2]), **sizes)
         if spec == "adaptive":
-            raise ValueError(
-                "deployment 'adaptive': the simulator drives no adaptive planner yet (issue 14); "
-                "simulate a fixed layout (collocated, Nc, NpMd)"
-            )
-        raise ValueError(f"unknown deployment {spec!r}: use collocated, Nc (e.g. 2c) or NpMd")
+            if collocated_size < 2:
+                raise ValueError("deployment 'adaptive' shares --collocated-size cores: needs >= 2")
+            pool = collocated_size
+            return cls(num_prefill=1, num_decode=1, prefill_size=pool, decode_size=pool,
+                       collocated_size=pool, adaptive=True)  # fmt: skip
+        raise ValueError(
+            f"unknown deployment {spec!r}: use collocated, Nc (e.g. 2c), NpMd or adaptive"
+        )
 
     @property
     def is_disaggregated(self) -> bool:
@@ -63,6 +69,8 @@ class Deployment:
 
     @property
     def num_devices(self) -> int:
+        if self.adaptive:
+            return self.collocated_size
         return (
             self.num_collocated * self.collocated_size
             + self.num_prefill * self.prefill_size
@@ -77,6 +85,8 @@ class Deployment:
         return out
 
     def describe(self) -> str:
+        if self.adaptive:
+            return f"adaptive: 1 prefill + 1 decode sharing {self.collocated_size}"
         if not self.is_disaggregated:
             return f"{self.num_collocated} collocated x{self.collocated_size}"
         return (f"{self.num_prefill} prefill x{self.prefill_size} + "

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pdserve.bench.app import BenchPlan
 from pdserve.bench.runner import RunResult
 from pdserve.perf.profile import HardwareProfile
+from pdserve.planner.config import AdaptiveConfig
+from pdserve.sim.adaptive import AdaptiveSimulation
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.simulator import Simulation
 
@@ -12,9 +14,14 @@ from pdserve.sim.simulator import Simulation
 def simulate_plan(
     plan: BenchPlan, profile: HardwareProfile, deployment: Deployment, config: SimConfig
 ) -> RunResult:
+    """An adaptive deployment's planner aims at the plan's SLOs (TTFT, p99 ITL)."""
     if plan.run.max_concurrency is not None:
         raise ValueError("the simulator does not model --max-concurrency")
-    simulation = Simulation(profile, deployment, config)
+    if deployment.adaptive:
+        slo = AdaptiveConfig(enabled=True, slo_ttft_ms=plan.slo.ttft_ms, slo_itl_ms=plan.slo.itl_ms)
+        simulation: Simulation = AdaptiveSimulation(profile, deployment, config, slo)
+    else:
+        simulation = Simulation(profile, deployment, config)
     return simulation.run(
         plan.sessions, plan.run.arrival, plan.run.seed, plan.run.think_time_s, plan.run.duration_s
     )

@@ -172,3 +172,12 @@ def test_router_config_refuses_a_bad_adaptive_deployment_naming_the_field(tmp_pa
     with pytest.raises(ValueError, match="slo_itl_ms must be > 0"):
         AdaptiveConfig(enabled=True, slo_itl_ms=0)
     RouterConfig(model="m", workers=workers)  # not adaptive: no pool needed
+
+
+def test_a_decode_group_grows_at_once_and_shrinks_after_the_dwell():
+    groups = CoreGroups(POOL, ["p0", "d1"], dwell_s=2.0)
+    roles = {"p0": "prefill", "d1": "decode"}
+    assert groups.want({"p0": 6, "d1": 2}, roles, 0.0)
+    assert groups.want({"p0": 4, "d1": 4}, roles, 0.1)  # the decodes need more: at once
+    assert not groups.want({"p0": 6, "d1": 2}, roles, 0.2)  # and less: after the dwell
+    assert groups.want({"p0": 6, "d1": 2}, roles, 2.2)

@@ -103,7 +103,7 @@ def test_a_prompt_over_the_context_fails_like_the_engine_refuses_it():
 
 
 def test_bad_deployments_are_refused():
-    with pytest.raises(ValueError, match="drives no adaptive planner yet"):
+    with pytest.raises(ValueError, match="deployment 'adaptive' shares --collocated-size cores"):
         Deployment.parse("adaptive")
     with pytest.raises(ValueError, match="unknown deployment '2x'"):
         Deployment.parse("2x")

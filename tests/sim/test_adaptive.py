@@ -1,0 +1,74 @@
+"""`pdserve simulate --deployment adaptive`: the planner's own decision and core groups in
+the simulator. Short prompts at low load are collocated's timeline exactly; long prompts over
+running decodes with a tight ITL go remote and keep the decodes' inter-token latency."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.arrivals import ArrivalSpec
+from pdserve.config import SchedulerConfig
+from pdserve.perf.cost_model import StepCostModel, TransferModel
+from pdserve.perf.profile import HardwareProfile
+from pdserve.planner.config import AdaptiveConfig
+from pdserve.sim.adaptive import AdaptiveSimulation
+from pdserve.sim.deployment import Deployment, SimConfig
+from pdserve.sim.simulator import Simulation
+from tests.sim.test_simulator import MODEL, sessions
+
+POOL = 4
+# 4 threads: 2 ms a step, 0.2 ms a prefill token, 0.5 ms a decode; linear speed-up but the step
+CPU = HardwareProfile(
+    kind="measured", device="test", model=MODEL, size_unit="threads",
+    models={POOL: StepCostModel([2e-3, 2e-4, 5e-4, 0, 0, 0])},
+    transfer={"tcp": TransferModel(512e6, 1e-4)},
+    devices_per_node=1, kv_cache_bytes=16384 * MODEL.kv_bytes_per_token,
+)  # fmt: skip
+CONFIG = SimConfig(scheduler=SchedulerConfig(long_prefill_token_threshold=128))
+
+
+def simulate(spec: str, work, adaptive: AdaptiveConfig | None = None):
+    deployment = Deployment.parse(spec, collocated_size=POOL)
+    if deployment.adaptive:
+        sim = AdaptiveSimulation(CPU, deployment, CONFIG, adaptive)
+    else:
+        sim = Simulation(CPU, deployment, CONFIG)
+    records = sim.run(work, ArrivalSpec("trace")).records
+    return sim, {r.request_id: r for r in records}
+
+
+def test_short_prompts_at_low_load_are_collocated_exactly():
+    work = sessions(*[(0.2 * i, 40 + i, 16) for i in range(10)])  # one at a time
+    _, collocated = simulate("collocated", work)
+    sim, adaptive = simulate("adaptive", work)
+    for key, r in collocated.items():
+        a = adaptive[key]
+        assert [a.ttft_s, *a.itl_s, a.e2e_s] == pytest.approx([r.ttft_s, *r.itl_s, r.e2e_s])
+    assert set(sim.decisions) == {("local", "idle_decode")}
+    assert sim.groups.num_switches == 0  # the decode worker kept every core
+
+
+def test_long_prompts_over_running_decodes_go_remote_and_keep_the_itl():
+    decodes = [(0.001 * i, 32, 400) for i in range(8)]  # running for a while
+    long_prompts = [(0.1 + 0.15 * i, 1024, 8) for i in range(6)]
+    work = sessions(*decodes, *long_prompts)
+    slo = AdaptiveConfig(enabled=True, slo_itl_ms=20.0)  # ~2x the unloaded decode step
+    _, collocated = simulate("collocated", work)
+    sim, adaptive = simulate("adaptive", work, slo)
+    assert ("remote", "itl_interference") in sim.decisions
+    assert sim.groups.num_switches >= 2  # split while the long prompts ran
+
+    def p99_itl(records):
+        gaps = sorted(g for key, r in records.items() if int(key[1:].split("-")[0]) < 8
+                      for g in r.itl_s)  # fmt: skip
+        return gaps[int(0.99 * len(gaps))]
+
+    assert p99_itl(adaptive) <= 0.020 < p99_itl(collocated)
+    assert len(adaptive) == len(work) and all(r.output_len for r in adaptive.values())
+
+
+def test_deployment_adaptive_shares_the_collocated_size():
+    d = Deployment.parse("adaptive", collocated_size=4)
+    assert (d.num_prefill, d.num_decode, d.num_devices, d.adaptive) == (1, 1, 4, True)
+    with pytest.raises(ValueError, match="needs >= 2"):
+        Deployment.parse("adaptive")
