@@ -89,7 +89,9 @@ def router_settings(
         "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address,
                      "cpus": s.cpus if s.adaptive else ()} for s in specs],
         "policy": p.routing, "load_balancer": p.load_balancer, "log_level": log_level,
-        "adaptive": dataclasses.asdict(p.adaptive),
+        # The planner prices a local prefill in the workers' own chunks.
+        "adaptive": {**dataclasses.asdict(p.adaptive), "prefill_chunk_tokens":
+                     specs[0].engine.scheduler.long_prefill_token_threshold},
     }  # fmt: skip
 
 

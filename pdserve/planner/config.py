@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
-from pdserve.schema import check, knob, same_as
+from pdserve.schema import check, knob
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,14 @@ class AdaptiveConfig:
     core_dwell_s: float = knob(
         2.0, "least time a shrink or merge of core groups must stay wanted before it is made", ge=0
     )
-    # The workers' chunk size: what a local prefill adds to each decode step there.
-    prefill_chunk_tokens: int = same_as(SchedulerConfig, "long_prefill_token_threshold")
+    # The workers' chunk size (what a local prefill adds to each decode step there): the
+    # launcher sets it from the workers' scheduler, so it is no flag of its own.
+    prefill_chunk_tokens: int = knob(
+        SchedulerConfig().long_prefill_token_threshold,
+        "the workers' prefill chunk",
+        gt=0,
+        cli=False,
+    )
     profile: str | None = knob(None, "pdserve profile JSON seeding the cost model")
     min_samples: int = knob(20, "steps a (role, threads) cost model needs before it is used", ge=1)
     fallback_prompt_tokens: int = knob(

@@ -119,3 +119,12 @@ def test_adaptive_cluster_answers_like_collocated(tiny_served_model):
     workers = Role(kv_cache_bytes=KV_BYTES)
     with start(tiny_served_model, adaptive=ON, workers=workers) as url:
         assert complete_all(url, model) == reference
+
+
+def test_the_router_prices_local_prefills_in_the_workers_chunks():
+    adaptive = AdaptiveConfig(enabled=True)
+    p = Pipeline(model="m", adaptive=adaptive,
+                 workers=Role(cpus=(0, 1), long_prefill_token_threshold=64))  # fmt: skip
+    specs = worker_specs(p, "tcp://127.0.0.1:1")
+    router = from_dict(RouterConfig, router_settings(p, specs, "tcp://127.0.0.1:1", "INFO"))
+    assert router.adaptive.prefill_chunk_tokens == 64
