@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -36,9 +36,6 @@ from zmq.utils.monitor import parse_monitor_message
 from pdserve import messages
 from pdserve.router.config import RouterConfig, WorkerEndpoint
 from pdserve.router.policies import WorkerLoad
-
-if TYPE_CHECKING:
-    from pdserve.planner.planner import Planner
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +102,9 @@ class ControlPlane:
         self._signer = messages.Signer(config.secret)
         self._verifier = messages.Verifier(config.secret)
         self.unacked_releases: dict[tuple[str, str], float] = {}  # (worker, request) -> sent
-        self.planner: Planner | None = None  # an adaptive deployment's (router/server.py)
+        # An adaptive deployment's Planner (pdserve/planner/planner.py, set by router/server.py);
+        # not imported here: the planner depends on this table, not the other way round.
+        self.planner: Any = None
 
     async def start(self) -> None:
         self._pull = self._async_ctx.socket(zmq.PULL)
