@@ -39,10 +39,11 @@ from pdserve import messages
 from pdserve.output_processor import OutputProcessor
 from pdserve.router.deadlines import Deadlines, Lost, Watch
 from pdserve.router.policies import RoutingPolicy
-from pdserve.router.protocol import ApiError, sampling_to_wire
+from pdserve.router.protocol import ApiError, sampling_to_wire, unavailable
 from pdserve.router.routing import AdaptiveRequest, route_request
 from pdserve.router.timing import RequestTiming
-from pdserve.router.workers import ControlPlane, WorkerLost
+from pdserve.router.worker_state import WorkerLost
+from pdserve.router.workers import ControlPlane
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ class RequestDriver:
             roles = self.plane.healthy_roles()
             role = next((r for r in _GENERATE_ROLES if r in roles), None)
             if role is None:
-                raise _unavailable("no healthy worker can serve the request")
+                raise unavailable("no healthy worker can serve the request")
             self._new_attempt()
             chosen = worker_id and self.plane.is_healthy(worker_id)
             worker_id = self._claim(worker_id) if chosen else await self._pick(role, deadline)
@@ -257,12 +258,12 @@ class RequestDriver:
             if role not in self.plane.healthy_roles():
                 if self.plane.switching(role):  # re-drive with the roles there are now
                     raise Lost(f"every {role} worker is switching roles")
-                raise _unavailable(f"no healthy {role} worker")
+                raise unavailable(f"no healthy {role} worker")
             if self._stalled >= self.plane.healthy_ids(role):  # not empty: the role is healthy
-                raise _unavailable(f"every healthy {role} worker missed a deadline")
+                raise unavailable(f"every healthy {role} worker missed a deadline")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise _unavailable(f"no {role} worker had room within the admission timeout")
+                raise unavailable(f"no {role} worker had room within the admission timeout")
             await asyncio.sleep(min(backoff_s, remaining))
             backoff_s = min(backoff_s * 2, 0.5)
             self._excluded.clear()
@@ -284,7 +285,7 @@ class RequestDriver:
         log.debug("request %s: %s has no room (%s)", self.request_id, reply.worker_id, reply.reason)
         self._excluded.add(reply.worker_id)
         if time.monotonic() >= deadline:
-            raise _unavailable(f"no worker had room within the admission timeout ({reply.reason})")
+            raise unavailable(f"no worker had room within the admission timeout ({reply.reason})")
 
     async def _next(self, deadline: float | None = None, watch: Watch | None = None) -> Any:
         """The next message from this attempt's workers (others' late ones dropped): 503 past
@@ -297,7 +298,7 @@ class RequestDriver:
                 if deadline is not None:
                     timeout = min(_POLL_S, deadline - time.monotonic())
                 if timeout <= 0:
-                    raise _unavailable("no worker answered within the admission timeout")
+                    raise unavailable("no worker answered within the admission timeout")
                 try:
                     message = await asyncio.wait_for(self._queue.get(), timeout)
                 except asyncio.TimeoutError:
@@ -396,7 +397,3 @@ class RequestDriver:
     def _transition(self, state: str) -> None:
         log.debug("request %s: %s -> %s", self.request_id or self.key, self.state, state)
         self.state = state
-
-
-def _unavailable(message: str) -> ApiError:
-    return ApiError(503, message, type="service_unavailable", code="overloaded", retry_after_s=1)

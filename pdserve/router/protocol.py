@@ -60,6 +60,11 @@ class ApiError(Exception):
         }
 
 
+def unavailable(message: str) -> ApiError:
+    """503, "try again in a second": no capacity now (every worker full, none healthy)."""
+    return ApiError(503, message, type="service_unavailable", code="overloaded", retry_after_s=1)
+
+
 @dataclass
 class ApiRequest:
     """A parsed request. `prompt` is text or token ids (completions); `messages` (chat) is

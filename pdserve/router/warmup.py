@@ -29,7 +29,7 @@ from pdserve import messages
 from pdserve.request import WARMUP_PARAMS
 from pdserve.router.completions import STATE, RouterState, read_json, request_slot
 from pdserve.router.protocol import ApiError, check_model, parse_messages, sampling_to_wire
-from pdserve.router.workers import WorkerLost
+from pdserve.router.worker_state import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
 _WARMUP_SAMPLING = sampling_to_wire(WARMUP_PARAMS)
