@@ -98,7 +98,7 @@ def perplexity(llm: LLM, kv_cache_dtype: str, ids: list[int], chunk: int = 64) -
         bs,
         row_size(cfg.head_dim, kv_cache_dtype),
     )
-    kv = torch.zeros(shape, dtype=storage_dtype(kv_cache_dtype, torch.float32))
+    kv = torch.zeros(shape, dtype=storage_dtype(kv_cache_dtype, runner.dtype))
     caches = layer_caches(kv, kv_cache_dtype)
     table = torch.arange(num_blocks)
     nll, count = 0.0, 0

@@ -21,6 +21,15 @@ C_COMPILER = "CC"  # the compiler for the native kernels (gcc)
 # Where this process runs, for the transfer channel: peers with equal ids use shm. Default:
 # hostname + boot id; Ray placement sets it to the Ray node (pdserve/cluster/ray_actors.py).
 HOST_ID = "PDSERVE_HOST_ID"
+# OpenMP's wait policy (libgomp, which torch's CPU wheels ship): an operator's value wins over
+# the worker default below.
+OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
+# How long an idle OpenMP thread of a worker spins before it sleeps, in spins (a PAUSE each,
+# ~40-140 cycles). libgomp's default, 300,000, keeps a core busy ~10 ms after every parallel
+# region: through each step's Python work and the gap between tokens, so at batch 1 the
+# router and client preempt spinning threads and the next region waits a time slice for them.
+WORKER_SPINCOUNT = "10000"
 
 
 def cluster_secret() -> bytes:
@@ -69,6 +78,13 @@ def cpu_isa() -> str:
 
 def c_compiler() -> str:
     return os.environ.get(C_COMPILER, "gcc")
+
+
+def set_worker_thread_wait() -> None:
+    """Give a worker process pdserve's OpenMP spin count unless the operator set a wait
+    policy; must run before torch is imported (libgomp reads it when it loads)."""
+    if OMP_WAIT_POLICY not in os.environ and GOMP_SPINCOUNT not in os.environ:
+        os.environ[GOMP_SPINCOUNT] = WORKER_SPINCOUNT
 
 
 def child_env(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,3 +35,24 @@ def test_secret_and_child_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert child[envs.CLUSTER_SECRET] == "0102" and child[envs.API_KEY] == "k"
     monkeypatch.delenv(envs.API_KEY, raising=False)
     assert envs.api_key() is None and envs.API_KEY not in envs.child_env(b"\x01")
+
+
+@pytest.mark.parametrize(
+    ("operator", "expected"),
+    [({}, envs.WORKER_SPINCOUNT), ({envs.OMP_WAIT_POLICY: "active"}, None),
+     ({envs.GOMP_SPINCOUNT: "5"}, "5")],
+)  # fmt: skip
+def test_worker_sets_the_spin_count_before_torch_loads(operator, expected):
+    """The worker entry point applies pdserve's OpenMP spin count (libgomp reads it once, when
+    torch loads it) unless the operator chose a wait policy."""
+    code = (
+        "import os, sys\nfrom pdserve.workers import main\ntry:\n    main.main([])\n"
+        "except SystemExit:\n    pass\n"
+        f"print('torch' in sys.modules, os.environ.get({envs.GOMP_SPINCOUNT!r}))"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in (envs.OMP_WAIT_POLICY, envs.GOMP_SPINCOUNT)
+    }
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **operator},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.split() == ["False", str(expected)]

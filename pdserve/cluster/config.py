@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import envs
-from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from pdserve.config import DTYPES, CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.kvstore.config import KVStoreConfig
 from pdserve.messages import ROLES
+from pdserve.model.cpu_flags import has_fast_bf16
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.router.config import POLICY_NAMES
 from pdserve.schema import check, from_dict, from_flat, knob, parse_bytes, same_as, with_fields_of
@@ -46,6 +47,12 @@ class Role:
     ray_num_gpus: float = knob(0.0, "Ray GPUs per worker", ge=0)
     ray_resources: dict | None = knob(None, "custom Ray resources per worker, e.g. a node pool "
                                       "{prefill_pool: 1}", cli=False)  # fmt: skip
+    # Per-role precision, e.g. a bf16 prefill role feeding an fp32 decode role (the KV is
+    # converted on the prefill side before the wire).
+    dtype: str | None = knob(
+        None, "this role's dtype (default: the pipeline's); auto: bfloat16 where the CPU has "
+        "AMX or AVX512_BF16, else the pipeline's", choices=(*DTYPES, "auto"), cli=False,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check(self)
@@ -64,11 +71,18 @@ class Role:
             return self.cpus[index]
         return self.cpus
 
+    def dtype_of(self, pipeline_dtype: str) -> str:
+        """This role's dtype on this host (`auto` is resolved here, by the launcher)."""
+        if self.dtype == "auto":
+            return "bfloat16" if has_fast_bf16() else pipeline_dtype
+        return self.dtype or pipeline_dtype
+
     def engine_config(self, model: str, dtype: str, kvstore: KVStoreConfig) -> EngineConfig:
-        """The EngineConfig of each worker of this role."""
-        names = [f.name for f in dataclasses.fields(self) if f.name not in _PLACEMENT_FIELDS]
+        """The EngineConfig of each worker of this role (`dtype`: the pipeline's)."""
+        names = [f.name for f in dataclasses.fields(self)
+                 if f.name not in _PLACEMENT_FIELDS and f.name != "dtype"]  # fmt: skip
         values = {n: getattr(self, n) for n in names}
-        engine = from_flat(EngineConfig, {**values, "model": model, "dtype": dtype})
+        engine = from_flat(EngineConfig, {**values, "model": model, "dtype": self.dtype_of(dtype)})
         return dataclasses.replace(engine, kvstore=kvstore)
 
 

@@ -75,6 +75,7 @@ def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerS
             transfer_buffer_bytes=p.kv_transfer.buffer_pool_size,
             transfer_bandwidth=p.kv_transfer.bandwidth,
             wire_kv_cache_dtype=p.decode.kv_cache_dtype if p.decode else "auto",
+            wire_dtype=p.decode.dtype_of(p.dtype) if p.decode else None,
         )
         for worker_id, role, engine, cpus in layout
     ]  # fmt: skip

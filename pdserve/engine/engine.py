@@ -29,6 +29,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
+from pdserve.model.loader import torch_dtype
 from pdserve.perf.cost_model import StepShape
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
@@ -153,11 +154,13 @@ class Engine:
             reserve_timeout_s, land_timeout_s,
         )  # fmt: skip
 
-    def wire_source(self, kv_cache_dtype: str) -> WireSource | None:
-        """A shadow pool in the decode side's KV dtype, or None when it is this engine's."""
-        if kv_cache_dtype == self.config.cache.kv_cache_dtype:
+    def wire_source(self, kv_cache_dtype: str, dtype: str | None = None) -> WireSource | None:
+        """A shadow pool in the decode side's KV format (its `kv_cache_dtype` and model
+        `dtype`, None: this engine's), or None when that is this engine's own."""
+        wire_dtype = torch_dtype(dtype) if dtype else self.runner.dtype
+        if kv_cache_dtype == self.config.cache.kv_cache_dtype and wire_dtype == self.runner.dtype:
             return None
-        return WireSource(self.runner.layer_caches, kv_cache_dtype, self.runner.dtype)
+        return WireSource(self.runner.layer_caches, kv_cache_dtype, self.runner.dtype, wire_dtype)
 
     def add_prefill(
         self,

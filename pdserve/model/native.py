@@ -37,6 +37,7 @@ import torch
 
 from pdserve import envs
 from pdserve.model import panel_codec
+from pdserve.model.cpu_flags import cpu_flags
 from pdserve.model.kv_cache import LayerCache
 from pdserve.model.registry import default_cache_dir
 
@@ -60,12 +61,8 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 def cpu_supports(isa: str) -> bool:
-    """Whether this CPU runs the `isa` variant (from /proc/cpuinfo; False where unreadable)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return all(f in flags for f in CPU_FLAGS[isa])
+    """Whether this CPU runs the `isa` variant (False where /proc/cpuinfo is unreadable)."""
+    return all(f in cpu_flags() for f in CPU_FLAGS[isa])
 
 
 def build(isa: str = "avx2", out_dir: Path | None = None) -> Path:

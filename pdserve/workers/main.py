@@ -15,6 +15,7 @@ from pdserve.workers.spec import WorkerSpec
 
 
 def main(argv: list[str] | None = None) -> int:
+    envs.set_worker_thread_wait()  # before torch loads libgomp (the Worker import below)
     ap = argparse.ArgumentParser(prog="pdserve-worker")
     ap.add_argument("--spec", required=True, help="WorkerSpec as JSON")
     ap.add_argument("--log-level", default="INFO")

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from dataclasses import MISSING, dataclass
 
-from pdserve.config import KV_CACHE_DTYPES, EngineConfig
+from pdserve.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.messages import ROLES
 from pdserve.schema import check, from_dict, knob
 from pdserve.transfer.registry import BACKENDS, TRANSFER_MODES
@@ -30,8 +30,9 @@ class WorkerSpec:
     transfer_host: str = "127.0.0.1"  # where a decode worker's KV receiver listens
     transfer_buffer_bytes: int = 64 * 2**20
     transfer_bandwidth: str | None = None
-    # prefill: the decode workers' KV dtype (converted to)
+    # prefill: the decode workers' KV dtype and model dtype (None: this worker's), converted to
     wire_kv_cache_dtype: str = knob("auto", choices=KV_CACHE_DTYPES)
+    wire_dtype: str | None = knob(None, choices=DTYPES)
     heartbeat_interval_s: float = 0.5
     # Deadlines on waits for a peer (engine/roles/ says which wait each bounds).
     kv_send_timeout_s: float = 5.0

@@ -88,7 +88,7 @@ class Worker:
             return e.decode_role(self.receiver, spec.kv_reserve_timeout_s, spec.kv_land_timeout_s)
         if name == "prefill":
             if self.sender is None:
-                self._wire = e.wire_source(spec.wire_kv_cache_dtype)
+                self._wire = e.wire_source(spec.wire_kv_cache_dtype, spec.wire_dtype)
                 kv = self._wire.kv if self._wire else e.runner.kv_cache
                 self.sender = make_sender(
                     spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,

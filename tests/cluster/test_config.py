@@ -3,6 +3,7 @@ import argparse
 import pytest
 
 from pdserve.cli import build_parser
+from pdserve.cluster import config as cluster_config
 from pdserve.cluster.config import Pipeline, Role, TensorStore, load_pipeline
 from pdserve.cluster.deployments import pipeline_for
 from pdserve.cluster.launcher import worker_specs
@@ -66,6 +67,20 @@ def test_role_cpus_shapes():
     assert Role(num=2, cpus=[0, 1]).cpus_of(1) == (0, 1)
     with pytest.raises(ValueError, match="cpus"):
         Role(num=2, cpus=[[0]])
+
+
+def test_role_dtype_overrides_the_pipeline_and_auto_follows_the_cpu(monkeypatch, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("prefill: {dtype: bfloat16}\ndecode: {}\n")
+    specs = worker_specs(load_pipeline(path, {}), "tcp://127.0.0.1:1")
+    assert [s.engine.device.dtype for s in specs] == ["bfloat16", "float32"]
+    assert specs[0].wire_dtype == "float32"  # the prefill worker converts to the decode's
+    for fast, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(cluster_config, "has_fast_bf16", lambda fast=fast: fast)
+        assert Role(dtype="auto").dtype_of("float32") == dtype
+    assert Role().dtype_of("float16") == "float16"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Role(dtype="bf16")
 
 
 def test_worker_specs_round_trip_through_json():

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.engine import Engine
 from pdserve.engine.roles.base import KVDestination, KVReservation
 from pdserve.request import FinishReason
@@ -22,35 +22,40 @@ SECRET = b"k" * 32
 NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 
-def config(kv_cache_dtype="auto", cache=None, **sched) -> EngineConfig:
+def config(kv_cache_dtype="auto", cache=None, dtype="float32", **sched) -> EngineConfig:
     cache = CacheConfig(
         block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512,
         kv_cache_dtype=kv_cache_dtype, **(cache or {}),
     )  # fmt: skip
-    return EngineConfig(model="tiny", cache=cache, scheduler=SchedulerConfig(**sched))
+    return EngineConfig(model="tiny", cache=cache, scheduler=SchedulerConfig(**sched),
+                        device=DeviceConfig(dtype=dtype))  # fmt: skip
 
 
 class Pair:
     def __init__(
-        self, model_dir, backend, mode, p_dtype="auto", d_dtype="auto", d_cache=None, **sched
-    ) -> None:
-        """`d_cache`: CacheConfig fields of the decode engine only (e.g. a KV budget)."""
+        self, model_dir, backend, mode, p_dtype="auto", d_dtype="auto", d_cache=None,
+        p_model_dtype="float32", **sched,
+    ) -> None:  # fmt: skip
+        """`d_cache`: CacheConfig fields of the decode engine only (e.g. a KV budget);
+        `p_model_dtype`: the prefill engine's dtype (the decode engine's is float32)."""
         allocate = shared_kv if backend != "tcp" else None
         self.d = Engine(config(d_dtype, d_cache), model_dir, "decode", allocate)
         kv = self.d.runner.kv_cache
         self.rx = make_receiver(backend, kv, KVLayout.from_tensor(kv), SECRET)
         self.d.switch_role(self.d.decode_role(self.rx))
-        self.p = Engine(config(p_dtype, **sched), model_dir, "prefill")
-        wire = self.p.wire_source(d_dtype)
+        self.p = Engine(config(p_dtype, dtype=p_model_dtype, **sched), model_dir, "prefill")
+        wire = self.p.wire_source(d_dtype, "float32")
         source = wire.kv if wire else self.p.runner.kv_cache
         self.tx = make_sender(backend, source, KVLayout.from_tensor(source), SECRET)
         self.p.switch_role(self.p.prefill_role(self.tx, mode, wire))
         self.reservations: dict[str, KVReservation] = {}
         self.sent_dst: dict[str, set[int]] = {}  # request id -> destination blocks sent
+        self.sent_pairs: set[tuple[int, int]] = set()  # (source, destination) blocks sent
         send = self.tx.send
 
         def record(peer, request_id, layers, src_block_ids, dst_block_ids, last, meta=None):
             self.sent_dst.setdefault(request_id, set()).update(dst_block_ids)
+            self.sent_pairs.update(zip(src_block_ids, dst_block_ids))
             send(peer, request_id, layers, src_block_ids, dst_block_ids, last, meta)
 
         self.tx.send = record
@@ -342,5 +347,28 @@ def test_fp8_prefill_into_fp32_decode_runs(tiny_model_dir):
     try:
         outs = pair.generate(prompts(3))
         assert all(len(o) == GREEDY.max_tokens for o in outs)
+    finally:
+        pair.close()
+
+
+def test_bf16_prefill_into_fp32_decode_converts_before_the_wire(tiny_model_dir):
+    """A bf16 prefill role feeding an fp32 decode role: the first token is the bf16 engine's,
+    and every prompt block lands on the decode side as the prefill's bf16 KV widened to fp32
+    (exactly: every bf16 value is an fp32 value)."""
+    bf16 = Engine(config(dtype="bfloat16"), tiny_model_dir)
+    first = [run(bf16, [p])[0][0] for p in prompts(4)]
+    pair = Pair(tiny_model_dir, "tcp", "full", p_model_dtype="bfloat16")
+    try:
+        assert pair.p.runner.kv_cache.dtype is torch.bfloat16
+        outs = pair.generate(prompts(4))
+        assert [o[0] for o in outs] == first
+        assert all(len(o) == GREEDY.max_tokens for o in outs)
+        # Decode appends into each prompt's last block: compare the blocks it does not touch.
+        last = {max(r.block_ids) for r in pair.reservations.values()}
+        pairs = sorted((s, d) for s, d in pair.sent_pairs if d not in last)
+        assert pairs
+        src, dst = (torch.tensor(ids) for ids in zip(*pairs))
+        sent = pair.p.runner.kv_cache[:, src].float()
+        assert torch.equal(pair.d.runner.kv_cache[:, dst], sent)
     finally:
         pair.close()
