@@ -24,18 +24,22 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-from bench_kv_quality import HELD_OUT, TOPICS, agreement, perplexity
+from pdserve import envs
 
-from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.engine import Engine
-from pdserve.engine.roles.base import KVDestination
-from pdserve.llm import LLM
-from pdserve.model.cpu_flags import has_fast_bf16
-from pdserve.model.registry import resolve_model
-from pdserve.request import FinishReason
-from pdserve.sampling_params import SamplingParams
-from pdserve.transfer import KVLayout, make_receiver, make_sender
+envs.set_worker_thread_wait()  # as a worker does: before torch loads libgomp
+
+import torch  # noqa: E402
+from bench_kv_quality import HELD_OUT, TOPICS, agreement, perplexity  # noqa: E402
+
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pdserve.engine.engine import Engine  # noqa: E402
+from pdserve.engine.roles.base import KVDestination  # noqa: E402
+from pdserve.llm import LLM  # noqa: E402
+from pdserve.model.cpu_flags import has_fast_bf16  # noqa: E402
+from pdserve.model.registry import resolve_model  # noqa: E402
+from pdserve.request import FinishReason  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.transfer import KVLayout, make_receiver, make_sender  # noqa: E402
 
 MODEL = "smollm2-135m"
 SECRET = b"bench-bf16" * 4

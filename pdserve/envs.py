@@ -26,10 +26,11 @@ HOST_ID = "PDSERVE_HOST_ID"
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
 # How long an idle OpenMP thread of a worker spins before it sleeps, in spins (a PAUSE each,
-# ~40-140 cycles). libgomp's default, 300,000, keeps a core busy ~10 ms after every parallel
-# region: through each step's Python work and the gap between tokens, so at batch 1 the
-# router and client preempt spinning threads and the next region waits a time slice for them.
-WORKER_SPINCOUNT = "10000"
+# 40-80 ns on the Xeon of docs/cpu-kernels.md). libgomp's default, 300,000 (12-24 ms), keeps
+# every core busy through each step's Python work and the gap between tokens, so the router
+# and the client preempt a thread that computes and the next parallel region waits a time
+# slice for it. 1,000 (40-80 us) still spans the gaps between a step's parallel regions.
+WORKER_SPINCOUNT = "1000"
 
 
 def cluster_secret() -> bytes:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.model.cpu_flags import has_fast_bf16
+
 pytestmark = pytest.mark.integration
 
 QUESTIONS = [
@@ -84,3 +86,21 @@ def test_bad_input_is_a_value_error(llm):
         llm.generate(["hi"], SamplingParams(top_p=2.0))
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}])
+
+
+@pytest.mark.skipif(
+    not has_fast_bf16(),
+    reason="bf16 prefill is a speed path for CPUs with AMX or AVX512_BF16; this one has neither",
+)
+def test_bf16_prefill_agrees_with_fp32(llm):
+    """The lossy bf16 prefill role (measured in benchmarks/bench_bf16_prefill.py): its first
+    tokens, what a prefill worker samples, agree with fp32's on at least 6 of the 7 questions."""
+    from pdserve.llm import LLM
+    from pdserve.sampling_params import SamplingParams
+
+    bf16 = LLM("smollm2-135m", dtype="bfloat16", kv_cache_bytes=64 * 2**20)
+    chat = llm.tokenizer.apply_chat_template
+    prompts = [chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    ours, ref = (m.generate(prompts, params) for m in (bf16, llm))
+    assert sum(a.token_ids == b.token_ids for a, b in zip(ours, ref)) >= 6
