@@ -68,6 +68,7 @@ class WorkerActor:
     def _serve(self, spec: WorkerSpec, router: Any) -> None:
         import ray
 
+        envs.set_worker_thread_wait()  # as workers/main.py: effective unless torch is loaded
         from pdserve.workers.worker import Worker
 
         try:
