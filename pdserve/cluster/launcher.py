@@ -84,15 +84,17 @@ def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerS
 def router_settings(
     p: Pipeline, specs: list[WorkerSpec], router_address: str, log_level: str
 ) -> dict:
-    """The router's RouterConfig fields, as JSON data (its `--config-json`)."""
+    """The router's RouterConfig fields, as JSON data (its `--config-json`). `specs` may be
+    empty: workers placed by Ray register themselves later."""
+    adaptive = dataclasses.asdict(p.adaptive)
+    if specs:  # the planner prices a local prefill in the workers' own chunks
+        adaptive["prefill_chunk_tokens"] = specs[0].engine.scheduler.long_prefill_token_threshold
     return {
         "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
         "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address,
                      "cpus": s.cpus if s.adaptive else ()} for s in specs],
         "policy": p.routing, "load_balancer": p.load_balancer, "log_level": log_level,
-        # The planner prices a local prefill in the workers' own chunks.
-        "adaptive": {**dataclasses.asdict(p.adaptive), "prefill_chunk_tokens":
-                     specs[0].engine.scheduler.long_prefill_token_threshold},
+        "adaptive": adaptive,
     }  # fmt: skip
 
 
