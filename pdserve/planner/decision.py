@@ -95,8 +95,9 @@ def decide(
         return _as(remote, "ttft" if itl_ok[LOCAL] else "itl_interference", p)
 
     def excess(kind: str) -> float:
-        return max(0.0, p[f"itl_{kind}_s"] / p["itl_budget_s"] - 1) + max(
-            0.0, p[f"ttft_{kind}_s"] / p["ttft_budget_s"] - 1
+        return sum(
+            max(0.0, p[f"{m}_{kind}_s"] / max(p[f"{m}_budget_s"], 1e-9) - 1)
+            for m in ("itl", "ttft")
         )
 
     best = local if excess(LOCAL) <= excess(REMOTE) else remote
@@ -129,6 +130,8 @@ def predict(
     if any(p is None for p in parts):
         return None
     unloaded, queue_pool, on_pool, queue_local, mixed, queue_remote, remote, split = parts  # type: ignore[misc]
+    if not unloaded > 0:  # a fit that prices a decode step at nothing cannot set a budget
+        return None
     transfer = model.transfer_s(local_tokens * s.kv_bytes_per_token)
     collocated = queue_pool + on_pool[0]  # what one worker on every core would give it now
     return {

@@ -92,3 +92,20 @@ def test_the_default_itl_budget_is_twice_the_unloaded_decode_step(model):
     unloaded = model.step_s("decode", 8, StepShape(0, 16, 0, 8000))
     assert p["itl_budget_s"] == pytest.approx(2 * unloaded)
     assert decide(case(), model, None, 0.05, 256).predictions["itl_budget_s"] == 0.05
+
+
+def test_a_fit_that_prices_decode_steps_at_nothing_falls_back_instead_of_dividing_by_zero(model):
+    """Seen in a served run: prompts queued on a decode worker with nothing decoding yet, and
+    a fit whose decode-only step came out 0 s, made the ITL budget 0."""
+
+    class FreeDecodes(OnlineCostModel):
+        def step_s(self, role, threads, shape):
+            if shape.prefill_tokens == 0:
+                return 0.0
+            return model.step_s(role, threads, shape)
+
+    queued = case(num_decodes=0, decode_queue_tokens=512, decode_context_tokens=0)
+    d = decide(queued, FreeDecodes(min_samples=20), None, None, 256)
+    assert (d.kind, d.reason) == (REMOTE, "fallback_long")  # 4,096 uncached tokens
+    zero_budget = decide(case(), model, 0.0, 0.0, 256)  # nothing meets a zero budget
+    assert zero_budget.reason == "least_violation"
