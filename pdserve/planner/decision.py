@@ -4,6 +4,7 @@ that will decode it (local). A pure function of what the router knows and the co
 
     no prefill worker                      -> local   no_prefill_worker
     nothing runs on the decode worker      -> local   idle_decode   (no one to interfere with)
+    no ITL target and no usable model      -> local   no_itl_slo    (nothing to protect)
     no usable cost model yet               -> uncached prompt <= fallback_prompt_tokens ?
                                               local fallback_short : remote fallback_long
     local meets the ITL and TTFT budgets   -> local   fits_slo      (collocated's behaviour)
@@ -22,13 +23,18 @@ host's cores (`decode_threads_split`), which is its inter-token latency.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from pdserve.perf.cost_model import StepShape
 from pdserve.planner.model import OnlineCostModel
 
 LOCAL, REMOTE = "local", "remote"
-ITL_BUDGET_FACTOR = 2.0  # default ITL budget: twice the unloaded decode step (issue 14's SLO)
+# Without an ITL target a local prefill breaks no budget: the operator asked for nothing a
+# collocated worker cannot give, so local (every core, no transfer) decides unless the TTFT
+# target says otherwise. A decode group is still sized (`decode_need`) for this many times
+# the unloaded step when both groups are busy.
+ITL_BUDGET_FACTOR = 2.0
 ITL_HEADROOM = 0.75  # a decode group is sized for this share of the ITL budget
 # Default TTFT budget: 3x what collocated would give the request now (its queue and prompt,
 # with the running decodes, on every core); a remote prefill on half a pool takes ~2x.
@@ -84,6 +90,8 @@ def decide(
         return _as(local, "idle_decode")
     p = predict(s, model, slo_ttft_s, slo_itl_s)
     if p is None:
+        if slo_itl_s is None:
+            return _as(local, "no_itl_slo")
         if local_tokens <= fallback_prompt_tokens:
             return _as(local, "fallback_short")
         return _as(remote, "fallback_long")
@@ -140,7 +148,7 @@ def predict(
         "ttft_remote_s": (s.switch_s if s.prefill_parked else 0.0) + queue_remote + remote[0],
         "itl_remote_s": split + transfer,
         "transfer_s": transfer,
-        "itl_budget_s": slo_itl_s if slo_itl_s is not None else ITL_BUDGET_FACTOR * unloaded,
+        "itl_budget_s": slo_itl_s if slo_itl_s is not None else math.inf,
         "ttft_budget_s": slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * collocated,
     }
 

@@ -16,8 +16,9 @@ from tests.router.conftest import OUTPUT_TEXT
 from tests.router.harness import Cluster
 
 POOL = (0, 1, 2, 3)
+# An ITL target: without one the planner keeps every prefill local (collocated's behaviour).
 ADAPTIVE = AdaptiveConfig(enabled=True, interval_s=0.05, core_dwell_s=0.3, min_dwell_s=0.0,
-                          fallback_prompt_tokens=64)  # fmt: skip
+                          fallback_prompt_tokens=64, slo_itl_ms=50.0)  # fmt: skip
 LONG = "x" * 200  # 200 tokens with the byte-level test tokenizer: over the fallback's 64
 
 

@@ -22,10 +22,11 @@ from tests.router.harness import SECRET, Cluster
 
 KV_BYTES = 256 * 16 * 512  # 256 blocks of 16 tokens
 POOL = tuple(sorted(os.sched_getaffinity(0)))[:2]
-# The fallback rule decides (no model reaches a million steps): over 32 uncached tokens on
-# a decode worker with running decodes is remote, the rest local.
-ADAPTIVE = AdaptiveConfig(enabled=True, interval_s=0.1, core_dwell_s=0.2,
-                          min_samples=10**6, fallback_prompt_tokens=32)  # fmt: skip
+# The fallback rule decides (no model reaches a million steps; an ITL target is set, so it
+# applies): over 32 uncached tokens on a decode worker with running decodes is remote, the
+# rest local.
+ADAPTIVE = AdaptiveConfig(enabled=True, interval_s=0.1, core_dwell_s=0.2, min_samples=10**6,
+                          fallback_prompt_tokens=32, slo_itl_ms=1000.0)  # fmt: skip
 
 
 def prompts() -> list[list[int]]:
