@@ -4,7 +4,9 @@ For each input length, collocated's capacity is measured first (every request se
 the completed requests per second), then `pdserve bench compare` runs the three deployments at
 50% and 90% of it, SLOs derived as in BENCHMARKS.md §3 (5x collocated's unloaded p50 TTFT and
 TPOT). Then the interference cell: prompts of mixed length over long-running decodes with a
-stall budget (p99 ITL at most 2x collocated's unloaded TPOT).
+stall budget (p99 ITL at most 2x collocated's unloaded TPOT), where a fourth deployment,
+`adaptive-slo`, is the adaptive one told those targets (`adaptive.slo_ttft_ms`,
+`adaptive.slo_itl_ms`); in the grid the planner is given none.
 
     PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --output grid.json
     PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --lengths 128 --fractions 0.5
@@ -99,11 +101,23 @@ def main() -> None:
             ("collocated=collocated",),
         )
         rate = 0.7 * probe["collocated"]["summary"]["request_throughput"]
-        rows = compare(
-            [*shape, "--arrival", "poisson", "--rate", f"{rate:.4f}", "--num-requests",
-             str(args.num_requests), "--calibration-requests", "3", "--slo-itl-multiplier", "2"],
-            DEPLOYMENTS,
-        )  # fmt: skip
+        # SLOs from collocated unloaded (bench compare's calibration: 5x p50 TTFT and TPOT),
+        # plus the stall budget: p99 ITL at most 2x the unloaded TPOT. The adaptive
+        # deployment is told the same targets, as an operator would.
+        calibration = compare([*shape, "--num-requests", "1", "--calibration-requests", "3"],
+                              ("collocated=collocated",))["collocated"]  # fmt: skip
+        ttft_ms, tpot_ms = calibration["slo_ttft_ms"], calibration["slo_tpot_ms"]
+        itl_ms = 2 * tpot_ms / 5
+        with tempfile.TemporaryDirectory() as tmp:
+            config = Path(tmp) / "adaptive-slo.yaml"
+            config.write_text(f"adaptive: {{enabled: true, slo_ttft_ms: {ttft_ms:.1f}, "
+                              f"slo_itl_ms: {itl_ms:.1f}}}\n")  # fmt: skip
+            rows = compare(
+                [*shape, "--arrival", "poisson", "--rate", f"{rate:.4f}", "--num-requests",
+                 str(args.num_requests), "--slo-ttft-ms", f"{ttft_ms:.1f}", "--slo-tpot-ms",
+                 f"{tpot_ms:.1f}", "--slo-itl-ms", f"{itl_ms:.1f}"],
+                (*DEPLOYMENTS, f"adaptive-slo={config}"),
+            )  # fmt: skip
         results["interference"] = {"rate_rps": rate, "rows": rows}
     Path(args.output).write_text(json.dumps(results, indent=1))
     print_table(results)
@@ -118,9 +132,9 @@ def print_table(results: dict) -> None:
     for cell in cells:
         base = cell["rows"]["collocated"]["goodput"]
         line = f"{cell['input_len']:>6} {cell['fraction']:>5.0%} {cell['rate_rps']:>7.3f}  "
-        for d in DEPLOYMENTS:
-            g = cell["rows"][d.split("=")[0]]["goodput"]
-            line += f"  {g:>8.3f} ({g / base if base else float('nan'):>5.2f}x)"
+        for name, row in cell["rows"].items():
+            g = row["goodput"]
+            line += f"  {name} {g:.3f} ({g / base if base else float('nan'):.2f}x)"
         print(line)
 
 
