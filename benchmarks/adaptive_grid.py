@@ -43,6 +43,13 @@ def workload(input_len: str, output_len: str, seed: int) -> list[str]:
     return ["--input-len", input_len, "--output-len", output_len, "--seed", str(seed)]
 
 
+def collocated_capacity(shape: list[str], num_requests: int) -> float:
+    """Completed requests per second with every request sent at once (no SLO to calibrate)."""
+    flags = [*shape, "--rate", "inf", "--num-requests", str(num_requests), "--slo-ttft-ms", "1e9"]
+    probe = compare(flags, ("collocated=collocated",))
+    return probe["collocated"]["summary"]["request_throughput"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="128,512,2048", help="mean input lengths")
@@ -56,19 +63,7 @@ def main() -> None:
     results: dict = {"cells": [], "interference": None}
     for length in [int(x) for x in args.lengths.split(",") if x]:
         shape = workload(f"lognormal:{length}:0.3", args.output_len, seed=length)
-        probe = compare(
-            [
-                *shape,
-                "--rate",
-                "inf",
-                "--num-requests",
-                str(args.capacity_requests),
-                "--slo-ttft-ms",
-                "1e9",
-            ],  # fmt: skip
-            ("collocated=collocated",),
-        )
-        capacity = probe["collocated"]["summary"]["request_throughput"]
+        capacity = collocated_capacity(shape, args.capacity_requests)
         for fraction in [float(x) for x in args.fractions.split(",") if x]:
             rate = fraction * capacity
             rows = compare(
@@ -88,19 +83,7 @@ def main() -> None:
             Path(args.output).write_text(json.dumps(results, indent=1))
     if args.interference:
         shape = workload("lognormal:384:1.0:2048", "lognormal:128:0.3", seed=7)
-        probe = compare(
-            [
-                *shape,
-                "--rate",
-                "inf",
-                "--num-requests",
-                str(args.capacity_requests),
-                "--slo-ttft-ms",
-                "1e9",
-            ],  # fmt: skip
-            ("collocated=collocated",),
-        )
-        rate = 0.7 * probe["collocated"]["summary"]["request_throughput"]
+        rate = 0.7 * collocated_capacity(shape, args.capacity_requests)
         # SLOs from collocated unloaded (bench compare's calibration: 5x p50 TTFT and TPOT),
         # plus the stall budget: p99 ITL at most 2x the unloaded TPOT. The adaptive
         # deployment is told the same targets, as an operator would.
