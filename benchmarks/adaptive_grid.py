@@ -58,6 +58,12 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=30)
     p.add_argument("--capacity-requests", type=int, default=16)
     p.add_argument("--interference", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--itl-multiplier",
+        type=float,
+        default=2.0,
+        help="interference cell: p99 ITL SLO = this x collocated's unloaded TPOT",
+    )
     p.add_argument("--output", default="adaptive_grid.json")
     args = p.parse_args()
     results: dict = {"cells": [], "interference": None}
@@ -90,7 +96,7 @@ def main() -> None:
         calibration = compare([*shape, "--num-requests", "1", "--calibration-requests", "3"],
                               ("collocated=collocated",))["collocated"]  # fmt: skip
         ttft_ms, tpot_ms = calibration["slo_ttft_ms"], calibration["slo_tpot_ms"]
-        itl_ms = 2 * tpot_ms / 5
+        itl_ms = args.itl_multiplier * tpot_ms / 5
         with tempfile.TemporaryDirectory() as tmp:
             config = Path(tmp) / "adaptive-slo.yaml"
             config.write_text(f"adaptive: {{enabled: true, slo_ttft_ms: {ttft_ms:.1f}, "
