@@ -93,6 +93,19 @@ def health(url: str) -> dict:
         return json.loads(exc.read())
 
 
+def stream_texts(url: str, body: dict, after_five) -> list[str]:
+    """A streamed completion's text chunks; `after_five()` runs once 5 have arrived."""
+    r = requests.post(url + "/v1/completions", json={**body, "stream": True}, stream=True,
+                      timeout=120)  # fmt: skip
+    texts = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: {"):
+            texts.append(json.loads(line[6:])["choices"][0]["text"])
+            if len(texts) == 5:
+                after_five()
+    return texts
+
+
 def wait_for(predicate, timeout_s: float = 10) -> bool:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -139,14 +152,8 @@ def test_killed_worker_is_restarted_and_requests_finish(ray_nodes, tiny_served_m
     with cluster as url:
         expected = post(url, "/v1/completions", body)["choices"][0]["text"]
         old_pid = int(cluster.placements["decode-0"]["pid"])
-        r = requests.post(url + "/v1/completions", json={**body, "stream": True}, stream=True,
-                          timeout=120)  # fmt: skip
-        texts = []
-        for line in r.iter_lines():
-            if line.startswith(b"data: {"):
-                texts.append(json.loads(line[6:])["choices"][0]["text"])
-                if len(texts) == 5:  # decoding on decode-0 (the only decode worker)
-                    os.kill(old_pid, signal.SIGKILL)
+        # after 5 streamed tokens the request is decoding on decode-0 (the only decode worker)
+        texts = stream_texts(url, body, lambda: os.kill(old_pid, signal.SIGKILL))
         assert len(texts) > 5 and "".join(texts) == expected
 
         # Ray restarted the actor in a new process, which the router serves again.
@@ -252,14 +259,7 @@ def test_lost_node_its_worker_comes_back_on_another(ray_nodes, tiny_served_model
         expected = post(url, "/v1/completions", body)["choices"][0]["text"]
         old = cluster.placements["decode-0"]
         lost = next(n for n in (first, second) if n.node_id == old["node_id"])
-        r = requests.post(url + "/v1/completions", json={**body, "stream": True}, stream=True,
-                          timeout=120)  # fmt: skip
-        texts = []
-        for line in r.iter_lines():
-            if line.startswith(b"data: {"):
-                texts.append(json.loads(line[6:])["choices"][0]["text"])
-                if len(texts) == 5:
-                    ray_nodes.remove_node(lost, allow_graceful=False)
+        texts = stream_texts(url, body, lambda: ray_nodes.remove_node(lost, allow_graceful=False))
         assert "".join(texts) == expected
 
         def moved() -> bool:
