@@ -15,9 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdserve.bench.metrics import SLO, format_summary, summarize
-from pdserve.config import SchedulerConfig
 from pdserve.perf.profile import HardwareProfile, load_profile
-from pdserve.router.policies import POLICIES
+from pdserve.schema import add_flags, flag_values, from_flat
 from pdserve.sim.deployment import Deployment, SimConfig
 
 # The bench plan wants a target URL; nothing is sent to it.
@@ -32,16 +31,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="hardware profile JSON (pdserve profile), or analytic:DEVICE:MODEL "
         "(e.g. analytic:H100-SXM:llama-3-8b)",
     )
-    sim.add_argument("--block-size", type=int, default=16)
-    sim.add_argument("--no-prefix-caching", action="store_true")
-    sim.add_argument("--max-num-seqs", type=int, default=64)
-    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    sim.add_argument("--long-prefill-token-threshold", type=int, default=512)
-    sim.add_argument("--max-model-len", type=int)
-    sim.add_argument("--kv-cache-bytes", type=float, help="per worker (default: the profile's)")
-    sim.add_argument("--routing", choices=sorted(POLICIES), default="shortest_queue")
-    sim.add_argument("--load-balancer", choices=sorted(POLICIES))
-    sim.add_argument("--transfer-backend", help="a backend the profile measured (default: first)")
+    add_flags(sim, SimConfig)
 
 
 def resolve_profile(spec: str, model: str | None = None) -> HardwareProfile:
@@ -60,21 +50,7 @@ def resolve_profile(spec: str, model: str | None = None) -> HardwareProfile:
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
-    scheduler = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-    )
-    return SimConfig(
-        scheduler=scheduler,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        routing=args.routing,
-        load_balancer=args.load_balancer,
-        transfer_backend=args.transfer_backend,
-        kv_cache_bytes=args.kv_cache_bytes,
-        max_model_len=args.max_model_len,
-    )
+    return from_flat(SimConfig, flag_values(args, SimConfig))
 
 
 def _workload_parser(
@@ -97,12 +73,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--deployment", default="collocated", help="collocated, Nc, NpMd or adaptive"
     )
-    parser.add_argument(
-        "--collocated-size", type=int, default=1,
-        help="devices per worker (adaptive: the pool its two workers share)",
-    )  # fmt: skip
-    parser.add_argument("--prefill-size", type=int, default=1)
-    parser.add_argument("--decode-size", type=int, default=1)
+    add_flags(parser, Deployment)
     parser.set_defaults(func=cmd_simulate)
 
 
@@ -113,9 +84,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     try:
         profile = resolve_profile(args.profile, args.model)
-        deployment = Deployment.parse(
-            args.deployment, args.collocated_size, args.prefill_size, args.decode_size
-        )
+        deployment = Deployment.parse(args.deployment, **flag_values(args, Deployment))
         config = sim_config(args)
         plan = build_plan(args, url=SIMULATED_URL)
         started = time.perf_counter()

@@ -15,38 +15,37 @@ role from `collocated_size`, `prefill_size`, `decode_size`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdserve.config import SchedulerConfig
+from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.router.policies import POLICIES
+from pdserve.schema import check, knob, same_as
 
 
 @dataclass(frozen=True)
 class Deployment:
-    num_collocated: int = 0
-    num_prefill: int = 0
-    num_decode: int = 0
-    collocated_size: int = 1
-    prefill_size: int = 1
-    decode_size: int = 1
-    adaptive: bool = False  # num_prefill + num_decode workers share one pool of cores
+    # The sizes are `pdserve simulate` flags; the counts come from the --deployment spec.
+    num_collocated: int = knob(0, ge=0, cli=False)
+    num_prefill: int = knob(0, ge=0, cli=False)
+    num_decode: int = knob(0, ge=0, cli=False)
+    collocated_size: int = knob(
+        1, "devices per worker (adaptive: the pool its two workers share)", ge=1
+    )
+    prefill_size: int = knob(1, "devices per prefill worker", ge=1)
+    decode_size: int = knob(1, "devices per decode worker", ge=1)
+    # num_prefill + num_decode workers share one pool of cores
+    adaptive: bool = knob(False, cli=False)
 
     def __post_init__(self) -> None:
-        for name in ("num_collocated", "num_prefill", "num_decode"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("collocated_size", "prefill_size", "decode_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check(self)
         if self.num_collocated and (self.num_prefill or self.num_decode):
             raise ValueError("a deployment is collocated or disaggregated, not both")
         if not self.num_collocated and not (self.num_prefill and self.num_decode):
             raise ValueError("a disaggregated deployment needs >= 1 prefill and >= 1 decode worker")
 
     @classmethod
-    def parse(cls, spec: str, collocated_size: int = 1, prefill_size: int = 1,
-              decode_size: int = 1) -> Deployment:  # fmt: skip
-        sizes = dict(collocated_size=collocated_size, prefill_size=prefill_size,
-                     decode_size=decode_size)  # fmt: skip
+    def parse(cls, spec: str, **sizes: int) -> Deployment:
+        """`spec` (module docstring) with `collocated_size`, `prefill_size`, `decode_size`."""
         if spec == "collocated":
             return cls(num_collocated=1, **sizes)
         if match := re.fullmatch(r"(\d+)c", spec):
@@ -54,9 +53,9 @@ class Deployment:
         if match := re.fullmatch(r"(\d+)p(\d+)d", spec):
             return cls(num_prefill=int(match[1]), num_decode=int(match[2]), **sizes)
         if spec == "adaptive":
-            if collocated_size < 2:
+            pool = sizes.get("collocated_size", 1)
+            if pool < 2:
                 raise ValueError("deployment 'adaptive' shares --collocated-size cores: needs >= 2")
-            pool = collocated_size
             return cls(num_prefill=1, num_decode=1, prefill_size=pool, decode_size=pool,
                        collocated_size=pool, adaptive=True)  # fmt: skip
         raise ValueError(
@@ -95,19 +94,18 @@ class Deployment:
 
 @dataclass(frozen=True)
 class SimConfig:
-    """How every simulated worker is set up, as `pdserve up` would set up the real ones."""
+    """How every simulated worker is set up, as `pdserve up` would set up the real ones; one
+    `pdserve simulate` / `plan` flag per field (`--max-num-seqs`, `--no-prefix-caching`)."""
 
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    routing: str = "shortest_queue"
-    load_balancer: str | None = None
-    transfer_backend: str | None = None  # None: the profile's first
-    kv_cache_bytes: float | None = None  # per worker; None: the profile's capacity
-    max_model_len: int | None = None
+    scheduler: SchedulerConfig = SchedulerConfig()
+    block_size: int = same_as(CacheConfig, "block_size")
+    enable_prefix_caching: bool = same_as(CacheConfig, "enable_prefix_caching")
+    routing: str = knob("shortest_queue", "picks workers", choices=tuple(sorted(POLICIES)))
+    load_balancer: str | None = knob(
+        None, "picks decode workers (default: --routing)", choices=tuple(sorted(POLICIES))
+    )
+    transfer_backend: str | None = knob(None, "a backend the profile measured (default: first)")
+    kv_cache_bytes: float | None = knob(None, "per worker (default: the profile's)", gt=0)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        check(self)
