@@ -285,7 +285,7 @@ def add_flags(
         if flat.hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["help"] += f" (default: {'on' if default else 'off'})"
-        elif flat.repeated:
+        elif flat.repeated and "parse" not in meta:
             kwargs.update(action="append", type=typing.get_args(flat.scalar)[0])
             kwargs["metavar"] = name.upper()
             kwargs["help"] += " (repeatable)"

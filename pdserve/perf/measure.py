@@ -15,8 +15,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from pdserve.config import CacheConfig, EngineConfig
 from pdserve.perf.cost_model import StepShape, TransferModel, fit_cost_model
 from pdserve.perf.profile import HardwareProfile, ModelShape
+from pdserve.schema import check, knob, same_as
 
 # (prompt tokens, concurrent requests): single prompts of growing length give prefill steps
 # (chunked past the threshold, so with prior context too); batches give decode steps.
@@ -25,25 +27,35 @@ GRID = [(32, 1), (128, 1), (512, 1), (1024, 1), (2048, 1),
 KNEES = (16, 32, 64, 128, 256)
 
 
+def thread_counts(text: str) -> tuple[int, ...]:
+    """'1,4' -> (1, 4)."""
+    return tuple(int(t) for t in text.split(","))
+
+
 @dataclass(frozen=True)
 class ProfileConfig:
-    model: str
-    threads: tuple[int, ...]
-    kv_cache_bytes: int | None = None  # None: the engine's default share of free memory
-    decode_steps: int = 12
-    repeats: int = 2
-    grid: tuple[tuple[int, int], ...] = tuple(GRID)
+    """What `pdserve profile` measures; one flag per field (`schema.add_flags`)."""
+
+    model: str = same_as(EngineConfig, "model")
+    threads: tuple[int, ...] = knob(
+        tuple(sorted({1, len(os.sched_getaffinity(0))})),
+        "comma-separated thread counts to profile (one cost model each)", parse=thread_counts,
+    )  # fmt: skip
+    # None: the engine's default share of free memory
+    kv_cache_bytes: int | None = same_as(CacheConfig, "kv_cache_bytes")
+    decode_steps: int = knob(12, "tokens each grid request generates", ge=2)
+    repeats: int = knob(2, "measured passes over the grid, after one warm-up pass", ge=1)
+    grid: tuple[tuple[int, int], ...] = knob(tuple(GRID), cli=False)
 
     def __post_init__(self) -> None:
+        check(self)
         if not self.threads or min(self.threads) < 1:
-            raise ValueError(f"--threads must be positive integers, got {self.threads}")
-        if self.decode_steps < 2 or self.repeats < 1:
-            raise ValueError("--decode-steps must be >= 2 and --repeats >= 1")
+            raise ValueError(f"threads must be positive integers, got {self.threads}")
 
 
 def measure_steps(cfg: ProfileConfig, threads: int) -> list[tuple[StepShape, float]]:
     """(shape, seconds) of every engine step over the grid, after one warm-up pass."""
-    from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
+    from pdserve.config import DeviceConfig
     from pdserve.engine.engine import Engine
     from pdserve.sampling_params import SamplingParams
 
