@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 
 from pdserve.bench.arrivals import KINDS, ArrivalSpec
@@ -168,8 +169,12 @@ def _sessions(cfg: BenchConfig, tokens: TokenSource, text_prompts: bool) -> list
     return build_sessions(workload, tokens)
 
 
-def execute(plan: BenchPlan, url: str | None = None) -> tuple[dict[str, object], RunResult]:
-    """Runs the plan (with the goodput search if asked) and returns the result document.
+def execute(
+    plan: BenchPlan, url: str | None = None, run: Callable[[RunConfig], RunResult] | None = None
+) -> tuple[dict[str, object], RunResult]:
+    """Runs the plan (with the goodput search if asked) and returns the result document;
+    ``run`` runs the plan's sessions under a RunConfig (default: against the server; the
+    simulator passes its own).
 
     With ``--find-goodput`` the records and summary are those of the best passing probe
     (or of the last probe when none passed); every probe's summary is kept.
@@ -177,16 +182,16 @@ def execute(plan: BenchPlan, url: str | None = None) -> tuple[dict[str, object],
     run_cfg = (
         plan.run if url is None else replace(plan.run, client=replace(plan.run.client, url=url))
     )
+    run = run or (lambda cfg: run_benchmark(plan.sessions, cfg, plan.tokens))
     document: dict[str, object] = {"config": plan.config}
     if plan.search is None:
-        result = run_benchmark(plan.sessions, run_cfg, plan.tokens)
+        result = run(run_cfg)
     else:
         results: dict[float, RunResult] = {}
         summaries = []
 
         def probe(rate: float) -> float:
-            cfg = replace(run_cfg, arrival=run_cfg.arrival.with_rate(rate))
-            results[rate] = run_benchmark(plan.sessions, cfg, plan.tokens)
+            results[rate] = run(replace(run_cfg, arrival=run_cfg.arrival.with_rate(rate)))
             summary = results[rate].summary(plan.slo)
             summaries.append({"rate": rate, **summary})
             return float(summary["slo_attainment"])

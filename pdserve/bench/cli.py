@@ -103,7 +103,7 @@ def main(args: argparse.Namespace, launch: Launch | None = None) -> int:
             raise ValueError("--url is required")
         plan = build_plan(args)
         document, result = execute(plan)
-        _report(args, document, result.records, plan.slo)
+        report(args, document, result.records, plan.slo)
     except ValueError as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
         return 2
@@ -137,10 +137,9 @@ def _write_json(path: str, document: object) -> None:
     Path(path).write_text(json.dumps(document, indent=1))
 
 
-def _report(
+def report(
     args: argparse.Namespace, document: dict, records: list[RequestRecord], slo: SLO
 ) -> None:
-
     print(format_summary(document["summary"]))
     search = document.get("goodput_search")
     if search:

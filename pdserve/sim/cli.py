@@ -8,13 +8,11 @@ Bad input ends with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
-from pdserve.bench.metrics import SLO, format_summary, summarize
+from pdserve.bench.metrics import SLO
 from pdserve.perf.profile import HardwareProfile, load_profile
 from pdserve.schema import add_flags, flag_values, from_flat
 from pdserve.sim.deployment import Deployment, SimConfig
@@ -78,8 +76,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from pdserve.bench.app import build_plan, json_safe
-    from pdserve.bench.search import find_goodput
+    from pdserve.bench.app import build_plan, execute
+    from pdserve.bench.cli import report
     from pdserve.sim.run import simulate_plan
 
     try:
@@ -88,40 +86,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         config = sim_config(args)
         plan = build_plan(args, url=SIMULATED_URL)
         started = time.perf_counter()
-        document: dict[str, object] = {"config": plan.config, "profile": args.profile}
-        if plan.search is None:
-            result = simulate_plan(plan, profile, deployment, config)
-        else:
-            results = {}
-
-            def probe(rate: float) -> float:
-                arrival = plan.run.arrival.with_rate(rate)
-                run = replace(plan, run=replace(plan.run, arrival=arrival))
-                results[rate] = simulate_plan(run, profile, deployment, config)
-                return float(results[rate].summary(plan.slo)["slo_attainment"])
-
-            search = find_goodput(
-                probe, plan.search["target"], plan.search["start_rate"],
-                int(plan.search["max_probes"]),
-            )  # fmt: skip
-            result = results[search.best_rate if search.best_rate > 0 else search.probes[-1][0]]
-            document["goodput_search"] = search.to_dict()
+        document, result = execute(
+            plan, run=lambda run: simulate_plan(replace(plan, run=run), profile, deployment, config)
+        )
         wall_s = time.perf_counter() - started
     except ValueError as exc:
         print(f"pdserve simulate: error: {exc}", file=sys.stderr)
         return 2
-    summary = summarize(result.records, plan.slo, result.duration_s)
-    document["summary"] = summary
+    document["profile"] = args.profile
     print(f"{'deployment':<40}{deployment.describe()} ({profile.device}, {profile.model.name})")
-    print(format_summary(json_safe(summary)))
-    if "goodput_search" in document:
-        best = document["goodput_search"]["best_rate"]
-        print(f"{'max rate with >= target attainment':<40}{best:.3g} req/s")
+    report(args, document, result.records, plan.slo)
     print(f"{'simulated in (s)':<40}{wall_s:.2f}")
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        document["records"] = [vars(r) for r in result.records]
-        Path(args.output).write_text(json.dumps(json_safe(document), indent=1))
     return 0
 
 
