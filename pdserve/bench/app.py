@@ -10,6 +10,7 @@ import argparse
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 from pdserve.bench.arrivals import KINDS, ArrivalSpec
 from pdserve.bench.client import ENDPOINTS, ClientConfig
@@ -103,24 +104,8 @@ def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
     if cfg.trace and cfg.arrival not in ("poisson", "trace"):
         raise ValueError("--trace sets its own arrival times; drop --arrival")
     arrival = ArrivalSpec(arrival_kind, cfg.rate, cfg.burstiness, cfg.concurrency)
-    client = ClientConfig(
-        url=url or cfg.url or "",
-        model=cfg.model or cfg.tokenizer,
-        endpoint=cfg.endpoint,
-        api_key=cfg.api_key,
-        ignore_eos=cfg.ignore_eos,
-        request_timeout_s=cfg.request_timeout_s,
-    )
-    run = RunConfig(
-        client=client,
-        arrival=arrival,
-        text_prompts=text_prompts,
-        think_time_s=cfg.think_time_s,
-        duration_s=cfg.duration_s,
-        max_concurrency=cfg.max_concurrency,
-        seed=cfg.seed,
-        progress=cfg.progress,
-    )
+    client = _part(ClientConfig, cfg, url=url or cfg.url or "", model=cfg.model or cfg.tokenizer)
+    run = _part(RunConfig, cfg, client=client, arrival=arrival, text_prompts=text_prompts)
     slo = SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.slo_itl_ms)
     scales = parse_scales(cfg.slo_scale) if cfg.slo_scale else []
     if (scales or cfg.find_goodput) and slo == SLO():
@@ -138,8 +123,7 @@ def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
         }
     tokens = TokenSource.load(cfg.tokenizer)
     sessions = _sessions(cfg, tokens, text_prompts)
-    config = {k: v for k, v in vars(args).items() if not callable(v)}
-    config.update(url=client.url, model=client.model, text_prompts=text_prompts)
+    config = flag_config(args) | dict(url=client.url, model=client.model, text_prompts=text_prompts)
     return BenchPlan(tokens, sessions, run, slo, scales, search, config)
 
 
@@ -156,17 +140,17 @@ def _sessions(cfg: BenchConfig, tokens: TokenSource, text_prompts: bool) -> list
         )
         return load_trace(trace, tokens)
     input_len, output_len = PRESETS[cfg.preset] if cfg.preset else ("256", "128")
-    workload = WorkloadConfig(
-        num_requests=cfg.num_requests,
-        input_len=cfg.input_len or input_len,
-        output_len=cfg.output_len or output_len,
-        num_prefix_groups=cfg.num_prefix_groups,
-        prefix_len=cfg.prefix_len,
-        num_turns=cfg.num_turns,
-        text_prompts=text_prompts,
-        seed=cfg.seed,
-    )
+    workload = _part(
+        WorkloadConfig, cfg, input_len=cfg.input_len or input_len,
+        output_len=cfg.output_len or output_len, text_prompts=text_prompts,
+    )  # fmt: skip
     return build_sessions(workload, tokens)
+
+
+def _part(cls: type, cfg: BenchConfig, **given: object) -> Any:
+    """`cls` from `given` and, for its other fields, the BenchConfig fields of the same name."""
+    rest = {f.name: getattr(cfg, f.name) for f in fields(cls) if f.name not in given}
+    return cls(**rest, **given)
 
 
 def execute(
@@ -212,6 +196,11 @@ def execute(
         )
     document["records"] = [asdict(r) for r in result.records]
     return json_safe(document), result
+
+
+def flag_config(args: argparse.Namespace) -> dict[str, object]:
+    """The parsed flags, as a result document's "config"."""
+    return {k: v for k, v in vars(args).items() if not callable(v)}
 
 
 def json_safe(value: object) -> object:

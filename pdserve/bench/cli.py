@@ -13,7 +13,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from pdserve.bench.app import BenchConfig, build_plan, execute, json_safe
+from pdserve.bench.app import BenchConfig, build_plan, execute, flag_config, json_safe
 from pdserve.bench.compare import Launch, run_compare
 from pdserve.bench.metrics import SLO, RequestRecord, format_summary
 from pdserve.schema import OneLineArgumentParser, add_flags
@@ -97,7 +97,7 @@ def main(args: argparse.Namespace, launch: Launch | None = None) -> int:
                 launch = cluster_launcher(args.model or args.tokenizer)
             rows = run_compare(deployments, args, launch)
             if args.output:
-                _write_json(args.output, json_safe({"config": _config(args), "compare": rows}))
+                _write_json(args.output, json_safe({"config": flag_config(args), "compare": rows}))
             return 0
         if not args.url:
             raise ValueError("--url is required")
@@ -126,10 +126,6 @@ def _parse_deployments(specs: list[str]) -> dict[str, str]:
             raise ValueError(f"--deployment {name!r} given twice")
         deployments[name] = value
     return deployments
-
-
-def _config(args: argparse.Namespace) -> dict[str, object]:
-    return {k: v for k, v in vars(args).items() if not callable(v)}
 
 
 def _write_json(path: str, document: object) -> None:
