@@ -275,9 +275,8 @@ def add_flags(
             continue
         meta = flat.field.metadata
         default = defaults.get(name, flat.field.default)
-        shown = (
-            "" if default in (None, MISSING, ()) or flat.hint is bool else f" (default: {default})"
-        )
+        hidden = default in (None, MISSING, (), []) or flat.hint is bool
+        shown = "" if hidden else f" (default: {default})"
         kwargs: dict[str, Any] = dict(
             dest=dest_prefix + name, default=defaults.get(name, argparse.SUPPRESS),
             help=meta.get("help", "") + shown,

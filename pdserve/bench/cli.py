@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from pdserve.bench.app import BenchConfig, build_plan, execute, flag_config, json_safe
-from pdserve.bench.compare import Launch, run_compare
+from pdserve.bench.compare import CompareConfig, Launch, run_compare
 from pdserve.bench.metrics import SLO, RequestRecord, format_summary
 from pdserve.schema import OneLineArgumentParser, add_flags
 
@@ -30,26 +30,7 @@ def _add_compare(subparsers: argparse._SubParsersAction) -> None:
         "compare", help="same workload against several deployments, side by side"
     )
     add_bench_arguments(compare)
-    compare.add_argument(
-        "--deployment",
-        action="append",
-        default=[],
-        metavar="NAME=SPEC",
-        help="a server URL, collocated, NpMd (e.g. 1p1d), adaptive or a Pipeline YAML; repeatable "
-        "(default: collocated and 1p1d on the same cores)",
-    )
-    compare.add_argument(
-        "--slo-multiplier",
-        type=float,
-        default=5.0,
-        help="default SLOs = this x the first deployment's unloaded p50",
-    )
-    compare.add_argument(
-        "--slo-itl-multiplier",
-        type=float,
-        help="p99 ITL SLO = this x the first deployment's unloaded p50 TPOT (a stall budget)",
-    )
-    compare.add_argument("--calibration-requests", type=int, default=5)
+    add_flags(compare, CompareConfig, deployment=[])
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -16,10 +16,33 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TextIO
 
+from pdserve.schema import check, flag_values, from_flat, knob
+
 Launch = Callable[[str], AbstractContextManager[str]]
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """The flags `bench compare` adds to the workload's."""
+
+    deployment: tuple[str, ...] = knob(
+        (), "NAME=SPEC, SPEC a server URL, collocated, NpMd (e.g. 1p1d), adaptive or a Pipeline "
+        "YAML (default: collocated and 1p1d on the same cores)",
+    )  # fmt: skip
+    slo_multiplier: float = knob(
+        5.0, "default SLOs = this x the first deployment's unloaded p50", gt=0
+    )
+    slo_itl_multiplier: float | None = knob(
+        None, "p99 ITL SLO = this x the first deployment's unloaded p50 TPOT (a stall budget)",
+        gt=0,
+    )  # fmt: skip
+    calibration_requests: int = knob(5, "unloaded requests the SLOs derive from", ge=1)
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 def _unloaded(plan, url: str, num_requests: int) -> tuple[float, float]:
@@ -54,8 +77,8 @@ def run_compare(
     """Runs the same workload against each deployment in turn; prints and returns the table.
 
     ``deployments``: name -> spec handed to ``launch`` (a URL or a launcher config path).
-    ``workload_args``: the ``bench`` flags (``--slo-multiplier`` and ``--calibration-requests``
-    read with defaults). Returns ``{name: {goodput, p90_ttft_ms, p90_tpot_ms, summary, ...}}``.
+    ``workload_args``: the ``bench`` flags (CompareConfig's read with defaults). Returns
+    ``{name: {goodput, p90_ttft_ms, p90_tpot_ms, summary, ...}}``.
     """
     from pdserve.bench.app import build_plan, execute
     from pdserve.bench.metrics import SLO
@@ -63,13 +86,8 @@ def run_compare(
     if not deployments:
         raise ValueError("compare needs at least one deployment")
     args = workload_args
-    multiplier = getattr(args, "slo_multiplier", 5.0)
-    itl_multiplier = getattr(args, "slo_itl_multiplier", None)
-    calibration_requests = getattr(args, "calibration_requests", 5)
-    if multiplier <= 0 or calibration_requests < 1 or (itl_multiplier or 1) <= 0:
-        raise ValueError(
-            "--slo-multiplier and --slo-itl-multiplier must be > 0, --calibration-requests >= 1"
-        )
+    compare = from_flat(CompareConfig, flag_values(args, CompareConfig))
+    multiplier, itl_multiplier = compare.slo_multiplier, compare.slo_itl_multiplier
     plan = build_plan(args, url="http://placeholder")
     # Calibration prompts come from another seed: re-sending the run's own prompts would
     # warm the first deployment's prefix cache and favour it.
@@ -79,7 +97,7 @@ def run_compare(
     for name, spec in deployments.items():
         with launch(spec) as url:
             if plan.slo.ttft_ms is None and plan.slo.tpot_ms is None:
-                ttft_ms, tpot_ms = _unloaded(calibration_plan, url, calibration_requests)
+                ttft_ms, tpot_ms = _unloaded(calibration_plan, url, compare.calibration_requests)
                 itl_ms = plan.slo.itl_ms
                 if itl_multiplier and tpot_ms:
                     itl_ms = itl_multiplier * tpot_ms
