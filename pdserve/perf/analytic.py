@@ -51,6 +51,7 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 # Architectures from the models' published configs (bf16 weights and KV).
+_OPT = dict(num_mlp_matrices=2, tie_word_embeddings=True)  # OPT's MLP is ungated
 MODELS: dict[str, ModelShape] = {
     m.name: m
     for m in (
@@ -59,42 +60,9 @@ MODELS: dict[str, ModelShape] = {
         ModelShape("llama-2-70b", 80, 8192, 28672, 64, 8, 128, 32000),
         ModelShape("llama-3-8b", 32, 4096, 14336, 32, 8, 128, 128256),
         ModelShape("llama-3-70b", 80, 8192, 28672, 64, 8, 128, 128256),
-        ModelShape(
-            "opt-13b",
-            40,
-            5120,
-            20480,
-            40,
-            40,
-            128,
-            50272,
-            num_mlp_matrices=2,
-            tie_word_embeddings=True,
-        ),  # fmt: skip
-        ModelShape(
-            "opt-66b",
-            64,
-            9216,
-            36864,
-            72,
-            72,
-            128,
-            50272,
-            num_mlp_matrices=2,
-            tie_word_embeddings=True,
-        ),  # fmt: skip
-        ModelShape(
-            "opt-175b",
-            96,
-            12288,
-            49152,
-            96,
-            96,
-            128,
-            50272,
-            num_mlp_matrices=2,
-            tie_word_embeddings=True,
-        ),  # fmt: skip
+        ModelShape("opt-13b", 40, 5120, 20480, 40, 40, 128, 50272, **_OPT),
+        ModelShape("opt-66b", 64, 9216, 36864, 72, 72, 128, 50272, **_OPT),
+        ModelShape("opt-175b", 96, 12288, 49152, 96, 96, 128, 50272, **_OPT),
     )
 }
 
