@@ -21,12 +21,8 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     from pdserve.perf.measure import build_profile
 
-    try:
-        cfg = from_flat(ProfileConfig, flag_values(args, ProfileConfig))
-        profile = build_profile(cfg, log=lambda line: print(line, file=sys.stderr))
-    except ValueError as exc:
-        print(f"pdserve profile: error: {exc}", file=sys.stderr)
-        return 2
+    cfg = from_flat(ProfileConfig, flag_values(args, ProfileConfig))
+    profile = build_profile(cfg, log=lambda line: print(line, file=sys.stderr))
     profile.save(args.output)
     print(f"wrote {args.output}: {profile.device}, {profile.model.name}, threads {cfg.threads}")
     return 0

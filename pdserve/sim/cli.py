@@ -2,13 +2,12 @@
 
 `simulate` takes every `pdserve bench` workload flag (same sessions for the same seed) and
 prints the same summary; `plan` searches deployments for a device budget (sim/plan.py).
-Bad input ends with one line on stderr and exit code 2.
+Bad input raises ValueError, which `pdserve` (cli.py) reports in one line, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import replace
 
@@ -80,19 +79,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench.cli import report
     from pdserve.sim.run import simulate_plan
 
-    try:
-        profile = resolve_profile(args.profile, args.model)
-        deployment = Deployment.parse(args.deployment, **flag_values(args, Deployment))
-        config = sim_config(args)
-        plan = build_plan(args, url=SIMULATED_URL)
-        started = time.perf_counter()
-        document, result = execute(
-            plan, run=lambda run: simulate_plan(replace(plan, run=run), profile, deployment, config)
-        )
-        wall_s = time.perf_counter() - started
-    except ValueError as exc:
-        print(f"pdserve simulate: error: {exc}", file=sys.stderr)
-        return 2
+    profile = resolve_profile(args.profile, args.model)
+    deployment = Deployment.parse(args.deployment, **flag_values(args, Deployment))
+    config = sim_config(args)
+    plan = build_plan(args, url=SIMULATED_URL)
+    started = time.perf_counter()
+    document, result = execute(
+        plan, run=lambda run: simulate_plan(replace(plan, run=run), profile, deployment, config)
+    )
+    wall_s = time.perf_counter() - started
     document["profile"] = args.profile
     print(f"{'deployment':<40}{deployment.describe()} ({profile.device}, {profile.model.name})")
     report(args, document, result.records, plan.slo)
@@ -115,22 +110,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.bench.app import build_plan
     from pdserve.sim.plan import format_plan, search_layouts
 
-    try:
-        profile = resolve_profile(args.profile, args.model)
-        if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
-            raise ValueError("plan needs --slo-ttft-ms and --slo-tpot-ms")
-        if args.rate == float("inf"):
-            raise ValueError("plan needs --rate (the traffic to serve, requests/s)")
-        args.num_requests = args.probe_requests
-        plan = build_plan(args, url=SIMULATED_URL)
-        started = time.perf_counter()
-        result = search_layouts(
-            plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target,
-            max_probes=args.max_probes,
-        )  # fmt: skip
-        wall_s = time.perf_counter() - started
-    except ValueError as exc:
-        print(f"pdserve plan: error: {exc}", file=sys.stderr)
-        return 2
+    profile = resolve_profile(args.profile, args.model)
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise ValueError("plan needs --slo-ttft-ms and --slo-tpot-ms")
+    if args.rate == float("inf"):
+        raise ValueError("plan needs --rate (the traffic to serve, requests/s)")
+    args.num_requests = args.probe_requests
+    plan = build_plan(args, url=SIMULATED_URL)
+    started = time.perf_counter()
+    result = search_layouts(
+        plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target,
+        max_probes=args.max_probes,
+    )  # fmt: skip
+    wall_s = time.perf_counter() - started
     print(format_plan(result, args.top, SLO(args.slo_ttft_ms, args.slo_tpot_ms), wall_s))
     return 0

@@ -1,20 +1,13 @@
-import argparse
-
 import pytest
 
+from pdserve.cli import main
 from pdserve.perf.cost_model import StepCostModel
-from pdserve.sim import cli
 from pdserve.sim.deployment import Deployment
 from pdserve.sim.simulator import Simulation
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers()
-    cli.add_plan_parser(sub)
-    cli.add_simulate_parser(sub)
-    args = parser.parse_args(list(argv))
-    code = args.func(args)
+    code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
