@@ -237,6 +237,19 @@ class KVTier(ABC):
     def delete(self, block_hash: int) -> bool:
         """Remove an entry; True when one was removed."""
 
+    def _decode(self, block_hash: int, data: Payload) -> bytes | None:
+        """The payload, counted as a hit; or None, counted as a miss. A corrupt entry is
+        deleted; a foreign one is valid for its writer and stays."""
+        try:
+            payload = self.fmt.decode(block_hash, data)
+        except EntryError as e:
+            self._stats.add(misses=1, **{e.kind: 1})
+            if e.kind == "corrupt":
+                self.delete(block_hash)
+            return None
+        self._stats.add(hits=1, bytes_read=len(payload))
+        return payload
+
     def stats(self) -> dict[str, int | float | str]:
         return {"name": self.name, "capacity_bytes": self.capacity_bytes,
                 **self._stats.snapshot()}  # fmt: skip

@@ -122,13 +122,8 @@ class FileTier(KVTier):
             log.warning("%s tier: read of %s failed: %s", self.name, path, e)
             self._stats.add(misses=1, errors=1)
             return None
-        try:
-            payload = self.fmt.decode(block_hash, data)
-        except EntryError as e:
-            self._stats.add(misses=1, **{e.kind: 1})
-            if e.kind == "corrupt":  # foreign entries are valid for their writer: leave them
-                path.unlink(missing_ok=True)
-                self._forget(block_hash)
+        payload = self._decode(block_hash, data)
+        if payload is None:
             return None
         now = time.time_ns()
         try:
@@ -137,7 +132,6 @@ class FileTier(KVTier):
             pass  # evicted since we opened it; the payload we read is still whole
         with self._lock:
             self._record_locked(block_hash, len(data), now)
-        self._stats.add(hits=1, bytes_read=len(payload))
         return payload
 
     def contains(self, block_hash: int) -> bool:

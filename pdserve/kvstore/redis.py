@@ -40,7 +40,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pdserve import envs
-from pdserve.kvstore.base import EntryError, EntryFormat, KVTier, Payload
+from pdserve.kvstore.base import EntryFormat, KVTier, Payload
 
 log = logging.getLogger(__name__)
 
@@ -196,33 +196,23 @@ class RedisTier(KVTier):
         if data is None:
             self._stats.add(misses=1)
             return None
+        return self._decode(block_hash, data)
+
+    def _yes(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """`fn`'s reply as a bool; False when the server is unavailable."""
         try:
-            payload = self.fmt.decode(block_hash, data)
-        except EntryError as e:
-            self._stats.add(misses=1, **{e.kind: 1})
-            if e.kind == "corrupt":
-                self.delete(block_hash)
-            return None
-        self._stats.add(hits=1, bytes_read=len(payload))
-        return payload
+            return bool(self._call(fn, *args))
+        except _Unavailable:
+            return False
 
     def contains(self, block_hash: int) -> bool:
-        try:
-            return bool(self._call(self._client.exists, self._key(block_hash)))
-        except _Unavailable:
-            return False
+        return self._yes(self._client.exists, self._key(block_hash))
 
     def delete(self, block_hash: int) -> bool:
-        try:
-            return bool(self._call(self._client.delete, self._key(block_hash)))
-        except _Unavailable:
-            return False
+        return self._yes(self._client.delete, self._key(block_hash))
 
     def ping(self) -> bool:
-        try:
-            return bool(self._call(self._client.ping))
-        except _Unavailable:
-            return False
+        return self._yes(self._client.ping)
 
     def stats(self) -> dict[str, int | float | str]:
         with self._lock:
