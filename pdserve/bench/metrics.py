@@ -92,12 +92,7 @@ def latency_stats_ms(values_s: Iterable[float]) -> dict[str, float]:
     """mean/p50/p90/p99 in milliseconds; ``nan`` when nothing was measured."""
     values = [v * 1000.0 for v in values_s]
     mean = sum(values) / len(values) if values else math.nan
-    return {
-        "mean": mean,
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-    }
+    return {"mean": mean, **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
 
 
 def meets_slo(record: RequestRecord, slo: SLO) -> bool:
