@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from pdserve.perf.cost_model import StepCostModel, TransferModel
 from pdserve.perf.profile import HardwareProfile, ModelShape
+from pdserve.schema import check, knob
 
 
 @dataclass(frozen=True)
@@ -71,18 +72,16 @@ MODELS: dict[str, ModelShape] = {
 class Efficiency:
     """Fractions of peak a serving engine reaches (assumed; see docs/simulator.md)."""
 
-    compute: float = 0.6
-    attention: float = 0.4
-    memory: float = 0.8
-    link: float = 0.7
-    step_overhead_s: float = 0.003
-    allreduce_latency_s: float = 10e-6
-    transfer_latency_s: float = 1e-3
+    compute: float = knob(0.6, gt=0, le=1)
+    attention: float = knob(0.4, gt=0, le=1)
+    memory: float = knob(0.8, gt=0, le=1)
+    link: float = knob(0.7, gt=0, le=1)
+    step_overhead_s: float = knob(0.003, ge=0)
+    allreduce_latency_s: float = knob(10e-6, ge=0)
+    transfer_latency_s: float = knob(1e-3, ge=0)
 
     def __post_init__(self) -> None:
-        for name in ("compute", "attention", "memory", "link"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"efficiency {name} must be in (0, 1], got {getattr(self, name)}")
+        check(self, "efficiency ")
 
 
 def device_spec(name: str) -> DeviceSpec:

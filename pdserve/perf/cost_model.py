@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
 import numpy as np
+
+from pdserve.schema import check, knob
 
 FEATURES = ("step", "prefill_tokens", "decode_requests", "tokens_over_knee", "pairs", "context")
 
@@ -167,14 +169,11 @@ class StepCostModel:
 class TransferModel:
     """Time to move `num_bytes` of KV between two workers: latency + bytes / bandwidth."""
 
-    bandwidth_bytes_per_s: float
-    latency_s: float = 0.0
+    bandwidth_bytes_per_s: float = knob(MISSING, gt=0)
+    latency_s: float = knob(0.0, ge=0)
 
     def __post_init__(self) -> None:
-        if not self.bandwidth_bytes_per_s > 0:
-            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s}")
-        if self.latency_s < 0:
-            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
+        check(self)
 
     def seconds(self, num_bytes: float) -> float:
         return self.latency_s + num_bytes / self.bandwidth_bytes_per_s

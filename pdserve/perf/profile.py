@@ -8,10 +8,11 @@ tensor-parallel degree on GPUs. The profile says which (`size_unit`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 from pdserve.perf.cost_model import StepCostModel, TransferModel
+from pdserve.schema import check, knob
 
 PROFILE_VERSION = 1
 
@@ -22,24 +23,20 @@ class ModelShape:
     and KV as the engine stores them."""
 
     name: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
+    num_layers: int = knob(MISSING, gt=0)
+    hidden_size: int = knob(MISSING, gt=0)
+    intermediate_size: int = knob(MISSING, gt=0)
+    num_heads: int = knob(MISSING, gt=0)
+    num_kv_heads: int = knob(MISSING, gt=0)
+    head_dim: int = knob(MISSING, gt=0)
+    vocab_size: int = knob(MISSING, gt=0)
     weight_bytes_per_param: float = 2.0
     kv_bytes_per_element: float = 2.0
     num_mlp_matrices: int = 3  # gated MLP (Llama); 2 for OPT/GPT
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
-                     "num_kv_heads", "head_dim", "vocab_size"):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model {self.name!r}: {name} must be a positive integer")
+        check(self, f"model {self.name!r}: ")
 
     @property
     def num_params(self) -> int:
