@@ -8,7 +8,7 @@ tensor-parallel degree on GPUs. The profile says which (`size_unit`).
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from pdserve.perf.cost_model import StepCostModel, TransferModel
@@ -116,19 +116,10 @@ class HardwareProfile:
             )
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "version": self.version,
-            "kind": self.kind,
-            "device": self.device,
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {
             "model": asdict(self.model),
-            "size_unit": self.size_unit,
             "models": {str(k): m.to_dict() for k, m in self.models.items()},
             "transfer": {k: asdict(t) for k, t in self.transfer.items()},
-            "devices_per_node": self.devices_per_node,
-            "memory_bytes_per_device": self.memory_bytes_per_device,
-            "memory_fraction": self.memory_fraction,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "machine": self.machine,
         }
 
     @classmethod
