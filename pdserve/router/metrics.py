@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import itertools
 import random
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,51 +52,39 @@ class RouterMetrics:
         # Finished requests by status (success, cancelled, failed, rejected, invalid): a plain
         # Counter the handlers bump, exported at scrape time like the worker families.
         self.requests = collections.Counter[str]()
-        self.prompt_tokens = Counter(
-            "pdserve_prompt_tokens", "Prompt tokens.", registry=self.registry
+        counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = counter("pdserve_prompt_tokens", "Prompt tokens.")
+        self.generation_tokens = counter("pdserve_generation_tokens", "Generated tokens.")
+        self.ttft = histogram(
+            "pdserve_time_to_first_token_seconds", "Time from request arrival to its first token."
         )
-        self.generation_tokens = Counter(
-            "pdserve_generation_tokens", "Generated tokens.", registry=self.registry
-        )
-        self.ttft = Histogram(
-            "pdserve_time_to_first_token_seconds",
-            "Time from request arrival to its first token.",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
-        )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "pdserve_time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request.",
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "pdserve_e2e_request_latency_seconds",
             "Time from request arrival to its last token.",
             buckets=_E2E_BUCKETS_S,
-            registry=self.registry,
         )
         self.itl = Buckets(
             "pdserve_inter_token_latency_seconds",
             "Time between successive output tokens of a request, as the router receives them.",
             _LATENCY_BUCKETS_S,
         )
-        self.ttft_parts = Histogram(
+        self.ttft_parts = histogram(
             "pdserve_ttft_part_seconds",
             "One part of a request's time to first token (router/timing.py names them).",
             ["part"],
-            buckets=_LATENCY_BUCKETS_S,
-            registry=self.registry,
         )
         self._part_children: dict[str, Any] = {}
-        self.warmup_calls = Counter(
-            "pdserve_warmup_calls", "Cache warm-up calls, by action.", ["action"],
-            registry=self.registry,
-        )  # fmt: skip
-        self.warmup_pinned_tokens = Counter(
-            "pdserve_warmup_pinned_tokens", "Prompt tokens pinned by warm-up calls, all workers.",
-            registry=self.registry,
-        )  # fmt: skip
+        self.warmup_calls = counter(
+            "pdserve_warmup_calls", "Cache warm-up calls, by action.", ["action"]
+        )
+        self.warmup_pinned_tokens = counter(
+            "pdserve_warmup_pinned_tokens", "Prompt tokens pinned by warm-up calls, all workers."
+        )
         self.window = Window()  # this interval's samples, for /v1/status (router/status.py)
         self.adaptive = AdaptiveMetrics(self.registry)
 
