@@ -52,6 +52,8 @@ class AdaptiveSimulation(Simulation):
         super().__init__(profile, deployment, config)
         self.adaptive = adaptive or AdaptiveConfig(enabled=True)
         self.model = OnlineCostModel(self.adaptive.min_samples, profile)
+        slos_ms = (self.adaptive.slo_ttft_ms, self.adaptive.slo_itl_ms)
+        self._slo_ttft_s, self._slo_itl_s = (ms / 1000 if ms else None for ms in slos_ms)
         self.pool = tuple(range(deployment.collocated_size))
         ids = [w.worker_id for w in self.workers]
         self.groups = CoreGroups(self.pool, ids, self.adaptive.core_dwell_s)
@@ -106,16 +108,6 @@ class AdaptiveSimulation(Simulation):
             kv_bytes_per_token=self.kv_bytes_per_token,
             chunk_tokens=self.config.scheduler.long_prefill_token_threshold,
         )
-
-    @property
-    def _slo_ttft_s(self) -> float | None:
-        ms = self.adaptive.slo_ttft_ms
-        return ms / 1000 if ms else None
-
-    @property
-    def _slo_itl_s(self) -> float | None:
-        ms = self.adaptive.slo_itl_ms
-        return ms / 1000 if ms else None
 
     # ---- cores -----------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from statistics import fmean
 
 from pdserve.bench.app import BenchPlan
 from pdserve.bench.metrics import SLO
@@ -63,8 +64,7 @@ class PlanResult:
 
 def _mean_lengths(plan: BenchPlan) -> tuple[float, float]:
     turns = [t for s in plan.sessions for t in s.turns]
-    return (sum(len(t.user_ids) for t in turns) / len(turns),
-            sum(t.output_len for t in turns) / len(turns))  # fmt: skip
+    return fmean(len(t.user_ids) for t in turns), fmean(t.output_len for t in turns)
 
 
 def prefill_capacity(profile: HardwareProfile, size: int, cfg: SimConfig, input_len: float):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.bench.arrivals import ArrivalSpec, arrival_times
-from pdserve.bench.metrics import FAILED, RequestRecord
+from pdserve.bench.metrics import FAILED, RequestRecord, run_duration_s
 from pdserve.bench.runner import RunResult
 from pdserve.bench.workloads import Session
 from pdserve.kvcache.hashing import hash_blocks
@@ -132,8 +132,7 @@ class Simulation:
         if unfinished:
             raise RuntimeError(f"simulation ended with requests unfinished: {unfinished[:5]}")
         records = sorted(self.records, key=lambda r: r.send_s)
-        duration = max((r.send_s + (r.e2e_s or 0.0) for r in records), default=0.0)
-        return RunResult(records, duration - min((r.send_s for r in records), default=0.0))
+        return RunResult(records, run_duration_s(records))
 
     def _kick(self, worker: SimWorker) -> None:
         if not worker.is_busy:
