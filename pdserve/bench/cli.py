@@ -25,14 +25,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, BenchConfig, **{f.name: f.default for f in fields(BenchConfig)})
 
 
-def _add_compare(subparsers: argparse._SubParsersAction) -> None:
-    compare = subparsers.add_parser(
-        "compare", help="same workload against several deployments, side by side"
-    )
-    add_bench_arguments(compare)
-    add_flags(compare, CompareConfig, deployment=[])
-
-
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers ``bench`` (and ``bench compare``); the parser's ``func`` is ``main``."""
     parser = subparsers.add_parser(
@@ -55,7 +47,11 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(
         dest="bench_command", metavar="{compare}", parser_class=OneLineArgumentParser
     )
-    _add_compare(sub)
+    compare = sub.add_parser(
+        "compare", help="same workload against several deployments, side by side"
+    )
+    add_bench_arguments(compare)
+    add_flags(compare, CompareConfig, deployment=[])
     parser.set_defaults(func=main)
 
 
