@@ -33,8 +33,8 @@ def knob(default: Any, help: str = "", **meta: Any) -> Any:
 
 
 def same_as(cls: type, name: str) -> Any:
-    """A field with the default and metadata of `cls`'s field `name` (one knob, two places)."""
-    f = next(f for f in fields(cls) if f.name == name)
+    """A copy of `cls`'s flat field `name`, default and metadata (one knob, two places)."""
+    f = flat_fields(cls)[name].field
     return field(default=f.default, repr=f.repr, metadata=f.metadata)
 
 
@@ -207,8 +207,7 @@ def with_fields_of(*parts: type, skip: tuple[str, ...] = ()):
                 if name in skip or name in annotations:
                     continue
                 annotations[name] = flat.hint
-                setattr(cls, name, field(default=flat.field.default, repr=flat.field.repr,
-                                         metadata=flat.field.metadata))  # fmt: skip
+                setattr(cls, name, same_as(part, name))
         cls.__annotations__ = annotations
         return dataclass(frozen=True)(cls)
 
