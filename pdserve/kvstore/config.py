@@ -76,6 +76,4 @@ def build_tiered_store(config: KVStoreConfig, fmt: EntryFormat) -> TieredStore |
         from pdserve.kvstore.redis import RedisTier
 
         tiers.append(RedisTier(fmt, config.redis_url, config.redis_timeout_s, config.redis_ttl_s))
-    if not tiers:
-        return None
     return TieredStore(tiers, async_puts=config.async_puts, queue_size=config.queue_size)
