@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from pdserve.router.config import RouterConfig
@@ -28,36 +28,23 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a lone surrogate en
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+@dataclass(eq=False)
 class ApiError(Exception):
     """An error returned to the client as OpenAI's error JSON."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        retry_after_s: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.retry_after_s = retry_after_s
+    status: int
+    message: str
+    _: KW_ONLY
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return {"error": {k: getattr(self, k) for k in ("message", "type", "param", "code")}}
 
 
 def unavailable(message: str) -> ApiError:
