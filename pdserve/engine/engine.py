@@ -33,7 +33,8 @@ from pdserve.model.loader import torch_dtype
 from pdserve.perf.cost_model import StepShape
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer.base import KVReceiver, KVSender
+from pdserve.transfer.receiver import SocketKVReceiver
+from pdserve.transfer.sender import SocketKVSender
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class Engine:
 
     def prefill_role(
         self,
-        sender: KVSender,
+        sender: SocketKVSender,
         mode: str,
         wire: WireSource | None = None,
         send_timeout_s: float = SEND_TIMEOUT_S,
@@ -144,7 +145,7 @@ class Engine:
 
     def decode_role(
         self,
-        receiver: KVReceiver,
+        receiver: SocketKVReceiver,
         reserve_timeout_s: float = RESERVE_TIMEOUT_S,
         land_timeout_s: float = LAND_TIMEOUT_S,
     ) -> DecodeRole:

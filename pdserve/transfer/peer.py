@@ -38,7 +38,7 @@ def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo
         raise ValueError(f"peer must be a receiver address dict, got {type(peer).__name__}")
     missing = [k for k in ("backends", "host", "port", "layout") if k not in peer]
     if missing:
-        raise ValueError(f"peer address lacks {missing}; pass KVReceiver.address()")
+        raise ValueError(f"peer address lacks {missing}; pass SocketKVReceiver.address()")
     peer_layout = KVLayout.from_dict(peer["layout"])
     if peer_layout.block_format() != layout.block_format():
         raise ValueError(f"KV layout mismatch: sender {layout.to_dict()}, peer {peer['layout']}")
@@ -79,7 +79,7 @@ def check_send(
     src_block_ids: list[int],
     dst_block_ids: list[int],
 ) -> PeerInfo:
-    """The arguments of ``KVSender.send`` checked; the peer's info, or ValueError."""
+    """The arguments of ``SocketKVSender.send`` checked; the peer's info, or ValueError."""
     if not isinstance(request_id, str) or not request_id:
         raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
     if len(src_block_ids) != len(dst_block_ids):

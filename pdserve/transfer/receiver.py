@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pdserve.transfer import wire
-from pdserve.transfer.base import Finished, KVReceiver, TransferStatus
+from pdserve.transfer.base import Finished, TransferStatus
 from pdserve.transfer.buffers import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_POOL_BYTES,
@@ -49,7 +49,15 @@ AUTH_TIMEOUT_S = 5.0
 RELEASE_WAIT_S = 1.0
 
 
-class SocketKVReceiver(KVReceiver):
+class SocketKVReceiver:
+    """Decode side: owns the destination KV tensor and admits writes only into reservations.
+
+    Invariant: no byte reaches ``kv`` unless it belongs to a request with a live reservation
+    (``expect`` called, ``release`` not yet called, not DONE/FAILED) and lands in that
+    reservation's block ids. Anything else fails the request (or, for a request it does not
+    know, is dropped) without touching memory.
+    """
+
     def __init__(
         self,
         kv: torch.Tensor,
@@ -85,6 +93,8 @@ class SocketKVReceiver(KVReceiver):
     # -- public API ------------------------------------------------------------------------
 
     def address(self) -> dict[str, Any]:
+        """Msgpack-able connection info for senders: backends, host, port, shm name, layout,
+        host identity. The router carries it from the decode worker to the prefill worker."""
         return {
             "backends": list(self.backends),
             "host": self._host,
@@ -96,18 +106,36 @@ class SocketKVReceiver(KVReceiver):
         }
 
     def expect(self, request_id: str, block_ids: list[int]) -> None:
+        """Reserve ``block_ids`` for ``request_id``: only these may be written for it.
+
+        Status becomes WAITING. Raises ValueError for an id already reserved or a block id
+        out of range. Use a fresh request id for a retry: writes from an earlier attempt
+        under the same id are indistinguishable from the new one's.
+        """
         self.table.expect(request_id, block_ids)
 
     def status(self, request_id: str) -> TransferStatus:
+        """Current status; KeyError for a request never expected or already released."""
         return self.table.status(request_id)
 
     def pop_finished(self) -> list[Finished]:
+        """Requests that became DONE or FAILED since the last call, each once, with an
+        error message for FAILED. DONE means every send up to the ``last=True`` one
+        landed, in order, inside the reservation."""
         return self.table.pop_finished()
 
     def meta(self, request_id: str) -> dict[str, Any]:
+        """What the sender's ``last=True`` send carried (empty when nothing), once DONE and
+        until ``release``; KeyError otherwise."""
         return self.table.meta(request_id)
 
     def release(self, request_id: str) -> bool:
+        """Forget the reservation; later writes are rejected. Releasing an unknown id is a
+        no-op (True), so aborts may release unconditionally.
+
+        True: no write for the request can touch memory any more; its blocks may be reused.
+        False: a one-sided (shm) writer may still land in them, so they are *fenced*: the
+        caller must keep them out of reuse until ``pop_unfenced`` lists the request."""
         req = self.table.release(request_id)
         if req is None:
             return True
@@ -131,6 +159,8 @@ class SocketKVReceiver(KVReceiver):
         return False
 
     def pop_unfenced(self) -> list[str]:
+        """Released requests whose fenced blocks became safe to reuse since the last call,
+        each once (the engine polls it with ``pop_finished``)."""
         self._reap()
         with self._lock:
             ended = [rid for rid, req in self._fenced.items() if req.active_leases == 0]
@@ -139,12 +169,14 @@ class SocketKVReceiver(KVReceiver):
         return ended
 
     def stats(self) -> dict[str, Any]:
+        """Counters for tests and metrics (writes, frames, bytes, rejections)."""
         with self._lock:
             counts = {**self._counts, **self._server.counts}
             counts["num_fenced"], counts["num_orphans"] = len(self._fenced), len(self._orphans)
         return {**counts, "pool": self.pool.stats(), "num_reservations": len(self.table)}
 
     def close(self) -> None:
+        """Stop accepting, drop connections, release shared memory this receiver owns."""
         if self._server.closed:
             return
         self._server.close()

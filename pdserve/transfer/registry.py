@@ -9,10 +9,13 @@ worker), else tcp.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.transfer.base import KVReceiver, KVSender
 from pdserve.transfer.layout import KVLayout
+
+if TYPE_CHECKING:  # torch-free at run time
+    from pdserve.transfer.receiver import SocketKVReceiver
+    from pdserve.transfer.sender import SocketKVSender
 
 BACKENDS = ("auto", "shm", "tcp")
 # layerwise: one send per layer as the prefill computes it (transfer overlaps compute);
@@ -27,7 +30,7 @@ def _check(backend: str) -> None:
 
 def make_receiver(
     backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any
-) -> KVReceiver:
+) -> SocketKVReceiver:
     """A receiver offering ``backend``; ``opts`` go to ``SocketKVReceiver`` (host, port,
     pool_bytes, buffer_bytes, shm_name). With shm the receiver unlinks the segment on close."""
     _check(backend)
@@ -48,7 +51,9 @@ def make_receiver(
     return SocketKVReceiver(kv, layout, secret, backends=backends, shm_name=shm_name, **opts)
 
 
-def make_sender(backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any) -> KVSender:
+def make_sender(
+    backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any
+) -> SocketKVSender:
     """A sender using ``backend``; ``opts`` go to ``SocketKVSender`` (bandwidth_bps,
     pool_bytes, buffer_bytes, checksum, stage, make_writer)."""
     _check(backend)

@@ -26,7 +26,6 @@ from pdserve.transfer.base import (
     TERMINAL,
     BlockWriter,
     Finished,
-    KVSender,
     Run,
     TransferStatus,
     WriteContext,
@@ -79,8 +78,13 @@ class Job:
     meta: dict[str, Any] | None = None  # with the last job
 
 
-class SocketKVSender(KVSender):
-    """Construct through ``registry.make_sender``, which checks ``backend``."""
+class SocketKVSender:
+    """Prefill side: copies blocks of its own ``kv`` into a receiver's reserved blocks.
+    Construct through ``registry.make_sender``, which checks ``backend``.
+
+    The caller guarantees source blocks are not modified until the request is reported
+    DONE or FAILED by ``pop_finished``.
+    """
 
     def __init__(
         self,
@@ -133,6 +137,21 @@ class SocketKVSender(KVSender):
         last: bool,
         meta: dict[str, Any] | None = None,
     ) -> None:
+        """Enqueue copying ``layers`` x ``src_block_ids`` into ``dst_block_ids`` at ``peer``.
+        ``meta`` (msgpack-able, small: it travels in a frame header; only with ``last``)
+        reaches the receiver with the completion: what the decode side needs to continue
+        that only the transfer's end knows (a dropped prompt's kept blocks' scores).
+
+        Non-blocking: a background thread moves the bytes while the caller computes the
+        next layer. Layer-wise transfer calls this once per layer, full transfer once with
+        all layers and ``last=True``; chunked prefill calls it several times per request.
+        Sends of one request are applied in call order. Contiguous (src, dst) runs are
+        coalesced into one write per layer per run.
+
+        Raises ValueError at once for caller bugs (layout mismatch with the peer, ids out
+        of range, length mismatch, a send after ``last=True``); network and receiver-side
+        problems surface as FAILED in ``pop_finished`` instead.
+        """
         if meta is not None and not (last and isinstance(meta, dict)):
             raise ValueError(f"meta must be a dict on the last send, got {meta!r:.80}")
         if meta and len(msgpack.packb(meta)) > wire.MAX_HEADER_BYTES // 2:
@@ -143,7 +162,7 @@ class SocketKVSender(KVSender):
         runs = coalesce_runs(src_block_ids, dst_block_ids)
         with self._lock:
             if self.closing:
-                raise RuntimeError("send() on a closed KVSender")
+                raise RuntimeError("send() on a closed SocketKVSender")
             if request_id in self._ended:
                 return  # already failed/aborted: later layers are dropped, not an error
             state = self._requests.get(request_id)
@@ -163,6 +182,7 @@ class SocketKVSender(KVSender):
         worker.queue.put(Job(state, list(layers), runs, last, meta=meta))
 
     def status(self, request_id: str) -> TransferStatus:
+        """Current status; KeyError for an unknown request."""
         with self._lock:
             state = self._requests.get(request_id) or self._ended.get(request_id)
         if state is None:
@@ -170,11 +190,16 @@ class SocketKVSender(KVSender):
         return state.status
 
     def pop_finished(self) -> list[Finished]:
+        """Requests that became DONE or FAILED since the last call. DONE means the
+        receiver confirmed and source blocks are no longer read; FAILED likewise means the
+        sender stopped reading them."""
         with self._lock:
             finished, self._finished = self._finished, []
         return finished
 
     def abort(self, request_id: str) -> None:
+        """Stop sending for the request and tell the receiver; it ends FAILED ("aborted")
+        once no background write reads its source blocks any more."""
         with self._lock:
             state = self._requests.get(request_id)
             worker = self._peers.get(state.peer_key) if state is not None else None
@@ -184,6 +209,8 @@ class SocketKVSender(KVSender):
             worker.queue.put(Job(None, [], [], False, abort_request_id=request_id))
 
     def stats(self) -> dict[str, Any]:
+        """Counters: ``num_writes`` (coalesced runs x layers), ``num_frames``,
+        ``bytes_sent``, and ``requests`` mapping recent request ids to their own counts."""
         with self._lock:
             states = list(self._ended.values()) + list(self._requests.values())
             requests = {s.request_id: s.counts() for s in states}
@@ -193,6 +220,7 @@ class SocketKVSender(KVSender):
             return {**self._totals, "requests": requests, "peers": peers}
 
     def close(self) -> None:
+        """Stop background threads and drop connections; unfinished requests fail."""
         with self._lock:
             if self.closing:
                 return

@@ -28,7 +28,8 @@ from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer.base import KVReceiver, KVSender
+from pdserve.transfer.receiver import SocketKVReceiver
+from pdserve.transfer.sender import SocketKVSender
 from pdserve.transfer.shm import shared_kv_name, unlink_shared_kv
 from pdserve.workers.cores import Cores, pin_threads
 from pdserve.workers.spec import WorkerSpec
@@ -51,8 +52,8 @@ class Worker:
         self.engine = Engine(spec.engine, kernels=kernels, allocate_kv=shared_kv if shm else None)
         self.cores = Cores(spec.cpus or os.sched_getaffinity(0))
         self.steps = StepLog(spec.worker_id) if spec.adaptive else None
-        self.sender: KVSender | None = None
-        self.receiver: KVReceiver | None = None
+        self.sender: SocketKVSender | None = None
+        self.receiver: SocketKVReceiver | None = None
         self._wire: WireSource | None = None
         self.engine.switch_role(self._role(spec.role))
         self._next_role: Role | None = None  # switching to it once drained

@@ -31,7 +31,8 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer.base import KVReceiver, TransferStatus
+from pdserve.transfer.base import TransferStatus
+from pdserve.transfer.receiver import SocketKVReceiver
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class DecodeRole(Role):
 
     def __init__(
         self,
-        receiver: KVReceiver,
+        receiver: SocketKVReceiver,
         scheduler: Scheduler,
         kv: KVCacheManager,
         install_scores: Callable[[Request, list[float]], None],

@@ -28,8 +28,9 @@ from pdserve.engine.roles.base import KVDestination, Role
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.manager import KVCacheManager, cdiv
 from pdserve.request import FinishReason, Request, RequestStatus
-from pdserve.transfer.base import KVSender, TransferStatus
+from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.registry import TRANSFER_MODES
+from pdserve.transfer.sender import SocketKVSender
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class PrefillRole(Role):
 
     def __init__(
         self,
-        sender: KVSender,
+        sender: SocketKVSender,
         scheduler: Scheduler,
         kv: KVCacheManager,
         num_layers: int,
