@@ -25,9 +25,8 @@ from pdserve.messages import ROLES
 from pdserve.model.cpu_flags import has_fast_bf16
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.router.config import POLICY_NAMES
-from pdserve.schema import check, from_dict, from_flat, knob, parse_bytes, same_as, with_fields_of
-from pdserve.transfer.bandwidth import parse_bandwidth
-from pdserve.transfer.registry import BACKENDS, TRANSFER_MODES
+from pdserve.schema import check, from_dict, from_flat, knob, same_as, with_fields_of
+from pdserve.transfer.registry import TensorStore
 
 PLACEMENTS = ("local", "ray")
 
@@ -87,23 +86,6 @@ class Role:
 
 
 _PLACEMENT_FIELDS = ("num", "cpus", "ray_num_cpus", "ray_num_gpus", "ray_resources")
-
-
-@dataclass(frozen=True)
-class TensorStore:
-    """The KV transfer channel. `bandwidth` caps the sender with a token bucket, to emulate a
-    cluster network on one host; `buffer_pool_size` bounds staging memory."""
-
-    backend: str = knob("auto", "how KV moves", choices=BACKENDS, flag="transfer")
-    mode: str = knob("layerwise", "send each layer as it is computed, or all at the end",
-                     choices=TRANSFER_MODES)  # fmt: skip
-    buffer_pool_size: int = knob(64 * 2**20, "staging memory (bytes)", gt=0, parse=parse_bytes)
-    bandwidth: str | None = knob(None, "e.g. 10Gbit (an emulated link)")
-
-    def __post_init__(self) -> None:
-        check(self)
-        if self.bandwidth is not None:
-            parse_bandwidth(self.bandwidth)
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,7 @@ def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerS
         WorkerSpec(
             worker_id=worker_id, role=role, engine=engine, adaptive=p.adaptive.enabled,
             ctrl_address=f"tcp://127.0.0.1:{free_port()}", router_address=router_address,
-            cpus=cpus, transfer_backend=p.kv_transfer.backend, transfer_mode=p.kv_transfer.mode,
-            transfer_buffer_bytes=p.kv_transfer.buffer_pool_size,
-            transfer_bandwidth=p.kv_transfer.bandwidth,
+            cpus=cpus, kv_transfer=p.kv_transfer,
             wire_kv_cache_dtype=p.decode.kv_cache_dtype if p.decode else "auto",
             wire_dtype=p.decode.dtype_of(p.dtype) if p.decode else None,
         )

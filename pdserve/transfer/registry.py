@@ -9,8 +9,11 @@ worker), else tcp.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.schema import check, knob, parse_bytes
+from pdserve.transfer.bandwidth import parse_bandwidth
 from pdserve.transfer.layout import KVLayout
 
 if TYPE_CHECKING:  # torch-free at run time
@@ -21,6 +24,23 @@ BACKENDS = ("auto", "shm", "tcp")
 # layerwise: one send per layer as the prefill computes it (transfer overlaps compute);
 # full: one send of every layer after the prefill's last chunk.
 TRANSFER_MODES = ("layerwise", "full")
+
+
+@dataclass(frozen=True)
+class TensorStore:
+    """The KV transfer channel. `bandwidth` caps the sender with a token bucket, to emulate a
+    cluster network on one host; `buffer_pool_size` bounds staging memory."""
+
+    backend: str = knob("auto", "how KV moves", choices=BACKENDS, flag="transfer")
+    mode: str = knob("layerwise", "send each layer as it is computed, or all at the end",
+                     choices=TRANSFER_MODES)  # fmt: skip
+    buffer_pool_size: int = knob(64 * 2**20, "staging memory (bytes)", gt=0, parse=parse_bytes)
+    bandwidth: str | None = knob(None, "e.g. 10Gbit (an emulated link)")
+
+    def __post_init__(self) -> None:
+        check(self)
+        if self.bandwidth is not None:
+            parse_bandwidth(self.bandwidth)
 
 
 def _check(backend: str) -> None:

@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass
 from pdserve.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.messages import ROLES
 from pdserve.schema import check, from_dict, knob
-from pdserve.transfer.registry import BACKENDS, TRANSFER_MODES
+from pdserve.transfer.registry import TensorStore
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,8 @@ class WorkerSpec:
     # Planned by the adaptive planner: reports its steps (StepReport), keeps its KV pool in
     # shared memory and both kernel sets, since any worker may prefill, decode or switch.
     adaptive: bool = False
-    transfer_backend: str = knob("auto", choices=BACKENDS)
-    transfer_mode: str = knob("layerwise", choices=TRANSFER_MODES)
+    kv_transfer: TensorStore = TensorStore()
     transfer_host: str = "127.0.0.1"  # where a decode worker's KV receiver listens
-    transfer_buffer_bytes: int = 64 * 2**20
-    transfer_bandwidth: str | None = None
     # prefill: the decode workers' KV dtype and model dtype (None: this worker's), converted to
     wire_kv_cache_dtype: str = knob("auto", choices=KV_CACHE_DTYPES)
     wire_dtype: str | None = knob(None, choices=DTYPES)

@@ -47,7 +47,7 @@ class Worker:
         # A decode worker's KV pool lives in shared memory when shm may be used, so a
         # prefill worker on the same host writes into it directly. An adaptive worker may
         # become a decode worker, and prefills and decodes whatever its role.
-        shm = (spec.role == "decode" or spec.adaptive) and spec.transfer_backend != "tcp"
+        shm = (spec.role == "decode" or spec.adaptive) and spec.kv_transfer.backend != "tcp"
         kernels = "collocated" if spec.adaptive else spec.role
         self.engine = Engine(spec.engine, kernels=kernels, allocate_kv=shared_kv if shm else None)
         self.cores = Cores(spec.cpus or os.sched_getaffinity(0))
@@ -78,13 +78,13 @@ class Worker:
         from pdserve.transfer.layout import KVLayout
         from pdserve.transfer.registry import make_receiver, make_sender
 
-        e, spec = self.engine, self.spec
+        e, spec, transfer = self.engine, self.spec, self.spec.kv_transfer
         if name == "decode":
             if self.receiver is None:
                 kv = e.runner.kv_cache
                 self.receiver = make_receiver(
-                    spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
-                    host=spec.transfer_host, pool_bytes=spec.transfer_buffer_bytes,
+                    transfer.backend, kv, KVLayout.from_tensor(kv), self.secret,
+                    host=spec.transfer_host, pool_bytes=transfer.buffer_pool_size,
                 )  # fmt: skip
             return e.decode_role(self.receiver, spec.kv_reserve_timeout_s, spec.kv_land_timeout_s)
         if name == "prefill":
@@ -92,12 +92,10 @@ class Worker:
                 self._wire = e.wire_source(spec.wire_kv_cache_dtype, spec.wire_dtype)
                 kv = self._wire.kv if self._wire else e.runner.kv_cache
                 self.sender = make_sender(
-                    spec.transfer_backend, kv, KVLayout.from_tensor(kv), self.secret,
-                    bandwidth_bps=spec.transfer_bandwidth, pool_bytes=spec.transfer_buffer_bytes,
+                    transfer.backend, kv, KVLayout.from_tensor(kv), self.secret,
+                    bandwidth_bps=transfer.bandwidth, pool_bytes=transfer.buffer_pool_size,
                 )  # fmt: skip
-            return e.prefill_role(
-                self.sender, spec.transfer_mode, self._wire, spec.kv_send_timeout_s
-            )
+            return e.prefill_role(self.sender, transfer.mode, self._wire, spec.kv_send_timeout_s)
         if name == "collocated":
             return CollocatedRole()
         raise ValueError(f"role must be one of {m.ROLES}, got {name!r}")
