@@ -18,16 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from pdserve import messages
 from pdserve.router.completions import STATE
 from pdserve.router.metrics import Window
 
 DASHBOARD_DIR = Path(__file__).parent / "dashboard"
+# A worker's row shows its last Stats but these (before its first Stats: all zero).
+_ROW_STATS = [
+    f.name
+    for f in dataclasses.fields(messages.Stats)
+    if f.name not in ("worker_id", "role", "num_queued_prefill_tokens")
+]
 PERCENTILES = (50, 90, 99)
 
 
@@ -37,7 +45,8 @@ def worker_rows(state: Any) -> list[dict[str, Any]]:
     plane = state.plane
     rows = []
     for w in plane.workers.values():
-        s, ready = w.stats, w.ready
+        ready = w.ready
+        stats = w.stats or messages.Stats(w.worker_id, w.role, 0, 0, 0, 0, 0)
         cores = plane.planner.cores_of(w.worker_id) if plane.planner else None
         if cores is None and ready:
             cores = (list(ready.cpus), ready.threads)
@@ -49,19 +58,8 @@ def worker_rows(state: Any) -> list[dict[str, Any]]:
                 "healthy": int(plane.is_healthy(w.worker_id)),
                 "cpus": cores[0] if cores else [],
                 "threads": cores[1] if cores else 0,
-                "num_waiting": s.num_waiting if s else 0,
-                "num_running": s.num_running if s else 0,
-                "num_free_blocks": s.num_free_blocks if s else 0,
-                "num_total_blocks": s.num_total_blocks if s else 0,
-                "kv_bytes_sent": s.kv_bytes_sent if s else 0,
-                "kv_bytes_received": s.kv_bytes_received if s else 0,
-                "kv_blocks_skipped": s.kv_blocks_skipped if s else 0,
                 "active_requests": w.active_requests,
-                "kv_tiers": s.kv_tiers if s else {},
-                "kv_moved_bytes": s.kv_moved_bytes if s else {},
-                "num_cached_prompt_tokens": s.num_cached_prompt_tokens if s else 0,
-                "num_computed_prompt_tokens": s.num_computed_prompt_tokens if s else 0,
-                "num_pinned_blocks": s.num_pinned_blocks if s else 0,
+                **{name: getattr(stats, name) for name in _ROW_STATS},
                 "unacked_releases": sum(k[0] == w.worker_id for k in plane.unacked_releases),
             }
         )
