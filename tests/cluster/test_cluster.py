@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from pdserve.cluster.config import Role, TensorStore
+from pdserve.cluster.config import Role
+from pdserve.transfer.registry import TensorStore
 from tests.cluster.conftest import get_text, post, role, start
 
 NUM_PROMPTS = 4

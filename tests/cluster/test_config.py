@@ -4,10 +4,11 @@ import pytest
 
 from pdserve.cli import build_parser
 from pdserve.cluster import config as cluster_config
-from pdserve.cluster.config import Pipeline, Role, TensorStore, load_pipeline
+from pdserve.cluster.config import Pipeline, Role, load_pipeline
 from pdserve.cluster.deployments import pipeline_for
 from pdserve.cluster.launcher import worker_specs
 from pdserve.cluster.up import pipeline_from_args
+from pdserve.transfer.registry import TensorStore
 from pdserve.workers.spec import WorkerSpec
 
 

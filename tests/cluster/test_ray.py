@@ -18,9 +18,10 @@ import requests
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'pdserve[ray]'")
 
-from pdserve.cluster.config import Pipeline, TensorStore  # noqa: E402
+from pdserve.cluster.config import Pipeline  # noqa: E402
 from pdserve.cluster.launcher import ClusterError, free_port  # noqa: E402
 from pdserve.cluster.ray import RayCluster  # noqa: E402
+from pdserve.transfer.registry import TensorStore  # noqa: E402
 from tests.cluster.conftest import get_text, post, role  # noqa: E402
 from tests.cluster.test_cluster import complete_all  # noqa: E402
 
