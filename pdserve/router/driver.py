@@ -220,16 +220,11 @@ class RequestDriver:
         while True:  # prefill: D's reservation stays; a busy P may refuse, another may take it
             prefill_id = await self._pick("prefill", deadline)
             await self.adaptive.cores(deadline, prefill_id, decode_id)
+            # Reserved's blocks as they are: P skips D's cached prefix and, over D's budget,
+            # sends only the blocks D keeps.
+            blocks = {k: v for k, v in vars(reply).items() if k not in ("worker_id", "request_id")}
             prefill = messages.Prefill(
-                self.request_id,
-                self.prompt_token_ids,
-                self.sampling,
-                reply.peer,
-                reply.block_ids,
-                reply.num_cached_blocks,  # D holds that prefix already: P does not send it
-                reply.num_keep_blocks,  # over D's budget: P sends only the blocks D keeps
-                reply.sink_blocks,
-                reply.recent_blocks,
+                self.request_id, self.prompt_token_ids, self.sampling, **blocks
             )
             self.timing.on_dispatch()  # before the send: the worker may start at once
             self._send(prefill_id, prefill)

@@ -228,13 +228,9 @@ class Worker:
                 if r is None:
                     self.send(m.Rejected(wid, msg.request_id, "no free KV blocks", True))
                 else:
-                    d = r.drop
-                    self.send(m.Reserved(
-                        wid, msg.request_id, self.receiver.address(),
-                        r.block_ids, r.num_cached_blocks,
-                        d.num_keep_blocks if d else None, d.sink_blocks if d else 0,
-                        d.recent_blocks if d else 0,
-                    ))  # fmt: skip
+                    kept = dataclasses.astuple(r.drop) if r.drop else ()  # num_keep, sink, recent
+                    self.send(m.Reserved(wid, msg.request_id, self.receiver.address(),
+                                         r.block_ids, r.num_cached_blocks, *kept))  # fmt: skip
             elif isinstance(msg, m.Prefill):
                 drop = None
                 if msg.num_keep_blocks is not None:
