@@ -210,7 +210,8 @@ class RouterActor:
         return started["port"]
 
     def _run(self, config: Any, started: dict[str, Any], ready: threading.Event) -> None:
-        from pdserve.router.server import STATE, build_app, start_server
+        from pdserve.router.completions import STATE
+        from pdserve.router.server import build_app, start_server
 
         async def serve() -> None:
             self._stop = asyncio.Event()

@@ -32,8 +32,6 @@ from pdserve.router.status import History, add_routes, worker_rows
 from pdserve.router.warmup import unpin, warmup
 from pdserve.router.workers import ControlPlane
 
-__all__ = ["STATE", "RouterState", "build_app", "load_router_tokenizer", "serve", "start_server"]
-
 log = logging.getLogger(__name__)
 _OPS_PATHS = ("/health", "/metrics", "/v1/status")  # public unless `protect_health_metrics`
 _ADMIN_PATHS = ("/v1/cache/warmup",)  # the admin key, never the API key

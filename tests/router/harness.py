@@ -344,7 +344,7 @@ class Cluster:
 
     @property
     def app_state(self) -> Any:
-        from pdserve.router.server import STATE
+        from pdserve.router.completions import STATE
 
         return self.app[STATE]
 
