@@ -20,7 +20,6 @@ blocks out of reuse until ``pop_unfenced`` lists it (docs/transfer.md, "Fencing"
 from __future__ import annotations
 
 import logging
-import os
 import select
 import threading
 import zlib
@@ -183,7 +182,7 @@ class SocketKVReceiver:
         with self._lock:
             orphans, self._orphans = self._orphans, []
         for conn in orphans:
-            _close_pidfd(conn)
+            conn.close_pidfd()
         if self.shm_name is not None:
             unlink_shared_kv(self.shm_name)
 
@@ -216,7 +215,7 @@ class SocketKVReceiver:
             if req is not None:
                 self.table.fail(req, reason)
         if not any(conn.leases.values()):
-            _close_pidfd(conn)
+            conn.close_pidfd()
         elif conn.pidfd is not None:
             with self._lock:
                 self._orphans.append(conn)
@@ -232,7 +231,7 @@ class SocketKVReceiver:
             for req, num_leases in conn.leases.items():
                 self._end_lease(req, num_leases)
             conn.leases.clear()
-            _close_pidfd(conn)
+            conn.close_pidfd()
 
     def _dispatch(self, conn: Conn, header: dict[str, Any]) -> None:
         kind = header["type"]
@@ -241,7 +240,7 @@ class SocketKVReceiver:
         elif kind == wire.LEASE:
             self._on_lease(conn, header)
         elif kind == wire.LEASE_END:
-            req = _held(conn, wire.str_field(header, "request_id"))
+            req = conn.held(wire.str_field(header, "request_id"))
             if req is not None:
                 conn.leases[req] -= 1
                 if not conn.leases[req]:
@@ -349,7 +348,7 @@ class SocketKVReceiver:
             return "shm write notice, but this receiver does not offer shm"
         if nbytes != 0:
             return f"shm write notice with nbytes={nbytes} (must be 0)"
-        if _held(conn, request_id) is None:
+        if conn.held(request_id) is None:
             return f"shm write notice for request {request_id!r} without a lease"
         return None
 
@@ -390,17 +389,6 @@ class SocketKVReceiver:
         with req.cond:
             req.active_leases -= num_leases
             req.cond.notify_all()
-
-
-def _held(conn: Conn, request_id: str) -> Reservation | None:
-    """The reservation of a lease ``conn`` holds for the request (released ones included)."""
-    return next((r for r, n in conn.leases.items() if n and r.request_id == request_id), None)
-
-
-def _close_pidfd(conn: Conn) -> None:
-    if conn.pidfd is not None:
-        os.close(conn.pidfd)
-        conn.pidfd = None
 
 
 def _block_format(layout: dict[str, Any]) -> dict[str, Any]:

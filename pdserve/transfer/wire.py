@@ -243,6 +243,15 @@ class Conn:
         with self._send_lock:
             send_frame(self.sock, header)
 
+    def held(self, request_id: str) -> Any:
+        """The reservation of a lease held here for the request (released ones included)."""
+        return next((r for r, n in self.leases.items() if n and r.request_id == request_id), None)
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
 
 class FrameServer:
     """The receiver's listener: accept, authenticate, then call ``on_frame(conn, header)``
