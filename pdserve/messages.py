@@ -65,13 +65,15 @@ class Generate:
     """Run a whole request on this worker (collocated, or a decode worker prefilling
     locally). `output_token_ids` resumes a request whose earlier worker died: they are
     recomputed as part of the prompt and not produced again. `pin` set: a cache warm-up
-    (`Request.pin`)."""
+    (`Request.pin`). `prefill_chunk_tokens` set: the adaptive planner's SLO-sized chunk, the
+    most prefill tokens of any step the request is in (`Request.prefill_chunk_tokens`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     output_token_ids: list[int] = field(default_factory=list)
     pin: bool | None = None
+    prefill_chunk_tokens: int | None = None
 
 
 @dataclass

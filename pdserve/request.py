@@ -68,6 +68,10 @@ class Request:
     # prefilled into the prefix cache; with True its full blocks are then pinned (never
     # evicted until unpinned). None: an ordinary request.
     pin: bool | None = None
+    # At most this many prefill tokens in any step this request takes part in (the adaptive
+    # planner's SLO-sized chunk, so the decodes sharing those steps keep their ITL target);
+    # None: the scheduler's `long_prefill_token_threshold` alone.
+    prefill_chunk_tokens: int | None = None
     # time.time() stamps for the router's TTFT breakdown (prefill_start, prefill_end,
     # kv_landed), sent with the request's next output and then cleared (router/timing.py).
     stamps: dict[str, float] = field(default_factory=dict)

@@ -202,15 +202,20 @@ class Engine:
         params: SamplingParams,
         num_prior_output_tokens: int = 0,
         pin: bool | None = None,
+        prefill_chunk_tokens: int | None = None,
     ) -> Request:
         """`num_prior_output_tokens`: the prompt's last tokens were produced by an earlier
         attempt of this request (resumed after a worker died). `pin`: a cache warm-up
         (`Request.pin`, with `WARMUP_PARAMS`), refused up front (ValueError) when it cannot
-        pin: decode role, caching off, pinned share full."""
+        pin: decode role, caching off, pinned share full. `prefill_chunk_tokens`: the most
+        prefill tokens of any step the request is in (`Request.prefill_chunk_tokens`)."""
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, not {prefill_chunk_tokens}")
         request = self._new_request(request_id, prompt_token_ids, params)
         if pin is not None:
             self._check_pin(prompt_token_ids, pin)
         request.num_prior_output_tokens, request.pin = num_prior_output_tokens, pin
+        request.prefill_chunk_tokens = prefill_chunk_tokens
         self._enqueue(request)
         return request
 

@@ -5,6 +5,12 @@ unfinished prefill its next chunk), then waiting requests in arrival order. When
 out, the most recently admitted running request is preempted: its blocks are freed and it
 goes back to the front of the queue, to be recomputed from its prompt and the tokens it has
 already produced. Nothing crashes and no finished token is lost.
+
+While a request with `prefill_chunk_tokens` (the adaptive planner's SLO-sized chunk)
+prefills, it bounds the prefill tokens of every step it takes part in, its own and others'
+together: the decodes of that step were promised a step no longer than the planner priced. A
+waiting request that would exceed a cap waits (first come, first served), a running one sits
+the step out.
 """
 
 from __future__ import annotations
@@ -70,12 +76,22 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk = self.config.long_prefill_token_threshold
+        # Prefill tokens this step may still take: the least cap of a capped prefill in it.
+        prefill_left = min(
+            (r.prefill_chunk_tokens for r in self.running if _is_capped_prefill(r)), default=budget
+        )
 
         scheduled_running: list[tuple[Request, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            if num_new > 1:
+                num_new = min(num_new, prefill_left)
+                if num_new <= 0:
+                    i += 1
+                    continue
+                prefill_left -= num_new
             while not self.kv.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -90,6 +106,7 @@ class Scheduler:
             break  # the request itself was preempted; everything after it already was
 
         scheduled_new: list[tuple[Request, int]] = []
+        prefill_used = sum(n for _, n in scheduled_running if n > 1)
         while (
             self.waiting
             and not out.preempted
@@ -100,6 +117,13 @@ class Scheduler:
             hits = self.kv.find_cached_prefix(request)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_hit_tokens, chunk, budget)
+            cap = request.prefill_chunk_tokens
+            # Taken already this step: the running prefills' tokens, whatever their caps.
+            cap_left = prefill_left if cap is None else min(prefill_left, cap - prefill_used)
+            if num_new > 1:
+                num_new = min(num_new, cap_left)
+                if num_new <= 0:
+                    break
             num_reserved = (
                 request.num_tokens - num_hit_tokens if self.preallocate_prompt else num_new
             )
@@ -111,6 +135,9 @@ class Scheduler:
             self.running.append(request)
             scheduled_new.append((request, num_new))
             budget -= num_new
+            if num_new > 1:
+                prefill_used += num_new
+                prefill_left = cap_left - num_new
 
         # Decodes first: the model runner batches one-token rows together.
         everything = scheduled_running + scheduled_new
@@ -188,3 +215,9 @@ class Scheduler:
         if request.prefill_only:
             return FinishReason.HANDOFF
         return None
+
+
+def _is_capped_prefill(request: Request) -> bool:
+    """A running request with a cap and more than a decode's one token left to compute."""
+    pending = request.num_tokens - request.num_computed_tokens
+    return request.prefill_chunk_tokens is not None and pending > 1

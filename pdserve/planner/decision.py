@@ -10,14 +10,21 @@ that will decode it (local). A pure function of what the router knows and the co
     local meets the ITL and TTFT budgets   -> local   fits_slo      (collocated's behaviour)
     remote meets both                      -> remote  itl_interference (local breaks the ITL)
                                                       | ttft        (local breaks the TTFT)
-    neither                                -> the smaller summed relative excess over the
-                                              budgets: least_violation
+    local in SLO-sized chunks meets both   -> local   slo_chunk     (stall-free, every core)
+    none                                   -> the least summed relative excess over the
+                                              budgets: least_violation (local or remote) |
+                                              slo_chunk_least_violation
 
 Local: the prompt runs in `chunk_tokens` chunks in the decode worker's steps, each step also
 carrying its running decodes: those decodes' inter-token latency is that mixed step. Remote:
 the prefill worker's queue and prompt (after its own cache hit), a core switch when it is
 parked, and the exposed KV transfer; meanwhile the decode worker decodes on its share of the
-host's cores (`decode_threads_split`), which is its inter-token latency.
+host's cores (`decode_threads_split`), which is its inter-token latency. Local in SLO-sized
+chunks (Sarathi-Serve's stall-free batching): the largest chunk whose step with the running
+decodes fits ITL_HEADROOM of the ITL budget, sent with the request (`prefill_chunk_tokens`):
+the decodes keep every core and their ITL, the prompt takes more, smaller steps. It comes
+after remote: where a split meets both budgets, disaggregation is what pays (the prefill runs
+in full chunks beside the decodes); it is the answer where no split can hold the ITL.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pdserve.perf.cost_model import StepShape
 from pdserve.planner.model import OnlineCostModel
 
 LOCAL, REMOTE = "local", "remote"
+SLO_CHUNK = "slo_chunk"  # a candidate of decide(), not a kind: local with a smaller chunk
 # Without an ITL target a local prefill breaks no budget: the operator asked for nothing a
 # collocated worker cannot give, so local (every core, no transfer) decides unless the TTFT
 # target says otherwise. A decode group is still sized (`decode_need`) for this many times
@@ -39,6 +47,9 @@ ITL_HEADROOM = 0.75  # a decode group is sized for this share of the ITL budget
 # Default TTFT budget: 3x what collocated would give the request now (its queue and prompt,
 # with the running decodes, on every core); a remote prefill on half a pool takes ~2x.
 TTFT_BUDGET_FACTOR = 3.0
+# Below this an SLO-sized chunk is no candidate: a step's fixed cost would dwarf its prompt
+# tokens (and a one-token chunk is a decode-sized row the scheduler does not cap).
+MIN_SLO_CHUNK_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class Decision:
     decode_id: str = ""
     prefill_id: str = ""
     num_prefill_tokens: int = 0  # uncached tokens the chosen worker computes
+    prefill_chunk_tokens: int | None = None  # local in SLO-sized chunks: the chunk
 
 
 def decide(
@@ -95,12 +107,16 @@ def decide(
         if local_tokens <= fallback_prompt_tokens:
             return _as(local, "fallback_short")
         return _as(remote, "fallback_long")
-    itl_ok = {k: p[f"itl_{k}_s"] <= p["itl_budget_s"] for k in (LOCAL, REMOTE)}
-    ttft_ok = {k: p[f"ttft_{k}_s"] <= p["ttft_budget_s"] for k in (LOCAL, REMOTE)}
+    chunked = dataclasses.replace(local, prefill_chunk_tokens=int(p.get("slo_chunk_tokens", 0)))
+    kinds = (LOCAL, SLO_CHUNK, REMOTE) if "slo_chunk_tokens" in p else (LOCAL, REMOTE)
+    itl_ok = {k: p[f"itl_{k}_s"] <= p["itl_budget_s"] for k in kinds}
+    ttft_ok = {k: p[f"ttft_{k}_s"] <= p["ttft_budget_s"] for k in kinds}
     if itl_ok[LOCAL] and ttft_ok[LOCAL]:
         return _as(local, "fits_slo", p)
     if itl_ok[REMOTE] and ttft_ok[REMOTE]:
         return _as(remote, "ttft" if itl_ok[LOCAL] else "itl_interference", p)
+    if SLO_CHUNK in kinds and itl_ok[SLO_CHUNK] and ttft_ok[SLO_CHUNK]:
+        return _as(chunked, "slo_chunk", p)
 
     def excess(kind: str) -> float:
         return sum(
@@ -108,8 +124,10 @@ def decide(
             for m in ("itl", "ttft")
         )
 
-    best = local if excess(LOCAL) <= excess(REMOTE) else remote
-    return _as(best, "least_violation", p)
+    best = min(kinds, key=excess)  # ties: the first, local before remote
+    if best == SLO_CHUNK:
+        return _as(chunked, "slo_chunk_least_violation", p)
+    return _as(local if best == LOCAL else remote, "least_violation", p)
 
 
 def predict(
@@ -142,7 +160,7 @@ def predict(
         return None
     transfer = model.transfer_s(local_tokens * s.kv_bytes_per_token)
     collocated = queue_pool + on_pool[0]  # what one worker on every core would give it now
-    return {
+    p = {
         "ttft_local_s": queue_local + mixed[0],
         "itl_local_s": max(mixed[1], unloaded),
         "ttft_remote_s": (s.switch_s if s.prefill_parked else 0.0) + queue_remote + remote[0],
@@ -150,6 +168,41 @@ def predict(
         "transfer_s": transfer,
         "itl_budget_s": slo_itl_s if slo_itl_s is not None else math.inf,
         "ttft_budget_s": slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * collocated,
+    }
+    if slo_itl_s is not None and p["itl_local_s"] > slo_itl_s:
+        p.update(predict_slo_chunk(s, model, local_tokens, ITL_HEADROOM * slo_itl_s))
+    return p
+
+
+def predict_slo_chunk(
+    s: Situation, model: OnlineCostModel, num_tokens: int, step_budget_s: float
+) -> dict[str, float]:
+    """The largest chunk below `chunk_tokens` whose step with the running decodes, at the
+    prompt's end (its costliest chunk: the most attention), fits `step_budget_s`, and the
+    local prefill's TTFT and ITL in such chunks; {} when no chunk of MIN_SLO_CHUNK_TOKENS
+    does. Queued prompts are priced in the same chunks, in steps of their own: on a worker
+    that takes SLO-sized chunks the queue is most likely capped too."""
+    b, ctx, threads = s.num_decodes, s.decode_context_tokens, s.decode_threads_local
+    end = s.num_cached_decode_tokens + num_tokens
+
+    def step(n: int) -> float:
+        seconds = model.step_s("decode", threads, StepShape(n, b, n * (end - n + (n + 1) / 2), ctx))
+        return math.inf if seconds is None else seconds
+
+    lo, hi = MIN_SLO_CHUNK_TOKENS, min(s.chunk_tokens, num_tokens) - 1
+    if hi < lo or step(lo) > step_budget_s:
+        return {}
+    while lo < hi:  # the step grows with the chunk: the largest that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if step(mid) <= step_budget_s else (lo, mid - 1)
+    own = prefill_s(model, "decode", threads, num_tokens, s.num_cached_decode_tokens, lo, b, ctx)
+    queue = prefill_s(model, "decode", threads, s.decode_queue_tokens, 0, lo, b, ctx)
+    if own is None or queue is None:
+        return {}
+    return {
+        "slo_chunk_tokens": float(lo),
+        "ttft_slo_chunk_s": queue[0] + own[0],
+        "itl_slo_chunk_s": max(own[1], queue[1]),
     }
 
 

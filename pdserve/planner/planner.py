@@ -302,6 +302,7 @@ class Planner:
                 "decode": d.decode_id,
                 "prefill": d.prefill_id,
                 "num_prefill_tokens": d.num_prefill_tokens,
+                "prefill_chunk_tokens": d.prefill_chunk_tokens,
                 "predictions": p,
             }
         )

@@ -190,8 +190,9 @@ class RequestDriver:
             worker_id = self._claim(worker_id) if chosen else await self._pick(role, deadline)
             await self.adaptive.cores(deadline, worker_id)
             generate = messages.Generate(
-                self.request_id, self.prompt_token_ids, self.sampling, done
-            )
+                self.request_id, self.prompt_token_ids, self.sampling, done,
+                prefill_chunk_tokens=self.adaptive.prefill_chunk_tokens(worker_id),
+            )  # fmt: skip
             self.timing.on_dispatch()  # before the send: the worker may start at once
             self._send(worker_id, generate)
             self._charge_prefill(worker_id, len(done))

@@ -53,6 +53,12 @@ class AdaptiveRequest:
         self.decision = self.planner.decide(self.key, route, policy)
         return self.decision.decode_id if self.decision.kind == LOCAL else ""
 
+    def prefill_chunk_tokens(self, worker_id: str) -> int | None:
+        """The SLO-sized chunk the planner chose for a local prefill on `worker_id`, or None
+        (the worker's own chunk): it was priced for that worker's running decodes only."""
+        d = self.decision
+        return d.prefill_chunk_tokens if d is not None and d.decode_id == worker_id else None
+
     async def cores(self, deadline: float, *worker_ids: str) -> None:
         """Return once every worker of `worker_ids` runs steps; one given none in time is
         lost for the request (it is re-driven)."""

@@ -222,7 +222,10 @@ class Worker:
                 if msg.output_token_ids:  # resumed: what was already produced counts
                     num_left = max(1, params.max_tokens - len(msg.output_token_ids))
                     params = dataclasses.replace(params, max_tokens=num_left)
-                e.add_request(msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin)
+                e.add_request(
+                    msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin,
+                    msg.prefill_chunk_tokens,
+                )  # fmt: skip
             elif isinstance(msg, m.Reserve):
                 r = e.reserve(msg.request_id, msg.prompt_token_ids, params)
                 if r is None:

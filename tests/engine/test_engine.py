@@ -66,6 +66,24 @@ def test_chunked_prefill_equals_unchunked(tiny_model_dir, reference):
     assert run(engine, prompts(6)) == reference
 
 
+def test_per_request_chunk_cap_gives_same_output(tiny_model_dir, reference):
+    # The adaptive planner's SLO-sized chunk: a few requests capped at 3 prefill tokens a step
+    # while others decode beside them; tokens are those of each prompt run alone.
+    engine = make_engine(tiny_model_dir)
+    reqs = [
+        engine.add_request(str(i), p, GREEDY, prefill_chunk_tokens=3 if i % 2 else None)
+        for i, p in enumerate(prompts(6))
+    ]
+    out = {str(i): [] for i in range(6)}
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        num_steps += 1
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    assert [out[str(i)] for i in range(6)] == reference
+    assert num_steps > 12 + max(len(r.prompt_token_ids) for r in reqs[1::2]) // 3 - 1
+
+
 def test_preemption_recompute_gives_same_output(tiny_model_dir, reference):
     # 24 blocks of 4 tokens cannot hold six requests of up to ~50 tokens at once.
     engine = make_engine(tiny_model_dir, num_blocks=24)

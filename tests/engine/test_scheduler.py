@@ -39,6 +39,46 @@ def test_long_prompt_is_chunked_and_decodes_go_first():
     assert s.requests["long"].output_token_ids == [5]  # sampled only at the last chunk
 
 
+def capped(request: Request, num_tokens: int) -> Request:
+    request.prefill_chunk_tokens = num_tokens
+    return request
+
+
+def scheduled(out) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in out.scheduled]
+
+
+def test_request_chunk_cap_bounds_its_own_chunks():
+    s = make(long_prefill_token_threshold=8, max_num_batched_tokens=32)
+    s.add_request(req("short", 3))
+    run_step(s)
+    s.add_request(capped(req("long", 10), 3))
+    assert scheduled(run_step(s)) == [("short", 1), ("long", 3)]
+    assert scheduled(run_step(s)) == [("short", 1), ("long", 3)]
+    assert scheduled(run_step(s)) == [("short", 1), ("long", 3)]
+    assert scheduled(run_step(s)) == [("short", 1), ("long", 1)]  # the last prompt token
+    assert s.requests["long"].output_token_ids == [5]
+    assert scheduled(run_step(s)) == [("short", 1), ("long", 1)]  # decodes are not capped
+
+
+def test_request_chunk_cap_bounds_the_whole_step():
+    # A capped prefill's decodes were promised a step of at most its cap of prefill tokens:
+    # an uncapped prompt behind it waits; one ahead of it, running, makes it wait.
+    s = make(num_blocks=64, long_prefill_token_threshold=8, max_num_batched_tokens=32)
+    s.add_request(capped(req("capped", 10), 4))
+    s.add_request(req("plain", 9))
+    assert scheduled(run_step(s)) == [("capped", 4)]
+    assert scheduled(run_step(s)) == [("capped", 4)]
+    assert scheduled(run_step(s)) == [("capped", 2), ("plain", 2)]  # what the cap leaves
+    assert scheduled(run_step(s)) == [("capped", 1), ("plain", 7)]  # its prefill is done
+    s = make(num_blocks=64, long_prefill_token_threshold=8, max_num_batched_tokens=32)
+    s.add_request(req("plain", 12))
+    s.add_request(capped(req("capped", 9), 4))
+    assert scheduled(run_step(s)) == [("plain", 8)]
+    assert scheduled(run_step(s)) == [("plain", 4)]  # the cap's budget is used up
+    assert scheduled(run_step(s)) == [("plain", 1), ("capped", 4)]
+
+
 def test_budget_limits_admission():
     s = make(max_num_batched_tokens=8, long_prefill_token_threshold=8)
     s.add_request(req("a", 6))

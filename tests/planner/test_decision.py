@@ -8,7 +8,15 @@ import math
 
 import pytest
 
-from pdserve.planner.decision import LOCAL, REMOTE, Situation, decide
+from pdserve.perf.cost_model import StepShape
+from pdserve.planner.decision import (
+    ITL_HEADROOM,
+    LOCAL,
+    MIN_SLO_CHUNK_TOKENS,
+    REMOTE,
+    Situation,
+    decide,
+)
 from pdserve.planner.model import OnlineCostModel
 from tests.planner.conftest import rows
 
@@ -29,6 +37,9 @@ BUSY = Situation(
     kv_bytes_per_token=9216.0,
     chunk_tokens=512,
 )
+
+
+ONE_THREAD_SPLIT = dataclasses.replace(BUSY, decode_threads_split=1, prefill_threads=7)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +72,12 @@ TABLE = [
     # TTFT: local's whole pool)
     (case(), None, 1e-4, REMOTE, "least_violation"),
     (case(), 0.01, 1.0, LOCAL, "least_violation"),
+    # the decode worker's split share (one thread) cannot hold the ITL: local in SLO-sized
+    # chunks on every thread does, within the TTFT target or least over it
+    (ONE_THREAD_SPLIT, 10.0, 0.02, LOCAL, "slo_chunk"),
+    (ONE_THREAD_SPLIT, 0.5, 0.02, LOCAL, "slo_chunk_least_violation"),
+    # no chunk of MIN_SLO_CHUNK_TOKENS holds a 5 ms step: back to local or remote
+    (ONE_THREAD_SPLIT, 0.5, 0.005, REMOTE, "least_violation"),
 ]
 
 
@@ -113,3 +130,35 @@ def test_a_fit_that_prices_decode_steps_at_nothing_falls_back_instead_of_dividin
     assert (d.kind, d.reason) == (REMOTE, "fallback_long")  # 4,096 uncached tokens
     zero_budget = decide(case(), model, 0.0, 0.0, 256)  # nothing meets a zero budget
     assert zero_budget.reason == "least_violation"
+
+
+def test_the_slo_chunk_is_the_largest_whose_step_fits_the_itl_headroom(model):
+    d = decide(ONE_THREAD_SPLIT, model, 10.0, 0.02, 256)
+    chunk, p = d.prefill_chunk_tokens, d.predictions
+    assert chunk == p["slo_chunk_tokens"] and MIN_SLO_CHUNK_TOKENS <= chunk < 512
+
+    def last_step(n: int) -> float:  # the prompt's last chunk: the most attention
+        s = ONE_THREAD_SPLIT
+        pairs = n * (s.num_prompt_tokens - n + (n + 1) / 2)
+        shape = StepShape(n, s.num_decodes, pairs, s.decode_context_tokens)
+        return model.step_s("decode", s.decode_threads_local, shape)
+
+    assert last_step(chunk) <= ITL_HEADROOM * 0.02 < last_step(chunk + 1)
+    assert ITL_HEADROOM * 0.02 * 0.9 < p["itl_slo_chunk_s"] <= last_step(chunk)
+    # more, smaller steps: the prompt waits longer than in full chunks
+    assert p["ttft_slo_chunk_s"] > p["ttft_local_s"]
+    looser = decide(ONE_THREAD_SPLIT, model, 10.0, 0.04, 256)
+    assert looser.prefill_chunk_tokens > chunk
+
+
+def test_no_slo_chunk_without_an_itl_target_or_where_full_chunks_fit(model):
+    assert decide(ONE_THREAD_SPLIT, model, 10.0, None, 256).prefill_chunk_tokens is None
+    fits = decide(case(num_prompt_tokens=64), model, None, 0.02, 256)
+    assert "slo_chunk_tokens" not in fits.predictions and fits.prefill_chunk_tokens is None
+
+
+def test_a_queue_on_the_decode_worker_delays_the_slo_chunked_prompt(model):
+    base = decide(ONE_THREAD_SPLIT, model, 10.0, 0.02, 256).predictions
+    queued = dataclasses.replace(ONE_THREAD_SPLIT, decode_queue_tokens=1024)
+    p = decide(queued, model, 10.0, 0.02, 256).predictions
+    assert p["ttft_slo_chunk_s"] > base["ttft_slo_chunk_s"] + 0.1

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import requests
 
+from pdserve.planner import planner as planner_module
 from pdserve.planner.config import AdaptiveConfig
+from pdserve.planner.decision import LOCAL, Decision
 from tests.router.conftest import OUTPUT_TEXT
 from tests.router.harness import Cluster
 
@@ -90,6 +92,38 @@ def test_remote_waits_for_cores_local_stays_and_cores_merge_back(tokenizer_dir, 
             "idle_decode", "fallback_long", "fallback_short",
         ]  # fmt: skip
         assert status["num_core_switches"] >= 3  # split, and merged back
+
+
+def test_an_slo_sized_chunk_travels_with_the_local_prefill(tokenizer_dir, script, monkeypatch):
+    # The decision itself is tests/planner/test_decision.py's; here, what the driver does
+    # with one: Generate carries the chunk to the decode worker, /metrics counts the reason.
+    real = planner_module.decide
+
+    def slo_chunk(situation, *args):
+        d = real(situation, *args)
+        if situation.num_decodes == 0:
+            return d
+        return Decision(LOCAL, "slo_chunk", num_prefill_tokens=200, prefill_chunk_tokens=32)
+
+    monkeypatch.setattr(planner_module, "decide", slo_chunk)
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
+                 d1={"step_s": 0.05}) as c:  # fmt: skip
+        plane = c.app_state.plane
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(post, c, "Hi", 20)
+            c.wait_until(lambda: (s := plane.workers["d1"].stats) and s.num_running >= 1)
+            chunked = post(c, LONG, 5)
+            assert running.result().status_code == 200
+        assert chunked.json()["choices"][0]["text"] == OUTPUT_TEXT[:5]
+        generates = [m for m in c.workers["d1"].received if type(m).__name__ == "Generate"]
+        assert [m.prefill_chunk_tokens for m in generates] == [None, 32]
+        assert kinds_for(c, "p0") == []
+        assert decisions(c) == {
+            'kind="local",reason="idle_decode"': 1.0,
+            'kind="local",reason="slo_chunk"': 1.0,
+        }
+        recent = requests.get(f"{c.url}/v1/status", timeout=10).json()["planner"]
+        assert [d["prefill_chunk_tokens"] for d in recent["recent_decisions"]] == [None, 32]
 
 
 def test_every_request_finishes_while_cores_and_roles_move(tokenizer_dir, script):
