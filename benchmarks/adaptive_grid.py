@@ -8,8 +8,17 @@ stall budget (p99 ITL at most 2x collocated's unloaded TPOT), where a fourth dep
 `adaptive-slo`, is the adaptive one told those targets (`adaptive.slo_ttft_ms`,
 `adaptive.slo_itl_ms`); in the grid the planner is given none.
 
+The interference cell's TTFT target (`--ttft-slo`, one number for every deployment and the
+one `adaptive-slo` is told): `calibration`, 5x collocated's unloaded p50 TTFT of three prompts
+drawn from the cell's own distribution (mostly short: its median is 384 tokens, so prompts
+near the 2,048 cap miss it on every deployment, loaded or not); `longest-prompt`, 5x
+collocated's unloaded p50 TTFT of prompts at the cap, which every prompt of the cell meets on
+an unloaded collocated worker.
+
     PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --output grid.json
     PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --lengths 128 --fractions 0.5
+    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --lengths "" --ttft-slo \
+        longest-prompt --num-requests 16 --capacity-requests 10     # the interference cell
 
 Each cell's full `bench compare` output goes to the JSON; the table printed at the end is what
 BENCHMARKS.md quotes.
@@ -25,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 DEPLOYMENTS = ("collocated=collocated", "1p1d=1p1d", "adaptive=adaptive")
+INTERFERENCE_MAX_INPUT = 2048
+INTERFERENCE_INPUT = f"lognormal:384:1.0:{INTERFERENCE_MAX_INPUT}"
 
 
 def compare(flags: list[str], deployments: tuple[str, ...]) -> dict:
@@ -50,6 +61,13 @@ def collocated_capacity(shape: list[str], num_requests: int) -> float:
     return probe["collocated"]["summary"]["request_throughput"]
 
 
+def unloaded_slos(shape: list[str]) -> tuple[float, float]:
+    """(TTFT, TPOT) SLOs in ms: 5x collocated's unloaded p50 of `shape`'s prompts."""
+    flags = [*shape, "--num-requests", "1", "--calibration-requests", "3"]
+    calibration = compare(flags, ("collocated=collocated",))["collocated"]
+    return calibration["slo_ttft_ms"], calibration["slo_tpot_ms"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="128,512,2048", help="mean input lengths")
@@ -63,6 +81,13 @@ def main() -> None:
         type=float,
         default=2.0,
         help="interference cell: p99 ITL SLO = this x collocated's unloaded TPOT",
+    )
+    p.add_argument(
+        "--ttft-slo",
+        choices=("calibration", "longest-prompt"),
+        default="calibration",
+        help="interference cell: TTFT SLO = 5x collocated's unloaded p50 TTFT of prompts from "
+        "the cell's distribution (calibration) or of prompts at its cap (longest-prompt)",
     )
     p.add_argument("--output", default="adaptive_grid.json")
     args = p.parse_args()
@@ -88,14 +113,15 @@ def main() -> None:
             )
             Path(args.output).write_text(json.dumps(results, indent=1))
     if args.interference:
-        shape = workload("lognormal:384:1.0:2048", "lognormal:128:0.3", seed=7)
+        shape = workload(INTERFERENCE_INPUT, "lognormal:128:0.3", seed=7)
         rate = 0.7 * collocated_capacity(shape, args.capacity_requests)
         # SLOs from collocated unloaded (bench compare's calibration: 5x p50 TTFT and TPOT),
         # plus the stall budget: p99 ITL at most 2x the unloaded TPOT. The adaptive
         # deployment is told the same targets, as an operator would.
-        calibration = compare([*shape, "--num-requests", "1", "--calibration-requests", "3"],
-                              ("collocated=collocated",))["collocated"]  # fmt: skip
-        ttft_ms, tpot_ms = calibration["slo_ttft_ms"], calibration["slo_tpot_ms"]
+        ttft_ms, tpot_ms = unloaded_slos(shape)
+        if args.ttft_slo == "longest-prompt":
+            longest = workload(str(INTERFERENCE_MAX_INPUT), "lognormal:128:0.3", seed=7)
+            ttft_ms = unloaded_slos(longest)[0]
         itl_ms = args.itl_multiplier * tpot_ms / 5
         with tempfile.TemporaryDirectory() as tmp:
             config = Path(tmp) / "adaptive-slo.yaml"
@@ -107,7 +133,12 @@ def main() -> None:
                  f"{tpot_ms:.1f}", "--slo-itl-ms", f"{itl_ms:.1f}"],
                 (*DEPLOYMENTS, f"adaptive-slo={config}"),
             )  # fmt: skip
-        results["interference"] = {"rate_rps": rate, "rows": rows}
+        results["interference"] = {
+            "rate_rps": rate,
+            "ttft_slo": args.ttft_slo,
+            "slo_ms": {"ttft": ttft_ms, "tpot": tpot_ms, "p99_itl": itl_ms},
+            "rows": rows,
+        }
     Path(args.output).write_text(json.dumps(results, indent=1))
     print_table(results)
 
@@ -118,6 +149,10 @@ def print_table(results: dict) -> None:
     cells = [*results["cells"]]
     if results["interference"]:
         cells.append({"input_len": "mixed", "fraction": 0.7, **results["interference"]})
+    if results["interference"]:
+        cell, slo = results["interference"], results["interference"]["slo_ms"]
+        print(f"interference SLOs ({cell['ttft_slo']}): TTFT {slo['ttft']:.1f} ms, TPOT "
+              f"{slo['tpot']:.1f} ms, p99 ITL {slo['p99_itl']:.1f} ms")  # fmt: skip
     for cell in cells:
         base = cell["rows"]["collocated"]["goodput"]
         line = f"{cell['input_len']:>6} {cell['fraction']:>5.0%} {cell['rate_rps']:>7.3f}  "

@@ -288,7 +288,7 @@ class Planner:
 
     def _record(self, key: str, d: Decision) -> None:
         self.decision_counts[(d.kind, d.reason)] += 1
-        if d.kind == REMOTE or d.reason == "least_violation":
+        if d.kind == REMOTE or d.reason.endswith("least_violation"):
             self.roles.add_demand(self.clock(), d.num_prefill_tokens)
         if self.metrics is not None:
             self.metrics.decision(d.kind, d.reason)

@@ -79,6 +79,7 @@ class AdaptiveSimulation(Simulation):
         if decision.kind == LOCAL:
             decode.num_active_requests += 1
             flight.decode, flight.decode_worker = self._request(flight), decode
+            flight.decode.prefill_chunk_tokens = decision.prefill_chunk_tokens
             decode.scheduler.add_request(flight.decode)
         else:
             super()._admit_disaggregated(flight)
