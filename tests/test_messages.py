@@ -74,6 +74,7 @@ def envelope(name, fields, session=b"s" * 8, seq=0, sent=None):
         ),  # fmt: skip
         Shutdown(),
         Generate("warm-1", [1, 2, 3], {"max_tokens": 1}, pin=False),
+        Generate("chunked", [1, 2, 3], {"max_tokens": 1}, prefill_chunk_tokens=32),
         Unpin("warm-2", [1, 2, 3]),
         Unpinned("w0", "warm-2", 3, 0, 0),
         Hello(),

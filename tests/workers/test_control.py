@@ -117,6 +117,17 @@ def test_a_replayed_request_is_not_run_again(worker):
     assert [x.request_id for x in runs if getattr(x, "finished", True)] == ["r1", "r2"]
 
 
+@pytest.mark.parametrize("worker", ["decode"], indirect=True)
+def test_generate_carries_the_planners_chunk_to_the_request(worker):
+    w, router = worker
+    router.expect(m.Ready)
+    router.send(m.Generate("bad", [5, 6, 7], {"max_tokens": 2}, prefill_chunk_tokens=0))
+    assert "prefill_chunk_tokens" in router.expect(m.Rejected).reason
+    router.send(m.Generate("c1", list(range(3, 40)), LONG, prefill_chunk_tokens=4))
+    router.expect(m.Tokens, where=lambda t: t.request_id == "c1")
+    assert w.engine.scheduler.requests["c1"].prefill_chunk_tokens == 4
+
+
 @pytest.mark.parametrize("worker", ["collocated"], indirect=True)
 def test_frames_over_the_bound_are_refused_and_a_whole_context_fits(worker):
     w, router = worker
