@@ -47,9 +47,10 @@ ITL_HEADROOM = 0.75  # a decode group is sized for this share of the ITL budget
 # Default TTFT budget: 3x what collocated would give the request now (its queue and prompt,
 # with the running decodes, on every core); a remote prefill on half a pool takes ~2x.
 TTFT_BUDGET_FACTOR = 3.0
-# Below this an SLO-sized chunk is no candidate: a step's fixed cost would dwarf its prompt
-# tokens (and a one-token chunk is a decode-sized row the scheduler does not cap).
-MIN_SLO_CHUNK_TOKENS = 8
+# The smallest SLO-sized chunk: a one-token row is decode-sized and the scheduler does not
+# cap it. Small chunks are not refused here: their TTFT (a step's fixed cost per few prompt
+# tokens) is predicted and weighed like any other.
+MIN_SLO_CHUNK_TOKENS = 2
 
 
 @dataclass(frozen=True)

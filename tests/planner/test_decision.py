@@ -155,6 +155,8 @@ def test_no_slo_chunk_without_an_itl_target_or_where_full_chunks_fit(model):
     assert decide(ONE_THREAD_SPLIT, model, 10.0, None, 256).prefill_chunk_tokens is None
     fits = decide(case(num_prompt_tokens=64), model, None, 0.02, 256)
     assert "slo_chunk_tokens" not in fits.predictions and fits.prefill_chunk_tokens is None
+    decode_alone_too_long = decide(ONE_THREAD_SPLIT, model, 0.5, 0.005, 256)
+    assert "slo_chunk_tokens" not in decode_alone_too_long.predictions
 
 
 def test_a_queue_on_the_decode_worker_delays_the_slo_chunked_prompt(model):
