@@ -3,10 +3,11 @@
 The router keeps a ring buffer of per-interval points (`History`), one every `interval_s`,
 at most `num_points` of them, so its memory is bounded whatever the uptime. A point holds
 what happened during its interval: latency percentiles of the requests that finished in it,
-requests and tokens per second, each worker's queue and KV blocks in use, prefix-cache hits
-and lookups per tier, KV transfer bytes per second and the mean TTFT parts. Worker counters
-are cumulative (Stats), so a point holds their difference from the previous point; a worker
-that restarted (its counter went down) counts from zero.
+requests and tokens per second, each worker's queue, KV blocks in use and threads (what the
+adaptive planner gave it), prefix-cache hits and lookups per tier, KV transfer bytes per
+second and the mean TTFT parts. Worker counters are cumulative (Stats), so a point holds
+their difference from the previous point; a worker that restarted (its counter went down)
+counts from zero.
 
 `GET /v1/status?since=T` returns the points after time T only, so a page that polls once per
 interval receives one point per poll. The JSON's top-level keys are sections; a later one
@@ -120,6 +121,7 @@ class History:
                         "num_waiting": row["num_waiting"],
                         "num_running": row["num_running"],
                         "kv_blocks_used": row["num_total_blocks"] - row["num_free_blocks"],
+                        "threads": row["threads"],
                     }
                     for row in rows
                 },

@@ -2,7 +2,8 @@
 opens the page of a live 1P1D cluster under load, driven over the Chrome DevTools Protocol
 with aiohttp's websocket client. The rendered page must list every worker with its role, draw
 charts with data points, and log no console error; the screenshot is saved (to docs/img with
-PDSERVE_UPDATE_SCREENSHOT=1, which is how the one in docs/observability.md was made)."""
+PDSERVE_UPDATE_SCREENSHOT=1, which is how the one in docs/observability.md was made). An
+adaptive cluster's page adds the planner's panel: core groups, decisions, threads chart."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.cluster.conftest import post, role, start
+from pdserve.cluster.config import Role
+from pdserve.planner.config import AdaptiveConfig
+from tests.cluster.conftest import KV_BYTES, post, role, start
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DOCS_SCREENSHOT = Path(__file__).parents[2] / "docs" / "img" / "dashboard.png"
@@ -77,10 +80,20 @@ _RENDERED = """({
   charts: Object.fromEntries(Object.entries(charts).map(([key, c]) => [key,
       c.plot.data.slice(1).map(s => s.filter(v => v !== null).length)])),
   canvases: document.querySelectorAll('.chart canvas').length,
+  planner: document.getElementById('planner').hidden ? null : {
+    summary: document.getElementById('planner-summary').textContent,
+    groups: [...document.querySelectorAll('#core-groups tbody tr')].map(
+        tr => [...tr.children].map(td => td.textContent)),
+    counts: document.querySelectorAll('#decision-counts tbody tr').length,
+    decisions: [...document.querySelectorAll('#decisions tbody tr')].map(
+        tr => [...tr.children].map(td => td.textContent)),
+  },
 })"""
 
 
-async def open_dashboard(url: str, screenshot: Path, timeout_s: float = 60) -> dict[str, Any]:
+async def open_dashboard(
+    url: str, screenshot: Path, charts: set[str], timeout_s: float = 60
+) -> dict[str, Any]:
     profile = tempfile.mkdtemp(prefix="pdserve-chromium-")
     browser = subprocess.Popen(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-port=0",
@@ -110,7 +123,7 @@ async def open_dashboard(url: str, screenshot: Path, timeout_s: float = 60) -> d
                     shown = await page.evaluate("typeof charts === 'object' && " + _RENDERED)
                     series = (shown or {}).get("charts", {})
                     drawn = {k for k, counts in series.items() if counts and max(counts) >= 3}
-                    if {"ttft", "tpot", "rate", "kv", "transfer"} <= drawn:
+                    if charts <= drawn:
                         break
                     if time.monotonic() > deadline:
                         break
@@ -141,7 +154,8 @@ def test_dashboard_renders_a_live_cluster(tiny_served_model: Path, tmp_path: Pat
         try:
             shot = DOCS_SCREENSHOT if os.environ.get("PDSERVE_UPDATE_SCREENSHOT") else None
             screenshot = shot or tmp_path / "dashboard.png"
-            shown = asyncio.run(open_dashboard(url, screenshot))
+            charts = {"ttft", "tpot", "rate", "kv", "transfer"}
+            shown = asyncio.run(open_dashboard(url, screenshot, charts))
         finally:
             stop.set()
             for client in clients:
@@ -151,4 +165,36 @@ def test_dashboard_renders_a_live_cluster(tiny_served_model: Path, tmp_path: Pat
     for chart in ("ttft", "tpot", "itl", "rate", "queue", "kv", "transfer"):
         assert max(shown["charts"][chart]) >= 3, (chart, shown["charts"])
     assert shown["canvases"] >= len(shown["charts"])
+    assert shown["planner"] is None and "cores" not in shown["charts"]
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dashboard_draws_the_adaptive_planner(tiny_served_model: Path, tmp_path: Path) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("an adaptive deployment needs two cores")
+    model = str(tiny_served_model)
+    # A target no local prefill meets: the planner sends prefills remote and moves cores.
+    adaptive = AdaptiveConfig(enabled=True, slo_itl_ms=0.001)
+    with start(tiny_served_model, adaptive=adaptive, workers=Role(kv_cache_bytes=KV_BYTES)) as url:
+        stop = threading.Event()
+        clients = [threading.Thread(target=load, args=(url, model, stop)) for _ in range(3)]
+        for client in clients:
+            client.start()
+        try:
+            charts = {"ttft", "rate", "cores"}
+            shown = asyncio.run(open_dashboard(url, tmp_path / "adaptive.png", charts))
+        finally:
+            stop.set()
+            for client in clients:
+                client.join(60)
+    assert shown["errors"] == []
+    planner = shown["planner"]
+    assert planner["summary"].startswith("split 1 prefill : 1 decode"), planner
+    assert sorted(g[1:3] for g in planner["groups"]) == [
+        ["worker-0", "prefill"], ["worker-1", "decode"]
+    ]  # fmt: skip
+    assert sum(int(g[4]) for g in planner["groups"]) <= len(os.sched_getaffinity(0))
+    assert planner["counts"] >= 1 and planner["decisions"], planner
+    assert {d[2] for d in planner["decisions"]} <= {"local", "remote"}
+    assert all(d[3] for d in planner["decisions"])  # every decision shows its reason
+    assert max(shown["charts"]["cores"]) >= 3, shown["charts"]

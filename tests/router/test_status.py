@@ -18,7 +18,7 @@ from tests.router.harness import Cluster
 
 def row(worker: str, sent: int, hits: int, lookups: int, free: int = 60) -> dict:
     return {"worker": worker, "kv_bytes_sent": sent, "num_waiting": 1, "num_running": 2,
-            "num_free_blocks": free, "num_total_blocks": 64,
+            "num_free_blocks": free, "num_total_blocks": 64, "threads": 2,
             "kv_tiers": {"L1": {"hits": hits, "lookups": lookups}}}  # fmt: skip
 
 
@@ -36,7 +36,9 @@ def test_history_points_hold_interval_differences_and_stay_bounded():
     point = h.points[-1]
     assert point["transfer_bytes_per_s"] == 2000
     assert point["cache"] == {"L1": {"hits": 4, "lookups": 10}}
-    assert point["workers"]["p0"] == {"num_waiting": 1, "num_running": 2, "kv_blocks_used": 14}
+    assert point["workers"]["p0"] == {
+        "num_waiting": 1, "num_running": 2, "kv_blocks_used": 14, "threads": 2
+    }  # fmt: skip
     assert point["ttft_s"] == [0.2, 0.3, 0.3] and point["tpot_s"] is None
     assert point["requests_per_s"] == 3 and point["output_tokens_per_s"] == 30
     assert point["ttft_parts_s"] == {"queued": pytest.approx(0.02)}

@@ -1,5 +1,6 @@
 // The /dashboard page: polls /v1/status once per interval for the points it has not seen,
-// keeps the last MAX_POINTS of them and redraws the worker table and the charts.
+// keeps the last MAX_POINTS of them and redraws the worker table and the charts, and the
+// adaptive planner's panel when the status has a `planner` section.
 "use strict";
 
 const MAX_POINTS = 600;
@@ -26,6 +27,12 @@ const CHARTS = [
   ["transfer", "KV transfer", "bytes/s", (p) => ({ "sent": p.transfer_bytes_per_s })],
   ["parts", "TTFT breakdown (mean per interval)", "s", (p) => p.ttft_parts_s],
 ];
+// Drawn only for an adaptive deployment: elsewhere a worker's threads never change.
+const PLANNER_CHARTS = [
+  ["cores", "Threads per worker (core groups)", "threads",
+    (p) => mapValues(p.workers, (w) => w.threads)],
+];
+const NUM_DECISIONS = 12;
 
 function pct(values) {
   const out = {};
@@ -84,6 +91,49 @@ function renderWorkers(status) {
     health, ` · ${status.num_pending} in flight · finished: ${done || "none"}`);
 }
 
+function row(...cells) {
+  const tr = document.createElement("tr");
+  tr.append(...cells);
+  return tr;
+}
+
+function renderPlanner(planner, workers) {
+  const panel = document.getElementById("planner");
+  panel.hidden = !planner;
+  if (!planner) return;
+  const round = (v) => (v ? `${v.num}, mean ${(1000 * v.mean).toFixed(0)} ms` : "none");
+  document.getElementById("planner-summary").textContent =
+    `split ${planner.split.prefill} prefill : ${planner.split.decode} decode · ` +
+    `core switches ${planner.num_core_switches} (round trip ${round(planner.core_switch_round_trip_s)})` +
+    ` · role switches ${planner.num_role_switches} · prefill asked ` +
+    `${Math.round(planner.prefill_demand_tokens_per_s)} tokens/s`;
+  const roles = Object.fromEntries(workers.map((w) => [w.worker, w.role]));
+  const groups = document.querySelector("#core-groups tbody");
+  groups.replaceChildren();
+  planner.core_groups.forEach((g, i) => {
+    for (const [worker, c] of Object.entries(g.workers)) {
+      const tr = row(cell(`${i}: ${g.pool.join(",")}`, "l"), cell(worker, "l"),
+        cell(roles[worker] || "", "l"), cell(c.cpus ? c.cpus.join(",") || "parked" : "?", "l"),
+        cell(c.threads ?? "?"), cell(c.target_threads ?? "–"),
+        cell(c.pending ? c.pending.join(",") || "park" : "", "l"));
+      tr.dataset.worker = worker;
+      groups.append(tr);
+    }
+  });
+  const counts = document.querySelector("#decision-counts tbody");
+  counts.replaceChildren(...Object.entries(planner.decisions).map(([key, n]) => {
+    const [kind, reason] = key.split("/");
+    return row(cell(kind, "l"), cell(reason, "l"), cell(n));
+  }));
+  const recent = document.querySelector("#decisions tbody");
+  recent.replaceChildren(...planner.recent_decisions.slice(-NUM_DECISIONS).reverse().map((d) => {
+    const predicted = Object.entries(d.predictions).map(([k, v]) => `${k} ${v}`).join(", ");
+    return row(cell(new Date(d.t * 1000).toLocaleTimeString(), "l"), cell(d.request, "l"),
+      cell(d.kind, "l"), cell(d.reason, "l"), cell(d.kind === "remote" ? d.prefill : d.decode, "l"),
+      cell(d.num_prefill_tokens), cell(predicted, "l"));
+  }));
+}
+
 function seriesNames(extract) {
   const names = [];
   for (const p of points) {
@@ -135,7 +185,9 @@ async function poll() {
   points.splice(0, Math.max(0, points.length - MAX_POINTS));
   if (points.length) lastT = points[points.length - 1].t;
   renderWorkers(status);
-  for (const [key, title, unit, extract] of CHARTS) drawChart(key, title, unit, extract);
+  renderPlanner(status.planner, status.workers);
+  const shown = status.planner ? CHARTS.concat(PLANNER_CHARTS) : CHARTS;
+  for (const [key, title, unit, extract] of shown) drawChart(key, title, unit, extract);
   return status.interval_s;
 }
 
