@@ -1,0 +1,235 @@
+"""Issue 14's step change: chat -> summarization -> chat against one adaptive deployment.
+
+One adaptive cluster (`pdserve up --adaptive`'s pipeline, `pipeline_for("adaptive")`) takes
+three phases of `pdserve bench` load back to back, each `--phase-seconds` long: chat-shaped
+prompts, then summarization-shaped ones, then chat again (the presets' length shapes,
+Poisson arrivals). Each phase is its own `bench` run started at its phase's time, so the
+previous phase's requests still in flight overlap the change as they would in service. A
+poller reads `/v1/status` every `--poll-s` for each worker's role, the planner's core-group
+targets and acknowledged threads, its switch counters and its decisions by reason.
+
+Printed per phase: requests sent / finished / failed, the longest gap between two tokens of
+any request (a stall), TTFT and TPOT p50/p90, the changes of the split seen in the phase
+(target core groups per worker, roles), the settle time (phase start to the last change in
+the phase, in planner intervals), and flip-backs (a change that returns the split to what it
+was two changes before, within the phase). The issue asks: settle within two intervals, no
+flip-back, no failed or stalled request. Changes faster than `--poll-s` are not seen by the
+poller; the planner's acknowledged core switches (`num_core_switches`) count them all.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --output step.json
+    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --slo-itl-ms 60  # split for stalls
+    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --workers 3 --cpus 0-3
+
+Role changes need three or more workers, so a pool of three or more cores (`--cpus`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from pdserve.bench.app import build_plan, execute
+from pdserve.bench.cli import add_bench_arguments
+from pdserve.bench.metrics import OK
+from pdserve.bench.workloads import PRESETS
+from pdserve.cluster.config import Role
+from pdserve.cluster.deployments import pipeline_for
+from pdserve.cluster.launcher import Cluster
+from pdserve.config import EngineConfig
+from pdserve.planner.config import AdaptiveConfig
+
+PHASES = ("chat", "summarization", "chat")
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """'0-3,6' -> (0, 1, 2, 3, 6)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus += range(int(lo), int(hi or lo) + 1)
+    return tuple(cpus)
+
+
+def phase_plan(args: argparse.Namespace, index: int, url: str):
+    """The `bench` plan of phase `index`: its preset's shapes, its rate, `--phase-seconds`."""
+    preset = PHASES[index]
+    rate = args.chat_rate if preset == "chat" else args.summarization_rate
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    flags = ["--url", url, "--model", args.model, "--tokenizer", args.model, "--preset", preset,
+             "--arrival", "poisson", "--rate", str(rate), "--duration-s", str(args.phase_seconds),
+             "--num-requests", str(int(3 * rate * args.phase_seconds) + 10),
+             "--seed", str(args.seed + index), "--no-progress"]  # fmt: skip
+    if args.max_output_len:
+        output = PRESETS[preset][1].split(":")
+        flags += ["--output-len", ":".join([*output[:3], str(args.max_output_len)])]
+    return build_plan(parser.parse_args(flags))
+
+
+class Poller(threading.Thread):
+    """Samples /v1/status every `every_s` until `stop` is set."""
+
+    def __init__(self, url: str, every_s: float, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.url, self.every_s, self.t0 = url, every_s, t0
+        self.samples: list[dict[str, Any]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            try:
+                status = requests.get(f"{self.url}/v1/status?since=1e18", timeout=5).json()
+            except (requests.RequestException, ValueError):
+                continue
+            planner = status.get("planner") or {}
+            targets = {w: c["target_threads"] for g in planner.get("core_groups", [])
+                       for w, c in g["workers"].items()}  # fmt: skip
+            self.samples.append({
+                "t": time.monotonic() - self.t0,
+                "roles": {w["worker"]: w["role"] for w in status["workers"]},
+                "threads": {w["worker"]: w["threads"] for w in status["workers"]},
+                "targets": targets,
+                "num_core_switches": planner.get("num_core_switches", 0),
+                "num_role_switches": planner.get("num_role_switches", 0),
+                "decisions": planner.get("decisions", {}),
+            })  # fmt: skip
+
+
+def split_of(sample: dict[str, Any]) -> tuple:
+    """What a change of the split changes: each worker's role and target threads."""
+    return tuple((w, sample["roles"][w], sample["targets"].get(w)) for w in sorted(sample["roles"]))
+
+
+def phase_changes(samples: list[dict[str, Any]], start: float, end: float) -> dict[str, Any]:
+    """The split's changes in [start, end): counts, settle time and flip-backs."""
+    before = [s for s in samples if s["t"] < start]
+    inside = [s for s in samples if start <= s["t"] < end]
+    if not inside:
+        return {}
+    first = before[-1] if before else inside[0]
+    splits, times, num_core, num_role = [split_of(first)], [], 0, 0
+    prev = first
+    for s in inside:
+        if split_of(s) != splits[-1]:
+            num_role += s["roles"] != prev["roles"]
+            num_core += s["targets"] != prev["targets"]
+            splits.append(split_of(s))
+            times.append(s["t"])
+        prev = s
+    last = inside[-1]
+    decisions = {k: n - first["decisions"].get(k, 0) for k, n in last["decisions"].items()}
+    return {
+        "num_core_group_changes": num_core,
+        "num_role_changes": num_role,
+        "change_times_s": [round(t - start, 2) for t in times],
+        "settle_s": (times[-1] - start) if times else 0.0,
+        "num_flip_backs": sum(splits[k] == splits[k - 2] for k in range(2, len(splits))),
+        "num_core_switches_acked": last["num_core_switches"] - first["num_core_switches"],
+        "num_role_switches": last["num_role_switches"] - first["num_role_switches"],
+        "decisions": {k: n for k, n in decisions.items() if n},
+        "splits": [list(x) for x in splits],
+    }
+
+
+def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dict]]:
+    plans = [phase_plan(args, i, url) for i in range(len(PHASES))]
+    t0 = time.monotonic()
+    poller = Poller(url, args.poll_s, t0)
+    poller.start()
+    results: list[Any] = [None] * len(PHASES)
+
+    def phase(i: int) -> None:
+        time.sleep(max(0.0, t0 + i * args.phase_seconds - time.monotonic()))
+        results[i] = execute(plans[i])
+
+    threads = [threading.Thread(target=phase, args=(i,)) for i in range(len(PHASES))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(2 * args.poll_s)
+    poller.stop.set()
+    poller.join()
+    rows = []
+    for i, (document, result) in enumerate(results):
+        summary = document["summary"]
+        gaps = [g for r in result.records if r.ok for g in r.itl_s]
+        start = i * args.phase_seconds
+        end = (i + 1) * args.phase_seconds if i + 1 < len(PHASES) else float("inf")
+        rows.append({
+            "phase": PHASES[i],
+            "num_sent": len(result.records),
+            "num_finished": sum(r.status == OK for r in result.records),
+            "num_failed": sum(r.status != OK for r in result.records),
+            "errors": sorted({r.error for r in result.records if r.error})[:5],
+            "max_gap_s": max(gaps, default=None),
+            "ttft_ms": summary["ttft_ms"],
+            "tpot_ms": summary["tpot_ms"],
+            **phase_changes(poller.samples, start, end),
+        })  # fmt: skip
+    return rows, poller.samples
+
+
+def _ms(stats: dict, key: str) -> str:
+    value = stats.get(key)
+    return f"{value:.0f}" if isinstance(value, (int, float)) else "-"
+
+
+def print_table(rows: list[dict], interval_s: float) -> None:
+    print(f"{'phase':<14}{'sent':>5}{'done':>5}{'fail':>5}{'max gap s':>10}{'TTFT p50/p90 ms':>17}"
+          f"{'TPOT p50/p90 ms':>17}{'core chg':>9}{'role chg':>9}{'settle (int.)':>14}"
+          f"{'flip-back':>10}{'acked':>6}")  # fmt: skip
+    for r in rows:
+        gap = f"{r['max_gap_s']:.3f}" if r["max_gap_s"] is not None else "-"
+        ttft = f"{_ms(r['ttft_ms'], 'p50')}/{_ms(r['ttft_ms'], 'p90')}"
+        tpot = f"{_ms(r['tpot_ms'], 'p50')}/{_ms(r['tpot_ms'], 'p90')}"
+        settle = f"{r.get('settle_s', 0) / interval_s:.1f}"
+        print(f"{r['phase']:<14}{r['num_sent']:>5}{r['num_finished']:>5}{r['num_failed']:>5}"
+              f"{gap:>10}{ttft:>17}{tpot:>17}{r.get('num_core_group_changes', 0):>9}"
+              f"{r.get('num_role_changes', 0):>9}{settle:>14}{r.get('num_flip_backs', 0):>10}"
+              f"{r.get('num_core_switches_acked', 0):>6}")  # fmt: skip
+    for r in rows:
+        changes, decisions = r.get("change_times_s"), r.get("decisions")
+        print(f"{r['phase']}: changes at {changes} s into the phase; decisions {decisions}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=EngineConfig.model)
+    p.add_argument("--phase-seconds", type=float, default=120.0)
+    p.add_argument("--chat-rate", type=float, default=1.0, help="chat requests/s")
+    p.add_argument("--summarization-rate", type=float, default=0.25, help="requests/s")
+    p.add_argument("--max-output-len", type=int, help="clip the presets' output lengths")
+    p.add_argument("--workers", type=int, default=AdaptiveConfig.workers)
+    p.add_argument("--cpus", type=parse_cpus, help="the pool, e.g. 0-3 (default: every core)")
+    p.add_argument("--slo-ttft-ms", type=float, help="the planner's TTFT target")
+    p.add_argument("--slo-itl-ms", type=float, help="the planner's ITL target")
+    p.add_argument("--interval-s", type=float, default=AdaptiveConfig.interval_s)
+    p.add_argument("--min-dwell-s", type=float, default=AdaptiveConfig.min_dwell_s)
+    p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="adaptive_step.json")
+    args = p.parse_args()
+    pipeline = pipeline_for("adaptive", args.model)
+    adaptive = AdaptiveConfig(
+        enabled=True, workers=args.workers, slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms, interval_s=args.interval_s, min_dwell_s=args.min_dwell_s,
+    )  # fmt: skip
+    workers = Role(cpus=args.cpus) if args.cpus else pipeline.workers
+    pipeline = dataclasses.replace(pipeline, adaptive=adaptive, workers=workers)
+    with Cluster(pipeline, log_level="WARNING") as url:
+        rows, samples = run_phases(args, url)
+    Path(args.output).write_text(json.dumps({"config": vars(args), "phases": rows,
+                                             "samples": samples}, indent=1))  # fmt: skip
+    print_table(rows, args.interval_s)
+
+
+if __name__ == "__main__":
+    main()
