@@ -8,13 +8,14 @@ previous phase's requests still in flight overlap the change as they would in se
 poller reads `/v1/status` every `--poll-s` for each worker's role, the planner's core-group
 targets and acknowledged threads, its switch counters and its decisions by reason.
 
-Printed per phase: requests sent / finished / failed, the longest gap between two tokens of
-any request (a stall), TTFT and TPOT p50/p90, the changes of the split seen in the phase
-(target core groups per worker, roles), the settle time (phase start to the last change in
-the phase, in planner intervals), and flip-backs (a change that returns the split to what it
-was two changes before, within the phase). The issue asks: settle within two intervals, no
-flip-back, no failed or stalled request. Changes faster than `--poll-s` are not seen by the
-poller; the planner's acknowledged core switches (`num_core_switches`) count them all.
+Printed per phase: requests sent / finished / rejected (429, 503) / failed, the longest gap
+between two tokens of any request (a stall), TTFT and TPOT p50/p90, the changes of the split
+seen in the phase (target core groups per worker, roles), the settle time (phase start to
+the last change in the phase, in planner intervals), and flip-backs (a change that returns
+the split to what it was two changes before, within the phase). The issue asks: settle
+within two intervals, no flip-back, no failed or stalled request. Changes faster than
+`--poll-s` are not seen by the poller; the planner's acknowledged core switches
+(`num_core_switches`) count them all.
 
     PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --output step.json
     PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --slo-itl-ms 60  # split for stalls
@@ -37,7 +38,7 @@ import requests
 
 from pdserve.bench.app import build_plan, execute
 from pdserve.bench.cli import add_bench_arguments
-from pdserve.bench.metrics import OK
+from pdserve.bench.metrics import OK, REJECTED
 from pdserve.bench.workloads import PRESETS
 from pdserve.cluster.config import Role
 from pdserve.cluster.deployments import pipeline_for
@@ -167,7 +168,8 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
             "phase": PHASES[i],
             "num_sent": len(result.records),
             "num_finished": sum(r.status == OK for r in result.records),
-            "num_failed": sum(r.status != OK for r in result.records),
+            "num_rejected": sum(r.status == REJECTED for r in result.records),
+            "num_failed": sum(r.status not in (OK, REJECTED) for r in result.records),
             "errors": sorted({r.error for r in result.records if r.error})[:5],
             "max_gap_s": max(gaps, default=None),
             "ttft_ms": summary["ttft_ms"],
@@ -183,15 +185,16 @@ def _ms(stats: dict, key: str) -> str:
 
 
 def print_table(rows: list[dict], interval_s: float) -> None:
-    print(f"{'phase':<14}{'sent':>5}{'done':>5}{'fail':>5}{'max gap s':>10}{'TTFT p50/p90 ms':>17}"
-          f"{'TPOT p50/p90 ms':>17}{'core chg':>9}{'role chg':>9}{'settle (int.)':>14}"
-          f"{'flip-back':>10}{'acked':>6}")  # fmt: skip
+    print(f"{'phase':<14}{'sent':>5}{'done':>5}{'rej':>5}{'fail':>5}{'max gap s':>10}"
+          f"{'TTFT p50/p90 ms':>17}{'TPOT p50/p90 ms':>17}{'core chg':>9}{'role chg':>9}"
+          f"{'settle (int.)':>14}{'flip-back':>10}{'acked':>6}")  # fmt: skip
     for r in rows:
         gap = f"{r['max_gap_s']:.3f}" if r["max_gap_s"] is not None else "-"
         ttft = f"{_ms(r['ttft_ms'], 'p50')}/{_ms(r['ttft_ms'], 'p90')}"
         tpot = f"{_ms(r['tpot_ms'], 'p50')}/{_ms(r['tpot_ms'], 'p90')}"
         settle = f"{r.get('settle_s', 0) / interval_s:.1f}"
-        print(f"{r['phase']:<14}{r['num_sent']:>5}{r['num_finished']:>5}{r['num_failed']:>5}"
+        print(f"{r['phase']:<14}{r['num_sent']:>5}{r['num_finished']:>5}{r['num_rejected']:>5}"
+              f"{r['num_failed']:>5}"
               f"{gap:>10}{ttft:>17}{tpot:>17}{r.get('num_core_group_changes', 0):>9}"
               f"{r.get('num_role_changes', 0):>9}{settle:>14}{r.get('num_flip_backs', 0):>10}"
               f"{r.get('num_core_switches_acked', 0):>6}")  # fmt: skip
