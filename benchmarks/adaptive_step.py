@@ -125,13 +125,17 @@ def phase_changes(samples: list[dict[str, Any]], start: float, end: float) -> di
             times.append(s["t"])
         prev = s
     last = inside[-1]
+    # A flip-back k undoes change k - 1, which stood from times[k - 2] to times[k - 1].
+    undone_after = [times[k - 1] - times[k - 2] for k in range(2, len(splits))
+                    if splits[k] == splits[k - 2]]  # fmt: skip
     decisions = {k: n - first["decisions"].get(k, 0) for k, n in last["decisions"].items()}
     return {
         "num_core_group_changes": num_core,
         "num_role_changes": num_role,
         "change_times_s": [round(t - start, 2) for t in times],
         "settle_s": (times[-1] - start) if times else 0.0,
-        "num_flip_backs": sum(splits[k] == splits[k - 2] for k in range(2, len(splits))),
+        "num_flip_backs": len(undone_after),
+        "min_undone_after_s": min(undone_after, default=None),
         "num_core_switches_acked": last["num_core_switches"] - first["num_core_switches"],
         "num_role_switches": last["num_role_switches"] - first["num_role_switches"],
         "decisions": {k: n for k, n in decisions.items() if n},
@@ -199,6 +203,8 @@ def print_table(rows: list[dict], interval_s: float) -> None:
               f"{r.get('num_role_changes', 0):>9}{settle:>14}{r.get('num_flip_backs', 0):>10}"
               f"{r.get('num_core_switches_acked', 0):>6}")  # fmt: skip
     for r in rows:
+        if r.get("num_flip_backs"):
+            print(f"{r['phase']}: a change undone after {r['min_undone_after_s']:.1f} s at least")
         changes, decisions = r.get("change_times_s"), r.get("decisions")
         print(f"{r['phase']}: changes at {changes} s into the phase; decisions {decisions}")
 
