@@ -165,7 +165,7 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
     rows = []
     for i, (document, result) in enumerate(results):
         summary = document["summary"]
-        gaps = [g for r in result.records if r.ok for g in r.itl_s]
+        gap, gap_end = longest_gap(result.records)
         start = i * args.phase_seconds
         end = (i + 1) * args.phase_seconds if i + 1 < len(PHASES) else float("inf")
         rows.append({
@@ -175,12 +175,28 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
             "num_rejected": sum(r.status == REJECTED for r in result.records),
             "num_failed": sum(r.status not in (OK, REJECTED) for r in result.records),
             "errors": sorted({r.error for r in result.records if r.error})[:5],
-            "max_gap_s": max(gaps, default=None),
+            "max_gap_s": gap,
+            "max_gap_end_s": gap_end,
             "ttft_ms": summary["ttft_ms"],
             "tpot_ms": summary["tpot_ms"],
             **phase_changes(poller.samples, start, end),
         })  # fmt: skip
     return rows, poller.samples
+
+
+def longest_gap(records: list) -> tuple[float | None, float | None]:
+    """The longest gap between two tokens of any finished request, and when it ended (s into
+    the phase), to set beside the split's change times."""
+    best: tuple[float | None, float | None] = (None, None)
+    for r in records:
+        if not r.ok or r.ttft_s is None:
+            continue
+        t = r.send_s + r.ttft_s
+        for g in r.itl_s:
+            t += g
+            if best[0] is None or g > best[0]:
+                best = (g, round(t, 2))
+    return best
 
 
 def _ms(stats: dict, key: str) -> str:
@@ -206,7 +222,8 @@ def print_table(rows: list[dict], interval_s: float) -> None:
         if r.get("num_flip_backs"):
             print(f"{r['phase']}: a change undone after {r['min_undone_after_s']:.1f} s at least")
         changes, decisions = r.get("change_times_s"), r.get("decisions")
-        print(f"{r['phase']}: changes at {changes} s into the phase; decisions {decisions}")
+        print(f"{r['phase']}: changes at {changes} s into the phase, longest gap ended at "
+              f"{r['max_gap_end_s']} s; decisions {decisions}")  # fmt: skip
 
 
 def main() -> None:
