@@ -113,8 +113,20 @@ def _block_floats(v: torch.Tensor, panels: int, panel: int) -> torch.Tensor:
     return v.float().reshape(panels, panel, -1).transpose(1, 2).contiguous().view(torch.uint8)
 
 
+def _q4_column_order(panel: int) -> torch.Tensor:
+    """Which column each 4-bit slot of a panel row holds: slot 8g+j is nibble j of word g.
+    In panels a multiple of 16 wide (AVX-512's 48) the two words of each 16 columns take
+    them in turn (word 2h: columns 16h + 2j, word 2h+1: 16h + 2j + 1), so one 64-bit load
+    broadcast to 16 lanes and shifted by 4 * (lane / 2) gives the 16 columns in order."""
+    order = torch.arange(panel)
+    if panel % 16:
+        return order
+    return order.reshape(-1, 8, 2).transpose(1, 2).reshape(panel)
+
+
 def _encode_q4(q, d, m, panels: int, panel: int) -> torch.Tensor:
     kb = q.shape[1] // QBLOCK
+    q = q.reshape(panels, panel, -1)[:, _q4_column_order(panel)].reshape(panels * panel, -1)
     # [P, panel, kb, 32] -> [P, kb, 32 (k), panel/8 (g), 8 (j)]: word g of row k packs
     # columns 8g+j, little-endian, so its byte b holds columns 8g+2b (low nibble) and
     # 8g+2b+1 (high)
@@ -166,7 +178,9 @@ def decode(codec: int, data: torch.Tensor, n: int, k: int, panel: int) -> torch.
             m = blocks[..., floats : 2 * floats].contiguous().view(torch.float32)
             words = blocks[..., 2 * floats :].contiguous().view(torch.int32).to(torch.int64)
             words = (words & 0xFFFFFFFF).reshape(panels, kb, QBLOCK, panel // 8, 1)
-            q = ((words >> (4 * torch.arange(8))) & 0xF).reshape(panels, kb, QBLOCK, panel)
+            slots = ((words >> (4 * torch.arange(8))) & 0xF).reshape(panels, kb, QBLOCK, panel)
+            q = torch.empty_like(slots)
+            q[..., _q4_column_order(panel)] = slots
         else:
             m = torch.zeros_like(d)
             q = blocks[..., floats:].contiguous().view(torch.int8)

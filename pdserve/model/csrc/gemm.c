@@ -86,8 +86,10 @@ micro(const float *x, int64_t ldx, int64_t kc, const float *w, float *acc, int f
  * so the expanded weights are bit-identical to the fp32 ones and so is the result; what
  * changes is the bytes streamed from memory per step: 0.75 (Q4) or 1.125 (Q8) per weight
  * instead of 4. Block layouts (one per 32 k of a panel):
- *   PD_Q4A  float d[PANEL], m[PANEL]; uint32 q[32][PANEL / 8] (word g of row k: columns
- *           8g..8g+7, column 8g+j in bits 4j..4j+3)                     24 PANEL bytes
+ *   PD_Q4A  float d[PANEL], m[PANEL]; uint32 q[32][PANEL / 8] (word g of row k: nibble j
+ *           in bits 4j..4j+3 holds column 8g+j, or in 48-column panels column
+ *           16(g/2) + 2j + g%2: panel_codec._q4_column_order, kernels.h vnibbles)
+ *                                                                       24 PANEL bytes
  *   PD_Q8S  float d[PANEL]; int8 q[32][PANEL]                           36 PANEL bytes */
 enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2 };
 #define QBLOCK 32

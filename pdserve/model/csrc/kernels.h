@@ -62,12 +62,15 @@ static inline __m256 vfold8(vf v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v),
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
-/* 4-bit values q[0..16) as int32 lanes: 16 nibbles in two 32-bit words, column j of a word in
- * bits 4j..4j+3 (the PD_Q4A layout, gemm.c). */
+/* 4-bit values q[0..16) as int32 lanes: 16 nibbles in two 32-bit words, lane 2j in bits
+ * 4j..4j+3 of the first, lane 2j+1 in those of the second (the PD_Q4A layout of 48-column
+ * panels, gemm.c): one 64-bit broadcast, no lane insert. */
 static inline vi vnibbles(const uint32_t *q) {
-    vi w = _mm512_inserti64x4(_mm512_set1_epi32((int)q[0]), _mm256_set1_epi32((int)q[1]), 1);
-    vi shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    return _mm512_and_si512(_mm512_srlv_epi32(w, shifts), _mm512_set1_epi32(0xF));
+    int64_t pair;
+    __builtin_memcpy(&pair, q, sizeof pair);
+    vi shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi64(pair), shifts),
+                            _mm512_set1_epi32(0xF));
 }
 static inline vi vbytes(const int8_t *q) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)); }
 #else
