@@ -1,10 +1,12 @@
-"""Quality and size of FP8 KV against full-precision KV, on the real default model.
+"""Quality and size of 8-bit KV (fp8, int8) against full-precision KV, on the real default
+model.
 
     .venv/bin/python benchmarks/bench_kv_quality.py [--num-prompts 50] [--new-tokens 128]
+        [--kv-dtypes fp8 int8]
 
 - Greedy agreement: 50 chat prompts, 128 new tokens each (EOS ignored), with fp32 KV and with
-  FP8 KV; the share of positions where the FP8 run produced the same token (up to the first
-  divergence counts as agreement; after it, tokens are compared position by position too).
+  each 8-bit KV; the share of positions where the 8-bit run produced the same token (up to the
+  first divergence counts as agreement; after it, tokens are compared position by position).
 - Perplexity of a held-out text (the GPL-3 licence text shipped with Debian, unseen by this
   comparison), scored in chunks of 64 tokens so every chunk attends to earlier chunks through
   the cache — the quantized cache is what the model reads, as it would during decode.
@@ -23,7 +25,7 @@ import torch
 
 from pdserve.llm import LLM
 from pdserve.model.attention import AttentionMetadata, PrefillSpan
-from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
+from pdserve.model.kv_cache import QUANTIZED, layer_caches, row_size, storage_dtype
 from pdserve.sampling_params import SamplingParams
 
 TOPICS = [
@@ -79,6 +81,7 @@ TOPICS = [
     "the speed of light",
 ]
 HELD_OUT = Path("/usr/share/common-licenses/GPL-3")
+ROW_NAMES = {"fp8": "E4M3", "int8": "int8"}
 
 
 def agreement(a: list[int], b: list[int]) -> float:
@@ -122,9 +125,9 @@ def transfer_ms(kv_cache_dtype: str, backend: str, num_tokens: int = 2048) -> fl
     from pdserve.transfer.registry import make_receiver, make_sender
     from pdserve.transfer.shm import create_shared_kv
 
+    dtype = storage_dtype(kv_cache_dtype, torch.float32)
     layout = KVLayout(30, -(-num_tokens // 16), 16, 3, row_size(64, kv_cache_dtype),
-                      "uint8" if kv_cache_dtype == "fp8" else "float32")  # fmt: skip
-    dtype = torch.uint8 if kv_cache_dtype == "fp8" else torch.float32
+                      str(dtype).removeprefix("torch."))  # fmt: skip
     rx_kv = (
         create_shared_kv(layout)[0] if backend == "shm" else torch.zeros(layout.shape, dtype=dtype)
     )
@@ -153,12 +156,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--kv-dtypes", nargs="+", default=list(QUANTIZED), choices=list(QUANTIZED))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results: dict = {}
     outputs: dict[str, list[list[int]]] = {}
     ref_llm = None
-    for dtype in ("auto", "fp8"):
+    for dtype in ("auto", *args.kv_dtypes):
         llm = LLM("smollm2-135m", kv_cache_dtype=dtype, kv_cache_bytes=512 << 20)
         ref_llm = ref_llm or llm
         prompts = [
@@ -172,19 +176,21 @@ def main() -> None:
         outputs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
         elapsed = time.perf_counter() - t
         ids = llm.tokenizer.encode(HELD_OUT.read_text())[:2048]
+        row_bytes = storage_dtype(dtype, torch.float32).itemsize
         results[dtype] = {
             "perplexity": perplexity(llm, dtype, ids),
-            "kv_bytes_per_token": 30 * 2 * 3 * row_size(64, dtype) * (1 if dtype == "fp8" else 4),
+            "kv_bytes_per_token": 30 * 2 * 3 * row_size(64, dtype) * row_bytes,
             "generate_s": elapsed,
             "transfer_ms_2048_tcp": transfer_ms(dtype, "tcp"),
             "transfer_ms_2048_shm": transfer_ms(dtype, "shm"),
         }
         print(dtype, json.dumps(results[dtype]), flush=True)
-    agree = [agreement(a, b) for a, b in zip(outputs["auto"], outputs["fp8"])]
-    exact = sum(a == b for a, b in zip(outputs["auto"], outputs["fp8"]))
-    results["fp8"]["greedy_agreement"] = sum(agree) / len(agree)
-    results["fp8"]["identical_outputs"] = f"{exact}/{len(agree)}"
-    a, f = results["auto"], results["fp8"]
+    for dtype in args.kv_dtypes:
+        agree = [agreement(a, b) for a, b in zip(outputs["auto"], outputs[dtype])]
+        exact = sum(a == b for a, b in zip(outputs["auto"], outputs[dtype]))
+        results[dtype]["greedy_agreement"] = sum(agree) / len(agree)
+        results[dtype]["identical_outputs"] = f"{exact}/{len(agree)}"
+    a = results["auto"]
     print(
         "\n| KV dtype | bytes/token | perplexity | greedy agreement | identical outputs "
         "| 2,048-token KV over tcp | over shm |"
@@ -194,13 +200,15 @@ def main() -> None:
         f"| fp32 | {a['kv_bytes_per_token']} | {a['perplexity']:.3f} | 100% | - "
         f"| {a['transfer_ms_2048_tcp']:.0f} ms | {a['transfer_ms_2048_shm']:.0f} ms |"
     )
-    print(
-        f"| fp8 (E4M3 + per-token scale) | {f['kv_bytes_per_token']} "
-        f"({f['kv_bytes_per_token'] / a['kv_bytes_per_token']:.1%}) "
-        f"| {f['perplexity']:.3f} ({f['perplexity'] / a['perplexity'] - 1:+.2%}) "
-        f"| {f['greedy_agreement']:.1%} | {f['identical_outputs']} "
-        f"| {f['transfer_ms_2048_tcp']:.0f} ms | {f['transfer_ms_2048_shm']:.0f} ms |"
-    )
+    for dtype in args.kv_dtypes:
+        f = results[dtype]
+        print(
+            f"| {dtype} ({ROW_NAMES[dtype]} + per-token scale) | {f['kv_bytes_per_token']} "
+            f"({f['kv_bytes_per_token'] / a['kv_bytes_per_token']:.1%}) "
+            f"| {f['perplexity']:.3f} ({f['perplexity'] / a['perplexity'] - 1:+.2%}) "
+            f"| {f['greedy_agreement']:.1%} | {f['identical_outputs']} "
+            f"| {f['transfer_ms_2048_tcp']:.0f} ms | {f['transfer_ms_2048_shm']:.0f} ms |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

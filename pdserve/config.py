@@ -12,7 +12,7 @@ from pdserve.kvstore.config import KVStoreConfig
 from pdserve.schema import check, knob, parse_bytes
 
 CPU_KERNELS = ("native", "onednn", "torch")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -28,7 +28,7 @@ class CacheConfig:
     )
     enable_prefix_caching: bool = knob(True, "reuse cached prompt blocks", flag="prefix_caching")
     kv_cache_dtype: str = knob(
-        "auto", "KV storage: the model's dtype, or fp8 (E4M3 + per-token scales)",
+        "auto", "KV storage: the model's dtype, or fp8 (E4M3) or int8 rows + per-token scales",
         choices=KV_CACHE_DTYPES,
     )  # fmt: skip
     # Token dropping: a request holding more KV than this frees its least-attended blocks,

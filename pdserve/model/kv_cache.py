@@ -1,47 +1,68 @@
-"""KV cache storage formats: full precision, or FP8 (E4M3) with a scale per token and head.
+"""KV cache storage formats: full precision, or 8-bit rows with a scale per token and head.
 
-Both keep one tensor per worker, `[layers, blocks, 2 (K|V), kv_heads, block_size, row]`,
+All keep one tensor per worker, `[layers, blocks, 2 (K|V), kv_heads, block_size, row]`,
 where a block stays contiguous (one transfer write per block run). They differ in the row:
 
     auto:  row = head_dim values in the model's dtype
     fp8:   row = head_dim float8_e4m3fn bytes | 4 bytes of fp32 scale   (uint8 tensor)
+    int8:  row = head_dim int8 values         | 4 bytes of fp32 scale   (int8 tensor)
 
 Why one scale per (token, head): decode appends one token at a time. A per-block scale would
 have to be fixed before the block's later tokens exist (clipping them) or the block would be
-requantized as they arrive (compounding error); a per-token scale is exact to E4M3's 3
-mantissa bits for every token, at 4 bytes per 64-value row (6%), so a block costs 26.6% of
-fp32 (53% of bf16). The scale travels inside the block, so every transfer backend and storage
-tier moves FP8 blocks and their scales as the same opaque bytes.
+requantized as they arrive (compounding error); a per-token scale never clips and costs 4
+bytes per 64-value row (6%), so a block costs 26.6% of fp32 (53% of bf16). The scale travels
+inside the block, so every transfer backend and storage tier moves quantized blocks and their
+scales as the same opaque bytes; the two 8-bit pools differ in tensor dtype, so their
+layouts and tier entries never match each other.
+
+Why int8 next to fp8 (BENCHMARKS.md §5): keys have outlier channels, and what hurts is the
+key error, not the range. E4M3 is floating point, so a channel 100x below the row's outlier
+still gets 3 mantissa bits: its error is relative (up to 2^-4 of each value) whatever the
+scale, and per-channel scaling or smoothing cannot reduce it. Int8's error is absolute, at
+most half a step (amax / 254), which is 8x finer than E4M3 near the row's maximum; the
+logit error q.dk is dominated by the large (outlier) channels, exactly where int8 is finer.
+On SmolLM2-135M's keys this cut the attention output error from 5.0% to about 2%.
+fp8 stays for hardware with FP8 attention kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8")
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from pdserve.config import KV_CACHE_DTYPES
+
 SCALE_BYTES = 4
+# kv_cache_dtype -> (value dtype, largest value, pool tensor dtype)
+QUANTIZED = {
+    "fp8": (torch.float8_e4m3fn, 448.0, torch.uint8),
+    "int8": (torch.int8, 127.0, torch.int8),
+}
 
 
 def row_size(head_dim: int, kv_cache_dtype: str) -> int:
-    return head_dim + SCALE_BYTES if kv_cache_dtype == "fp8" else head_dim
+    return head_dim + SCALE_BYTES if kv_cache_dtype in QUANTIZED else head_dim
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    return torch.uint8 if kv_cache_dtype == "fp8" else model_dtype
+    return QUANTIZED[kv_cache_dtype][2] if kv_cache_dtype in QUANTIZED else model_dtype
 
 
-def quantize_fp8(x: torch.Tensor) -> torch.Tensor:
-    """[..., head_dim] float -> [..., head_dim + 4] uint8 rows (values, then the fp32 scale)."""
-    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
-    values = (x.float() / scale).to(FP8).view(torch.uint8)
-    return torch.cat((values, scale.view(torch.uint8)), dim=-1)
+def quantize(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
+    """[..., head_dim] float -> [..., head_dim + 4] rows of the pool's dtype (values, then
+    the fp32 scale). Int8 rounds to nearest (a plain cast would truncate)."""
+    value_dtype, largest, pool_dtype = QUANTIZED[kv_cache_dtype]
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / largest).clamp_min(1e-12)
+    scaled = x.float() / scale
+    if not value_dtype.is_floating_point:
+        scaled = scaled.round_().clamp_(-largest, largest)
+    values = scaled.to(value_dtype).view(pool_dtype)
+    return torch.cat((values, scale.view(pool_dtype)), dim=-1)
 
 
-def dequantize_fp8(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(rows: torch.Tensor, kv_cache_dtype: str, dtype: torch.dtype) -> torch.Tensor:
+    value_dtype = QUANTIZED[kv_cache_dtype][0]
     head_dim = rows.shape[-1] - SCALE_BYTES
-    values = rows[..., :head_dim].contiguous().view(FP8).to(torch.float32)
+    values = rows[..., :head_dim].contiguous().view(value_dtype).to(torch.float32)
     scale = rows[..., head_dim:].contiguous().view(torch.float32)
     return (values * scale).to(dtype)
 
@@ -87,22 +108,27 @@ class LayerCache:
         return kv[0], kv[1]
 
 
-class Fp8LayerCache(LayerCache):
-    """Rows of FP8 values plus their scale; quantized on write, dequantized on read."""
+class QuantizedLayerCache(LayerCache):
+    """Rows of 8-bit values plus their scale; quantized on write, dequantized on read."""
+
+    def __init__(self, blocks: torch.Tensor, kv_cache_dtype: str) -> None:
+        super().__init__(blocks)
+        self.kv_cache_dtype = kv_cache_dtype
 
     @property
     def head_dim(self) -> int:
         return self.blocks.shape[4] - SCALE_BYTES
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return quantize_fp8(x)
+        return quantize(x, self.kv_cache_dtype)
 
     def decode(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_fp8(rows, dtype)
+        return dequantize(rows, self.kv_cache_dtype, dtype)
 
 
 def layer_caches(kv_cache: torch.Tensor, kv_cache_dtype: str) -> list[LayerCache]:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    cls = Fp8LayerCache if kv_cache_dtype == "fp8" else LayerCache
-    return [cls(kv_cache[i]) for i in range(kv_cache.shape[0])]
+    if kv_cache_dtype in QUANTIZED:
+        return [QuantizedLayerCache(kv_cache[i], kv_cache_dtype) for i in range(kv_cache.shape[0])]
+    return [LayerCache(kv_cache[i]) for i in range(kv_cache.shape[0])]

@@ -22,6 +22,7 @@ DTYPE_BYTES = {
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
     "uint8": 1,
+    "int8": 1,
 }
 
 
