@@ -58,7 +58,9 @@ def test_cuda_seeded_sampling_is_reproducible(tiny_model_dir):
     assert run(engine(tiny_model_dir, "cuda"), batch, params) == first
 
 
-@pytest.mark.parametrize("dtype,kv", [("bfloat16", "auto"), ("float32", "fp8")])
+@pytest.mark.parametrize(
+    "dtype,kv", [("bfloat16", "auto"), ("float32", "fp8"), ("float32", "int8")]
+)
 def test_cuda_reduced_precision_runs(tiny_model_dir, dtype, kv):
     out = run(engine(tiny_model_dir, "cuda", dtype=dtype, kv=kv), prompts(4, seed=2))
     assert all(len(tokens) == GREEDY.max_tokens for tokens in out)

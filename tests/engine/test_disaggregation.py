@@ -310,13 +310,15 @@ def test_wrong_number_of_destination_blocks_is_rejected(tiny_model_dir):
         pair.close()
 
 
+@pytest.mark.parametrize("kv, pool_dtype", [("fp8", torch.uint8), ("int8", torch.int8)])
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
-def test_fp8_blocks_and_scales_arrive_intact(tiny_model_dir, backend):
-    """FP8 on both sides moves bytes unchanged, so 1P1D equals a collocated FP8 engine."""
-    fp8 = Engine(config("fp8", long_prefill_token_threshold=6), tiny_model_dir)
-    assert fp8.runner.kv_cache.dtype is torch.uint8
+def test_8bit_blocks_and_scales_arrive_intact(tiny_model_dir, backend, kv, pool_dtype):
+    """FP8 (or int8) on both sides moves bytes unchanged, so 1P1D equals a collocated engine
+    of that KV dtype."""
+    fp8 = Engine(config(kv, long_prefill_token_threshold=6), tiny_model_dir)
+    assert fp8.runner.kv_cache.dtype is pool_dtype
     reference = [run(fp8, [p])[0] for p in prompts(4)]
-    pair = Pair(tiny_model_dir, backend, "layerwise", "fp8", "fp8", long_prefill_token_threshold=6)
+    pair = Pair(tiny_model_dir, backend, "layerwise", kv, kv, long_prefill_token_threshold=6)
     try:
         assert pair.generate(prompts(4)) == reference
         sent = pair.tx.stats()["bytes_sent"]
@@ -325,18 +327,20 @@ def test_fp8_blocks_and_scales_arrive_intact(tiny_model_dir, backend):
         pair.close()
 
 
-def test_mixed_dtypes_convert_before_the_wire(tiny_model_dir):
-    """An fp32 prefill feeding an FP8 decode: blocks are quantized on the prefill side, so
-    the decode side holds exactly what a collocated FP8 engine would (unchunked prefill)."""
-    fp8 = Engine(config("fp8"), tiny_model_dir)
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_mixed_dtypes_convert_before_the_wire(tiny_model_dir, kv):
+    """An fp32 prefill feeding an FP8 (int8) decode: blocks are quantized on the prefill side,
+    so the decode side holds exactly what a collocated engine of that KV dtype would
+    (unchunked prefill)."""
+    fp8 = Engine(config(kv), tiny_model_dir)
     reference = [run(fp8, [p])[0] for p in prompts(4)]
-    mixed = Pair(tiny_model_dir, "tcp", "full", "auto", "fp8")
+    mixed = Pair(tiny_model_dir, "tcp", "full", "auto", kv)
     same = Pair(tiny_model_dir, "tcp", "full")
     try:
         assert mixed.generate(prompts(4)) == reference
         same.generate(prompts(4))
         ratio = mixed.tx.stats()["bytes_sent"] / same.tx.stats()["bytes_sent"]
-        assert ratio == pytest.approx(20 / 64, rel=0.02)  # FP8 row: 16 + 4 bytes, fp32: 64
+        assert ratio == pytest.approx(20 / 64, rel=0.02)  # 8-bit row: 16 + 4 bytes, fp32: 64
     finally:
         mixed.close()
         same.close()

@@ -81,14 +81,16 @@ def test_kvstore_imports_without_torch():
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
 
-@pytest.mark.parametrize("writer, reader", [("fp8", "auto"), ("auto", "fp8")])
-def test_fp8_and_full_precision_pools_refuse_each_others_entries(tiny_model_dir, tmp_path,
-                                                                 writer, reader):  # fmt: skip
+@pytest.mark.parametrize(
+    "writer, reader", [("fp8", "auto"), ("auto", "fp8"), ("int8", "fp8"), ("fp8", "int8")]
+)
+def test_8bit_and_full_precision_pools_refuse_each_others_entries(tiny_model_dir, tmp_path,
+                                                                  writer, reader):  # fmt: skip
     """The formats the engine derives from its pool: an FP8 pool's (uint8 rows of values and
-    a scale) and a full-precision pool's differ, so even in one place neither takes the
-    other's entries."""
+    a scale), an int8 pool's (int8 rows of the same width) and a full-precision pool's
+    differ, so even in one place none takes another's entries."""
     fmts = {}
-    for kv_cache_dtype in ("auto", "fp8"):
+    for kv_cache_dtype in ("auto", "fp8", "int8"):
         config = EngineConfig(
             model="tiny",
             cache=CacheConfig(block_size=4, kv_cache_bytes=1 << 16, kv_cache_dtype=kv_cache_dtype),
@@ -98,7 +100,8 @@ def test_fp8_and_full_precision_pools_refuse_each_others_entries(tiny_model_dir,
         fmts[kv_cache_dtype] = engine.offload.store.tiers[0].fmt
         engine.offload.close()
     assert (fmts["fp8"].dtype, fmts["fp8"].head_dim) == ("uint8", fmts["auto"].head_dim + 4)
-    assert fmts["fp8"].namespace != fmts["auto"].namespace
+    assert (fmts["int8"].dtype, fmts["int8"].head_dim) == ("int8", fmts["fp8"].head_dim)
+    assert len({f.namespace for f in fmts.values()}) == 3
     with pytest.raises(EntryError) as e:
         fmts[reader].decode(5, fmts[writer].encode(5, payload(5)))
     assert e.value.kind == "foreign"
