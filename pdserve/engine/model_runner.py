@@ -42,7 +42,7 @@ def kv_cache_shape(
 def kv_block_bytes(
     cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
 ) -> int:
-    """Bytes of one block over all layers (FP8 blocks are ~1/4 of fp32: more of them fit)."""
+    """Bytes of one block over all layers (8-bit blocks are ~1/4 of fp32: more of them fit)."""
     elem = torch.tensor([], dtype=storage_dtype(kv_cache_dtype, dtype)).element_size()
     shape = kv_cache_shape(cfg, 1, block_size, kv_cache_dtype)
     return elem * shape[0] * shape[2] * shape[3] * shape[4] * shape[5]

@@ -70,9 +70,10 @@ class EntryFormat:
     `num_blocks` of the KVLayout is left out on purpose: it is the size of one worker's pool,
     not a property of a block, and differs between workers that can share blocks.
 
-    An FP8 pool needs no tag of its own: it is a uint8 tensor whose rows are head_dim E4M3
-    values and a 4-byte scale (model/kv_cache.py), so its `dtype` ("uint8") and `head_dim`
-    (the row width) already differ from any full-precision pool of the same model.
+    An 8-bit pool needs no tag of its own: an FP8 pool is a uint8 tensor whose rows are
+    head_dim E4M3 values and a 4-byte scale (model/kv_cache.py), an int8 pool an int8 tensor
+    of such rows, so their `dtype` ("uint8", "int8") and `head_dim` (the row width) already
+    differ from each other and from any full-precision pool of the same model.
     """
 
     model_id: str

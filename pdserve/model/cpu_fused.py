@@ -6,7 +6,7 @@ bound by dispatch, not by the hardware. `FusedDecoderLayer` runs the same math a
 `llama.DecoderLayer` in about ten calls: norm, QKV GEMM, RoPE + K/V store, attention, output
 GEMM, residual add + norm, gate/up GEMM, SiLU·mul, down GEMM, residual add. It shares the
 parameters of the layer it replaces and is only used where every kernel applies: fp32 on
-the CPU with full-precision KV (an FP8 cache keeps the PyTorch layer, which quantizes on
+the CPU with full-precision KV (an 8-bit cache keeps the PyTorch layer, which quantizes on
 write). A step of decodes only goes further: `FusedLayerStack` runs all layers in one
 native call (at batch 32, a ctypes call and its argument building per layer cost ~5% of
 the step). tests/model/test_cpu_fused.py holds both equal to the reference layers.

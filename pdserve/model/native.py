@@ -152,7 +152,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def reads_in_place(cache, q: torch.Tensor) -> bool:
     """Whether the attention kernel can read this layer's blocks directly: full-precision
-    fp32 rows on the CPU (FP8 rows need dequantizing; the PyTorch path does that)."""
+    fp32 rows on the CPU (8-bit rows need dequantizing; the PyTorch path does that)."""
     blocks = cache.blocks
     return (
         type(cache).decode is LayerCache.decode
