@@ -21,8 +21,8 @@ still gets 3 mantissa bits: its error is relative (up to 2^-4 of each value) wha
 scale, and per-channel scaling or smoothing cannot reduce it. Int8's error is absolute, at
 most half a step (amax / 254), which is 8x finer than E4M3 near the row's maximum; the
 logit error q.dk is dominated by the large (outlier) channels, exactly where int8 is finer.
-On SmolLM2-135M's keys this cut the attention output error from 5.0% to about 2%.
-fp8 stays for hardware with FP8 attention kernels.
+Same bytes, same layout, closer greedy output. fp8 stays for hardware with FP8 attention
+kernels.
 """
 
 from __future__ import annotations
