@@ -19,7 +19,7 @@ Why int8 next to fp8 (BENCHMARKS.md §5): keys have outlier channels, and what h
 key error, not the range. E4M3 is floating point, so a channel 100x below the row's outlier
 still gets 3 mantissa bits: its error is relative (up to 2^-4 of each value) whatever the
 scale, and per-channel scaling or smoothing cannot reduce it. Int8's error is absolute, at
-most half a step (amax / 254), which is 8x finer than E4M3 near the row's maximum; the
+most half a step (amax / 254), about 9x finer than E4M3 near the row's maximum; the
 logit error q.dk is dominated by the large (outlier) channels, exactly where int8 is finer.
 Same bytes, same layout, closer greedy output. fp8 stays for hardware with FP8 attention
 kernels.
