@@ -27,6 +27,15 @@ class AdaptiveConfig:
     core_dwell_s: float = knob(
         2.0, "least time a shrink or merge of core groups must stay wanted before it is made", ge=0
     )
+    core_hold_gaps: float = knob(
+        3.0,
+        "a prefill group is merged back only after this many mean gaps between remote "
+        "requests without one (and core_dwell_s)",
+        ge=0,
+    )
+    core_hold_max_s: float = knob(
+        30.0, "the longest a prefill group is held after its last remote request", ge=0
+    )
     # The workers' chunk size (what a local prefill adds to each decode step there): the
     # launcher sets it from the workers' scheduler, so it is no flag of its own.
     prefill_chunk_tokens: int = knob(

@@ -14,7 +14,11 @@ on its target (the planner, not the launcher, owns the layout).
 Dwell: giving cores to a parked worker (a request waits for them) and growing a decode
 group (its inter-token latency is at stake) happen at once; every other change (a merge
 back, a shrink of the decode group) only once the same counts were wanted for `dwell_s`,
-so a burst does not make the groups flap.
+so a burst does not make the groups flap. A change that parks a worker (the merge back)
+waits `hold_s()`: also `hold_gaps` times the decayed mean gap between the pool's remote
+requests (`on_remote`), at most `hold_max_s`, so a steady stream of remote requests holds
+one split however idle the prefill worker is between them, and only a lull long for that
+stream's own rate merges.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
+
+GAP_WEIGHT = 0.25  # of the newest gap in the mean gap between remote requests
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,18 @@ def layout(
 class CoreGroups:
     """One host's pool and the SetCores protocol (module docstring)."""
 
-    def __init__(self, pool: Sequence[int], worker_ids: Sequence[str], dwell_s: float) -> None:
+    def __init__(
+        self,
+        pool: Sequence[int],
+        worker_ids: Sequence[str],
+        dwell_s: float,
+        hold_gaps: float = 0.0,
+        hold_max_s: float = 0.0,
+    ) -> None:
         self.pool = tuple(pool)
-        self.dwell_s = dwell_s
+        self.dwell_s, self.hold_gaps, self.hold_max_s = dwell_s, hold_gaps, hold_max_s
+        self.mean_gap_s: float | None = None  # between remote requests, decayed (GAP_WEIGHT)
+        self._last_remote: float | None = None
         self.current: dict[str, Cores | None] = {w: None for w in worker_ids}
         self.pending: dict[str, tuple[Cores, float]] = {}  # sent, not acknowledged: (to, sent)
         self.counts: dict[str, int] = {}  # the counts being moved to
@@ -137,6 +152,21 @@ class CoreGroups:
         sent = self.pending.pop(worker_id, None)
         return None if sent is None else now - sent[1]
 
+    def on_remote(self, now: float) -> None:
+        """A request prefills remotely on a worker of this pool. A gap is capped at
+        `hold_max_s`: one long lull weighs no more than the longest hold it can cause."""
+        if self._last_remote is not None:
+            gap = min(now - self._last_remote, self.hold_max_s)
+            mean = gap if self.mean_gap_s is None else self.mean_gap_s
+            self.mean_gap_s = GAP_WEIGHT * gap + (1 - GAP_WEIGHT) * mean
+        self._last_remote = now
+
+    def hold_s(self) -> float:
+        """How long a change that parks a worker must stay wanted before it is made."""
+        if self.mean_gap_s is None:
+            return self.dwell_s
+        return max(self.dwell_s, min(self.hold_max_s, self.hold_gaps * self.mean_gap_s))
+
     # ---- planning -----------------------------------------------------------------------
 
     def want(self, counts: dict[str, int], roles: dict[str, str], now: float) -> bool:
@@ -153,7 +183,8 @@ class CoreGroups:
         if not (grant or decode_grows) and old:
             if self._proposal is None or self._proposal[0] != counts:
                 self._proposal = (counts, now)
-            if now - self._proposal[1] < self.dwell_s:
+            parks = any(n == 0 and old.get(w, 0) > 0 for w, n in counts.items())
+            if now - self._proposal[1] < (self.hold_s() if parks else self.dwell_s):
                 return False
         self._proposal = None
         self.counts = dict(counts)

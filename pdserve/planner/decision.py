@@ -11,20 +11,19 @@ that will decode it (local). A pure function of what the router knows and the co
     remote meets both                      -> remote  itl_interference (local breaks the ITL)
                                                       | ttft        (local breaks the TTFT)
     local in SLO-sized chunks meets both   -> local   slo_chunk     (stall-free, every core)
+    none, least excess remote, but the     -> the least excess of local and its SLO chunk:
+    prefill side backlogged (below)           remote_backlog
     none                                   -> the least summed relative excess over the
                                               budgets: least_violation (local or remote) |
                                               slo_chunk_least_violation
 
-Local: the prompt runs in `chunk_tokens` chunks in the decode worker's steps, each step also
-carrying its running decodes: those decodes' inter-token latency is that mixed step. Remote:
-the prefill worker's queue and prompt (after its own cache hit), a core switch when it is
-parked, and the exposed KV transfer; meanwhile the decode worker decodes on its share of the
-host's cores (`decode_threads_split`), which is its inter-token latency. Local in SLO-sized
-chunks (Sarathi-Serve's stall-free batching): the largest chunk whose step with the running
-decodes fits ITL_HEADROOM of the ITL budget, sent with the request (`prefill_chunk_tokens`):
-the decodes keep every core and their ITL, the prompt takes more, smaller steps. It comes
-after remote: where a split meets both budgets, disaggregation is what pays (the prefill runs
-in full chunks beside the decodes); it is the answer where no split can hold the ITL.
+Backlogged: the prefill worker's queue alone (before this prompt's own prefill starts) takes
+over TTFT_BUDGET_FACTOR times the local candidate's whole TTFT (the tolerance the default
+TTFT budget gives collocated), or the KV a remote request reserves on the decode worker
+(held while it waits in that queue) would leave fewer free tokens there than its running
+decodes need (`decode_reserve_tokens`). Under overload the sum of relative excesses can
+favour remote by its ITL alone; piling more onto such a queue only lengthens it and starves
+the decodes of KV, so there the least violation stays local.
 """
 
 from __future__ import annotations
@@ -73,6 +72,8 @@ class Situation:
     kv_bytes_per_token: float
     chunk_tokens: int
     has_prefill: bool = True
+    decode_free_tokens: int | None = None  # free KV on the decode worker (None: unknown)
+    decode_reserve_tokens: int = 0  # free KV its running decodes need to keep growing
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,13 @@ def decide(
         )
 
     best = min(kinds, key=excess)  # ties: the first, local before remote
+    if best == REMOTE:
+        nearest = min((k for k in kinds if k != REMOTE), key=excess)
+        queued = p["queue_remote_s"] > TTFT_BUDGET_FACTOR * p[f"ttft_{nearest}_s"]
+        free = s.decode_free_tokens
+        starves = free is not None and free - local_tokens < s.decode_reserve_tokens
+        if queued or starves:
+            return _as(chunked if nearest == SLO_CHUNK else local, "remote_backlog", p)
     if best == SLO_CHUNK:
         return _as(chunked, "slo_chunk_least_violation", p)
     return _as(local if best == LOCAL else remote, "least_violation", p)
@@ -167,6 +175,7 @@ def predict(
         "ttft_remote_s": (s.switch_s if s.prefill_parked else 0.0) + queue_remote + remote[0],
         "itl_remote_s": split + transfer,
         "transfer_s": transfer,
+        "queue_remote_s": queue_remote,
         "itl_budget_s": slo_itl_s if slo_itl_s is not None else math.inf,
         "ttft_budget_s": slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * collocated,
     }

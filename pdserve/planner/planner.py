@@ -53,7 +53,9 @@ class Planner:
         self.model = OnlineCostModel(config.min_samples, profile)
         self.groups: dict[str, CoreGroups] = {}  # worker -> its host's groups
         for (_, pool), ids in pools_of(plane.config.workers).items():
-            groups = CoreGroups(pool, ids, config.core_dwell_s)
+            groups = CoreGroups(
+                pool, ids, config.core_dwell_s, config.core_hold_gaps, config.core_hold_max_s
+            )
             self.groups.update(dict.fromkeys(ids, groups))
         self.roles = RoleSplit(config.min_dwell_s, window_s=2 * config.interval_s)
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=NUM_RECENT)
@@ -141,6 +143,8 @@ class Planner:
         decision = dataclasses.replace(
             decision, decode_id=decode.worker_id, prefill_id=prefill.worker_id if prefill else ""
         )
+        if decision.kind == REMOTE and decision.prefill_id in self.groups:
+            self.groups[decision.prefill_id].on_remote(self.clock())
         self._record(key, decision)
         return decision
 
@@ -160,7 +164,8 @@ class Planner:
             if p_groups is groups:  # one host: a remote prefill splits the pool
                 split = min(max(1, self._decode_need(d, pool) or pool // 2), pool - 1)
                 prefill_threads = pool - split
-                busy = self._busy(self.plane.workers[prefill.worker_id])
+                # A held split (cores.py's hold) keeps the decode group small while idle.
+                busy = not parked or self._busy(self.plane.workers[prefill.worker_id])
         return Situation(
             num_prompt_tokens=route.num_prompt_tokens,
             num_cached_decode_tokens=decode.num_cached_blocks * route.block_size,
@@ -181,6 +186,11 @@ class Planner:
             kv_bytes_per_token=d.ready.kv_block_bytes / block_size if d.ready else 0.0,
             chunk_tokens=self.config.prefill_chunk_tokens,
             has_prefill=prefill is not None,
+            decode_free_tokens=decode.num_free_blocks * block_size
+            if decode.num_total_blocks
+            else None,
+            # A block each: what the running decodes take next as they grow.
+            decode_reserve_tokens=max(decode.num_running, decode.num_active_requests) * block_size,
         )
 
     async def cores_granted(self, worker_id: str, timeout_s: float) -> bool:
@@ -288,7 +298,7 @@ class Planner:
 
     def _record(self, key: str, d: Decision) -> None:
         self.decision_counts[(d.kind, d.reason)] += 1
-        if d.kind == REMOTE or d.reason.endswith("least_violation"):
+        if d.kind == REMOTE or d.reason.endswith("least_violation") or d.reason == "remote_backlog":
             self.roles.add_demand(self.clock(), d.num_prefill_tokens)
         if self.metrics is not None:
             self.metrics.decision(d.kind, d.reason)

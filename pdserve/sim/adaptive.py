@@ -56,7 +56,10 @@ class AdaptiveSimulation(Simulation):
         self._slo_ttft_s, self._slo_itl_s = (ms / 1000 if ms else None for ms in slos_ms)
         self.pool = tuple(range(deployment.collocated_size))
         ids = [w.worker_id for w in self.workers]
-        self.groups = CoreGroups(self.pool, ids, self.adaptive.core_dwell_s)
+        a = self.adaptive
+        self.groups = CoreGroups(
+            self.pool, ids, a.core_dwell_s, a.core_hold_gaps, a.core_hold_max_s
+        )
         self.by_id = {w.worker_id: w for w in self.workers}
         self.pending: dict[str, Cores] = {}  # sent, applied at the worker's step boundary
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -82,6 +85,7 @@ class AdaptiveSimulation(Simulation):
             flight.decode.prefill_chunk_tokens = decision.prefill_chunk_tokens
             decode.scheduler.add_request(flight.decode)
         else:
+            self.groups.on_remote(self.now)
             super()._admit_disaggregated(flight)
         self._replan()
         self._kick(decode)
@@ -91,7 +95,8 @@ class AdaptiveSimulation(Simulation):
         pool = len(self.pool)
         d, p = decode.load(flight.block_hashes), prefill.load(flight.block_hashes)
         split = min(max(1, self._decode_need(decode) or pool // 2), pool - 1)
-        prefill_busy = self._busy(prefill)
+        # A held split (cores.py's hold) keeps the decode group small while the prefill idles.
+        prefill_busy = self._busy(prefill) or self.groups.threads(prefill.worker_id) > 0
         return Situation(
             num_prompt_tokens=len(flight.prompt_ids),
             num_cached_decode_tokens=d.num_cached_blocks * self.config.block_size,
@@ -108,6 +113,9 @@ class AdaptiveSimulation(Simulation):
             switch_s=0.0,
             kv_bytes_per_token=self.kv_bytes_per_token,
             chunk_tokens=self.config.scheduler.long_prefill_token_threshold,
+            decode_free_tokens=d.num_free_blocks * self.config.block_size,
+            decode_reserve_tokens=max(d.num_running, d.num_active_requests)
+            * self.config.block_size,
         )
 
     # ---- cores -----------------------------------------------------------------------

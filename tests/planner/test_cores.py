@@ -181,3 +181,42 @@ def test_a_decode_group_grows_at_once_and_shrinks_after_the_dwell():
     assert groups.want({"p0": 4, "d1": 4}, roles, 0.1)  # the decodes need more: at once
     assert not groups.want({"p0": 6, "d1": 2}, roles, 0.2)  # and less: after the dwell
     assert groups.want({"p0": 6, "d1": 2}, roles, 2.2)
+
+
+def split_then_idle(groups, roles, arrivals, idle_until):
+    """Remote requests at `arrivals` (each a grant, its prefill idle right after); the
+    number of splits and merges made up to `idle_until`, planned every 0.5 s."""
+    changes, t = 0, 0.0
+    assert groups.want({"p0": 0, "d1": 8}, roles, t)
+    while t <= idle_until:
+        busy = t in arrivals
+        if busy:
+            groups.on_remote(t)
+        changes += groups.want({"p0": 4, "d1": 4} if busy else {"p0": 0, "d1": 8}, roles, t)
+        t += 0.5
+    return changes
+
+
+def test_a_steady_stream_of_remote_requests_holds_one_split_and_a_lull_merges_it():
+    roles = {"p0": "prefill", "d1": "decode"}
+    arrivals = [5.0 * i for i in range(1, 9)]  # one every 5 s, idle 4.5 s in between
+    held = CoreGroups(POOL, ["p0", "d1"], dwell_s=2.0, hold_gaps=3.0, hold_max_s=30.0)
+    # the first request: no rate yet, merged after the dwell; from the second on, held
+    assert split_then_idle(held, roles, arrivals, 40.0) == 3
+    assert held.hold_s() == pytest.approx(15.0)  # 3 x the 5 s mean gap
+    assert held.counts == {"p0": 4, "d1": 4}
+    assert not held.want({"p0": 0, "d1": 8}, roles, 40.5)  # the last one's prefill ended
+    assert not held.want({"p0": 0, "d1": 8}, roles, 55.0)  # 14.5 s idle: still held
+    assert held.want({"p0": 0, "d1": 8}, roles, 55.5)  # a lull of 3 mean gaps: merged
+    per_request = CoreGroups(POOL, ["p0", "d1"], dwell_s=2.0)  # no hold: each one splits
+    assert split_then_idle(per_request, roles, arrivals, 40.0) == 2 * len(arrivals) - 1
+
+
+def test_the_hold_is_capped_and_a_long_lull_weighs_no_more_than_the_cap():
+    groups = CoreGroups(POOL, ["p0", "d1"], dwell_s=2.0, hold_gaps=3.0, hold_max_s=30.0)
+    assert groups.hold_s() == 2.0  # no gap seen yet: the dwell
+    groups.on_remote(0.0)
+    groups.on_remote(20.0)
+    assert groups.hold_s() == 30.0  # 3 x 20 s, capped
+    groups.on_remote(1000.0)  # a gap of 980 s counts as 30 s
+    assert groups.mean_gap_s == pytest.approx(0.25 * 30.0 + 0.75 * 20.0)

@@ -78,6 +78,19 @@ TABLE = [
     (ONE_THREAD_SPLIT, 0.5, 0.02, LOCAL, "slo_chunk_least_violation"),
     # no chunk of MIN_SLO_CHUNK_TOKENS holds a 5 ms step: back to local or remote
     (ONE_THREAD_SPLIT, 0.5, 0.005, REMOTE, "least_violation"),
+    # remote least violates, but its queue alone takes over 3x local's TTFT (0.55 s: 4096
+    # queued tokens take 0.84 s, 8192 1.68 s), or the KV it reserves would leave the 16
+    # running decodes less than a block each (16 x 16 tokens): local, not one more queued
+    (case(prefill_queue_tokens=4096), None, 1e-4, REMOTE, "least_violation"),
+    (case(prefill_queue_tokens=8192), None, 1e-4, LOCAL, "remote_backlog"),
+    (case(decode_free_tokens=4096, decode_reserve_tokens=256), None, 1e-4, LOCAL, "remote_backlog"),
+    (
+        case(decode_free_tokens=4352, decode_reserve_tokens=256),
+        None,
+        1e-4,
+        REMOTE,
+        "least_violation",
+    ),
 ]
 
 
