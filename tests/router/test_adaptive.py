@@ -94,6 +94,29 @@ def test_remote_waits_for_cores_local_stays_and_cores_merge_back(tokenizer_dir, 
         assert status["num_core_switches"] >= 3  # split, and merged back
 
 
+def test_a_stream_of_remote_requests_holds_one_split_and_a_lull_merges_it(tokenizer_dir, script):
+    # core_dwell_s 0.3: without the hold each remote request would split and merge back
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
+                 d1={"step_s": 0.25}) as c:  # fmt: skip
+        plane = c.app_state.plane
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(post, c, "Hi", 22)  # occupies d1 for ~5 s
+            c.wait_until(lambda: (s := plane.workers["d1"].stats) and s.num_running >= 1)
+            switches = []
+            for _ in range(4):  # one every ~0.8 s
+                sent = time.monotonic()
+                assert post(c, LONG, 1).status_code == 200
+                switches.append(c.kinds("p0").count("SetCores"))
+                time.sleep(max(0.0, 0.8 - (time.monotonic() - sent)))
+            # the first split merged after the dwell (no rate yet); from the second on, held
+            assert switches[1] == switches[2] == switches[3], switches
+            assert c.workers["p0"].threads > 0  # idle for ~0.8 s, over the dwell
+            assert running.result().status_code == 200
+        assert decisions(c)['kind="remote",reason="fallback_long"'] == 4.0
+        # the lull: 3 mean gaps (~2.4 s) without a remote request merge the groups
+        c.wait_until(lambda: (c.workers["p0"].threads, c.workers["d1"].threads) == (0, 4), 10)
+
+
 def test_an_slo_sized_chunk_travels_with_the_local_prefill(tokenizer_dir, script, monkeypatch):
     # The decision itself is tests/planner/test_decision.py's; here, what the driver does
     # with one: Generate carries the chunk to the decode worker, /metrics counts the reason.
