@@ -24,6 +24,17 @@ TTFT budget gives collocated), or the KV a remote request reserves on the decode
 decodes need (`decode_reserve_tokens`). Under overload the sum of relative excesses can
 favour remote by its ITL alone; piling more onto such a queue only lengthens it and starves
 the decodes of KV, so there the least violation stays local.
+
+Local: the prompt runs in `chunk_tokens` chunks in the decode worker's steps, each step also
+carrying its running decodes: those decodes' inter-token latency is that mixed step. Remote:
+the prefill worker's queue and prompt (after its own cache hit), a core switch when it is
+parked, and the exposed KV transfer; meanwhile the decode worker decodes on its share of the
+host's cores (`decode_threads_split`), which is its inter-token latency. Local in SLO-sized
+chunks (Sarathi-Serve's stall-free batching): the largest chunk whose step with the running
+decodes fits ITL_HEADROOM of the ITL budget, sent with the request (`prefill_chunk_tokens`):
+the decodes keep every core and their ITL, the prompt takes more, smaller steps. It comes
+after remote: where a split meets both budgets, disaggregation is what pays (the prefill runs
+in full chunks beside the decodes); it is the answer where no split can hold the ITL.
 """
 
 from __future__ import annotations
