@@ -71,6 +71,25 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
 
 
+def served_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
+    """TPOT at concurrency 1, output tok/s at `args.concurrent` concurrent, TTFT of
+    `args.long_input_len`-token prompts: p50s from `pdserve bench` runs against `url`."""
+    row: dict[str, float] = {}
+    length = {"input_len": args.input_len, "output_len": args.output_len}
+    run_client(url, num_requests=1, **length)  # warm-up
+    s = run_client(url, num_requests=args.requests, max_concurrency=1, **length)
+    row["served_tpot_ms"] = s["tpot_ms"]["p50"]
+    if args.concurrent:
+        s = run_client(url, num_requests=2 * args.concurrent,
+                       max_concurrency=args.concurrent, **length)  # fmt: skip
+        row["tok_s_at_32"] = s["output_tokens_per_s"]
+    if args.long_input_len:
+        s = run_client(url, num_requests=args.requests, max_concurrency=1,
+                       input_len=args.long_input_len, output_len=4)  # fmt: skip
+        row["ttft_long_ms"] = s["ttft_ms"]["p50"]
+    return row
+
+
 def measure(variant: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
     row: dict[str, float] = {}
     code = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import bench_served; "
@@ -84,18 +103,7 @@ def measure(variant: dict[str, str], args: argparse.Namespace) -> dict[str, floa
     os.environ.update(variant)  # the launcher hands its environment to the workers
     try:
         with Cluster(pipeline, log_level="WARNING") as url:
-            length = {"input_len": args.input_len, "output_len": args.output_len}
-            run_client(url, num_requests=1, **length)  # warm-up
-            s = run_client(url, num_requests=args.requests, max_concurrency=1, **length)
-            row["served_tpot_ms"] = s["tpot_ms"]["p50"]
-            if args.concurrent:
-                s = run_client(url, num_requests=2 * args.concurrent,
-                               max_concurrency=args.concurrent, **length)  # fmt: skip
-                row["tok_s_at_32"] = s["output_tokens_per_s"]
-            if args.long_input_len:
-                s = run_client(url, num_requests=args.requests, max_concurrency=1,
-                               input_len=args.long_input_len, output_len=4)  # fmt: skip
-                row["ttft_long_ms"] = s["ttft_ms"]["p50"]
+            row.update(served_figures(url, args))
     finally:
         os.environ.clear()
         os.environ.update(saved)
