@@ -149,7 +149,9 @@ class ModelRunner:
         self._keep_scores(out, meta)
         if not sample_ids:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if len(sample_rows) < hidden.shape[0]:  # rows ascend: as many as rows means all
+            hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         rows = [
             SamplingRow(
                 p.temperature,
@@ -237,8 +239,8 @@ class ModelRunner:
             prefills=[PrefillSpan(s, e, c, torch.tensor(b, device=dev)) for s, e, c, b in prefills],
         )
         if decode_block_ids:
-            meta.decode_block_tables, meta.decode_mask = decode_tables(
-                decode_block_ids, decode_lens, bs, dev
+            meta.decode_block_tables, _ = decode_tables(
+                decode_block_ids, decode_lens, bs, dev, with_mask=False
             )
             meta.decode_context_lens = torch.tensor(decode_lens, device=dev)
             meta.kernels = self.kernels

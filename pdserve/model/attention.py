@@ -49,7 +49,9 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_tokens] long: offset in that block
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks], 0-padded
-    decode_mask: torch.Tensor | None = None  # [1, num_decodes, 1, max_blocks * block_size]
+    # [1, num_decodes, 1, max_blocks * block_size]; built by the first layer that needs it
+    # (from decode_context_lens) when not given: the native kernels never do.
+    decode_mask: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] long
     # Token dropping: attention each decode paid each of its blocks, summed over layers/heads.
     decode_scores: torch.Tensor | None = None  # [num_decodes, max_blocks]
@@ -60,19 +62,30 @@ class AttentionMetadata:
 
 
 def decode_tables(
-    block_tables: list[list[int]], context_lens: list[int], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables padded to the longest context (padding points at block 0), and the key
-    mask that hides padding and the unused tail of each last block."""
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    block_size: int,
+    device: torch.device,
+    with_mask: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block tables padded to the longest context (padding points at block 0), and (unless
+    not `with_mask`) the key mask that hides padding and the unused tail of each last block."""
     max_blocks = -(-max(context_lens) // block_size)
     rows = []
     for blocks, n in zip(block_tables, context_lens):
         used = -(-n // block_size)
         rows.append(blocks[:used] + [0] * (max_blocks - used))
     table = torch.tensor(rows, dtype=torch.long)  # one tensor, not one per row (~0.3 ms at 32)
-    positions = torch.arange(max_blocks * block_size)
-    mask = positions.unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
-    return table.to(device), mask[None, :, None, :].to(device)
+    if not with_mask:
+        return table.to(device), None
+    return table.to(device), key_mask(torch.tensor(context_lens), max_blocks * block_size, device)
+
+
+def key_mask(context_lens: torch.Tensor, num_keys: int, device: torch.device) -> torch.Tensor:
+    """[1, num_decodes, 1, num_keys]: True where a key lies within its request's context."""
+    keys = torch.arange(num_keys, device=context_lens.device)
+    mask = keys.unsqueeze(0) < context_lens.unsqueeze(1)
+    return mask[None, :, None, :].to(device)
 
 
 def paged_attention(
@@ -113,6 +126,8 @@ def attend(
         )
     elif n:
         keys, values = cache.gather(meta.decode_block_tables, q.dtype)  # [kv_heads, n, L, d]
+        if meta.decode_mask is None:  # the runner leaves it to the layers that need it
+            meta.decode_mask = key_mask(meta.decode_context_lens, keys.shape[2], q.device)
         # Query heads that share a KV head go on the "query length" axis, and the KV head
         # is SDPA's batch axis: one call over [kv_heads, n, group, d], no repeated K/V.
         qg = q[:n].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)

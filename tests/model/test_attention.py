@@ -87,3 +87,23 @@ def test_batched_decodes_of_different_lengths_and_a_prefill_in_one_step():
     for i, (sq, sk, sv) in enumerate(seqs):
         torch.testing.assert_close(got[i], dense(sq, sk, sv)[-1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got[3:], dense(pq, pk, pv), atol=1e-5, rtol=1e-5)
+
+
+def test_decodes_without_a_mask_build_it_from_their_context_lens():
+    """The runner gives no key mask (the native kernels need none); the PyTorch path then
+    builds the one decode_tables would, so padded keys stay hidden."""
+    torch.manual_seed(2)
+    lens, tables = [3, 10], [[1], [2, 3, 4]]
+    kv = torch.randn(NB, 2, KVH, BS, D)
+    q = torch.randn(2, H, D)
+    table, mask = decode_tables(tables, lens, BS, torch.device("cpu"))
+    given = AttentionMetadata(torch.tensor([1, 4]), torch.tensor([2, 1]), 2, table, mask)
+    want = paged_attention(q, q[:, :KVH], q[:, :KVH], LayerCache(kv.clone()), given)
+    table, none = decode_tables(tables, lens, BS, torch.device("cpu"), with_mask=False)
+    built = AttentionMetadata(
+        torch.tensor([1, 4]), torch.tensor([2, 1]), 2, table, none, torch.tensor(lens)
+    )
+    got = paged_attention(q, q[:, :KVH], q[:, :KVH], LayerCache(kv.clone()), built)
+    assert none is None
+    assert torch.equal(built.decode_mask, mask)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
