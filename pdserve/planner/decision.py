@@ -122,7 +122,10 @@ def decide(
         return _as(remote, "fallback_long")
     chunked = dataclasses.replace(local, prefill_chunk_tokens=int(p.get("slo_chunk_tokens", 0)))
     kinds = (LOCAL, SLO_CHUNK, REMOTE) if "slo_chunk_tokens" in p else (LOCAL, REMOTE)
-    itl_ok = {k: p[f"itl_{k}_s"] <= p["itl_budget_s"] for k in kinds}
+    # Predictions are mean steps and the target a tail: every path gets the headroom the
+    # SLO-sized chunk and the decode group are sized with.
+    itl_budget_s = ITL_HEADROOM * p["itl_budget_s"]
+    itl_ok = {k: p[f"itl_{k}_s"] <= itl_budget_s for k in kinds}
     ttft_ok = {k: p[f"ttft_{k}_s"] <= p["ttft_budget_s"] for k in kinds}
     if itl_ok[LOCAL] and ttft_ok[LOCAL]:
         return _as(local, "fits_slo", p)
@@ -132,10 +135,8 @@ def decide(
         return _as(chunked, "slo_chunk", p)
 
     def excess(kind: str) -> float:
-        return sum(
-            max(0.0, p[f"{m}_{kind}_s"] / max(p[f"{m}_budget_s"], 1e-9) - 1)
-            for m in ("itl", "ttft")
-        )
+        budgets = {"itl": itl_budget_s, "ttft": p["ttft_budget_s"]}
+        return sum(max(0.0, p[f"{m}_{kind}_s"] / max(budgets[m], 1e-9) - 1) for m in budgets)
 
     best = min(kinds, key=excess)  # ties: the first, local before remote
     if best == REMOTE:

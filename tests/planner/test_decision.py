@@ -16,6 +16,7 @@ from pdserve.planner.decision import (
     REMOTE,
     Situation,
     decide,
+    predict,
 )
 from pdserve.planner.model import OnlineCostModel
 from tests.planner.conftest import rows
@@ -177,3 +178,14 @@ def test_a_queue_on_the_decode_worker_delays_the_slo_chunked_prompt(model):
     queued = dataclasses.replace(ONE_THREAD_SPLIT, decode_queue_tokens=1024)
     p = decide(queued, model, 10.0, 0.02, 256).predictions
     assert p["ttft_slo_chunk_s"] > base["ttft_slo_chunk_s"] + 0.1
+
+
+def test_a_path_meets_the_itl_only_within_the_headroom_of_the_target(model):
+    """Predictions are mean steps and the target a tail: a split whose step is 90% of the
+    target does not meet it; at 70% (inside ITL_HEADROOM) it does."""
+    split_s = predict(BUSY, model, None, 1.0)["itl_remote_s"]
+    assert ITL_HEADROOM < 0.9
+    tight = decide(BUSY, model, None, split_s / 0.9, fallback_prompt_tokens=512)
+    loose = decide(BUSY, model, None, split_s / 0.7, fallback_prompt_tokens=512)
+    assert tight.reason != "itl_interference"
+    assert (loose.kind, loose.reason) == (REMOTE, "itl_interference")
