@@ -27,14 +27,17 @@ class AdaptiveConfig:
     core_dwell_s: float = knob(
         2.0, "least time a shrink or merge of core groups must stay wanted before it is made", ge=0
     )
+    # A Poisson stream leaves a gap of k mean gaps with probability e^-k: at 3, one gap in 20
+    # (a merge and a new split every ~20 remote requests); at 10, one in 20000, so that the
+    # mean of 16 gaps read 40% short still holds one in ~400.
     core_hold_gaps: float = knob(
-        3.0,
-        "a prefill group is merged back only after this many mean gaps between remote "
-        "requests without one (and core_dwell_s)",
+        10.0,
+        "a shrink or merge of core groups waits this many mean gaps between remote requests "
+        "(a merge: after the last one too), at least core_dwell_s",
         ge=0,
     )
     core_hold_max_s: float = knob(
-        30.0, "the longest a prefill group is held after its last remote request", ge=0
+        30.0, "the longest a shrink or merge of core groups waits (core_hold_gaps)", ge=0
     )
     # The workers' chunk size (what a local prefill adds to each decode step there): the
     # launcher sets it from the workers' scheduler, so it is no flag of its own.

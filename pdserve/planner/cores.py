@@ -11,24 +11,31 @@ per worker. A worker never heard from (no Ready) is taken to hold the whole pool
 sent nothing; each worker gets a first SetCores after its Ready even when it already runs
 on its target (the planner, not the launcher, owns the layout).
 
-Dwell: giving cores to a parked worker (a request waits for them) and growing a decode
-group (its inter-token latency is at stake) happen at once; every other change (a merge
-back, a shrink of the decode group) only once the same counts were wanted for `dwell_s`,
-so a burst does not make the groups flap. A change that parks a worker (the merge back)
-waits `hold_s()`: also `hold_gaps` times the decayed mean gap between the pool's remote
-requests (`on_remote`), at most `hold_max_s`, so a steady stream of remote requests holds
-one split however idle the prefill worker is between them, and only a lull long for that
-stream's own rate merges.
+Hysteresis: giving cores to a parked worker (a request waits for them) and growing a
+decode group (its inter-token latency is at stake) happen at once; every other change (a
+merge back, a shrink of the decode group) only once the same counts were wanted for
+`hold_s()`: `hold_gaps` times the mean of the last `NUM_GAPS` gaps between the pool's remote
+requests (`on_remote`), at least `dwell_s`, at most `hold_max_s` (the most, too, before
+`MIN_GAPS` gaps: no rate yet). A change that parks a worker (the merge back) also
+waits `hold_s()` after the last remote request, which a plan may never have seen busy (its
+prefill ended between two plans). So a steady stream of remote requests holds one split
+however idle the prefill worker is between them, and only a lull long for that stream's own
+rate merges.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-GAP_WEIGHT = 0.25  # of the newest gap in the mean gap between remote requests
+# Remote request gaps in the mean: a Poisson stream's gaps have a standard deviation of their
+# mean, so a mean of 16 is within 25% of the rate; a shorter memory (a decayed mean weighing
+# the newest by 0.25) reads a clump of arrivals as a rate twice the true one.
+NUM_GAPS = 16
+MIN_GAPS = 4  # fewer: the rate is not known (the first remote requests of a load)
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,7 @@ class CoreGroups:
     ) -> None:
         self.pool = tuple(pool)
         self.dwell_s, self.hold_gaps, self.hold_max_s = dwell_s, hold_gaps, hold_max_s
-        self.mean_gap_s: float | None = None  # between remote requests, decayed (GAP_WEIGHT)
+        self.gaps_s: collections.deque[float] = collections.deque(maxlen=NUM_GAPS)
         self._last_remote: float | None = None
         self.current: dict[str, Cores | None] = {w: None for w in worker_ids}
         self.pending: dict[str, tuple[Cores, float]] = {}  # sent, not acknowledged: (to, sent)
@@ -156,15 +163,20 @@ class CoreGroups:
         """A request prefills remotely on a worker of this pool. A gap is capped at
         `hold_max_s`: one long lull weighs no more than the longest hold it can cause."""
         if self._last_remote is not None:
-            gap = min(now - self._last_remote, self.hold_max_s)
-            mean = gap if self.mean_gap_s is None else self.mean_gap_s
-            self.mean_gap_s = GAP_WEIGHT * gap + (1 - GAP_WEIGHT) * mean
+            self.gaps_s.append(min(now - self._last_remote, self.hold_max_s))
         self._last_remote = now
 
+    @property
+    def mean_gap_s(self) -> float | None:
+        """The mean of the last `NUM_GAPS` gaps between remote requests; None before two."""
+        return sum(self.gaps_s) / len(self.gaps_s) if self.gaps_s else None
+
     def hold_s(self) -> float:
-        """How long a change that parks a worker must stay wanted before it is made."""
-        if self.mean_gap_s is None:
+        """How long a change that is not made at once must stay wanted before it is made."""
+        if self._last_remote is None:
             return self.dwell_s
+        if len(self.gaps_s) < MIN_GAPS:  # a stream of a rate not known yet
+            return max(self.dwell_s, self.hold_max_s)
         return max(self.dwell_s, min(self.hold_max_s, self.hold_gaps * self.mean_gap_s))
 
     # ---- planning -----------------------------------------------------------------------
@@ -183,8 +195,14 @@ class CoreGroups:
         if not (grant or decode_grows) and old:
             if self._proposal is None or self._proposal[0] != counts:
                 self._proposal = (counts, now)
-            parks = any(n == 0 and old.get(w, 0) > 0 for w, n in counts.items())
-            if now - self._proposal[1] < (self.hold_s() if parks else self.dwell_s):
+            since = self._proposal[1]
+            if self._last_remote is not None and any(
+                n == 0 and old.get(w, 0) > 0 for w, n in counts.items()
+            ):
+                # A remote prefill shorter than an interval is seen by no plan: the lull
+                # counts from the request too, not only from the plan that saw the worker idle.
+                since = max(since, self._last_remote)
+            if now - since < self.hold_s():
                 return False
         self._proposal = None
         self.counts = dict(counts)
@@ -230,6 +248,15 @@ class CoreGroups:
         """Threads the worker runs with now (acknowledged), 0 when parked or unknown."""
         current = self.current.get(worker_id)
         return current.threads if current is not None else 0
+
+    def runs(self, worker_id: str) -> bool:
+        """The worker runs steps now and is not being parked: work sent to it now is not
+        held up behind a SetCores that parks it (wait for a grant instead)."""
+        pending = self.pending.get(worker_id)
+        parking = self.counts.get(worker_id) == 0 or (
+            pending is not None and not pending[0].threads
+        )
+        return self.threads(worker_id) > 0 and not parking
 
     def state(self) -> dict[str, object]:
         return {

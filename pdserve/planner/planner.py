@@ -120,10 +120,7 @@ class Planner:
                 message.switch_s,
             )
             self._send(groups)  # a grow may have waited for this shrink
-            if message.threads > 0:
-                for future in self._grants.pop(message.worker_id, []):
-                    if not future.done():
-                        future.set_result(None)
+            self._release(groups)
 
     # ---- the driver's questions ---------------------------------------------------------
 
@@ -159,7 +156,7 @@ class Planner:
         split, prefill_threads, parked, busy = decode_threads, pool, False, False
         if prefill is not None:
             p_groups = self.groups[prefill.worker_id]
-            parked = p_groups.threads(prefill.worker_id) == 0
+            parked = not p_groups.runs(prefill.worker_id)  # or being parked
             prefill_threads = p_groups.threads(prefill.worker_id) or len(p_groups.pool)
             if p_groups is groups:  # one host: a remote prefill splits the pool
                 split = min(max(1, self._decode_need(d, pool) or pool // 2), pool - 1)
@@ -194,10 +191,10 @@ class Planner:
         )
 
     async def cores_granted(self, worker_id: str, timeout_s: float) -> bool:
-        """Wait until `worker_id` runs steps (threads > 0); False past `timeout_s`. A worker
-        the planner does not plan is always granted."""
+        """Wait until `worker_id` runs steps and is not being parked (`CoreGroups.runs`);
+        False past `timeout_s`. A worker the planner does not plan is always granted."""
         groups = self.groups.get(worker_id)
-        if groups is None or groups.threads(worker_id) > 0:
+        if groups is None or groups.runs(worker_id):
             return True
         future = asyncio.get_running_loop().create_future()
         self._grants[worker_id].append(future)
@@ -235,11 +232,19 @@ class Planner:
             if groups.want(plan_counts(len(groups.pool), demands), roles, now):
                 log.info("core groups: %s", groups.counts)
             self._send(groups)
+            self._release(groups)  # a park given up before it was sent: no CoresSet comes
         self._plan_roles(now)
 
     def _send(self, groups: CoreGroups) -> None:
         for worker_id, cores in groups.sends(self.clock()):
             self.plane.send(worker_id, messages.SetCores(list(cores.cpus), cores.threads))
+
+    def _release(self, groups: CoreGroups) -> None:
+        """Let the requests waiting for cores on a worker of `groups` that runs go on."""
+        for worker_id in [w for w in self._grants if self.groups[w] is groups and groups.runs(w)]:
+            for future in self._grants.pop(worker_id):
+                if not future.done():
+                    future.set_result(None)
 
     def _busy(self, w: WorkerState) -> bool:
         s = w.stats

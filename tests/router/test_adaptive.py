@@ -19,7 +19,9 @@ from tests.router.harness import Cluster
 
 POOL = (0, 1, 2, 3)
 # An ITL target: without one the planner keeps every prefill local (collocated's behaviour).
+# The core hold at this file's time scale: at most 3 s, 3 mean gaps between remote requests.
 ADAPTIVE = AdaptiveConfig(enabled=True, interval_s=0.05, core_dwell_s=0.3, min_dwell_s=0.0,
+                          core_hold_gaps=3.0, core_hold_max_s=3.0,
                           fallback_prompt_tokens=64, slo_itl_ms=50.0)  # fmt: skip
 LONG = "x" * 200  # 200 tokens with the byte-level test tokenizer: over the fallback's 64
 
@@ -84,7 +86,7 @@ def test_remote_waits_for_cores_local_stays_and_cores_merge_back(tokenizer_dir, 
             'kind="remote",reason="fallback_long"': 1.0,
             'kind="local",reason="fallback_short"': 1.0,
         }
-        # idle again: after the dwell the prefill worker is parked, the decode worker whole
+        # idle again: after the hold the prefill worker is parked, the decode worker whole
         c.wait_until(lambda: (c.workers["p0"].threads, c.workers["d1"].threads) == (0, 4), 5)
         status = requests.get(f"{c.url}/v1/status", timeout=10).json()["planner"]
         assert status["split"] == {"prefill": 1, "decode": 1}
@@ -108,12 +110,12 @@ def test_a_stream_of_remote_requests_holds_one_split_and_a_lull_merges_it(tokeni
                 assert post(c, LONG, 1).status_code == 200
                 switches.append(c.kinds("p0").count("SetCores"))
                 time.sleep(max(0.0, 0.8 - (time.monotonic() - sent)))
-            # the first split merged after the dwell (no rate yet); from the second on, held
+            # one split, held from the first request (no rate yet: the longest hold, 3 s)
             assert switches[1] == switches[2] == switches[3], switches
             assert c.workers["p0"].threads > 0  # idle for ~0.8 s, over the dwell
             assert running.result().status_code == 200
         assert decisions(c)['kind="remote",reason="fallback_long"'] == 4.0
-        # the lull: 3 mean gaps (~2.4 s) without a remote request merge the groups
+        # the lull: the hold (3 s: too few gaps for a rate) without a remote request merges
         c.wait_until(lambda: (c.workers["p0"].threads, c.workers["d1"].threads) == (0, 4), 10)
 
 
