@@ -334,3 +334,33 @@ def test_a_worker_being_parked_takes_no_work_until_it_is_granted_again():
     assert groups.sends(1.2) == [("p0", Cores((1,), 1))]
     groups.on_ack("p0", (1,), 1, 1.3)
     assert groups.runs("p0")
+
+
+# The remote decisions of a quiet 2-core step run before the fix (benchmarks/adaptive_step.py
+# --phase-seconds 120 --chat-rate 0.5 --summarization-rate 0.2 --max-output-len 128
+# --slo-itl-ms 60), s from its start, as its /v1/status poll saw them (0.5 s apart). That run
+# merged 1 s after a remote request (at 261.4 and 306.5) and split again at the next one.
+STEP_RUN_REMOTE_S = [
+    2.5, 2.5, 3.5, 6.6, 8.1, 9.6, 33.9, 38.5, 40.5, 42.5, 53.2, 53.2, 55.2, 57.2, 60.2,
+    61.3, 62.3, 69.8, 72.9, 73.9, 75.4, 77.9, 79.9, 86.5, 89.0, 91.6, 95.1, 96.6, 97.6, 99.2,
+    99.7, 101.2, 101.2, 104.7, 109.3, 110.3, 116.9, 117.4, 117.9, 119.4, 120.4, 121.9,
+    150.3, 151.3, 160.0, 162.5, 165.6, 165.6, 169.1, 175.7, 184.9, 189.4, 196.5, 213.3, 218.9,
+    223.5, 240.1, 240.6, 241.7, 243.2, 245.7, 248.2, 248.7, 249.3, 250.3, 251.3, 254.8,
+    255.8, 257.3, 259.9, 260.4, 275.1, 275.6, 277.1, 280.7, 283.7, 285.2, 287.3, 289.3,
+    292.8, 293.8, 294.4, 294.9, 297.9, 299.4, 305.0, 305.5, 307.5, 316.6, 318.7, 319.2, 324.2,
+    325.2, 325.7, 327.8, 328.3, 329.3, 332.3, 333.9, 339.9, 343.5, 344.5, 348.0, 349.1, 349.6,
+    349.6, 351.1, 352.6, 352.6, 355.6, 356.1,
+]  # fmt: skip
+
+
+def test_the_step_runs_remote_requests_merge_only_after_its_two_long_lulls():
+    groups = default_groups()
+    assert groups.want({"p0": 0, "d1": 2}, {"p0": "prefill", "d1": "decode"}, 0.0)
+    changes = []
+    for start, end, prefill_s in ((0, 120, 0.3), (120, 240, 4.0), (240, 360, 0.3)):
+        arrivals = [t for t in STEP_RUN_REMOTE_S if start <= t < end]
+        changes += replay(groups, prefill_s, arrivals, start, end)
+    merges = [t for t, threads in changes if threads == 0]
+    lulls = [t - max(a for a in STEP_RUN_REMOTE_S if a <= t) for t in merges]
+    # none remote from 9.6 s to 33.9 s and from 121.9 s to 150.3 s (phase 2 began at 120)
+    assert len(changes) == 5 and all(lull >= 14.0 for lull in lulls), (changes, lulls)
