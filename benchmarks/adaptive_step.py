@@ -6,7 +6,8 @@ prompts, then summarization-shaped ones, then chat again (the presets' length sh
 Poisson arrivals). Each phase is its own `bench` run started at its phase's time, so the
 previous phase's requests still in flight overlap the change as they would in service. A
 poller reads `/v1/status` every `--poll-s` for each worker's role, the planner's core-group
-targets and acknowledged threads, its switch counters and its decisions by reason.
+targets and acknowledged threads, its core hold, its switch counters and its decisions by
+reason.
 
 Printed per phase: requests sent / finished / rejected (429, 503) / failed, the longest gap
 between two tokens of any request (a stall), TTFT and TPOT p50/p90, the changes of the split
@@ -97,6 +98,7 @@ class Poller(threading.Thread):
                 "roles": {w["worker"]: w["role"] for w in status["workers"]},
                 "threads": {w["worker"]: w["threads"] for w in status["workers"]},
                 "targets": targets,
+                "hold_s": [g.get("hold_s") for g in planner.get("core_groups", [])],
                 "num_core_switches": planner.get("num_core_switches", 0),
                 "num_role_switches": planner.get("num_role_switches", 0),
                 "decisions": planner.get("decisions", {}),

@@ -268,6 +268,8 @@ class CoreGroups:
                 for w, c in sorted(self.current.items())
             },
             "num_switches": self.num_switches,
+            "hold_s": self.hold_s(),
+            "mean_remote_gap_s": self.mean_gap_s,
         }  # fmt: skip
 
 
