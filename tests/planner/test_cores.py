@@ -273,13 +273,13 @@ def step_change(seed):
     chat's again, 2 min each, then none for 40 s. The changes and the arrivals."""
     rng = random.Random(seed)
     chat, summarization = (0.35, 0.3), (0.2, 4.0)  # remote requests/s, prefill s
-    phases = [(*chat, 0, 120), (*summarization, 120, 240), (*chat, 240, 360), (1.0, 0, 360, 400)]
+    phases = [(*chat, 0, 120), (*summarization, 120, 240), (*chat, 240, 360)]
     groups, changes, arrivals = default_groups(), [], []
     assert groups.want({"p0": 0, "d1": 2}, {"p0": "prefill", "d1": "decode"}, 0.0)
     for rate, prefill_s, start, end in phases:
-        arrivals += poisson(rate, start, min(end, 360), rng)
+        arrivals += poisson(rate, start, end, rng)
         changes += replay(groups, prefill_s, [t for t in arrivals if t >= start], start, end)
-    return changes, arrivals
+    return changes + replay(groups, 0.0, [], 360, 400), arrivals
 
 
 def test_a_step_change_keeps_one_split_and_only_a_long_lull_or_the_end_of_load_merges():
