@@ -3,7 +3,8 @@ that will decode it (local). A pure function of what the router knows and the co
 (docs/adaptive.md, "The decision"), so tests state it as a table and the simulator reuses it.
 
     no prefill worker                      -> local   no_prefill_worker
-    nothing runs on the decode worker      -> local   idle_decode   (no one to interfere with)
+    nothing runs on the decode worker,     -> local   idle_decode   (no one to interfere with)
+    and it has every core
     no ITL target and no usable model      -> local   no_itl_slo    (nothing to protect)
     no usable cost model yet               -> uncached prompt <= fallback_prompt_tokens ?
                                               local fallback_short : remote fallback_long
@@ -111,7 +112,11 @@ def decide(
     remote = Decision(REMOTE, "", num_prefill_tokens=remote_tokens)
     if not s.has_prefill:
         return _as(local, "no_prefill_worker")
-    if s.num_decodes == 0 and s.decode_queue_tokens == 0:
+    # Under a held split (cores.py) the idle decode worker has only its share: its prompt's
+    # chunk steps are what decodes joining it wait, while the prefill worker idles on the
+    # rest, with no switch to pay. That is priced like any other situation.
+    idle = s.num_decodes == 0 and s.decode_queue_tokens == 0
+    if idle and s.decode_threads_local >= s.pool_size:
         return _as(local, "idle_decode")
     p = predict(s, model, slo_ttft_s, slo_itl_s)
     if p is None:

@@ -60,6 +60,10 @@ TABLE = [
     # (situation, slo_ttft_s, slo_itl_s, kind, reason)
     (case(has_prefill=False), None, None, LOCAL, "no_prefill_worker"),
     (case(num_decodes=0), None, None, LOCAL, "idle_decode"),
+    # idle on its share of a held split: the prompt's chunk steps (on 4 threads) are what a
+    # decode joining it waits; with no ITL target that breaks nothing
+    (case(num_decodes=0, decode_threads_local=4), None, 0.02, REMOTE, "itl_interference"),
+    (case(num_decodes=0, decode_threads_local=4), None, None, LOCAL, "fits_slo"),
     # no ITL target: a local prefill's stall breaks nothing the operator asked for
     (case(), None, None, LOCAL, "fits_slo"),
     # an ITL target of about twice the unloaded step (9 ms here)
