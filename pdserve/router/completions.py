@@ -16,7 +16,6 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.output_processor import OutputProcessor
 from pdserve.router import responses
 from pdserve.router.config import RouterConfig
-from pdserve.router.deadlines import Deadlines
 from pdserve.router.driver import RequestDriver
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
@@ -70,14 +69,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise
         ctx = responses.ResponseContext(api.chat, state.config.model)
         driver = RequestDriver(
-            state.plane,
-            state.policy,
-            state.processor,
-            prompt_ids,
-            params,
-            Deadlines.of(state.config),
-            ctx.id,
-            timing,
+            state.plane, state.policy, state.processor, prompt_ids, params, ctx.id, timing
         )
         return await _run(request, state, api, ctx, driver, len(prompt_ids))
 
@@ -122,10 +114,8 @@ async def _run(
             async for delta in driver.stream():
                 text.append(delta.text)
                 finish_reason = delta.finish_reason
-            usage = responses.usage(
-                num_prompt_tokens, driver.num_output_tokens, driver.num_cached_tokens
-            )
-            body = responses.full_response(ctx, "".join(text), finish_reason, usage)
+            usage = _usage(driver, num_prompt_tokens)
+            body = responses.body(ctx, "".join(text), finish_reason, stream=False, usage=usage)
             if _wants_timing(request):
                 body["pdserve_timing"] = driver.timing.report(ctx.id)
             response = web.json_response(body, headers={REQUEST_ID_HEADER: ctx.id})
@@ -175,10 +165,8 @@ async def _stream(
         await response.write_eof()
         return response, exc
     if api.include_usage:
-        usage = responses.usage(
-            num_prompt_tokens, driver.num_output_tokens, driver.num_cached_tokens
-        )
-        await response.write(responses.sse(responses.usage_chunk(ctx, usage)))
+        usage = _usage(driver, num_prompt_tokens)
+        await response.write(responses.sse(responses.body(ctx, None, stream=True, usage=usage)))
     await response.write(responses.SSE_DONE)
     await response.write_eof()
     return response, None
@@ -188,10 +176,14 @@ def _chunk(
     ctx: responses.ResponseContext, delta: Any, timing: RequestTiming | None, first: bool = False
 ) -> bytes:
     """One SSE chunk; the last carries `pdserve_timing` when the client asked for it."""
-    body = responses.chunk(ctx, delta.text, delta.finish_reason, first=first)
+    body = responses.body(ctx, delta.text, delta.finish_reason, stream=True, first=first)
     if timing is not None and delta.finish_reason is not None:
         body["pdserve_timing"] = timing.report(ctx.id)
     return responses.sse(body)
+
+
+def _usage(driver: RequestDriver, num_prompt_tokens: int) -> dict[str, Any]:
+    return responses.usage(num_prompt_tokens, driver.num_output_tokens, driver.num_cached_tokens)
 
 
 def _wants_timing(request: web.Request) -> bool:

@@ -55,7 +55,7 @@ class RouterConfig:
     admission_timeout_s: float = knob(10.0, gt=0)
     warmup_timeout_s: float = knob(600.0, "one warm-up prefill (a long prompt on a CPU core)", gt=0)
     max_recoveries: int = knob(3, "re-drives of one request after worker failures, then 502", ge=0)
-    # A frozen worker that still heartbeats (router/deadlines.py). First token: a long prompt
+    # A frozen worker that still heartbeats (router/driver.py). First token: a long prompt
     # queued behind others on a CPU worker, as for warm-up. Between tokens: a decode step takes
     # well under a second, and a preempted request resumes behind a prefill chunk; a false alarm
     # costs a re-drive (the stream goes on elsewhere), never the request.

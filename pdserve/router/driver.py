@@ -15,7 +15,10 @@ old attempt's late writes with a new one's), and the old attempt is aborted on e
   - Tokens already streamed: `Generate(prompt, output_token_ids=streamed)` on a decode (or
     collocated, or as a last resort prefill) worker, which recomputes them as prompt and
     continues. The stream goes on from the next token: no duplicate, none missing.
-A worker silent past a deadline (router/deadlines.py) counts as lost for the request.
+Deadlines: a worker's heartbeat comes from its own thread, so a frozen engine loop (a deadlock,
+a hung kernel) still looks alive. A worker silent past `first_token_timeout_s` (dispatch to its
+first Tokens) or `token_timeout_s` (between Tokens) counts as lost for the request, and is not
+picked again for it (it may be frozen for every request).
 At most `max_recoveries` re-drives; then the last failure is the client's error (502), and
 "no healthy worker of a role" is a 503 at once.
 
@@ -30,17 +33,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve import messages
 from pdserve.output_processor import OutputProcessor
-from pdserve.router.deadlines import Deadlines, Lost, Watch
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, sampling_to_wire, unavailable
-from pdserve.router.routing import AdaptiveRequest, route_request
+from pdserve.router.routing import AdaptiveRequest, Lost, route_request
 from pdserve.router.timing import RequestTiming
 from pdserve.router.worker_state import WorkerLost
 from pdserve.router.workers import ControlPlane
@@ -67,25 +68,23 @@ class RequestDriver:
         processor: OutputProcessor,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        deadlines: Deadlines,
-        request_id: str = "",
-        timing: RequestTiming | None = None,
+        request_id: str,
+        timing: RequestTiming,
     ) -> None:
-        self.plane = plane
+        self.plane, self.config = plane, plane.config
         self.policy = policy
         self.processor = processor
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.sampling = sampling_to_wire(params)
-        self.deadlines = deadlines
         self.num_recoveries = 0
         # The client's id, in every log line: the processor's key, and each attempt's
         # worker-side id is it plus the attempt's number.
-        self.key = request_id or uuid.uuid4().hex
+        self.key = request_id
         self.request_id = ""  # the worker-side id of the current attempt
         self.num_attempts = 0
         self.state = "queued"
-        self.timing = timing or RequestTiming()
+        self.timing = timing
         self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the serving worker took from its cache
         self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
@@ -111,7 +110,7 @@ class RequestDriver:
             except Lost as lost:
                 self._abort_attempt()
                 self.num_recoveries += 1
-                if self.num_recoveries > self.deadlines.max_recoveries:
+                if self.num_recoveries > self.config.max_recoveries:
                     raise ApiError(502, str(lost), type="server_error") from None
                 log.warning(
                     "request %s: %s; re-driving it after %d tokens (recovery %d)",
@@ -125,10 +124,6 @@ class RequestDriver:
         self._abort_attempt()
         self.processor.remove(self.key)
         self._transition(status)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.timing.ttft_s
 
     # ---- flows --------------------------------------------------------------------------
 
@@ -157,7 +152,7 @@ class RequestDriver:
             worker_id = self._decode_id
         while True:
             first = self.state == "transferring"  # D's first token: after the KV lands
-            message = await self._next(watch=self.deadlines.watch(worker_id, first))
+            message = await self._next(watch=worker_id, first_token=first)
             if not isinstance(message, messages.Tokens) or message.worker_id in self.senders:
                 kind = type(message).__name__
                 raise ApiError(
@@ -178,7 +173,7 @@ class RequestDriver:
         """The whole request on one worker: collocated, a decode worker prefilling locally (no
         healthy prefill worker, or the adaptive planner's `worker_id`), or a resumed request
         recomputing its streamed tokens. Roles are chosen again after a refusal (switches)."""
-        deadline = time.monotonic() + self.deadlines.admission_s
+        deadline = time.monotonic() + self.config.admission_timeout_s
         done = list(self.processor.states[self.key].token_ids)
         while True:
             roles = self.plane.healthy_roles()
@@ -197,7 +192,7 @@ class RequestDriver:
             self._send(worker_id, generate)
             self._charge_prefill(worker_id, len(done))
             self._transition("prefilling")
-            reply = await self._next(watch=self.deadlines.watch(worker_id, True))
+            reply = await self._next(watch=worker_id)
             if isinstance(reply, messages.Tokens):
                 self._transition("decoding")
                 return worker_id, reply
@@ -205,7 +200,7 @@ class RequestDriver:
             worker_id = ""
 
     async def _disaggregated_first_token(self) -> tuple[str, messages.Tokens]:
-        deadline = time.monotonic() + self.deadlines.admission_s
+        deadline = time.monotonic() + self.config.admission_timeout_s
         while True:  # admission: a decode worker with room for the prompt's KV
             self._new_attempt()
             decode_id = await self._pick("decode", deadline)
@@ -231,7 +226,7 @@ class RequestDriver:
             self._send(prefill_id, prefill)
             self._charge_prefill(prefill_id)
             self._transition("prefilling")
-            first = await self._next(watch=self.deadlines.watch(prefill_id, True))
+            first = await self._next(watch=prefill_id)
             if isinstance(first, messages.Tokens) and first.worker_id == prefill_id:
                 self._release(prefill_id)  # P is done computing; its KV may still be in flight
                 self.senders[prefill_id] = self.outstanding.pop(prefill_id)
@@ -283,11 +278,14 @@ class RequestDriver:
         if time.monotonic() >= deadline:
             raise unavailable(f"no worker had room within the admission timeout ({reply.reason})")
 
-    async def _next(self, deadline: float | None = None, watch: Watch | None = None) -> Any:
+    async def _next(
+        self, deadline: float | None = None, watch: str = "", first_token: bool = True
+    ) -> Any:
         """The next message from this attempt's workers (others' late ones dropped): 503 past
-        `deadline`, Lost when an involved worker dies or fails or the watched one goes silent."""
+        `deadline`, Lost when an involved worker dies or fails or `watch` goes silent."""
         assert self._queue is not None
-        silent_until = time.monotonic() + watch.timeout_s if watch else None
+        field = "first_token_timeout_s" if first_token else "token_timeout_s"
+        silent_until = time.monotonic() + getattr(self.config, field)
         while True:
             if self._queue.empty():
                 timeout = _POLL_S
@@ -300,8 +298,11 @@ class RequestDriver:
                 except asyncio.TimeoutError:
                     self._check_alive()
                     if watch and time.monotonic() >= silent_until:
-                        self._stalled.add(watch.worker_id)
-                        raise watch.lost() from None
+                        self._stalled.add(watch)
+                        silent_s = getattr(self.config, field)
+                        raise Lost(
+                            f"worker {watch} sent nothing for {silent_s:g} s ({field})"
+                        ) from None
                     continue
             else:
                 message = self._queue.get_nowait()

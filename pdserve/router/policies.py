@@ -42,10 +42,15 @@ class RouteRequest:
 
 class RoutingPolicy(ABC):
     """Contract: `choose` returns a healthy worker of `role` not in `exclude`, or None when
-    there is none. Subclasses implement `_pick` over a non-empty candidate list."""
+    there is none: the one of least `cost`; ties rotate in id order (so equal workers share
+    load between Stats reports)."""
 
     name: str = ""
     needs_block_hashes: bool = False
+    always_rotates: bool = False  # a unique cheapest worker is taken without a turn
+
+    def __init__(self) -> None:
+        self._last: dict[str, str] = {}  # role -> id of the worker the last turn went to
 
     def choose(
         self,
@@ -59,81 +64,67 @@ class RoutingPolicy(ABC):
         ]
         if not candidates:
             return None
-        return self._pick(role, sorted(candidates, key=lambda w: w.worker_id), request)
+        costs = [self.cost(role, w, request) for w in candidates]
+        tied = sorted((w for w, c in zip(candidates, costs) if c == min(costs)), key=_by_id)
+        if len(tied) == 1 and not self.always_rotates:
+            return tied[0]
+        last = self._last.get(role)
+        # The first id after the last one chosen; ids (not indexes) so joins/leaves keep order.
+        chosen = next((w for w in tied if last is None or w.worker_id > last), tied[0])
+        self._last[role] = chosen.worker_id
+        return chosen
 
     @abstractmethod
-    def _pick(
-        self, role: str, candidates: list[WorkerLoad], request: RouteRequest
-    ) -> WorkerLoad: ...
+    def cost(self, role: str, w: WorkerLoad, request: RouteRequest) -> tuple[int, ...]: ...
+
+
+def _by_id(w: WorkerLoad) -> str:
+    return w.worker_id
 
 
 class RoundRobin(RoutingPolicy):
     """Each role cycles through its workers in id order, skipping the unhealthy."""
 
     name = "round_robin"
+    always_rotates = True
 
-    def __init__(self) -> None:
-        self._last: dict[str, str] = {}  # role -> id of the worker chosen last
-
-    def _pick(self, role: str, candidates: list[WorkerLoad], request: RouteRequest) -> WorkerLoad:
-        last = self._last.get(role)
-        # The first id after the last one chosen; ids (not indexes) so joins/leaves keep order.
-        chosen = next((w for w in candidates if last is None or w.worker_id > last), candidates[0])
-        self._last[role] = chosen.worker_id
-        return chosen
+    def cost(self, role: str, w: WorkerLoad, request: RouteRequest) -> tuple[int, ...]:
+        return ()
 
 
 class ShortestQueue(RoutingPolicy):
     """Least loaded worker. Prefill cost is the prefill tokens queued on it (the time until
     this prompt's first token); decode cost is its active requests, then fewer free blocks
     (a decode worker's batch slots and KV are what run out). Collocated workers pay both, in
-    that order. Ties rotate, so equal workers share load between Stats reports."""
+    that order."""
 
     name = "shortest_queue"
 
-    def __init__(self) -> None:
-        self._tie_breaker = RoundRobin()
-
-    def _pick(self, role: str, candidates: list[WorkerLoad], request: RouteRequest) -> WorkerLoad:
-        best_cost = min(cost(role, w) for w in candidates)
-        tied = [w for w in candidates if cost(role, w) == best_cost]
-        return tied[0] if len(tied) == 1 else self._tie_breaker._pick(role, tied, request)
-
-
-def cost(role: str, w: WorkerLoad) -> tuple[int, ...]:
-    active = max(w.num_running + w.num_waiting, w.num_active_requests)
-    if role == "prefill":
-        return (w.num_queued_prefill_tokens, w.num_waiting)
-    if role == "decode":
-        return (active, -w.num_free_blocks)
-    return (w.num_queued_prefill_tokens, active, -w.num_free_blocks)
+    def cost(self, role: str, w: WorkerLoad, request: RouteRequest) -> tuple[int, ...]:
+        active = max(w.num_running + w.num_waiting, w.num_active_requests)
+        if role == "prefill":
+            return (w.num_queued_prefill_tokens, w.num_waiting)
+        if role == "decode":
+            return (active, -w.num_free_blocks)
+        return (w.num_queued_prefill_tokens, active, -w.num_free_blocks)
 
 
-class PrefixCache(RoutingPolicy):
+class PrefixCache(ShortestQueue):
     """KV-aware: the prefill (or collocated) worker that finishes this prompt first, counting
     what it need not compute. Cost = prompt tokens it lacks in its prefix cache + prefill
-    tokens already queued on it; so a cache hit wins until the holder's queue is longer than
-    the tokens the hit saves (overlap never beats a large load gap). Decode workers hold no
-    reusable prompt KV yet: they are chosen by queue length."""
+    tokens already queued on it, then as `shortest_queue`; so a cache hit wins until the
+    holder's queue is longer than the tokens the hit saves (overlap never beats a large load
+    gap). Decode workers hold no reusable prompt KV: they are chosen by queue length."""
 
     name = "prefix_cache"
     needs_block_hashes = True
 
-    def __init__(self) -> None:
-        self._by_queue = ShortestQueue()
-
-    def _pick(self, role: str, candidates: list[WorkerLoad], request: RouteRequest) -> WorkerLoad:
+    def cost(self, role: str, w: WorkerLoad, request: RouteRequest) -> tuple[int, ...]:
+        by_queue = super().cost(role, w, request)
         if role == "decode":
-            return self._by_queue._pick(role, candidates, request)
-
-        def cost_of(w: WorkerLoad) -> tuple[int, ...]:
-            cached = min(w.num_cached_blocks * request.block_size, request.num_prompt_tokens)
-            return (request.num_prompt_tokens - cached + w.num_queued_prefill_tokens,
-                    *cost(role, w)[1:])  # fmt: skip
-
-        best = min(cost_of(w) for w in candidates)
-        tied = [w for w in candidates if cost_of(w) == best]
-        return tied[0] if len(tied) == 1 else self._by_queue._pick(role, tied, request)
+            return by_queue
+        cached = min(w.num_cached_blocks * request.block_size, request.num_prompt_tokens)
+        return (request.num_prompt_tokens - cached + by_queue[0], *by_queue[1:], by_queue[0])
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
@@ -154,7 +145,7 @@ class ByRole(RoutingPolicy):
         policy = self.load_balancer if role == "decode" else self.routing
         return policy.choose(role, workers, request, exclude)
 
-    def _pick(self, role, candidates, request) -> WorkerLoad:  # pragma: no cover - delegates
+    def cost(self, role, w, request) -> tuple[int, ...]:  # pragma: no cover - delegates
         raise NotImplementedError
 
 

@@ -157,22 +157,13 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ApiRequest:
             raise ApiError(400, f"{name}={_show(value)} is not supported here", param=name)
     stream = _field(body, "stream", bool, False) or False
     stream_options = _field(body, "stream_options", dict, None)
-    include_usage = False
-    if stream_options is not None:
-        if not stream:
-            raise ApiError(
-                400, "stream_options is only allowed when stream is true", param="stream"
-            )
-        include_usage = _field(stream_options, "include_usage", bool, False, "stream_options.")
-    if chat:
-        messages = parse_messages(body)
-        prompt = None
-        max_tokens = _field(body, "max_completion_tokens", int, None)
-        if max_tokens is None:
-            max_tokens = _field(body, "max_tokens", int, None)
-    else:
-        messages = None
-        prompt = _parse_prompt(body)
+    if stream_options is not None and not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream")
+    include_usage = _field(stream_options or {}, "include_usage", bool, False, "stream_options.")
+    messages = parse_messages(body) if chat else None
+    prompt = None if chat else _parse_prompt(body)
+    max_tokens = _field(body, "max_completion_tokens", int, None) if chat else None
+    if max_tokens is None:
         max_tokens = _field(body, "max_tokens", int, None)
     if max_tokens is not None and max_tokens > config.max_tokens_limit:
         limit = config.max_tokens_limit
@@ -196,13 +187,8 @@ def check_prompt_chars(
     too_many = len(messages) > max_model_len
     if too_many or num_chars > max_model_len * max_token_chars:
         what = f"{len(messages)} messages" if too_many else f"{num_chars} characters"
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{what}, more than that many tokens can hold",
-            param="messages" if request.chat else "prompt",
-            code="context_length_exceeded",
-        )
+        what = f"the prompt has {what}, more than that many tokens can hold"
+        raise too_long(max_model_len, what, "messages" if request.chat else "prompt")
 
 
 def finalize_sampling(
@@ -214,30 +200,26 @@ def finalize_sampling(
     the context is an error; the default (16 for completions, the rest of the context for
     chat, as OpenAI's "unlimited") is clipped to fit.
     """
-    prompt_param = "messages" if request.chat else "prompt"
     if max_model_len is not None and num_prompt_tokens >= max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens, which leaves no room for output",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
+        what = f"the prompt has {num_prompt_tokens} tokens, which leaves no room for output"
+        raise too_long(max_model_len, what, "messages" if request.chat else "prompt")
     room = None if max_model_len is None else max_model_len - num_prompt_tokens
     max_tokens = request.max_tokens
     if max_tokens is None:
         max_tokens = 16 if not request.chat or room is None else room
         max_tokens = max_tokens if room is None else min(max_tokens, room)
     elif room is not None and max_tokens > room and max_tokens >= 1:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion)",
-            param="max_tokens",
-            code="context_length_exceeded",
+        what = (
+            f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+            f"the prompt, {max_tokens} for the completion)"
         )
+        raise too_long(max_model_len, what, "max_tokens")
     return _sampling_params({**request.sampling, "max_tokens": max_tokens})
+
+
+def too_long(max_model_len: int, what: str, param: str) -> ApiError:
+    message = f"This model's maximum context length is {max_model_len} tokens; {what}"
+    return ApiError(400, message, param=param, code="context_length_exceeded")
 
 
 def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
@@ -248,11 +230,8 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 
 def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
-        value = _field(body, name, kind, None)
-        if value is not None:
-            kwargs[name] = value
+    fields = (("temperature", float), ("top_p", float), ("top_k", int))
+    kwargs = {n: v for n, kind in fields if (v := _field(body, n, kind, None)) is not None}
     kwargs["seed"] = _field(body, "seed", int, None)
     kwargs["ignore_eos"] = _field(body, "ignore_eos", bool, False) or False
     stop = body.get("stop")
@@ -267,17 +246,14 @@ def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any
     if any(len(s) > config.max_stop_len for s in stop):
         raise ApiError(400, f"stop strings hold at most {config.max_stop_len} chars", param="stop")
     kwargs["stop"] = stop
-    stop_token_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_token_ids, list) or not all(
-        _is_int(t) and 0 <= t <= INT64_MAX for t in stop_token_ids
-    ):
-        raise ApiError(
-            400, "stop_token_ids must be a list of non-negative token ids", param="stop_token_ids"
-        )
-    if len(stop_token_ids) > config.max_num_stop:
-        limit = config.max_num_stop
-        raise ApiError(400, f"stop_token_ids holds at most {limit} ids", param="stop_token_ids")
-    kwargs["stop_token_ids"] = stop_token_ids
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
+        message = "stop_token_ids must be a list of non-negative token ids"
+        raise ApiError(400, message, param="stop_token_ids")
+    if len(ids) > config.max_num_stop:
+        message = f"stop_token_ids holds at most {config.max_num_stop} ids"
+        raise ApiError(400, message, param="stop_token_ids")
+    kwargs["stop_token_ids"] = ids
     _sampling_params({**kwargs, "max_tokens": 1})  # validate now: fail before tokenizing
     return kwargs
 
@@ -324,23 +300,16 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if isinstance(role, str) and role not in _ROLES:
-            raise ApiError(
-                400,
-                f"messages[{index}].role must be one of {_ROLES}, got {role!r}",
-                param="messages",
-            )
+            text = f"messages[{index}].role must be one of {_ROLES}, got {role!r}"
+            raise ApiError(400, text, param="messages")
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             parts = message["content"]
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                 for p in parts
             ):
-                raise ApiError(
-                    400,
-                    f"messages[{index}].content: only parts {{type: text, text: string}} are "
-                    "supported",
-                    param="messages",
-                )
+                text = "only parts {type: text, text: string} are supported"
+                raise ApiError(400, f"messages[{index}].content: {text}", param="messages")
             message = {**message, "content": "".join(p["text"] for p in parts)}
         out.append(message)
     return out
@@ -355,16 +324,13 @@ def _field(body: dict[str, Any], name: str, kind: type, default: Any, prefix: st
     ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     if kind is float:
         ok = _is_int(value) or (isinstance(value, float))
+    where = f"{prefix}{name}"
     if not ok:
         kind_name = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
         expected = kind_name.get(kind, "an object")
-        raise ApiError(
-            400, f"{prefix}{name} must be {expected}, got {_show(value)}", param=f"{prefix}{name}"
-        )
+        raise ApiError(400, f"{where} must be {expected}, got {_show(value)}", param=where)
     if _is_int(value) and not INT64_MIN <= value <= INT64_MAX:
-        raise ApiError(
-            400, f"{prefix}{name} must fit in 64 bits, got {_show(value)}", param=f"{prefix}{name}"
-        )
+        raise ApiError(400, f"{where} must fit in 64 bits, got {_show(value)}", param=where)
     return float(value) if kind is float else value
 
 

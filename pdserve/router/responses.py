@@ -40,62 +40,31 @@ def usage(
     }
 
 
-def full_response(
-    ctx: ResponseContext, text: str, finish_reason: str | None, usage_body: dict[str, int]
+def body(
+    ctx: ResponseContext,
+    text: str | None,
+    finish_reason: str | None = None,
+    *,
+    stream: bool,
+    first: bool = False,
+    usage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    if ctx.chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        kind = "chat.completion"
-    else:
-        choice, kind = _text_choice(text, finish_reason), "text_completion"
-    return {**_envelope(ctx, kind, [choice]), "usage": usage_body}
-
-
-def chunk(
-    ctx: ResponseContext, text: str, finish_reason: str | None, first: bool = False
-) -> dict[str, Any]:
-    """One streamed delta. The first chat chunk carries `role: assistant` (the SDKs and most
-    UIs read the role from it)."""
-    if ctx.chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+    """A whole response, or (`stream`) one delta: the first chat delta carries `role:
+    assistant` (the SDKs and most UIs read the role from it). `text` None: no choices, as in
+    the final chunk for `stream_options.include_usage`."""
+    if not ctx.chat:
+        kind, key, value = "text_completion", "text", text
+    elif stream:
+        kind, key = "chat.completion.chunk", "delta"
+        value = {"role": "assistant", "content": text} if first else {}
         if not first and (text or finish_reason is None):
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        kind = "chat.completion.chunk"
+            value["content"] = text
     else:
-        choice, kind = _text_choice(text, finish_reason), "text_completion"
-    return _envelope(ctx, kind, [choice])
-
-
-def _text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-def _envelope(ctx: ResponseContext, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fields every completion object and chunk shares."""
-    return {
-        "id": ctx.id,
-        "object": kind,
-        "created": ctx.created,
-        "model": ctx.model,
-        "choices": choices,
-    }
-
-
-def usage_chunk(ctx: ResponseContext, usage_body: dict[str, int]) -> dict[str, Any]:
-    """The final chunk for `stream_options.include_usage`: empty choices, the usage."""
-    kind = "chat.completion.chunk" if ctx.chat else "text_completion"
-    return {**_envelope(ctx, kind, []), "usage": usage_body}
+        kind, key, value = "chat.completion", "message", {"role": "assistant", "content": text}
+    choice = {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+    choices = [] if text is None else [choice]
+    out = {"id": ctx.id, "object": kind, "created": ctx.created, "model": ctx.model}
+    return {**out, "choices": choices, **({} if usage is None else {"usage": usage})}
 
 
 def sse(body: dict[str, Any] | str) -> bytes:

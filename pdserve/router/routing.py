@@ -10,13 +10,16 @@ from typing import TYPE_CHECKING
 
 from pdserve.kvcache.hashing import hash_blocks, root_hash
 from pdserve.planner.decision import LOCAL, Decision
-from pdserve.router.deadlines import Lost
 from pdserve.router.policies import RouteRequest, RoutingPolicy
 from pdserve.router.timing import RequestTiming
 
 if TYPE_CHECKING:
     from pdserve.planner.planner import Planner
     from pdserve.router.workers import ControlPlane
+
+
+class Lost(Exception):
+    """The current attempt cannot finish (a worker died, failed, or missed a deadline)."""
 
 
 def route_request(

@@ -28,7 +28,13 @@ from aiohttp import web
 from pdserve import messages
 from pdserve.request import WARMUP_PARAMS
 from pdserve.router.completions import STATE, RouterState, read_json, request_slot
-from pdserve.router.protocol import ApiError, check_model, parse_messages, sampling_to_wire
+from pdserve.router.protocol import (
+    ApiError,
+    check_model,
+    parse_messages,
+    sampling_to_wire,
+    too_long,
+)
 from pdserve.router.worker_state import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
@@ -45,30 +51,26 @@ async def unpin(request: web.Request) -> web.Response:
 
 
 async def _warm(request: web.Request, unpin: bool) -> web.Response:
-    state = request.app[STATE]
+    state, config = request.app[STATE], request.app[STATE].config
     with request_slot(state):
-        return await _warm_in_slot(request, state, unpin)
-
-
-async def _warm_in_slot(request: web.Request, state: RouterState, unpin: bool) -> web.Response:
-    body = await read_json(request)
-    prompts, pin = parse_warmup(body, state.config.model, state.config.max_warmup_prompts)
-    prompt_ids = [_tokenize(state, prompt, param) for prompt, param in prompts]
-    num_tokens = sum(map(len, prompt_ids))
-    if num_tokens > state.config.max_warmup_tokens:
-        raise ApiError(
-            400,
-            f"prompts and messages have {num_tokens} tokens together; at most "
-            f"{state.config.max_warmup_tokens} per warm-up call (max_warmup_tokens)",
-            param="prompts",
-        )
-    worker_ids = [w.worker_id for w in state.plane.workers.values() if w.role in WARMUP_ROLES]
-    healthy = [wid for wid in worker_ids if state.plane.is_healthy(wid)]
-    if not healthy:
-        raise ApiError(503, "no healthy prefill or collocated worker to warm", type="server_error")
-    pin = pin and not unpin
-    asks = [_ask(state, wid, ids, pin, unpin) for wid in healthy for ids in prompt_ids]
-    answers = iter(await asyncio.gather(*asks))
+        body = await read_json(request)
+        prompts, pin = parse_warmup(body, config.model, config.max_warmup_prompts)
+        prompt_ids = [_tokenize(state, prompt, param) for prompt, param in prompts]
+        num_tokens = sum(map(len, prompt_ids))
+        if num_tokens > config.max_warmup_tokens:
+            message = (
+                f"prompts and messages have {num_tokens} tokens together; at most "
+                f"{config.max_warmup_tokens} per warm-up call (max_warmup_tokens)"
+            )
+            raise ApiError(400, message, param="prompts")
+        worker_ids = [w.worker_id for w in state.plane.workers.values() if w.role in WARMUP_ROLES]
+        healthy = [wid for wid in worker_ids if state.plane.is_healthy(wid)]
+        if not healthy:
+            message = "no healthy prefill or collocated worker to warm"
+            raise ApiError(503, message, type="server_error")
+        pin = pin and not unpin
+        asks = [_ask(state, wid, ids, pin, unpin) for wid in healthy for ids in prompt_ids]
+        answers = iter(await asyncio.gather(*asks))
     workers = {
         wid: [
             {"index": i, **(next(answers) if wid in healthy else _NOT_HEALTHY)}
@@ -128,12 +130,7 @@ def _tokenize(state: RouterState, prompt: str | list[dict], param: str) -> list[
         raise ApiError(400, f"{param} encodes to zero tokens", param=param)
     max_len = state.plane.max_model_len()
     if max_len is not None and len(ids) >= max_len:
-        raise ApiError(
-            400,
-            f"{param} has {len(ids)} tokens; this model's maximum context length is {max_len}",
-            param=param,
-            code="context_length_exceeded",
-        )
+        raise too_long(max_len, f"{param} has {len(ids)} tokens", param)
     return ids
 
 
@@ -170,12 +167,11 @@ async def _ask(
 
 def _answer(reply: Any) -> dict[str, Any]:
     if isinstance(reply, messages.Tokens | messages.Unpinned):
+        pinned = getattr(reply, "num_pinned_tokens", None)
         return {
             "num_prompt_tokens": reply.num_prompt_tokens,
             "num_cached_tokens": reply.num_cached_tokens,
-            "num_pinned_tokens": reply.num_pinned_tokens
-            if isinstance(reply, messages.Tokens)
-            else reply.num_unpinned_tokens,
+            "num_pinned_tokens": reply.num_unpinned_tokens if pinned is None else pinned,
         }
     if isinstance(reply, WorkerLost):
         return {"error": f"worker lost: {reply.reason}"}
