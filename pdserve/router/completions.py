@@ -71,7 +71,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         driver = RequestDriver(
             state.plane, state.policy, state.processor, prompt_ids, params, ctx.id, timing
         )
-        return await _run(request, state, api, ctx, driver, len(prompt_ids))
+        return await _run(request, state, api, ctx, driver)
 
 
 @contextlib.contextmanager
@@ -99,27 +99,12 @@ async def _run(
     api: ApiRequest,
     ctx: responses.ResponseContext,
     driver: RequestDriver,
-    num_prompt_tokens: int,
 ) -> web.StreamResponse:
     """Drive one request and answer it, recording its outcome however it ends."""
     status = "failed"
     try:
-        if api.stream:
-            response, error = await _stream(request, api, driver, ctx, num_prompt_tokens)
-            if error is not None:
-                status = _status_of(error)
-                return response
-        else:
-            text, finish_reason = [], None
-            async for delta in driver.stream():
-                text.append(delta.text)
-                finish_reason = delta.finish_reason
-            usage = _usage(driver, num_prompt_tokens)
-            body = responses.body(ctx, "".join(text), finish_reason, stream=False, usage=usage)
-            if _wants_timing(request):
-                body["pdserve_timing"] = driver.timing.report(ctx.id)
-            response = web.json_response(body, headers={REQUEST_ID_HEADER: ctx.id})
-        status = "success"
+        response, error = await (_stream if api.stream else _whole)(request, api, driver, ctx)
+        status = "success" if error is None else _status_of(error)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
         status = "cancelled"
@@ -134,17 +119,26 @@ async def _run(
         if status == "success":
             timing = driver.timing
             state.metrics.record_finished(
-                timing.ttft_s, time.monotonic() - timing.arrival, num_prompt_tokens,
+                timing.ttft_s, time.monotonic() - timing.arrival, len(driver.prompt_token_ids),
                 driver.num_output_tokens, timing.itl_s, timing.parts(),
             )  # fmt: skip
 
 
+async def _whole(
+    request: web.Request, api: ApiRequest, driver: RequestDriver, ctx: responses.ResponseContext
+) -> tuple[web.StreamResponse, None]:
+    text, finish_reason = [], None
+    async for delta in driver.stream():
+        text.append(delta.text)
+        finish_reason = delta.finish_reason
+    body = responses.body(ctx, "".join(text), finish_reason, stream=False, usage=_usage(driver))
+    if _wants_timing(request):
+        body["pdserve_timing"] = driver.timing.report(ctx.id)
+    return web.json_response(body, headers={REQUEST_ID_HEADER: ctx.id}), None
+
+
 async def _stream(
-    request: web.Request,
-    api: ApiRequest,
-    driver: RequestDriver,
-    ctx: responses.ResponseContext,
-    num_prompt_tokens: int,
+    request: web.Request, api: ApiRequest, driver: RequestDriver, ctx: responses.ResponseContext
 ) -> tuple[web.StreamResponse, ApiError | None]:
     """SSE. Headers go out with the first token, so admission errors (503, 400) are still
     plain HTTP errors; a failure after that becomes an error event before [DONE] (and is
@@ -156,20 +150,19 @@ async def _stream(
     await response.prepare(request)
     timing = driver.timing if _wants_timing(request) else None
     await response.write(_chunk(ctx, first, timing, first=True))
+    error = None
     try:
         async for delta in deltas:
             await response.write(_chunk(ctx, delta, timing))
     except ApiError as exc:
         await response.write(responses.sse(exc.body()))
-        await response.write(responses.SSE_DONE)
-        await response.write_eof()
-        return response, exc
-    if api.include_usage:
-        usage = _usage(driver, num_prompt_tokens)
-        await response.write(responses.sse(responses.body(ctx, None, stream=True, usage=usage)))
+        error = exc
+    if api.include_usage and error is None:
+        usage = responses.body(ctx, None, stream=True, usage=_usage(driver))
+        await response.write(responses.sse(usage))
     await response.write(responses.SSE_DONE)
     await response.write_eof()
-    return response, None
+    return response, error
 
 
 def _chunk(
@@ -182,7 +175,8 @@ def _chunk(
     return responses.sse(body)
 
 
-def _usage(driver: RequestDriver, num_prompt_tokens: int) -> dict[str, Any]:
+def _usage(driver: RequestDriver) -> dict[str, Any]:
+    num_prompt_tokens = len(driver.prompt_token_ids)
     return responses.usage(num_prompt_tokens, driver.num_output_tokens, driver.num_cached_tokens)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 from pdserve import messages
 from pdserve.output_processor import OutputProcessor
 from pdserve.router.policies import RoutingPolicy
-from pdserve.router.protocol import ApiError, sampling_to_wire, unavailable
+from pdserve.router.protocol import ApiError, bad_gateway, sampling_to_wire, unavailable
 from pdserve.router.routing import AdaptiveRequest, Lost, route_request
 from pdserve.router.timing import RequestTiming
 from pdserve.router.worker_state import WorkerLost
@@ -97,8 +97,6 @@ class RequestDriver:
         self.adaptive = AdaptiveRequest(plane, self.key)  # no-ops unless adaptive
         processor.add_request(self.key, params.stop)
 
-    # ---- public -------------------------------------------------------------------------
-
     async def stream(self) -> AsyncIterator[Delta]:
         """Text deltas until the request ends. Raises ApiError (503 no capacity, 400 refused,
         502 worker failure that recovery could not mend); the caller must call `close()`."""
@@ -111,7 +109,7 @@ class RequestDriver:
                 self._abort_attempt()
                 self.num_recoveries += 1
                 if self.num_recoveries > self.config.max_recoveries:
-                    raise ApiError(502, str(lost), type="server_error") from None
+                    raise bad_gateway(str(lost)) from None
                 log.warning(
                     "request %s: %s; re-driving it after %d tokens (recovery %d)",
                     self.key, lost, self.num_output_tokens, self.num_recoveries,
@@ -124,8 +122,6 @@ class RequestDriver:
         self._abort_attempt()
         self.processor.remove(self.key)
         self._transition(status)
-
-    # ---- flows --------------------------------------------------------------------------
 
     async def _attempt(self) -> AsyncIterator[Delta]:
         roles = self.plane.healthy_roles()
@@ -143,9 +139,7 @@ class RequestDriver:
             return
         if self.state == "prefilled":
             if not tokens.token_ids:
-                raise ApiError(
-                    502, f"prefill worker {worker_id} sent no token", type="server_error"
-                )
+                raise bad_gateway(f"prefill worker {worker_id} sent no token")
             start = messages.StartDecode(self.request_id, tokens.token_ids[-1])
             self._send(self._decode_id, start)
             self._transition("transferring")
@@ -154,10 +148,7 @@ class RequestDriver:
             first = self.state == "transferring"  # D's first token: after the KV lands
             message = await self._next(watch=worker_id, first_token=first)
             if not isinstance(message, messages.Tokens) or message.worker_id in self.senders:
-                kind = type(message).__name__
-                raise ApiError(
-                    502, f"unexpected {kind} from {message.worker_id}", type="server_error"
-                )
+                raise bad_gateway(f"unexpected {type(message).__name__} from {message.worker_id}")
             if self.state != "decoding":
                 if self.senders:
                     self.adaptive.on_landed(self.timing)
@@ -234,8 +225,6 @@ class RequestDriver:
                 return prefill_id, first
             self._on_refused(first, deadline)
 
-    # ---- helpers ------------------------------------------------------------------------
-
     async def _pick(self, role: str, deadline: float) -> str:
         """A worker of `role` chosen by the policy, waiting (with backoff) while every
         candidate is excluded because it just refused for lack of room."""
@@ -267,8 +256,7 @@ class RequestDriver:
     def _on_refused(self, reply: Any, deadline: float) -> None:
         """Handle a non-success reply during admission: retry (return) or raise."""
         if not isinstance(reply, messages.Rejected):
-            kind = type(reply).__name__
-            raise ApiError(502, f"unexpected {kind} during admission", type="server_error")
+            raise bad_gateway(f"unexpected {type(reply).__name__} during admission")
         self._release(reply.worker_id)
         self.outstanding.pop(reply.worker_id, None)
         if not reply.retryable:

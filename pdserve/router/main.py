@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 
 import zmq
@@ -41,19 +40,6 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     return from_dict(RouterConfig, {**data, "secret": secret}, "router config")
 
 
-async def _serve_until_signalled(config: RouterConfig) -> None:
-    """SIGTERM/SIGINT cancel the server so its cleanup (sockets, open responses) runs."""
-    task = asyncio.current_task()
-    assert task is not None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-    try:
-        await serve(config)
-    except asyncio.CancelledError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(argv)
@@ -65,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s router %(name)s: %(message)s",
     )
     try:
-        asyncio.run(_serve_until_signalled(config))
+        asyncio.run(serve(config))
     except (OSError, zmq.ZMQError) as exc:  # e.g. the port or control address is taken
         print(f"pdserve router: {exc}", file=sys.stderr)
         return 1

@@ -133,18 +133,17 @@ class AdaptiveMetrics:
     """The adaptive planner's families (pdserve/planner/planner.py records them)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter(
+        counter = functools.partial(Counter, registry=registry)
+        self.decisions = counter(
             "pdserve_adaptive_decisions", "Where requests prefilled (local: on the decode "
-            "worker; remote: on a prefill worker), by the planner's reason.",
-            ["kind", "reason"], registry=registry,
+            "worker; remote: on a prefill worker), by the planner's reason.", ["kind", "reason"],
         )  # fmt: skip
-        self.core_switches = Counter(
-            "pdserve_adaptive_core_switches", "Core-group changes a worker applied (CoresSet).",
-            registry=registry,
-        )  # fmt: skip
-        self.role_switches = Counter(
+        self.core_switches = counter(
+            "pdserve_adaptive_core_switches", "Core-group changes a worker applied (CoresSet)."
+        )
+        self.role_switches = counter(
             "pdserve_adaptive_role_switches", "Role changes the planner asked, by new role.",
-            ["role", "reason"], registry=registry,
+            ["role", "reason"],
         )  # fmt: skip
         self.core_switch_seconds = Histogram(
             "pdserve_adaptive_core_switch_seconds", "A core-group change: on the worker "

@@ -47,6 +47,11 @@ class ApiError(Exception):
         return {"error": {k: getattr(self, k) for k in ("message", "type", "param", "code")}}
 
 
+def bad_gateway(message: str) -> ApiError:
+    """502: a worker failed or answered out of turn, and recovery could not mend it."""
+    return ApiError(502, message, type="server_error")
+
+
 def unavailable(message: str) -> ApiError:
     """503, "try again in a second": no capacity now (every worker full, none healthy)."""
     return ApiError(503, message, type="service_unavailable", code="overloaded", retry_after_s=1)
@@ -71,19 +76,11 @@ class ApiRequest:
 # Fields we do not implement: accepted only at their "off" value, else a 400 naming them
 # (silently ignoring e.g. logprobs would return a response the client did not ask for).
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "min_tokens": (None, 0),
-}
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}), "tools": (None, []), "min_tokens": (None, 0),
+}  # fmt: skip
 
 
 def check_model(model: Any, served_model: str) -> None:

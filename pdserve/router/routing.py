@@ -27,10 +27,8 @@ def route_request(
 ) -> RouteRequest:
     """What the policy sees of the request; block hashes only for policies that score
     cache overlap (they cost a blake2b per block), with the role's block size and model."""
-    if not policy.needs_block_hashes:
-        return RouteRequest(len(prompt_token_ids))
     ready = [w.ready for w in plane.workers.values() if w.ready and w.role == role]
-    if not ready:
+    if not policy.needs_block_hashes or not ready:
         return RouteRequest(len(prompt_token_ids))
     parent = root_hash(ready[0].model)
     hashes = hash_blocks(prompt_token_ids, ready[0].block_size, parent)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -103,15 +104,15 @@ async def start_server(app: web.Application) -> tuple[web.AppRunner, int]:
 
 
 async def serve(config: RouterConfig) -> None:
-    """Run the router until cancelled."""
+    """Run the router until SIGTERM or SIGINT, then clean up (sockets, open responses)."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     runner, _ = await start_server(build_app(config))
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await runner.cleanup()
-
-
-# ---- middlewares --------------------------------------------------------------------------
 
 
 @web.middleware
@@ -210,9 +211,6 @@ def error_response(error: ApiError) -> web.Response:
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(error.retry_after_s)
     return web.json_response(error.body(), status=error.status, headers=headers)
-
-
-# ---- routes -------------------------------------------------------------------------------
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -1,18 +1,9 @@
-"""The cluster at a glance: `GET /v1/status` (JSON) and the `/dashboard` page that polls it.
+"""The cluster at a glance: `GET /v1/status` (JSON) and the `/dashboard` page that polls it
+(docs/observability.md describes every field).
 
-The router keeps a ring buffer of per-interval points (`History`), one every `interval_s`,
-at most `num_points` of them, so its memory is bounded whatever the uptime. A point holds
-what happened during its interval: latency percentiles of the requests that finished in it,
-requests and tokens per second, each worker's queue, KV blocks in use and threads (what the
-adaptive planner gave it), prefix-cache hits and lookups per tier, KV transfer bytes per
-second and the mean TTFT parts. Worker counters are cumulative (Stats), so a point holds
-their difference from the previous point; a worker that restarted (its counter went down)
-counts from zero.
-
-`GET /v1/status?since=T` returns the points after time T only, so a page that polls once per
-interval receives one point per poll. The JSON's top-level keys are sections; a later one
-(e.g. `planner`, for the adaptive planner) is added beside the others and the page shows a
-section only when the JSON has it.
+`History` is a ring buffer of per-interval points, so memory is bounded whatever the uptime.
+Worker counters are cumulative (Stats): a point holds their difference from the previous
+point, and a worker that restarted (its counter went down) counts from zero.
 """
 
 from __future__ import annotations
@@ -138,12 +129,10 @@ class History:
         """Rates and latency percentiles over the last few intervals together."""
         elapsed_s = sum(w.elapsed_s for w in self.windows) or self.interval_s
         points = list(self.points)[-len(self.windows) :] if self.windows else []
-        cache: dict[str, dict[str, int]] = {}
+        cache: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         for point in points:
             for tier, counts in point["cache"].items():
-                total = cache.setdefault(tier, {"hits": 0, "lookups": 0})
-                total["hits"] += counts["hits"]
-                total["lookups"] += counts["lookups"]
+                cache[tier].update(counts)
         return {
             "window_s": round(elapsed_s, 3),
             "requests_per_s": sum(w.num_finished for w in self.windows) / elapsed_s,

@@ -4,28 +4,11 @@
         prefill_end ─first_token─▶ first token at the router (streamed to the client at once)
         prefill_end ─transfer─▶ kv_landed on D ─handover─▶ D's first token at the router
 
-- queued: the router's part: parsing, tokenizing, choosing workers, the decode worker's
-  reservation round trip, backoff while every worker refused for lack of room.
-- waiting: the request in flight to the worker and in its queue until a step schedules it.
-- prefill: the worker's steps from the first that computed part of the prompt to the one that
-  computed its last chunk: to its last layer on a prefill worker handing KV over layer by
-  layer (where the transfer's tail starts), else to the step's end (sampling included).
-- first_token: the rest of that step (on such a prefill worker: the LM head and sampling),
-  the token's way back to the router and the router's processing of it.
-- transfer (disaggregated): the KV still in flight after the prefill's last layer, until the
-  decode worker saw it land (it checks between its steps; layer-wise sending moves the
-  earlier layers while later ones compute).
-- handover (disaggregated): from the KV landing to D's first token at the router: StartDecode
-  if it came later, D's next step, the token's way back.
-
-A prefill worker's first token goes to the client at once, so the first four parts add up to
-the TTFT; the KV transfer and the hand-over delay the next token, and queued + waiting +
-prefill + transfer + handover add up to the latency of the first token decoded on D.
-
-Clocks: router times are time.monotonic(); worker stamps are time.time() (the clock hosts
-share), turned into router time with the wall-minus-monotonic offset taken at arrival. Adjacent
-parts meet at the same instant, so the sums are exact; across hosts a clock offset moves time
-between two adjacent parts, never changes a sum.
+docs/observability.md ("TTFT breakdown") says what each part holds. Router times are
+time.monotonic(); worker stamps are time.time() (the clock hosts share), turned into router
+time with the wall-minus-monotonic offset taken at arrival. Adjacent parts meet at the same
+instant, so the sums are exact; clock skew between hosts moves time between two adjacent
+parts, never changes a sum.
 """
 
 from __future__ import annotations
@@ -41,6 +24,7 @@ except ImportError:  # optional: pdserve does not depend on it
 
 TTFT_PARTS = ("queued", "waiting", "prefill", "first_token")
 DECODE_PARTS = ("transfer", "handover")
+PREFILL_STAMPS = {"prefill_start", "prefill_end"}
 
 
 @dataclass
@@ -84,9 +68,7 @@ class RequestTiming:
         """(part, start, end) in router time, for the parts known (none before the first
         token or without the workers' stamps; no transfer or handover on one worker)."""
         s = self.stamps
-        if self.first_token is None or self.dispatched is None:
-            return []
-        if "prefill_start" not in s or "prefill_end" not in s:
+        if self.first_token is None or self.dispatched is None or not s.keys() >= PREFILL_STAMPS:
             return []
         prefill_start = s["prefill_start"] - self.wall_offset
         prefill_end = s["prefill_end"] - self.wall_offset
@@ -108,8 +90,7 @@ class RequestTiming:
 
     def report(self, request_id: str) -> dict[str, Any]:
         """The client's opt-in `pdserve_timing` field."""
-        out: dict[str, Any] = {"request_id": request_id, "ttft_s": self.ttft_s}
-        out["ttft_parts_s"] = self.parts()
+        out = {"request_id": request_id, "ttft_s": self.ttft_s, "ttft_parts_s": self.parts()}
         if self.first_decode_token is not None:
             out["first_decode_token_s"] = self.first_decode_token - self.arrival
         return out

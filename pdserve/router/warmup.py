@@ -1,18 +1,13 @@
-"""Cache warm-up routes: `POST /v1/cache/warmup` prefills (and pins) prompts on every healthy
-prefill and collocated worker, `DELETE /v1/cache/warmup` unpins them.
+"""Cache warm-up routes (README "Security model", docs/ARCHITECTURE.md "KV cache layout"):
+`POST /v1/cache/warmup` prefills and pins prompts on every healthy prefill and collocated
+worker (whichever a later request is routed to then hits), `DELETE` unpins them.
 
     {"model": "...", "prompts": ["...", ...], "messages": [[{"role", "content"}, ...], ...],
      "pin": true}
     -> {"object": "cache.warmup", "pin": true, "workers": {"p0": [{"index": 0,
         "num_prompt_tokens": 30, "num_cached_tokens": 16, "num_pinned_tokens": 16}, ...]}}
 
-The route needs the admin key (router/server.py), takes a request slot like a generation,
-and is budgeted: at most `max_warmup_prompts` prompts and `max_warmup_tokens` prompt tokens
-per call. /metrics counts the calls and the tokens they pinned.
-
-Every prefill-capable worker gets every prompt: whichever worker a later request is routed
-to then hits, and the workers' KVEvents tell the router's prefix index what they hold. A
-worker that is not healthy, fails or refuses (e.g. its pinned share is full) gets an `error`
+A worker that is not healthy, fails or refuses (e.g. its pinned share is full) gets an `error`
 entry per prompt, so a caller sees who was not warmed; the others still answer (200). With
 no healthy prefill-capable worker at all the answer is 503.
 """

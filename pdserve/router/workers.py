@@ -145,8 +145,6 @@ class ControlPlane:
         self._async_ctx.term()
         self._sync_ctx.term()
 
-    # ---- failure detection --------------------------------------------------------------
-
     async def _monitor_loop(self, worker: WorkerState, monitor: zmq.asyncio.Socket) -> None:
         """Connection events of the socket to `worker`: a drop means the process is gone
         (or its socket is); a new connection means something listens there again."""
@@ -195,8 +193,6 @@ class ControlPlane:
         for queue in self._queues.values():
             queue.put_nowait(WorkerLost(worker_id, reason))
 
-    # ---- sending ------------------------------------------------------------------------
-
     def _hello(self, worker: WorkerState) -> None:
         worker.hello_sent = self.clock()
         self.send(worker.worker_id, messages.Hello())
@@ -223,8 +219,6 @@ class ControlPlane:
             return False
         worker.switching_to = role
         return self.send(worker_id, messages.SwitchRole(role))
-
-    # ---- per-request queues -------------------------------------------------------------
 
     def open(self, request_id: str) -> asyncio.Queue[Any]:
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -302,8 +296,6 @@ class ControlPlane:
         else:
             log.warning("unexpected %s from worker %s", type(message).__name__, worker_id)
 
-    # ---- table queries ------------------------------------------------------------------
-
     def is_healthy(self, worker_id: str, epoch: int | None = None) -> bool:
         """Ready, heard from within the heartbeat timeout, and (if given) not restarted."""
         worker = self.workers.get(worker_id)
@@ -322,20 +314,11 @@ class ControlPlane:
             num_blocks = w.ready.num_blocks if w.ready else 0
             s = w.stats or messages.Stats(w.worker_id, w.role, 0, 0, num_blocks, 0, 0)
             num_cached = len(list(itertools.takewhile(w.cached_hashes.__contains__, block_hashes)))
-            out.append(
-                WorkerLoad(
-                    worker_id=w.worker_id,
-                    role=w.role,
-                    healthy=self._routable(w),
-                    num_waiting=s.num_waiting,
-                    num_running=s.num_running,
-                    num_free_blocks=s.num_free_blocks,
-                    num_total_blocks=s.num_total_blocks,
-                    num_queued_prefill_tokens=s.num_queued_prefill_tokens + w.sent_prefill_tokens,
-                    num_active_requests=w.active_requests,
-                    num_cached_blocks=num_cached,
-                )
-            )
+            queued = s.num_queued_prefill_tokens + w.sent_prefill_tokens
+            out.append(WorkerLoad(
+                w.worker_id, w.role, self._routable(w), s.num_waiting, s.num_running,
+                s.num_free_blocks, s.num_total_blocks, queued, w.active_requests, num_cached,
+            ))  # fmt: skip
         return out
 
     def _routable(self, worker: WorkerState) -> bool:
