@@ -33,11 +33,9 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         raise ValueError(f"--config-json is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError("--config-json must be a JSON object")
-    if envs.api_key():  # preferred over the JSON's api_key: the environment never shows in `ps`
-        data["api_key"] = envs.api_key()
-    if envs.admin_key():
-        data["admin_key"] = envs.admin_key()
-    return from_dict(RouterConfig, {**data, "secret": secret}, "router config")
+    # Keys from the environment win over the JSON's: the environment never shows in `ps`.
+    keys = {k: v for k, v in (("api_key", envs.api_key()), ("admin_key", envs.admin_key())) if v}
+    return from_dict(RouterConfig, {**data, **keys, "secret": secret}, "router config")
 
 
 def main(argv: list[str] | None = None) -> int:

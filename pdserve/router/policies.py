@@ -49,8 +49,11 @@ class RoutingPolicy(ABC):
     needs_block_hashes: bool = False
     always_rotates: bool = False  # a unique cheapest worker is taken without a turn
 
-    def __init__(self) -> None:
+    def __init__(self, load_balancer: RoutingPolicy | None = None) -> None:
         self._last: dict[str, str] = {}  # role -> id of the worker the last turn went to
+        # Picks decode workers when given; this policy then picks prefill and collocated
+        # ones (where a cached prefix saves work).
+        self.load_balancer = load_balancer
 
     def choose(
         self,
@@ -59,13 +62,16 @@ class RoutingPolicy(ABC):
         request: RouteRequest,
         exclude: Collection[str] = (),
     ) -> WorkerLoad | None:
+        if role == "decode" and self.load_balancer is not None:
+            return self.load_balancer.choose(role, workers, request, exclude)
         candidates = [
             w for w in workers if w.role == role and w.healthy and w.worker_id not in exclude
         ]
         if not candidates:
             return None
         costs = [self.cost(role, w, request) for w in candidates]
-        tied = sorted((w for w, c in zip(candidates, costs) if c == min(costs)), key=_by_id)
+        tied = [w for w, c in zip(candidates, costs) if c == min(costs)]
+        tied.sort(key=lambda w: w.worker_id)
         if len(tied) == 1 and not self.always_rotates:
             return tied[0]
         last = self._last.get(role)
@@ -76,10 +82,6 @@ class RoutingPolicy(ABC):
 
     @abstractmethod
     def cost(self, role: str, w: WorkerLoad, request: RouteRequest) -> tuple[int, ...]: ...
-
-
-def _by_id(w: WorkerLoad) -> str:
-    return w.worker_id
 
 
 class RoundRobin(RoutingPolicy):
@@ -132,27 +134,10 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 }
 
 
-class ByRole(RoutingPolicy):
-    """`routing` picks prefill and collocated workers (where a cached prefix saves work),
-    `load_balancer` picks decode workers."""
-
-    def __init__(self, routing: RoutingPolicy, load_balancer: RoutingPolicy) -> None:
-        self.routing, self.load_balancer = routing, load_balancer
-        self.name = routing.name
-        self.needs_block_hashes = routing.needs_block_hashes
-
-    def choose(self, role, workers, request, exclude=()) -> WorkerLoad | None:
-        policy = self.load_balancer if role == "decode" else self.routing
-        return policy.choose(role, workers, request, exclude)
-
-    def cost(self, role, w, request) -> tuple[int, ...]:  # pragma: no cover - delegates
-        raise NotImplementedError
-
-
 def make_policy(name: str, load_balancer: str | None = None) -> RoutingPolicy:
     for n in (name, load_balancer or name):
         if n not in POLICIES:
             raise ValueError(f"unknown routing policy {n!r}; choose from {sorted(POLICIES)}")
     if load_balancer is None or load_balancer == name:
         return POLICIES[name]()
-    return ByRole(POLICIES[name](), POLICIES[load_balancer]())
+    return POLICIES[name](POLICIES[load_balancer]())

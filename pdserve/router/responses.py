@@ -89,27 +89,22 @@ class EventStream(web.StreamResponse):
 
     async def prepare(self, request: web.BaseRequest) -> Any:
         self._request = request
-        return await self._bounded(super().prepare(request))
+        return await bounded(request, super().prepare(request), self.write_timeout_s)
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
-        await self._bounded(super().write(data))
+        await bounded(self._request, super().write(data), self.write_timeout_s)
 
     async def write_eof(self, data: bytes = b"") -> None:
-        await self._bounded(super().write_eof(data))
-
-    async def _bounded(self, write: Awaitable[Any]) -> Any:
-        try:
-            async with asyncio.timeout(self.write_timeout_s):
-                return await write
-        except TimeoutError:
-            abort_connection(self._request)
-            raise ConnectionResetError(
-                f"client read nothing for {self.write_timeout_s} s; dropped"
-            ) from None
+        await bounded(self._request, super().write_eof(data), self.write_timeout_s)
 
 
-def abort_connection(request: web.BaseRequest | None) -> None:
-    """Drop the client's connection and whatever is still buffered for it."""
-    transport = request.transport if request is not None else None
-    if transport is not None:
-        transport.abort()
+async def bounded(request: web.BaseRequest | None, write: Awaitable[Any], timeout_s: float) -> Any:
+    """`write`, or, when the client leaves it undrained for `timeout_s`, its connection and
+    whatever is still buffered for it dropped (ConnectionResetError, as if it had left)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await write
+    except TimeoutError:
+        if request is not None and request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError(f"client read nothing for {timeout_s} s; dropped") from None

@@ -28,7 +28,7 @@ from pdserve.router.completions import STATE, RouterState, chat_completions, com
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import make_policy
 from pdserve.router.protocol import ApiError
-from pdserve.router.responses import abort_connection
+from pdserve.router.responses import bounded
 from pdserve.router.status import History, add_routes, worker_rows
 from pdserve.router.warmup import unpin, warmup
 from pdserve.router.workers import ControlPlane
@@ -194,15 +194,12 @@ def _is_asset(path: str) -> bool:
 async def _send(
     request: web.Request, response: web.StreamResponse, timeout_s: float
 ) -> web.StreamResponse:
-    if response.prepared:
-        return response
-    try:
-        async with asyncio.timeout(timeout_s):
-            await response.prepare(request)
-            await response.write_eof()
-    except TimeoutError:
-        abort_connection(request)
-        raise ConnectionResetError("client did not read its response; dropped") from None
+    async def send() -> None:
+        await response.prepare(request)
+        await response.write_eof()
+
+    if not response.prepared:
+        await bounded(request, send(), timeout_s)
     return response
 
 

@@ -53,6 +53,7 @@ def worker_rows(state: Any) -> list[dict[str, Any]]:
                 "active_requests": w.active_requests,
                 **{name: getattr(stats, name) for name in _ROW_STATS},
                 "unacked_releases": sum(k[0] == w.worker_id for k in plane.unacked_releases),
+                "kv_blocks_used": stats.num_total_blocks - stats.num_free_blocks,
             }
         )
     return rows
@@ -165,9 +166,6 @@ async def sample_forever(app: web.Application) -> None:
 
 def status(state: Any, history: History, since: float = 0.0) -> dict[str, Any]:
     ok, health = state.plane.health()
-    rows = worker_rows(state)
-    for row in rows:
-        row["kv_blocks_used"] = row["num_total_blocks"] - row["num_free_blocks"]
     out = {
         "model": state.config.model,
         "time": time.time(),
@@ -175,7 +173,7 @@ def status(state: Any, history: History, since: float = 0.0) -> dict[str, Any]:
         "health": {"ok": ok, "missing_roles": health["missing_roles"]},
         "num_pending": state.num_pending,
         "requests": dict(sorted(state.metrics.requests.items())),
-        "workers": rows,
+        "workers": worker_rows(state),
         "recent": history.recent(),
         "history": history.since(since),
     }
