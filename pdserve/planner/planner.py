@@ -30,8 +30,7 @@ if TYPE_CHECKING:
     from pdserve.router.metrics import AdaptiveMetrics
     from pdserve.router.policies import RouteRequest, RoutingPolicy, WorkerLoad
     from pdserve.router.timing import RequestTiming
-    from pdserve.router.worker_state import WorkerState
-    from pdserve.router.workers import ControlPlane
+    from pdserve.router.workers import ControlPlane, WorkerState
 
 log = logging.getLogger(__name__)
 

@@ -80,12 +80,8 @@ def request_slot(state: RouterState) -> Iterator[None]:
     work on the workers (generation and warm-up) counts."""
     if state.num_pending >= state.config.max_pending:
         state.metrics.requests["rejected"] += 1
-        raise ApiError(
-            429,
-            "too many requests in flight; retry later",
-            type="rate_limit_error",
-            retry_after_s=1,
-        )
+        message = "too many requests in flight; retry later"
+        raise ApiError(429, message, type="rate_limit_error", retry_after_s=1)
     state.num_pending += 1
     try:
         yield
@@ -189,24 +185,32 @@ async def read_json(request: web.Request) -> Any:
 
 
 async def _tokenize(state: RouterState, api: ApiRequest) -> list[int]:
-    """Prompt ids, tokenized off the event loop (the HF tokenizer releases the GIL), once
-    the text is known to be short enough to possibly fit."""
+    """Prompt ids, once the text is known to be short enough to possibly fit."""
     check_prompt_chars(api, state.tokenizer.max_token_chars, state.plane.max_model_len())
+    if isinstance(api.prompt, list):
+        vocab_size = state.tokenizer.vocab_size
+        if any(t >= vocab_size for t in api.prompt):
+            message = f"prompt token ids must be < vocab size {vocab_size}"
+            raise ApiError(400, message, param="prompt")
+        return list(api.prompt)
     if api.chat:
-        try:
-            return await asyncio.to_thread(state.tokenizer.apply_chat_template, api.messages or [])
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-    if isinstance(api.prompt, str):
-        ids = await asyncio.to_thread(state.tokenizer.encode, api.prompt)
-        if not ids:
-            raise ApiError(400, "prompt encodes to zero tokens", param="prompt")
-        return ids
-    assert api.prompt is not None
-    vocab_size = state.tokenizer.vocab_size
-    if any(t >= vocab_size for t in api.prompt):
-        raise ApiError(400, f"prompt token ids must be < vocab size {vocab_size}", param="prompt")
-    return list(api.prompt)
+        return await tokenize(state.tokenizer, api.messages or [], "messages")
+    return await tokenize(state.tokenizer, api.prompt or "", "prompt")
+
+
+async def tokenize(
+    tokenizer: Tokenizer, prompt: str | list[dict[str, Any]], param: str
+) -> list[int]:
+    """Text or chat messages as ids, tokenized off the event loop (the HF tokenizer releases
+    the GIL), or a 400 naming `param`: the template refused them, or they encode to nothing."""
+    encode = tokenizer.encode if isinstance(prompt, str) else tokenizer.apply_chat_template
+    try:
+        ids = await asyncio.to_thread(encode, prompt)
+    except ValueError as exc:
+        raise ApiError(400, f"{param}: {exc}", param=param) from None
+    if not ids:
+        raise ApiError(400, f"{param} encodes to zero tokens", param=param)
+    return ids
 
 
 def _status_of(error: ApiError) -> str:

@@ -43,8 +43,7 @@ from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, bad_gateway, sampling_to_wire, unavailable
 from pdserve.router.routing import AdaptiveRequest, Lost, route_request
 from pdserve.router.timing import RequestTiming
-from pdserve.router.worker_state import WorkerLost
-from pdserve.router.workers import ControlPlane
+from pdserve.router.workers import ControlPlane, WorkerLost
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -118,7 +118,6 @@ class RouterMetrics:
         """The exposition text; `workers` rows hold worker, healthy and Stats fields."""
         scraped = [
             *worker_families(workers),
-            *cache_families(workers),
             _family("gauge", "pdserve_pending_requests", "Requests in flight.", [],
                     [([], num_pending)]),
             _family("counter", "pdserve_requests_total", "Finished HTTP requests by status.",
@@ -278,16 +277,9 @@ _PER_WORKER_SPLIT = (
 )  # fmt: skip
 
 
-def _family(
-    kind: str,
-    name: str,
-    help_text: str,
-    labels: list[str],
-    samples: Iterable[tuple[list[str], float]],
-) -> Metric:
-    family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
-        name, help_text, labels=labels
-    )
+def _family(kind: str, name: str, help_text: str, labels: list[str], samples: Iterable) -> Metric:
+    cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+    family = cls(name, help_text, labels=labels)
     for values, value in samples:
         family.add_metric(values, value)
     return family
@@ -309,12 +301,8 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
     for name, help_text, key, label, values in _PER_WORKER_SPLIT:
         samples = [([w["worker"], v], w.get(key.format(v), 0)) for w in workers for v in values]
         families.append(_family("counter", name, help_text, ["worker", label], samples))
-    return families
-
-
-def cache_families(workers: list[dict[str, Any]]) -> list[Metric]:
-    """Prefix-cache counters per worker and tier (L1 the worker's pool, L2 host DRAM, L3 disk,
-    L4 Redis; engine/cache_stats.py): hit rate = hits_total / lookups_total, both in blocks."""
+    # Prefix-cache counters per tier (L1 the worker's pool, L2 host DRAM, L3 disk, L4 Redis;
+    # engine/cache_stats.py): hit rate = hits_total / lookups_total, both in blocks.
 
     def per_tier(key: str) -> list[tuple[list[str], float]]:
         return [
@@ -332,6 +320,7 @@ def cache_families(workers: list[dict[str, Any]]) -> list[Metric]:
         for path, num_bytes in sorted(w.get("kv_moved_bytes", {}).items())
     ]
     return [
+        *families,
         _family("counter", "pdserve_kv_cache_lookups_total",
                 "Prompt blocks looked up in the tier (L2 and below: what the tiers above missed).",
                 ["worker", "tier"], per_tier("lookups")),

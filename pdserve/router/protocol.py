@@ -86,12 +86,8 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
 def check_model(model: Any, served_model: str) -> None:
     """The OpenAI error for a request naming a model this server does not serve."""
     if model != served_model:
-        raise ApiError(
-            404,
-            f"The model {_show(model)} does not exist; this server serves `{served_model}`",
-            param="model",
-            code="model_not_found",
-        )
+        message = f"The model {_show(model)} does not exist; this server serves `{served_model}`"
+        raise ApiError(404, message, param="model", code="model_not_found")
 
 
 def parse_json(raw: bytes) -> Any:

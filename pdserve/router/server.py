@@ -50,13 +50,8 @@ def load_router_tokenizer(config: RouterConfig) -> Tokenizer:
 def build_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.Application:
     tokenizer = tokenizer or load_router_tokenizer(config)
     plane = ControlPlane(config)
-    state = RouterState(
-        config,
-        tokenizer,
-        plane,
-        make_policy(config.policy, config.load_balancer),
-        OutputProcessor(tokenizer),
-    )
+    policy = make_policy(config.policy, config.load_balancer)
+    state = RouterState(config, tokenizer, plane, policy, OutputProcessor(tokenizer))
     app = web.Application(
         client_max_size=config.max_body_bytes, middlewares=[_errors, _auth, _limits]
     )
@@ -139,16 +134,19 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     """The admin paths need the admin key (and are refused when there is none). With an
     api_key every other path needs it (unknown ones too: no probing for routes), except the
-    dashboard's files, and /health, /metrics and /v1/status unless `protect_health_metrics`."""
+    dashboard's files (the same for everyone, holding no data: the page asks /v1/status, with
+    the key when one is set), and /health, /metrics and /v1/status unless
+    `protect_health_metrics`."""
     config = request.app[STATE].config
     public = () if config.protect_health_metrics else _OPS_PATHS
+    is_asset = (request.path + "/").startswith("/dashboard/")
     if request.path in _ADMIN_PATHS:
         if not config.admin_key:
             message = "cache warm-up is disabled: the router has no admin key (admin_key)"
             raise ApiError(403, message, type="permission_error", code="no_admin_key")
         if not _bearer_is(request, config.admin_key):
             raise ApiError(401, "invalid or missing admin key", code="invalid_admin_key")
-    elif config.api_key and request.path not in public and not _is_asset(request.path):
+    elif config.api_key and request.path not in public and not is_asset:
         if not _bearer_is(request, config.api_key):
             raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
     return await handler(request)
@@ -183,12 +181,6 @@ async def _limits(request: web.Request, handler: Any) -> web.StreamResponse:
                 request.transport.close()  # after the reply is flushed
             return response
     return await _send(request, await handler(request), config.write_timeout_s)
-
-
-def _is_asset(path: str) -> bool:
-    """The dashboard's files: the same for everyone and holding no data (the page asks
-    /v1/status, with the key when one is set)."""
-    return path == "/dashboard" or path.startswith("/dashboard/")
 
 
 async def _send(

@@ -156,14 +156,6 @@ def _delta(now: int, before: int) -> int:
 HISTORY = web.AppKey("status_history", History)
 
 
-async def sample_forever(app: web.Application) -> None:
-    """The router's sampler task: one point per interval."""
-    state, history = app[STATE], app[HISTORY]
-    while True:
-        await asyncio.sleep(history.interval_s)
-        history.add(time.time(), state.metrics.window.take(), worker_rows(state), state.num_pending)
-
-
 def status(state: Any, history: History, since: float = 0.0) -> dict[str, Any]:
     ok, health = state.plane.health()
     out = {
@@ -193,27 +185,28 @@ async def status_route(request: web.Request) -> web.Response:
 _ASSET_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
 
 
-def _assets() -> dict[str, tuple[bytes, str]]:
-    """The page's files (about 60 KB), read once: a request never touches the disk."""
-    return {
-        path.name: (path.read_bytes(), _ASSET_TYPES[path.suffix])
-        for path in DASHBOARD_DIR.iterdir()
-        if path.suffix in _ASSET_TYPES
-    }
-
-
 def add_routes(app: web.Application, history: History) -> None:
-    """The status route, the page and the sampler that fills `history`."""
+    """The status route, the page and the sampler that fills `history` (one point per
+    interval, until the app stops)."""
     app[HISTORY] = history
 
-    async def sampler(app: web.Application):  # cleanup context: runs until the app stops
-        task = asyncio.create_task(sample_forever(app))
+    async def sample_forever() -> None:
+        state = app[STATE]
+        while True:
+            await asyncio.sleep(history.interval_s)
+            window, rows = state.metrics.window.take(), worker_rows(state)
+            history.add(time.time(), window, rows, state.num_pending)
+
+    async def sampler(_: web.Application):  # a cleanup context
+        task = asyncio.create_task(sample_forever())
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
     app.cleanup_ctx.append(sampler)
-    assets = _assets()
+    # The page's files (about 60 KB), read once: a request never touches the disk.
+    files = [p for p in DASHBOARD_DIR.iterdir() if p.suffix in _ASSET_TYPES]
+    assets = {p.name: (p.read_bytes(), _ASSET_TYPES[p.suffix]) for p in files}
 
     async def asset(request: web.Request) -> web.Response:
         name = request.match_info.get("name", "index.html")

@@ -81,11 +81,8 @@ def render(status: dict[str, Any], url: str) -> str:
               f"{recent['output_tokens_per_s']:.1f} output tok/s"]  # fmt: skip
     for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL")):
         pct = recent[name]
-        values = (
-            "-"
-            if pct is None
-            else "  ".join(f"p{p} {v * 1000:.1f} ms" for p, v in zip((50, 90, 99), pct))
-        )
+        values = "  ".join(f"p{p} {v * 1000:.1f} ms" for p, v in zip((50, 90, 99), pct or []))
+        values = values or "-"
         lines.append(f"  {label:5} {values}")
     hits = [f"{t} {_rate(c['hits'], c['lookups'])}" for t, c in recent["cache"].items()]
     lines.append("  cache hit  " + ("  ".join(hits) or "-"))

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from pdserve import messages
 from pdserve.request import WARMUP_PARAMS
-from pdserve.router.completions import STATE, RouterState, read_json, request_slot
+from pdserve.router.completions import STATE, RouterState, read_json, request_slot, tokenize
 from pdserve.router.protocol import (
     ApiError,
     check_model,
@@ -30,7 +30,7 @@ from pdserve.router.protocol import (
     sampling_to_wire,
     too_long,
 )
-from pdserve.router.worker_state import WorkerLost
+from pdserve.router.workers import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
 _WARMUP_SAMPLING = sampling_to_wire(WARMUP_PARAMS)
@@ -50,7 +50,7 @@ async def _warm(request: web.Request, unpin: bool) -> web.Response:
     with request_slot(state):
         body = await read_json(request)
         prompts, pin = parse_warmup(body, config.model, config.max_warmup_prompts)
-        prompt_ids = [_tokenize(state, prompt, param) for prompt, param in prompts]
+        prompt_ids = [await _tokenize(state, prompt, param) for prompt, param in prompts]
         num_tokens = sum(map(len, prompt_ids))
         if num_tokens > config.max_warmup_tokens:
             message = (
@@ -105,24 +105,13 @@ def parse_warmup(
     if not prompts:
         raise ApiError(400, "give prompts and/or messages to warm", param="prompts")
     if len(prompts) > max_prompts:
-        raise ApiError(
-            400,
-            f"at most {max_prompts} prompts per call (max_warmup_prompts), got {len(prompts)}",
-            param="prompts",
-        )
+        message = f"at most {max_prompts} prompts per call (max_warmup_prompts), got {len(prompts)}"
+        raise ApiError(400, message, param="prompts")
     return prompts, pin
 
 
-def _tokenize(state: RouterState, prompt: str | list[dict], param: str) -> list[int]:
-    try:
-        if isinstance(prompt, str):
-            ids = state.tokenizer.encode(prompt)
-        else:
-            ids = state.tokenizer.apply_chat_template(prompt)
-    except ValueError as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param) from None
-    if not ids:
-        raise ApiError(400, f"{param} encodes to zero tokens", param=param)
+async def _tokenize(state: RouterState, prompt: str | list[dict], param: str) -> list[int]:
+    ids = await tokenize(state.tokenizer, prompt, param)
     max_len = state.plane.max_model_len()
     if max_len is not None and len(ids) >= max_len:
         raise too_long(max_len, f"{param} has {len(ids)} tokens", param)

@@ -26,6 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -35,7 +36,6 @@ from zmq.utils.monitor import parse_monitor_message
 from pdserve import messages
 from pdserve.router.config import RouterConfig, WorkerEndpoint
 from pdserve.router.policies import WorkerLoad
-from pdserve.router.worker_state import WorkerLost, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,39 @@ _REQUEST_MESSAGES = (
     messages.Unpinned,
 )
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass
+class WorkerLost:
+    """Put into request queues when a worker is lost (not a wire message)."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclass
+class WorkerState:
+    endpoint: WorkerEndpoint
+    ready: messages.Ready | None = None
+    stats: messages.Stats | None = None
+    last_seen: float = 0.0
+    epoch: int = 0  # +1 per Ready: a re-announced worker has lost its earlier requests
+    sent_prefill_tokens: int = 0  # prompt tokens sent, first token not yet back
+    active_requests: int = 0  # requests the router has on this worker now
+    lost: bool = False  # declared dead; cleared when it is heard from (or reconnects) again
+    disconnected: bool = False  # its control connection dropped and has not come back
+    cached_hashes: set[int] = field(default_factory=set)  # its prefix cache, from KVEvents
+    switching_to: str | None = None  # asked to switch roles: not routed to until Ready
+    hello_sent: float = 0.0  # when it was last sent Hello (it is sent until a Ready comes)
+    retiring: bool = False  # about to be removed: not routed to, finishes what it holds
+
+    @property
+    def worker_id(self) -> str:
+        return self.endpoint.worker_id
+
+    @property
+    def role(self) -> str:
+        return self.ready.role if self.ready else self.endpoint.role
 
 
 class ControlPlane:
@@ -344,19 +377,13 @@ class ControlPlane:
         needed = {w.role for w in self.workers.values()}
         missing = sorted(needed - self.healthy_roles())
         ok = bool(needed) and not missing
-        detail: dict[str, Any] = {
-            "status": "ok" if ok else "unavailable",
-            "missing_roles": missing if needed else ["any worker (none configured)"],
-            "workers": {
-                w.worker_id: {
-                    "role": w.role,
-                    "ready": w.ready is not None,
-                    "healthy": self.is_healthy(w.worker_id),
-                }
-                for w in self.workers.values()
-            },
+        workers = {
+            w_id: {"role": w.role, "ready": w.ready is not None, "healthy": self.is_healthy(w_id)}
+            for w_id, w in self.workers.items()
         }
-        return ok, detail
+        missing_roles = missing if needed else ["any worker (none configured)"]
+        status = "ok" if ok else "unavailable"
+        return ok, {"status": status, "missing_roles": missing_roles, "workers": workers}
 
     def max_model_len(self) -> int | None:
         """The smallest context limit among ready workers: a prompt must fit all of them."""
