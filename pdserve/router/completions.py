@@ -14,19 +14,12 @@ from aiohttp import web
 
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.output_processor import OutputProcessor
-from pdserve.router import responses
+from pdserve.router import protocol, responses
 from pdserve.router.config import RouterConfig
 from pdserve.router.driver import RequestDriver
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
-from pdserve.router.protocol import (
-    ApiError,
-    ApiRequest,
-    check_prompt_chars,
-    finalize_sampling,
-    parse_json,
-    parse_request,
-)
+from pdserve.router.protocol import ApiError, ApiRequest
 from pdserve.router.timing import RequestTiming, export_span
 from pdserve.router.workers import ControlPlane
 
@@ -61,9 +54,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     with request_slot(state):
         timing = RequestTiming()
         try:
-            api = parse_request(await read_json(request), chat, state.config)
+            api = protocol.parse_request(await read_json(request), chat, state.config)
             prompt_ids = await _tokenize(state, api)
-            params = finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
+            params = protocol.finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
         except ApiError:
             state.metrics.requests["invalid"] += 1
             raise
@@ -181,12 +174,12 @@ def _wants_timing(request: web.Request) -> bool:
 
 
 async def read_json(request: web.Request) -> Any:
-    return parse_json(await request.read())  # over client_max_size: aiohttp raises 413
+    return protocol.parse_json(await request.read())  # over client_max_size: aiohttp raises 413
 
 
 async def _tokenize(state: RouterState, api: ApiRequest) -> list[int]:
     """Prompt ids, once the text is known to be short enough to possibly fit."""
-    check_prompt_chars(api, state.tokenizer.max_token_chars, state.plane.max_model_len())
+    protocol.check_prompt_chars(api, state.tokenizer.max_token_chars, state.plane.max_model_len())
     if isinstance(api.prompt, list):
         vocab_size = state.tokenizer.vocab_size
         if any(t >= vocab_size for t in api.prompt):

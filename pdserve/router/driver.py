@@ -70,21 +70,16 @@ class RequestDriver:
         request_id: str,
         timing: RequestTiming,
     ) -> None:
-        self.plane, self.config = plane, plane.config
-        self.policy = policy
-        self.processor = processor
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
+        self.plane, self.config, self.policy = plane, plane.config, policy
+        self.processor, self.prompt_token_ids, self.params = processor, prompt_token_ids, params
         self.sampling = sampling_to_wire(params)
-        self.num_recoveries = 0
+        self.num_recoveries = self.num_attempts = self.num_output_tokens = 0
         # The client's id, in every log line: the processor's key, and each attempt's
         # worker-side id is it plus the attempt's number.
         self.key = request_id
         self.request_id = ""  # the worker-side id of the current attempt
-        self.num_attempts = 0
         self.state = "queued"
         self.timing = timing
-        self.num_output_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the serving worker took from its cache
         self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
         self.senders: dict[str, int] = {}  # prefill workers whose KV may still be in flight

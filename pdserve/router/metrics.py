@@ -26,13 +26,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics import disable_created_metrics
+from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 # No `<name>_created` series: /metrics never had them. Process-wide, and only the router

@@ -129,9 +129,7 @@ class PrefixCache(ShortestQueue):
         return (request.num_prompt_tokens - cached + by_queue[0], *by_queue[1:], by_queue[0])
 
 
-POLICIES: dict[str, type[RoutingPolicy]] = {
-    p.name: p for p in (RoundRobin, ShortestQueue, PrefixCache)
-}
+POLICIES = {p.name: p for p in (RoundRobin, ShortestQueue, PrefixCache)}
 
 
 def make_policy(name: str, load_balancer: str | None = None) -> RoutingPolicy:

@@ -271,13 +271,10 @@ def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
         return prompt
+    message = "prompt must be a non-empty string or a non-empty list of token ids"
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(
-            400, "batched prompts are not supported; send one per request", param="prompt"
-        )
-    raise ApiError(
-        400, "prompt must be a non-empty string or a non-empty list of token ids", param="prompt"
-    )
+        message = "batched prompts are not supported; send one per request"
+    raise ApiError(400, message, param="prompt")
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -297,13 +294,12 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise ApiError(400, text, param="messages")
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             parts = message["content"]
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in parts
-            ):
+            texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None
+                     for p in parts]  # fmt: skip
+            if not all(isinstance(t, str) for t in texts):
                 text = "only parts {type: text, text: string} are supported"
                 raise ApiError(400, f"messages[{index}].content: {text}", param="messages")
-            message = {**message, "content": "".join(p["text"] for p in parts)}
+            message = {**message, "content": "".join(texts)}
         out.append(message)
     return out
 
@@ -316,7 +312,7 @@ def _field(body: dict[str, Any], name: str, kind: type, default: Any, prefix: st
         return default
     ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     if kind is float:
-        ok = _is_int(value) or (isinstance(value, float))
+        ok = _is_int(value) or isinstance(value, float)
     where = f"{prefix}{name}"
     if not ok:
         kind_name = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}

@@ -60,18 +60,16 @@ def build_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> web.A
     if config.adaptive.enabled:
         plane.planner = Planner(config.adaptive, plane, state.metrics.adaptive)
 
-    async def start(_: web.Application) -> None:
+    async def run_plane(_: web.Application):  # a cleanup context: runs while the app does
         await plane.start()
         if plane.planner is not None:
             await plane.planner.start()
-
-    async def stop(_: web.Application) -> None:
+        yield
         if plane.planner is not None:
             await plane.planner.close()
         await plane.close()
 
-    app.on_startup.append(start)
-    app.on_cleanup.append(stop)
+    app.cleanup_ctx.append(run_plane)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", _models)
@@ -204,13 +202,8 @@ def error_response(error: ApiError) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    model = {
-        "id": state.config.model,
-        "object": "model",
-        "created": 0,
-        "owned_by": "pdserve",
-        "max_model_len": state.plane.max_model_len(),
-    }
+    model = {"id": state.config.model, "object": "model", "created": 0, "owned_by": "pdserve"}
+    model["max_model_len"] = state.plane.max_model_len()
     return web.json_response({"object": "list", "data": [model]})
 
 

@@ -55,9 +55,8 @@ def fetch(url: str, api_key: str | None, timeout_s: float) -> dict[str, Any]:
 
 def render(status: dict[str, Any], url: str) -> str:
     health = status["health"]
-    state = (
-        "healthy" if health["ok"] else "UNAVAILABLE, missing " + ", ".join(health["missing_roles"])
-    )
+    missing = ", ".join(health["missing_roles"])
+    state = "healthy" if health["ok"] else f"UNAVAILABLE, missing {missing}"
     lines = [f"{url}  {status['model']}  {state}  {status['num_pending']} in flight", ""]
     header = ("worker", "role", "cores", "thr", "health", "wait", "run", "KV used", "L1 hit",
               "KV sent", "KV recv")  # fmt: skip
@@ -118,8 +117,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             if args.watch is None:
                 print(text)
                 return 0
-            sys.stdout.write(_CLEAR + text + "\n")
-            sys.stdout.flush()
+            print(_CLEAR + text, flush=True)
             time.sleep(args.watch)
     except StatusError as exc:
         print(f"pdserve status: {exc}", file=sys.stderr)

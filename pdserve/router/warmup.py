@@ -22,18 +22,13 @@ from aiohttp import web
 
 from pdserve import messages
 from pdserve.request import WARMUP_PARAMS
+from pdserve.router import protocol
 from pdserve.router.completions import STATE, RouterState, read_json, request_slot, tokenize
-from pdserve.router.protocol import (
-    ApiError,
-    check_model,
-    parse_messages,
-    sampling_to_wire,
-    too_long,
-)
+from pdserve.router.protocol import ApiError, check_model, parse_messages, too_long
 from pdserve.router.workers import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
-_WARMUP_SAMPLING = sampling_to_wire(WARMUP_PARAMS)
+_WARMUP_SAMPLING = protocol.sampling_to_wire(WARMUP_PARAMS)
 _NOT_HEALTHY = {"error": "worker not healthy (not ready, or lost): not warmed"}
 
 
