@@ -64,7 +64,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         driver = RequestDriver(
             state.plane, state.policy, state.processor, prompt_ids, params, ctx.id, timing
         )
-        return await _run(request, state, api, ctx, driver)
+        return await _run(request, api, ctx, driver)
 
 
 @contextlib.contextmanager
@@ -83,14 +83,10 @@ def request_slot(state: RouterState) -> Iterator[None]:
 
 
 async def _run(
-    request: web.Request,
-    state: RouterState,
-    api: ApiRequest,
-    ctx: responses.ResponseContext,
-    driver: RequestDriver,
+    request: web.Request, api: ApiRequest, ctx: responses.ResponseContext, driver: RequestDriver
 ) -> web.StreamResponse:
     """Drive one request and answer it, recording its outcome however it ends."""
-    status = "failed"
+    state, status = request.app[STATE], "failed"
     try:
         response, error = await (_stream if api.stream else _whole)(request, api, driver, ctx)
         status = "success" if error is None else _status_of(error)

@@ -47,7 +47,7 @@ class RoutingPolicy(ABC):
 
     name: str = ""
     needs_block_hashes: bool = False
-    always_rotates: bool = False  # a unique cheapest worker is taken without a turn
+    always_rotates: bool = False  # True: a worker without a tie takes a turn too
 
     def __init__(self, load_balancer: RoutingPolicy | None = None) -> None:
         self._last: dict[str, str] = {}  # role -> id of the worker the last turn went to
@@ -70,7 +70,8 @@ class RoutingPolicy(ABC):
         if not candidates:
             return None
         costs = [self.cost(role, w, request) for w in candidates]
-        tied = [w for w, c in zip(candidates, costs) if c == min(costs)]
+        best = min(costs)
+        tied = [w for w, c in zip(candidates, costs) if c == best]
         tied.sort(key=lambda w: w.worker_id)
         if len(tied) == 1 and not self.always_rotates:
             return tied[0]

@@ -37,19 +37,17 @@ def worker_rows(state: Any) -> list[dict[str, Any]]:
     plane = state.plane
     rows = []
     for w in plane.workers.values():
-        ready = w.ready
         stats = w.stats or messages.Stats(w.worker_id, w.role, 0, 0, 0, 0, 0)
         cores = plane.planner.cores_of(w.worker_id) if plane.planner else None
-        if cores is None and ready:
-            cores = (list(ready.cpus), ready.threads)
+        cpus, threads = cores or ((list(w.ready.cpus), w.ready.threads) if w.ready else ([], 0))
         rows.append(
             {
                 "worker": w.worker_id,
                 "role": w.role,
-                "ready": ready is not None,
+                "ready": w.ready is not None,
                 "healthy": int(plane.is_healthy(w.worker_id)),
-                "cpus": cores[0] if cores else [],
-                "threads": cores[1] if cores else 0,
+                "cpus": cpus,
+                "threads": threads,
                 "active_requests": w.active_requests,
                 **{name: getattr(stats, name) for name in _ROW_STATS},
                 "unacked_releases": sum(k[0] == w.worker_id for k in plane.unacked_releases),

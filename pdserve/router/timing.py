@@ -109,9 +109,8 @@ def export_span(request_id: str, timing: RequestTiming, status: str) -> None:
 
     tracer = _trace.get_tracer("pdserve.router")
     attributes = {"pdserve.request_id": request_id, "pdserve.status": status}
-    span = tracer.start_span(
-        "pdserve.request", start_time=ns(timing.arrival), attributes=attributes
-    )
+    start_ns = ns(timing.arrival)
+    span = tracer.start_span("pdserve.request", start_time=start_ns, attributes=attributes)
     context = _trace.set_span_in_context(span)
     for part, start, stop in timing.timeline():
         child = tracer.start_span(f"pdserve.{part}", context=context, start_time=ns(start))

@@ -92,7 +92,6 @@ class ControlPlane:
         self._sync_ctx = zmq.Context()
         self._pull: zmq.asyncio.Socket | None = None
         self._pushes: dict[str, zmq.Socket] = {}
-        self._recv_task: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         # worker -> its push socket's monitor and the task reading it
         self._links: dict[str, tuple[zmq.asyncio.Socket, asyncio.Task[None]]] = {}
@@ -113,8 +112,8 @@ class ControlPlane:
         self._pull.bind(self.config.ctrl_address)
         for worker in self.workers.values():
             self._connect(worker)
-        self._recv_task = asyncio.create_task(self._recv_loop(), name="router-ctrl-recv")
-        self._tasks += [self._recv_task, asyncio.create_task(self._watch_loop())]
+        recv = asyncio.create_task(self._recv_loop(), name="router-ctrl-recv")
+        self._tasks += [recv, asyncio.create_task(self._watch_loop())]
 
     def _connect(self, worker: WorkerState) -> None:
         push = self._sync_ctx.socket(zmq.PUSH)
