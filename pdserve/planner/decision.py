@@ -12,11 +12,15 @@ that will decode it (local). A pure function of what the router knows and the co
     remote meets both                      -> remote  itl_interference (local breaks the ITL)
                                                       | ttft        (local breaks the TTFT)
     local in SLO-sized chunks meets both   -> local   slo_chunk     (stall-free, every core)
-    none, least excess remote, but the     -> the least excess of local and its SLO chunk:
-    prefill side backlogged (below)           remote_backlog
+    none, least excess remote, but the     -> local in its SLO chunk when priced, else in
+    prefill side backlogged (below)           stall-bounded chunks: remote_backlog
     none                                   -> the least summed relative excess over the
                                               budgets: least_violation (local or remote) |
                                               slo_chunk_least_violation
+
+Stall-bounded (`_beside_decodes`): a fallback to local beside running decodes whose full
+chunks break the ITL, with no SLO-sized chunk priced, goes in the largest chunks whose step
+stays within 1 / ITL_HEADROOM of the decodes' own step.
 
 Backlogged: the prefill worker's queue alone (before this prompt's own prefill starts) takes
 over TTFT_BUDGET_FACTOR times the local candidate's whole TTFT (the tolerance the default
@@ -149,11 +153,40 @@ def decide(
         queued = p["queue_remote_s"] > TTFT_BUDGET_FACTOR * p[f"ttft_{nearest}_s"]
         free = s.decode_free_tokens
         starves = free is not None and free - local_tokens < s.decode_reserve_tokens
-        if queued or starves:
-            return _as(chunked if nearest == SLO_CHUNK else local, "remote_backlog", p)
+        if queued or starves:  # a backlog's requests must not stall the running decodes
+            if chunked.prefill_chunk_tokens:
+                return _as(chunked, "remote_backlog", p)
+            return _beside_decodes(s, model, local, "remote_backlog", p, itl_budget_s)
     if best == SLO_CHUNK:
         return _as(chunked, "slo_chunk_least_violation", p)
+    if best == LOCAL and not chunked.prefill_chunk_tokens:
+        return _beside_decodes(s, model, local, "least_violation", p, itl_budget_s)
     return _as(local if best == LOCAL else remote, "least_violation", p)
+
+
+def _beside_decodes(
+    s: Situation,
+    model: OnlineCostModel,
+    local: Decision,
+    reason: str,
+    p: dict[str, float],
+    itl_budget_s: float,
+) -> Decision:
+    """Local as a fallback (`remote_backlog`, `least_violation`) with no SLO-sized chunk
+    priced: where full chunks would break the ITL of running decodes, in the largest chunks
+    whose step, at the prompt's end, stays within 1 / ITL_HEADROOM of the decodes' own step.
+    A fallback must not stall the streams already running: a full chunk on a one-core decode
+    group is 0.5-1 s per 256 tokens, and queued prompts share a step."""
+    if s.num_decodes and p["itl_local_s"] > itl_budget_s:
+        shape = StepShape(0, s.num_decodes, 0, s.decode_context_tokens)
+        alone = model.step_s("decode", s.decode_threads_local, shape)
+        bound = predict_slo_chunk(s, model, local.num_prefill_tokens, (alone or 0) / ITL_HEADROOM)
+        if bound:
+            p = {**p, "stall_chunk_tokens": bound["slo_chunk_tokens"],
+                 "ttft_stall_chunk_s": bound["ttft_slo_chunk_s"],
+                 "itl_stall_chunk_s": bound["itl_slo_chunk_s"]}  # fmt: skip
+            local = dataclasses.replace(local, prefill_chunk_tokens=int(bound["slo_chunk_tokens"]))
+    return _as(local, reason, p)
 
 
 def predict(
@@ -290,17 +323,33 @@ def prefill_s(
     context_tokens: int = 0,
 ) -> tuple[float, float] | None:
     """(seconds, longest step) to prefill `num_tokens` after `num_cached` in chunks, each step
-    also carrying `num_decodes` decodes over `context_tokens`; None without a usable model."""
+    also carrying `num_decodes` decodes over `context_tokens`; None without a usable model.
+
+    In closed form, not chunk by chunk: the router decides on its event loop, and a 2,000-token
+    prompt in SLO-sized chunks of 2 is a thousand steps (priced one by one, 0.8 s of a loaded
+    core that every stream waited for). The full chunks differ only in their attention pairs,
+    in which the model is linear: their sum is as many steps at the mean pairs; the longest is
+    the last full chunk or the remainder after it (each attends more than any before)."""
+    if num_tokens <= 0:
+        return 0.0, 0.0
+
+    def step(n: int, done: float) -> float | None:
+        return model.step_s(role, threads, StepShape(n, num_decodes, n * (done + (n + 1) / 2),
+                                                     context_tokens))  # fmt: skip
+
+    num_full, rest = divmod(num_tokens, chunk_tokens)
     total = longest = 0.0
-    done = num_cached
-    while num_tokens > 0:
-        n = min(chunk_tokens, num_tokens)
-        shape = StepShape(n, num_decodes, n * (done + (n + 1) / 2), context_tokens)
-        step = model.step_s(role, threads, shape)
-        if step is None:
+    if num_full:
+        mean = step(chunk_tokens, num_cached + (num_full - 1) * chunk_tokens / 2)
+        last = step(chunk_tokens, num_cached + (num_full - 1) * chunk_tokens)
+        if mean is None or last is None:
             return None
-        total, longest = total + step, max(longest, step)
-        done, num_tokens = done + n, num_tokens - n
+        total, longest = num_full * mean, last
+    if rest:
+        tail = step(rest, num_cached + num_full * chunk_tokens)
+        if tail is None:
+            return None
+        total, longest = total + tail, max(longest, tail)
     return total, longest
 
 

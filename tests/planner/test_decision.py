@@ -17,6 +17,7 @@ from pdserve.planner.decision import (
     Situation,
     decide,
     predict,
+    prefill_s,
 )
 from pdserve.planner.model import OnlineCostModel
 from tests.planner.conftest import rows
@@ -193,3 +194,62 @@ def test_a_path_meets_the_itl_only_within_the_headroom_of_the_target(model):
     loose = decide(BUSY, model, None, split_s / 0.7, fallback_prompt_tokens=512)
     assert tight.reason != "itl_interference"
     assert (loose.kind, loose.reason) == (REMOTE, "itl_interference")
+
+
+def test_a_backlog_prefills_beside_running_decodes_in_chunks_that_do_not_stall_them(model):
+    """The prefill side is backlogged and no SLO-sized chunk fits a 0.1 ms target (the 16
+    decodes' own step fills it): local, not in full chunks (one step of 512 prompt tokens
+    beside the decodes), but in the largest whose step stays within 1 / ITL_HEADROOM of the
+    decodes' own step."""
+    d = decide(case(prefill_queue_tokens=8192), model, None, 1e-4, 256)
+    assert (d.kind, d.reason) == (LOCAL, "remote_backlog")
+    chunk = d.prefill_chunk_tokens
+    assert chunk is not None and MIN_SLO_CHUNK_TOKENS <= chunk < 512
+    alone = model.step_s("decode", 8, StepShape(0, 16, 0, 8000))
+    with_chunk = model.step_s("decode", 8, StepShape(chunk, 16, chunk * (4096 - chunk / 2), 8000))
+    full = model.step_s("decode", 8, StepShape(512, 16, 512 * (4096 - 256), 8000))
+    assert with_chunk <= alone / ITL_HEADROOM < full
+    assert d.predictions["itl_stall_chunk_s"] <= alone / ITL_HEADROOM
+    # no decodes run there: nothing to stall, full chunks
+    idle = case(prefill_queue_tokens=32768, num_decodes=0, decode_threads_local=4)
+    d = decide(idle, model, None, 1e-4, 256)
+    assert (d.kind, d.reason, d.prefill_chunk_tokens) == (LOCAL, "remote_backlog", None)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_cached", "chunk"), [(2048, 0, 2), (1000, 64, 256), (512, 0, 512), (7, 3, 4)]
+)
+def test_prefill_time_in_closed_form_is_the_sum_of_its_chunk_steps(model, num_tokens, num_cached,
+                                                                   chunk):  # fmt: skip
+    """Priced in a few model calls (the router decides on its event loop), and the same as
+    pricing every chunk's step."""
+    steps, done, left = [], num_cached, num_tokens
+    while left:
+        n = min(chunk, left)
+        steps.append(model.step_s("decode", 1, StepShape(n, 8, n * (done + (n + 1) / 2), 4000)))
+        done, left = done + n, left - n
+    calls = []
+
+    class Counting:
+        def step_s(self, *args):
+            calls.append(args)
+            return model.step_s(*args)
+
+    total, longest = prefill_s(Counting(), "decode", 1, num_tokens, num_cached, chunk, 8, 4000)
+    assert total == pytest.approx(sum(steps), rel=1e-9)
+    assert longest == pytest.approx(max(steps), rel=1e-9)
+    assert len(calls) <= 3
+
+
+def test_a_least_violating_local_prefill_beside_decodes_goes_in_stall_bounded_chunks(model):
+    """Nothing meets a 5 ms ITL (no SLO-sized chunk fits: the 16 decodes' own step fills it)
+    and local least violates (a 0.1 s TTFT): not in full chunks, but in chunks whose step stays
+    within 1 / ITL_HEADROOM of the decodes' own; with a 1 s ITL full chunks fit it, unchanged."""
+    tight = case(decode_threads_split=1, prefill_threads=1)
+    d = decide(tight, model, 0.1, 0.005, 256)
+    assert (d.kind, d.reason) == (LOCAL, "least_violation")
+    assert "slo_chunk_tokens" not in d.predictions
+    alone = model.step_s("decode", 8, StepShape(0, 16, 0, 8000))
+    assert d.prefill_chunk_tokens is not None and d.prefill_chunk_tokens < 512
+    assert d.predictions["itl_stall_chunk_s"] <= alone / ITL_HEADROOM
+    assert decide(case(), model, 0.01, 1.0, 256).prefill_chunk_tokens is None
