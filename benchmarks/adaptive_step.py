@@ -10,13 +10,25 @@ targets and acknowledged threads, its core hold, its switch counters and its dec
 reason.
 
 Printed per phase: requests sent / finished / rejected (429, 503) / failed, the longest gap
-between two tokens of any request (a stall), TTFT and TPOT p50/p90, the changes of the split
-seen in the phase (target core groups per worker, roles), the settle time (phase start to
-the last change in the phase, in planner intervals), and flip-backs (a change that returns
+between two tokens of any request, the requests *stalled* (a gap between two of their tokens
+longer than `--stall-s`, 1 s: several times any decode step of this load, so only a stream
+held up by something else), TTFT and TPOT p50/p90, the changes of the split seen in the phase
+(target core groups per worker, roles), the settle time and flip-backs (a change that returns
 the split to what it was two changes before, within the phase). The issue asks: settle
-within two intervals, no flip-back, no failed or stalled request. Changes faster than
-`--poll-s` are not seen by the poller; the planner's acknowledged core switches
-(`num_core_switches`) count them all.
+within two intervals, no flip-back, no failed or stalled request.
+
+*Settled*: the split's last change in a phase's window. The settle time runs from the load
+change reaching the server to that change, in planner intervals (0: the split did not change,
+or changed before). A split pays only where requests overlap (one prefills while another
+decodes): a lone request on an idle deployment is collocated's case. So the load change
+reaches the server at the phase's first request sent while another (of any phase) is in
+flight. From the phase's start the settle time also counts the Poisson arrivals before that,
+which no planner can shorten; it is printed too, and the JSON has it from the phase's first
+request as well. A phase's window is its `--phase-seconds`; the last phase's ends with its
+load, and the changes after it (the merge once the load is over) are printed apart. Changes
+faster than `--poll-s` are not seen by the poller; the planner's acknowledged core switches
+(`num_core_switches`) count them all. The JSON keeps every stall (when, which request) and
+every decision the planner made, with its predictions, to set beside the workers' logs.
 
     PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --output step.json
     PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --slo-itl-ms 60  # split for stalls
@@ -82,7 +94,9 @@ class Poller(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.every_s, self.t0 = url, every_s, t0
         self.samples: list[dict[str, Any]] = []
+        self.decisions: dict[str, dict[str, Any]] = {}  # by request: the planner's last 32
         self.stop = threading.Event()
+        self.wall0 = time.time() - (time.monotonic() - t0)
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
@@ -91,6 +105,8 @@ class Poller(threading.Thread):
             except (requests.RequestException, ValueError):
                 continue
             planner = status.get("planner") or {}
+            for d in planner.get("recent_decisions", []):
+                self.decisions.setdefault(d["request"], {**d, "t": round(d["t"] - self.wall0, 3)})
             targets = {w: c["target_threads"] for g in planner.get("core_groups", [])
                        for w, c in g["workers"].items()}  # fmt: skip
             self.samples.append({
@@ -110,8 +126,11 @@ def split_of(sample: dict[str, Any]) -> tuple:
     return tuple((w, sample["roles"][w], sample["targets"].get(w)) for w in sorted(sample["roles"]))
 
 
-def phase_changes(samples: list[dict[str, Any]], start: float, end: float) -> dict[str, Any]:
-    """The split's changes in [start, end): counts, settle time and flip-backs."""
+def phase_changes(
+    samples: list[dict[str, Any]], start: float, end: float, load_change: float
+) -> dict[str, Any]:
+    """The split's changes in [start, end): counts, settle time (from `load_change`, and from
+    `start`) and flip-backs."""
     before = [s for s in samples if s["t"] < start]
     inside = [s for s in samples if start <= s["t"] < end]
     if not inside:
@@ -135,7 +154,8 @@ def phase_changes(samples: list[dict[str, Any]], start: float, end: float) -> di
         "num_core_group_changes": num_core,
         "num_role_changes": num_role,
         "change_times_s": [round(t - start, 2) for t in times],
-        "settle_s": (times[-1] - start) if times else 0.0,
+        "settle_s": max(0.0, times[-1] - load_change) if times else 0.0,
+        "settle_from_start_s": (times[-1] - start) if times else 0.0,
         "num_flip_backs": len(undone_after),
         "min_undone_after_s": min(undone_after, default=None),
         "num_core_switches_acked": last["num_core_switches"] - first["num_core_switches"],
@@ -151,9 +171,11 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
     poller = Poller(url, args.poll_s, t0)
     poller.start()
     results: list[Any] = [None] * len(PHASES)
+    runs_s = [0.0] * len(PHASES)  # each phase's run start, s after t0 (its records' zero)
 
     def phase(i: int) -> None:
         time.sleep(max(0.0, t0 + i * args.phase_seconds - time.monotonic()))
+        runs_s[i] = time.monotonic() - t0
         results[i] = execute(plans[i])
 
     threads = [threading.Thread(target=phase, args=(i,)) for i in range(len(PHASES))]
@@ -165,11 +187,16 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
     poller.stop.set()
     poller.join()
     rows = []
+    spans = [(runs_s[i] + r.send_s, runs_s[i] + r.send_s + (r.e2e_s or 0.0))
+             for i, (_, result) in enumerate(results) for r in result.records]  # fmt: skip
     for i, (document, result) in enumerate(results):
         summary = document["summary"]
-        gap, gap_end = longest_gap(result.records)
-        start = i * args.phase_seconds
-        end = (i + 1) * args.phase_seconds if i + 1 < len(PHASES) else float("inf")
+        start, end = i * args.phase_seconds, (i + 1) * args.phase_seconds
+        gaps = stalls(result.records, runs_s[i], 0.0)
+        long_gaps = [g for g in gaps if g["gap_s"] > args.stall_s]
+        first = runs_s[i] + min((r.send_s for r in result.records), default=0.0)
+        overlap = first_overlap(result.records, runs_s[i], spans) or first
+        changes = phase_changes(poller.samples, start, end, overlap)
         rows.append({
             "phase": PHASES[i],
             "num_sent": len(result.records),
@@ -177,28 +204,47 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
             "num_rejected": sum(r.status == REJECTED for r in result.records),
             "num_failed": sum(r.status not in (OK, REJECTED) for r in result.records),
             "errors": sorted({r.error for r in result.records if r.error})[:5],
-            "max_gap_s": gap,
-            "max_gap_end_s": gap_end,
+            "max_gap_s": max((g["gap_s"] for g in gaps), default=None),
+            "max_gap_end_s": max(gaps, key=lambda g: g["gap_s"])["end_s"] - start if gaps else None,
+            "num_stalled": len({g["request"] for g in long_gaps}),
+            "stalls": long_gaps,
+            "first_request_s": round(first - start, 3),
+            "first_overlap_s": round(overlap - start, 3),
+            "settle_from_first_request_s": max(0.0, changes["settle_from_start_s"] + start - first)
+            if changes.get("change_times_s")
+            else 0.0,
             "ttft_ms": summary["ttft_ms"],
             "tpot_ms": summary["tpot_ms"],
-            **phase_changes(poller.samples, start, end),
+            **changes,
         })  # fmt: skip
-    return rows, poller.samples
+    end = len(PHASES) * args.phase_seconds
+    after = phase_changes(poller.samples, end, float("inf"), end)
+    return rows, after, poller
 
 
-def longest_gap(records: list) -> tuple[float | None, float | None]:
-    """The longest gap between two tokens of any finished request, and when it ended (s into
-    the phase), to set beside the split's change times."""
-    best: tuple[float | None, float | None] = (None, None)
+def first_overlap(records: list, run_s: float, spans: list[tuple[float, float]]) -> float | None:
+    """When the first of `records` was sent while another request was in flight (s after the
+    benchmark's start); `spans` are every request's (sent, ended)."""
+    for sent in sorted(run_s + r.send_s for r in records):
+        if any(a < sent < b for a, b in spans):
+            return sent
+    return None
+
+
+def stalls(records: list, run_s: float, min_gap_s: float) -> list[dict[str, Any]]:
+    """Every gap over `min_gap_s` between two tokens of a finished request: its length, the
+    request, and when it ended (s after the benchmark's start, as the split's change times),
+    longest first."""
+    out = []
     for r in records:
         if not r.ok or r.ttft_s is None:
             continue
-        t = r.send_s + r.ttft_s
+        t = run_s + r.send_s + r.ttft_s
         for g in r.itl_s:
             t += g
-            if best[0] is None or g > best[0]:
-                best = (g, round(t, 2))
-    return best
+            if g > min_gap_s:
+                out.append({"gap_s": round(g, 3), "end_s": round(t, 3), "request": r.request_id})
+    return sorted(out, key=lambda g: -g["gap_s"])
 
 
 def _ms(stats: dict, key: str) -> str:
@@ -206,26 +252,32 @@ def _ms(stats: dict, key: str) -> str:
     return f"{value:.0f}" if isinstance(value, (int, float)) else "-"
 
 
-def print_table(rows: list[dict], interval_s: float) -> None:
-    print(f"{'phase':<14}{'sent':>5}{'done':>5}{'rej':>5}{'fail':>5}{'max gap s':>10}"
+def print_table(rows: list[dict], after: dict, interval_s: float) -> None:
+    print(f"{'phase':<14}{'sent':>5}{'done':>5}{'rej':>5}{'fail':>5}{'stalled':>8}{'max gap s':>10}"
           f"{'TTFT p50/p90 ms':>17}{'TPOT p50/p90 ms':>17}{'core chg':>9}{'role chg':>9}"
-          f"{'settle (int.)':>14}{'flip-back':>10}{'acked':>6}")  # fmt: skip
+          f"{'settle (int.)':>14}{'from start':>11}{'flip-back':>10}{'acked':>6}")  # fmt: skip
     for r in rows:
         gap = f"{r['max_gap_s']:.3f}" if r["max_gap_s"] is not None else "-"
         ttft = f"{_ms(r['ttft_ms'], 'p50')}/{_ms(r['ttft_ms'], 'p90')}"
         tpot = f"{_ms(r['tpot_ms'], 'p50')}/{_ms(r['tpot_ms'], 'p90')}"
         settle = f"{r.get('settle_s', 0) / interval_s:.1f}"
+        from_start = f"{r.get('settle_from_start_s', 0) / interval_s:.1f}"
         print(f"{r['phase']:<14}{r['num_sent']:>5}{r['num_finished']:>5}{r['num_rejected']:>5}"
-              f"{r['num_failed']:>5}"
+              f"{r['num_failed']:>5}{r['num_stalled']:>8}"
               f"{gap:>10}{ttft:>17}{tpot:>17}{r.get('num_core_group_changes', 0):>9}"
-              f"{r.get('num_role_changes', 0):>9}{settle:>14}{r.get('num_flip_backs', 0):>10}"
+              f"{r.get('num_role_changes', 0):>9}{settle:>14}{from_start:>11}"
+              f"{r.get('num_flip_backs', 0):>10}"
               f"{r.get('num_core_switches_acked', 0):>6}")  # fmt: skip
     for r in rows:
         if r.get("num_flip_backs"):
             print(f"{r['phase']}: a change undone after {r['min_undone_after_s']:.1f} s at least")
         changes, decisions = r.get("change_times_s"), r.get("decisions")
-        print(f"{r['phase']}: changes at {changes} s into the phase, longest gap ended at "
-              f"{r['max_gap_end_s']} s; decisions {decisions}")  # fmt: skip
+        print(
+            f"{r['phase']}: first request at {r['first_request_s']} s, first overlapping one at "
+            f"{r['first_overlap_s']} s, changes at {changes} s "
+            f"into the phase, longest gap ended at {r['max_gap_end_s']} s; decisions {decisions}"
+        )
+    print(f"after the load: changes at {after.get('change_times_s')} s after its end")
 
 
 def main() -> None:
@@ -242,6 +294,8 @@ def main() -> None:
     p.add_argument("--interval-s", type=float, default=AdaptiveConfig.interval_s)
     p.add_argument("--min-dwell-s", type=float, default=AdaptiveConfig.min_dwell_s)
     p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--stall-s", type=float, default=1.0, help="a longer token gap is a stall")
+    p.add_argument("--log-level", default="WARNING", help="the cluster's processes' (stderr)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="adaptive_step.json")
     args = p.parse_args()
@@ -252,11 +306,13 @@ def main() -> None:
     )  # fmt: skip
     workers = Role(cpus=args.cpus) if args.cpus else pipeline.workers
     pipeline = dataclasses.replace(pipeline, adaptive=adaptive, workers=workers)
-    with Cluster(pipeline, log_level="WARNING") as url:
-        rows, samples = run_phases(args, url)
-    Path(args.output).write_text(json.dumps({"config": vars(args), "phases": rows,
-                                             "samples": samples}, indent=1))  # fmt: skip
-    print_table(rows, args.interval_s)
+    with Cluster(pipeline, log_level=args.log_level) as url:
+        rows, after, poller = run_phases(args, url)
+    Path(args.output).write_text(json.dumps({
+        "config": vars(args), "phases": rows, "after_load": after, "samples": poller.samples,
+        "decisions": sorted(poller.decisions.values(), key=lambda d: d["t"]),
+    }, indent=1))  # fmt: skip
+    print_table(rows, after, args.interval_s)
 
 
 if __name__ == "__main__":
