@@ -19,9 +19,6 @@ import torch
 QBLOCK = 32  # consecutive inputs sharing one (d, m)
 F32, Q4A, Q8S = 0, 1, 2
 CODEC_NAMES = {F32: "fp32", Q4A: "q4 affine", Q8S: "q8 symmetric"}
-# A block of 32 k by P columns: (d, m) and P 4-bit q per k, or d and P int8 q per k.
-BLOCK_BYTES_PER_COLUMN = {Q4A: 24, Q8S: 36}
-BYTES_PER_WEIGHT = {F32: 4.0, Q4A: 24 / QBLOCK, Q8S: 36 / QBLOCK}
 
 
 def _fp16_steps(x: torch.Tensor) -> list[torch.Tensor]:
@@ -163,28 +160,3 @@ def encode(weight: torch.Tensor, panel: int, compact: bool = True) -> tuple[int,
             return Q8S, _encode_q8(q, d, panels, panel)
     padded = _pad_rows(weight, panels * panel)
     return F32, padded.view(panels, panel, k).transpose(1, 2).contiguous()
-
-
-def decode(codec: int, data: torch.Tensor, n: int, k: int, panel: int) -> torch.Tensor:
-    """The fp32 [N, K] weight back from `encode`'s panels (a reference for tests)."""
-    panels, kb = data.shape[0], k // QBLOCK
-    if codec == F32:
-        cols = data.transpose(1, 2)
-    else:
-        blocks = data.reshape(panels, kb, BLOCK_BYTES_PER_COLUMN[codec] * panel)
-        floats = 4 * panel
-        d = blocks[..., :floats].contiguous().view(torch.float32)  # [P, kb, panel]
-        if codec == Q4A:
-            m = blocks[..., floats : 2 * floats].contiguous().view(torch.float32)
-            words = blocks[..., 2 * floats :].contiguous().view(torch.int32).to(torch.int64)
-            words = (words & 0xFFFFFFFF).reshape(panels, kb, QBLOCK, panel // 8, 1)
-            slots = ((words >> (4 * torch.arange(8))) & 0xF).reshape(panels, kb, QBLOCK, panel)
-            q = torch.empty_like(slots)
-            q[..., _q4_column_order(panel)] = slots
-        else:
-            m = torch.zeros_like(d)
-            q = blocks[..., floats:].contiguous().view(torch.int8)
-            q = q.reshape(panels, kb, QBLOCK, panel)
-        w = torch.addcmul(m.unsqueeze(2), q.float(), d.unsqueeze(2))  # [P, kb, 32, panel]
-        cols = w.reshape(panels, k, panel).transpose(1, 2)
-    return cols.reshape(panels * panel, k)[:n].contiguous()
