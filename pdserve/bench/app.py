@@ -77,11 +77,6 @@ class BenchConfig:
     def __post_init__(self) -> None:
         check(self)
 
-    @classmethod
-    def of(cls, args: argparse.Namespace) -> BenchConfig:
-        """The benchmark's flags out of `args` (which may hold other subcommands' too)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
 
 @dataclass
 class BenchPlan:
@@ -92,13 +87,13 @@ class BenchPlan:
     run: RunConfig
     slo: SLO
     scales: list[float]
-    search: dict[str, float] | None
+    search: dict[str, Any] | None  # find_goodput's arguments
     config: dict[str, object]
 
 
 def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
     """Parses flags into a plan; ``url`` overrides ``--url`` (compare sets it per deployment)."""
-    cfg = BenchConfig.of(args)
+    cfg = _part(BenchConfig, args)  # `args` may hold other subcommands' flags too
     text_prompts = cfg.prompt_format == "text" or cfg.endpoint == "chat"
     arrival_kind = "trace" if cfg.trace else cfg.arrival
     if cfg.trace and cfg.arrival not in ("poisson", "trace"):
@@ -112,15 +107,13 @@ def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
         raise ValueError(
             "--find-goodput and --slo-scale need --slo-ttft-ms, --slo-tpot-ms or --slo-itl-ms"
         )
+    if cfg.find_goodput and arrival.kind not in ("poisson", "gamma"):
+        raise ValueError("--find-goodput varies --rate, so it needs --arrival poisson or gamma")
     search = None
     if cfg.find_goodput:
-        if arrival.kind not in ("poisson", "gamma"):
-            raise ValueError("--find-goodput varies --rate, so it needs --arrival poisson or gamma")
-        search = {
-            "target": cfg.goodput_target,
-            "start_rate": cfg.start_rate,
-            "max_probes": cfg.max_probes,
-        }
+        search = dict(
+            target=cfg.goodput_target, start_rate=cfg.start_rate, max_probes=cfg.max_probes
+        )
     tokens = TokenSource.load(cfg.tokenizer)
     sessions = _sessions(cfg, tokens, text_prompts)
     config = flag_config(args) | dict(url=client.url, model=client.model, text_prompts=text_prompts)
@@ -147,8 +140,8 @@ def _sessions(cfg: BenchConfig, tokens: TokenSource, text_prompts: bool) -> list
     return build_sessions(workload, tokens)
 
 
-def _part(cls: type, cfg: BenchConfig, **given: object) -> Any:
-    """`cls` from `given` and, for its other fields, the BenchConfig fields of the same name."""
+def _part(cls: type, cfg: object, **given: object) -> Any:
+    """`cls` from `given` and, for its other fields, `cfg`'s attributes of the same name."""
     rest = {f.name: getattr(cfg, f.name) for f in fields(cls) if f.name not in given}
     return cls(**rest, **given)
 
@@ -180,12 +173,7 @@ def execute(
             summaries.append({"rate": rate, **summary})
             return float(summary["slo_attainment"])
 
-        search = find_goodput(
-            probe,
-            target=plan.search["target"],
-            start_rate=plan.search["start_rate"],
-            max_probes=int(plan.search["max_probes"]),
-        )
+        search = find_goodput(probe, **plan.search)
         best = search.best_rate if search.best_rate > 0 else search.probes[-1][0]
         result = results[best]
         document["goodput_search"] = {**search.to_dict(), "probe_summaries": summaries}

@@ -27,32 +27,26 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Registers ``bench`` (and ``bench compare``); the parser's ``func`` is ``main``."""
-    parser = subparsers.add_parser(
-        "bench", help="serving benchmark against any OpenAI-compatible endpoint"
-    )
-    _configure(parser)
-    return parser
+    summary = "serving benchmark against any OpenAI-compatible endpoint"
+    return _configure(subparsers.add_parser("bench", help=summary))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineArgumentParser(
-        prog="pdserve bench", description="Serving benchmark for OpenAI-compatible endpoints."
-    )
-    _configure(parser)
-    return parser
+    description = "Serving benchmark for OpenAI-compatible endpoints."
+    return _configure(OneLineArgumentParser(prog="pdserve bench", description=description))
 
 
-def _configure(parser: argparse.ArgumentParser) -> None:
+def _configure(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_bench_arguments(parser)
     sub = parser.add_subparsers(
         dest="bench_command", metavar="{compare}", parser_class=OneLineArgumentParser
     )
-    compare = sub.add_parser(
-        "compare", help="same workload against several deployments, side by side"
-    )
+    summary = "same workload against several deployments, side by side"
+    compare = sub.add_parser("compare", help=summary)
     add_bench_arguments(compare)
     add_flags(compare, CompareConfig, deployment=[])
     parser.set_defaults(func=main)
+    return parser
 
 
 def main(args: argparse.Namespace, launch: Launch | None = None) -> int:
@@ -63,15 +57,10 @@ def main(args: argparse.Namespace, launch: Launch | None = None) -> int:
     """
     try:
         if getattr(args, "bench_command", None) == "compare":
-            deployments = _parse_deployments(args.deployment) if args.deployment else None
-            if deployments is None:
-                from pdserve.cluster.deployments import DEFAULT_DEPLOYMENTS
+            from pdserve.cluster.deployments import DEFAULT_DEPLOYMENTS, cluster_launcher
 
-                deployments = dict(DEFAULT_DEPLOYMENTS)
-            if launch is None:
-                from pdserve.cluster.deployments import cluster_launcher
-
-                launch = cluster_launcher(args.model or args.tokenizer)
+            deployments = _parse_deployments(args.deployment or []) or dict(DEFAULT_DEPLOYMENTS)
+            launch = launch or cluster_launcher(args.model or args.tokenizer)
             rows = run_compare(deployments, args, launch)
             if args.output:
                 _write_json(args.output, json_safe({"config": flag_config(args), "compare": rows}))
@@ -81,12 +70,9 @@ def main(args: argparse.Namespace, launch: Launch | None = None) -> int:
         plan = build_plan(args)
         document, result = execute(plan)
         report(args, document, result.records, plan.slo)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"pdserve bench: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ValueError) else 1
     except KeyboardInterrupt:
         print("pdserve bench: interrupted", file=sys.stderr)
         return 130

@@ -46,12 +46,6 @@ class ClientConfig:
             base = base[: -len("/v1")]
         return base + ENDPOINTS[self.endpoint]
 
-    def headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
-
     def payload(self, prompt: Prompt, output_len: int) -> dict[str, object]:
         body: dict[str, object] = {
             "model": self.model,
@@ -104,10 +98,7 @@ async def send_request(
     else:
         if record.status == OK and record.ttft_s is None:
             record.status, record.error = FAILED, "stream ended without any token"
-    if record.status == OK:
-        record.e2e_s = stream.last - start
-    else:
-        record.e2e_s = time.perf_counter() - start
+    record.e2e_s = (stream.last if record.status == OK else time.perf_counter()) - start
     usage_tokens = stream.usage_tokens
     record.output_len = usage_tokens if usage_tokens is not None else stream.chunks
     return "".join(stream.pieces)
@@ -132,7 +123,8 @@ async def _exchange(
 ) -> None:
     start = stream.last
     body = cfg.payload(prompt, record.requested_output_len)
-    async with http.post(cfg.endpoint_url, json=body, headers=cfg.headers()) as resp:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    async with http.post(cfg.endpoint_url, json=body, headers=headers) as resp:
         record.http_status = resp.status
         if resp.status != 200:
             detail = (await resp.text())[:200]

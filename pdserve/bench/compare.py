@@ -19,6 +19,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import TextIO
 
+from pdserve.bench.app import build_plan, execute
+from pdserve.bench.arrivals import ArrivalSpec
+from pdserve.bench.metrics import SLO, fmt
 from pdserve.schema import check, flag_values, from_flat, knob
 
 Launch = Callable[[str], AbstractContextManager[str]]
@@ -47,10 +50,6 @@ class CompareConfig:
 
 def _unloaded(plan, url: str, num_requests: int) -> tuple[float, float]:
     """p50 TTFT and TPOT (ms) of requests sent one at a time: the no-queueing baseline."""
-    from pdserve.bench.app import execute
-    from pdserve.bench.arrivals import ArrivalSpec
-    from pdserve.bench.metrics import SLO
-
     calibration = replace(
         plan,
         sessions=[replace(s, turns=s.turns[:1], arrival_s=None) for s in plan.sessions][
@@ -80,9 +79,6 @@ def run_compare(
     ``workload_args``: the ``bench`` flags (CompareConfig's read with defaults). Returns
     ``{name: {goodput, p90_ttft_ms, p90_tpot_ms, summary, ...}}``.
     """
-    from pdserve.bench.app import build_plan, execute
-    from pdserve.bench.metrics import SLO
-
     if not deployments:
         raise ValueError("compare needs at least one deployment")
     args = workload_args
@@ -136,8 +132,9 @@ def _ratio(value: object, base: object) -> str:
     return f"{value / base:.2f}x"
 
 
-def _num(value: object) -> str:
-    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
+_COLUMNS = (("goodput", "goodput", 10), ("p50_ttft_ms", "p50 TTFT ms", 14),
+            ("p90_ttft_ms", "p90 TTFT ms", 14), ("p90_tpot_ms", "p90 TPOT ms", 14),
+            ("p99_itl_ms", "p99 ITL ms", 14))  # fmt: skip
 
 
 def format_table(rows: Mapping[str, Mapping[str, object]]) -> str:
@@ -145,15 +142,12 @@ def format_table(rows: Mapping[str, Mapping[str, object]]) -> str:
     first row, and the share of prompt tokens the server reports as served from its prefix
     cache."""
     base = next(iter(rows.values()))
-    header = f"{'deployment':<16}{'goodput':>10}{'ratio':>8}{'p50 TTFT ms':>14}{'ratio':>8}"
-    header += f"{'p90 TTFT ms':>14}{'ratio':>8}{'p90 TPOT ms':>14}{'ratio':>8}"
-    header += f"{'p99 ITL ms':>14}{'ratio':>8}{'cached':>9}"
-    lines = [header]
+    titles = "".join(f"{title:>{width}}{'ratio':>8}" for _, title, width in _COLUMNS)
+    lines = [f"{'deployment':<16}{titles}{'cached':>9}"]
     for name, row in rows.items():
-        line = f"{name:<16}{_num(row['goodput']):>10}{_ratio(row['goodput'], base['goodput']):>8}"
-        for key in ("p50_ttft_ms", "p90_ttft_ms", "p90_tpot_ms", "p99_itl_ms"):
-            line += f"{_num(row.get(key)):>14}{_ratio(row.get(key), base.get(key)):>8}"
-        hit = row.get("cache_hit_rate")
-        line += f"{hit:>9.1%}" if isinstance(hit, (int, float)) else f"{'-':>9}"
-        lines.append(line)
+        cells = "".join(
+            f"{fmt(row.get(key), '.2f'):>{width}}{_ratio(row.get(key), base.get(key)):>8}"
+            for key, _, width in _COLUMNS
+        )
+        lines.append(f"{name:<16}{cells}{fmt(row.get('cache_hit_rate'), '.1%'):>9}")
     return "\n".join(lines)

@@ -130,9 +130,7 @@ def run_duration_s(records: Sequence[RequestRecord]) -> float:
 def goodput(records: Sequence[RequestRecord], slo: SLO, duration_s: float | None = None) -> float:
     """Requests per second that met the SLO, over the whole run's duration."""
     duration = run_duration_s(records) if duration_s is None else duration_s
-    if duration <= 0:
-        return 0.0
-    return sum(meets_slo(r, slo) for r in records) / duration
+    return sum(meets_slo(r, slo) for r in records) / duration if duration > 0 else 0.0
 
 
 def summarize(
@@ -143,6 +141,8 @@ def summarize(
     done = [r for r in records if r.ok]
     counts = {status: sum(r.status == status for r in records) for status in STATUSES}
     safe = duration if duration > 0 else math.inf
+    num_input, num_output = sum(r.input_len for r in done), sum(r.output_len for r in done)
+    num_cached = sum(r.cached_tokens for r in done)
     return {
         "num_requests": len(records),
         "num_completed": counts[OK],
@@ -151,13 +151,12 @@ def summarize(
         "num_timeout": counts[TIMEOUT],
         "duration_s": duration,
         "request_throughput": counts[OK] / safe,
-        "input_tokens_per_s": sum(r.input_len for r in done) / safe,
-        "output_tokens_per_s": sum(r.output_len for r in done) / safe,
-        "total_input_tokens": sum(r.input_len for r in done),
-        "total_output_tokens": sum(r.output_len for r in done),
-        "total_cached_tokens": sum(r.cached_tokens for r in done),
-        "prefix_cache_hit_rate": sum(r.cached_tokens for r in done)
-        / max(1, sum(r.input_len for r in done)),
+        "input_tokens_per_s": num_input / safe,
+        "output_tokens_per_s": num_output / safe,
+        "total_input_tokens": num_input,
+        "total_output_tokens": num_output,
+        "total_cached_tokens": num_cached,
+        "prefix_cache_hit_rate": num_cached / max(1, num_input),
         "ttft_ms": latency_stats_ms(r.ttft_s for r in done if r.ttft_s is not None),
         "tpot_ms": latency_stats_ms(t for r in done if (t := r.tpot_s) is not None),
         "itl_ms": latency_stats_ms(gap for r in done for gap in r.itl_s),
@@ -170,7 +169,7 @@ def summarize(
     }
 
 
-def _fmt(value: object, spec: str) -> str:
+def fmt(value: object, spec: str) -> str:
     """Formats a number; missing values (None after JSON cleaning, or nan) print as '-'."""
     if not isinstance(value, (int, float)) or math.isnan(value):
         return "-"
@@ -185,19 +184,19 @@ def format_summary(summary: dict[str, object]) -> str:
             f"{summary['num_completed']}/{summary['num_rejected']}/"
             f"{summary['num_failed']}/{summary['num_timeout']}",
         ),
-        ("duration (s)", _fmt(summary["duration_s"], ".2f")),
-        ("request throughput (req/s)", _fmt(summary["request_throughput"], ".2f")),
-        ("input tokens/s", _fmt(summary["input_tokens_per_s"], ".1f")),
-        ("output tokens/s", _fmt(summary["output_tokens_per_s"], ".1f")),
-        ("prompt tokens served from cache", _fmt(summary.get("prefix_cache_hit_rate"), ".1%")),
+        ("duration (s)", fmt(summary["duration_s"], ".2f")),
+        ("request throughput (req/s)", fmt(summary["request_throughput"], ".2f")),
+        ("input tokens/s", fmt(summary["input_tokens_per_s"], ".1f")),
+        ("output tokens/s", fmt(summary["output_tokens_per_s"], ".1f")),
+        ("prompt tokens served from cache", fmt(summary.get("prefix_cache_hit_rate"), ".1%")),
     ]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         stats = summary[key]
         assert isinstance(stats, dict)
-        values = " / ".join(_fmt(stats[q], ".1f") for q in ("mean", "p50", "p90", "p99"))
+        values = " / ".join(fmt(stats[q], ".1f") for q in ("mean", "p50", "p90", "p99"))
         rows.append((f"{key} mean/p50/p90/p99", values))
-    slo = ", ".join(_fmt(summary.get(f"slo_{k}_ms"), "g") for k in ("ttft", "tpot", "itl"))
+    slo = ", ".join(fmt(summary.get(f"slo_{k}_ms"), "g") for k in ("ttft", "tpot", "itl"))
     rows.append(("SLO (ttft ms, tpot ms, p99 itl ms)", slo))
-    rows.append(("SLO attainment", _fmt(summary["slo_attainment"], ".3f")))
-    rows.append(("goodput (req/s)", _fmt(summary["goodput"], ".2f")))
+    rows.append(("SLO attainment", fmt(summary["slo_attainment"], ".3f")))
+    rows.append(("goodput (req/s)", fmt(summary["goodput"], ".2f")))
     return "\n".join(f"{name:<40}{value}" for name, value in rows)

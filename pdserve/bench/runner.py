@@ -12,6 +12,7 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -55,13 +56,12 @@ class _History:
 
 
 def _prompt(cfg: RunConfig, tokens: TokenSource, history: _History, turn: Turn) -> Prompt:
-    ids = history.ids + turn.user_ids
     if cfg.client.endpoint == "chat":
         text = turn.user_text if turn.user_text is not None else tokens.decode(turn.user_ids)
         return [*history.messages, {"role": "user", "content": text}]
     if cfg.text_prompts:
         return join_text(history.text, turn.user_text or tokens.decode(turn.user_ids))
-    return ids
+    return history.ids + turn.user_ids
 
 
 def _extend(history: _History, prompt: Prompt, turn: Turn, answer: str, tokens: TokenSource):
@@ -70,6 +70,16 @@ def _extend(history: _History, prompt: Prompt, turn: Turn, answer: str, tokens: 
         history.text = join_text(prompt, answer)
     elif prompt and isinstance(prompt[0], dict):
         history.messages = [*prompt, {"role": "assistant", "content": answer}]
+
+
+def _record(session: Session, index: int, **values: Any) -> RequestRecord:
+    """The record of turn `index` (`values` sets its other fields; by default the input is
+    the turn's own tokens)."""
+    turn = session.turns[index]
+    values.setdefault("input_len", len(turn.user_ids))
+    request_id = f"{session.session_id}-{index}"
+    return RequestRecord(request_id, requested_output_len=turn.output_len,
+                         session_id=session.session_id, turn=index, **values)  # fmt: skip
 
 
 class _Run:
@@ -94,13 +104,7 @@ class _Run:
             if index > 0 and self.cfg.think_time_s > 0:
                 await asyncio.sleep(self.cfg.think_time_s)
             prompt = _prompt(self.cfg, self.tokens, history, turn)
-            record = RequestRecord(
-                request_id=f"{session.session_id}-{index}",
-                input_len=len(history.ids) + len(turn.user_ids),
-                requested_output_len=turn.output_len,
-                session_id=session.session_id,
-                turn=index,
-            )
+            record = _record(session, index, input_len=len(history.ids) + len(turn.user_ids))
             async with self.slots:
                 answer = await send_request(http, self.cfg.client, prompt, record, self.start)
             self._add(record)
@@ -112,20 +116,9 @@ class _Run:
     def _abandon(self, session: Session, first: int) -> None:
         """Later turns of a broken conversation count as failed, never silently dropped."""
         now = time.perf_counter() - self.start
+        error = "an earlier turn of this conversation failed"
         for index in range(first, len(session.turns)):
-            turn = session.turns[index]
-            record = RequestRecord(
-                request_id=f"{session.session_id}-{index}",
-                input_len=len(turn.user_ids),
-                requested_output_len=turn.output_len,
-                send_s=now,
-                status=FAILED,
-                e2e_s=0.0,
-                error="an earlier turn of this conversation failed",
-                session_id=session.session_id,
-                turn=index,
-            )
-            self._add(record)
+            self._add(_record(session, index, send_s=now, status=FAILED, e2e_s=0.0, error=error))
 
     def _add(self, record: RequestRecord) -> None:
         self.records.append(record)

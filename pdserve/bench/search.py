@@ -86,16 +86,13 @@ def slo_scale_sweep(
 
     One run suffices: scaling the SLO changes which requests pass, not what they measured.
     """
-    rows = []
-    for scale in scales:
-        scaled = slo.scaled(scale)
-        rows.append(
-            {
-                "scale": scale,
-                "slo_ttft_ms": scaled.ttft_ms,
-                "slo_tpot_ms": scaled.tpot_ms,
-                "attainment": attainment(records, scaled),
-                "goodput": goodput(records, scaled, duration_s),
-            }
-        )
-    return rows
+    return [
+        {
+            "scale": scale,
+            "slo_ttft_ms": scaled.ttft_ms,
+            "slo_tpot_ms": scaled.tpot_ms,
+            "attainment": attainment(records, scaled),
+            "goodput": goodput(records, scaled, duration_s),
+        }
+        for scale, scaled in ((factor, slo.scaled(factor)) for factor in scales)
+    ]
