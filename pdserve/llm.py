@@ -115,14 +115,17 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], single)
         ):
             prompts = [prompts]
-        prompt_ids = [
-            self.tokenizer.apply_chat_template(p)
-            if chat and isinstance(p, list) and p and isinstance(p[0], dict)
-            else p
-            if isinstance(p, list)
-            else self._encode(p)
-            for p in prompts
-        ]
+        prompt_ids = []
+        for prompt in prompts:
+            if chat and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+                prompt = self.tokenizer.apply_chat_template(prompt)
+            elif isinstance(prompt, str):
+                prompt = self.tokenizer.encode(prompt)
+            elif not isinstance(prompt, list):
+                raise ValueError(
+                    f"a prompt must be a string or a list of token ids, got {prompt!r}"
+                )
+            prompt_ids.append(prompt)
         for ids in prompt_ids:
             self.engine.validate_prompt(ids)
         return prompt_ids
@@ -138,11 +141,6 @@ class LLM:
                     f"got {len(params_list)} sampling params for {len(prompt_ids)} prompts"
                 )
         return prompt_ids, params_list
-
-    def _encode(self, prompt: object) -> list[int]:
-        if not isinstance(prompt, str):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {prompt!r}")
-        return self.tokenizer.encode(prompt)
 
     def _run(self, prompt_ids: list[list[int]], params_list: list[SamplingParams]):
         processor = OutputProcessor(self.tokenizer)
@@ -161,12 +159,9 @@ class LLM:
                         self.engine.finish_request(out.request_id, FinishReason.STOP)
                         reason = FinishReason.STOP
                     done = out.finished or delta.stopped
+                    finish = reason.value if done and reason else None
                     yield StreamChunk(
-                        index[out.request_id],
-                        delta.text,
-                        out.new_token_ids,
-                        done,
-                        reason.value if done and reason else None,
+                        index[out.request_id], delta.text, out.new_token_ids, done, finish
                     )
         finally:
             for request_id in index:  # a caller that stops iterating aborts what is left

@@ -89,11 +89,7 @@ def key_mask(context_lens: torch.Tensor, num_keys: int, device: torch.device) ->
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: LayerCache,
-    meta: AttentionMetadata,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
 ) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] for this step's tokens -> [T, heads, d].
 
@@ -104,11 +100,7 @@ def paged_attention(
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: LayerCache,
-    meta: AttentionMetadata,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata
 ) -> torch.Tensor:
     """`paged_attention` once this step's K/V are already in the cache."""
     num_tokens, num_heads, head_dim = q.shape
@@ -137,39 +129,29 @@ def attend(
             o = _attend_and_score(qg, keys, values, meta.decode_mask, meta.decode_scores)
         out[:n] = o.transpose(0, 1).reshape(n, num_heads, head_dim)
     for span in meta.prefills:
-        out[span.start : span.end] = _prefill_attention(
-            q[span.start : span.end],
-            k[span.start : span.end],
-            v[span.start : span.end],
-            cache,
-            span,
-        )
+        rows = slice(span.start, span.end)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], cache, span)
     return out
 
 
 def _prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, span: PrefillSpan
 ) -> torch.Tensor:
-    num_new = q.shape[0]
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-    if span.num_context == 0:
-        # No cached context: attend within the chunk, straight from this step's K/V.
-        keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, enable_gqa=True)
-        if span.scores is not None:
-            _score_window(qt, keys, 0, span.scores, cache.block_size)
-        return o.squeeze(0).transpose(0, 1)
-    block_size = cache.block_size
-    total = span.num_context + num_new
-    tables = span.block_ids[: -(-total // block_size)].unsqueeze(0)
-    keys, values = cache.gather(tables, q.dtype)
-    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [1, kv_heads, L, d]
-    key_pos = torch.arange(keys.shape[2], device=q.device)
-    query_pos = torch.arange(span.num_context, total, device=q.device)
-    mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # causal with offset; hides the tail
-    o = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, enable_gqa=True)
+    mask = None  # no cached context: causal within the chunk, straight from this step's K/V
+    keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    if span.num_context:
+        total = span.num_context + q.shape[0]
+        tables = span.block_ids[: -(-total // cache.block_size)].unsqueeze(0)
+        keys, values = (t.transpose(0, 1) for t in cache.gather(tables, q.dtype))  # [1, kvh, L, d]
+        key_pos = torch.arange(keys.shape[2], device=q.device)
+        query_pos = torch.arange(span.num_context, total, device=q.device)
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # causal with offset; hides the tail
+    o = F.scaled_dot_product_attention(
+        qt, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
     if span.scores is not None:
-        _score_window(qt, keys, span.num_context, span.scores, block_size)
+        _score_window(qt, keys, span.num_context, span.scores, cache.block_size)
     return o.squeeze(0).transpose(0, 1)
 
 
