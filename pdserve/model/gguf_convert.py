@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 SOURCE_MARKER = "pdserve_source.json"
 # Bump when the output format changes, so caches written by an older converter are redone.
 CONVERTER_VERSION = 1
+LOADER_KEYS = ("is_local", "local_files_only")  # from_pretrained's, not the tokenizer's
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -109,12 +110,10 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], path: Path) -> di
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
-    rope_scaling = _rope_scaling(metadata, arch, path)
-    if rope_scaling is not None:
+    if (rope_scaling := _rope_scaling(metadata, arch, path)) is not None:
         config["rope_scaling"] = rope_scaling
     for name in ("bos", "eos", "pad"):
-        token_id = metadata.get(f"tokenizer.ggml.{name}_token_id")
-        if token_id is not None:
+        if (token_id := metadata.get(f"tokenizer.ggml.{name}_token_id")) is not None:
             config[f"{name}_token_id"] = int(token_id)
     return config
 
@@ -128,8 +127,7 @@ def _rope_scaling(metadata: dict[str, Any], arch: str, path: Path) -> dict[str, 
     if kind not in ("linear", "yarn"):
         raise ValueError(f"{path}: unsupported rope scaling type {kind!r}")
     scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
-    if original is not None:
+    if (original := metadata.get(f"{arch}.rope.scaling.original_context_length")) is not None:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
 
@@ -144,8 +142,9 @@ def _open_reader(path: Path) -> Any:
         return GGUFReader(path)
     except Exception as exc:  # the reader raises struct, index, value and memmap errors
         problem = f"{type(exc).__name__}: {exc}"
-        message = f"{path}: not a valid GGUF file, corrupt or truncated ({problem})"
-        raise ValueError(message) from exc
+        raise ValueError(
+            f"{path}: not a valid GGUF file, corrupt or truncated ({problem})"
+        ) from exc
 
 
 def _read_metadata(reader: Any, path: Path) -> dict[str, Any]:
@@ -198,11 +197,8 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path, out_dir: Pat
 
 def _generation_config(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """eos plus llama.cpp's end-of-turn/message ids, which also end generation."""
-    eos_ids: list[int] = []
-    for name in ("eos", "eot", "eom"):
-        token_id = metadata.get(f"tokenizer.ggml.{name}_token_id")
-        if token_id is not None and int(token_id) not in eos_ids:
-            eos_ids.append(int(token_id))
+    ids = (metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom"))
+    eos_ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
     generation: dict[str, Any] = {"_from_model_config": True}
     if "bos_token_id" in config:
         generation["bos_token_id"] = config["bos_token_id"]
@@ -237,9 +233,7 @@ def _patch_tokenizer_config(config_path: Path, metadata: dict[str, Any]) -> None
     """Record add_bos explicitly (our Tokenizer reads it) and drop loader-only keys."""
     config = json.loads(config_path.read_text())
     config["add_bos_token"] = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
-    for loader_key in ("is_local", "local_files_only"):
-        config.pop(loader_key, None)
-    _write_json(config_path, config)
+    _write_json(config_path, {k: v for k, v in config.items() if k not in LOADER_KEYS})
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -255,10 +249,8 @@ def _make_readable(model_dir: Path) -> None:
 
 def _replace_dir(new_dir: Path, target: Path) -> None:
     """Move `new_dir` to `target`; an existing target is moved aside first, then deleted."""
-    old = None
+    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(target, old)
     os.rename(new_dir, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)

@@ -7,22 +7,11 @@ where a block stays contiguous (one transfer write per block run). They differ i
     fp8:   row = head_dim float8_e4m3fn bytes | 4 bytes of fp32 scale   (uint8 tensor)
     int8:  row = head_dim int8 values         | 4 bytes of fp32 scale   (int8 tensor)
 
-Why one scale per (token, head): decode appends one token at a time. A per-block scale would
-have to be fixed before the block's later tokens exist (clipping them) or the block would be
-requantized as they arrive (compounding error); a per-token scale never clips and costs 4
-bytes per 64-value row (6%), so a block costs 26.6% of fp32 (53% of bf16). The scale travels
-inside the block, so every transfer backend and storage tier moves quantized blocks and their
-scales as the same opaque bytes; the two 8-bit pools differ in tensor dtype, so their
-layouts and tier entries never match each other.
-
-Why int8 next to fp8 (BENCHMARKS.md §5): keys have outlier channels, and what hurts is the
-key error, not the range. E4M3 is floating point, so a channel 100x below the row's outlier
-still gets 3 mantissa bits: its error is relative (up to 2^-4 of each value) whatever the
-scale, and per-channel scaling or smoothing cannot reduce it. Int8's error is absolute, at
-most half a step (amax / 254), about 9x finer than E4M3 near the row's maximum; the
-logit error q.dk is dominated by the large (outlier) channels, exactly where int8 is finer.
-Same bytes, same layout, closer greedy output. fp8 stays for hardware with FP8 attention
-kernels.
+One scale per (token, head): decode appends one token at a time, so a per-block scale would
+clip the block's later tokens or requantize it as they arrive; a per-token scale costs 4 bytes
+per 64-value row (6%; a block costs 26.6% of fp32). The scale travels inside the block, so
+every transfer backend and tier moves 8-bit blocks as opaque bytes. Why int8 next to fp8, and
+the two pools' separate dtypes: docs/ARCHITECTURE.md, "KV cache layout"; BENCHMARKS.md §5.
 """
 
 from __future__ import annotations
