@@ -44,9 +44,7 @@ def suggest(word: Any, valid: Any, prefix: str = "") -> str:
     return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
-@functools.cache
-def hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+hints = functools.cache(typing.get_type_hints)
 
 
 def check(config: Any, prefix: str = "") -> None:

@@ -122,16 +122,8 @@ def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
 
 def _sessions(cfg: BenchConfig, tokens: TokenSource, text_prompts: bool) -> list[Session]:
     if cfg.trace:
-        trace = TraceConfig(
-            path=cfg.trace,
-            time_scale=cfg.trace_time_scale,
-            length_scale=cfg.trace_length_scale,
-            block_len=cfg.trace_block_len,
-            max_requests=cfg.num_requests,
-            text_prompts=text_prompts,
-            seed=cfg.seed,
-        )
-        return load_trace(trace, tokens)
+        trace = (cfg.trace, cfg.trace_time_scale, cfg.trace_length_scale, cfg.trace_block_len)
+        return load_trace(TraceConfig(*trace, cfg.num_requests, text_prompts, cfg.seed), tokens)
     input_len, output_len = PRESETS[cfg.preset] if cfg.preset else ("256", "128")
     workload = _part(
         WorkloadConfig, cfg, input_len=cfg.input_len or input_len,

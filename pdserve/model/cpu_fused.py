@@ -68,7 +68,10 @@ class FusedLayerStack(LayerStack):
         self.lib = lib
         # Decode-only steps take the one call when every linear has its panel weights (not
         # on prefill workers), only QKV has a bias (as in Llama) and the norms share an eps.
-        self.one_call = len({n.eps for layer in self for n in _norms(layer)}) == 1 and all(
+        norms = (
+            n for layer in self for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        )
+        self.one_call = len({n.eps for n in norms}) == 1 and all(
             getattr(m, "panel_weight", None) is not None and (m.bias is None or i == 0)
             for layer in self
             for i, m in enumerate(_linears(layer))
@@ -124,10 +127,6 @@ class FusedLayerStack(LayerStack):
         return self._layers_c
 
 
-def _norms(layer: nn.Module) -> tuple[nn.Module, nn.Module]:
-    return layer.input_layernorm, layer.post_attention_layernorm
-
-
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     """QKV, output, gate/up, down: the order of pd_layer.w."""
     return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
@@ -149,14 +148,9 @@ def _scratch(numel: int) -> torch.Tensor:
 
 def can_fuse(model: nn.Module, kv_cache: torch.Tensor) -> bool:
     """fp32 weights and a full-precision fp32 KV cache, both on the CPU."""
-    p = next(model.parameters())
-    return (
-        p.device.type == "cpu"
-        and p.dtype == torch.float32
-        and kv_cache.device.type == "cpu"
-        and kv_cache.dtype == torch.float32
-        and kv_cache.is_contiguous()
-    )
+    tensors = (next(model.parameters()), kv_cache)
+    fp32_cpu = all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return fp32_cpu and kv_cache.is_contiguous()
 
 
 def fuse_layers(model: nn.Module, lib: ctypes.CDLL) -> int:

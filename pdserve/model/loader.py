@@ -12,18 +12,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from pdserve.config import DTYPES
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.rope import cos_sin_table
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return getattr(torch, name)
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
