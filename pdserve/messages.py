@@ -22,14 +22,6 @@ A disaggregated request (docs/ARCHITECTURE.md follows one through the code):
            ──Abort─────▶ any        (client gone, stop string, re-drive after a failure)
            ◀─Released──             (acknowledged: the worker's blocks are free)
 
-A role switch (docs/roles.md): SwitchRole ─▶ the worker refuses new work (Rejected,
-retryable), drains, switches, and announces itself again: Ready with the new role (the
-router stopped routing to it when it sent SwitchRole, and routes by the new role now).
-
-A router that starts sends Hello to every worker (and again to one heard from without a
-Ready): the worker aborts every request it holds (the requests of a router that died are
-lost) and answers Ready, so a restarted router routes to workers that outlived it.
-
 A frame is `hmac_sha256(secret, payload) || payload`, the payload msgpack of `[type name,
 {field: value}, session, seq, time]` (no pickle: a peer can only make us build these types).
 A `Verifier` drops a frame whose seq is not above its session's last (a replay), and one of an
@@ -122,7 +114,8 @@ class Shutdown:
 
 @dataclass
 class SwitchRole:
-    """Take `role` once the requests this worker holds are done; answered by Ready."""
+    """Take `role` once the requests this worker holds are done, refusing new ones meanwhile
+    (Rejected, retryable); answered by Ready with the new role (docs/roles.md)."""
 
     role: str
 
@@ -139,8 +132,9 @@ class SetCores:
 
 @dataclass
 class Hello:
-    """From a router that (re)started: abort every request you hold (this router does not
-    know them) and announce yourself (Ready)."""
+    """From a router that (re)started, to every worker (again to one heard from without a
+    Ready): abort every request you hold (this router does not know them; those of a router
+    that died are lost) and announce yourself (Ready)."""
 
 
 @dataclass

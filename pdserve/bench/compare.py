@@ -50,16 +50,9 @@ class CompareConfig:
 
 def _unloaded(plan, url: str, num_requests: int) -> tuple[float, float]:
     """p50 TTFT and TPOT (ms) of requests sent one at a time: the no-queueing baseline."""
-    calibration = replace(
-        plan,
-        sessions=[replace(s, turns=s.turns[:1], arrival_s=None) for s in plan.sessions][
-            :num_requests
-        ],
-        run=replace(plan.run, arrival=ArrivalSpec("concurrency", concurrency=1), duration_s=None),
-        slo=SLO(),
-        scales=[],
-        search=None,
-    )
+    sessions = [replace(s, turns=s.turns[:1], arrival_s=None) for s in plan.sessions[:num_requests]]
+    run = replace(plan.run, arrival=ArrivalSpec("concurrency", concurrency=1), duration_s=None)
+    calibration = replace(plan, sessions=sessions, run=run, slo=SLO(), scales=[], search=None)
     document, _ = execute(calibration, url)
     summary = document["summary"]
     if not summary["num_completed"]:

@@ -123,9 +123,8 @@ class IncrementalDetokenizer:
     leading space specially (sentencepiece) exact.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # tokens before this have been emitted as text
@@ -152,7 +151,7 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def _decode(self, start: int, end: int) -> str:
-        return self._tokenizer.decode(self._ids[start:end], self._skip_special_tokens)
+        return self._tokenizer.decode(self._ids[start:end])
 
 
 def load_tokenizer(name_or_path: str, cache_dir: Path | None = None) -> Tokenizer:
