@@ -61,9 +61,8 @@ class ClientConfig:
 
 
 def _chunk_text(choice: dict) -> str:
-    if "text" in choice:
-        return choice.get("text") or ""
-    return (choice.get("delta") or {}).get("content") or ""
+    """A completions chunk's text, or a chat chunk's delta content."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 async def _sse_events(response: aiohttp.ClientResponse):

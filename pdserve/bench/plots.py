@@ -60,13 +60,10 @@ def write_plots(
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
+    scale_points = [(row["scale"], row["attainment"]) for row in scale_rows]
     curves = [
         ("attainment_vs_rate.png", sorted(goodput_probes), "request rate (req/s)"),
-        (
-            "attainment_vs_slo_scale.png",
-            [(row["scale"], row["attainment"]) for row in scale_rows],
-            "SLO scale",
-        ),
+        ("attainment_vs_slo_scale.png", scale_points, "SLO scale"),
     ]
     for name, points, xlabel in curves:
         if not points:

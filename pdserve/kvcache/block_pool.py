@@ -83,9 +83,8 @@ class BlockPool:
     def cache_block(self, block_id: int, block_hash: int) -> None:
         """Make a full, computed block findable by its hash. If another block already holds
         the same content, keep that one: this copy stays private and is freed plainly."""
-        if not self.enable_caching or self.block_hash[block_id] is not None:
-            return
-        if block_hash in self.cached_blocks:
+        known = block_hash in self.cached_blocks  # this content is in a block already
+        if not self.enable_caching or self.block_hash[block_id] is not None or known:
             return
         self.block_hash[block_id] = block_hash
         self.cached_blocks[block_hash] = block_id

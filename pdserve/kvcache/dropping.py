@@ -77,11 +77,8 @@ class PromptDrop:
             raise ValueError(
                 f"keeping {self.num_keep_blocks} of {len(scores)} prompt blocks drops nothing"
             )
-        victims = set(
-            lowest_scored(
-                scores, len(scores) - self.num_keep_blocks, self.sink_blocks, self.recent_blocks
-            )
-        )
+        num_victims = len(scores) - self.num_keep_blocks
+        victims = set(lowest_scored(scores, num_victims, self.sink_blocks, self.recent_blocks))
         return [i for i in range(len(scores)) if i not in victims]
 
 

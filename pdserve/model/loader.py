@@ -47,23 +47,19 @@ def to_model_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         except KeyError:
             raise ValueError(f"checkpoint lacks the tensor {name!r}") from None
 
+    qkv = [f"self_attn.{x}_proj.weight" for x in "qkv"]
+    fused = {"self_attn.qkv_proj.weight": qkv,
+             "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"]}  # fmt: skip
+    if cfg.attention_bias:
+        fused["self_attn.qkv_proj.bias"] = [name.replace("weight", "bias") for name in qkv]
+    kept = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+            "post_attention_layernorm.weight")  # fmt: skip
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-            [take(attn + f"{x}_proj.weight") for x in "qkv"]
-        )
-        if cfg.attention_bias:
-            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
-                [take(attn + f"{x}_proj.bias") for x in "qkv"]
-            )
-        out[f"layers.{i}.self_attn.o_proj.weight"] = take(attn + "o_proj.weight")
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        )
-        out[f"layers.{i}.mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"layers.{i}.{norm}.weight"] = take(p + f"{norm}.weight")
+        theirs, ours = f"model.layers.{i}.", f"layers.{i}."
+        for name, parts in fused.items():
+            out[ours + name] = torch.cat([take(theirs + part) for part in parts])
+        for name in kept:
+            out[ours + name] = take(theirs + name)
     out["embed_tokens.weight"] = take("model.embed_tokens.weight")
     out["norm.weight"] = take("model.norm.weight")
     if not cfg.tie_word_embeddings:

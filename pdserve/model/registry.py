@@ -106,11 +106,10 @@ def check_hf_dir(path: Path) -> Path:
 def is_valid_cache(model_dir: Path, gguf_path: Path) -> bool:
     """Whether `model_dir` is a complete conversion of the current `gguf_path`."""
     marker = model_dir / SOURCE_MARKER
+    tokenizers = (model_dir / name for name in ("tokenizer.json", "tokenizer.model"))
     if not (marker.is_file() and (model_dir / "config.json").is_file()):
         return False
-    if not any(model_dir.glob("*.safetensors")):
-        return False
-    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+    if not any(model_dir.glob("*.safetensors")) or not any(t.is_file() for t in tokenizers):
         return False
     try:
         recorded = json.loads(marker.read_text())
