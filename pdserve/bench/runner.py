@@ -129,8 +129,7 @@ async def run_sessions(sessions: list[Session], cfg: RunConfig, tokens: TokenSou
     """Runs every session (or until ``duration_s``) and returns the records in send order."""
     total = sum(len(s.turns) for s in sessions)
     run = _Run(cfg, tokens, total)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=None)
+    connector, timeout = aiohttp.TCPConnector(limit=0), aiohttp.ClientTimeout(total=None)
     try:
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, trust_env=False

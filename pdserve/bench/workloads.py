@@ -115,10 +115,8 @@ def build_sessions(cfg: WorkloadConfig, tokens: TokenSource) -> list[Session]:
     every member sends the identical string.
     """
     rng = np.random.default_rng(cfg.seed)
-    in_dist = LengthDist.parse(cfg.input_len, "--input-len")
-    out_dist = LengthDist.parse(cfg.output_len, "--output-len")
-    input_lens = in_dist.sample(rng, cfg.num_requests)
-    output_lens = out_dist.sample(rng, cfg.num_requests)
+    input_lens = LengthDist.parse(cfg.input_len, "--input-len").sample(rng, cfg.num_requests)
+    output_lens = LengthDist.parse(cfg.output_len, "--output-len").sample(rng, cfg.num_requests)
     prefixes = [
         tokens.random_prompt(rng, cfg.prefix_len, cfg.text_prompts)
         for _ in range(cfg.num_prefix_groups)
