@@ -43,9 +43,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     params = SamplingParams(**flag_values(args, SamplingParams, "sampling."))
     llm = LLM(**flag_values(args, EngineConfig))
-    history: list[dict] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
+    history = [{"role": "system", "content": args.system}] if args.system else []
     print("pdserve chat — an empty line or Ctrl-D ends the session.", file=sys.stderr)
     while True:
         try:
@@ -106,8 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

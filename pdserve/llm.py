@@ -133,14 +133,11 @@ class LLM:
     def _normalize(self, prompts, params) -> tuple[list[list[int]], list[SamplingParams]]:
         prompt_ids = self._prompt_ids(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(prompt_ids)
-        else:
-            params_list = list(params)
-            if len(params_list) != len(prompt_ids):
-                raise ValueError(
-                    f"got {len(params_list)} sampling params for {len(prompt_ids)} prompts"
-                )
-        return prompt_ids, params_list
+            params = [params or SamplingParams()] * len(prompt_ids)
+        params = list(params)
+        if len(params) != len(prompt_ids):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompt_ids)} prompts")
+        return prompt_ids, params
 
     def _run(self, prompt_ids: list[list[int]], params_list: list[SamplingParams]):
         processor = OutputProcessor(self.tokenizer)
