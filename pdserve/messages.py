@@ -37,7 +37,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 import msgpack
@@ -297,8 +297,8 @@ class StepReport:
     steps: list[list[float]]
 
 
-# Every dataclass above, by name: the only types a frame can make us build.
-_TYPES: dict[str, type] = {n: t for n, t in dict(globals()).items() if dataclasses.is_dataclass(t)}
+# Every dataclass defined above, by name: the only types a frame can make us build.
+_TYPES = {n: t for n, t in list(globals().items()) if is_dataclass(t) and t.__module__ == __name__}
 
 
 class CodecError(ValueError):

@@ -102,13 +102,9 @@ def meets_slo(record: RequestRecord, slo: SLO) -> bool:
     """
     if not record.ok or record.ttft_s is None:
         return False
-    if slo.ttft_ms is not None and record.ttft_s * 1000.0 > slo.ttft_ms:
-        return False
-    tpot = record.tpot_s
-    if slo.tpot_ms is not None and tpot is not None and tpot * 1000.0 > slo.tpot_ms:
-        return False
-    itl = record.p99_itl_s
-    return not (slo.itl_ms is not None and itl is not None and itl * 1000.0 > slo.itl_ms)
+    measured = ((slo.ttft_ms, record.ttft_s), (slo.tpot_ms, record.tpot_s),
+                (slo.itl_ms, record.p99_itl_s))  # fmt: skip
+    return all(ms is None or s is None or s * 1000.0 <= ms for ms, s in measured)
 
 
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> float:

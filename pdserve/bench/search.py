@@ -55,16 +55,10 @@ def find_goodput(
     lo, hi = (rate, 0.0) if up else (0.0, rate)
     while (hi if up else lo) == 0.0 and len(search.probes) < max_probes:
         rate = rate * 2 if up else rate / 2
-        if passes(rate):
-            lo = rate
-        else:
-            hi = rate
+        lo, hi = (rate, hi) if passes(rate) else (lo, rate)
     while lo > 0 and hi > 0 and len(search.probes) < max_probes and hi / lo > 1 + rel_tol:
         mid = (lo + hi) / 2
-        if passes(mid):
-            lo = mid
-        else:
-            hi = mid
+        lo, hi = (mid, hi) if passes(mid) else (lo, mid)
     return search
 
 

@@ -27,9 +27,8 @@ _MASK64 = (1 << 63) - 1
 def _generator(row: SamplingRow, fallback: torch.Generator, device: torch.device):
     if row.seed is None:
         return fallback
-    g = torch.Generator(device=device)
-    g.manual_seed((row.seed * 1_000_003 + row.output_index) & _MASK64)
-    return g
+    seed = (row.seed * 1_000_003 + row.output_index) & _MASK64
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

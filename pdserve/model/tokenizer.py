@@ -204,6 +204,4 @@ def _eos_token_ids(
 
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object from `path`, or {} when the optional file is absent."""
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text())
+    return json.loads(path.read_text()) if path.is_file() else {}
