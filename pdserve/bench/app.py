@@ -109,15 +109,13 @@ def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
         )
     if cfg.find_goodput and arrival.kind not in ("poisson", "gamma"):
         raise ValueError("--find-goodput varies --rate, so it needs --arrival poisson or gamma")
-    search = None
-    if cfg.find_goodput:
-        search = dict(
-            target=cfg.goodput_target, start_rate=cfg.start_rate, max_probes=cfg.max_probes
-        )
+    search = dict(target=cfg.goodput_target, start_rate=cfg.start_rate, max_probes=cfg.max_probes)
     tokens = TokenSource.load(cfg.tokenizer)
     sessions = _sessions(cfg, tokens, text_prompts)
     config = flag_config(args) | dict(url=client.url, model=client.model, text_prompts=text_prompts)
-    return BenchPlan(tokens, sessions, run, slo, scales, search, config)
+    return BenchPlan(
+        tokens, sessions, run, slo, scales, search if cfg.find_goodput else None, config
+    )
 
 
 def _sessions(cfg: BenchConfig, tokens: TokenSource, text_prompts: bool) -> list[Session]:

@@ -42,9 +42,7 @@ class ClientConfig:
         base = self.url.rstrip("/")
         if base.endswith(("/completions", "/chat/completions")):
             return base
-        if base.endswith("/v1"):
-            base = base[: -len("/v1")]
-        return base + ENDPOINTS[self.endpoint]
+        return base.removesuffix("/v1") + ENDPOINTS[self.endpoint]
 
     def payload(self, prompt: Prompt, output_len: int) -> dict[str, object]:
         body: dict[str, object] = {
