@@ -65,10 +65,7 @@ class TokenSource:
         """``n`` random ids and, with ``text``, their text re-encoded to fit (``fit_text``:
         the ids are then the text's own); without, the text is ""."""
         ids = self.random_ids(rng, n, text=text)
-        if not text:
-            return ids, ""
-        prompt, ids = self.fit_text(ids, rng)
-        return ids, prompt
+        return self.fit_text(ids, rng) if text else (ids, "")
 
     @functools.cached_property
     def text_vocab_ids(self) -> np.ndarray:
@@ -96,8 +93,8 @@ class TokenSource:
 
     def fit_text(
         self, ids: list[int], rng: np.random.Generator, max_rounds: int = 8
-    ) -> tuple[str, list[int]]:
-        """Text whose re-encoding has ``len(ids)`` tokens, and that re-encoding.
+    ) -> tuple[list[int], str]:
+        """Text whose re-encoding has ``len(ids)`` tokens: (that re-encoding, the text).
 
         Adjacent tokens can merge or split when re-encoded, so trim or top up the re-encoded
         ids and try again; a trim never leaves half a character at the end. If it does not
@@ -115,7 +112,7 @@ class TokenSource:
             ids = ids + self.random_ids(rng, target - len(ids), text=True)
             text = self.decode(ids)
             encoded = self.encode(text)
-        return text, encoded
+        return encoded, text
 
 
 def join_text(left: str, right: str) -> str:

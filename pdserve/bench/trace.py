@@ -93,7 +93,7 @@ def load_trace(cfg: TraceConfig, tokens: TokenSource) -> list[Session]:
                 block_ids = block_ids[:remaining]
                 if cfg.text_prompts:
                     rng = np.random.default_rng([cfg.seed, hash_id, remaining])
-                    block_text, block_ids = tokens.fit_text(block_ids, rng)
+                    block_ids, block_text = tokens.fit_text(block_ids, rng)
             ids += block_ids
             text = join_text(text, block_text)
         if len(ids) < input_len:
