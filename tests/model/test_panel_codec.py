@@ -82,12 +82,14 @@ def test_constant_blocks_and_odd_k(panel):
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])
-@pytest.mark.parametrize("m", [1, 3, 4, 9, 32, 100])
-@pytest.mark.parametrize("n,k", [(48, 64), (61, 160)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 32, 100])
+@pytest.mark.parametrize("n,k", [(48, 64), (61, 160), (97, 416)])
 def test_compact_gemm_is_bit_identical_to_fp32_panels(lib, qtype, m, n, k):
     """Expansion reproduces the fp32 weights exactly, so the GEMM result is identical, not
-    merely close, to the fp32-panel kernel's — and close to F.linear. 100 rows: a decode
-    worker keeps only panels, so batches past PANEL_M_MAX take this path too."""
+    merely close, to the fp32-panel kernel's — and close to F.linear. Up to MR rows (4 or
+    8) the weights are computed in registers, from 9 expanded into a buffer; 416 = 3 chunks
+    of k plus a part. 100 rows: a decode worker keeps only panels, so batches past
+    PANEL_M_MAX take this path too."""
     w = gguf_weights(n, k, qtype, seed=m)
     x, b = torch.randn(m, k), torch.randn(n)
     compact, full = native.pack_panels(lib, w), native.pack_panels(lib, w, compact=False)

@@ -62,15 +62,17 @@ static inline __m256 vfold8(vf v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v),
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
-/* 4-bit values q[0..16) as int32 lanes: 16 nibbles in two 32-bit words, lane 2j in bits
+/* 4-bit values q[0..16) as exact floats: 16 nibbles in two 32-bit words, lane 2j in bits
  * 4j..4j+3 of the first, lane 2j+1 in those of the second (the PD_Q4A layout of 48-column
- * panels, gemm.c): one 64-bit broadcast, no lane insert. */
-static inline vi vnibbles(const uint32_t *q) {
+ * panels, gemm.c): one 64-bit broadcast, no lane insert; each lane's nibble shifted to its
+ * low bits, where a permute (which reads only the low 4 bits of an index) looks up
+ * 0.f..15.f: two vector ops where mask and convert took three. */
+static inline vf vnibbles(const uint32_t *q) {
     int64_t pair;
     __builtin_memcpy(&pair, q, sizeof pair);
     vi shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi64(pair), shifts),
-                            _mm512_set1_epi32(0xF));
+    vf values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(pair), shifts), values);
 }
 static inline vi vbytes(const int8_t *q) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)); }
 #else
@@ -109,9 +111,10 @@ static inline vi tail_mask(int64_t n) {
 static inline vf vload_n(const float *p, int64_t n) { return _mm256_maskload_ps(p, tail_mask(n)); }
 static inline void vstore_n(float *p, vf v, int64_t n) { _mm256_maskstore_ps(p, tail_mask(n), v); }
 static inline __m256 vfold8(vf v) { return v; }
-static inline vi vnibbles(const uint32_t *q) {
+static inline vf vnibbles(const uint32_t *q) {
     vi shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)q[0]), shifts), _mm256_set1_epi32(0xF));
+    return vcvt_f32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)q[0]), shifts),
+                                     _mm256_set1_epi32(0xF)));
 }
 static inline vi vbytes(const int8_t *q) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)); }
 #endif
