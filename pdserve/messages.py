@@ -316,7 +316,10 @@ class Signer:
         self._seq = itertools.count()
 
     def encode(self, message: Any) -> bytes:
-        name, fields = type(message).__name__, dataclasses.asdict(message)
+        # Fields hold plain values, never a nested dataclass: a shallow dict is what asdict's
+        # deep copy would give, at a tenth of the cost (per token message, on the hot path).
+        fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+        name = type(message).__name__
         payload = msgpack.packb([name, fields, self.session, next(self._seq), self.clock()])
         return hmac.new(self.secret, payload, hashlib.sha256).digest() + payload
 
