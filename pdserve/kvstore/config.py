@@ -66,7 +66,7 @@ def build_tiered_store(config: KVStoreConfig, fmt: EntryFormat) -> TieredStore |
         except OSError as e:
             raise ValueError(f"kvstore.host_root {config.host_root!r} is not usable: {e}") from e
     if config.disk_dir is not None:
-        from pdserve.kvstore.disk import DiskTier
+        from pdserve.kvstore.host import DiskTier
 
         try:
             tiers.append(DiskTier(fmt, config.disk_dir, config.disk_bytes))

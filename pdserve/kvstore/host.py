@@ -1,4 +1,4 @@
-"""File-per-block tiers: L2 host DRAM (a tmpfs directory) and, configured otherwise, L3 disk.
+"""File-per-block tiers: L2 host DRAM (a tmpfs directory) and L3 local disk.
 
 One file per block, named by its hash (``<hash:016x>.kv``), holding header + payload (see
 base.py). The directory is the only shared state, so every worker process of a host (or every
@@ -258,3 +258,21 @@ class HostTier(FileTier):
     ) -> None:
         directory = Path(root) / f"pdserve-kv-{namespace or fmt.namespace}"
         super().__init__("host", fmt, directory, capacity_bytes, rescan_interval_s)
+
+
+class DiskTier(FileTier):
+    """L3: a byte-capped directory on local disk that survives worker restarts; entries under
+    ``<directory>/<namespace>``, so one disk_dir can serve several models. A new process
+    scans the directory on construction, so entries written before a restart are found and
+    counted against capacity. No fsync: this is a cache, and a torn file fails its MAC."""
+
+    def __init__(
+        self,
+        fmt: EntryFormat,
+        directory: str | Path,
+        capacity_bytes: int,
+        namespace: str | None = None,
+        rescan_interval_s: float = 1.0,
+    ) -> None:
+        path = Path(directory) / (namespace or fmt.namespace)
+        super().__init__("disk", fmt, path, capacity_bytes, rescan_interval_s)

@@ -7,7 +7,7 @@ contiguous byte range::
 
     kv[l] = | b0: K V | b1: K V | b2: K V | ...     a run b1..b2 = 2 * block_bytes, one copy
 
-This module is torch-free so control-plane code can check layouts without importing torch.
+This module is torch-free at import, so control-plane code can check layouts without torch.
 """
 
 from __future__ import annotations
@@ -125,3 +125,11 @@ def coalesce_runs(src_block_ids: list[int], dst_block_ids: list[int]) -> list[tu
                 continue
         runs.append((src, dst, 1))
     return runs
+
+
+def block_bytes_view(kv: Any, layer: int, start: int, num_blocks: int) -> Any:
+    """The bytes of blocks ``start..start+num_blocks-1`` of ``layer``, as a uint8 view: one
+    contiguous range because ``kv`` is contiguous (the diagram above)."""
+    import torch
+
+    return kv[layer, start : start + num_blocks].reshape(-1).view(torch.uint8)

@@ -1,23 +1,38 @@
-"""The sender's view of one receiver: its address checked against the sender's layout and
-backend, and the authenticated connection to it, with a thread reading its replies.
+"""The sender's side of one receiver: its address checked against the sender's layout and
+backend, the authenticated connection to it, and the two data paths over it (``TcpWriter``,
+``ShmWriter``).
 
 Checks that catch caller bugs run in the caller's thread and raise ValueError at once;
 everything that depends on the network or the receiver is reported later as FAILED. Only
 the sender's per-receiver worker thread writes to the socket; the reader thread here
 dispatches acks and failures to the sender and wakes threads waiting for a shm lease.
+
+tcp: each coalesced run is one *write*; a write larger than a frame (at most ``chunk_bytes``
+and at most the staging buffers on either end) goes as several frames of whole blocks, so
+every frame passes the receiver's ``nbytes == num_blocks * block_bytes`` check on its own.
+shm: the lease protocol of ``shm.py``; the writer copies only granted blocks, in chunks,
+stopping between two once the request ended, and ends its lease whatever happens.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pdserve.transfer import wire
-from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.layout import KVLayout, block_bytes_view
+from pdserve.transfer.limits import BufferPool, TokenBucket
 from pdserve.transfer.wire import TransferError
+
+LEASE_TIMEOUT_S = 10.0
+Run = tuple[int, int, int]  # (src_start, dst_start, num_blocks), see layout.coalesce_runs
 
 
 @dataclass
@@ -184,3 +199,166 @@ class PeerConnection:
         self.sock.close()
         if threading.current_thread() is not self._reader:
             self._reader.join(timeout=2.0)
+
+
+@dataclass(frozen=True)
+class WriteContext:
+    """Everything a ``BlockWriter`` needs to move one sender's blocks to one receiver.
+
+    The sender builds one per connection; writers read nothing else of the sender's.
+    """
+
+    kv: torch.Tensor  # the sender's pool: the source of every write
+    layout: KVLayout
+    conn: PeerConnection  # authenticated, hello exchanged; sends frames, asks for leases
+    remote_kv: torch.Tensor | None  # the receiver's pool mapped here (shm), else None
+    max_frame_bytes: int  # the receiver's staging buffer: the largest payload it takes
+    chunk_bytes: int  # pacing and frame granularity (>= one block)
+    bucket: TokenBucket | None  # the bandwidth cap, shared by all of the sender's peers
+    staging: BufferPool | None  # stage source bytes here first (kv not in host memory)
+    checksum: bool | None  # crc32 per write; None: the backend's default
+    stopped: Callable[[str], bool]  # the request ended (failed, aborted) or the sender closes
+    account: Callable[[str, int, int, int], None]  # (request_id, writes, frames, nbytes)
+
+
+class BlockWriter(ABC):
+    """One backend's data path from a sender to one receiver, over one connection.
+
+    The sender calls ``write`` and ``finish`` from that receiver's worker thread only, so
+    calls never overlap, in the order the engine sent. ``write`` copies ``runs`` of each of
+    ``layers`` into the receiver's reserved blocks and counts through ``ctx.account`` (one
+    write per run per layer, one frame per ``data`` frame, payload bytes); it returns early
+    once ``ctx.stopped(request_id)``, and raises TransferError or OSError to fail the
+    request. It must never write a block the receiver did not reserve for the request.
+    """
+
+    name: str  # the backend, as in registry.BACKENDS
+
+    def __init__(self, ctx: WriteContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
+        """Move the blocks of one ``send()``; returns once every byte is copied or handed to
+        the socket."""
+
+    def finish(self, request_id: str, num_frames: int, meta: dict[str, Any] | None) -> None:
+        """Tell the receiver the request is complete after ``num_frames`` data frames (with
+        the last send's ``meta``); its ACK (or FAILED) arrives later on the connection's
+        reader thread."""
+        header = {"type": wire.DONE, "request_id": request_id, "num_frames": num_frames}
+        self.ctx.conn.send({**header, "meta": meta} if meta else header)
+
+
+class TcpWriter(BlockWriter):
+    name = "tcp"
+
+    def __init__(self, ctx: WriteContext) -> None:
+        super().__init__(ctx)
+        frame_bytes = min(ctx.chunk_bytes, ctx.max_frame_bytes)
+        if ctx.staging is not None:
+            frame_bytes = min(frame_bytes, ctx.staging.buffer_bytes)
+        self.blocks_per_frame = max(1, frame_bytes // ctx.layout.block_bytes)
+        self.checksum = True if ctx.checksum is None else ctx.checksum
+
+    def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
+        ctx = self.ctx
+        for layer in layers:
+            for src_start, dst_start, num_blocks in runs:
+                for offset in range(0, num_blocks, self.blocks_per_frame):
+                    if ctx.stopped(request_id):
+                        return
+                    n = min(self.blocks_per_frame, num_blocks - offset)
+                    src = block_bytes_view(ctx.kv, layer, src_start + offset, n)
+                    if ctx.staging is None:
+                        self._send(request_id, layer, dst_start + offset, n, src)
+                    else:
+                        with ctx.staging.borrow() as buf:
+                            staged = buf[: src.numel()]
+                            staged.copy_(src)
+                            self._send(request_id, layer, dst_start + offset, n, staged)
+                ctx.account(request_id, 1, 0, 0)
+
+    def _send(
+        self, request_id: str, layer: int, dst_start: int, num_blocks: int, data: torch.Tensor
+    ) -> None:
+        payload = memoryview(data.numpy())
+        header = {
+            "type": wire.DATA,
+            "request_id": request_id,
+            "layer": layer,
+            "dst_start": dst_start,
+            "num_blocks": num_blocks,
+            "nbytes": len(payload),
+        }
+        if self.checksum:
+            header["crc32"] = zlib.crc32(payload)
+        if self.ctx.bucket is not None:
+            self.ctx.bucket.consume(8 * len(payload))
+        self.ctx.conn.send(header, payload)
+        self.ctx.account(request_id, 0, 1, len(payload))
+
+
+class ShmWriter(BlockWriter):
+    """Writes into ``ctx.remote_kv``, the receiver's pool mapped with ``open_shared_kv``."""
+
+    name = "shm"
+
+    def __init__(self, ctx: WriteContext) -> None:
+        if ctx.remote_kv is None:
+            raise ValueError("ShmWriter needs the receiver's pool mapped (ctx.remote_kv)")
+        super().__init__(ctx)
+        self.remote_kv = ctx.remote_kv
+        self.checksum = bool(ctx.checksum)
+
+    def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
+        writes = [[layer, dst, n] for layer in layers for _, dst, n in runs]
+        if not writes:
+            return
+        conn = self.ctx.conn
+        granted = set(conn.request_lease(request_id, writes, LEASE_TIMEOUT_S))
+        try:
+            for layer in layers:
+                for src_start, dst_start, num_blocks in runs:
+                    if self.ctx.stopped(request_id):
+                        return
+                    if not granted.issuperset(range(dst_start, dst_start + num_blocks)):
+                        end = dst_start + num_blocks - 1
+                        raise TransferError(
+                            f"refusing shm write to blocks {dst_start}..{end} of request "
+                            f"{request_id!r}: not in the receiver's grant"
+                        )
+                    self._copy(request_id, layer, src_start, dst_start, num_blocks)
+        finally:
+            try:
+                conn.send({"type": wire.LEASE_END, "request_id": request_id})
+            except OSError:
+                pass  # connection gone: the receiver ends the lease when it sees the drop
+
+    def _copy(self, request_id: str, layer: int, src_start: int, dst_start: int, n: int) -> None:
+        ctx = self.ctx
+        src = block_bytes_view(ctx.kv, layer, src_start, n)
+        dst = block_bytes_view(self.remote_kv, layer, dst_start, n)
+        # In chunks, checking for a stop before each: a receiver that released the request
+        # (its "failed" stops us) waits for our lease_end, so stop soon, and never notify
+        # for a run cut short.
+        for offset in range(0, src.numel(), ctx.chunk_bytes):
+            if ctx.stopped(request_id):
+                return
+            end = min(offset + ctx.chunk_bytes, src.numel())
+            if ctx.bucket is not None:
+                ctx.bucket.consume(8 * (end - offset))
+            dst[offset:end].copy_(src[offset:end])
+        header = {
+            "type": wire.DATA,
+            "request_id": request_id,
+            "layer": layer,
+            "dst_start": dst_start,
+            "num_blocks": n,
+            "nbytes": 0,
+            "written": True,
+        }
+        if self.checksum:
+            header["crc32"] = zlib.crc32(src.numpy())
+        ctx.conn.send(header)
+        ctx.account(request_id, 1, 1, src.numel())

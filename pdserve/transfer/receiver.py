@@ -29,13 +29,8 @@ import torch
 
 from pdserve.transfer import wire
 from pdserve.transfer.base import Finished, TransferStatus
-from pdserve.transfer.buffers import (
-    DEFAULT_BUFFER_BYTES,
-    DEFAULT_POOL_BYTES,
-    BufferPool,
-    block_bytes_view,
-)
-from pdserve.transfer.layout import KVLayout, check_kv_tensor
+from pdserve.transfer.layout import KVLayout, block_bytes_view, check_kv_tensor
+from pdserve.transfer.limits import DEFAULT_BUFFER_BYTES, DEFAULT_POOL_BYTES, BufferPool
 from pdserve.transfer.reservations import Reservation, ReservationTable
 from pdserve.transfer.shm import unlink_shared_kv
 from pdserve.transfer.wire import Conn, FrameServer

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.schema import check, knob, parse_bytes
-from pdserve.transfer.bandwidth import parse_bandwidth
 from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.limits import parse_bandwidth
 
 if TYPE_CHECKING:  # torch-free at run time
     from pdserve.transfer.receiver import SocketKVReceiver

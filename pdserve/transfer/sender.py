@@ -3,7 +3,7 @@
 ``send`` only validates and enqueues, so the engine goes on computing the next layer while
 a worker thread moves this one. One worker per receiver keeps a request's sends in call
 order (one request has one receiver) and lets a slow receiver hold up only its own requests.
-The data path per receiver is a ``BlockWriter`` (``tcp.py`` or ``shm.py``) that
+The data path per receiver is a ``BlockWriter`` (``peer.py``: tcp or shm) that
 ``make_writer`` builds for each connection from an explicit ``WriteContext``.
 """
 
@@ -21,20 +21,26 @@ import msgpack
 import torch
 
 from pdserve.transfer import wire
-from pdserve.transfer.bandwidth import TokenBucket, parse_bandwidth
-from pdserve.transfer.base import (
-    TERMINAL,
-    BlockWriter,
-    Finished,
-    Run,
-    TransferStatus,
-    WriteContext,
-)
-from pdserve.transfer.buffers import DEFAULT_BUFFER_BYTES, DEFAULT_POOL_BYTES, BufferPool
+from pdserve.transfer.base import TERMINAL, Finished, TransferStatus
 from pdserve.transfer.layout import KVLayout, check_kv_tensor, coalesce_runs
-from pdserve.transfer.peer import PeerConnection, PeerInfo, check_send
-from pdserve.transfer.shm import ShmWriter, open_shared_kv
-from pdserve.transfer.tcp import TcpWriter
+from pdserve.transfer.limits import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_POOL_BYTES,
+    BufferPool,
+    TokenBucket,
+    parse_bandwidth,
+)
+from pdserve.transfer.peer import (
+    BlockWriter,
+    PeerConnection,
+    PeerInfo,
+    Run,
+    ShmWriter,
+    TcpWriter,
+    WriteContext,
+    check_send,
+)
+from pdserve.transfer.shm import open_shared_kv
 from pdserve.transfer.wire import TransferError
 
 log = logging.getLogger(__name__)

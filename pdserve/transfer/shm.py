@@ -3,8 +3,8 @@
 The receiver allocates its pool with ``create_shared_kv`` (a 0600 file in /dev/shm mapped
 with ``torch.from_file(shared=True)``; a file rather than ``multiprocessing.shared_memory``
 because Python < 3.13 makes every process that *opens* a segment unlink it at exit). The
-sender maps it with ``open_shared_kv`` and copies block runs straight into it, like an RDMA
-write; the control connection is the authenticated tcp one.
+sender maps it with ``open_shared_kv`` and its ``ShmWriter`` (peer.py) copies block runs
+straight into it, like an RDMA write; the control connection is the authenticated tcp one.
 
 Reservations with one-sided writes: the receiver cannot stop a process that has its memory
 mapped, so enforcement is a protocol the sender's code obeys and the receiver checks:
@@ -33,20 +33,14 @@ import secrets
 import stat
 import threading
 import time
-import zlib
 
 import torch
 
-from pdserve.transfer import wire
-from pdserve.transfer.base import BlockWriter, Run, WriteContext
-from pdserve.transfer.buffers import block_bytes_view
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.wire import TransferError
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-LEASE_TIMEOUT_S = 10.0
 _NAME = re.compile(r"^pdserve-kv-[A-Za-z0-9_-]{1,64}$")
 _SWEPT = re.compile(r"^pdserve-kv-lk-[0-9a-f]{12}$")  # the names create_shared_kv picks
 _TMP_PREFIX = ".pdserve-kv-new-"
@@ -192,68 +186,3 @@ def unlink_shared_kv(name: str) -> None:
         os.unlink(_path(name))
     except FileNotFoundError:
         pass
-
-
-class ShmWriter(BlockWriter):
-    """Writes into ``ctx.remote_kv``, the receiver's pool mapped with ``open_shared_kv``."""
-
-    name = "shm"
-
-    def __init__(self, ctx: WriteContext) -> None:
-        if ctx.remote_kv is None:
-            raise ValueError("ShmWriter needs the receiver's pool mapped (ctx.remote_kv)")
-        super().__init__(ctx)
-        self.remote_kv = ctx.remote_kv
-        self.checksum = bool(ctx.checksum)
-
-    def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
-        writes = [[layer, dst, n] for layer in layers for _, dst, n in runs]
-        if not writes:
-            return
-        conn = self.ctx.conn
-        granted = set(conn.request_lease(request_id, writes, LEASE_TIMEOUT_S))
-        try:
-            for layer in layers:
-                for src_start, dst_start, num_blocks in runs:
-                    if self.ctx.stopped(request_id):
-                        return
-                    if not granted.issuperset(range(dst_start, dst_start + num_blocks)):
-                        end = dst_start + num_blocks - 1
-                        raise TransferError(
-                            f"refusing shm write to blocks {dst_start}..{end} of request "
-                            f"{request_id!r}: not in the receiver's grant"
-                        )
-                    self._copy(request_id, layer, src_start, dst_start, num_blocks)
-        finally:
-            try:
-                conn.send({"type": wire.LEASE_END, "request_id": request_id})
-            except OSError:
-                pass  # connection gone: the receiver ends the lease when it sees the drop
-
-    def _copy(self, request_id: str, layer: int, src_start: int, dst_start: int, n: int) -> None:
-        ctx = self.ctx
-        src = block_bytes_view(ctx.kv, layer, src_start, n)
-        dst = block_bytes_view(self.remote_kv, layer, dst_start, n)
-        # In chunks, checking for a stop before each: a receiver that released the request
-        # (its "failed" stops us) waits for our lease_end, so stop soon, and never notify
-        # for a run cut short.
-        for offset in range(0, src.numel(), ctx.chunk_bytes):
-            if ctx.stopped(request_id):
-                return
-            end = min(offset + ctx.chunk_bytes, src.numel())
-            if ctx.bucket is not None:
-                ctx.bucket.consume(8 * (end - offset))
-            dst[offset:end].copy_(src[offset:end])
-        header = {
-            "type": wire.DATA,
-            "request_id": request_id,
-            "layer": layer,
-            "dst_start": dst_start,
-            "num_blocks": n,
-            "nbytes": 0,
-            "written": True,
-        }
-        if self.checksum:
-            header["crc32"] = zlib.crc32(src.numpy())
-        ctx.conn.send(header)
-        ctx.account(request_id, 1, 1, src.numel())

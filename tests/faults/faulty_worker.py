@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from pdserve.transfer.base import BlockWriter, Run, WriteContext
+from pdserve.transfer.peer import BlockWriter, Run, WriteContext
 from pdserve.transfer.sender import SocketKVSender, open_writer
 from pdserve.transfer.wire import TransferError
 

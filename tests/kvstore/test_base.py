@@ -75,7 +75,7 @@ def test_namespace_is_path_safe():
 
 def test_kvstore_imports_without_torch():
     code = (
-        "import sys, pdserve.kvstore, pdserve.kvstore.host, pdserve.kvstore.disk, "
+        "import sys, pdserve.kvstore, pdserve.kvstore.host, "
         "pdserve.kvstore.redis; print('torch' in sys.modules)"
     )
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"

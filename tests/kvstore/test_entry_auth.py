@@ -11,8 +11,7 @@ import pytest
 
 from pdserve.kvcache.hashing import hash_blocks
 from pdserve.kvstore.config import KVStoreConfig
-from pdserve.kvstore.disk import DiskTier
-from pdserve.kvstore.host import HostTier
+from pdserve.kvstore.host import DiskTier, HostTier
 from tests.engine.test_engine import run
 from tests.engine.test_kv_offload import BLOCK_SIZE, engine
 from tests.kvstore.conftest import payload, redis_server  # noqa: F401  (fixture)

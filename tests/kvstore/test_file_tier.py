@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.kvstore.disk import DiskTier
-from pdserve.kvstore.host import HostTier
+from pdserve.kvstore.host import DiskTier, HostTier
 from tests.kvstore.conftest import entry_bytes, payload
 
 REPO = Path(__file__).resolve().parents[2]

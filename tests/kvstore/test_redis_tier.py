@@ -11,8 +11,7 @@ import time
 import pytest
 import redis
 
-from pdserve.kvstore.disk import DiskTier
-from pdserve.kvstore.host import HostTier
+from pdserve.kvstore.host import DiskTier, HostTier
 from pdserve.kvstore.redis import RedisTier
 from pdserve.kvstore.tiered import TieredStore
 from tests.kvstore.conftest import entry_bytes, free_port, payload

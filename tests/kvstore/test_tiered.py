@@ -8,8 +8,7 @@ import threading
 import pytest
 
 from pdserve.kvstore.config import KVStoreConfig, build_tiered_store
-from pdserve.kvstore.disk import DiskTier
-from pdserve.kvstore.host import FileTier, HostTier
+from pdserve.kvstore.host import DiskTier, FileTier, HostTier
 from pdserve.kvstore.tiered import TieredStore
 from tests.kvstore.conftest import entry_bytes, payload
 

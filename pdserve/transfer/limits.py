@@ -1,4 +1,4 @@
-"""Bandwidth caps: parsing "10Gbit"-style values and a thread-safe token bucket.
+"""What bounds a transfer: a bandwidth cap ("10Gbit", a token bucket) and staging memory.
 
 The cap emulates a slower link (to study transfer cost at 1/10/100 Gbit/s on one machine)
 and keeps a prefill worker from starving others on a shared NIC. The sender paces in
@@ -8,6 +8,12 @@ The burst is 64 KiB, well under one layer of a request: a layer-wise transfer id
 the next layer computes, so a bucket refilled to a larger burst (1 MiB held a whole
 256-token SmolLM2 layer, 384 KiB) would let the last layer through unpaced and hide the
 cap's cost in exactly the tail that layer-wise transfer measures (docs/transfer.md).
+
+Staging is needed where bytes cannot go straight between KV pools: tcp receive (bytes are
+checked in a buffer before any reaches KV memory) and tcp send from a pool outside host
+memory (a device -> host copy first). A transfer that finds no free buffer waits for one
+instead of allocating, so a burst of requests slows down rather than exhausting host memory.
+Torch-free at import (the control plane parses bandwidths); the pool loads torch.
 """
 
 from __future__ import annotations
@@ -15,8 +21,13 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 BURST_BYTES = 64 << 10
+DEFAULT_BUFFER_BYTES = 1 << 20
+DEFAULT_POOL_BYTES = 64 << 20
 _PREFIX = {"G": 1e9, "M": 1e6, "K": 1e3, "k": 1e3, "g": 1e9, "m": 1e6, "": 1.0}
 _PATTERN = re.compile(
     r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([GMKgmk]?)(bit|bps|B)(?:/s)?\s*$"
@@ -78,3 +89,67 @@ class TokenBucket:
         if wait_s > 0:
             time.sleep(wait_s)
         return wait_s
+
+
+class BufferPool:
+    """``num_buffers`` uint8 tensors of ``buffer_bytes`` each, allocated once."""
+
+    def __init__(
+        self,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        pin_memory: bool = False,
+    ) -> None:
+        if buffer_bytes <= 0:
+            raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+        if pool_bytes < buffer_bytes:
+            raise ValueError(
+                f"pool_bytes ({pool_bytes}) must hold at least one buffer of {buffer_bytes}"
+            )
+        self.buffer_bytes = buffer_bytes
+        self.num_buffers = pool_bytes // buffer_bytes
+        import torch
+
+        self._free = [
+            torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+            for _ in range(self.num_buffers)
+        ]
+        self._cond = threading.Condition()
+        self._in_use = 0
+        self.max_in_use = 0
+        self.num_waits = 0
+
+    def acquire(self, timeout_s: float | None = None) -> Any:
+        """A free buffer, waiting for one if all are in use; TimeoutError after timeout_s."""
+        with self._cond:
+            if not self._free:
+                self.num_waits += 1
+                if not self._cond.wait_for(lambda: bool(self._free), timeout_s):
+                    raise TimeoutError(f"no staging buffer free within {timeout_s} s")
+            self._in_use += 1
+            self.max_in_use = max(self.max_in_use, self._in_use)
+            return self._free.pop()
+
+    def release(self, buf: Any) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._in_use -= 1
+            self._cond.notify()
+
+    @contextmanager
+    def borrow(self, timeout_s: float | None = None) -> Iterator[Any]:
+        buf = self.acquire(timeout_s)
+        try:
+            yield buf
+        finally:
+            self.release(buf)
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "num_buffers": self.num_buffers,
+                "buffer_bytes": self.buffer_bytes,
+                "in_use": self._in_use,
+                "max_in_use": self.max_in_use,
+                "num_waits": self.num_waits,
+            }
