@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import envs
+from pdserve.cluster.warmup import WarmupError, check_prompt
 from pdserve.config import DTYPES, CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.kvstore.config import KVStoreConfig
 from pdserve.messages import ROLES
@@ -171,9 +172,6 @@ class Pipeline:
 
 
 def _warmup_prompts(value: tuple) -> tuple:
-    # Lazy: cluster/warmup.py imports cluster/up.py, which imports this module.
-    from pdserve.cluster.warmup import WarmupError, check_prompt
-
     try:
         return tuple(
             p if isinstance(p, str) else tuple(p)

@@ -28,6 +28,7 @@ import urllib.request
 from pdserve import envs
 from pdserve.cluster.config import Pipeline, Role
 from pdserve.cluster.supervisor import Process, RestartPolicy, Supervisor
+from pdserve.cluster.warmup import WarmupError, ordered, report_lines, send_warmup, warmup_body
 from pdserve.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -156,15 +157,6 @@ class Cluster:
     def _warmup(self, prompts: list) -> None:
         """Prefill and pin the pipeline's warm-up prompts on every prefill-capable worker;
         a prompt any worker could not warm is an error of the deployment's config."""
-        # Lazy: cluster/warmup.py imports cluster/up.py, which imports this module.
-        from pdserve.cluster.warmup import (
-            WarmupError,
-            ordered,
-            report_lines,
-            send_warmup,
-            warmup_body,
-        )
-
         self._wait_healthy(self.pipeline.startup_timeout_s, every_worker=True)
         body = warmup_body(prompts)
         try:

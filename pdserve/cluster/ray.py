@@ -1,24 +1,13 @@
 """Ray placement: the router and every worker as Ray actors (`pdserve up --ray [ADDRESS]`,
-`Pipeline(placement="ray")`). docs/cluster.md explains the choices.
+`Pipeline(placement="ray")`); docs/cluster.md explains the choices.
 
 `RayCluster` is a `Cluster` (same context manager, health wait and warm-up) whose processes
 are actors: each worker asks a node for its role's `ray_num_cpus`, `ray_num_gpus` and
-`ray_resources` (a custom resource per node pool puts prefill and decode on different
-hardware) and is restarted by Ray up to `ray_max_restarts` times; the router runs on the node
-of this process, so its URL is the same as on one host, and is restarted there (it finds its
-workers again by their actor names). Start-up is bounded: an address that
-cannot be reached, or an actor no node can take, ends it within `ray_timeout_s` with the
-resources asked and what each node offers.
-
-The cluster secret and the API keys go into Ray's object store (`ray.put`) and every actor
-fetches them: actor arguments and runtime_env variables are shown by Ray's dashboard and state
-API, an object's value is not. Anyone who can run code on the Ray cluster can still read it:
-a Ray cluster must be reachable by its operators only.
-
-Scaling (the adaptive planner's hook): `add_worker(role)` starts one more actor of a role,
-`remove_worker(role)` drains one and kills it.
-
-Only this module and the actors import ray, lazily: without `placement: ray` it is never loaded.
+`ray_resources` and is restarted by Ray up to `ray_max_restarts` times; the router runs on
+this process's node (same URL as on one host). Start-up is bounded by `ray_timeout_s`. The
+cluster secret and API keys go through Ray's object store (`ray.put`), never as actor
+arguments or runtime_env variables, which Ray's dashboard shows. Only this module and the
+actors import ray, lazily.
 """
 
 from __future__ import annotations
@@ -131,14 +120,13 @@ class RayCluster(Cluster):
         where = address or "a new local Ray instance"
         if address is None:
             init()
-            thread = None
         else:
             thread = threading.Thread(target=init, daemon=True)
             thread.start()
             thread.join(p.ray_timeout_s)
-        if thread is not None and thread.is_alive():
-            raise ClusterError(f"could not connect to Ray at {where} within "
-                               f"{p.ray_timeout_s:.0f} s (ray_timeout_s)")  # fmt: skip
+            if thread.is_alive():
+                raise ClusterError(f"could not connect to Ray at {where} within "
+                                   f"{p.ray_timeout_s:.0f} s (ray_timeout_s)")  # fmt: skip
         if "error" in outcome:
             raise ClusterError(f"could not connect to Ray at {where}: {outcome['error']}")
         self._started_ray = True

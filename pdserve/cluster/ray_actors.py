@@ -1,17 +1,10 @@
 """What runs inside the Ray actors of a Ray placement: the router and one actor per worker.
-
-Plain classes: `pdserve/cluster/ray.py` wraps them with `ray.remote` and each role's resource
-request, so importing this module does not import ray (only code running in an actor does).
-
-    driver ──ray.put──▶ [secret object]      its ref: router's argument, workers ask the router
-    WorkerActor: bind on its node ──▶ RouterActor.add_worker(endpoint) ──▶ Worker.run()
-    RouterActor: the router's event loop in a thread, fed new endpoints from other threads
+Plain classes (`ray.py` wraps them with `ray.remote`), so importing this loads no ray.
 
 A worker actor does everything in its constructor's thread, so that a restart (Ray runs the
 constructor again) binds again on whatever node it landed on, tells the router its new address
-and sends a fresh Ready: the router re-admits it, and requests it held were already re-driven
-when its connection dropped. A restarted router actor binds the control address the driver
-chose (the workers' sockets reconnect to it) and finds the workers by their actor names.
+and sends a fresh Ready. A restarted router actor binds the control address the driver chose
+(the workers' sockets reconnect to it) and finds the workers by their actor names.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Keeps a started cluster's processes running: a process that dies is started again, the
-same way (same command, addresses, environment), after a backoff.
-
-The backoff doubles with each restart of that process within `window_s`, from `backoff_s` up
-to `max_backoff_s`; a process restarted `max_restarts` times within the window is left dead
-and the supervisor gives up: `failure` says which and why, and the launcher's `check_alive()`
-raises it (`pdserve up` exits with it). Stopping means stopping: `stop()` ends supervision
-before the launcher terminates anything, and no start happens after it.
-
-What a restart means for the others: a restarted worker announces itself (Ready) and the
-router's epoch bump re-drives what it held; a restarted router sends Hello to every worker,
-which drop the dead router's requests and announce themselves (pdserve/messages.py).
+same way, after a backoff that doubles per restart within `window_s`; after `max_restarts`
+there the supervisor gives up and `failure` says why (the launcher's `check_alive()` raises
+it). `stop()` ends supervision before the launcher terminates anything. A restarted worker or
+router re-announces itself (pdserve/messages.py).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import urllib.request
 from pdserve import envs
 from pdserve.cluster.config import Pipeline, Role, load_pipeline
 from pdserve.cluster.launcher import Cluster, ClusterError
+from pdserve.cluster.warmup import WarmupError, read_prompts
 from pdserve.messages import ROLES
 from pdserve.schema import add_flags, flag_values, from_dict, nest
 
@@ -60,9 +61,6 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
         top["admin_key"] = envs.admin_key()
     nest(Pipeline, top, into=data)
     if args.warmup_file:
-        # Lazy: cluster/warmup.py imports this module.
-        from pdserve.cluster.warmup import WarmupError, read_prompts
-
         try:
             data["warmup_prompts"] = read_prompts(args.warmup_file)
         except WarmupError as exc:

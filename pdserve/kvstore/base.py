@@ -1,29 +1,11 @@
-"""The contract of the KV tiers below a worker's own pool (L2 host DRAM, L3 disk, L4 Redis).
+"""The contract of the KV tiers below a worker's own pool (L2 host DRAM, L3 disk, L4 Redis)
+and the entry format they store (docs/tiers.md, "Entry format" and "Authentication").
 
-A tier stores *entries*: one KV block, all layers, keyed by its chained block hash (the same
-64-bit hash as the prefix cache, `pdserve.kvcache.hashing`). The payload is opaque bytes here;
-the engine stores ``kv[:, b]``, one block of its pool in every layer (``num_layers *
-layout.block_bytes``).
-
-Every stored entry carries a header, so a reader never takes bytes it cannot trust::
-
-    offset  size  field (little endian)
-    0       4     magic b"PDKV"
-    4       2     format version (2)
-    6       2     descriptor length D
-    8       8     block hash (u64): catches a value stored under the wrong key
-    16      8     payload length P: must be the format's block size (payload_bytes)
-    24      32    HMAC-SHA256(key, bytes 0..23 + descriptor + payload)
-    56      D     descriptor, utf-8: model id, layers, kv heads, block size, head dim, dtype
-    56+D    P     payload
-
-Authentication: a keyed MAC, not a checksum. Anyone who can write a shared store (a
-directory, a Redis) could otherwise write a well-formed entry under any hash and change what
-other users' requests compute; without the key no entry verifies. The key is the
-``EntryFormat``'s (``kvstore/keys.py`` says where it comes from); the MAC also catches what a
-checksum caught (torn writes, truncation, flipped bits). Sizes are checked before anything is
-copied: an entry whose payload is not exactly one block of this format is corrupt, so a
-crafted size cannot reach the engine's copy into its pool.
+A tier stores *entries*: one KV block in every layer (``kv[:, b]``), keyed by its chained
+block hash (`pdserve.kvcache.hashing`), behind a header whose HMAC-SHA256 under the
+``EntryFormat``'s key lets a reader trust nothing it cannot verify (a shared directory or
+Redis is writable by others). Sizes are checked before anything is copied: a payload that is
+not exactly one block of the format is corrupt, so a crafted size cannot reach the engine.
 
 The contract every tier keeps: operational problems (tier down, disk full, corrupt or foreign
 entry, too-big payload) never raise; `get` turns them into a miss (None) and `put` into False,
@@ -68,12 +50,8 @@ class EntryFormat:
     """What a reader expects an entry to be; two workers share entries only if these match.
 
     `num_blocks` of the KVLayout is left out on purpose: it is the size of one worker's pool,
-    not a property of a block, and differs between workers that can share blocks.
-
-    An 8-bit pool needs no tag of its own: an FP8 pool is a uint8 tensor whose rows are
-    head_dim E4M3 values and a 4-byte scale (model/kv_cache.py), an int8 pool an int8 tensor
-    of such rows, so their `dtype` ("uint8", "int8") and `head_dim` (the row width) already
-    differ from each other and from any full-precision pool of the same model.
+    not a property of a block. 8-bit pools need no tag: their `dtype` and `head_dim` (the row
+    width, scale included) already differ (docs/tiers.md).
     """
 
     model_id: str
@@ -194,14 +172,11 @@ class TierStats:
 
 
 class KVTier(ABC):
-    """One tier of block storage. Implementations are thread-safe (a TieredStore's writer
-    thread puts while the engine thread gets) and keep the never-raise contract above.
+    """One tier of block storage; thread-safe, and keeps the never-raise contract above.
 
-    Capacity: a tier holds at most `capacity_bytes` of entries (header included) and evicts
-    least recently used entries (a get counts as a use) when a put would exceed it. Each
-    evicted entry's payload is passed to `on_evict` when set, which is how a TieredStore
-    writes it down to the next tier. A tier whose capacity is managed elsewhere (Redis'
-    maxmemory) reports `capacity_bytes == 0` and never calls `on_evict`.
+    A tier holds at most `capacity_bytes` of entries (header included), evicting least
+    recently used ones, each passed to `on_evict` (a TieredStore's write-down). A tier whose
+    capacity is managed elsewhere (Redis' maxmemory) has `capacity_bytes == 0`.
     """
 
     name: str

@@ -46,9 +46,8 @@ class KVStoreConfig:
 
 def build_tiered_store(config: KVStoreConfig, fmt: EntryFormat) -> TieredStore | None:
     """The configured tiers in order L2, L3, L4, or None when none is configured. A directory
-    that cannot be created is a ValueError naming the setting; a Redis that is down is not an
-    error (the tier degrades to misses until it comes back). So is a key file that is not
-    private or too short, or a tier directory another user made or may write into."""
+    or key file that is not usable (or not private) is a ValueError naming the setting; a
+    Redis that is down is not an error (the tier degrades to misses until it comes back)."""
     if not config.enabled:
         return None
     try:

@@ -1,26 +1,13 @@
-"""File-per-block tiers: L2 host DRAM (a tmpfs directory) and L3 local disk.
+"""File-per-block tiers: L2 host DRAM (a tmpfs directory) and L3 local disk (docs/tiers.md).
 
-One file per block, named by its hash (``<hash:016x>.kv``), holding header + payload (see
-base.py). The directory is the only shared state, so every worker process of a host (or every
-restart of a worker, for disk) sees the same entries without a server:
-
-- writes are atomic: write ``.tmp-<pid>-<tid>-<hash>``, then ``os.replace`` onto the name, so
-  a reader never opens half a file (and a torn write after a crash fails the MAC);
-- recency is the file's mtime, set explicitly (ns) on write and on every read hit, so LRU
-  order is global across processes;
-- capacity: each process keeps an index (hash -> size, mtime) of the directory, in LRU order,
-  updated by its own puts/gets and rebuilt from a directory scan at most every
-  `rescan_interval_s` when it puts. A put that takes the directory over capacity evicts from
-  the front of the index; a victim whose mtime moved since (another worker read it) is kept
-  and moved to the back; a victim is claimed by renaming it away, so of two workers evicting
-  the same file only one writes it down.
-
-Limits (correct enough for a cache): between scans a worker does not see what the others
-wrote, so the directory can exceed capacity by what they put in one scan interval; two
-workers evicting at once may each evict a block (one too many); an entry read by another
-worker just before it is evicted is evicted anyway. None of these lose correctness: a block
-that is not found is recomputed. A scan stats every file (O(entries)); with 2 MiB blocks even
-64 GiB is ~32k files, tens of ms once per second of puts.
+One file per block, ``<hash:016x>.kv``, holding header + payload. The directory is the only
+shared state, so every worker process of a host (or every restart, for disk) sees the same
+entries without a server. Writes are atomic (a temporary file renamed onto the name);
+recency is the file's mtime, set on write and read hit, so LRU order is global across
+processes. Each process keeps an LRU index rebuilt by a scan at most every
+`rescan_interval_s` when it puts; an evictor claims its victim by renaming it, so of two
+workers evicting one file only one writes it down. Between scans a directory can exceed its
+capacity by what the others put meanwhile: a cache loses no correctness by it.
 """
 
 from __future__ import annotations

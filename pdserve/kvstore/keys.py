@@ -1,19 +1,10 @@
-"""Where the tiers' MAC key and directories come from, and the ownership rules they obey.
+"""Where the tiers' MAC key and directories come from, and the ownership rules they obey
+(docs/tiers.md, "Authentication").
 
-The key must outlive the processes that write entries (an L3 directory survives restarts, an
-L4 Redis outlives clusters), so it cannot be the cluster secret, which the launcher makes
-anew per cluster. It is either:
-
-- ``kvstore.key_file``: a file the operator provides, of at least 32 bytes, owned by the
-  worker's user and readable by no one else. Every host sharing a Redis tier must use the
-  same one (as every node of a Django or Jupyter deployment shares its secret key); or
-- without it, ``~/.config/pdserve/kv-tier.key``: 32 random bytes made owner-only on first use,
-  as Jupyter makes its cookie secret. It serves every tier of that user on that host and
-  survives restarts; copy it to share a Redis tier across hosts.
-
-A store's directories are owner-only (0700) and refused when another user owns them or
-others may write into them: whoever can write there could replace entries (a valid MAC needs
-the key, but a planted file still costs a miss) or read other users' KV.
+The key must outlive the processes that write entries, so it is not the cluster secret: it is
+``kvstore.key_file`` (>= 32 bytes, owned by the worker's user, private), or else
+``~/.config/pdserve/kv-tier.key``, made owner-only on first use. A store's directories are
+0700 and refused when another user owns them or others may write into them.
 """
 
 from __future__ import annotations

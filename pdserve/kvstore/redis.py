@@ -1,28 +1,15 @@
-"""L4: a Redis server shared by hosts, through redis-py.
+"""L4: a Redis server shared by hosts, through redis-py (docs/tiers.md, "The tiers").
 
-Failure policy: every call has an overall deadline (`timeout_s`, default 0.25 s) for sending
-the command and reading the whole reply, handshake included. A socket timeout alone bounds
-each socket operation, not the call: a server that trickles a reply, or answers each handshake
-command just in time, would pass them all. So the sockets of this tier's connections set their
-timeout before every send and receive to what is left of the calling thread's deadline. (A
-thread per call with a timed wait would bound the caller too, but the hand-off measured
-~100 us per call on a busy 2-core host, several times a small local GET.)
-Connecting is bounded by `timeout_s` per address. redis-py's own retries are off: one attempt
-per call.
+Every call has an overall deadline (`timeout_s`) for sending the command and reading the
+whole reply, handshake included: a socket timeout alone bounds each socket operation, so a
+server that trickles a reply would pass. The tier's sockets therefore set their timeout
+before every send and receive to what is left of the calling thread's deadline (a thread per
+call measured ~100 us of hand-off on a busy 2-core host). redis-py's retries are off.
 
-A failed call (timeout, connection error) marks the tier down for `backoff_s` (doubling per
-consecutive failure up to `max_backoff_s`); while down every call returns a miss/False at
-once without touching the network, so a dead or paused Redis costs one deadline per backoff
-period, not per call. The first call after the backoff tries again. Server error replies
-(e.g. OOM under maxmemory with `noeviction`) fail that call only.
-
-Capacity is Redis' job: run it with ``maxmemory <bytes>`` and ``maxmemory-policy
-allkeys-lru`` (Redis evicts approximately-LRU keys itself, so `capacity_bytes` is 0 and this
-tier never calls `on_evict`; it is the last tier). `ttl_s` adds a per-key expiry on top, for
-servers shared with data that must not be evicted (then use ``volatile-lru``). A URL without
-a password takes PDSERVE_REDIS_PASSWORD's (pdserve/envs.py): how the launcher's own Redis
-(`redis_url: local`) hands its generated password to workers, never on a command line. Keys are
-``pdkv:<namespace>:<hash:016x>``, the namespace naming the model (see EntryFormat.namespace).
+A failed call marks the tier down for `backoff_s`, doubling per consecutive failure up to
+`max_backoff_s`; while down every call is a miss/False without touching the network. Error
+replies fail that call only. Capacity is Redis' job (``maxmemory``, an LRU policy), so this
+tier never calls `on_evict`. A URL without a password takes PDSERVE_REDIS_PASSWORD's.
 """
 
 from __future__ import annotations

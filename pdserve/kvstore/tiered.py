@@ -1,17 +1,12 @@
 """A stack of tiers (L2 host, L3 disk, L4 Redis) behind one put/get, with write-down and
-promotion.
+promotion (docs/tiers.md).
 
     put ──> tiers[0] ──evict──> tiers[1] ──evict──> tiers[2]      (write-down)
     get <── first tier that has it; a hit below tiers[0] is copied into tiers[0] (promotion)
 
-Copies are inclusive: a promoted block stays in the lower tier too, so evicting it again later
-costs only a recency refresh there. A tier that raises (it should not: see base.py) is
-skipped like a miss and counted, so the engine never sees a storage exception.
-
-With `async_puts` (the default) puts and promotions go through a bounded queue to one writer
-thread, so the engine never waits on disk or Redis; a full queue drops the put (counted),
-which only costs a later recomputation. Queued blocks stay readable: `get` looks at the
-pending puts first, so a block evicted from L1 and wanted again at once is not missed.
+Copies are inclusive. A tier that raises is skipped like a miss and counted. With
+`async_puts` puts and promotions go through a bounded queue to one writer thread (a full
+queue drops the put, counted); queued blocks stay readable from `_pending`.
 """
 
 from __future__ import annotations

@@ -108,6 +108,15 @@ def check_kv_tensor(kv: Any, layout: KVLayout) -> None:
         raise ValueError("kv must be contiguous: block runs are copied as byte ranges")
 
 
+def check_ids(name: str, ids: list[int], limit: int) -> None:
+    """ValueError unless ``ids`` are distinct ints in ``0..limit-1`` (layers or block ids)."""
+    for i in ids:
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < limit:
+            raise ValueError(f"{name} contains {i!r}, outside 0..{limit - 1}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name} contains duplicates: {ids}")
+
+
 def coalesce_runs(src_block_ids: list[int], dst_block_ids: list[int]) -> list[tuple[int, int, int]]:
     """Group (src, dst) block pairs into runs ``(src_start, dst_start, num_blocks)``.
 

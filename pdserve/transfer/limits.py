@@ -1,19 +1,14 @@
 """What bounds a transfer: a bandwidth cap ("10Gbit", a token bucket) and staging memory.
 
-The cap emulates a slower link (to study transfer cost at 1/10/100 Gbit/s on one machine)
-and keeps a prefill worker from starving others on a shared NIC. The sender paces in
-chunks of at most 1 MiB, so a long transfer is smooth rather than one burst and one sleep.
+The cap emulates a slower link and keeps a prefill worker from starving others on a shared
+NIC. The sender paces in chunks of at most 1 MiB, and the burst is 64 KiB, well under one
+layer of a request: a larger burst would let a layer-wise transfer's last layer through
+unpaced and hide the cap's cost in exactly the tail it measures (docs/transfer.md).
 
-The burst is 64 KiB, well under one layer of a request: a layer-wise transfer idles while
-the next layer computes, so a bucket refilled to a larger burst (1 MiB held a whole
-256-token SmolLM2 layer, 384 KiB) would let the last layer through unpaced and hide the
-cap's cost in exactly the tail that layer-wise transfer measures (docs/transfer.md).
-
-Staging is needed where bytes cannot go straight between KV pools: tcp receive (bytes are
-checked in a buffer before any reaches KV memory) and tcp send from a pool outside host
-memory (a device -> host copy first). A transfer that finds no free buffer waits for one
-instead of allocating, so a burst of requests slows down rather than exhausting host memory.
-Torch-free at import (the control plane parses bandwidths); the pool loads torch.
+Staging buffers hold tcp payloads on receive (checked before any byte reaches KV memory) and,
+on send, bytes of a pool outside host memory. A transfer that finds no free buffer waits for
+one, so a burst of requests slows down rather than exhausting host memory. Torch-free at
+import (the control plane parses bandwidths); the pool loads torch.
 """
 
 from __future__ import annotations

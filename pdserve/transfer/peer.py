@@ -6,12 +6,6 @@ Checks that catch caller bugs run in the caller's thread and raise ValueError at
 everything that depends on the network or the receiver is reported later as FAILED. Only
 the sender's per-receiver worker thread writes to the socket; the reader thread here
 dispatches acks and failures to the sender and wakes threads waiting for a shm lease.
-
-tcp: each coalesced run is one *write*; a write larger than a frame (at most ``chunk_bytes``
-and at most the staging buffers on either end) goes as several frames of whole blocks, so
-every frame passes the receiver's ``nbytes == num_blocks * block_bytes`` check on its own.
-shm: the lease protocol of ``shm.py``; the writer copies only granted blocks, in chunks,
-stopping between two once the request ended, and ends its lease whatever happens.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from typing import Any
 import torch
 
 from pdserve.transfer import wire
-from pdserve.transfer.layout import KVLayout, block_bytes_view
+from pdserve.transfer.layout import KVLayout, block_bytes_view, check_ids
 from pdserve.transfer.limits import BufferPool, TokenBucket
 from pdserve.transfer.wire import TransferError
 
@@ -77,14 +71,6 @@ def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo
     )
 
 
-def _check_ids(name: str, ids: list[int], limit: int) -> None:
-    for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < limit:
-            raise ValueError(f"{name} contains {i!r}, outside 0..{limit - 1}")
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{name} contains duplicates: {ids}")
-
-
 def check_send(
     layout: KVLayout,
     backend: str,
@@ -102,10 +88,10 @@ def check_send(
             f"src_block_ids ({len(src_block_ids)}) and dst_block_ids ({len(dst_block_ids)}) "
             "must have the same length"
         )
-    _check_ids("layers", list(layers), layout.num_layers)
-    _check_ids("src_block_ids", list(src_block_ids), layout.num_blocks)
+    check_ids("layers", list(layers), layout.num_layers)
+    check_ids("src_block_ids", list(src_block_ids), layout.num_blocks)
     info = parse_peer(peer, layout, backend)
-    _check_ids("dst_block_ids", list(dst_block_ids), info.layout.num_blocks)
+    check_ids("dst_block_ids", list(dst_block_ids), info.layout.num_blocks)
     return info
 
 
@@ -251,6 +237,9 @@ class BlockWriter(ABC):
 
 
 class TcpWriter(BlockWriter):
+    """Each run is one *write*, sent as frames of whole blocks (at most ``chunk_bytes`` and a
+    staging buffer on either end), so every frame passes the receiver's size check alone."""
+
     name = "tcp"
 
     def __init__(self, ctx: WriteContext) -> None:
@@ -300,7 +289,8 @@ class TcpWriter(BlockWriter):
 
 
 class ShmWriter(BlockWriter):
-    """Writes into ``ctx.remote_kv``, the receiver's pool mapped with ``open_shared_kv``."""
+    """Writes into ``ctx.remote_kv``, the receiver's pool mapped here, under a lease per send
+    (receiver.py): only granted blocks, in chunks, stopping once the request ended."""
 
     name = "shm"
 

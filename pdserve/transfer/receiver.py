@@ -1,20 +1,15 @@
 """The decode-side receiver: one authenticated TCP server for the tcp and shm backends.
 
-tcp senders push block bytes in ``data`` frames; each frame is checked (reservation, size,
-checksum) and received into a staging buffer from a bounded pool, and only then copied into
-KV memory, so a rejected frame never touches it. Receiving straight into the KV blocks would
-save a copy but could leave a half-written frame with a bad checksum in reserved blocks.
-
-shm senders write into this worker's shared KV themselves; here they get a *lease* (the
+tcp payloads are checked (reservation, size, checksum) in a staging buffer and only then
+copied into KV memory, so a rejected frame never touches it. shm senders get a *lease* (the
 reserved block ids) before writing and send ``data`` notices with ``written=True`` after,
-which are re-validated. See ``shm.py`` for why leases make ``release`` safe.
+which are re-validated.
 
-Fencing: a lease ends only on proof that its writer can no longer write, i.e. its
-``lease_end`` (sent by the writing thread after its last copy) or the exit of the sender's
-process (a pidfd from its hello). A dropped connection is no proof: a thread of a live
-process keeps its mapping and may be between a check and a copy. A reservation released
-while a lease is unproven stays *fenced*: ``release`` returns False and the caller keeps its
-blocks out of reuse until ``pop_unfenced`` lists it (docs/transfer.md, "Fencing").
+Fencing: a lease ends only on proof that its writer can no longer write: its ``lease_end``
+or the exit of the sender's process (a pidfd from its hello); a dropped connection is no
+proof. A reservation released while a lease is unproven stays *fenced*: ``release`` returns
+False and the caller keeps its blocks out of reuse until ``pop_unfenced`` lists it
+(docs/transfer.md, "Fencing").
 """
 
 from __future__ import annotations
@@ -193,9 +188,9 @@ class SocketKVReceiver:
             return
         if header["type"] != wire.HELLO:
             raise wire.ProtocolError("expected a hello frame first")
-        theirs = header.get("layout")
-        if not isinstance(theirs, dict) or _block_format(theirs) != self.layout.block_format():
-            ours, theirs = self.layout.to_dict(), header.get("layout")
+        theirs, ours = header.get("layout"), self.layout.to_dict()
+        # the pool size is each worker's own (block ids are checked per side)
+        if not isinstance(theirs, dict) or {**theirs, "num_blocks": 0} != {**ours, "num_blocks": 0}:
             error = f"layout mismatch: receiver has {ours}, sender {theirs}"
             conn.reply({"type": wire.HELLO_OK, "error": error})
             raise wire.ProtocolError("sender layout differs from the receiver's")
@@ -384,7 +379,3 @@ class SocketKVReceiver:
         with req.cond:
             req.active_leases -= num_leases
             req.cond.notify_all()
-
-
-def _block_format(layout: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in layout.items() if k != "num_blocks"}

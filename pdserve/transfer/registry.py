@@ -1,10 +1,6 @@
-"""Backend and mode names, and the factories that build a receiver or sender by name.
-
-Backends import lazily, so the control plane (which validates names) never loads torch.
-``auto`` on the receiver offers shm when its kv lives in shared memory (``create_shared_kv``)
-and always tcp; on the sender it picks shm per peer when the peer offers it and shares this
-host (`host_identity()` in wire.py: hostname + boot id, or the Ray node where Ray placed the
-worker), else tcp.
+"""Backend and mode names, the transfer's settings, and the factories that build a receiver
+or sender by name. Backends import lazily, so the control plane never loads torch. How
+``auto`` chooses: docs/transfer.md, "Two backends".
 """
 
 from __future__ import annotations

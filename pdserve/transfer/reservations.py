@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.transfer.base import TERMINAL, Finished, TransferStatus
-from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.layout import KVLayout, check_ids
 
 
 @dataclass(eq=False)
@@ -48,14 +48,7 @@ class ReservationTable:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         ids = list(block_ids)
-        for b in ids:
-            if not isinstance(b, int) or not 0 <= b < self.layout.num_blocks:
-                raise ValueError(
-                    f"block id {b!r} for request {request_id!r} outside "
-                    f"0..{self.layout.num_blocks - 1}"
-                )
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate block ids in reservation for {request_id!r}")
+        check_ids(f"the reservation of {request_id!r}", ids, self.layout.num_blocks)
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already has a reservation")

@@ -143,20 +143,13 @@ class SocketKVSender:
         last: bool,
         meta: dict[str, Any] | None = None,
     ) -> None:
-        """Enqueue copying ``layers`` x ``src_block_ids`` into ``dst_block_ids`` at ``peer``.
-        ``meta`` (msgpack-able, small: it travels in a frame header; only with ``last``)
-        reaches the receiver with the completion: what the decode side needs to continue
-        that only the transfer's end knows (a dropped prompt's kept blocks' scores).
+        """Enqueue copying ``layers`` x ``src_block_ids`` into ``dst_block_ids`` at ``peer``,
+        in call order per request, contiguous runs coalesced; ``meta`` (small, msgpack-able,
+        only with ``last``) reaches the receiver with the completion (docs/transfer.md).
 
-        Non-blocking: a background thread moves the bytes while the caller computes the
-        next layer. Layer-wise transfer calls this once per layer, full transfer once with
-        all layers and ``last=True``; chunked prefill calls it several times per request.
-        Sends of one request are applied in call order. Contiguous (src, dst) runs are
-        coalesced into one write per layer per run.
-
-        Raises ValueError at once for caller bugs (layout mismatch with the peer, ids out
-        of range, length mismatch, a send after ``last=True``); network and receiver-side
-        problems surface as FAILED in ``pop_finished`` instead.
+        Non-blocking. Raises ValueError at once for caller bugs (layout mismatch with the
+        peer, ids out of range, length mismatch, a send after ``last=True``); network and
+        receiver-side problems surface as FAILED in ``pop_finished`` instead.
         """
         if meta is not None and not (last and isinstance(meta, dict)):
             raise ValueError(f"meta must be a dict on the last send, got {meta!r:.80}")
@@ -259,21 +252,6 @@ class SocketKVSender:
             self._totals["num_frames"] += frames
             self._totals["bytes_sent"] += nbytes
 
-    def write_context(self, conn: PeerConnection, info: PeerInfo, remote_kv: Any) -> WriteContext:
-        return WriteContext(
-            kv=self.kv,
-            layout=self.layout,
-            conn=conn,
-            remote_kv=remote_kv,
-            max_frame_bytes=info.max_frame_bytes,
-            chunk_bytes=self.chunk_bytes,
-            bucket=self.bucket,
-            staging=self.pool,
-            checksum=self.checksum,
-            stopped=self.stopped,
-            account=self.account,
-        )
-
     def fail(self, state: SendState, error: str) -> bool:
         with self._lock:
             if state.status in TERMINAL:
@@ -356,7 +334,11 @@ class _PeerWorker:
                 log.warning("shm unavailable (%s); falling back to tcp", e)
                 info.use_shm = False
         remote_kv = self._remote_kv if info.use_shm else None
-        self.writer = s.make_writer(s.write_context(self.conn, info, remote_kv))
+        self.writer = s.make_writer(WriteContext(
+            kv=s.kv, layout=s.layout, conn=self.conn, remote_kv=remote_kv,
+            max_frame_bytes=info.max_frame_bytes, chunk_bytes=s.chunk_bytes, bucket=s.bucket,
+            staging=s.pool, checksum=s.checksum, stopped=s.stopped, account=s.account,
+        ))  # fmt: skip
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:

@@ -4,21 +4,9 @@ The receiver allocates its pool with ``create_shared_kv`` (a 0600 file in /dev/s
 with ``torch.from_file(shared=True)``; a file rather than ``multiprocessing.shared_memory``
 because Python < 3.13 makes every process that *opens* a segment unlink it at exit). The
 sender maps it with ``open_shared_kv`` and its ``ShmWriter`` (peer.py) copies block runs
-straight into it, like an RDMA write; the control connection is the authenticated tcp one.
-
-Reservations with one-sided writes: the receiver cannot stop a process that has its memory
-mapped, so enforcement is a protocol the sender's code obeys and the receiver checks:
-
-1. Per ``send()``, the sender asks for a *lease* listing every (layer, dst run) it will
-   write. The receiver grants it only if each run lies inside a live reservation, and
-   counts the lease on the reservation under the same lock ``release`` takes.
-2. The sender refuses to write any block not in the granted ids, copies in chunks (stopping
-   between two once the request failed), sends one ``data`` notice (``nbytes=0,
-   written=True``) per run, which the receiver re-validates (reservation, lease held,
-   optional crc over its own memory), then ends the lease.
-3. ``release`` marks the reservation dead (a late send gets its lease refused), tells the
-   lease holders the request failed, and waits for proof that they stopped: their
-   ``lease_end`` or their process's exit. Without it the blocks stay fenced (receiver.py).
+straight into it, like an RDMA write. The receiver cannot stop a process that has its memory
+mapped, so writes follow a lease protocol the sender obeys and the receiver checks
+(receiver.py; docs/transfer.md, "Fencing").
 """
 
 from __future__ import annotations
