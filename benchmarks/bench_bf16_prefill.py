@@ -39,8 +39,8 @@ from pdserve.model.cpu_flags import has_fast_bf16  # noqa: E402
 from pdserve.model.registry import resolve_model  # noqa: E402
 from pdserve.request import FinishReason  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.transfer import make_receiver, make_sender  # noqa: E402
 from pdserve.transfer.layout import KVLayout  # noqa: E402
-from pdserve.transfer.registry import make_receiver, make_sender  # noqa: E402
 
 MODEL = "smollm2-135m"
 SECRET = b"bench-bf16" * 4

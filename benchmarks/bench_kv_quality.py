@@ -121,8 +121,8 @@ def perplexity(llm: LLM, kv_cache_dtype: str, ids: list[int], chunk: int = 64) -
 
 
 def transfer_ms(kv_cache_dtype: str, backend: str, num_tokens: int = 2048) -> float:
+    from pdserve.transfer import make_receiver, make_sender
     from pdserve.transfer.layout import KVLayout
-    from pdserve.transfer.registry import make_receiver, make_sender
     from pdserve.transfer.shm import create_shared_kv
 
     dtype = storage_dtype(kv_cache_dtype, torch.float32)

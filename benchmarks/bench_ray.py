@@ -78,7 +78,7 @@ class Endpoint:
     def __init__(self, num_tokens: int) -> None:
         import torch
 
-        from pdserve.transfer.registry import make_receiver, make_sender
+        from pdserve.transfer import make_receiver, make_sender
         from pdserve.transfer.shm import create_shared_kv
 
         envs.set_host_id(f"ray-node/{ray.get_runtime_context().get_node_id()}")

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
+from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.limits import parse_bandwidth
-from pdserve.transfer.registry import make_receiver, make_sender
 from pdserve.transfer.shm import create_shared_kv, unlink_shared_kv
 
 SECRET = b"bench-secret"

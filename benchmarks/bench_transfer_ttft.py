@@ -27,8 +27,8 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.roles.base import KVDestination
 from pdserve.model.registry import resolve_model
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.registry import make_receiver, make_sender
 from pdserve.workers.worker import shared_kv
 
 SECRET = b"bench-ttft"

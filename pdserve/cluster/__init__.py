@@ -4,6 +4,6 @@ processes): `make_cluster(pipeline)` is `Cluster` on this host or `RayCluster` (
 from pdserve.cluster.config import Pipeline, Role
 from pdserve.cluster.launcher import Cluster, ClusterError
 from pdserve.cluster.up import make_cluster
-from pdserve.transfer.registry import TensorStore
+from pdserve.transfer import TensorStore
 
 __all__ = ["Cluster", "ClusterError", "Pipeline", "Role", "TensorStore", "make_cluster"]

@@ -27,7 +27,7 @@ from pdserve.model.cpu_flags import has_fast_bf16
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.router.config import POLICY_NAMES
 from pdserve.schema import check, from_dict, from_flat, knob, same_as, with_fields_of
-from pdserve.transfer.registry import TensorStore
+from pdserve.transfer import TensorStore
 
 PLACEMENTS = ("local", "ray")
 

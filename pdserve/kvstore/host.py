@@ -228,12 +228,9 @@ class FileTier(KVTier):
 
 
 class HostTier(FileTier):
-    """L2: host DRAM shared by all workers of a host, as files on tmpfs.
-
-    The directory is ``<root>/pdserve-kv-<namespace>``; the namespace defaults to the entry
-    format's (model id + digest of the layout), so models never share or evict each other's
-    blocks. Files persist until evicted or the host reboots: the tier outlives its workers.
-    """
+    """L2: host DRAM shared by all workers of a host, as files on tmpfs under
+    ``<root>/pdserve-kv-<namespace>`` (by default the entry format's, so models never share or
+    evict each other's blocks); they outlive the workers until evicted or the host reboots."""
 
     def __init__(
         self,

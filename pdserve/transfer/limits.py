@@ -87,27 +87,21 @@ class TokenBucket:
 
 
 class BufferPool:
-    """``num_buffers`` uint8 tensors of ``buffer_bytes`` each, allocated once."""
+    """``num_buffers`` uint8 tensors of ``buffer_bytes`` each, allocated once. A buffer holds
+    at least ``block_bytes`` (frames carry whole blocks), the pool at least one buffer."""
 
     def __init__(
-        self,
-        pool_bytes: int = DEFAULT_POOL_BYTES,
-        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        pin_memory: bool = False,
-    ) -> None:
-        if buffer_bytes <= 0:
-            raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
-        if pool_bytes < buffer_bytes:
-            raise ValueError(
-                f"pool_bytes ({pool_bytes}) must hold at least one buffer of {buffer_bytes}"
-            )
-        self.buffer_bytes = buffer_bytes
-        self.num_buffers = pool_bytes // buffer_bytes
+        self, pool_bytes: int = DEFAULT_POOL_BYTES, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        block_bytes: int = 1,
+    ) -> None:  # fmt: skip
         import torch
 
+        if buffer_bytes <= 0:
+            raise ValueError(f"buffer_bytes must be positive, got {buffer_bytes}")
+        self.buffer_bytes = max(buffer_bytes, block_bytes)
+        self.num_buffers = max(pool_bytes // self.buffer_bytes, 1)
         self._free = [
-            torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-            for _ in range(self.num_buffers)
+            torch.empty(self.buffer_bytes, dtype=torch.uint8) for _ in range(self.num_buffers)
         ]
         self._cond = threading.Condition()
         self._in_use = 0

@@ -218,7 +218,8 @@ class BlockWriter(ABC):
     request. It must never write a block the receiver did not reserve for the request.
     """
 
-    name: str  # the backend, as in registry.BACKENDS
+    name: str  # the backend, as in pdserve.transfer.BACKENDS
+    checksum: bool  # a crc32 in each data frame
 
     def __init__(self, ctx: WriteContext) -> None:
         self.ctx = ctx
@@ -234,6 +235,15 @@ class BlockWriter(ABC):
         reader thread."""
         header = {"type": wire.DONE, "request_id": request_id, "num_frames": num_frames}
         self.ctx.conn.send({**header, "meta": meta} if meta else header)
+
+    def data_header(
+        self, request_id: str, layer: int, dst_start: int, num_blocks: int, nbytes: int, data: Any
+    ) -> dict[str, Any]:
+        """A ``data`` frame's header, with the crc32 of ``data`` (the blocks' bytes) when
+        checksumming."""
+        header = {"type": wire.DATA, "request_id": request_id, "layer": layer,
+                  "dst_start": dst_start, "num_blocks": num_blocks, "nbytes": nbytes}  # fmt: skip
+        return {**header, "crc32": zlib.crc32(data)} if self.checksum else header
 
 
 class TcpWriter(BlockWriter):
@@ -272,16 +282,7 @@ class TcpWriter(BlockWriter):
         self, request_id: str, layer: int, dst_start: int, num_blocks: int, data: torch.Tensor
     ) -> None:
         payload = memoryview(data.numpy())
-        header = {
-            "type": wire.DATA,
-            "request_id": request_id,
-            "layer": layer,
-            "dst_start": dst_start,
-            "num_blocks": num_blocks,
-            "nbytes": len(payload),
-        }
-        if self.checksum:
-            header["crc32"] = zlib.crc32(payload)
+        header = self.data_header(request_id, layer, dst_start, num_blocks, len(payload), payload)
         if self.ctx.bucket is not None:
             self.ctx.bucket.consume(8 * len(payload))
         self.ctx.conn.send(header, payload)
@@ -339,16 +340,6 @@ class ShmWriter(BlockWriter):
             if ctx.bucket is not None:
                 ctx.bucket.consume(8 * (end - offset))
             dst[offset:end].copy_(src[offset:end])
-        header = {
-            "type": wire.DATA,
-            "request_id": request_id,
-            "layer": layer,
-            "dst_start": dst_start,
-            "num_blocks": n,
-            "nbytes": 0,
-            "written": True,
-        }
-        if self.checksum:
-            header["crc32"] = zlib.crc32(src.numpy())
-        ctx.conn.send(header)
+        header = self.data_header(request_id, layer, dst_start, n, 0, src.numpy())
+        ctx.conn.send({**header, "written": True})
         ctx.account(request_id, 1, 1, src.numel())

@@ -66,9 +66,7 @@ class SocketKVReceiver:
             raise ValueError("the shm backend needs the receiver's kv in shared memory")
         self.kv, self.layout, self._secret = kv, layout, wire.check_secret(secret)
         self.backends, self.shm_name = tuple(backends), shm_name
-        # Frames carry whole blocks, so a staging buffer must hold at least one block.
-        buffer_bytes = max(buffer_bytes, layout.block_bytes)
-        self.pool = BufferPool(max(pool_bytes, buffer_bytes), buffer_bytes)
+        self.pool = BufferPool(pool_bytes, buffer_bytes, layout.block_bytes)
         self.table = ReservationTable(layout)
         self._counts = {"num_frames": 0, "bytes_received": 0, "rejected_frames": 0}
         self._lock = threading.Lock()

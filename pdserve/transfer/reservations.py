@@ -59,15 +59,13 @@ class ReservationTable:
             return self._requests.get(request_id)
 
     def status(self, request_id: str) -> TransferStatus:
-        with self._lock:
-            req = self._requests.get(request_id)
+        req = self.get(request_id)
         if req is None:
             raise KeyError(f"no reservation for request {request_id!r}")
         return req.status
 
     def meta(self, request_id: str) -> dict[str, Any]:
-        with self._lock:
-            req = self._requests.get(request_id)
+        req = self.get(request_id)
         if req is None or req.status is not TransferStatus.DONE:
             raise KeyError(f"no finished transfer for request {request_id!r}")
         return req.meta

@@ -86,7 +86,7 @@ class Job:
 
 class SocketKVSender:
     """Prefill side: copies blocks of its own ``kv`` into a receiver's reserved blocks.
-    Construct through ``registry.make_sender``, which checks ``backend``.
+    Construct through ``pdserve.transfer.make_sender``, which checks ``backend``.
 
     The caller guarantees source blocks are not modified until the request is reported
     DONE or FAILED by ``pop_finished``.
@@ -119,10 +119,7 @@ class SocketKVSender:
         self.chunk_bytes = max(CHUNK_BYTES, layout.block_bytes)
         if stage is None:
             stage = kv.device.type != "cpu"
-        self.pool: BufferPool | None = None
-        if stage:
-            buffer_bytes = max(buffer_bytes, layout.block_bytes)
-            self.pool = BufferPool(max(pool_bytes, buffer_bytes), buffer_bytes)
+        self.pool = BufferPool(pool_bytes, buffer_bytes, layout.block_bytes) if stage else None
         self._lock = threading.Lock()
         self._requests: dict[str, SendState] = {}
         self._ended: OrderedDict[str, SendState] = OrderedDict()

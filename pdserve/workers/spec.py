@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass
 from pdserve.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.messages import ROLES
 from pdserve.schema import check, from_dict, knob
-from pdserve.transfer.registry import TensorStore
+from pdserve.transfer import TensorStore
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,8 @@ class Worker:
     def _role(self, name: str) -> Role:
         """The role object `name` on this worker's engine; a transfer endpoint is started
         the first time a role needs it and kept (a worker may switch back)."""
+        from pdserve.transfer import make_receiver, make_sender
         from pdserve.transfer.layout import KVLayout
-        from pdserve.transfer.registry import make_receiver, make_sender
 
         e, spec, transfer = self.engine, self.spec, self.spec.kv_transfer
         if name == "decode":

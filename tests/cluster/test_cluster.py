@@ -15,7 +15,7 @@ import time
 import pytest
 
 from pdserve.cluster.config import Role
-from pdserve.transfer.registry import TensorStore
+from pdserve.transfer import TensorStore
 from tests.cluster.conftest import get_text, post, role, start
 
 NUM_PROMPTS = 4

@@ -8,7 +8,7 @@ from pdserve.cluster.config import Pipeline, Role, load_pipeline
 from pdserve.cluster.deployments import pipeline_for
 from pdserve.cluster.launcher import worker_specs
 from pdserve.cluster.up import pipeline_from_args
-from pdserve.transfer.registry import TensorStore
+from pdserve.transfer import TensorStore
 from pdserve.workers.spec import WorkerSpec
 
 

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 from pdserve.cluster.config import Pipeline  # noqa: E402
 from pdserve.cluster.launcher import ClusterError, free_port  # noqa: E402
 from pdserve.cluster.ray import RayCluster  # noqa: E402
-from pdserve.transfer.registry import TensorStore  # noqa: E402
+from pdserve.transfer import TensorStore  # noqa: E402
 from tests.cluster.conftest import get_text, post, role  # noqa: E402
 from tests.cluster.test_cluster import complete_all  # noqa: E402
 

@@ -13,8 +13,8 @@ from pdserve.engine.engine import Engine
 from pdserve.engine.roles.base import KVDestination, KVReservation
 from pdserve.request import FinishReason
 from pdserve.sampling_params import SamplingParams
+from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.registry import make_receiver, make_sender
 from pdserve.workers.worker import shared_kv
 from tests.engine.test_engine import GREEDY, prompts, run
 

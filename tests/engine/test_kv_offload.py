@@ -9,8 +9,8 @@ from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.kvcache.hashing import hash_blocks
 from pdserve.kvstore.config import KVStoreConfig
+from pdserve.transfer import make_receiver
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.registry import make_receiver
 from tests.engine.test_engine import GREEDY, prompts, run
 from tests.kvstore.conftest import redis_server  # noqa: F401  (fixture)
 

@@ -6,8 +6,8 @@ import pytest
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.request import WARMUP_PARAMS
+from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.registry import make_receiver, make_sender
 from tests.engine.test_engine import GREEDY, make_engine, prompts, run
 
 SECRET = b"k" * 32

@@ -14,10 +14,9 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer import receiver
+from pdserve.transfer import make_receiver, make_sender, receiver
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.registry import make_receiver, make_sender
 from pdserve.transfer.shm import create_shared_kv, unlink_shared_kv
 from tests.faults.faulty_worker import faulty_writers
 from tests.transfer.conftest import SECRET, assert_status, random_kv, wait_finished

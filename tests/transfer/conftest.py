@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.layout import KVLayout
-from pdserve.transfer.registry import make_receiver, make_sender
 from pdserve.transfer.shm import create_shared_kv, unlink_shared_kv
 
 torch.set_num_threads(1)

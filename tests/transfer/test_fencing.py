@@ -49,7 +49,7 @@ FROZEN = textwrap.dedent(
     """
     import socket, sys, threading, json
     from pdserve.transfer import shm
-    from pdserve.transfer.registry import make_sender
+    from pdserve.transfer import make_sender
     from pdserve.transfer.sender import open_writer
     from tests.transfer.conftest import LAYOUT, SECRET, random_kv
 

@@ -9,7 +9,7 @@ import sys
 
 def test_control_plane_names_import_without_torch() -> None:
     code = (
-        "import sys; from pdserve.transfer.registry import BACKENDS, TRANSFER_MODES; "
+        "import sys; from pdserve.transfer import BACKENDS, TRANSFER_MODES; "
         "from pdserve.transfer.layout import KVLayout; from pdserve.transfer.limits import "
         "parse_bandwidth; print('torch' in sys.modules)"
     )

@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
+from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.limits import BURST_BYTES
 from pdserve.transfer.peer import parse_peer
-from pdserve.transfer.registry import make_receiver, make_sender
 from pdserve.transfer.shm import SHM_DIR, create_shared_kv
 from tests.transfer.conftest import (
     LAYOUT,

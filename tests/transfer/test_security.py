@@ -77,7 +77,7 @@ def test_raw_socket_without_handshake_is_dropped_before_payload(tcp_pair: Pair) 
 
 
 def test_sender_with_wrong_secret_fails_its_request(tcp_pair: Pair) -> None:
-    from pdserve.transfer.registry import make_sender
+    from pdserve.transfer import make_sender
 
     tx = make_sender("tcp", tcp_pair.tx_kv, LAYOUT, b"wrong")
     try:

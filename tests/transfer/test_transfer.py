@@ -147,7 +147,7 @@ def test_send_argument_errors_raise_at_once() -> None:
             p.tx.send({**p.peer, "layout": {**p.peer["layout"], "head_dim": 4}}, "r", [0], [1],
                       [1], last=True)  # fmt: skip
         with pytest.raises(ValueError, match="does not offer shm"):
-            from pdserve.transfer.registry import make_sender
+            from pdserve.transfer import make_sender
 
             make_sender("shm", p.tx_kv, LAYOUT, b"s").send(p.peer, "r", [0], [1], [1], True)
     finally:

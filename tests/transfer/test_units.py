@@ -8,9 +8,9 @@ import time
 import msgpack
 import pytest
 
+from pdserve.transfer import make_receiver
 from pdserve.transfer.layout import KVLayout, coalesce_runs
 from pdserve.transfer.limits import BufferPool, TokenBucket, parse_bandwidth
-from pdserve.transfer.registry import make_receiver
 from tests.transfer.conftest import LAYOUT, SECRET, random_kv
 
 

@@ -12,7 +12,7 @@ import zmq
 
 from pdserve import messages as m
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
-from pdserve.transfer.registry import TensorStore
+from pdserve.transfer import TensorStore
 from pdserve.workers.spec import WorkerSpec
 
 SECRET = b"k" * 32

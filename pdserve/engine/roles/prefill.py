@@ -28,8 +28,8 @@ from pdserve.engine.roles.base import KVDestination, Role
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.manager import KVCacheManager, cdiv
 from pdserve.request import FinishReason, Request, RequestStatus
+from pdserve.transfer import TRANSFER_MODES
 from pdserve.transfer.base import TransferStatus
-from pdserve.transfer.registry import TRANSFER_MODES
 from pdserve.transfer.sender import SocketKVSender
 
 log = logging.getLogger(__name__)
