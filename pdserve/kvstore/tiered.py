@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import Counter
 from collections.abc import Sequence
 from functools import partial
@@ -95,14 +94,8 @@ class TieredStore:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until queued puts and promotions are written; False on timeout."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._idle:
-            while self._num_inflight:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._idle.wait(remaining)
-        return True
+            return self._idle.wait_for(lambda: not self._num_inflight, timeout_s)
 
     def stats(self) -> dict:
         tiers = []

@@ -317,7 +317,10 @@ class _PeerWorker:
         self._thread.name = f"kv-tx-{info.key[0]}:{info.key[1]}"
         self._thread.start()
 
-    def _connect(self) -> None:
+    def _connected(self) -> tuple[PeerConnection, BlockWriter]:
+        """The live connection and its writer, (re)connecting when there is none."""
+        if self.conn is not None and self.conn.alive and self.writer is not None:
+            return self.conn, self.writer
         s, info = self.sender, self.info
         self.conn = PeerConnection(
             *info.key, s._secret, s.layout, s.on_message, s.on_lost, CONNECT_TIMEOUT_S
@@ -336,6 +339,7 @@ class _PeerWorker:
             max_frame_bytes=info.max_frame_bytes, chunk_bytes=s.chunk_bytes, bucket=s.bucket,
             staging=s.pool, checksum=s.checksum, stopped=s.stopped, account=s.account,
         ))  # fmt: skip
+        return self.conn, self.writer
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
@@ -346,13 +350,11 @@ class _PeerWorker:
             assert state is not None
             try:
                 if not self.sender.stopped(state.request_id):
-                    if self.conn is None or not self.conn.alive:
-                        self._connect()
-                    assert self.conn is not None and self.writer is not None
-                    self.sender.job_started(state, self.conn)
-                    self.writer.write(state.request_id, job.layers, job.runs)
+                    conn, writer = self._connected()
+                    self.sender.job_started(state, conn)
+                    writer.write(state.request_id, job.layers, job.runs)
                     if job.last and not self.sender.stopped(state.request_id):
-                        self.writer.finish(state.request_id, state.num_frames, job.meta)
+                        writer.finish(state.request_id, state.num_frames, job.meta)
             except (TransferError, OSError) as e:
                 self.sender.fail(state, str(e) or type(e).__name__)
             except Exception as e:
@@ -366,10 +368,7 @@ class _PeerWorker:
         if self.sender.closing:
             return
         try:
-            if self.conn is None or not self.conn.alive:
-                self._connect()
-            assert self.conn is not None
-            self.conn.send({"type": wire.ABORT, "request_id": request_id})
+            self._connected()[0].send({"type": wire.ABORT, "request_id": request_id})
         except (TransferError, OSError) as e:
             log.warning("could not tell the receiver about abort of %r: %s", request_id, e)
 

@@ -7,14 +7,12 @@ nothing from an unauthenticated peer is parsed::
     sender -> receiver   client_nonce (32) + HMAC(secret, "client" + server_nonce + client_nonce)
     receiver -> sender   HMAC(secret, "server" + client_nonce + server_nonce)
 
-Both sides prove the secret (the sender must not push KV into an impostor either), the
-secret never crosses the wire, and fresh nonces stop replays. Then frames::
+Both sides prove the secret; it never crosses the wire (docs/transfer.md). Then frames::
 
     | u32 header_len (big-endian) | msgpack header (<= 64 KiB) | payload (header["nbytes"]) |
 
-Only ``data`` frames carry a payload; tcp sends block bytes there, shm sends the same header
-with ``nbytes=0`` and ``written=True`` after writing the blocks itself. No pickle anywhere:
-msgpack decodes to plain dicts, lists, strings and numbers only.
+Only tcp ``data`` frames carry a payload (shm's have ``nbytes=0, written=True``). No pickle:
+msgpack decodes to plain values only.
 """
 
 from __future__ import annotations
@@ -256,15 +254,10 @@ class Conn:
 class FrameServer:
     """The receiver's listener: accept, authenticate, then call ``on_frame(conn, header)``
     for each frame and ``on_drop(conn, reason)`` once when the connection ends. Handlers
-    raise ProtocolError to drop the connection. One thread per connection: a connection
-    carries one sender's frames in order, and a handful of prefill workers per decode
-    worker is the expected fan-in.
-
-    Bounded, so no peer can exhaust threads or descriptors: at most ``MAX_HANDSHAKES``
-    connections authenticate at once (each for at most ``auth_timeout_s``) and at most
-    ``MAX_CONNECTIONS`` are authenticated; a connection over either bound is closed as soon
-    as it is accepted (``rejected_busy``). An accept that fails for want of descriptors or
-    memory is retried after a pause instead of ending the loop."""
+    raise ProtocolError to drop the connection. One thread per connection (it carries one
+    sender's frames in order). Bounded, so no peer can exhaust threads or descriptors: a
+    connection over ``MAX_HANDSHAKES`` authenticating or ``MAX_CONNECTIONS`` authenticated
+    is closed as soon as it is accepted (docs/transfer.md, "Authentication")."""
 
     MAX_HANDSHAKES = 16
     MAX_CONNECTIONS = 128
