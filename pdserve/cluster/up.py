@@ -35,16 +35,10 @@ def add_up_parser(sub) -> None:
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run as Ray actors (placement: ray) on the cluster at ADDRESS, or on "
                    "a new local Ray instance")  # fmt: skip
-    p.add_argument(
-        "--warmup-file",
-        default=None,
-        help="prompts to prefill and pin once up: one per line, or .jsonl (warmup_prompts)",
-    )
-    p.add_argument(
-        "--example-request",
-        action="store_true",
-        help="once up, send one chat request through the cluster and print it",
-    )
+    p.add_argument("--warmup-file", default=None, help="prompts to prefill and pin once up: "
+                   "one per line, or .jsonl (warmup_prompts)")  # fmt: skip
+    p.add_argument("--example-request", action="store_true", help="once up, send one chat "
+                   "request through the cluster and print it")  # fmt: skip
     p.set_defaults(func=cmd_up)
 
 
