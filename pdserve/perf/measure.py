@@ -1,28 +1,43 @@
 """`pdserve profile`: time the real engine on this machine over a grid of step shapes, fit
-the step-cost model per thread count, measure KV transfer bandwidth, write the profile.
+the step-cost model per thread count, measure KV transfer bandwidth and the serving stack's
+own latency (through a real router and worker), write the profile.
+
+The engine runs on the cores a deployed worker of that size gets (the first `threads` cores,
+every thread pinned as the worker pins them), so the steps are timed as a worker runs them.
 
 The only perf module that loads torch (through the engine); the CLI imports it lazily.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
+import statistics
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.perf.cost_model import StepShape, TransferModel, fit_cost_model
-from pdserve.perf.profile import HardwareProfile, ModelShape
+from pdserve.perf.profile import HardwareProfile, ModelShape, ServedOverhead
 from pdserve.schema import check, knob, same_as
 
+if TYPE_CHECKING:
+    from pdserve.engine.engine import Engine
+
 # (prompt tokens, concurrent requests): single prompts of growing length give prefill steps
-# (chunked past the threshold, so with prior context too); batches give decode steps.
-GRID = [(32, 1), (128, 1), (512, 1), (1024, 1), (2048, 1),
+# (chunked past the threshold, so with prior context too); batches give decode steps. The
+# lengths between 32 and 512 that are not powers of two are where chat prompts lie: without
+# them the fit follows the many 512- and 2048-token steps the batches make, whose GEMMs run
+# more efficiently per token, and prices a 200-token prefill low.
+GRID = [(32, 1), (80, 1), (128, 1), (192, 1), (320, 1), (512, 1), (1024, 1), (2048, 1),
         (64, 4), (256, 4), (64, 16), (512, 8), (128, 32), (256, 32), (1024, 16)]  # fmt: skip
 KNEES = (16, 32, 64, 128, 256)
 
@@ -45,6 +60,10 @@ class ProfileConfig:
     kv_cache_bytes: int | None = same_as(CacheConfig, "kv_cache_bytes")
     decode_steps: int = knob(12, "tokens each grid request generates", ge=2)
     repeats: int = knob(2, "measured passes over the grid, after one warm-up pass", ge=1)
+    served_requests: int = knob(
+        20, "requests sent one at a time through a served collocated deployment to time the "
+        "serving stack (HTTP, router, worker hops); 0: none, the profile's figures are 0", ge=0,
+    )  # fmt: skip
     grid: tuple[tuple[int, int], ...] = knob(tuple(GRID), cli=False)
 
     def __post_init__(self) -> None:
@@ -57,14 +76,26 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> list[tuple[StepShape, flo
     """(shape, seconds) of every engine step over the grid, after one warm-up pass."""
     from pdserve.config import DeviceConfig
     from pdserve.engine.engine import Engine
-    from pdserve.sampling_params import SamplingParams
+    from pdserve.workers.cores import pin_threads
 
     config = EngineConfig(
         model=cfg.model,
         cache=CacheConfig(kv_cache_bytes=cfg.kv_cache_bytes, enable_prefix_caching=False),
         device=DeviceConfig(threads=threads),
     )
-    engine = Engine(config)
+    cores = sorted(os.sched_getaffinity(0))
+    if threads > len(cores):
+        raise ValueError(f"threads {threads}: this process may run on {len(cores)} cores only")
+    pin_threads(cores[:threads])
+    try:
+        return _time_grid(cfg, Engine(config))
+    finally:
+        pin_threads(cores)
+
+
+def _time_grid(cfg: ProfileConfig, engine: Engine) -> list[tuple[StepShape, float]]:
+    from pdserve.sampling_params import SamplingParams
+
     rng = np.random.default_rng(0)
     vocab = engine.model_config.vocab_size
     samples: list[tuple[StepShape, float]] = []
@@ -81,6 +112,60 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> list[tuple[StepShape, flo
                 if rep > 0:  # the first pass warms caches and kernels
                     samples.append((engine.last_shape, elapsed))
     return samples
+
+
+def served_overhead(cfg: ProfileConfig) -> ServedOverhead:
+    """Medians over `served_requests` short prompts sent one at a time to a collocated
+    deployment (as `bench compare` starts it), each asking for the router's TTFT breakdown
+    (router/timing.py): `token_s` is its first_token part (step end -> router), `request_s`
+    the rest of the client's TTFT beyond the worker's prefill step."""
+    from pdserve.bench.tokens import TokenSource
+    from pdserve.cluster.deployments import pipeline_for
+    from pdserve.cluster.launcher import Cluster
+
+    if not cfg.served_requests:
+        return ServedOverhead()
+    rng = np.random.default_rng(0)
+    source = TokenSource.load(cfg.model)  # the ids `pdserve bench` sends
+    requests, tokens = [], []
+    with Cluster(pipeline_for("collocated", cfg.model, cfg.kv_cache_bytes),
+                 log_level="WARNING") as url:  # fmt: skip
+        for i in range(cfg.served_requests + 2):  # two to warm the path up
+            prompt = source.random_ids(rng, 16)
+            client_ttft_s, parts = _first_token(url, cfg.model, prompt)
+            if i >= 2:
+                tokens.append(parts["first_token"])
+                requests.append(client_ttft_s - parts["prefill"] - parts["first_token"])
+    return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens))
+
+
+def _first_token(url: str, model: str, prompt: list[int]) -> tuple[float, dict[str, float]]:
+    """(the client's TTFT, the router's TTFT parts) of one streamed one-token completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json", "X-PDServe-Timing": "1"},
+    )  # fmt: skip
+    start = time.perf_counter()
+    ttft_s, parts = None, None
+    try:
+        response = urllib.request.urlopen(request, timeout=120)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:200]
+        raise RuntimeError(f"served request to {url}: HTTP {exc.code}: {detail!r}") from None
+    with response:
+        for line in response:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[len(b"data: ") :])
+            # The router streams the first token's chunk even when its text is empty.
+            if ttft_s is None and event.get("choices"):
+                ttft_s = time.perf_counter() - start
+            parts = (event.get("pdserve_timing") or {}).get("ttft_parts_s", parts)
+    if ttft_s is None or not parts or "prefill" not in parts:
+        raise RuntimeError(f"served request to {url}: no token or no TTFT breakdown came back")
+    return ttft_s, parts
 
 
 def tcp_bandwidth(num_bytes: int = 64 * 2**20) -> TransferModel:
@@ -148,6 +233,9 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         errors = [abs(models[threads].predict(s) / t - 1) for s, t in samples]
         log(f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}")  # fmt: skip
+    served = served_overhead(cfg)
+    log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
+        f"{served.token_s * 1e3:.1f} ms from its end per token")  # fmt: skip
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     return HardwareProfile(
@@ -157,6 +245,7 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         size_unit="threads",
         models=models,
         transfer={"tcp": tcp_bandwidth(), "shm": shm_bandwidth()},
+        served=served,
         devices_per_node=len(os.sched_getaffinity(0)),
         kv_cache_bytes=cfg.kv_cache_bytes,
         machine={

@@ -3,6 +3,9 @@ measured (`pdserve profile`) or analytic (perf/analytic.py), stored as versioned
 
 A worker's *size* is the devices it spans: threads on a CPU (one per core), the
 tensor-parallel degree on GPUs. The profile says which (`size_unit`).
+
+Version 2 added `served` (what a request costs outside the engine's steps); a version-1
+profile is refused: measure again.
 """
 
 from __future__ import annotations
@@ -14,7 +17,28 @@ from pathlib import Path
 from pdserve.perf.cost_model import StepCostModel, TransferModel
 from pdserve.schema import check, knob
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class ServedOverhead:
+    """What a served request costs outside the engine's steps, measured by `pdserve profile`
+    through a real router and worker (idle, requests one at a time):
+
+    - `request_s`: from the client's send until the worker's step starts on it: HTTP, the
+      router's parsing and routing, the hop to the worker, its poll; also the first token's
+      way back over HTTP (the client's clock sees only the sum of the two HTTP legs);
+    - `token_s`: from a step's end until the router has its token (the hop back, the router's
+      processing). A constant per token: it delays every token alike, so ITL and TPOT keep
+      the engine's figures while TTFT and end-to-end latency carry it.
+
+    Zero in analytic profiles: they model devices, not a serving stack."""
+
+    request_s: float = knob(0.0, ge=0)
+    token_s: float = knob(0.0, ge=0)
+
+    def __post_init__(self) -> None:
+        check(self, "served.")
 
 
 @dataclass(frozen=True)
@@ -59,8 +83,9 @@ class ModelShape:
 @dataclass
 class HardwareProfile:
     """`models[size]`: the step-cost model of a worker of that size. `transfer[backend]`:
-    KV transfer between two workers. KV capacity is `kv_cache_bytes` when measured (what the
-    engine was given), else `memory_fraction` of the workers' device memory less weights."""
+    KV transfer between two workers. `served`: the serving stack's own latency. KV capacity
+    is `kv_cache_bytes` when measured (what the engine was given), else `memory_fraction` of
+    the workers' device memory less weights."""
 
     kind: str  # "measured" | "analytic"
     device: str  # "cpu: <model name>" or a GPU class (A100-80GB, H100-SXM, H200)
@@ -73,6 +98,7 @@ class HardwareProfile:
     memory_fraction: float = 0.9
     kv_cache_bytes: float | None = None
     machine: dict[str, object] = field(default_factory=dict)
+    served: ServedOverhead = ServedOverhead()
     version: int = PROFILE_VERSION
 
     def cost_model(self, size: int) -> StepCostModel:
@@ -120,13 +146,17 @@ class HardwareProfile:
             "model": asdict(self.model),
             "models": {str(k): m.to_dict() for k, m in self.models.items()},
             "transfer": {k: asdict(t) for k, t in self.transfer.items()},
+            "served": asdict(self.served),
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> HardwareProfile:
         version = data.get("version")
         if version != PROFILE_VERSION:
-            raise ValueError(f"profile version {version!r}: this pdserve reads {PROFILE_VERSION}")
+            raise ValueError(
+                f"profile version {version!r}: this pdserve reads {PROFILE_VERSION} "
+                "(measure again: pdserve profile)"
+            )
         try:
             return cls(
                 kind=data["kind"],
@@ -140,6 +170,7 @@ class HardwareProfile:
                 memory_fraction=float(data.get("memory_fraction", 0.9)),
                 kv_cache_bytes=data.get("kv_cache_bytes"),
                 machine=dict(data.get("machine", {})),
+                served=ServedOverhead(**data["served"]),
             )
         except KeyError as exc:
             raise ValueError(f"profile lacks the field {exc.args[0]!r}") from None

@@ -4,8 +4,11 @@ and decode workers, and every token's time lands in a `RequestRecord` as `pdserv
 would have measured it.
 
 Events, in simulated seconds (ties broken by insertion order):
-    send(session, turn)      a request leaves the client; routed at once
-    step_done(worker)        the worker's step ends: tokens out, next step starts
+    send(session, turn)      a request leaves the client
+    arrive(request)          `served.request_s` later (the profile's serving stack: HTTP,
+                             router, the hop to the worker): routed and queued at once
+    step_done(worker)        the worker's step ends: tokens out, next step starts; the
+                             client sees each token `served.token_s` later
     kv_landed(request)       a prefill's KV reached its decode worker: decoding starts, and
                              the prefill worker frees the blocks it kept for the send
 
@@ -35,7 +38,7 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.worker import SimWorker
 
-_SEND, _STEP, _LANDED = 0, 1, 2  # event kinds
+_SEND, _ARRIVE, _STEP, _LANDED = 0, 1, 2, 3  # event kinds
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Simulation:
         self.policy = make_policy(config.routing, config.load_balancer)
         self.transfer = profile.transfer_model(config.transfer_backend)
         self.kv_bytes_per_token = profile.model.kv_bytes_per_token
+        self.served = profile.served
         self.workers: list[SimWorker] = []
         for worker_id, role, size in deployment.workers():
             self.workers.append(self._worker(worker_id, role, size))
@@ -124,6 +128,8 @@ class Simulation:
             self.now, _, kind, payload = heapq.heappop(self.events)
             if kind == _SEND:
                 self._send(*payload)
+            elif kind == _ARRIVE:
+                self._arrive(payload)
             elif kind == _STEP:
                 self._step_done(payload)
             else:
@@ -164,6 +170,12 @@ class Simulation:
         hashes = hash_blocks(prompt, self.config.block_size, self._root)
         flight = _Flight(record, session, turn, history, prompt_ids=prompt, block_hashes=hashes)
         self.flights[record.request_id] = flight
+        if self.served.request_s:
+            self._push(self.now + self.served.request_s, _ARRIVE, flight)
+        else:
+            self._arrive(flight)
+
+    def _arrive(self, flight: _Flight) -> None:
         if self.deployment.is_disaggregated:
             self._admit_disaggregated(flight)
         else:
@@ -242,16 +254,21 @@ class Simulation:
         if worker.role == "decode" and self.backlog:
             self._retry_backlog()
 
+    @property
+    def _client_now(self) -> float:
+        """When the client sees a token produced now."""
+        return self.now + self.served.token_s
+
     def _token(self, flight: _Flight) -> None:
         record = flight.record
-        elapsed = self.now - record.send_s
+        seen = self._client_now
         if record.ttft_s is None:
-            record.ttft_s = elapsed
+            record.ttft_s = seen - record.send_s
             record.cached_tokens = flight.decode.num_cached_tokens if flight.decode else 0
         else:
-            record.itl_s.append(self.now - flight.last_token_s)
+            record.itl_s.append(seen - flight.last_token_s)
         record.output_len += 1
-        flight.last_token_s = self.now
+        flight.last_token_s = seen
 
     def _prefilled(self, worker: SimWorker, flight: _Flight, request: Request, step_s: float):
         worker.num_active_requests -= 1
@@ -288,11 +305,11 @@ class Simulation:
 
     def _finish(self, flight: _Flight) -> None:
         record = flight.record
-        record.e2e_s = self.now - record.send_s
+        record.e2e_s = self._client_now - record.send_s
         del self.flights[record.request_id]
         self.records.append(record)
         session, turn = flight.session, flight.turn
         if turn + 1 < len(session.turns):
             answer = flight.decode.output_token_ids if flight.decode else []
             history = flight.prompt_ids + list(answer)
-            self._push(self.now + self.think_time_s, _SEND, (session, turn + 1, history))
+            self._push(self._client_now + self.think_time_s, _SEND, (session, turn + 1, history))

@@ -8,9 +8,10 @@ from pdserve.perf.profile import load_profile
 
 
 @pytest.mark.slow
-def test_profile_of_a_tiny_model(tiny_model_dir, tmp_path):
-    cfg = ProfileConfig(str(tiny_model_dir), (1,), kv_cache_bytes=1 << 20, decode_steps=4,
-                        repeats=1, grid=((16, 1), (200, 1), (32, 4)))  # fmt: skip
+def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
+    cfg = ProfileConfig(str(tiny_served_model), (1,), kv_cache_bytes=1 << 20, decode_steps=4,
+                        repeats=1, grid=((16, 1), (200, 1), (32, 4)),
+                        served_requests=3)  # fmt: skip
     samples = measure_steps(cfg, 1)
     assert any(s.prefill_tokens == 200 for s, _ in samples)
     assert any(s.decode_requests == 4 and not s.prefill_tokens for s, _ in samples)
@@ -21,5 +22,7 @@ def test_profile_of_a_tiny_model(tiny_model_dir, tmp_path):
     assert set(loaded.transfer) == {"tcp", "shm"}
     assert loaded.kv_capacity_tokens(1) == (1 << 20) // loaded.model.kv_bytes_per_token
     assert loaded.cost_model(1).predict(samples[0][0]) > 0
+    # Through a real router and worker: both legs take time, and far less than a second.
+    assert 0 < loaded.served.request_s < 1 and 0 < loaded.served.token_s < 1
     with pytest.raises(ValueError, match="no cost model for 2 threads"):
         loaded.cost_model(2)

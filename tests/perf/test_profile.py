@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from pdserve.perf.analytic import MODELS, analytic_profile, model_shape
@@ -41,3 +43,13 @@ def test_bad_input_is_refused_with_what_is_wrong(tmp_path):
     (tmp_path / "old.json").write_text('{"version": 0}')
     with pytest.raises(ValueError, match="profile version 0"):
         load_profile(tmp_path / "old.json")
+    # Version 1 had no served-path figures: a simulation from it would leave them out.
+    data = analytic_profile(MODELS["llama-3-8b"], "H100-SXM").to_dict() | {"version": 1}
+    (tmp_path / "v1.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"profile version 1: .*\(measure again"):
+        load_profile(tmp_path / "v1.json")
+    data = analytic_profile(MODELS["llama-3-8b"], "H100-SXM").to_dict()
+    data["served"] = {"request_s": -1.0, "token_s": 0.0}
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"served.request_s must be >= 0"):
+        load_profile(tmp_path / "bad.json")

@@ -8,19 +8,21 @@ from pdserve.bench.workloads import Session, Turn
 from pdserve.config import SchedulerConfig
 from pdserve.engine.scheduler import Scheduler
 from pdserve.perf.cost_model import StepCostModel, TransferModel
-from pdserve.perf.profile import HardwareProfile, ModelShape
+from pdserve.perf.profile import HardwareProfile, ModelShape, ServedOverhead
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.simulator import Simulation
 
 MODEL = ModelShape("tiny", 2, 64, 128, 4, 2, 16, 128, kv_bytes_per_element=4.0)  # 512 B/token
 
 
-def profile(coefficients=(0.01, 0, 0, 0, 0, 0), kv_tokens=4096, bandwidth=512e3, latency=0.0):
+def profile(coefficients=(0.01, 0, 0, 0, 0, 0), kv_tokens=4096, bandwidth=512e3, latency=0.0,
+            served=None):  # fmt: skip
     return HardwareProfile(
         kind="measured", device="test", model=MODEL, size_unit="threads",
         models={1: StepCostModel(list(coefficients))},
         transfer={"tcp": TransferModel(bandwidth, latency)},
         devices_per_node=2, kv_cache_bytes=kv_tokens * MODEL.kv_bytes_per_token,
+        served=served or ServedOverhead(),
     )  # fmt: skip
 
 
@@ -45,6 +47,24 @@ def test_collocated_timeline_by_hand():
     assert a.itl_s == pytest.approx([0.010] * 3) and a.tpot_s == pytest.approx(0.010)
     assert b.ttft_s == pytest.approx(0.015) and b.e2e_s == pytest.approx(0.035)
     assert a.output_len == 4 and b.output_len == 3
+
+
+def test_the_serving_stack_delays_arrival_and_every_token():
+    # 3 ms from the client's send to the worker, 1 ms from a step's end to the client. A
+    # reaches the worker at 3 ms: steps 3-13, 13-23, 23-33, seen 1 ms after each end. B,
+    # sent at 12 ms, reaches it at 15 ms: mid-step, so it is prefilled 23-33 (TTFT 22 ms).
+    prof = profile(served=ServedOverhead(request_s=0.003, token_s=0.001))
+    _, records = run(prof, "collocated", sessions((0.0, 32, 3), (0.012, 32, 2)))
+    a, b = records["s0-0"], records["s1-0"]
+    assert a.ttft_s == pytest.approx(0.014) and a.itl_s == pytest.approx([0.010, 0.010])
+    assert a.e2e_s == pytest.approx(0.034)
+    assert b.ttft_s == pytest.approx(0.022) and b.e2e_s == pytest.approx(0.032)
+    # A next turn leaves the client once it has the last token (1 ms after the step).
+    work = [Session("s0", [Turn(list(range(20)), 2), Turn(list(range(100, 110)), 2)], 0.0)]
+    _, records = run(prof, "1p1d", work)
+    first, second = records["s0-0"], records["s0-1"]
+    assert first.ttft_s == pytest.approx(0.003 + 0.010 + 0.001)
+    assert second.send_s == pytest.approx(first.e2e_s)
 
 
 def test_chunked_prefill_runs_as_the_scheduler_chunks_it():
