@@ -109,7 +109,8 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         self.kernels = native.load() if device.cpu_kernels == "native" and on_cpu else None
         if device.cpu_kernels in ("native", "onednn") and can_pack(self.model):
-            panels = self.kernels if kernels != "prefill" else None
+            prefill_panels = native.panels_take_any_rows(self.kernels)
+            panels = self.kernels if kernels != "prefill" or prefill_panels else None
             pack_linears(self.model, panels, onednn=kernels != "decode" or panels is None)
             log_panel_formats(self.model)
         self.generator = torch.Generator(device=self.device)

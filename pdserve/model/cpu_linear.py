@@ -15,7 +15,9 @@ runs inputs of up to `native.PANEL_M_MAX` rows: at batch 1 it streams the weight
 thread where oneDNN's GEMV uses one core, and up to batch 64 it matches or beats oneDNN's
 GEMM (benchmarks/bench_kernels.py). Panels of weights that came from a GGUF file are stored in a
 lossless 4- or 8-bit form (panel_codec.py), 3.5-5x fewer bytes to stream per step. A
-prefill-only worker keeps only the oneDNN copy.
+prefill-only worker keeps only the oneDNN copy — except with the AMX kernels, whose GEMM on
+compact panels beats oneDNN at every size: there compact panels are the only copy, in every
+role (`native.panels_take_any_rows`).
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.lib = panels
-        self.packed_weight = (
-            torch.ops.mkldnn._reorder_linear_weight(linear.weight, None) if onednn else None
-        )
         self.panel_weight = (
             native.pack_panels(panels, linear.weight) if panels is not None else None
+        )
+        # On AMX kernels compact panels run prefill-sized inputs too, faster than oneDNN's
+        # fp32 GEMM, so no oneDNN copy is kept for them.
+        onednn = onednn and not native.panels_take_any_rows(panels, self.panel_weight)
+        self.packed_weight = (
+            torch.ops.mkldnn._reorder_linear_weight(linear.weight, None) if onednn else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

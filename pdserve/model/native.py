@@ -13,9 +13,10 @@ or flags gives a new file; a concurrent build by another process is harmless: ea
 temporary file and renames it). It is linked against the OpenMP runtime PyTorch already
 loaded, so both share one thread pool and `torch.set_num_threads`.
 
-The sources build in two variants (`ISA_FLAGS`), AVX2 and AVX-512, the widest this CPU runs
-chosen at load time, or the one PDSERVE_CPU_ISA names (auto|avx2|avx512); the variant sets
-the panel width weights are packed in (docs/cpu-kernels.md). Where a variant cannot be built
+The sources build in three variants (`ISA_FLAGS`), AVX2, AVX-512 and AMX (AVX-512 plus AMX
+bf16 tiles for GEMMs of 16 rows or more on compact panels), the widest this CPU runs chosen
+at load time, or the one PDSERVE_CPU_ISA names (auto|avx2|avx512|amx); the variant sets the
+panel width weights are packed in (docs/cpu-kernels.md). Where a variant cannot be built
 the next narrower one is tried; without a compiler, AVX2/FMA or a CPU device, `load()`
 returns None and callers keep the PyTorch paths.
 """
@@ -47,12 +48,20 @@ CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Widest first: `auto` takes the first one the CPU runs. The AVX-512 set is Skylake-SP's
 # (every AVX-512 server CPU has it); gcc would otherwise keep auto-vectorized loops 256-bit.
+# `amx` is the AVX-512 build plus the AMX bf16 GEMM of compact panels (csrc/gemm_amx.c).
+_AVX512 = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma",
+           "-mprefer-vector-width=512"]  # fmt: skip
 ISA_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma",
-               "-mprefer-vector-width=512"],
+    "amx": [*_AVX512, "-mamx-tile", "-mamx-bf16", "-mavx512bf16"],
+    "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma"],
-}  # fmt: skip
-CPU_FLAGS = {"avx512": ("avx512f", "avx512vl", "avx512bw", "avx512dq"), "avx2": ("avx2", "fma")}
+}
+_AVX512_CPU = ("avx512f", "avx512vl", "avx512bw", "avx512dq")
+CPU_FLAGS = {
+    "amx": (*_AVX512_CPU, "amx_tile", "amx_bf16", "avx512_bf16"),
+    "avx512": _AVX512_CPU,
+    "avx2": ("avx2", "fma"),
+}
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
 # chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies.
 PANEL_M_MAX = 64
@@ -117,7 +126,12 @@ def _load(isa: str) -> ctypes.CDLL | None:
         except (RuntimeError, OSError) as e:
             log.warning("native CPU kernels: the %s variant is unavailable: %s", variant, e)
             continue
+        if variant == "amx" and lib.pd_amx_init() != 0:
+            log.warning("native CPU kernels: Linux refused this process the AMX tile state")
+            continue
         lib.isa, lib.panel_width = variant, lib.pd_panel_width()
+        # Rows from which compact-panel GEMMs take the AMX path (none below this variant).
+        lib.amx_m_min = lib.pd_amx_m_min() if variant == "amx" else None
         log.info("native CPU kernels: %s (%d-column weight panels)", variant, lib.panel_width)
         return lib
     log.info("native CPU kernels off (PyTorch paths used instead)")
@@ -128,6 +142,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Argument and result types of every kernel."""
     lib.pd_panel_width.argtypes = []
     lib.pd_panel_width.restype = _i64
+    if hasattr(lib, "pd_amx_init"):
+        lib.pd_amx_init.argtypes = lib.pd_amx_m_min.argtypes = []
+        lib.pd_amx_init.restype, lib.pd_amx_m_min.restype = ctypes.c_int, _i64
     lib.pd_linear_panels.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
     lib.pd_linear_panels.restype = ctypes.c_int
     lib.pd_paged_decode_attn.argtypes = [_ptr, _i64] + [_ptr] * 5 + [_i64] * 6 + [_f32]
@@ -207,6 +224,16 @@ def pack_panels(lib: ctypes.CDLL, weight: torch.Tensor, compact: bool = True) ->
     n, k = weight.shape
     codec, data = panel_codec.encode(weight, lib.panel_width, compact)
     return PanelWeight(data, codec, n, k, lib.panel_width)
+
+
+def panels_take_any_rows(lib: ctypes.CDLL | None, weight: PanelWeight | None = None) -> bool:
+    """Whether `linear_panels` beats oneDNN at prefill sizes too (past PANEL_M_MAX rows): on
+    the AMX kernels, for compact panels (`weight`, if given; fp32 ones keep the AVX-512 GEMM)."""
+    return (
+        lib is not None
+        and lib.isa == "amx"
+        and (weight is None or weight.codec != panel_codec.F32)
+    )
 
 
 def linear_panels(

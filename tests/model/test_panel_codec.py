@@ -89,7 +89,10 @@ def test_compact_gemm_is_bit_identical_to_fp32_panels(lib, qtype, m, n, k):
     merely close, to the fp32-panel kernel's — and close to F.linear. Up to MR rows (4 or
     8) the weights are computed in registers, from 9 expanded into a buffer; 416 = 3 chunks
     of k plus a part. 100 rows: a decode worker keeps only panels, so batches past
-    PANEL_M_MAX take this path too."""
+    PANEL_M_MAX take this path too. (Batches that the AMX kernels run on tiles sum in
+    another order: test_gemm_amx bounds those.)"""
+    if lib.amx_m_min is not None and m >= lib.amx_m_min:
+        pytest.skip(f"{m} rows take the AMX GEMM (test_gemm_amx)")
     w = gguf_weights(n, k, qtype, seed=m)
     x, b = torch.randn(m, k), torch.randn(n)
     compact, full = native.pack_panels(lib, w), native.pack_panels(lib, w, compact=False)

@@ -96,10 +96,6 @@ micro(const float *x, int64_t ldx, int64_t kc, const float *w, float *acc, int f
  *           16(g/2) + 2j + g%2: panel_codec._q4_column_order, kernels.h vnibbles)
  *                                                                       24 PANEL bytes
  *   PD_Q8S  float d[PANEL]; int8 q[32][PANEL]                           36 PANEL bytes */
-enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2 };
-#define QBLOCK 32
-#define Q4A_BLOCK (24 * PANEL)
-#define Q8S_BLOCK (36 * PANEL)
 
 static void expand_q4a(const uint8_t *src, int64_t K, float *out) {
     for (int64_t kb = 0; kb < K / QBLOCK; kb++, src += Q4A_BLOCK) {
@@ -249,6 +245,10 @@ int pd_linear_panels(const float *x, const void *wp, int64_t codec, const float 
     int64_t panels = (N + PANEL - 1) / PANEL;
     int64_t run = panels / (8 * omp_get_max_threads());
     int failed = 0;
+#ifdef __AMX_BF16__
+    if (codec != PD_F32 && M >= AMX_M_MIN && pd_amx_ready())
+        return pd_linear_panels_amx(x, wp, codec, bias, y, M, N, K);
+#endif
     if (M >= 16) {
 #pragma omp parallel for schedule(dynamic, run > 48 / PANEL ? run : 48 / PANEL) reduction(| : failed)
         for (int64_t p = 0; p < panels; p++)

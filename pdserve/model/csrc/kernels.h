@@ -26,6 +26,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifdef __AVX512F__
 #define VW 16
@@ -122,6 +123,12 @@ static inline vi vbytes(const int8_t *q) { return _mm256_cvtepi8_epi32(_mm_loadl
 /* Output columns per packed weight panel (native.py reads it back with pd_panel_width). */
 #define PANEL (3 * VW)
 
+/* The packed weight formats (gemm.c): fp32 panels, or the lossless compact blocks of 32 k. */
+enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2 };
+#define QBLOCK 32
+#define Q4A_BLOCK (24 * PANEL)
+#define Q8S_BLOCK (36 * PANEL)
+
 /* e^x lane by lane: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial (the
  * classic Cephes expf coefficients), 2^n built in the exponent bits. Relative error ~2e-7,
  * like libm's expf, at a fraction of the cost of scalar calls. */
@@ -165,6 +172,15 @@ int pd_paged_decode_attn(const float *q, int64_t q_stride, const float *cache,
                          const int64_t *tables, const int64_t *context_lens, float *out,
                          float *scores, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                          int64_t max_blocks, float scale);
+#ifdef __AMX_BF16__
+/* From this many rows on, compact-panel GEMMs run on AMX tiles (gemm_amx.c). */
+#ifndef AMX_M_MIN
+#define AMX_M_MIN 16
+#endif
+int pd_amx_ready(void);
+int pd_linear_panels_amx(const float *x, const void *wp, int64_t codec, const float *bias,
+                         float *y, int64_t M, int64_t N, int64_t K);
+#endif
 void pd_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t D, float eps);
 void pd_add_rmsnorm(float *x, const float *add, const float *w, float *y, int64_t M, int64_t D,
                     float eps);
