@@ -99,7 +99,8 @@ def test_variant_choice(lib, monkeypatch):
     monkeypatch.setenv(envs.CPU_ISA, "auto")
     assert native.load().isa == widest
     monkeypatch.setenv(envs.CPU_ISA, lib.isa)
-    assert native.load() is lib and lib.panel_width == {"avx2": 24, "avx512": 48, "amx": 48}[lib.isa]
+    widths = {"avx2": 24, "avx512": 48, "amx": 48}
+    assert native.load() is lib and lib.panel_width == widths[lib.isa]
     monkeypatch.setenv(envs.CPU_ISA, "sse2")
     with pytest.raises(ValueError, match=envs.CPU_ISA):
         native.load()
