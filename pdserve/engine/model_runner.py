@@ -109,9 +109,11 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         self.kernels = native.load() if device.cpu_kernels == "native" and on_cpu else None
         if device.cpu_kernels in ("native", "onednn") and can_pack(self.model):
+            # Prefill workers use panels only on AMX (compact ones; PackedLinear decides).
             prefill_panels = native.panels_take_any_rows(self.kernels)
             panels = self.kernels if kernels != "prefill" or prefill_panels else None
-            pack_linears(self.model, panels, onednn=kernels != "decode" or panels is None)
+            onednn = kernels != "decode" or panels is None
+            pack_linears(self.model, panels, onednn, decode=kernels != "prefill")
             log_panel_formats(self.model)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)

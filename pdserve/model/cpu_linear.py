@@ -39,20 +39,29 @@ class PackedLinear(nn.Module):
     panel kernel, or both (then small inputs take the panel kernel)."""
 
     def __init__(
-        self, linear: nn.Linear, panels: ctypes.CDLL | None = None, onednn: bool = True
+        self,
+        linear: nn.Linear,
+        panels: ctypes.CDLL | None = None,
+        onednn: bool = True,
+        decode: bool = True,
     ) -> None:
+        """`decode=False` (a prefill worker): panels are kept only where they take every
+        size of input (`native.panels_take_any_rows`), else oneDNN alone runs."""
         super().__init__()
         if panels is None and not onednn:
             raise ValueError("a PackedLinear needs the oneDNN weights, the panel kernel or both")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
-        self.lib = panels
         self.panel_weight = (
             native.pack_panels(panels, linear.weight) if panels is not None else None
         )
         # On AMX kernels compact panels run prefill-sized inputs too, faster than oneDNN's
         # fp32 GEMM, so no oneDNN copy is kept for them.
-        onednn = onednn and not native.panels_take_any_rows(panels, self.panel_weight)
+        any_rows = native.panels_take_any_rows(panels, self.panel_weight)
+        if not (decode or any_rows):
+            self.panel_weight = None
+        self.lib = panels if self.panel_weight is not None else None
+        onednn = (onednn or self.lib is None) and not any_rows
         self.packed_weight = (
             torch.ops.mkldnn._reorder_linear_weight(linear.weight, None) if onednn else None
         )
@@ -74,7 +83,9 @@ def can_pack(model: nn.Module) -> bool:
     )
 
 
-def pack_linears(model: nn.Module, panels: ctypes.CDLL | None = None, onednn: bool = True) -> int:
+def pack_linears(
+    model: nn.Module, panels: ctypes.CDLL | None = None, onednn: bool = True, decode: bool = True
+) -> int:
     """Replace every `nn.Linear` in `model` by a `PackedLinear` (with the native panel
     kernel when `panels` is the loaded kernel library); returns how many."""
     targets = [
@@ -84,7 +95,7 @@ def pack_linears(model: nn.Module, panels: ctypes.CDLL | None = None, onednn: bo
         if isinstance(child, nn.Linear)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, panels, onednn))
+        setattr(parent, name, PackedLinear(child, panels, onednn, decode))
     return len(targets)
 
 

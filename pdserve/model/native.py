@@ -230,9 +230,7 @@ def panels_take_any_rows(lib: ctypes.CDLL | None, weight: PanelWeight | None = N
     """Whether `linear_panels` beats oneDNN at prefill sizes too (past PANEL_M_MAX rows): on
     the AMX kernels, for compact panels (`weight`, if given; fp32 ones keep the AVX-512 GEMM)."""
     return (
-        lib is not None
-        and lib.isa == "amx"
-        and (weight is None or weight.codec != panel_codec.F32)
+        lib is not None and lib.isa == "amx" and (weight is None or weight.codec != panel_codec.F32)
     )
 
 

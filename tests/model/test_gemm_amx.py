@@ -57,12 +57,23 @@ def test_amx_gemm_within_fp32_error_of_float64(amx, qtype, m, n, k):
 
 def test_amx_keeps_one_copy_for_compact_weights(amx):
     """Compact panels take every size of input on AMX, so no oneDNN copy is kept; fp32 panels
-    (not exactly splittable) keep oneDNN for prefill-sized inputs."""
+    (not exactly splittable) keep oneDNN for prefill-sized inputs, and on a prefill worker
+    (decode=False) only it."""
+
+    def fp32_linear():
+        return torch.nn.Linear(64, 100)
+
     compact = torch.nn.Linear(64, 100, bias=False)
     compact.weight.data = gguf_weights(100, 64, QT.Q4_1)
     packed = PackedLinear(compact, amx)
     assert packed.packed_weight is None and native.panels_take_any_rows(amx, packed.panel_weight)
     x = torch.randn(native.PANEL_M_MAX + 100, 64)
     torch.testing.assert_close(packed(x), compact(x).detach())
-    fp32 = PackedLinear(torch.nn.Linear(64, 100), amx)
-    assert fp32.packed_weight is not None
+    fp32 = PackedLinear(fp32_linear(), amx)
+    assert fp32.packed_weight is not None and fp32.panel_weight is not None
+    prefill = (
+        PackedLinear(compact, amx, decode=False),
+        PackedLinear(fp32_linear(), amx, decode=False),
+    )
+    assert prefill[0].panel_weight is not None and prefill[0].packed_weight is None
+    assert prefill[1].panel_weight is None and prefill[1].packed_weight is not None

@@ -29,6 +29,12 @@
 #define TILE_ROWS 16
 #define TILE_COLS 16                            /* fp32 outputs per C tile row */
 #define B_TILE (TILE_ROWS * 2 * TILE_COLS)      /* bf16 per B tile (1 KB) */
+#define A_TILE (TILE_ROWS * QBLOCK)             /* bf16 per A tile (1 KB) */
+/* Rows per pass over the weights: their split x (6 K bytes a row) stays in L2 while every
+ * panel is unpacked once per pass. */
+#ifndef ROW_TILES
+#define ROW_TILES 8
+#endif
 #ifndef SPLITS
 #define SPLITS 3
 #endif
@@ -70,34 +76,35 @@ static inline __m512i vnni_pair(__m512i a, __m512i b) {
                            _mm512_and_si512(fb, _mm512_set1_epi32((int)0xFFFF0000)));
 }
 
-/* The B tiles of a panel, [K / 32][3][B_TILE] bf16. */
-static void unpack_panel(const uint8_t *panel, int codec, int64_t K, uint16_t *out) {
-    int64_t block = codec == PD_Q4A ? Q4A_BLOCK : Q8S_BLOCK;
-    for (int64_t g = 0; g < K / QBLOCK; g++, panel += block) {
-        const float *d = (const float *)panel;
-        for (int j = 0; j < 3; j++, out += B_TILE)
-            for (int r = 0; r < TILE_ROWS; r++) {
-                __m512i row;
-                if (codec == PD_Q4A) {
-                    const uint32_t *q = (const uint32_t *)(d + 2 * PANEL) + 2 * j;
-                    row = vnni_pair(vnibbles(q + 2 * r * (PANEL / 8)),
-                                    vnibbles(q + (2 * r + 1) * (PANEL / 8)));
-                } else {
-                    const int8_t *q = (const int8_t *)(d + PANEL) + TILE_COLS * j;
-                    row = vnni_pair(vbytes(q + 2 * r * PANEL), vbytes(q + (2 * r + 1) * PANEL));
-                }
-                _mm512_store_si512(out + r * 2 * TILE_COLS, row);
+/* The three B tiles of one 32-k block of a panel, [3][B_TILE] bf16. */
+static void unpack_block(const uint8_t *src, int codec, uint16_t *out) {
+    const float *d = (const float *)src;
+    for (int j = 0; j < 3; j++, out += B_TILE)
+        for (int r = 0; r < TILE_ROWS; r++) {
+            __m512i row;
+            if (codec == PD_Q4A) {
+                const uint32_t *q = (const uint32_t *)(d + 2 * PANEL) + 2 * j;
+                row = vnni_pair(vnibbles(q + 2 * r * (PANEL / 8)),
+                                vnibbles(q + (2 * r + 1) * (PANEL / 8)));
+            } else {
+                const int8_t *q = (const int8_t *)(d + PANEL) + TILE_COLS * j;
+                row = vnni_pair(vbytes(q + 2 * r * PANEL), vbytes(q + (2 * r + 1) * PANEL));
             }
-    }
+            _mm512_store_si512(out + r * 2 * TILE_COLS, row);
+        }
 }
 
-/* Row i of x as hi/mid/lo bf16 rows (xs + s * rows * K) and its block sums (rs [nb]). */
-static void split_row(const float *x, int64_t K, int64_t rows, uint16_t *xs, float *rs) {
+/* Row i of x as hi/mid/lo bf16 in the A tiles of its row tile (xs: [Mp / 16][K / 32]
+ * [SPLITS][16 rows][32 k], each tile 1 KB contiguous), and its block sums rs [K / 32]. */
+static void split_row(const float *x, int64_t i, int64_t K, uint16_t *xs, float *rs) {
+    int64_t nb = K / QBLOCK;
+    uint16_t *row = xs + (i / TILE_ROWS) * nb * SPLITS * A_TILE + (i % TILE_ROWS) * QBLOCK;
     for (int64_t k = 0; k < K; k += 16) {
         __m512 v = _mm512_loadu_ps(x + k);
+        uint16_t *dst = row + (k / QBLOCK) * SPLITS * A_TILE + k % QBLOCK;
         for (int s = 0; s < SPLITS; s++) {
             __m256bh h = _mm512_cvtneps_pbh(v);
-            _mm256_storeu_si256((__m256i *)(xs + s * rows * K + k), (__m256i)h);
+            _mm256_storeu_si256((__m256i *)(dst + s * A_TILE), (__m256i)h);
             v = _mm512_sub_ps(v, _mm512_cvtpbh_ps(h));
         }
         if (k % QBLOCK == 0)
@@ -136,43 +143,46 @@ static inline void fold(float *acc, const float *S, const float *d, const float 
     _tile_dpbf16ps(c, 1, b)
 #endif
 
-/* Panel p for every row tile. scratch: B tiles, then S (3 C tiles), then acc [16][PANEL]. */
+/* Panel p for rows [t0, t0 + rows) (ROW_TILES tiles at most: their sums, acc [rows][PANEL],
+ * stay in L1); each block's B tiles are unpacked once per call and held in tiles 3-5 for
+ * every row tile. scratch: B tiles (3 KB), S (3 C tiles), acc. */
 static void panel_amx(const uint16_t *xs, const float *rs, const uint8_t *wp, int codec,
-                      const float *bias, float *y, int64_t M, int64_t Mp, int64_t N, int64_t K,
-                      int64_t p, uint16_t *bt, float *S, float *acc) {
+                      const float *bias, float *y, int64_t M, int64_t t0, int64_t rows,
+                      int64_t N, int64_t K, int64_t p, uint16_t *bt, float *S, float *acc) {
     int64_t nb = K / QBLOCK, block = codec == PD_Q4A ? Q4A_BLOCK : Q8S_BLOCK;
     const uint8_t *panel = wp + p * nb * block;
-    unpack_panel(panel, codec, K, bt);
     int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
-    for (int64_t t = 0; t < Mp; t += TILE_ROWS) {
-        for (int i = 0; i < TILE_ROWS * PANEL; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
-        for (int64_t g = 0; g < nb; g++) {
-            const uint16_t *a = xs + t * K + g * QBLOCK, *b = bt + g * 3 * B_TILE;
-            _tile_loadd(0, a, K * 2);
-            _tile_loadd(1, a + Mp * K, K * 2);
-            if (SPLITS == 3) _tile_loadd(2, a + 2 * Mp * K, K * 2);
-            _tile_loadd(3, b, 64);
-            _tile_loadd(4, b + B_TILE, 64);
-            _tile_loadd(5, b + 2 * B_TILE, 64);
+    for (int64_t i = 0; i < rows * PANEL; i += 16) _mm512_store_ps(acc + i, _mm512_setzero_ps());
+    for (int64_t g = 0; g < nb; g++) {
+        const float *d = (const float *)(panel + g * block);
+        unpack_block(panel + g * block, codec, bt);
+        _tile_loadd(3, bt, 64);
+        _tile_loadd(4, bt + B_TILE, 64);
+        _tile_loadd(5, bt + 2 * B_TILE, 64);
+        for (int64_t t = t0; t < t0 + rows; t += TILE_ROWS) {
+            const uint16_t *a = xs + ((t / TILE_ROWS) * nb + g) * SPLITS * A_TILE;
+            _tile_loadd(0, a, 64);
+            _tile_loadd(1, a + A_TILE, 64);
+            if (SPLITS == 3) _tile_loadd(2, a + 2 * A_TILE, 64);
             DOT3(6, 3);
             _tile_stored(6, S, 64);
             DOT3(7, 4);
             _tile_stored(7, S + 256, 64);
             DOT3(6, 5);
             _tile_stored(6, S + 512, 64);
-            const float *d = (const float *)(panel + g * block);
 #ifndef NOFOLD
-            fold(acc, S, d, codec == PD_Q4A ? d + PANEL : NULL, rs + t * nb + g, nb);
+            fold(acc + (t - t0) * PANEL, S, d, codec == PD_Q4A ? d + PANEL : NULL,
+                 rs + t * nb + g, nb);
 #endif
         }
-        for (int64_t r = 0; r < TILE_ROWS && t + r < M; r++)
-            for (int64_t c = 0; c < ncols; c += 16) {
-                __mmask16 mask = ncols - c >= 16 ? 0xFFFF : tail_mask(ncols - c);
-                __m512 v = _mm512_load_ps(acc + r * PANEL + c);
-                if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + c));
-                _mm512_mask_storeu_ps(y + (t + r) * N + n0 + c, mask, v);
-            }
     }
+    for (int64_t r = 0; r < rows && t0 + r < M; r++)
+        for (int64_t c = 0; c < ncols; c += 16) {
+            __mmask16 mask = ncols - c >= 16 ? 0xFFFF : tail_mask(ncols - c);
+            __m512 v = _mm512_load_ps(acc + r * PANEL + c);
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + c));
+            _mm512_mask_storeu_ps(y + (t0 + r) * N + n0 + c, mask, v);
+        }
 }
 
 static __thread void *split_buf, *tile_buf;
@@ -201,22 +211,26 @@ int pd_linear_panels_amx(const float *x, const void *wp, int64_t codec, const fl
     {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < Mp; i++) {
-            if (i < M) split_row(x + i * K, K, Mp, xs + i * K, rs + i * nb);
+            if (i < M) split_row(x + i * K, i, K, xs, rs + i * nb);
             else {
-                for (int s = 0; s < SPLITS; s++) memset(xs + (s * Mp + i) * K, 0, K * 2);
+                uint16_t *row = xs + (i / TILE_ROWS) * nb * SPLITS * A_TILE + (i % TILE_ROWS) * QBLOCK;
+                for (int64_t g = 0; g < nb * SPLITS; g++) memset(row + g * A_TILE, 0, QBLOCK * 2);
                 memset(rs + i * nb, 0, nb * 4);
             }
         }
-        int64_t bt_bytes = nb * 3 * B_TILE * 2;
-        uint8_t *scratch = grown(&tile_buf, &tile_cap, bt_bytes + 3 * 1024 + TILE_ROWS * PANEL * 4);
+        int64_t bt_bytes = 3 * B_TILE * 2;
+        uint8_t *scratch = grown(&tile_buf, &tile_cap, bt_bytes + 3 * 1024 + ROW_TILES * TILE_ROWS * PANEL * 4);
         failed = !scratch;
         if (scratch) tiles_configure();
+        for (int64_t t0 = 0; t0 < Mp; t0 += ROW_TILES * TILE_ROWS) {
+            int64_t rows = Mp - t0 < ROW_TILES * TILE_ROWS ? Mp - t0 : ROW_TILES * TILE_ROWS;
 #pragma omp for schedule(dynamic)
-        for (int64_t p = 0; p < panels; p++)
-            if (scratch)
-                panel_amx(xs, rs, (const uint8_t *)wp, (int)codec, bias, y, M, Mp, N, K, p,
-                          (uint16_t *)scratch, (float *)(scratch + bt_bytes),
-                          (float *)(scratch + bt_bytes + 3 * 1024));
+            for (int64_t p = 0; p < panels; p++)
+                if (scratch)
+                    panel_amx(xs, rs, (const uint8_t *)wp, (int)codec, bias, y, M, t0, rows, N,
+                              K, p, (uint16_t *)scratch, (float *)(scratch + bt_bytes),
+                              (float *)(scratch + bt_bytes + 3 * 1024));
+        }
         if (scratch) _tile_release();
     }
     return failed ? -1 : 0;
