@@ -3,15 +3,17 @@
 (gather + SDPA).
 
     .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--repeats 30] [--isa avx2]
-        [--weights gguf]
+        [--weights gguf] [--vs avx512]
 
 Linear shapes are SmolLM2-135M's (hidden 576, intermediate 1536, fused QKV 960, fused
 gate/up 3072, vocabulary 49152), at the row counts decode batches (1..64) and prefill chunks
 (512) produce, with random fp32 weights or (--weights gguf) weights on the default model's
 GGUF grids (Q4_1 layers, a Q8_0 LM head), which the panel kernel stores compactly. Figures
 are medians; GB/s counts the fp32 weight bytes (4 per weight) once per call. --isa picks the
-native kernel variant (default: PDSERVE_CPU_ISA, else the widest this CPU runs). Run on an
-idle machine: two busy cores halve any figure.
+native kernel variant (default: PDSERVE_CPU_ISA, else the widest this CPU runs), --vs a
+second one to compare in the same run (e.g. `--isa amx --vs avx512 --weights gguf`: the AMX
+GEMM runs only compact panels, from 16 rows). Columns are interleaved, a few rounds each.
+Run on an idle machine: two busy cores halve any figure.
 """
 
 from __future__ import annotations
@@ -38,33 +40,42 @@ def gguf_grid(w: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(quants.quantize(w.numpy() * 0.05, t), t).copy())
 
 
-def linear_times(lib, w: torch.Tensor, m: int, repeats: int) -> tuple[float, float, float]:
-    """(native panels, oneDNN, F.linear) seconds for x [m, K] @ w.T."""
+def linear_times(libs, w: torch.Tensor, m: int, repeats: int) -> list[float]:
+    """Seconds for x [m, K] @ w.T: each of `libs`' panel kernels, oneDNN, F.linear —
+    interleaved, a few rounds of each, the best round's median kept (a shared machine's
+    other load lands on every column alike)."""
     n, k = w.shape
     x = torch.randn(m, k)
-    panels, packed = native.pack_panels(lib, w), torch.ops.mkldnn._reorder_linear_weight(w, None)
-    return (
-        timed(lambda: native.linear_panels(lib, x, panels, None), repeats),
-        timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), repeats),
-        timed(lambda: F.linear(x, w), repeats),
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    panels = [(lib, native.pack_panels(lib, w)) for lib in libs]
+    calls = [lambda lib=lib, p=p: native.linear_panels(lib, x, p, None) for lib, p in panels]
+    calls += [
+        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        lambda: F.linear(x, w),
+    ]
+    rounds = [[timed(f, max(1, repeats // 3)) for f in calls] for _ in range(3)]
+    return [min(r[i] for r in rounds) for i in range(len(calls))]
+
+
+def bench_linears(libs, rows: list[int], repeats: int, weights: str) -> None:
+    native_cols = [f"native {lib.isa}" for lib in libs]
+    print(
+        f"| linear | rows | {' | '.join(native_cols)} | oneDNN | F.linear | oneDNN time / native |"
     )
-
-
-def bench_linears(lib, rows: list[int], repeats: int, weights: str) -> None:
-    print("| linear | rows | native panels | oneDNN | F.linear | oneDNN time / native |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|" + "---|" * (len(libs) + 3))
     for name, (n, k) in LINEARS.items():
         w = torch.randn(n, k)
         if weights == "gguf":
             w = gguf_grid(w, "Q8_0" if name == "lm_head" else "Q4_1")
         for m in rows:
-            times = linear_times(lib, w, m, repeats)
+            times = linear_times(libs, w, m, repeats)
             flops, weight_bytes = 2 * m * n * k, n * k * 4
             cells = [
                 f"{t * 1e6:.0f} us, {flops / t / 1e9:.0f} GF, {weight_bytes / t / 1e9:.1f} GB/s"
                 for t in times
             ]
-            print(f"| {name} {n}x{k} | {m} | {' | '.join(cells)} | {times[1] / times[0]:.2f}x |")
+            ratio = times[len(libs)] / times[0]
+            print(f"| {name} {n}x{k} | {m} | {' | '.join(cells)} | {ratio:.2f}x |")
 
 
 def attention_times(lib, b: int, context: int, repeats: int) -> tuple[float, float]:
@@ -101,6 +112,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--isa", choices=["auto", *native.ISA_FLAGS], default=None)
     ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32")
+    ap.add_argument(
+        "--vs",
+        choices=list(native.ISA_FLAGS),
+        default=None,
+        help="a second native variant in its own column (e.g. avx512 beside amx)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -111,8 +128,11 @@ def main() -> None:
     print(
         f"threads: {torch.get_num_threads()}, native kernels: {lib.isa}, {args.weights} weights\n"
     )
+    libs = [lib] + ([native.load(args.vs)] if args.vs else [])
+    if None in libs:
+        raise SystemExit(f"the {args.vs} native kernels cannot run on this machine")
     with torch.inference_mode():
-        bench_linears(lib, args.rows, args.repeats, args.weights)
+        bench_linears(libs, args.rows, args.repeats, args.weights)
         bench_attention(lib, [1, 8, 32], args.context, args.repeats)
 
 

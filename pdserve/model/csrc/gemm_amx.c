@@ -15,10 +15,11 @@
  *
  * Shapes: A tiles are 16 rows of x by 32 k (one block) per term, B tiles 32 k by 16
  * columns in VNNI pairs (row r holds k = 2r, 2r+1 of each column), so one 48-column panel
- * block is three B tiles, unpacked from its nibbles/bytes once per panel into a per-thread
- * scratch and reused by every 16-row tile of x. Per (row tile, block): 9 tdpbf16ps into
- * three zeroed C tiles, stored, then folded into fp32 sums with AVX-512 FMAs. x is split
- * once per call into hi/mid/lo rows (zero rows pad M to a multiple of 16) and block sums. */
+ * block is three B tiles, unpacked from its nibbles/bytes into a per-thread buffer and held
+ * in tile registers while every 16-row tile of x (in passes of ROW_TILES) uses them. Per
+ * (row tile, block): 9 tdpbf16ps into zeroed C tiles, stored, then folded into fp32 sums
+ * with AVX-512 FMAs. x is split once per call into hi/mid/lo A tiles (zero rows pad M to a
+ * multiple of 16) and block sums. */
 #define _DEFAULT_SOURCE /* syscall() under -std=c11 */
 #include "kernels.h"
 
@@ -35,9 +36,7 @@
 #ifndef ROW_TILES
 #define ROW_TILES 8
 #endif
-#ifndef SPLITS
-#define SPLITS 3
-#endif
+#define SPLITS 3 /* bf16 terms per x (two lose ~2^-17: docs/cpu-kernels.md) */
 
 static int amx_permitted;
 
@@ -96,9 +95,12 @@ static void unpack_block(const uint8_t *src, int codec, uint16_t *out) {
 
 /* Row i of x as hi/mid/lo bf16 in the A tiles of its row tile (xs: [Mp / 16][K / 32]
  * [SPLITS][16 rows][32 k], each tile 1 KB contiguous), and its block sums rs [K / 32]. */
+static inline uint16_t *a_row(uint16_t *xs, int64_t i, int64_t nb) {
+    return xs + (i / TILE_ROWS) * nb * SPLITS * A_TILE + (i % TILE_ROWS) * QBLOCK;
+}
+
 static void split_row(const float *x, int64_t i, int64_t K, uint16_t *xs, float *rs) {
-    int64_t nb = K / QBLOCK;
-    uint16_t *row = xs + (i / TILE_ROWS) * nb * SPLITS * A_TILE + (i % TILE_ROWS) * QBLOCK;
+    uint16_t *row = a_row(xs, i, K / QBLOCK);
     for (int64_t k = 0; k < K; k += 16) {
         __m512 v = _mm512_loadu_ps(x + k);
         uint16_t *dst = row + (k / QBLOCK) * SPLITS * A_TILE + k % QBLOCK;
@@ -130,18 +132,11 @@ static inline void fold(float *acc, const float *S, const float *d, const float 
 }
 
 /* C tile c = sum over the three terms of A (tiles 0-2) times B tile b. */
-#if SPLITS == 3
 #define DOT3(c, b)                                                                           \
     _tile_zero(c);                                                                           \
     _tile_dpbf16ps(c, 0, b);                                                                 \
     _tile_dpbf16ps(c, 1, b);                                                                 \
     _tile_dpbf16ps(c, 2, b)
-#else
-#define DOT3(c, b)                                                                           \
-    _tile_zero(c);                                                                           \
-    _tile_dpbf16ps(c, 0, b);                                                                 \
-    _tile_dpbf16ps(c, 1, b)
-#endif
 
 /* Panel p for rows [t0, t0 + rows) (ROW_TILES tiles at most: their sums, acc [rows][PANEL],
  * stay in L1); each block's B tiles are unpacked once per call and held in tiles 3-5 for
@@ -163,17 +158,15 @@ static void panel_amx(const uint16_t *xs, const float *rs, const uint8_t *wp, in
             const uint16_t *a = xs + ((t / TILE_ROWS) * nb + g) * SPLITS * A_TILE;
             _tile_loadd(0, a, 64);
             _tile_loadd(1, a + A_TILE, 64);
-            if (SPLITS == 3) _tile_loadd(2, a + 2 * A_TILE, 64);
+            _tile_loadd(2, a + 2 * A_TILE, 64);
             DOT3(6, 3);
             _tile_stored(6, S, 64);
             DOT3(7, 4);
             _tile_stored(7, S + 256, 64);
             DOT3(6, 5);
             _tile_stored(6, S + 512, 64);
-#ifndef NOFOLD
             fold(acc + (t - t0) * PANEL, S, d, codec == PD_Q4A ? d + PANEL : NULL,
                  rs + t * nb + g, nb);
-#endif
         }
     }
     for (int64_t r = 0; r < rows && t0 + r < M; r++)
@@ -213,13 +206,13 @@ int pd_linear_panels_amx(const float *x, const void *wp, int64_t codec, const fl
         for (int64_t i = 0; i < Mp; i++) {
             if (i < M) split_row(x + i * K, i, K, xs, rs + i * nb);
             else {
-                uint16_t *row = xs + (i / TILE_ROWS) * nb * SPLITS * A_TILE + (i % TILE_ROWS) * QBLOCK;
-                for (int64_t g = 0; g < nb * SPLITS; g++) memset(row + g * A_TILE, 0, QBLOCK * 2);
+                for (int64_t g = 0; g < nb * SPLITS; g++)
+                    memset(a_row(xs, i, nb) + g * A_TILE, 0, QBLOCK * 2);
                 memset(rs + i * nb, 0, nb * 4);
             }
         }
-        int64_t bt_bytes = 3 * B_TILE * 2;
-        uint8_t *scratch = grown(&tile_buf, &tile_cap, bt_bytes + 3 * 1024 + ROW_TILES * TILE_ROWS * PANEL * 4);
+        int64_t bt_bytes = 3 * B_TILE * 2, acc_bytes = ROW_TILES * TILE_ROWS * PANEL * 4;
+        uint8_t *scratch = grown(&tile_buf, &tile_cap, bt_bytes + 3 * 1024 + acc_bytes);
         failed = !scratch;
         if (scratch) tiles_configure();
         for (int64_t t0 = 0; t0 < Mp; t0 += ROW_TILES * TILE_ROWS) {
