@@ -16,7 +16,7 @@ ADMIN_KEY = "PDSERVE_ADMIN_KEY"  # the cache warm-up key (`pdserve up`, `pdserve
 REDIS_PASSWORD = "PDSERVE_REDIS_PASSWORD"
 CACHE_DIR = "PDSERVE_CACHE_DIR"  # converted models and built kernels (~/.cache/pdserve/models)
 NATIVE_KERNELS = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load the C kernels
-CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest the CPU runs), avx2, avx512, amx
+CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest), avx2, avx512, amx
 C_COMPILER = "CC"  # the compiler for the native kernels (gcc)
 # Where this process runs, for the transfer channel: peers with equal ids use shm. Default:
 # hostname + boot id; Ray placement sets it to the Ray node (pdserve/cluster/ray_actors.py).
