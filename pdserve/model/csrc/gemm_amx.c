@@ -65,14 +65,13 @@ static void tiles_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* 16 small integers (int32 lanes) of k = 2r and 2r+1 as one VNNI row: lane n's low half is
+/* 16 small integers (as floats) of k = 2r and 2r+1 as one VNNI row: lane n's low half is
  * bf16(a_n), high half bf16(b_n). A small integer's fp32 ends in 16 zero bits, so its bf16
  * is its top half, no rounding. */
-static inline __m512i vnni_pair(__m512i a, __m512i b) {
-    __m512i fa = _mm512_castps_si512(_mm512_cvtepi32_ps(a));
-    __m512i fb = _mm512_castps_si512(_mm512_cvtepi32_ps(b));
-    return _mm512_or_si512(_mm512_srli_epi32(fa, 16),
-                           _mm512_and_si512(fb, _mm512_set1_epi32((int)0xFFFF0000)));
+static inline __m512i vnni_pair(__m512 a, __m512 b) {
+    return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(a), 16),
+                           _mm512_and_si512(_mm512_castps_si512(b),
+                                            _mm512_set1_epi32((int)0xFFFF0000)));
 }
 
 /* The three B tiles of one 32-k block of a panel, [3][B_TILE] bf16. */
@@ -87,7 +86,8 @@ static void unpack_block(const uint8_t *src, int codec, uint16_t *out) {
                                 vnibbles(q + (2 * r + 1) * (PANEL / 8)));
             } else {
                 const int8_t *q = (const int8_t *)(d + PANEL) + TILE_COLS * j;
-                row = vnni_pair(vbytes(q + 2 * r * PANEL), vbytes(q + (2 * r + 1) * PANEL));
+                row = vnni_pair(vcvt_f32(vbytes(q + 2 * r * PANEL)),
+                                vcvt_f32(vbytes(q + (2 * r + 1) * PANEL)));
             }
             _mm512_store_si512(out + r * 2 * TILE_COLS, row);
         }
