@@ -14,9 +14,8 @@ temporary file and renames it). It is linked against the OpenMP runtime PyTorch 
 loaded, so both share one thread pool and `torch.set_num_threads`.
 
 The sources build in three variants (`ISA_FLAGS`), AVX2, AVX-512 and AMX (AVX-512 plus AMX
-bf16 tiles for GEMMs of 16 rows or more on compact panels): the widest of `AUTO_ISAS` this
-CPU runs, chosen at load time, or the one PDSERVE_CPU_ISA names (auto|avx2|avx512|amx; amx
-only when named); the variant sets the
+bf16 tiles for GEMMs of 16 rows or more on compact panels), the widest this CPU runs chosen
+at load time, or the one PDSERVE_CPU_ISA names (auto|avx2|avx512|amx); the variant sets the
 panel width weights are packed in (docs/cpu-kernels.md). Where a variant cannot be built
 the next narrower one is tried; without a compiler, AVX2/FMA or a CPU device, `load()`
 returns None and callers keep the PyTorch paths.
@@ -47,7 +46,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-# Widest first. The AVX-512 set is Skylake-SP's
+# Widest first: `auto` takes the first one the CPU runs. The AVX-512 set is Skylake-SP's
 # (every AVX-512 server CPU has it); gcc would otherwise keep auto-vectorized loops 256-bit.
 # `amx` is the AVX-512 build plus the AMX bf16 GEMM of compact panels (csrc/gemm_amx.c).
 _AVX512 = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma",
