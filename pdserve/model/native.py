@@ -56,10 +56,6 @@ ISA_FLAGS = {
     "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma"],
 }
-# `auto` leaves `amx` out for now: with it a disaggregated request's first token reached the
-# client ~25 ms (6%) after the router's TTFT on 2 shared cores (tests/router/
-# test_status_breakdown.py), a cost not yet explained; PDSERVE_CPU_ISA=amx opts in.
-AUTO_ISAS = ("avx512", "avx2")
 _AVX512_CPU = ("avx512f", "avx512vl", "avx512bw", "avx512dq")
 CPU_FLAGS = {
     "amx": (*_AVX512_CPU, "amx_tile", "amx_bf16", "avx512_bf16"),
@@ -121,7 +117,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
 def _load(isa: str) -> ctypes.CDLL | None:
     if not envs.native_kernels_allowed():
         return None
-    for variant in AUTO_ISAS if isa == "auto" else [isa]:
+    for variant in ISA_FLAGS if isa == "auto" else [isa]:
         if not cpu_supports(variant):
             log.info("native CPU kernels: this CPU cannot run the %s variant", variant)
             continue

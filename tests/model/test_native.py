@@ -93,9 +93,9 @@ def test_build_is_cached(tmp_path, isa):
 
 
 def test_variant_choice(lib, monkeypatch):
-    """auto takes the widest of its variants this CPU runs (amx only when named); a forced
-    one is taken as named; a misspelt one is an error naming the variable."""
-    widest = next(isa for isa in native.AUTO_ISAS if native.cpu_supports(isa))
+    """auto takes the widest variant this CPU runs; a forced one is taken as named; a
+    misspelt one is an error naming the variable."""
+    widest = next(isa for isa in native.ISA_FLAGS if native.cpu_supports(isa))
     monkeypatch.setenv(envs.CPU_ISA, "auto")
     assert native.load().isa == widest
     monkeypatch.setenv(envs.CPU_ISA, lib.isa)
