@@ -1,9 +1,14 @@
 """The TTFT breakdown on a real 1P1D cluster of the default model: for each request the parts
-the response reports add up to the TTFT the client measured, within 5%."""
+the response reports add up to the router's TTFT exactly, and that TTFT lies inside the one the
+client measured, short of it by what no router clock sees (the client's connect, send and read,
+and the OS scheduling them on cores the workers share): a few ms, over 25 ms on a loaded
+2-core machine, so a bound relative to the TTFT alone fails once prefill is fast (a faster GEMM
+shortens the TTFT, not that cost). The median over six requests bounds it: 5% plus 10 ms."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 import urllib.request
 
@@ -41,6 +46,7 @@ def test_parts_add_up_to_the_ttft_the_client_measured() -> None:
     role = Role(threads=1, kv_cache_bytes=64 * 2**20)
     pipeline = Pipeline(port=free_port(), prefill=role, decode=role)
     words = "the quick brown fox jumps over the lazy dog and keeps running".split()
+    unseen_s, client_ttfts_s = [], []
     with Cluster(pipeline, log_level="WARNING") as url:
         for i in range(6):
             prompt = f"Request {i}: " + " ".join(words[(i + k) % len(words)] for k in range(150))
@@ -49,8 +55,12 @@ def test_parts_add_up_to_the_ttft_the_client_measured() -> None:
             assert set(parts) == {*TTFT_PARTS, "transfer", "handover"}, parts
             ttft_sum = sum(parts[p] for p in TTFT_PARTS)
             assert ttft_sum == pytest.approx(timing["ttft_s"], abs=1e-6)  # exact by design
-            assert ttft_sum == pytest.approx(client_ttft_s, rel=0.05), (client_ttft_s, parts)
+            assert ttft_sum < client_ttft_s, (client_ttft_s, parts)  # one clock, inside it
+            unseen_s.append(client_ttft_s - ttft_sum)
+            client_ttfts_s.append(client_ttft_s)
             decode_sum = ttft_sum - parts["first_token"] + parts["transfer"] + parts["handover"]
             assert decode_sum == pytest.approx(timing["first_decode_token_s"], abs=1e-6)
             assert parts["prefill"] > 0.5 * ttft_sum  # a 150-word prompt on one core
             assert min(parts.values()) > -0.005, parts  # stamps of one host's clock
+    median_ttft_s = statistics.median(client_ttfts_s)
+    assert statistics.median(unseen_s) < 0.05 * median_ttft_s + 0.010, (unseen_s, client_ttfts_s)
