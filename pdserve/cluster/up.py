@@ -89,7 +89,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if pipeline.adaptive.enabled:
         layout = f"{pipeline.adaptive.workers} adaptive workers on cores {pipeline.adaptive_cpus()}"
     print(f"pdserve: starting {layout} on {pipeline.model} ...", file=sys.stderr)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's `&` leaves it ignored
+        signal.signal(sig, _interrupt)
     try:
         cluster = make_cluster(pipeline, log_level if log_level != "WARNING" else "INFO")
         with cluster as url:
@@ -105,6 +106,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("pdserve: stopped", file=sys.stderr)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def make_cluster(pipeline: Pipeline, log_level: str) -> Cluster:
