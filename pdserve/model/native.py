@@ -63,7 +63,8 @@ CPU_FLAGS = {
     "avx2": ("avx2", "fma"),
 }
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
-# chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies.
+# chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies, except where the
+# panels take any rows (`panels_take_any_rows`: compact panels on the AMX kernels).
 PANEL_M_MAX = 64
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
