@@ -275,9 +275,10 @@ class RequestDriver:
                     timeout = min(_POLL_S, deadline - time.monotonic())
                 if timeout <= 0:
                     raise unavailable("no worker answered within the admission timeout")
-                try:
-                    message = await asyncio.wait_for(self._queue.get(), timeout)
-                except asyncio.TimeoutError:
+                try:  # not wait_for: it wraps the get in a task of its own, per token
+                    async with asyncio.timeout(timeout):
+                        message = await self._queue.get()
+                except TimeoutError:
                     self._check_alive()
                     if watch and time.monotonic() >= silent_until:
                         self._stalled.add(watch)

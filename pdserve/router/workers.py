@@ -35,6 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from pdserve import messages
 from pdserve.router.config import RouterConfig, WorkerEndpoint
+from pdserve.router.frames import FrameReader
 from pdserve.router.policies import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -88,9 +89,9 @@ class ControlPlane:
         self.clock = clock
         self.workers = {w.worker_id: WorkerState(w) for w in config.workers}
         self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._async_ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
-        self._pull: zmq.asyncio.Socket | None = None
+        self._pull: zmq.Socket | None = None
+        self._reader: FrameReader | None = None
         self._pushes: dict[str, zmq.Socket] = {}
         self._tasks: list[asyncio.Task[None]] = []
         # worker -> its push socket's monitor and the task reading it
@@ -106,14 +107,15 @@ class ControlPlane:
         self.planner: Any = None
 
     async def start(self) -> None:
-        self._pull = self._async_ctx.socket(zmq.PULL)
+        self._pull = self._sync_ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         self._pull.bind(self.config.ctrl_address)
         for worker in self.workers.values():
             self._connect(worker)
-        recv = asyncio.create_task(self._recv_loop(), name="router-ctrl-recv")
-        self._tasks += [recv, asyncio.create_task(self._watch_loop())]
+        self._reader = FrameReader(self._pull, self._on_frame)
+        self._reader.start()
+        self._tasks.append(asyncio.create_task(self._watch_loop()))
 
     def _connect(self, worker: WorkerState) -> None:
         push = self._sync_ctx.socket(zmq.PUSH)
@@ -172,9 +174,10 @@ class ControlPlane:
         for worker_id in list(self._links):
             self._disconnect(worker_id)
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._reader is not None:
+            self._reader.stop()
         if self._pull is not None:
             self._pull.close(linger=0)
-        self._async_ctx.term()
         self._sync_ctx.term()
 
     async def _monitor_loop(self, worker: WorkerState, monitor: zmq.asyncio.Socket) -> None:
@@ -260,19 +263,16 @@ class ControlPlane:
     def close_request(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    async def _recv_loop(self) -> None:
-        assert self._pull is not None
-        while True:
-            frame = await self._pull.recv()
-            try:
-                message = self._verifier.decode(frame)
-            except messages.CodecError as exc:
-                log.warning("dropped a control frame of %d bytes: %s", len(frame), exc)
-                continue
-            try:
-                self._dispatch(message)
-            except Exception:  # one bad message must not stop the router hearing its workers
-                log.exception("error handling %r", message)
+    def _on_frame(self, frame: bytes) -> None:
+        try:
+            message = self._verifier.decode(frame)
+        except messages.CodecError as exc:
+            log.warning("dropped a control frame of %d bytes: %s", len(frame), exc)
+            return
+        try:
+            self._dispatch(message)
+        except Exception:  # one bad message must not stop the router hearing its workers
+            log.exception("error handling %r", message)
 
     def _dispatch(self, message: Any) -> None:
         worker_id = getattr(message, "worker_id", "")
