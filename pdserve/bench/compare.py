@@ -70,7 +70,7 @@ def run_compare(
 
     ``deployments``: name -> spec handed to ``launch`` (a URL or a launcher config path).
     ``workload_args``: the ``bench`` flags (CompareConfig's read with defaults). Returns
-    ``{name: {goodput, p90_ttft_ms, p90_tpot_ms, summary, ...}}``.
+    ``{name: {goodput, p90_ttft_ms, p90_tpot_ms, summary, records, ...}}``.
     """
     if not deployments:
         raise ValueError("compare needs at least one deployment")
@@ -114,6 +114,7 @@ def run_compare(
             "slo_tpot_ms": plan.slo.tpot_ms,
             "slo_itl_ms": plan.slo.itl_ms,
             "summary": summary,
+            "records": document["records"],  # per request, as `pdserve bench --output` keeps
         }
     print(format_table(rows), file=out)
     return rows
