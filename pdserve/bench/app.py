@@ -38,6 +38,7 @@ class BenchConfig:
         "ids", "token-id prompts (exact lengths) or decoded text", choices=("ids", "text")
     )
     ignore_eos: bool = knob(True, "ask the server to generate past EOS")
+    temperature: float = knob(0.0, "sampling temperature sent (0: greedy)", ge=0, le=2)
     request_timeout_s: float = knob(600.0, "one request, send to last token", gt=0)
 
     preset: str | None = knob(None, "a workload's length shapes", choices=tuple(PRESETS))

@@ -30,6 +30,7 @@ class ClientConfig:
     endpoint: str = "completions"
     api_key: str | None = None
     ignore_eos: bool = True
+    temperature: float = 0.0
     request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -48,7 +49,7 @@ class ClientConfig:
         body: dict[str, object] = {
             "model": self.model,
             "max_tokens": output_len,
-            "temperature": 0.0,
+            "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }

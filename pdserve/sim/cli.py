@@ -50,6 +50,14 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
     return from_flat(SimConfig, flag_values(args, SimConfig))
 
 
+def check_greedy(args: argparse.Namespace) -> None:
+    """Profiles time greedy steps (pdserve/perf/measure.py): a sampled workload would be
+    priced without its sampling, so it is refused rather than under-predicted."""
+    if args.temperature:
+        raise ValueError(f"--temperature {args.temperature:g}: profiles time greedy decoding, "
+                         "so simulate and plan take greedy workloads only (0)")  # fmt: skip
+
+
 def _workload_parser(
     subparsers: argparse._SubParsersAction, name: str, help: str
 ) -> argparse.ArgumentParser:
@@ -79,6 +87,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from pdserve.bench.cli import report
     from pdserve.sim.run import simulate_plan
 
+    check_greedy(args)
     profile = resolve_profile(args.profile, args.model)
     deployment = Deployment.parse(args.deployment, **flag_values(args, Deployment))
     config = sim_config(args)
@@ -110,6 +119,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from pdserve.bench.app import build_plan
     from pdserve.sim.plan import format_plan, search_layouts
 
+    check_greedy(args)
     profile = resolve_profile(args.profile, args.model)
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         raise ValueError("plan needs --slo-ttft-ms and --slo-tpot-ms")

@@ -49,6 +49,13 @@ def test_result_file_is_complete_and_rejections_stay_in_the_denominator(
     assert "goodput (req/s)" in capsys.readouterr().out
 
 
+def test_temperature_is_sent_as_given(fake_server, tokenizer_dir):
+    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "2", "--input-len", "4",
+                 "--output-len", "2", "--temperature", "0.8")  # fmt: skip
+    assert main(args) == 0
+    assert [b["temperature"] for b in fake_server.bodies] == [0.8, 0.8]
+
+
 def test_conversation_history_carries_the_actual_answers(fake_server, tokenizer_dir):
     fake_server.usage = False  # count tokens from chunks instead
     args = bench(tokenizer_dir, fake_server.url, "--num-requests", "3", "--num-turns", "3",
@@ -124,6 +131,7 @@ def test_plots_are_written(fake_server, tokenizer_dir, tmp_path):
         (["--arrival", "concurrency"], "--concurrency"),
         (["--find-goodput"], "--slo-ttft-ms"),
         (["--tokenizer", "/nonexistent"], "--tokenizer"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
     ],
 )
 def test_bad_flags_give_one_line_and_exit_2(tokenizer_dir, capsys, flags, message):

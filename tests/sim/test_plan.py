@@ -25,6 +25,8 @@ PLAN = ["plan", "--preset", "chat", "--rate", "50", "--slo-ttft-ms", "500", "--s
         (["--profile", "analytic:H100-SXM:llama-3-8b", "--model", "llama-2-7b",
           "--num-devices", "8"], "profile is of model 'llama-3-8b', not 'llama-2-7b'"),
         (["--profile", "/nonexistent.json", "--num-devices", "8"], "No such file"),
+        (["--profile", "analytic:H100-SXM:llama-3-8b", "--num-devices", "8",
+          "--temperature", "0.7"], "--temperature 0.7: profiles time greedy decoding"),
     ],
 )  # fmt: skip
 def test_plan_refuses_bad_input_in_one_line(capsys, extra, message):
@@ -67,3 +69,10 @@ def test_one_cost_model_serves_the_simulator_and_an_online_fit():
     online.fit(worker.steps)
     for shape, step_s in worker.steps:
         assert online.predict(shape) == pytest.approx(step_s, rel=1e-3)
+
+
+def test_simulate_refuses_a_sampled_workload_in_one_line(capsys):
+    code, out, err = _run(capsys, "simulate", "--profile", "analytic:H100-SXM:llama-3-8b",
+                          "--preset", "chat", "--temperature", "1", "--no-progress")  # fmt: skip
+    assert code == 2 and out == ""
+    assert "--temperature 1: profiles time greedy decoding" in err and err.count("\n") == 1
