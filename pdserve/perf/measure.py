@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pdserve.config import CacheConfig, EngineConfig
-from pdserve.perf.cost_model import StepShape, TransferModel, fit_cost_model
+from pdserve.perf.cost_model import StepCostModel, StepShape, TransferModel, fit_cost_model
 from pdserve.perf.profile import HardwareProfile, ModelShape, ServedOverhead
 from pdserve.schema import check, knob, same_as
 
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 GRID = [(32, 1), (80, 1), (128, 1), (192, 1), (320, 1), (512, 1), (1024, 1), (2048, 1),
         (64, 4), (256, 4), (64, 16), (512, 8), (128, 32), (256, 32), (1024, 16)]  # fmt: skip
 KNEES = (16, 32, 64, 128, 256)
+STEP_FACTOR_REQUESTS = 4  # streams timed for `ServedOverhead.step_factor`
+STEP_FACTOR_TOKENS = 64  # tokens each
 
 
 def thread_counts(text: str) -> tuple[int, ...]:
@@ -116,11 +118,14 @@ def _time_grid(cfg: ProfileConfig, engine: Engine) -> list[tuple[StepShape, floa
     return samples
 
 
-def served_overhead(cfg: ProfileConfig) -> ServedOverhead:
+def served_overhead(cfg: ProfileConfig, model: StepCostModel | None) -> ServedOverhead:
     """Medians over `served_requests` short prompts sent one at a time to a collocated
-    deployment (as `bench compare` starts it), each asking for the router's TTFT breakdown
-    (router/timing.py): `token_s` is its first_token part (step end -> router), `request_s`
-    the rest of the client's TTFT beyond the worker's prefill step."""
+    deployment on every core (as `bench compare` starts it), each asking for the router's
+    TTFT breakdown (router/timing.py): `token_s` is its first_token part (step end ->
+    router), `request_s` the rest of the client's TTFT beyond the worker's prefill step.
+    Then `STEP_FACTOR_REQUESTS` streams of `STEP_FACTOR_TOKENS` tokens: `step_factor` is
+    their median gap between tokens over `model`'s step (the all-core thread count's fit; 1
+    without one)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
@@ -138,7 +143,31 @@ def served_overhead(cfg: ProfileConfig) -> ServedOverhead:
             if i >= 2:
                 tokens.append(parts["first_token"])
                 requests.append(client_ttft_s - parts["prefill"] - parts["first_token"])
-    return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens))
+        gaps = []
+        for _ in range(STEP_FACTOR_REQUESTS if model is not None else 0):
+            gaps += _token_gaps(url, cfg.model, source.random_ids(rng, 16))
+    factor = 1.0
+    if gaps:  # decodes at batch 1, attending 16 to 16 + STEP_FACTOR_TOKENS tokens
+        context = 16 + STEP_FACTOR_TOKENS // 2
+        step = model.predict(StepShape(decode_requests=1, decode_context_tokens=context))
+        factor = statistics.median(gaps) / step
+    return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor)
+
+
+def _token_gaps(url: str, model: str, prompt: list[int]) -> list[float]:
+    """The gaps between the streamed tokens of one greedy completion, the first few left out
+    (the prefill's, and the loop settling)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": STEP_FACTOR_TOKENS,
+            "temperature": 0.0, "stream": True, "ignore_eos": True}  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )  # fmt: skip
+    stamps = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            if line.startswith(b"data: {") and json.loads(line[len(b"data: ") :]).get("choices"):
+                stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps[4:], stamps[5:])]
 
 
 def _first_token(url: str, model: str, prompt: list[int]) -> tuple[float, dict[str, float]]:
@@ -235,9 +264,10 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         errors = [abs(models[threads].predict(s) / t - 1) for s, t in samples]
         log(f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}")  # fmt: skip
-    served = served_overhead(cfg)
+    served = served_overhead(cfg, models.get(len(os.sched_getaffinity(0))))
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
-        f"{served.token_s * 1e3:.1f} ms from its end per token")  # fmt: skip
+        f"{served.token_s * 1e3:.1f} ms from its end per token, steps on every core "
+        f"x{served.step_factor:.2f}")  # fmt: skip
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     return HardwareProfile(

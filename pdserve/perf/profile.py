@@ -30,12 +30,18 @@ class ServedOverhead:
       way back over HTTP (the client's clock sees only the sum of the two HTTP legs);
     - `token_s`: from a step's end until the router has its token (the hop back, the router's
       processing). A constant per token: it delays every token alike, so ITL and TPOT keep
-      the engine's figures while TTFT and end-to-end latency carry it.
+      the engine's figures while TTFT and end-to-end latency carry it;
+    - `step_factor`: how much slower a worker whose threads take every core of its host
+      steps in service than in the profile's own timing: the router and the client run on
+      those cores and preempt its threads (the median gap between streamed tokens at batch
+      1 over the model's step). `served_cost_model` applies it. Workers on fewer cores leave
+      the router one, and keep their profiled steps.
 
-    Zero in analytic profiles: they model devices, not a serving stack."""
+    Zero (and a factor of 1) in analytic profiles: they model devices, not a serving stack."""
 
     request_s: float = knob(0.0, ge=0)
     token_s: float = knob(0.0, ge=0)
+    step_factor: float = knob(1.0, gt=0)  # absent from profiles measured before it: 1
 
     def __post_init__(self) -> None:
         check(self, "served.")
@@ -108,6 +114,15 @@ class HardwareProfile:
                 f"(it has {sorted(self.models)})"
             )
         return self.models[size]
+
+    def served_cost_model(self, size: int) -> StepCostModel:
+        """The step time of a served worker of `size`: `cost_model(size)`, slower by
+        `served.step_factor` where its threads take every core of the host."""
+        model = self.cost_model(size)
+        factor = self.served.step_factor
+        if self.size_unit != "threads" or size < self.devices_per_node or factor == 1.0:
+            return model
+        return StepCostModel([c * factor for c in model.coefficients], model.knee_tokens)
 
     def transfer_model(self, backend: str | None = None) -> TransferModel:
         if backend is None:

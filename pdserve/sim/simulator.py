@@ -94,8 +94,9 @@ class Simulation:
             raise ValueError(f"worker {worker_id}: the KV cache holds less than one block")
         max_model_len = min(cfg.scheduler.max_model_len or capacity, num_blocks * cfg.block_size)
         return SimWorker(
-            worker_id, role, size, self.profile.cost_model(size), num_blocks, cfg.block_size,
-            cfg.scheduler, max_model_len, cfg.enable_prefix_caching, self.profile.model.name,
+            worker_id, role, size, self.profile.served_cost_model(size), num_blocks,
+            cfg.block_size, cfg.scheduler, max_model_len, cfg.enable_prefix_caching,
+            self.profile.model.name,
         )  # fmt: skip
 
     # ---- the loop --------------------------------------------------------------------

@@ -67,6 +67,18 @@ def test_the_serving_stack_delays_arrival_and_every_token():
     assert second.send_s == pytest.approx(first.e2e_s)
 
 
+def test_a_worker_on_every_core_steps_slower_by_the_served_factor():
+    # devices_per_node is 2: a two-thread worker shares its cores with the router and the
+    # client (x1.5: 15 ms steps), a one-thread worker does not (10 ms).
+    prof = profile(served=ServedOverhead(step_factor=1.5))
+    prof.models[2] = StepCostModel([0.01, 0, 0, 0, 0, 0])
+    for size, step_s in ((2, 0.015), (1, 0.010)):
+        sim = Simulation(prof, Deployment.parse("collocated", collocated_size=size), SimConfig())
+        (record,) = sim.run(sessions((0.0, 32, 3)), ArrivalSpec("trace")).records
+        assert record.ttft_s == pytest.approx(step_s)
+        assert record.itl_s == pytest.approx([step_s, step_s])
+
+
 def test_chunked_prefill_runs_as_the_scheduler_chunks_it():
     # 100 prompt tokens in chunks of 32: 4 steps of 10 ms + 1 ms per prefill token.
     prof = profile((0.01, 0.001, 0, 0, 0, 0))
