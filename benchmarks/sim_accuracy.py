@@ -1,6 +1,7 @@
 """Simulator accuracy on this machine: predicted vs measured p50/p90 TTFT and TPOT.
 
     .venv/bin/python benchmarks/sim_accuracy.py [--profile cpu.json] [--num-requests 60]
+        [--measured-dir /tmp/sim_accuracy_XXXX]   # a new profile against a run's measurements
 
 1. `pdserve profile` (unless --profile names one): one profile, threads 1 and all cores.
 2. For each workload (chat-like, summarization-like, multi-turn with shared prefixes) it
@@ -55,6 +56,8 @@ def main() -> int:
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="JSON with every row")
+    parser.add_argument("--measured-dir", help="a former run's directory: compare against its "
+                        "measured results instead of running the deployments again")  # fmt: skip
     args = parser.parse_args()
     rates = dict(item.split("=") for item in args.rates.split(","))
     tmp = Path(tempfile.mkdtemp(prefix="sim_accuracy_"))
@@ -68,9 +71,10 @@ def main() -> int:
                   str(args.num_requests), "--seed", str(args.seed), "--slo-ttft-ms", "1e9",
                   "--slo-tpot-ms", "1e9", "--no-progress"]  # fmt: skip
         names = args.deployments.split(",")
-        measured_file = tmp / f"{workload}-measured.json"
+        measured_file = Path(args.measured_dir or tmp) / f"{workload}-measured.json"
         specs = [f"--deployment={n}={DEPLOYMENTS[n][0]}" for n in names]
-        pdserve("bench", "compare", *common, *specs, "--output", str(measured_file))
+        if not args.measured_dir:
+            pdserve("bench", "compare", *common, *specs, "--output", str(measured_file))
         measured = json.loads(measured_file.read_text())["compare"]
         for name in names:
             predicted_file = tmp / f"{workload}-{name}-predicted.json"

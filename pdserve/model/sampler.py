@@ -4,9 +4,9 @@ A sampled row draws one uniform number and takes the token where it falls in the
 cumulative distribution (inverse CDF), found in two levels: sums of blocks of
 `CDF_BLOCK` probabilities, then the chosen block's own cumulative sum, both in float64. The
 exponential race (argmax of p_i / E_i over E_i ~ Exp(1), as vLLM samples) needs a random
-number per vocabulary entry; on a CPU that was 0.9 ms a row at a 49k vocabulary, 44 ms at
-batch 32, more than the decode step itself. One number per row and no full-length scan
-is ~20x less (docs/cpu-kernels.md, "Sampling").
+number per vocabulary entry; on a CPU that was 0.9 ms a row at a 49k vocabulary, 42 ms at
+batch 32, more than the decode step itself. One number per row, no full-length scan and no
+new [B, V] tensors take 3-10x less time (docs/cpu-kernels.md, "Sampling").
 
 A seeded request draws token i from a generator seeded with (seed, i), so its output does
 not depend on which other requests share the batch, nor on preemption and recomputation.
@@ -59,8 +59,8 @@ def sample(
     fallback: torch.Generator,
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[int]:
-    """logits [B, V] fp32 -> one token id per row; the logits are overwritten where rows
-    sample. `argmax`, if given, replaces `logits.argmax(-1)` (the native kernels'
+    """logits [B, V] fp32 -> one token id per row; the logits are overwritten when every row
+    samples. `argmax`, if given, replaces `logits.argmax(-1)` (the native kernels'
     multi-threaded one on CPU)."""
     tokens = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     drawn = [i for i, row in enumerate(rows) if row.temperature != 0.0]

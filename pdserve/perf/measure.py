@@ -15,11 +15,15 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,8 +44,9 @@ if TYPE_CHECKING:
 GRID = [(32, 1), (80, 1), (128, 1), (192, 1), (320, 1), (512, 1), (1024, 1), (2048, 1),
         (64, 4), (256, 4), (64, 16), (512, 8), (128, 32), (256, 32), (1024, 16)]  # fmt: skip
 KNEES = (16, 32, 64, 128, 256)
-STEP_FACTOR_REQUESTS = 4  # streams timed for `ServedOverhead.step_factor`
-STEP_FACTOR_TOKENS = 64  # tokens each
+STEP_FACTOR_REQUESTS = 4  # `pdserve bench` requests timed for `ServedOverhead.step_factor`
+STEP_FACTOR_PROMPT = 128  # prompt tokens each
+STEP_FACTOR_TOKENS = 64  # new tokens each
 
 
 def thread_counts(text: str) -> tuple[int, ...]:
@@ -123,9 +128,8 @@ def served_overhead(cfg: ProfileConfig, model: StepCostModel | None) -> ServedOv
     deployment on every core (as `bench compare` starts it), each asking for the router's
     TTFT breakdown (router/timing.py): `token_s` is its first_token part (step end ->
     router), `request_s` the rest of the client's TTFT beyond the worker's prefill step.
-    Then `STEP_FACTOR_REQUESTS` streams of `STEP_FACTOR_TOKENS` tokens: `step_factor` is
-    their median gap between tokens over `model`'s step (the all-core thread count's fit; 1
-    without one)."""
+    Then `step_factor`: the TPOT `pdserve bench` measures there at batch 1 over `model`'s step
+    (the all-core thread count's fit; 1 without one)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
@@ -143,31 +147,27 @@ def served_overhead(cfg: ProfileConfig, model: StepCostModel | None) -> ServedOv
             if i >= 2:
                 tokens.append(parts["first_token"])
                 requests.append(client_ttft_s - parts["prefill"] - parts["first_token"])
-        gaps = []
-        for _ in range(STEP_FACTOR_REQUESTS if model is not None else 0):
-            gaps += _token_gaps(url, cfg.model, source.random_ids(rng, 16))
+        tpot_s = _bench_tpot_s(url, cfg.model) if model is not None else None
     factor = 1.0
-    if gaps:  # decodes at batch 1, attending 16 to 16 + STEP_FACTOR_TOKENS tokens
-        context = 16 + STEP_FACTOR_TOKENS // 2
-        step = model.predict(StepShape(decode_requests=1, decode_context_tokens=context))
-        factor = statistics.median(gaps) / step
+    if tpot_s:  # decodes at batch 1, in the middle of the requests' contexts
+        context = STEP_FACTOR_PROMPT + STEP_FACTOR_TOKENS // 2
+        factor = tpot_s / model.predict(StepShape(decode_requests=1, decode_context_tokens=context))
     return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor)
 
 
-def _token_gaps(url: str, model: str, prompt: list[int]) -> list[float]:
-    """The gaps between the streamed tokens of one greedy completion, the first few left out
-    (the prefill's, and the loop settling)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": STEP_FACTOR_TOKENS,
-            "temperature": 0.0, "stream": True, "ignore_eos": True}  # fmt: skip
-    request = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )  # fmt: skip
-    stamps = []
-    with urllib.request.urlopen(request, timeout=120) as response:
-        for line in response:
-            if line.startswith(b"data: {") and json.loads(line[len(b"data: ") :]).get("choices"):
-                stamps.append(time.perf_counter())
-    return [b - a for a, b in zip(stamps[4:], stamps[5:])]
+def _bench_tpot_s(url: str, model: str) -> float | None:
+    """Median TPOT of `STEP_FACTOR_REQUESTS` greedy requests sent one at a time by `pdserve
+    bench` in its own process: the client whose figures `pdserve simulate` predicts, and
+    whose CPU (with the router's) the worker's threads share its cores with."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
+                "--num-requests", str(STEP_FACTOR_REQUESTS), "--max-concurrency", "1",
+                "--input-len", str(STEP_FACTOR_PROMPT), "--output-len", str(STEP_FACTOR_TOKENS),
+                "--no-progress", "--output", str(out)]  # fmt: skip
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        tpot_ms = json.loads(out.read_text())["summary"]["tpot_ms"]["p50"]
+    return tpot_ms / 1e3 if tpot_ms else None
 
 
 def _first_token(url: str, model: str, prompt: list[int]) -> tuple[float, dict[str, float]]:
