@@ -36,11 +36,11 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def bench(url: str, **flags) -> dict:
+def bench(url: str, seed: int = 1, **flags) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         args = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", MODEL,
-                "--output", str(out), "--no-progress", "--seed", "1"]  # fmt: skip
+                "--output", str(out), "--no-progress", "--seed", str(seed)]  # fmt: skip
         for name, value in flags.items():
             args += [f"--{name.replace('_', '-')}", str(value)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -62,9 +62,9 @@ def measure(tree: str, args: argparse.Namespace) -> dict[str, float]:
         row["tpot_ms"] = s["tpot_ms"]["p50"]
         tokens = s["num_completed"] * args.output_len
         row["router_cpu_ms_per_token"] = (cpu_s(router) - before) / tokens * 1e3
-        for temperature in (0.0, 1.0):
-            s = bench(url, num_requests=2 * args.concurrent, max_concurrency=args.concurrent,
-                      temperature=temperature, **length)  # fmt: skip
+        for seed, temperature in ((2, 0.0), (3, 1.0)):  # new prompts: no prefix-cache hits
+            load = {"num_requests": 2 * args.concurrent, "max_concurrency": args.concurrent}
+            s = bench(url, seed, temperature=temperature, **load, **length)
             row[f"tok_s_{args.concurrent}_t{temperature:g}"] = s["output_tokens_per_s"]
     return row
 

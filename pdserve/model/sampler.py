@@ -6,7 +6,7 @@ cumulative distribution (inverse CDF), found in two levels: sums of blocks of
 exponential race (argmax of p_i / E_i over E_i ~ Exp(1), as vLLM samples) needs a random
 number per vocabulary entry; on a CPU that was 0.9 ms a row at a 49k vocabulary, 42 ms at
 batch 32, more than the decode step itself. One number per row, no full-length scan and no
-new [B, V] tensors take 3-10x less time (docs/cpu-kernels.md, "Sampling").
+new [B, V] tensors take 5-15x less time (docs/cpu-kernels.md, "Sampling").
 
 A seeded request draws token i from a generator seeded with (seed, i), so its output does
 not depend on which other requests share the batch, nor on preemption and recomputation.

@@ -3,8 +3,8 @@
 pyzmq's asyncio sockets make a Future, register and unregister a reader and wake a task for
 every frame, and at batch 1 each token is a frame of its own. Here the socket's file
 descriptor wakes one callback that hands over every frame queued, in order: the router's CPU
-per streamed token fell from 0.84 to 0.67 ms, and on a host whose cores the worker's threads
-use, that CPU is taken from them (docs/cpu-kernels.md, "Serving").
+per streamed token fell from 0.71 to 0.59 ms (BENCHMARKS.md §11), and on a host whose cores
+the worker's threads use, that CPU is taken from them (docs/cpu-kernels.md, "Serving").
 
 ZMQ's descriptor is edge-triggered: it signals that the socket's state changed, not that a
 frame waits, so a wake-up must read until the socket has none (`zmq.Again`), or later frames
