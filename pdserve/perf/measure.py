@@ -162,6 +162,7 @@ def _bench_tpot_s(url: str, model: str) -> float | None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
+                "--tokenizer", model,
                 "--num-requests", str(STEP_FACTOR_REQUESTS), "--max-concurrency", "1",
                 "--input-len", str(STEP_FACTOR_PROMPT), "--output-len", str(STEP_FACTOR_TOKENS),
                 "--no-progress", "--output", str(out)]  # fmt: skip
