@@ -55,12 +55,12 @@ def offline_tpot_ms(threads: int, input_len: int, output_len: int, num_requests:
     return statistics.median(tpots)
 
 
-def run_client(url: str, **flags) -> dict:
+def run_client(url: str, seed: int = 1, **flags) -> dict:
     """One `pdserve bench` run (a separate process, as a real client); its summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         args = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", MODEL,
-                "--output", str(out), "--no-progress", "--seed", "1"]  # fmt: skip
+                "--output", str(out), "--no-progress", "--seed", str(seed)]  # fmt: skip
         for name, value in flags.items():
             args += [f"--{name.replace('_', '-')}", str(value)]
         subprocess.run(args, check=True, stdout=subprocess.DEVNULL, env=child_env({}))

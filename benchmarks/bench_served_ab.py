@@ -15,9 +15,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +24,9 @@ sys.path.insert(0, str(ROOT))
 from pdserve.cluster.config import Pipeline, Role  # noqa: E402
 from pdserve.cluster.launcher import Cluster, free_port  # noqa: E402
 
-MODEL = "smollm2-135m"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_served import MODEL, run_client  # noqa: E402
+
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -34,18 +34,6 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process (its threads included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def bench(url: str, seed: int = 1, **flags) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "bench.json"
-        args = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", MODEL,
-                "--output", str(out), "--no-progress", "--seed", str(seed)]  # fmt: skip
-        for name, value in flags.items():
-            args += [f"--{name.replace('_', '-')}", str(value)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run(args, check=True, stdout=subprocess.DEVNULL, env=env)
-        return json.loads(out.read_text())["summary"]
 
 
 def measure(tree: str, args: argparse.Namespace) -> dict[str, float]:
@@ -56,15 +44,15 @@ def measure(tree: str, args: argparse.Namespace) -> dict[str, float]:
     cluster = Cluster(pipeline, log_level="WARNING")
     with cluster as url:
         router = next(p.popen.pid for p in cluster.processes if p.name == "router")
-        bench(url, num_requests=1, **length)  # warm-up
+        run_client(url, num_requests=1, **length)  # warm-up
         before = cpu_s(router)
-        s = bench(url, num_requests=args.requests, max_concurrency=1, **length)
+        s = run_client(url, num_requests=args.requests, max_concurrency=1, **length)
         row["tpot_ms"] = s["tpot_ms"]["p50"]
         tokens = s["num_completed"] * args.output_len
         row["router_cpu_ms_per_token"] = (cpu_s(router) - before) / tokens * 1e3
         for seed, temperature in ((2, 0.0), (3, 1.0)):  # new prompts: no prefix-cache hits
             load = {"num_requests": 2 * args.concurrent, "max_concurrency": args.concurrent}
-            s = bench(url, seed, temperature=temperature, **load, **length)
+            s = run_client(url, seed, temperature=temperature, **load, **length)
             row[f"tok_s_{args.concurrent}_t{temperature:g}"] = s["output_tokens_per_s"]
     return row
 
