@@ -1,11 +1,15 @@
 """`pdserve profile` end to end on a tiny random model: real engine steps in, a profile
 whose cost model predicts them out."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from pdserve.perf.measure import ProfileConfig, build_profile, measure_steps
+from pdserve.envs import WORKER_SPINCOUNT
+from pdserve.perf.measure import ProfileConfig, build_profile, measure_steps, timing_env
 from pdserve.perf.profile import load_profile
 
 
@@ -32,3 +36,20 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
         assert loaded.served.step_factor != 1.0 and 0.3 < loaded.served.step_factor < 30
     with pytest.raises(ValueError, match=f"no cost model for {cores + 1} threads"):
         loaded.cost_model(cores + 1)
+
+
+def test_profile_times_steps_under_a_workers_openmp_wait_policy():
+    """Before torch loads, a worker's spin count; after, None (libgomp has read its own)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = ("import json, os; from pdserve.perf.measure import timing_env; "
+            "print(json.dumps([timing_env(), os.environ.get('GOMP_SPINCOUNT')]))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert json.loads(out.stdout) == [{"GOMP_SPINCOUNT": WORKER_SPINCOUNT}, WORKER_SPINCOUNT]
+    operator = {**env, "OMP_WAIT_POLICY": "passive"}  # the operator's choice is kept
+    out = subprocess.run([sys.executable, "-c", code], env=operator, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert json.loads(out.stdout) == [{"OMP_WAIT_POLICY": "passive"}, None]
+    import torch  # noqa: F401  (loaded here already by the engine tests; now surely)
+
+    assert timing_env() is None
