@@ -21,6 +21,7 @@ from pdserve.cluster.config import Pipeline, Role, load_pipeline
 from pdserve.cluster.launcher import Cluster, ClusterError
 from pdserve.cluster.warmup import WarmupError, read_prompts
 from pdserve.messages import ROLES
+from pdserve.planner.config import AdaptiveConfig
 from pdserve.schema import add_flags, flag_values, from_dict, nest
 
 
@@ -42,9 +43,21 @@ def add_up_parser(sub) -> None:
     p.set_defaults(func=cmd_up)
 
 
+def default_is_adaptive(args: argparse.Namespace, data: dict, role: dict) -> bool:
+    """Without a file and role counts: an adaptive deployment (BENCHMARKS.md §10: it tracks
+    collocated where a static split loses up to half), where one can run: on this host (not
+    Ray), a core for each of its workers, and no cores or threads asked per worker (pinning,
+    `--threads`: the planner sets those)."""
+    workers = (data.get("adaptive") or {}).get("workers", AdaptiveConfig().workers)
+    local = data.get("placement", "local") == "local"
+    fixed = args.pin_cpus or "threads" in role or "cpus" in role
+    return local and not fixed and len(os.sched_getaffinity(0)) >= workers
+
+
 def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
     """The config file's Pipeline (if any) with the flags applied; without a file and role
-    counts, one prefill and one decode worker."""
+    counts, an adaptive deployment of two workers on every core (`default_is_adaptive`), else
+    one prefill and one decode worker."""
     data = dataclasses.asdict(load_pipeline(args.config, {})) if args.config else {}
     top = flag_values(args, Pipeline)
     if args.ray is not None:
@@ -61,9 +74,13 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
             raise ValueError(str(exc)) from None
     counts = {name: getattr(args, name) for name in ROLES}
     adaptive = (data.get("adaptive") or {}).get("enabled", False)
-    if not args.config and all(v is None for v in counts.values()) and not adaptive:
-        counts.update(prefill=1, decode=1)
     role = flag_values(args, Role, "role.")
+    if not args.config and all(v is None for v in counts.values()) and not adaptive:
+        adaptive = default_is_adaptive(args, data, role)
+        if adaptive:
+            data["adaptive"] = {**(data.get("adaptive") or {}), "enabled": True}
+        else:
+            counts.update(prefill=1, decode=1)
     if adaptive:
         if args.pin_cpus:
             raise ValueError("--pin-cpus: adaptive workers share one pool of cores (workers.cpus)")

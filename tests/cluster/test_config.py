@@ -16,10 +16,20 @@ def up_args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["up", *argv])
 
 
-def test_default_is_one_prefill_one_decode():
+def test_default_is_adaptive_where_it_can_run_else_one_prefill_one_decode(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     p = pipeline_from_args(up_args())
-    assert [(n, r.num) for n, r in p.roles] == [("prefill", 1), ("decode", 1)]
+    assert p.adaptive.enabled and p.adaptive.workers == 2 and not p.roles
     assert p.kv_transfer == TensorStore()
+    kv = pipeline_from_args(up_args("--kv-cache-bytes", "64MiB"))  # role flags: the workers'
+    assert kv.adaptive.enabled and kv.workers.kv_cache_bytes == 64 << 20
+    # No pool for two workers, cores or threads fixed per worker, or Ray: 1 prefill, 1 decode.
+    for argv, cores in (((), {0}), (("--pin-cpus",), {0, 1}), (("--threads", "1"), {0, 1}),
+                        (("--ray",), {0, 1})):  # fmt: skip
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, cores=cores: cores)
+        p = pipeline_from_args(up_args(*argv))
+        assert not p.adaptive.enabled, argv
+        assert [(n, r.num) for n, r in p.roles] == [("prefill", 1), ("decode", 1)], argv
 
 
 def test_flags_and_pinning():
