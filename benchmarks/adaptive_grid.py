@@ -176,8 +176,9 @@ def print_table(results: dict) -> None:
         cells.append({"input_len": "mixed", **results["interference"]})
     if results["interference"]:
         cell, slo = results["interference"], results["interference"]["slo_ms"]
-        print(f"interference SLOs (TTFT {cell['ttft_slo']}, ITL {cell.get('itl_slo')}): TTFT {slo['ttft']:.1f} ms, TPOT "
-              f"{slo['tpot']:.1f} ms, p99 ITL {slo['p99_itl']:.1f} ms")  # fmt: skip
+        print(f"interference SLOs (TTFT {cell['ttft_slo']}, ITL {cell.get('itl_slo')}): "
+              f"TTFT {slo['ttft']:.1f} ms, TPOT {slo['tpot']:.1f} ms, "
+              f"p99 ITL {slo['p99_itl']:.1f} ms")  # fmt: skip
     for cell in cells:
         base = cell["rows"]["collocated"]["goodput"]
         line = f"{cell['input_len']:>6} {cell['fraction']:>5.0%} {cell['rate_rps']:>7.3f}  "

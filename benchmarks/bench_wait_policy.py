@@ -50,8 +50,8 @@ print(json.dumps(out))
 
 def offline(model: str, lengths: str, repeats: int, env: dict[str, str]) -> dict[int, float]:
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    run = subprocess.run([sys.executable, "-c", OFFLINE, model, lengths, str(repeats)],
-                         env={**clean, **env}, capture_output=True, text=True, check=True)  # fmt: skip
+    argv = [sys.executable, "-c", OFFLINE, model, lengths, str(repeats)]
+    run = subprocess.run(argv, env={**clean, **env}, capture_output=True, text=True, check=True)
     return {int(k): v for k, v in json.loads(run.stdout.splitlines()[-1]).items()}
 
 

@@ -88,6 +88,12 @@ def set_worker_thread_wait() -> None:
         os.environ[GOMP_SPINCOUNT] = WORKER_SPINCOUNT
 
 
+def thread_wait() -> dict[str, str]:
+    """This process's OpenMP wait-policy variables that are set (what libgomp reads)."""
+    return {name: os.environ[name] for name in (OMP_WAIT_POLICY, GOMP_SPINCOUNT)
+            if name in os.environ}  # fmt: skip
+
+
 def child_env(
     secret: bytes,
     api_key: str | None = None,

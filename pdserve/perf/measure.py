@@ -268,15 +268,14 @@ def timing_env() -> dict[str, str] | None:
     if "torch" in sys.modules:
         return None
     envs.set_worker_thread_wait()
-    names = (envs.OMP_WAIT_POLICY, envs.GOMP_SPINCOUNT)
-    return {name: os.environ[name] for name in names if name in os.environ}
+    return envs.thread_wait()
 
 
 def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
     openmp = timing_env()
     if openmp is None:
         log("torch was loaded before the profile could set a worker's OpenMP wait policy: "
-            "steps are timed under this process's (run `pdserve profile` for a worker's)")  # fmt: skip
+            "steps are timed under this process's (`pdserve profile` sets a worker's)")
     if cfg.kv_cache_bytes is None:
         cfg = replace(cfg, kv_cache_bytes=default_kv_cache_bytes())
     models = {}
