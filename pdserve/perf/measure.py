@@ -274,8 +274,10 @@ def timing_env() -> dict[str, str] | None:
 def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
     openmp = timing_env()
     if openmp is None:
-        log("torch was loaded before the profile could set a worker's OpenMP wait policy: "
-            "steps are timed under this process's (`pdserve profile` sets a worker's)")
+        log(
+            "torch was loaded before the profile could set a worker's OpenMP wait policy: "
+            "steps are timed under this process's (`pdserve profile` sets a worker's)"
+        )
     if cfg.kv_cache_bytes is None:
         cfg = replace(cfg, kv_cache_bytes=default_kv_cache_bytes())
     models = {}
