@@ -263,8 +263,8 @@ def timing_env() -> dict[str, str] | None:
     was loaded before, so the steps are timed under whatever policy it loaded with.
 
     It matters on two or more threads: at a worker's 1,000 spins a 64-token prefill on two
-    threads took 65 ms here against 47 ms at libgomp's default, which the profile once timed
-    under, pricing every short prompt of an all-core worker ~30% low (docs/simulator.md)."""
+    threads took 63 ms here against 43 ms at libgomp's default, which the profile once timed
+    under, pricing an all-core worker's short prompts ~30% low (docs/simulator.md)."""
     if "torch" in sys.modules:
         return None
     envs.set_worker_thread_wait()
