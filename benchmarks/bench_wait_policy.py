@@ -20,6 +20,10 @@ import statistics
 import subprocess
 import sys
 
+from bench_served import parse_variant
+
+from pdserve import envs
+
 OFFLINE = """
 import json, os, statistics, sys, time
 import numpy as np
@@ -49,7 +53,7 @@ print(json.dumps(out))
 
 
 def offline(model: str, lengths: str, repeats: int, env: dict[str, str]) -> dict[int, float]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    clean = {k: v for k, v in os.environ.items() if k not in envs.thread_wait()}
     argv = [sys.executable, "-c", OFFLINE, model, lengths, str(repeats)]
     run = subprocess.run(argv, env={**clean, **env}, capture_output=True, text=True, check=True)
     return {int(k): v for k, v in json.loads(run.stdout.splitlines()[-1]).items()}
@@ -86,10 +90,8 @@ def main() -> None:
                                 "spin100k:GOMP_SPINCOUNT=100000"]  # fmt: skip
     lengths = [int(n) for n in args.lengths.split(",")]
     columns = {}
-    for variant in variants:
-        name, _, assignment = variant.partition(":")
-        var, _, value = assignment.partition("=")
-        columns[f"offline {name}"] = offline(args.model, args.lengths, args.repeats, {var: value})
+    for name, env in map(parse_variant, variants):
+        columns[f"offline {name}"] = offline(args.model, args.lengths, args.repeats, env)
     columns["served (worker)"] = served(args.model, lengths, args.repeats)
     print(f"cores {len(os.sched_getaffinity(0))}; median prefill step, ms")
     print(f"{'tokens':>6}  " + "  ".join(f"{c:>24}" for c in columns))
