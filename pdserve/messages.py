@@ -291,7 +291,8 @@ class CoresSet:
 class StepReport:
     """The engine steps a worker ran since its last report: samples for the online cost
     model (pdserve.perf.cost_model). One row per step: prefill_tokens, decode_requests,
-    prefill_attention_pairs, decode_context_tokens (StepShape's fields), threads, seconds."""
+    prefill_attention_pairs, decode_context_tokens, prefill_sequences (StepShape's fields),
+    threads, seconds."""
 
     worker_id: str
     steps: list[list[float]]

@@ -1,15 +1,24 @@
 """Step time as a function of what a step computes: one model for the simulator, the planner
 and (online) the adaptive planner. Torch-free; numpy for the small least-squares solves.
 
-A step runs `P` prefill tokens (rows of `n_i` new tokens after `p_i` already cached) and `D`
-one-token decodes (rows attending `c_j` context tokens). Its time is a roofline:
+A step runs `P` prefill tokens in `S` prefill rows (row `i`: `n_i` new tokens after `p_i`
+already cached) and `D` one-token decodes (rows attending `c_j` context tokens). Its time is a
+roofline:
 
     step_s = c_step                                     fixed cost (launch, sampling, weights
                                                         read once when memory-bound)
+           + c_sequence * S                             per prefill row: its own attention
+                                                        calls in every layer (not batched)
            + c_prefill * P + c_decode * D              per-token work below the knee
            + c_knee * max(0, P + D - knee_tokens)        compute-bound past the ridge point
            + c_pairs * sum_i n_i * (p_i + (n_i + 1)/2)   prefill attention (query-key pairs)
            + c_context * sum_j c_j                       decode attention (KV read)
+
+A step that starts after the worker sat idle costs `wake_s(idle)` more, a curve measured by
+`pdserve profile` (points of idle seconds -> extra seconds, linear between them): on a VM two
+OpenMP threads took 18 ms longer over a 100-token prefill after 0.1 s idle than back to back,
+and one thread nothing (docs/simulator.md). Not a coefficient: a worker that steps without
+pause never pays it, so the online fit neither sees nor needs it.
 
 With `knee_tokens` fixed the model is linear in its coefficients, so fitting is least squares
 (refreshed as samples arrive), and an analytic GPU roofline is the same model with computed
@@ -27,7 +36,8 @@ import numpy as np
 
 from pdserve.schema import check, knob
 
-FEATURES = ("step", "prefill_tokens", "decode_requests", "tokens_over_knee", "pairs", "context")
+FEATURES = ("step", "prefill_tokens", "decode_requests", "tokens_over_knee", "pairs", "context",
+            "prefill_sequences")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -38,16 +48,26 @@ class StepShape:
     decode_requests: int = 0
     prefill_attention_pairs: float = 0.0  # sum over prefill rows of n * (p + (n + 1) / 2)
     decode_context_tokens: int = 0  # sum over decode rows of the tokens they attend
+    # Prefill rows; None: one when there are prefill tokens (a single chunk, as the planner's
+    # what-ifs describe). On CPU each row's attention runs alone in every layer: a 32-token
+    # prefill on two threads took 40 ms against a decode step's 8 (docs/simulator.md).
+    prefill_sequences: int | None = None
 
     @property
     def is_empty(self) -> bool:
         return self.prefill_tokens == 0 and self.decode_requests == 0
 
+    @property
+    def num_prefill_sequences(self) -> int:
+        if self.prefill_sequences is not None:
+            return self.prefill_sequences
+        return 1 if self.prefill_tokens else 0
+
     @classmethod
     def of(cls, scheduled: Iterable[tuple[object, int]]) -> StepShape:
         """The shape of a scheduler step: `(request, num_new_tokens)` pairs, each request with
         `num_computed_tokens` (its KV before this step) and `num_dropped_tokens`."""
-        prefill = decode = context = 0
+        prefill = decode = context = sequences = 0
         pairs = 0.0
         for request, num_new in scheduled:
             prior = request.num_computed_tokens - request.num_dropped_tokens
@@ -56,8 +76,9 @@ class StepShape:
                 context += prior + 1
             else:
                 prefill += num_new
+                sequences += 1
                 pairs += num_new * (prior + (num_new + 1) / 2)
-        return cls(prefill, decode, pairs, context)
+        return cls(prefill, decode, pairs, context, sequences)
 
 
 @dataclass
@@ -70,6 +91,8 @@ class StepCostModel:
     # Online refits pull towards these (the profile's fit) with this many samples' weight.
     prior: list[float] | None = None
     prior_weight: float = 20.0
+    # (idle seconds, extra seconds) in increasing idle order; empty: no cost.
+    wake: list[tuple[float, float]] = field(default_factory=list)
     _xtx: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     _xty: np.ndarray = field(default=None, repr=False)  # type: ignore[assignment]
     num_samples: int = 0
@@ -84,6 +107,10 @@ class StepCostModel:
             raise ValueError(f"coefficients must be >= 0, got {self.coefficients}")
         if not self.knee_tokens > 0:
             raise ValueError(f"knee_tokens must be > 0, got {self.knee_tokens}")
+        self.wake = [(float(i), float(x)) for i, x in self.wake]
+        idle = [i for i, _ in self.wake]
+        if idle != sorted(set(idle)) or any(not (i >= 0 and x >= 0) for i, x in self.wake):
+            raise ValueError(f"wake: expected (idle_s, extra_s) >= 0 by rising idle_s, got {self.wake}")
         self.coefficients = [float(c) for c in self.coefficients]
         n = len(FEATURES)
         self._xtx = np.zeros((n, n))
@@ -99,6 +126,7 @@ class StepCostModel:
             over,
             float(shape.prefill_attention_pairs),
             float(shape.decode_context_tokens),
+            float(shape.num_prefill_sequences),
         ]
 
     def predict(self, shape: StepShape) -> float:
@@ -106,6 +134,12 @@ class StepCostModel:
         if shape.is_empty:
             return 0.0
         return sum(c * x for c, x in zip(self.coefficients, self.features(shape), strict=True))
+
+    def wake_s(self, idle_s: float) -> float:
+        """What a step costs more after `idle_s` seconds with nothing to run."""
+        if not self.wake or idle_s <= 0:
+            return 0.0
+        return float(np.interp(idle_s, *zip(*[(0.0, 0.0), *self.wake], strict=True)))
 
     def observe(self, shape: StepShape, step_s: float, weight: float = 1.0) -> None:
         """Add one measured step; `refit()` turns the samples into coefficients."""
@@ -152,17 +186,20 @@ class StepCostModel:
     def to_dict(self) -> dict[str, object]:
         knee = self.knee_tokens if math.isfinite(self.knee_tokens) else None
         return {"coefficients": dict(zip(FEATURES, self.coefficients, strict=True)),
-                "knee_tokens": knee}  # fmt: skip
+                "knee_tokens": knee, "wake": [list(p) for p in self.wake]}  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: dict) -> StepCostModel:
+    def from_dict(cls, data: dict, optional: Sequence[str] = ()) -> StepCostModel:
+        """`optional`: coefficients read as 0 where absent (those a profile version lacked)."""
         coefficients = data["coefficients"]
-        missing = [f for f in FEATURES if f not in coefficients]
+        missing = [f for f in FEATURES if f not in coefficients and f not in optional]
         if missing:
             raise ValueError(f"cost model lacks coefficients {missing}")
-        values = [float(coefficients[f]) for f in FEATURES]
+        values = [float(coefficients.get(f, 0.0)) for f in FEATURES]
         knee = data.get("knee_tokens")
-        return cls(values, math.inf if knee is None else float(knee), prior=list(values))
+        wake = [tuple(p) for p in data.get("wake", [])]
+        return cls(values, math.inf if knee is None else float(knee), prior=list(values),
+                   wake=wake)  # fmt: skip
 
 
 @dataclass(frozen=True)

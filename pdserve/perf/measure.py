@@ -36,6 +36,7 @@ from pdserve.perf.profile import HardwareProfile, ModelShape, ServedOverhead
 from pdserve.schema import check, knob, same_as
 
 if TYPE_CHECKING:
+    from pdserve.bench.tokens import TokenSource
     from pdserve.engine.engine import Engine
 
 # (prompt tokens, concurrent requests): single prompts of growing length give prefill steps
@@ -46,9 +47,15 @@ if TYPE_CHECKING:
 GRID = [(32, 1), (80, 1), (128, 1), (192, 1), (320, 1), (512, 1), (1024, 1), (2048, 1),
         (64, 4), (256, 4), (64, 16), (512, 8), (128, 32), (256, 32), (1024, 16)]  # fmt: skip
 KNEES = (16, 32, 64, 128, 256)
+# The wake curve (`StepCostModel.wake`): a WAKE_PROMPT-token prefill timed after each pause
+# with nothing to run, against one right after the last request (paired, WAKE_REPEATS each).
+WAKE_PAUSES = (0.01, 0.03, 0.1, 0.3, 1.0)
+WAKE_PROMPT = 128
+WAKE_REPEATS = 5
 STEP_FACTOR_REQUESTS = 4  # `pdserve bench` requests timed for `ServedOverhead.step_factor`
 STEP_FACTOR_PROMPT = 128  # prompt tokens each
 STEP_FACTOR_TOKENS = 64  # new tokens each
+SEND_PROMPTS = (32, 256)  # prompt tokens of the lone remote prefills timed for the send cost
 
 
 def thread_counts(text: str) -> tuple[int, ...]:
@@ -74,6 +81,7 @@ class ProfileConfig:
         "serving stack (HTTP, router, worker hops); 0: none, the profile's figures are 0", ge=0,
     )  # fmt: skip
     grid: tuple[tuple[int, int], ...] = knob(tuple(GRID), cli=False)
+    wake_pauses: tuple[float, ...] = knob(WAKE_PAUSES, cli=False)
 
     def __post_init__(self) -> None:
         check(self)
@@ -81,8 +89,19 @@ class ProfileConfig:
             raise ValueError(f"threads must be positive integers, got {self.threads}")
 
 
-def measure_steps(cfg: ProfileConfig, threads: int) -> list[tuple[StepShape, float]]:
-    """(shape, seconds) of every engine step over the grid, after one warm-up pass."""
+@dataclass
+class Timings:
+    """One thread count's measurements: `samples`, (shape, seconds) of every engine step over
+    the grid after one warm-up pass; `wake`, the curve of `StepCostModel.wake`; `tpot_s`,
+    the TPOT of the requests `ServedOverhead.step_factor` times served, run here."""
+
+    samples: list[tuple[StepShape, float]]
+    wake: list[tuple[float, float]]
+    tpot_s: float
+
+
+def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
+    """Time the engine on the first `threads` cores: the grid, the wake curve, a TPOT."""
     from pdserve.config import DeviceConfig
     from pdserve.engine.engine import Engine
     from pdserve.workers.cores import pin_threads
@@ -97,7 +116,8 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> list[tuple[StepShape, flo
         raise ValueError(f"threads {threads}: this process may run on {len(cores)} cores only")
     pin_threads(cores[:threads])
     try:
-        return _time_grid(cfg, Engine(config))
+        engine = Engine(config)
+        return Timings(_time_grid(cfg, engine), _time_wake(cfg, engine), _time_tpot(engine))
     finally:
         pin_threads(cores)
 
@@ -125,13 +145,68 @@ def _time_grid(cfg: ProfileConfig, engine: Engine) -> list[tuple[StepShape, floa
     return samples
 
 
-def served_overhead(cfg: ProfileConfig, model: StepCostModel | None) -> ServedOverhead:
+def _time_wake(cfg: ProfileConfig, engine: Engine) -> list[tuple[float, float]]:
+    """(pause, extra seconds) per pause: the median prefill after that long idle less the
+    median right after a request ended (paired, so drift cancels); never below 0."""
+    from pdserve.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(1)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def prefill_after(pause_s: float) -> float:
+        time.sleep(pause_s)
+        prompt = rng.integers(0, vocab, size=WAKE_PROMPT).tolist()
+        engine.add_request(f"wake-{rng.integers(1 << 62)}", prompt, params)
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        while engine.has_unfinished_requests():  # its decode step: the next one starts hot
+            engine.step()
+        return elapsed
+
+    prefill_after(0.0)
+    curve = []
+    for pause in cfg.wake_pauses:
+        pairs = [(prefill_after(pause), prefill_after(0.0)) for _ in range(WAKE_REPEATS)]
+        extra = statistics.median(c for c, _ in pairs) - statistics.median(h for _, h in pairs)
+        curve.append((pause, max(0.0, extra)))
+    return curve
+
+
+def _time_tpot(engine: Engine) -> float:
+    """`_bench_tpot_s`'s requests (greedy, one at a time) on this engine: per request the mean
+    decode step (TPOT as `pdserve bench` takes it: the gaps after the first token), the
+    median over the requests."""
+    from pdserve.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(2)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=STEP_FACTOR_TOKENS, temperature=0.0, ignore_eos=True)
+    tpots = []
+    for i in range(STEP_FACTOR_REQUESTS + 1):  # the first warms up
+        prompt = rng.integers(0, vocab, size=STEP_FACTOR_PROMPT).tolist()
+        engine.add_request(f"tpot-{i}", prompt, params)
+        engine.step()  # the prefill: its token is the first
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        tpots.append((time.perf_counter() - start) / (STEP_FACTOR_TOKENS - 1))
+    return statistics.median(tpots[1:])
+
+
+def served_overhead(
+    cfg: ProfileConfig, offline_tpot_s: float | None, one_thread: StepCostModel | None = None
+) -> ServedOverhead:
     """Medians over `served_requests` short prompts sent one at a time to a collocated
     deployment on every core (as `bench compare` starts it), each asking for the router's
     TTFT breakdown (router/timing.py): `token_s` is its first_token part (step end ->
     router), `request_s` the rest of the client's TTFT beyond the worker's prefill step.
-    Then `step_factor`: the TPOT `pdserve bench` measures there at batch 1 over `model`'s step
-    (the all-core thread count's fit; 1 without one)."""
+    Then `step_factor`: the TPOT `pdserve bench` measures there at batch 1 over the same
+    requests' on the engine alone (`offline_tpot_s`, every core's; 1 without it). Not over
+    the model's step: that ratio carried the fit's error at that one shape into every step
+    (0.83 on 2026-12-02, where served and offline steps matched). Then, with `one_thread`'s
+    fit and two cores or more, a prefill worker's costs (`remote_prefill`)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
@@ -149,12 +224,39 @@ def served_overhead(cfg: ProfileConfig, model: StepCostModel | None) -> ServedOv
             if i >= 2:
                 tokens.append(parts["first_token"])
                 requests.append(client_ttft_s - parts["prefill"] - parts["first_token"])
-        tpot_s = _bench_tpot_s(url, cfg.model) if model is not None else None
-    factor = 1.0
-    if tpot_s:  # decodes at batch 1, in the middle of the requests' contexts
-        context = STEP_FACTOR_PROMPT + STEP_FACTOR_TOKENS // 2
-        factor = tpot_s / model.predict(StepShape(decode_requests=1, decode_context_tokens=context))
-    return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor)
+        tpot_s = _bench_tpot_s(url, cfg.model) if offline_tpot_s else None
+    factor = tpot_s / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
+    remote = {}
+    if one_thread is not None and len(os.sched_getaffinity(0)) >= 2:
+        remote = remote_prefill(cfg, one_thread, source, rng)
+    return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor,
+                          **remote)  # fmt: skip
+
+
+def remote_prefill(
+    cfg: ProfileConfig, model: StepCostModel, source: TokenSource, rng: np.random.Generator
+) -> dict[str, float]:
+    """Through a served 1p1d (a worker per core), lone prompts of each of SEND_PROMPTS'
+    lengths, `served_requests // 2` each: the prefill worker's steps (the router's prefill
+    part) over `model`'s, as a line through the two lengths' medians (`send_step_s`,
+    `send_token_s`), and its first token's hop (`remote_token_s`)."""
+    from pdserve.cluster.deployments import pipeline_for
+    from pdserve.cluster.launcher import Cluster
+
+    extra: dict[int, list[float]] = {n: [] for n in SEND_PROMPTS}
+    hops = []
+    with Cluster(pipeline_for("1p1d", cfg.model, cfg.kv_cache_bytes), log_level="WARNING") as url:
+        for i in range(max(2, cfg.served_requests // 2) + 1):
+            for n in SEND_PROMPTS:
+                _, parts = _first_token(url, cfg.model, source.random_ids(rng, n), max_tokens=2)
+                if i:  # the first round warms the path up
+                    shape = StepShape(prefill_tokens=n, prefill_attention_pairs=n * (n + 1) / 2)
+                    extra[n].append(parts["prefill"] - model.predict(shape))
+                    hops.append(parts["first_token"])
+    (n0, e0), (n1, e1) = ((n, statistics.median(extra[n])) for n in SEND_PROMPTS)
+    per_token = max(0.0, (e1 - e0) / (n1 - n0))
+    return {"send_step_s": max(0.0, e0 - per_token * n0), "send_token_s": per_token,
+            "remote_token_s": statistics.median(hops)}  # fmt: skip
 
 
 def _bench_tpot_s(url: str, model: str) -> float | None:
@@ -173,9 +275,11 @@ def _bench_tpot_s(url: str, model: str) -> float | None:
     return tpot_ms / 1e3 if tpot_ms else None
 
 
-def _first_token(url: str, model: str, prompt: list[int]) -> tuple[float, dict[str, float]]:
-    """(the client's TTFT, the router's TTFT parts) of one streamed one-token completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+def _first_token(
+    url: str, model: str, prompt: list[int], max_tokens: int = 1
+) -> tuple[float, dict[str, float]]:
+    """(the client's TTFT, the router's TTFT parts) of one streamed greedy completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True}  # fmt: skip
     request = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(),
@@ -280,17 +384,24 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         )
     if cfg.kv_cache_bytes is None:
         cfg = replace(cfg, kv_cache_bytes=default_kv_cache_bytes())
-    models = {}
+    models, tpots = {}, {}
     for threads in cfg.threads:
-        samples = measure_steps(cfg, threads)
+        timings = measure_steps(cfg, threads)
+        tpots[threads] = timings.tpot_s
+        samples = timings.samples
         models[threads] = fit_cost_model(samples, KNEES)
+        models[threads].wake = timings.wake
         errors = [abs(models[threads].predict(s) / t - 1) for s, t in samples]
+        wake = ", ".join(f"{p:g} s: {x * 1e3:.1f} ms" for p, x in timings.wake)
         log(f"threads {threads}: {len(samples)} steps, fit error median "
-            f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}")  # fmt: skip
-    served = served_overhead(cfg, models.get(len(os.sched_getaffinity(0))))
+            f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
+            f"idle costs more by {wake}")  # fmt: skip
+    served = served_overhead(cfg, tpots.get(len(os.sched_getaffinity(0))), models.get(1))
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
         f"{served.token_s * 1e3:.1f} ms from its end per token, steps on every core "
-        f"x{served.step_factor:.2f}")  # fmt: skip
+        f"x{served.step_factor:.2f}; a prefill worker's steps +{served.send_step_s * 1e3:.1f} ms "
+        f"+{served.send_token_s * 1e6:.1f} us per token, its first token "
+        f"{served.remote_token_s * 1e3:.1f} ms")  # fmt: skip
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     return HardwareProfile(

@@ -5,7 +5,8 @@ A worker's *size* is the devices it spans: threads on a CPU (one per core), the
 tensor-parallel degree on GPUs. The profile says which (`size_unit`).
 
 Version 2 added `served` (what a request costs outside the engine's steps); a version-1
-profile is refused: measure again.
+profile is refused: measure again. Version 3 added the `prefill_sequences` coefficient and each
+cost model's `wake` curve; a version-2 profile reads with neither (0, as it was measured).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 from pdserve.perf.cost_model import StepCostModel, TransferModel
 from pdserve.schema import check, knob
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
+READS = {2: ("prefill_sequences",), 3: ()}  # version -> coefficients it may lack
 
 
 @dataclass(frozen=True)
@@ -37,11 +39,22 @@ class ServedOverhead:
       1 over the model's step). `served_cost_model` applies it. Workers on fewer cores leave
       the router one, and keep their profiled steps.
 
+    And of a prefill worker (a served 1p1d, one core each; 0 where the host has one core):
+
+    - `send_step_s`, `send_token_s`: what its steps cost beyond its cost model, fixed and per
+      prefill token: the layer-wise KV send hooks run on its core (a 100-token prefill took
+      ~11 ms longer there than on a collocated worker of one thread);
+    - `remote_token_s`: from its step's end until the router has the first token (`token_s`
+      for a collocated worker's).
+
     Zero (and a factor of 1) in analytic profiles: they model devices, not a serving stack."""
 
     request_s: float = knob(0.0, ge=0)
     token_s: float = knob(0.0, ge=0)
     step_factor: float = knob(1.0, gt=0)  # absent from profiles measured before it: 1
+    send_step_s: float = knob(0.0, ge=0)  # these three: absent before version 3, 0
+    send_token_s: float = knob(0.0, ge=0)
+    remote_token_s: float = knob(0.0, ge=0)
 
     def __post_init__(self) -> None:
         check(self, "served.")
@@ -122,7 +135,8 @@ class HardwareProfile:
         factor = self.served.step_factor
         if self.size_unit != "threads" or size < self.devices_per_node or factor == 1.0:
             return model
-        return StepCostModel([c * factor for c in model.coefficients], model.knee_tokens)
+        return StepCostModel([c * factor for c in model.coefficients], model.knee_tokens,
+                             wake=model.wake)  # fmt: skip
 
     def transfer_model(self, backend: str | None = None) -> TransferModel:
         if backend is None:
@@ -167,9 +181,9 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, data: dict) -> HardwareProfile:
         version = data.get("version")
-        if version != PROFILE_VERSION:
+        if version not in READS:
             raise ValueError(
-                f"profile version {version!r}: this pdserve reads {PROFILE_VERSION} "
+                f"profile version {version!r}: this pdserve reads {sorted(READS)} "
                 "(measure again: pdserve profile)"
             )
         try:
@@ -178,7 +192,8 @@ class HardwareProfile:
                 device=data["device"],
                 model=ModelShape(**data["model"]),
                 size_unit=data["size_unit"],
-                models={int(k): StepCostModel.from_dict(m) for k, m in data["models"].items()},
+                models={int(k): StepCostModel.from_dict(m, READS[version])
+                        for k, m in data["models"].items()},  # fmt: skip
                 transfer={k: TransferModel(**t) for k, t in data["transfer"].items()},
                 devices_per_node=int(data["devices_per_node"]),
                 memory_bytes_per_device=data.get("memory_bytes_per_device"),

@@ -26,7 +26,7 @@ from pdserve.perf.cost_model import FEATURES, StepCostModel, StepShape, Transfer
 from pdserve.perf.profile import HardwareProfile
 
 ROLES = ("prefill", "decode")
-STEP_FIELDS = 6  # a StepReport row: 4 StepShape fields, threads, seconds
+STEP_FIELDS = 7  # a StepReport row: 5 StepShape fields, threads, seconds
 DECAY = 0.98  # per refit: a sample weighs half after ~35 refits (about 35 planner intervals)
 MIN_TRANSFER_SAMPLES = 3
 
@@ -63,8 +63,8 @@ class OnlineCostModel:
         for row in rows:
             if len(row) != STEP_FIELDS:
                 continue
-            prefill, decodes, pairs, context, threads, seconds = row
-            shape = StepShape(int(prefill), int(decodes), float(pairs), int(context))
+            prefill, decodes, pairs, context, sequences, threads, seconds = row
+            shape = StepShape(int(prefill), int(decodes), float(pairs), int(context), int(sequences))
             if shape.is_empty or not seconds > 0 or int(threads) < 1:
                 continue
             fit = self._fits.get((role, int(threads)))
@@ -111,6 +111,12 @@ class OnlineCostModel:
         nearest = min(usable, key=lambda k: (abs(k[1] - threads), k[0] != role, k[1]))
         return self._fits[nearest].model.predict(shape) * nearest[1] / threads
 
+    def wake_s(self, role: str, threads: int, idle_s: float) -> float:
+        """What a step after `idle_s` idle costs more: the profile's measured curve for that
+        thread count (steps fitted online run back to back and never show it); 0 without."""
+        fit = self._fits.get((_kind(role), max(1, threads)))
+        return fit.model.wake_s(idle_s) if fit is not None else 0.0
+
     def transfer_s(self, num_bytes: float) -> float:
         """Exposed transfer seconds; 0 before any fit (layer-wise sends overlap the prefill,
         so what shows is the tail: small, and measured from the third transfer on)."""
@@ -150,7 +156,7 @@ def _kind(role: str) -> str:
 
 def _copy(model: StepCostModel) -> StepCostModel:
     coefficients = list(model.coefficients)
-    return StepCostModel(coefficients, model.knee_tokens, prior=list(coefficients))
+    return StepCostModel(coefficients, model.knee_tokens, prior=list(coefficients), wake=model.wake)
 
 
 def _fresh(profile: HardwareProfile | None, threads: int) -> StepCostModel:

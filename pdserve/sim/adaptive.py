@@ -40,6 +40,9 @@ class _Priced:
         assert step_s is not None, "a profile-seeded model prices every thread count"
         return step_s
 
+    def wake_s(self, idle_s: float) -> float:
+        return self.model.wake_s(self.role, self.threads, idle_s)
+
 
 class AdaptiveSimulation(Simulation):
     def __init__(

@@ -8,7 +8,8 @@ Events, in simulated seconds (ties broken by insertion order):
     arrive(request)          `served.request_s` later (the profile's serving stack: HTTP,
                              router, the hop to the worker): routed and queued at once
     step_done(worker)        the worker's step ends: tokens out, next step starts; the
-                             client sees each token `served.token_s` later
+                             client sees each token `served.token_s` later (a prefill
+                             worker's first token `served.remote_token_s`, when measured)
     kv_landed(request)       a prefill's KV reached its decode worker: decoding starts, and
                              the prefill worker frees the blocks it kept for the send
 
@@ -96,7 +97,7 @@ class Simulation:
         return SimWorker(
             worker_id, role, size, self.profile.served_cost_model(size), num_blocks,
             cfg.block_size, cfg.scheduler, max_model_len, cfg.enable_prefix_caching,
-            self.profile.model.name,
+            self.profile.model.name, (self.served.send_step_s, self.served.send_token_s),
         )  # fmt: skip
 
     # ---- the loop --------------------------------------------------------------------
@@ -143,7 +144,7 @@ class Simulation:
 
     def _kick(self, worker: SimWorker) -> None:
         if not worker.is_busy:
-            step = worker.start_step()
+            step = worker.start_step(self.now)
             if step is not None:
                 self._push(self.now + step.duration_s, _STEP, worker)
 
@@ -240,7 +241,7 @@ class Simulation:
 
     def _step_done(self, worker: SimWorker) -> None:
         duration = worker.step.duration_s if worker.step else 0.0
-        for request, token in worker.finish_step():
+        for request, token in worker.finish_step(self.now):
             if token is None:
                 continue
             flight = self.flights[request.request_id]
@@ -260,9 +261,10 @@ class Simulation:
         """When the client sees a token produced now."""
         return self.now + self.served.token_s
 
-    def _token(self, flight: _Flight) -> None:
+    def _token(self, flight: _Flight, hop_s: float | None = None) -> None:
+        """A token produced now reaches the client `hop_s` later (`served.token_s`)."""
         record = flight.record
-        seen = self._client_now
+        seen = self.now + (self.served.token_s if hop_s is None else hop_s)
         if record.ttft_s is None:
             record.ttft_s = seen - record.send_s
             record.cached_tokens = flight.decode.num_cached_tokens if flight.decode else 0
@@ -273,7 +275,7 @@ class Simulation:
 
     def _prefilled(self, worker: SimWorker, flight: _Flight, request: Request, step_s: float):
         worker.num_active_requests -= 1
-        self._token(flight)
+        self._token(flight, self.served.remote_token_s or None)  # 0: not measured
         flight.record.cached_tokens = request.num_cached_tokens
         decode = flight.decode
         assert decode is not None and flight.decode_worker is not None
@@ -306,7 +308,7 @@ class Simulation:
 
     def _finish(self, flight: _Flight) -> None:
         record = flight.record
-        record.e2e_s = self._client_now - record.send_s
+        record.e2e_s = max(self._client_now, flight.last_token_s) - record.send_s
         del self.flights[record.request_id]
         self.records.append(record)
         session, turn = flight.session, flight.turn

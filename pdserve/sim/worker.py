@@ -46,9 +46,12 @@ class SimWorker:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         model_id: str = "",
+        send_cost: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.worker_id, self.role, self.size = worker_id, role, size
         self.cost_model = cost_model
+        # A prefill worker's steps also run its layer-wise KV sends: (per step, per token) s.
+        self.send_cost = send_cost
         self.kv = KVCacheManager(num_blocks, block_size, model_id, enable_prefix_caching)
         self.scheduler = Scheduler(
             scheduler_config, self.kv, max_model_len, preallocate_prompt=role == "prefill"
@@ -59,13 +62,15 @@ class SimWorker:
         self.num_steps = 0
         self.num_preemptions = 0
         self.steps: list[tuple[StepShape, float]] | None = None  # recorded when a list
+        self.idle_since = float("-inf")  # when its last step ended: idle since the start
 
     @property
     def is_busy(self) -> bool:
         return self.step is not None
 
-    def start_step(self) -> Step | None:
-        """Schedule the next step, or None when there is nothing to run."""
+    def start_step(self, now: float) -> Step | None:
+        """Schedule the next step at `now`, or None when there is nothing to run. A step after
+        idle time costs the model's `wake_s` more (the machine woke up for it)."""
         if not self.scheduler.has_unfinished():
             return None
         out = self.scheduler.schedule()
@@ -73,7 +78,10 @@ class SimWorker:
             return None
         sampled = {r.request_id: fake_token(r) for r, n in out.scheduled if out.samples(r, n)}
         shape = StepShape.of(out.scheduled)
-        self.step = Step(out, sampled, shape, self.cost_model.predict(shape))
+        duration_s = self.cost_model.predict(shape) + self.cost_model.wake_s(now - self.idle_since)
+        if self.role == "prefill" and shape.prefill_tokens:
+            duration_s += self.send_cost[0] + self.send_cost[1] * shape.prefill_tokens
+        self.step = Step(out, sampled, shape, duration_s)
         self.busy_s += self.step.duration_s
         self.num_steps += 1
         self.num_preemptions += len(out.preempted)
@@ -81,9 +89,10 @@ class SimWorker:
             self.steps.append((shape, self.step.duration_s))
         return self.step
 
-    def finish_step(self) -> list[tuple[Request, int | None]]:
+    def finish_step(self, now: float) -> list[tuple[Request, int | None]]:
         assert self.step is not None
         step, self.step = self.step, None
+        self.idle_since = now
         return self.scheduler.update_from_output(step.output, step.sampled)
 
     def num_queued_prefill_tokens(self) -> int:

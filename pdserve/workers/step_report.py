@@ -26,7 +26,7 @@ class StepLog:
             self._first_s = now
         self.rows.append([
             shape.prefill_tokens, shape.decode_requests, shape.prefill_attention_pairs,
-            shape.decode_context_tokens, threads, seconds,
+            shape.decode_context_tokens, shape.num_prefill_sequences, threads, seconds,
         ])  # fmt: skip
 
     def due(self, now: float) -> m.StepReport | None:

@@ -21,20 +21,26 @@ def test_shape_of_a_mixed_step():
     out = SchedulerOutput([(_request(10, 12, 3), 1), (_request(20, 8), 4)])
     shape = StepShape.of(out.scheduled)
     assert shape == StepShape(prefill_tokens=4, decode_requests=1, prefill_attention_pairs=42.0,
-                              decode_context_tokens=13)  # fmt: skip
+                              decode_context_tokens=13, prefill_sequences=1)  # fmt: skip
+    two = StepShape.of([(_request(20, 8), 4), (_request(30, 0), 16)])
+    assert (two.prefill_tokens, two.num_prefill_sequences) == (20, 2)
+    # A shape given without rows (the planner's single-chunk what-ifs) has one if it prefills.
+    assert StepShape(prefill_tokens=64).num_prefill_sequences == 1
+    assert StepShape(decode_requests=8).num_prefill_sequences == 0
 
 
 def test_roofline_knee():
     # 10 ms fixed, 1 ms per token past 64 tokens.
-    model = StepCostModel([0.01, 0, 0, 0.001, 0, 0], knee_tokens=64)
+    model = StepCostModel([0.01, 0, 0, 0.001, 0, 0, 0], knee_tokens=64)
     assert model.predict(StepShape(prefill_tokens=64)) == pytest.approx(0.01)
     assert model.predict(StepShape(prefill_tokens=100)) == pytest.approx(0.046)
     assert model.predict(StepShape()) == 0.0
 
 
 def test_fit_recovers_coefficients_and_knee():
-    truth = StepCostModel([0.02, 1e-5, 2e-4, 3e-4, 1e-8, 1e-6], knee_tokens=64)
-    shapes = [StepShape(p, d, p * p / 2, d * c) for p in (0, 16, 128, 512, 1024)
+    truth = StepCostModel([0.02, 1e-5, 2e-4, 3e-4, 1e-8, 1e-6, 3e-3], knee_tokens=64)
+    shapes = [StepShape(p, d, p * p / 2 / r, d * c, r if p else 0)
+              for p in (0, 16, 128, 512, 1024) for r in (1, 4)
               for d in (0, 1, 8, 32) for c in (64, 512) if p or d]  # fmt: skip
     samples = [(s, truth.predict(s)) for s in shapes]
     fitted = fit_cost_model(samples, knee_candidates=(32, 64, 128))
@@ -45,7 +51,7 @@ def test_fit_recovers_coefficients_and_knee():
 
 def test_online_refit_moves_from_the_prior_towards_new_samples():
     model = StepCostModel.from_dict(
-        {"coefficients": dict(zip(FEATURES, [0.01, 0, 0, 0, 0, 0], strict=True))}
+        {"coefficients": dict(zip(FEATURES, [0.01, 0, 0, 0, 0, 0, 0], strict=True))}
     )
     for _ in range(500):  # the machine got slower: steps now take 20 ms
         model.observe(StepShape(decode_requests=4), 0.02)
@@ -56,7 +62,20 @@ def test_online_refit_moves_from_the_prior_towards_new_samples():
 
 def test_bad_coefficients_are_refused():
     with pytest.raises(ValueError, match="coefficients must be >= 0"):
-        StepCostModel([0.01, -1, 0, 0, 0, 0])
-    with pytest.raises(ValueError, match="expected 6"):
+        StepCostModel([0.01, -1, 0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="expected 7"):
         StepCostModel([0.01])
-    assert math.isinf(StepCostModel([0] * 6).knee_tokens)
+    assert math.isinf(StepCostModel([0] * 7).knee_tokens)
+
+
+def test_wake_cost_follows_the_measured_curve():
+    model = StepCostModel([0.01, 0, 0, 0, 0, 0, 0], wake=[(0.01, 0.002), (0.1, 0.018)])
+    assert model.wake_s(0.0) == 0.0  # back to back: nothing
+    assert model.wake_s(0.005) == pytest.approx(0.001)  # from (0, 0) to the first point
+    assert model.wake_s(0.055) == pytest.approx(0.010)
+    assert model.wake_s(5.0) == model.wake_s(math.inf) == pytest.approx(0.018)  # flat past the last
+    assert StepCostModel([0.01, 0, 0, 0, 0, 0, 0]).wake_s(1.0) == 0.0
+    again = StepCostModel.from_dict(model.to_dict())
+    assert again.wake == model.wake
+    with pytest.raises(ValueError, match="wake"):
+        StepCostModel([0.01, 0, 0, 0, 0, 0, 0], wake=[(0.1, 0.01), (0.01, 0.002)])

@@ -19,8 +19,10 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     threads = (1, cores) if cores > 1 else (1,)  # every core's: the served step factor's model
     cfg = ProfileConfig(str(tiny_served_model), threads, kv_cache_bytes=1 << 20, decode_steps=4,
                         repeats=1, grid=((16, 1), (200, 1), (32, 4)),
-                        served_requests=3)  # fmt: skip
-    samples = measure_steps(cfg, 1)
+                        served_requests=3, wake_pauses=(0.01, 0.02))  # fmt: skip
+    timings = measure_steps(cfg, 1)
+    samples = timings.samples
+    assert [p for p, _ in timings.wake] == [0.01, 0.02] and all(x >= 0 for _, x in timings.wake)
     assert any(s.prefill_tokens == 200 for s, _ in samples)
     assert any(s.decode_requests == 4 and not s.prefill_tokens for s, _ in samples)
     profile = build_profile(cfg, log=lambda line: None)
@@ -34,6 +36,9 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     assert 0 < loaded.served.request_s < 1 and 0 < loaded.served.token_s < 1
     if cores > 1:  # served gaps over modelled steps, both in seconds: a ratio near 1, not 1e3
         assert loaded.served.step_factor != 1.0 and 0.3 < loaded.served.step_factor < 30
+        # a served 1p1d ran: its prefill worker's first token came back, in well under 1 s
+        assert 0 < loaded.served.remote_token_s < 1
+        assert loaded.served.send_step_s < 1 and loaded.served.send_token_s < 0.01
     with pytest.raises(ValueError, match=f"no cost model for {cores + 1} threads"):
         loaded.cost_model(cores + 1)
 

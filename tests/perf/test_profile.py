@@ -53,3 +53,20 @@ def test_bad_input_is_refused_with_what_is_wrong(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"served.request_s must be >= 0"):
         load_profile(tmp_path / "bad.json")
+
+
+def test_a_version_2_profile_reads_without_what_version_3_added(tmp_path):
+    """Version 2 had no per-row prefill coefficient, wake curve or prefill worker's costs:
+    it reads with them 0, predicting as it did; a version-3 file lacking one is refused."""
+    data = analytic_profile(MODELS["llama-3-8b"], "H100-SXM").to_dict() | {"version": 2}
+    for model in data["models"].values():
+        del model["coefficients"]["prefill_sequences"], model["wake"]
+    data["served"] = {"request_s": 0.002, "token_s": 0.001, "step_factor": 1.0}
+    (tmp_path / "v2.json").write_text(json.dumps(data))
+    loaded = load_profile(tmp_path / "v2.json")
+    model = loaded.cost_model(1)
+    assert model.coefficients[-1] == 0.0 and model.wake == [] and model.wake_s(10.0) == 0.0
+    assert loaded.served.send_step_s == loaded.served.remote_token_s == 0.0
+    (tmp_path / "v3.json").write_text(json.dumps(data | {"version": 3}))
+    with pytest.raises(ValueError, match=r"lacks coefficients \['prefill_sequences'\]"):
+        load_profile(tmp_path / "v3.json")

@@ -7,8 +7,8 @@ import random
 
 from pdserve.perf.cost_model import StepCostModel, StepShape
 
-# seconds per: step, prefill token, decode, over knee, attention pair, context token
-BASE = [2e-3, 2e-4, 4e-4, 0.0, 2e-8, 4e-7]
+# seconds per: step, prefill token, decode, over knee, attention pair, context token, prefill row
+BASE = [2e-3, 2e-4, 4e-4, 0.0, 2e-8, 4e-7, 1e-3]
 
 
 def truth(threads: int) -> StepCostModel:
@@ -27,6 +27,7 @@ def rows(threads: int, n: int, seed: int = 0) -> list[list[float]]:
         prior = rng.randint(0, 1024) if prefill else 0
         pairs = prefill * (prior + (prefill + 1) / 2)
         context = decodes * rng.randint(32, 1024)
-        shape = StepShape(prefill, decodes, pairs, context)
-        out.append([prefill, decodes, pairs, context, threads, model.predict(shape)])
+        sequences = rng.randint(1, 3) if prefill else 0
+        shape = StepShape(prefill, decodes, pairs, context, sequences)
+        out.append([prefill, decodes, pairs, context, sequences, threads, model.predict(shape)])
     return out

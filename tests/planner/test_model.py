@@ -55,7 +55,7 @@ def test_bad_rows_are_skipped():
     model = OnlineCostModel(min_samples=1)
     good = rows(4, 1)[0]
     assert (
-        model.observe_steps("decode", [[1, 2, 3], [0, 0, 0, 0, 4, 0.1], [*good[:5], 0.0], good])
+        model.observe_steps("decode", [[1, 2, 3], [0, 0, 0, 0, 0, 4, 0.1], [*good[:6], 0.0], good])
         == 1
     )
 
@@ -102,7 +102,7 @@ def test_a_model_never_shown_a_feature_does_not_price_it():
     prefill is free; the prefill worker's model (which saw prefills) answers instead."""
     decode_only = [r for r in rows(4, 400) if r[0] == 0]
     prefill_only = [
-        [n, 0, n * (n + 1) / 2, 0, 4, truth(4).predict(StepShape(n, 0, n * (n + 1) / 2, 0))]
+        [n, 0, n * (n + 1) / 2, 0, 1, 4, truth(4).predict(StepShape(n, 0, n * (n + 1) / 2, 0))]
         for n in range(16, 528, 16)
     ]
     model = OnlineCostModel(min_samples=20)

@@ -20,7 +20,7 @@ POOL = 4
 # 4 threads: 2 ms a step, 0.2 ms a prefill token, 0.5 ms a decode; linear speed-up but the step
 CPU = HardwareProfile(
     kind="measured", device="test", model=MODEL, size_unit="threads",
-    models={POOL: StepCostModel([2e-3, 2e-4, 5e-4, 0, 0, 0])},
+    models={POOL: StepCostModel([2e-3, 2e-4, 5e-4, 0, 0, 0, 0])},
     transfer={"tcp": TransferModel(512e6, 1e-4)},
     devices_per_node=1, kv_cache_bytes=16384 * MODEL.kv_bytes_per_token,
 )  # fmt: skip

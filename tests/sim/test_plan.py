@@ -1,7 +1,7 @@
 import pytest
 
 from pdserve.cli import main
-from pdserve.perf.cost_model import StepCostModel
+from pdserve.perf.cost_model import FEATURES, StepCostModel
 from pdserve.sim.deployment import Deployment
 from pdserve.sim.simulator import Simulation
 
@@ -65,7 +65,7 @@ def test_one_cost_model_serves_the_simulator_and_an_online_fit():
     work = [Session(f"s{i}", [Turn(list(range(i, i + 40 * (i % 7 + 1))), 20 + i % 5)], i * 0.01)
             for i in range(60)]  # fmt: skip
     sim.run(work, ArrivalSpec("trace"))
-    online = StepCostModel([0.0] * 6, knee_tokens=worker.cost_model.knee_tokens)
+    online = StepCostModel([0.0] * len(FEATURES), knee_tokens=worker.cost_model.knee_tokens)
     online.fit(worker.steps)
     for shape, step_s in worker.steps:
         assert online.predict(shape) == pytest.approx(step_s, rel=1e-3)

@@ -15,7 +15,7 @@ from pdserve.sim.simulator import Simulation
 MODEL = ModelShape("tiny", 2, 64, 128, 4, 2, 16, 128, kv_bytes_per_element=4.0)  # 512 B/token
 
 
-def profile(coefficients=(0.01, 0, 0, 0, 0, 0), kv_tokens=4096, bandwidth=512e3, latency=0.0,
+def profile(coefficients=(0.01, 0, 0, 0, 0, 0, 0), kv_tokens=4096, bandwidth=512e3, latency=0.0,
             served=None):  # fmt: skip
     return HardwareProfile(
         kind="measured", device="test", model=MODEL, size_unit="threads",
@@ -67,11 +67,37 @@ def test_the_serving_stack_delays_arrival_and_every_token():
     assert second.send_s == pytest.approx(first.e2e_s)
 
 
+def test_a_prefill_workers_steps_pay_its_kv_sends_and_its_first_token_hop():
+    # 10 ms steps; a prefill worker's cost 2 ms + 0.1 ms per prompt token more (20 tokens:
+    # 14 ms) and its first token reaches the client 4 ms after the step. Collocated: neither.
+    served = ServedOverhead(send_step_s=0.002, send_token_s=1e-4, remote_token_s=0.004)
+    _, records = run(profile(served=served), "1p1d", sessions((0.0, 20, 1), (1.0, 20, 3)))
+    one, three = records["s0-0"], records["s1-0"]
+    assert one.ttft_s == pytest.approx(0.018) and one.e2e_s == pytest.approx(0.018)
+    assert three.ttft_s == pytest.approx(0.018) and three.output_len == 3
+    _, records = run(profile(served=served), "collocated", sessions((0.0, 20, 1)))
+    assert records["s0-0"].ttft_s == pytest.approx(0.010)
+
+
+def test_a_step_after_idle_time_costs_the_wake_curve_more():
+    # 10 ms steps; a step after 0.1 s or more of idle costs 5 ms more, linearly less below.
+    # A (at 0) meets a worker idle since the start: 0-15, 15-25. B, sent as A's last step
+    # ends, finds it idle 5 ms (+0.25 ms); C, a second later, idle long (+5 ms). Decode steps
+    # follow a step at once: no wake.
+    prof = profile()
+    prof.models[1].wake = [(0.1, 0.005)]
+    _, records = run(prof, "collocated", sessions((0.0, 32, 2), (0.030, 32, 2), (1.0, 32, 2)))
+    a, b, c = records["s0-0"], records["s1-0"], records["s2-0"]
+    assert a.ttft_s == pytest.approx(0.015) and a.itl_s == pytest.approx([0.010])
+    assert b.ttft_s == pytest.approx(0.01025) and b.itl_s == pytest.approx([0.010])
+    assert c.ttft_s == pytest.approx(0.015)
+
+
 def test_a_worker_on_every_core_steps_slower_by_the_served_factor():
     # devices_per_node is 2: a two-thread worker shares its cores with the router and the
     # client (x1.5: 15 ms steps), a one-thread worker does not (10 ms).
     prof = profile(served=ServedOverhead(step_factor=1.5))
-    prof.models[2] = StepCostModel([0.01, 0, 0, 0, 0, 0])
+    prof.models[2] = StepCostModel([0.01, 0, 0, 0, 0, 0, 0])
     for size, step_s in ((2, 0.015), (1, 0.010)):
         sim = Simulation(prof, Deployment.parse("collocated", collocated_size=size), SimConfig())
         (record,) = sim.run(sessions((0.0, 32, 3)), ArrivalSpec("trace")).records
@@ -81,7 +107,7 @@ def test_a_worker_on_every_core_steps_slower_by_the_served_factor():
 
 def test_chunked_prefill_runs_as_the_scheduler_chunks_it():
     # 100 prompt tokens in chunks of 32: 4 steps of 10 ms + 1 ms per prefill token.
-    prof = profile((0.01, 0.001, 0, 0, 0, 0))
+    prof = profile((0.01, 0.001, 0, 0, 0, 0, 0))
     _, records = run(prof, "collocated", sessions((0.0, 100, 2)),
                      scheduler=SchedulerConfig(long_prefill_token_threshold=32))  # fmt: skip
     assert records["s0-0"].ttft_s == pytest.approx(4 * 0.010 + 0.100)

@@ -107,9 +107,9 @@ def test_step_report_rows_are_the_steps_run(worker, two_cores):
     reports = [r for r in worker.seen[first:] if isinstance(r, m.StepReport)]
     rows = [row for r in reports for row in r.steps]
     elapsed = time.monotonic() - start
-    # one prefill step of the whole prompt, then 4 decode steps attending 21..24 tokens
-    assert [row[:5] for row in rows] == [
-        [20, 0, 20 * 21 / 2, 0, 2],
-        *([0, 1, 0, context, 2] for context in range(21, 25)),
+    # one prefill step of the whole prompt (one row), then 4 decode steps attending 21..24
+    assert [row[:6] for row in rows] == [
+        [20, 0, 20 * 21 / 2, 0, 1, 2],
+        *([0, 1, 0, context, 0, 2] for context in range(21, 25)),
     ]
-    assert all(0 < row[5] < elapsed for row in rows)
+    assert all(0 < row[6] < elapsed for row in rows)
