@@ -65,13 +65,13 @@ def served(model: str, lengths: list[int], repeats: int) -> dict[int, float]:
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
-    from pdserve.perf.measure import _first_token
+    from pdserve.perf.served import first_token
 
     source, rng, out = TokenSource.load(model), np.random.default_rng(1), {}
     with Cluster(pipeline_for("collocated", model), log_level="WARNING") as url:
-        _first_token(url, model, source.random_ids(rng, 64))  # warm-up
+        first_token(url, model, source.random_ids(rng, 64))  # warm-up
         for n in lengths:
-            parts = [_first_token(url, model, source.random_ids(rng, n))[1]["prefill"]
+            parts = [first_token(url, model, source.random_ids(rng, n))[1]["prefill"]
                      for _ in range(repeats)]  # fmt: skip
             out[n] = statistics.median(parts)
     return out

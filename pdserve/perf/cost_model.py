@@ -110,7 +110,9 @@ class StepCostModel:
         self.wake = [(float(i), float(x)) for i, x in self.wake]
         idle = [i for i, _ in self.wake]
         if idle != sorted(set(idle)) or any(not (i >= 0 and x >= 0) for i, x in self.wake):
-            raise ValueError(f"wake: expected (idle_s, extra_s) >= 0 by rising idle_s, got {self.wake}")
+            raise ValueError(
+                f"wake: expected (idle_s, extra_s) pairs >= 0 by rising idle_s, got {self.wake}"
+            )
         self.coefficients = [float(c) for c in self.coefficients]
         n = len(FEATURES)
         self._xtx = np.zeros((n, n))

@@ -11,32 +11,31 @@ The only perf module that loads torch (through the engine); the CLI imports it l
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig
-from pdserve.perf.cost_model import StepCostModel, StepShape, TransferModel, fit_cost_model
-from pdserve.perf.profile import HardwareProfile, ModelShape, ServedOverhead
+from pdserve.perf.cost_model import StepShape, TransferModel, fit_cost_model
+from pdserve.perf.profile import HardwareProfile, ModelShape
+from pdserve.perf.served import (
+    STEP_FACTOR_PROMPT,
+    STEP_FACTOR_REQUESTS,
+    STEP_FACTOR_TOKENS,
+    served_overhead,
+)
 from pdserve.schema import check, knob, same_as
 
 if TYPE_CHECKING:
-    from pdserve.bench.tokens import TokenSource
     from pdserve.engine.engine import Engine
 
 # (prompt tokens, concurrent requests): single prompts of growing length give prefill steps
@@ -52,10 +51,6 @@ KNEES = (16, 32, 64, 128, 256)
 WAKE_PAUSES = (0.01, 0.03, 0.1, 0.3, 1.0)
 WAKE_PROMPT = 128
 WAKE_REPEATS = 5
-STEP_FACTOR_REQUESTS = 4  # `pdserve bench` requests timed for `ServedOverhead.step_factor`
-STEP_FACTOR_PROMPT = 128  # prompt tokens each
-STEP_FACTOR_TOKENS = 64  # new tokens each
-SEND_PROMPTS = (32, 256)  # prompt tokens of the lone remote prefills timed for the send cost
 
 
 def thread_counts(text: str) -> tuple[int, ...]:
@@ -175,7 +170,7 @@ def _time_wake(cfg: ProfileConfig, engine: Engine) -> list[tuple[float, float]]:
 
 
 def _time_tpot(engine: Engine) -> float:
-    """`_bench_tpot_s`'s requests (greedy, one at a time) on this engine: per request the mean
+    """`served.bench_tpot_s`'s requests (greedy, one at a time) on this engine: per request the mean
     decode step (TPOT as `pdserve bench` takes it: the gaps after the first token), the
     median over the requests."""
     from pdserve.sampling_params import SamplingParams
@@ -193,117 +188,6 @@ def _time_tpot(engine: Engine) -> float:
             engine.step()
         tpots.append((time.perf_counter() - start) / (STEP_FACTOR_TOKENS - 1))
     return statistics.median(tpots[1:])
-
-
-def served_overhead(
-    cfg: ProfileConfig, offline_tpot_s: float | None, one_thread: StepCostModel | None = None
-) -> ServedOverhead:
-    """Medians over `served_requests` short prompts sent one at a time to a collocated
-    deployment on every core (as `bench compare` starts it), each asking for the router's
-    TTFT breakdown (router/timing.py): `token_s` is its first_token part (step end ->
-    router), `request_s` the rest of the client's TTFT beyond the worker's prefill step.
-    Then `step_factor`: the TPOT `pdserve bench` measures there at batch 1 over the same
-    requests' on the engine alone (`offline_tpot_s`, every core's; 1 without it). Not over
-    the model's step: that ratio carried the fit's error at that one shape into every step
-    (0.83 on 2026-12-02, where served and offline steps matched). Then, with `one_thread`'s
-    fit and two cores or more, a prefill worker's costs (`remote_prefill`)."""
-    from pdserve.bench.tokens import TokenSource
-    from pdserve.cluster.deployments import pipeline_for
-    from pdserve.cluster.launcher import Cluster
-
-    if not cfg.served_requests:
-        return ServedOverhead()
-    rng = np.random.default_rng(0)
-    source = TokenSource.load(cfg.model)  # the ids `pdserve bench` sends
-    requests, tokens = [], []
-    with Cluster(pipeline_for("collocated", cfg.model, cfg.kv_cache_bytes),
-                 log_level="WARNING") as url:  # fmt: skip
-        for i in range(cfg.served_requests + 2):  # two to warm the path up
-            prompt = source.random_ids(rng, 16)
-            client_ttft_s, parts = _first_token(url, cfg.model, prompt)
-            if i >= 2:
-                tokens.append(parts["first_token"])
-                requests.append(client_ttft_s - parts["prefill"] - parts["first_token"])
-        tpot_s = _bench_tpot_s(url, cfg.model) if offline_tpot_s else None
-    factor = tpot_s / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
-    remote = {}
-    if one_thread is not None and len(os.sched_getaffinity(0)) >= 2:
-        remote = remote_prefill(cfg, one_thread, source, rng)
-    return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor,
-                          **remote)  # fmt: skip
-
-
-def remote_prefill(
-    cfg: ProfileConfig, model: StepCostModel, source: TokenSource, rng: np.random.Generator
-) -> dict[str, float]:
-    """Through a served 1p1d (a worker per core), lone prompts of each of SEND_PROMPTS'
-    lengths, `served_requests // 2` each: the prefill worker's steps (the router's prefill
-    part) over `model`'s, as a line through the two lengths' medians (`send_step_s`,
-    `send_token_s`), and its first token's hop (`remote_token_s`)."""
-    from pdserve.cluster.deployments import pipeline_for
-    from pdserve.cluster.launcher import Cluster
-
-    extra: dict[int, list[float]] = {n: [] for n in SEND_PROMPTS}
-    hops = []
-    with Cluster(pipeline_for("1p1d", cfg.model, cfg.kv_cache_bytes), log_level="WARNING") as url:
-        for i in range(max(2, cfg.served_requests // 2) + 1):
-            for n in SEND_PROMPTS:
-                _, parts = _first_token(url, cfg.model, source.random_ids(rng, n), max_tokens=2)
-                if i:  # the first round warms the path up
-                    shape = StepShape(prefill_tokens=n, prefill_attention_pairs=n * (n + 1) / 2)
-                    extra[n].append(parts["prefill"] - model.predict(shape))
-                    hops.append(parts["first_token"])
-    (n0, e0), (n1, e1) = ((n, statistics.median(extra[n])) for n in SEND_PROMPTS)
-    per_token = max(0.0, (e1 - e0) / (n1 - n0))
-    return {"send_step_s": max(0.0, e0 - per_token * n0), "send_token_s": per_token,
-            "remote_token_s": statistics.median(hops)}  # fmt: skip
-
-
-def _bench_tpot_s(url: str, model: str) -> float | None:
-    """Median TPOT of `STEP_FACTOR_REQUESTS` greedy requests sent one at a time by `pdserve
-    bench` in its own process: the client whose figures `pdserve simulate` predicts, and
-    whose CPU (with the router's) the worker's threads share its cores with."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "bench.json"
-        argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
-                "--tokenizer", model,
-                "--num-requests", str(STEP_FACTOR_REQUESTS), "--max-concurrency", "1",
-                "--input-len", str(STEP_FACTOR_PROMPT), "--output-len", str(STEP_FACTOR_TOKENS),
-                "--no-progress", "--output", str(out)]  # fmt: skip
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-        tpot_ms = json.loads(out.read_text())["summary"]["tpot_ms"]["p50"]
-    return tpot_ms / 1e3 if tpot_ms else None
-
-
-def _first_token(
-    url: str, model: str, prompt: list[int], max_tokens: int = 1
-) -> tuple[float, dict[str, float]]:
-    """(the client's TTFT, the router's TTFT parts) of one streamed greedy completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "ignore_eos": True}  # fmt: skip
-    request = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(),
-        {"Content-Type": "application/json", "X-PDServe-Timing": "1"},
-    )  # fmt: skip
-    start = time.perf_counter()
-    ttft_s, parts = None, None
-    try:
-        response = urllib.request.urlopen(request, timeout=120)
-    except urllib.error.HTTPError as exc:
-        detail = exc.read()[:200]
-        raise RuntimeError(f"served request to {url}: HTTP {exc.code}: {detail!r}") from None
-    with response:
-        for line in response:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[len(b"data: ") :])
-            # The router streams the first token's chunk even when its text is empty.
-            if ttft_s is None and event.get("choices"):
-                ttft_s = time.perf_counter() - start
-            parts = (event.get("pdserve_timing") or {}).get("ttft_parts_s", parts)
-    if ttft_s is None or not parts or "prefill" not in parts:
-        raise RuntimeError(f"served request to {url}: no token or no TTFT breakdown came back")
-    return ttft_s, parts
 
 
 def tcp_bandwidth(num_bytes: int = 64 * 2**20) -> TransferModel:
@@ -396,7 +280,8 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         log(f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
             f"idle costs more by {wake}")  # fmt: skip
-    served = served_overhead(cfg, tpots.get(len(os.sched_getaffinity(0))), models.get(1))
+    served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,
+                             tpots.get(len(os.sched_getaffinity(0))), models.get(1))  # fmt: skip
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
         f"{served.token_s * 1e3:.1f} ms from its end per token, steps on every core "
         f"x{served.step_factor:.2f}; a prefill worker's steps +{served.send_step_s * 1e3:.1f} ms "

@@ -192,8 +192,10 @@ class HardwareProfile:
                 device=data["device"],
                 model=ModelShape(**data["model"]),
                 size_unit=data["size_unit"],
-                models={int(k): StepCostModel.from_dict(m, READS[version])
-                        for k, m in data["models"].items()},  # fmt: skip
+                models={
+                    int(k): StepCostModel.from_dict(m, READS[version])
+                    for k, m in data["models"].items()
+                },  # fmt: skip
                 transfer={k: TransferModel(**t) for k, t in data["transfer"].items()},
                 devices_per_node=int(data["devices_per_node"]),
                 memory_bytes_per_device=data.get("memory_bytes_per_device"),

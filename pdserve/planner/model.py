@@ -64,7 +64,9 @@ class OnlineCostModel:
             if len(row) != STEP_FIELDS:
                 continue
             prefill, decodes, pairs, context, sequences, threads, seconds = row
-            shape = StepShape(int(prefill), int(decodes), float(pairs), int(context), int(sequences))
+            shape = StepShape(
+                int(prefill), int(decodes), float(pairs), int(context), int(sequences)
+            )
             if shape.is_empty or not seconds > 0 or int(threads) < 1:
                 continue
             fit = self._fits.get((role, int(threads)))

@@ -1,0 +1,161 @@
+"""What a served request costs beyond the engine's steps (`ServedOverhead`), measured by
+`pdserve profile` through real deployments started by the embedded launcher: a collocated
+one on every core (the serving stack's two legs and the step factor) and a 1p1d (a prefill
+worker's layer-wise sends and first-token hop). docs/simulator.md, "Profiles".
+
+Torch-free itself (the workers are processes); imported by perf/measure.py only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pdserve.perf.cost_model import StepCostModel, StepShape
+from pdserve.perf.profile import ServedOverhead
+
+if TYPE_CHECKING:
+    from pdserve.bench.tokens import TokenSource
+
+STEP_FACTOR_REQUESTS = 4  # `pdserve bench` requests timed for `ServedOverhead.step_factor`
+STEP_FACTOR_PROMPT = 128  # prompt tokens each
+STEP_FACTOR_TOKENS = 64  # new tokens each
+SEND_PROMPTS = (32, 256)  # prompt tokens of the lone remote prefills timed for the send cost
+
+
+def served_overhead(
+    model: str,
+    kv_cache_bytes: int | None,
+    num_requests: int,
+    offline_tpot_s: float | None,
+    one_thread: StepCostModel | None = None,
+) -> ServedOverhead:
+    """Medians over `served_requests` short prompts sent one at a time to a collocated
+    deployment on every core (as `bench compare` starts it), each asking for the router's
+    TTFT breakdown (router/timing.py): `token_s` is its first_token part (step end ->
+    router), `request_s` the rest of the client's TTFT beyond the worker's prefill step.
+    Then `step_factor`: the TPOT `pdserve bench` measures there at batch 1 over the same
+    requests' on the engine alone (`offline_tpot_s`, every core's; 1 without it). Not over
+    the model's step: that ratio carried the fit's error at that one shape into every step
+    (0.83 on 2026-12-02, where served and offline steps matched). Then, with `one_thread`'s
+    fit and two cores or more, a prefill worker's costs (`remote_prefill`)."""
+    from pdserve.bench.tokens import TokenSource
+    from pdserve.cluster.deployments import pipeline_for
+    from pdserve.cluster.launcher import Cluster
+
+    if not num_requests:
+        return ServedOverhead()
+    rng = np.random.default_rng(0)
+    source = TokenSource.load(model)  # the ids `pdserve bench` sends
+    requests, tokens = [], []
+    with Cluster(pipeline_for("collocated", model, kv_cache_bytes),
+                 log_level="WARNING") as url:  # fmt: skip
+        for i in range(num_requests + 2):  # two to warm the path up
+            prompt = source.random_ids(rng, 16)
+            client_ttft_s, parts = first_token(url, model, prompt)
+            if i >= 2:
+                tokens.append(parts["first_token"])
+                requests.append(client_ttft_s - parts["prefill"] - parts["first_token"])
+        tpot_s = bench_tpot_s(url, model) if offline_tpot_s else None
+    factor = tpot_s / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
+    remote = {}
+    if one_thread is not None and len(os.sched_getaffinity(0)) >= 2:
+        remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, one_thread, source, rng)
+    return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor,
+                          **remote)  # fmt: skip
+
+
+def remote_prefill(
+    model: str,
+    kv_cache_bytes: int | None,
+    num_requests: int,
+    one_thread: StepCostModel,
+    source: TokenSource,
+    rng: np.random.Generator,
+) -> dict[str, float]:
+    """Through a served 1p1d (a worker per core), lone prompts of each of SEND_PROMPTS'
+    lengths, `num_requests` each (at least 2): the prefill worker's steps (the router's prefill
+    part) over `model`'s, as a line through the two lengths' medians (`send_step_s`,
+    `send_token_s`), and its first token's hop (`remote_token_s`)."""
+    from pdserve.cluster.deployments import pipeline_for
+    from pdserve.cluster.launcher import Cluster
+
+    extra: dict[int, list[float]] = {n: [] for n in SEND_PROMPTS}
+    hops = []
+    with Cluster(pipeline_for("1p1d", model, kv_cache_bytes), log_level="WARNING") as url:
+        for i in range(max(2, num_requests) + 1):
+            for n in SEND_PROMPTS:
+                _, parts = first_token(url, model, source.random_ids(rng, n), max_tokens=2)
+                if i:  # the first round warms the path up
+                    shape = StepShape(prefill_tokens=n, prefill_attention_pairs=n * (n + 1) / 2)
+                    extra[n].append(parts["prefill"] - one_thread.predict(shape))
+                    hops.append(parts["first_token"])
+    step_s, token_s = send_cost({n: statistics.median(e) for n, e in extra.items()})
+    return {"send_step_s": step_s, "send_token_s": token_s,
+            "remote_token_s": statistics.median(hops)}  # fmt: skip
+
+
+def send_cost(extra_s: dict[int, float]) -> tuple[float, float]:
+    """(per step, per token) seconds: the line through two prompt lengths' extra step time,
+    neither part below 0 (a shorter prompt measured slower is noise, not a negative cost)."""
+    (n0, e0), (n1, e1) = sorted(extra_s.items())
+    per_token = max(0.0, (e1 - e0) / (n1 - n0))
+    return max(0.0, e0 - per_token * n0), per_token
+
+
+def bench_tpot_s(url: str, model: str) -> float | None:
+    """Median TPOT of `STEP_FACTOR_REQUESTS` greedy requests sent one at a time by `pdserve
+    bench` in its own process: the client whose figures `pdserve simulate` predicts, and
+    whose CPU (with the router's) the worker's threads share its cores with."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
+                "--tokenizer", model,
+                "--num-requests", str(STEP_FACTOR_REQUESTS), "--max-concurrency", "1",
+                "--input-len", str(STEP_FACTOR_PROMPT), "--output-len", str(STEP_FACTOR_TOKENS),
+                "--no-progress", "--output", str(out)]  # fmt: skip
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        tpot_ms = json.loads(out.read_text())["summary"]["tpot_ms"]["p50"]
+    return tpot_ms / 1e3 if tpot_ms else None
+
+
+def first_token(
+    url: str, model: str, prompt: list[int], max_tokens: int = 1
+) -> tuple[float, dict[str, float]]:
+    """(the client's TTFT, the router's TTFT parts) of one streamed greedy completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json", "X-PDServe-Timing": "1"},
+    )  # fmt: skip
+    start = time.perf_counter()
+    ttft_s, parts = None, None
+    try:
+        response = urllib.request.urlopen(request, timeout=120)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:200]
+        raise RuntimeError(f"served request to {url}: HTTP {exc.code}: {detail!r}") from None
+    with response:
+        for line in response:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[len(b"data: ") :])
+            # The router streams the first token's chunk even when its text is empty.
+            if ttft_s is None and event.get("choices"):
+                ttft_s = time.perf_counter() - start
+            parts = (event.get("pdserve_timing") or {}).get("ttft_parts_s", parts)
+    if ttft_s is None or not parts or "prefill" not in parts:
+        raise RuntimeError(f"served request to {url}: no token or no TTFT breakdown came back")
+    return ttft_s, parts
