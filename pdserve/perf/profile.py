@@ -5,8 +5,9 @@ A worker's *size* is the devices it spans: threads on a CPU (one per core), the
 tensor-parallel degree on GPUs. The profile says which (`size_unit`).
 
 Version 2 added `served` (what a request costs outside the engine's steps); a version-1
-profile is refused: measure again. Version 3 added the `prefill_sequences` coefficient and each
-cost model's `wake` curve; a version-2 profile reads with neither (0, as it was measured).
+profile is refused: measure again. Version 3 added the `prefill_sequences` coefficient, each
+cost model's `wake` curve and the prefill worker's `served` figures; a version-2 profile reads
+with all of them 0 (as it was measured).
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ class HardwareProfile:
                 models={
                     int(k): StepCostModel.from_dict(m, READS[version])
                     for k, m in data["models"].items()
-                },  # fmt: skip
+                },
                 transfer={k: TransferModel(**t) for k, t in data["transfer"].items()},
                 devices_per_node=int(data["devices_per_node"]),
                 memory_bytes_per_device=data.get("memory_bytes_per_device"),
