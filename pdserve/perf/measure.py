@@ -28,6 +28,7 @@ from pdserve.config import CacheConfig, EngineConfig
 from pdserve.perf.cost_model import StepShape, TransferModel, fit_cost_model
 from pdserve.perf.profile import HardwareProfile, ModelShape
 from pdserve.perf.served import (
+    SEND_PROMPTS,
     STEP_FACTOR_PROMPT,
     STEP_FACTOR_REQUESTS,
     STEP_FACTOR_TOKENS,
@@ -88,15 +89,19 @@ class ProfileConfig:
 class Timings:
     """One thread count's measurements: `samples`, (shape, seconds) of every engine step over
     the grid after one warm-up pass; `wake`, the curve of `StepCostModel.wake`; `tpot_s`,
-    the TPOT of the requests `ServedOverhead.step_factor` times served, run here."""
+    the TPOT of the requests `ServedOverhead.step_factor` times served, run here;
+    `prefill_s`, the median step of a lone prompt of each of SEND_PROMPTS' lengths, which a
+    served prefill worker's are compared with (`served.remote_prefill`)."""
 
     samples: list[tuple[StepShape, float]]
     wake: list[tuple[float, float]]
     tpot_s: float
+    prefill_s: dict[int, float]
 
 
 def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
-    """Time the engine on the first `threads` cores: the grid, the wake curve, a TPOT."""
+    """Time the engine on the first `threads` cores: the grid, the wake curve, a TPOT, the
+    prefills a served prefill worker's are compared with."""
     from pdserve.config import DeviceConfig
     from pdserve.engine.engine import Engine
     from pdserve.workers.cores import pin_threads
@@ -112,7 +117,8 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
     pin_threads(cores[:threads])
     try:
         engine = Engine(config)
-        return Timings(_time_grid(cfg, engine), _time_wake(cfg, engine), _time_tpot(engine))
+        return Timings(_time_grid(cfg, engine), _time_wake(cfg, engine), _time_tpot(engine),
+                       _time_prefills(engine))  # fmt: skip
     finally:
         pin_threads(cores)
 
@@ -167,6 +173,27 @@ def _time_wake(cfg: ProfileConfig, engine: Engine) -> list[tuple[float, float]]:
         extra = statistics.median(c for c, _ in pairs) - statistics.median(h for _, h in pairs)
         curve.append((pause, max(0.0, extra)))
     return curve
+
+
+def _time_prefills(engine: Engine, repeats: int = 5) -> dict[int, float]:
+    """The median step of a lone prompt of each of SEND_PROMPTS' lengths, back to back (the
+    way `served.remote_prefill` sends them)."""
+    from pdserve.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(3)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    steps: dict[int, list[float]] = {n: [] for n in SEND_PROMPTS}
+    for i in range(repeats + 1):  # the first round warms up
+        for n in SEND_PROMPTS:
+            engine.add_request(f"prefill-{i}-{n}", rng.integers(0, vocab, size=n).tolist(), params)
+            start = time.perf_counter()
+            engine.step()
+            if i:
+                steps[n].append(time.perf_counter() - start)
+            while engine.has_unfinished_requests():
+                engine.step()
+    return {n: statistics.median(s) for n, s in steps.items()}
 
 
 def _time_tpot(engine: Engine) -> float:
@@ -268,10 +295,9 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         )
     if cfg.kv_cache_bytes is None:
         cfg = replace(cfg, kv_cache_bytes=default_kv_cache_bytes())
-    models, tpots = {}, {}
+    models, timed = {}, {}
     for threads in cfg.threads:
-        timings = measure_steps(cfg, threads)
-        tpots[threads] = timings.tpot_s
+        timings = timed[threads] = measure_steps(cfg, threads)
         samples = timings.samples
         models[threads] = fit_cost_model(samples, KNEES)
         models[threads].wake = timings.wake
@@ -280,8 +306,10 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         log(f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
             f"idle costs more by {wake}")  # fmt: skip
+    every_core, one = timed.get(len(os.sched_getaffinity(0))), timed.get(1)
     served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,
-                             tpots.get(len(os.sched_getaffinity(0))), models.get(1))  # fmt: skip
+                             every_core.tpot_s if every_core else None,
+                             one.prefill_s if one else None)  # fmt: skip
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
         f"{served.token_s * 1e3:.1f} ms from its end per token, steps on every core "
         f"x{served.step_factor:.2f}; a prefill worker's steps +{served.send_step_s * 1e3:.1f} ms "

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pdserve.perf.cost_model import StepCostModel, StepShape
 from pdserve.perf.profile import ServedOverhead
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ def served_overhead(
     kv_cache_bytes: int | None,
     num_requests: int,
     offline_tpot_s: float | None,
-    one_thread: StepCostModel | None = None,
+    one_thread_prefill_s: dict[int, float] | None = None,
 ) -> ServedOverhead:
     """Medians over `served_requests` short prompts sent one at a time to a collocated
     deployment on every core (as `bench compare` starts it), each asking for the router's
@@ -48,8 +47,8 @@ def served_overhead(
     Then `step_factor`: the TPOT `pdserve bench` measures there at batch 1 over the same
     requests' on the engine alone (`offline_tpot_s`, every core's; 1 without it). Not over
     the model's step: that ratio carried the fit's error at that one shape into every step
-    (0.83 on 2026-12-02, where served and offline steps matched). Then, with `one_thread`'s
-    fit and two cores or more, a prefill worker's costs (`remote_prefill`)."""
+    (0.83 on 2026-12-02, where served and offline steps matched). Then, with a one-thread
+    engine's prefills and two cores or more, a prefill worker's costs (`remote_prefill`)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
@@ -70,8 +69,10 @@ def served_overhead(
         tpot_s = bench_tpot_s(url, model) if offline_tpot_s else None
     factor = tpot_s / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
     remote = {}
-    if one_thread is not None and len(os.sched_getaffinity(0)) >= 2:
-        remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, one_thread, source, rng)
+    if one_thread_prefill_s and len(os.sched_getaffinity(0)) >= 2:
+        remote = remote_prefill(
+            model, kv_cache_bytes, num_requests // 2, one_thread_prefill_s, source, rng
+        )
     return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor,
                           **remote)  # fmt: skip
 
@@ -80,14 +81,17 @@ def remote_prefill(
     model: str,
     kv_cache_bytes: int | None,
     num_requests: int,
-    one_thread: StepCostModel,
+    offline_s: dict[int, float],
     source: TokenSource,
     rng: np.random.Generator,
 ) -> dict[str, float]:
     """Through a served 1p1d (a worker per core), lone prompts of each of SEND_PROMPTS'
     lengths, `num_requests` each (at least 2): the prefill worker's steps (the router's prefill
-    part) over `model`'s, as a line through the two lengths' medians (`send_step_s`,
-    `send_token_s`), and its first token's hop (`remote_token_s`)."""
+    part) over the same lengths' on a one-thread engine alone (`offline_s`), as a line
+    through the two lengths' medians (`send_step_s`, `send_token_s`), and its first token's
+    hop (`remote_token_s`). Not over the cost model's steps, whose error at these two
+    lengths would count as send cost (one profile read 446 us per token that way, others
+    34-86)."""
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
 
@@ -98,8 +102,7 @@ def remote_prefill(
             for n in SEND_PROMPTS:
                 _, parts = first_token(url, model, source.random_ids(rng, n), max_tokens=2)
                 if i:  # the first round warms the path up
-                    shape = StepShape(prefill_tokens=n, prefill_attention_pairs=n * (n + 1) / 2)
-                    extra[n].append(parts["prefill"] - one_thread.predict(shape))
+                    extra[n].append(parts["prefill"] - offline_s[n])
                     hops.append(parts["first_token"])
     step_s, token_s = send_cost({n: statistics.median(e) for n, e in extra.items()})
     return {"send_step_s": step_s, "send_token_s": token_s,

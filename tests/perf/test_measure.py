@@ -11,6 +11,7 @@ import pytest
 from pdserve.envs import WORKER_SPINCOUNT
 from pdserve.perf.measure import ProfileConfig, build_profile, measure_steps, timing_env
 from pdserve.perf.profile import load_profile
+from pdserve.perf.served import SEND_PROMPTS
 
 
 @pytest.mark.slow
@@ -23,6 +24,8 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     timings = measure_steps(cfg, 1)
     samples = timings.samples
     assert [p for p, _ in timings.wake] == [0.01, 0.02] and all(x >= 0 for _, x in timings.wake)
+    assert 0 < timings.tpot_s < 1 and set(timings.prefill_s) == set(SEND_PROMPTS)
+    assert all(0 < s < 5 for s in timings.prefill_s.values())
     assert any(s.prefill_tokens == 200 for s, _ in samples)
     assert any(s.decode_requests == 4 and not s.prefill_tokens for s, _ in samples)
     profile = build_profile(cfg, log=lambda line: None)
