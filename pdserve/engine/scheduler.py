@@ -72,6 +72,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens not yet computed over every request here, as a worker's Stats report them
+        (a decoding request counts the one token it has yet to run)."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in [*self.waiting, *self.running])
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens

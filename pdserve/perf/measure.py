@@ -11,6 +11,7 @@ The only perf module that loads torch (through the engine); the CLI imports it l
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import socket
@@ -18,6 +19,8 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -49,9 +52,13 @@ GRID = [(32, 1), (80, 1), (128, 1), (192, 1), (320, 1), (512, 1), (1024, 1), (20
 KNEES = (16, 32, 64, 128, 256)
 # The wake curve (`StepCostModel.wake`): a WAKE_PROMPT-token prefill timed after each pause
 # with nothing to run, against one right after the last request (paired, WAKE_REPEATS each).
+# A pause counts only where at least WAKE_MIN_SLOWER pairs were slower after it (a sign test:
+# 8 in 128 by chance): on an AMD EPYC one thread's prefill jittered more than the effect, and
+# the difference of medians read 0-15 ms out of order (0.01 s: 15 ms, 0.3 s: 0, 1 s: 14).
 WAKE_PAUSES = (0.01, 0.03, 0.1, 0.3, 1.0)
 WAKE_PROMPT = 128
-WAKE_REPEATS = 5
+WAKE_REPEATS = 7
+WAKE_MIN_SLOWER = 6
 
 
 def thread_counts(text: str) -> tuple[int, ...]:
@@ -89,19 +96,32 @@ class ProfileConfig:
 class Timings:
     """One thread count's measurements: `samples`, (shape, seconds) of every engine step over
     the grid after one warm-up pass; `wake`, the curve of `StepCostModel.wake`; `tpot_s`,
-    the TPOT of the requests `ServedOverhead.step_factor` times served, run here;
-    `prefill_s`, the median step of a lone prompt of each of SEND_PROMPTS' lengths, which a
-    served prefill worker's are compared with (`served.remote_prefill`)."""
+    the TPOT of the requests `ServedOverhead.step_factor` times served, run here."""
 
     samples: list[tuple[StepShape, float]]
     wake: list[tuple[float, float]]
     tpot_s: float
-    prefill_s: dict[int, float]
 
 
 def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
-    """Time the engine on the first `threads` cores: the grid, the wake curve, a TPOT, the
-    prefills a served prefill worker's are compared with."""
+    """Time the engine on the first `threads` cores: the grid, the wake curve, a TPOT."""
+    with _pinned_engine(cfg, threads) as engine:
+        return Timings(_time_grid(cfg, engine), _time_wake(cfg, engine), _time_tpot(engine))
+
+
+def time_lone_prefills(cfg: ProfileConfig) -> dict[int, float]:
+    """`_time_prefills` on a one-thread engine on the first core, where a served 1p1d runs its
+    prefill worker: what `served.remote_prefill` compares that worker's steps with. Timed
+    just before it: a profile that took the two 25 minutes apart (on an AMD EPYC, its grid
+    between them) read 7.6 ms of send cost per token, where the same machine read 0.9 with
+    the two minutes apart."""
+    with _pinned_engine(cfg, 1) as engine:
+        return _time_prefills(engine)
+
+
+@contextmanager
+def _pinned_engine(cfg: ProfileConfig, threads: int) -> Iterator[Engine]:
+    """An engine on the first `threads` cores (this process pinned there meanwhile)."""
     from pdserve.config import DeviceConfig
     from pdserve.engine.engine import Engine
     from pdserve.workers.cores import pin_threads
@@ -116,9 +136,7 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
         raise ValueError(f"threads {threads}: this process may run on {len(cores)} cores only")
     pin_threads(cores[:threads])
     try:
-        engine = Engine(config)
-        return Timings(_time_grid(cfg, engine), _time_wake(cfg, engine), _time_tpot(engine),
-                       _time_prefills(engine))  # fmt: skip
+        yield Engine(config)
     finally:
         pin_threads(cores)
 
@@ -147,8 +165,9 @@ def _time_grid(cfg: ProfileConfig, engine: Engine) -> list[tuple[StepShape, floa
 
 
 def _time_wake(cfg: ProfileConfig, engine: Engine) -> list[tuple[float, float]]:
-    """(pause, extra seconds) per pause: the median prefill after that long idle less the
-    median right after a request ended (paired, so drift cancels); never below 0."""
+    """(pause, extra seconds) per pause: the median over pairs of the prefill after that long
+    idle less the one right after a request ended (paired, so drift cancels); 0 unless at
+    least WAKE_MIN_SLOWER of the WAKE_REPEATS pairs were slower after the pause."""
     from pdserve.sampling_params import SamplingParams
 
     rng = np.random.default_rng(1)
@@ -169,10 +188,19 @@ def _time_wake(cfg: ProfileConfig, engine: Engine) -> list[tuple[float, float]]:
     prefill_after(0.0)
     curve = []
     for pause in cfg.wake_pauses:
-        pairs = [(prefill_after(pause), prefill_after(0.0)) for _ in range(WAKE_REPEATS)]
-        extra = statistics.median(c for c, _ in pairs) - statistics.median(h for _, h in pairs)
-        curve.append((pause, max(0.0, extra)))
+        diffs = [prefill_after(pause) - prefill_after(0.0) for _ in range(WAKE_REPEATS)]
+        curve.append((pause, wake_extra(diffs)))
     return curve
+
+
+def wake_extra(diffs: list[float]) -> float:
+    """One pause's point of the wake curve from its pairs' differences (after the pause less
+    back to back): their median, or 0 unless nearly all (WAKE_MIN_SLOWER of WAKE_REPEATS)
+    were slower after the pause."""
+    needed = math.ceil(len(diffs) * WAKE_MIN_SLOWER / WAKE_REPEATS)
+    if sum(d > 0 for d in diffs) < needed:
+        return 0.0
+    return max(0.0, statistics.median(diffs))
 
 
 def _time_prefills(engine: Engine, repeats: int = 5) -> dict[int, float]:
@@ -306,10 +334,10 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         log(f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
             f"idle costs more by {wake}")  # fmt: skip
-    every_core, one = timed.get(len(os.sched_getaffinity(0))), timed.get(1)
+    every_core = timed.get(len(os.sched_getaffinity(0)))
+    one_thread = (lambda: time_lone_prefills(cfg)) if 1 in cfg.threads else None
     served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,
-                             every_core.tpot_s if every_core else None,
-                             one.prefill_s if one else None)  # fmt: skip
+                             every_core.tpot_s if every_core else None, one_thread)  # fmt: skip
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
         f"{served.token_s * 1e3:.1f} ms from its end per token, steps on every core "
         f"x{served.step_factor:.2f}; a prefill worker's steps +{served.send_step_s * 1e3:.1f} ms "

@@ -17,6 +17,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ def served_overhead(
     kv_cache_bytes: int | None,
     num_requests: int,
     offline_tpot_s: float | None,
-    one_thread_prefill_s: dict[int, float] | None = None,
+    one_thread_prefill: Callable[[], dict[int, float] | None] | None = None,
 ) -> ServedOverhead:
     """Medians over `served_requests` short prompts sent one at a time to a collocated
     deployment on every core (as `bench compare` starts it), each asking for the router's
@@ -47,8 +48,9 @@ def served_overhead(
     Then `step_factor`: the TPOT `pdserve bench` measures there at batch 1 over the same
     requests' on the engine alone (`offline_tpot_s`, every core's; 1 without it). Not over
     the model's step: that ratio carried the fit's error at that one shape into every step
-    (0.83 on 2026-12-02, where served and offline steps matched). Then, with a one-thread
-    engine's prefills and two cores or more, a prefill worker's costs (`remote_prefill`)."""
+    (0.83 on 2026-12-02, where served and offline steps matched). Then, with two cores or
+    more, a prefill worker's costs (`remote_prefill`) over the prefills `one_thread_prefill()`
+    times on a one-thread engine just before (None: not measured)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
@@ -69,10 +71,9 @@ def served_overhead(
         tpot_s = bench_tpot_s(url, model) if offline_tpot_s else None
     factor = tpot_s / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
     remote = {}
-    if one_thread_prefill_s and len(os.sched_getaffinity(0)) >= 2:
-        remote = remote_prefill(
-            model, kv_cache_bytes, num_requests // 2, one_thread_prefill_s, source, rng
-        )
+    offline_s = one_thread_prefill() if one_thread_prefill else None
+    if offline_s and len(os.sched_getaffinity(0)) >= 2:
+        remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, offline_s, source, rng)
     return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor,
                           **remote)  # fmt: skip
 

@@ -118,7 +118,7 @@ class RequestDriver:
         self._transition(status)
 
     async def _attempt(self) -> AsyncIterator[Delta]:
-        roles = self.plane.healthy_roles()
+        roles = self._servable_roles()
         disaggregate = not self.num_output_tokens and {"prefill", "decode"} <= roles
         local_id = disaggregate and self.adaptive.local_prefill(self.policy, self.prompt_token_ids)
         if disaggregate and not local_id:
@@ -161,12 +161,14 @@ class RequestDriver:
         deadline = time.monotonic() + self.config.admission_timeout_s
         done = list(self.processor.states[self.key].token_ids)
         while True:
-            roles = self.plane.healthy_roles()
+            roles = self._servable_roles()
             role = next((r for r in _GENERATE_ROLES if r in roles), None)
             if role is None:
+                if self.plane.healthy_roles():
+                    raise unavailable("every healthy worker missed a deadline for this request")
                 raise unavailable("no healthy worker can serve the request")
             self._new_attempt()
-            chosen = worker_id and self.plane.is_healthy(worker_id)
+            chosen = worker_id not in self._stalled and self.plane.is_healthy(worker_id)
             worker_id = self._claim(worker_id) if chosen else await self._pick(role, deadline)
             await self.adaptive.cores(deadline, worker_id)
             generate = messages.Generate(
@@ -218,6 +220,13 @@ class RequestDriver:
                 self._transition("prefilled")
                 return prefill_id, first
             self._on_refused(first, deadline)
+
+    def _servable_roles(self) -> set[str]:
+        """The healthy roles less those whose every healthy worker missed a deadline for this
+        request (a frozen engine whose heartbeat goes on): a re-drive goes around them, e.g.
+        to the prefill worker when the one decode worker froze."""
+        roles = self.plane.healthy_roles()
+        return {r for r in roles if not self.plane.healthy_ids(r) <= self._stalled}
 
     async def _pick(self, role: str, deadline: float) -> str:
         """A worker of `role` chosen by the policy, waiting (with backoff) while every

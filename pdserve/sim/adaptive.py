@@ -84,6 +84,7 @@ class AdaptiveSimulation(Simulation):
         self.decisions[(decision.kind, decision.reason)] += 1
         if decision.kind == LOCAL:
             decode.num_active_requests += 1
+            self._charge(flight, decode)
             flight.decode, flight.decode_worker = self._request(flight), decode
             flight.decode.prefill_chunk_tokens = decision.prefill_chunk_tokens
             decode.scheduler.add_request(flight.decode)

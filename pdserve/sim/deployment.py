@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pdserve.config import CacheConfig, SchedulerConfig
 from pdserve.router.policies import POLICIES
 from pdserve.schema import check, knob, same_as
+from pdserve.workers.spec import WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ class SimConfig:
     )
     transfer_backend: str | None = knob(None, "a backend the profile measured (default: first)")
     kv_cache_bytes: float | None = knob(None, "per worker (default: the profile's)", gt=0)
+    # The router routes by each worker's last Stats (SimWorker.report), as the real one does.
+    heartbeat_interval_s: float = same_as(WorkerSpec, "heartbeat_interval_s")
 
     def __post_init__(self) -> None:
         check(self)

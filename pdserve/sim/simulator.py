@@ -13,6 +13,11 @@ Events, in simulated seconds (ties broken by insertion order):
     kv_landed(request)       a prefill's KV reached its decode worker: decoding starts, and
                              the prefill worker frees the blocks it kept for the send
 
+Every `heartbeat_interval_s` each worker reports its load (`SimWorker.report`), checked
+before each event rather than queued as one. The router routes by that report plus what it
+counts itself (requests it placed, prompt tokens sent whose first token is not back), as the
+real router does with Stats: an exact view placed multi-turn sessions differently.
+
 Disaggregated requests follow the router's order: reserve on a decode worker (a prefix it
 caches is taken by reference; no room: the request waits at the router, retried after each
 decode step), then prefill on a prefill worker, whose first token is the client's TTFT.
@@ -56,6 +61,7 @@ class _Flight:
     last_token_s: float = 0.0
     prompt_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks
+    charged: SimWorker | None = None  # its prompt counts in this worker's sent tokens
 
 
 class Simulation:
@@ -83,6 +89,7 @@ class Simulation:
         self.max_model_len = min(w.scheduler.max_model_len for w in self.workers)
         self.think_time_s = 0.0
         self.deadline_s = math.inf  # no new turn is sent after it (--duration-s)
+        self.next_report_s = 0.0  # the next heartbeat
 
     def _worker(self, worker_id: str, role: str, size: int) -> SimWorker:
         cfg = self.config
@@ -128,6 +135,8 @@ class Simulation:
                 self._push(offset, _SEND, (session, 0, []))
         while self.events:
             self.now, _, kind, payload = heapq.heappop(self.events)
+            if self.now >= self.next_report_s:  # heartbeats since the last event
+                self._report()
             if kind == _SEND:
                 self._send(*payload)
             elif kind == _ARRIVE:
@@ -141,6 +150,13 @@ class Simulation:
             raise RuntimeError(f"simulation ended with requests unfinished: {unfinished[:5]}")
         records = sorted(self.records, key=lambda r: r.send_s)
         return RunResult(records, run_duration_s(records))
+
+    def _report(self) -> None:
+        """Every worker's Stats as of the last heartbeat (nothing changed since it)."""
+        for w in self.workers:
+            w.report()
+        interval = self.config.heartbeat_interval_s
+        self.next_report_s = (math.floor(self.now / interval) + 1) * interval
 
     def _kick(self, worker: SimWorker) -> None:
         if not worker.is_busy:
@@ -183,6 +199,7 @@ class Simulation:
         else:
             worker = self._choose("collocated", flight)
             worker.num_active_requests += 1
+            self._charge(flight, worker)
             flight.decode, flight.decode_worker = self._request(flight), worker
             worker.scheduler.add_request(flight.decode)
             self._kick(worker)
@@ -195,6 +212,16 @@ class Simulation:
             flight.record.request_id, list(flight.prompt_ids), params,
             arrival_time=self.now, block_hashes=hashes, prefill_only=prefill_only,
         )  # fmt: skip
+
+    def _charge(self, flight: _Flight, worker: SimWorker) -> None:
+        """The router counts the prompt as queued on `worker` until its first token."""
+        worker.sent_prefill_tokens += len(flight.prompt_ids)
+        flight.charged = worker
+
+    def _uncharge(self, flight: _Flight) -> None:
+        if flight.charged is not None:
+            flight.charged.sent_prefill_tokens -= len(flight.prompt_ids)
+            flight.charged = None
 
     @property
     def _root(self) -> int:
@@ -228,6 +255,7 @@ class Simulation:
         flight.decode, flight.decode_worker = request, decode
         prefill_worker = self._choose("prefill", flight)
         prefill_worker.num_active_requests += 1
+        self._charge(flight, prefill_worker)
         flight.prefill = self._request(flight, prefill_only=True)
         prefill_worker.scheduler.add_request(flight.prefill)
         self._kick(prefill_worker)
@@ -265,6 +293,7 @@ class Simulation:
         """A token produced now reaches the client `hop_s` later (`served.token_s`)."""
         record = flight.record
         seen = self.now + (self.served.token_s if hop_s is None else hop_s)
+        self._uncharge(flight)
         if record.ttft_s is None:
             record.ttft_s = seen - record.send_s
             record.cached_tokens = flight.decode.num_cached_tokens if flight.decode else 0

@@ -63,6 +63,9 @@ class SimWorker:
         self.num_preemptions = 0
         self.steps: list[tuple[StepShape, float]] | None = None  # recorded when a list
         self.idle_since = float("-inf")  # when its last step ended: idle since the start
+        # What its last Stats said (report()): before the first, idle with every block free.
+        self.reported = _Reported(0, 0, num_blocks, 0)
+        self.sent_prefill_tokens = 0  # prompt tokens routed here, first token not yet out
 
     @property
     def is_busy(self) -> bool:
@@ -95,29 +98,41 @@ class SimWorker:
         self.idle_since = now
         return self.scheduler.update_from_output(step.output, step.sampled)
 
-    def num_queued_prefill_tokens(self) -> int:
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting)
-        return queued + sum(
-            r.num_prompt_tokens - r.num_computed_tokens
-            for r in self.scheduler.running
-            if r.num_computed_tokens < r.num_prompt_tokens
+    def report(self) -> None:
+        """Its Stats now (a heartbeat): the load the router sees until the next one."""
+        s = self.scheduler
+        self.reported = _Reported(
+            s.num_waiting, s.num_running, self.kv.num_free_blocks, s.num_queued_tokens
         )
 
     def load(self, block_hashes: list[int] | None = None) -> WorkerLoad:
-        """What the router would see, exactly and at once (the real one sees Stats a few
-        milliseconds old plus its own unacknowledged sends)."""
+        """What the router sees, as `router.workers.ControlPlane.loads` builds it: the last
+        Stats (`report`), plus its own count of requests here and of prompt tokens sent
+        whose first token has not come back; cached prefixes exactly (KVEvents follow each
+        step)."""
         cached = 0
         if block_hashes:
             cached = self.kv.num_cached_tokens(block_hashes) // self.kv.block_size
+        r = self.reported
         return WorkerLoad(
             worker_id=self.worker_id,
             role=self.role,
             healthy=True,
-            num_waiting=self.scheduler.num_waiting,
-            num_running=self.scheduler.num_running,
-            num_free_blocks=self.kv.num_free_blocks,
+            num_waiting=r.num_waiting,
+            num_running=r.num_running,
+            num_free_blocks=r.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
-            num_queued_prefill_tokens=self.num_queued_prefill_tokens(),
+            num_queued_prefill_tokens=r.num_queued_tokens + self.sent_prefill_tokens,
             num_active_requests=self.num_active_requests,
             num_cached_blocks=cached,
         )
+
+
+@dataclass(frozen=True)
+class _Reported:
+    """The part of a worker's Stats the router routes by."""
+
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_queued_tokens: int

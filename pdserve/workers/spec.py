@@ -30,7 +30,9 @@ class WorkerSpec:
     # prefill: the decode workers' KV dtype and model dtype (None: this worker's), converted to
     wire_kv_cache_dtype: str = knob("auto", choices=KV_CACHE_DTYPES)
     wire_dtype: str | None = knob(None, choices=DTYPES)
-    heartbeat_interval_s: float = 0.5
+    # Seconds between Stats sends: the load the router routes by is up to this old (the
+    # simulator models the same lag, `SimConfig.heartbeat_interval_s`).
+    heartbeat_interval_s: float = knob(0.5, "seconds between a worker's Stats", gt=0)
     # Deadlines on waits for a peer (engine/roles/ says which wait each bounds).
     kv_send_timeout_s: float = 5.0
     kv_reserve_timeout_s: float = 600.0  # see engine/roles/decode.py

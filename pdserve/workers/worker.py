@@ -317,11 +317,10 @@ class Worker:
             return
         self._next_stats = now + self.spec.heartbeat_interval_s / 10
         s, kv = self.engine.scheduler, self.engine.kv
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
         cache = self.engine.cache_stats()
         self._stats = m.Stats(
             self.spec.worker_id, self.engine.role.name, s.num_waiting, s.num_running,
-            kv.num_free_blocks, kv.num_blocks, queued,
+            kv.num_free_blocks, kv.num_blocks, s.num_queued_tokens,
             kv_tiers=cache["tiers"], kv_moved_bytes=cache["moved_bytes"],
             num_cached_prompt_tokens=cache["cached_prompt_tokens"],
             num_computed_prompt_tokens=cache["computed_prompt_tokens"],

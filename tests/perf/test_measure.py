@@ -9,7 +9,14 @@ import sys
 import pytest
 
 from pdserve.envs import WORKER_SPINCOUNT
-from pdserve.perf.measure import ProfileConfig, build_profile, measure_steps, timing_env
+from pdserve.perf.measure import (
+    ProfileConfig,
+    build_profile,
+    measure_steps,
+    time_lone_prefills,
+    timing_env,
+    wake_extra,
+)
 from pdserve.perf.profile import load_profile
 from pdserve.perf.served import SEND_PROMPTS
 
@@ -24,8 +31,9 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     timings = measure_steps(cfg, 1)
     samples = timings.samples
     assert [p for p, _ in timings.wake] == [0.01, 0.02] and all(x >= 0 for _, x in timings.wake)
-    assert 0 < timings.tpot_s < 1 and set(timings.prefill_s) == set(SEND_PROMPTS)
-    assert all(0 < s < 5 for s in timings.prefill_s.values())
+    assert 0 < timings.tpot_s < 1
+    prefills = time_lone_prefills(cfg)  # what a served prefill worker's steps are compared with
+    assert set(prefills) == set(SEND_PROMPTS) and all(0 < s < 5 for s in prefills.values())
     assert any(s.prefill_tokens == 200 for s, _ in samples)
     assert any(s.decode_requests == 4 and not s.prefill_tokens for s, _ in samples)
     profile = build_profile(cfg, log=lambda line: None)
@@ -61,3 +69,11 @@ def test_profile_times_steps_under_a_workers_openmp_wait_policy():
     import torch  # noqa: F401  (loaded here already by the engine tests; now surely)
 
     assert timing_env() is None
+
+
+def test_a_wake_point_counts_only_when_nearly_every_pair_was_slower_after_the_pause():
+    assert wake_extra([0.020, 0.018, 0.025, 0.019, 0.030, 0.021, 0.022]) == pytest.approx(0.021)
+    assert wake_extra([0.020, 0.018, 0.025, 0.019, 0.030, 0.021, -0.001]) == pytest.approx(0.020)
+    # Jitter larger than any effect: signs at random, and the median is not a cost.
+    assert wake_extra([0.015, -0.010, 0.012, -0.004, 0.009, 0.014, -0.012]) == 0.0
+    assert wake_extra([-0.002] * 7) == 0.0

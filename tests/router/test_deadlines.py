@@ -62,3 +62,18 @@ def test_every_worker_silent_fails_cleanly_within_the_bound(
         assert "missed a deadline" in r.json()["error"]["message"]
         assert time.monotonic() - start < 1.0 + 3.0
         c.wait_until(lambda: "Abort" in c.kinds("c0"))
+
+
+def test_a_frozen_decode_worker_mid_stream_hands_the_request_to_the_prefill_worker(
+    tokenizer_dir: Path, script: list[int]
+) -> None:
+    # The one decode worker freezes after 3 tokens (its heartbeat goes on). No decode worker
+    # is left for this request, so the prefill worker, the last resort, finishes it: the
+    # stream goes on, no token lost or repeated (was: a 503).
+    roles = {"p0": "prefill", "d0": "decode"}
+    behaviour = {"d0": {"freeze_after_tokens": 3}}
+    config = dict(token_timeout_s=1.0, first_token_timeout_s=1.0)
+    with Cluster(tokenizer_dir, script, roles, behaviour, **config) as c:
+        assert stream_text(c)[0] == OUTPUT_TEXT[:12]
+        assert c.kinds("p0").count("Generate") == 1
+        c.wait_until(lambda: "Abort" in c.kinds("d0"))

@@ -50,7 +50,8 @@ def test_short_prompts_at_low_load_are_collocated_exactly():
 
 def test_long_prompts_over_running_decodes_go_remote_and_keep_the_itl():
     decodes = [(0.001 * i, 32, 400) for i in range(8)]  # running for a while
-    long_prompts = [(0.1 + 0.15 * i, 1024, 8) for i in range(6)]
+    # From 0.6 s: after the 0.5 s heartbeat, whose Stats show the decodes' context.
+    long_prompts = [(0.6 + 0.15 * i, 1024, 8) for i in range(6)]
     work = sessions(*decodes, *long_prompts)
     slo = AdaptiveConfig(enabled=True, slo_itl_ms=20.0)  # ~2x the unloaded decode step
     _, collocated = simulate("collocated", work)

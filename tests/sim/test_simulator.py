@@ -167,3 +167,25 @@ def test_bad_deployments_are_refused():
         Deployment.parse("2x")
     with pytest.raises(ValueError, match="no cost model for 4 threads"):
         Simulation(profile(), Deployment.parse("collocated", collocated_size=4))
+
+
+def test_the_router_routes_by_the_last_heartbeat_as_the_real_one_does():
+    # 10 ms steps, Stats every 0.5 s. A (t=0) decodes until ~0.8 s on one worker. At B's
+    # arrival (0.3 s) the last Stats (t=0) still show both idle: A counts only as the
+    # router's own placed request. C (0.2 ms after B) sees B's prompt as sent, not yet
+    # prefilled. At D (0.55 s) the 0.5 s Stats show A and B running.
+    seen = {}
+
+    class Spy(Simulation):
+        def _choose(self, role, flight):
+            seen[flight.record.request_id] = {w.worker_id: w.load() for w in self.workers}
+            return super()._choose(role, flight)
+
+    sim = Spy(profile(), Deployment.parse("2c"), SimConfig(heartbeat_interval_s=0.5))
+    work = sessions((0.0, 32, 80), (0.3, 32, 30), (0.3002, 32, 2), (0.55, 32, 2))
+    sim.run(work, ArrivalSpec("trace"))
+    at_b, at_c, at_d = seen["s1-0"], seen["s2-0"], seen["s3-0"]
+    assert [(w.num_running, w.num_active_requests) for w in at_b.values()] == [(0, 1), (0, 0)]
+    assert [w.num_queued_prefill_tokens for w in at_c.values()] == [0, 32]
+    assert [w.num_running for w in at_d.values()] == [1, 1]
+    assert all(w.sent_prefill_tokens == 0 for w in sim.workers)  # every first token came back
