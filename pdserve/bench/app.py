@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -150,10 +151,14 @@ def execute(
     run_cfg = (
         plan.run if url is None else replace(plan.run, client=replace(plan.run.client, url=url))
     )
+    served = run is None
     run = run or (lambda cfg: run_benchmark(plan.sessions, cfg, plan.tokens))
     document: dict[str, object] = {"config": plan.config}
     if plan.search is None:
+        cpu_s = time.process_time()
         result = run(run_cfg)
+        if served:  # what this client's own CPU took from the machine it shares
+            document["client_cpu_s"] = time.process_time() - cpu_s
     else:
         results: dict[float, RunResult] = {}
         summaries = []

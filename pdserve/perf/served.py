@@ -45,10 +45,12 @@ def served_overhead(
     deployment on every core (as `bench compare` starts it), each asking for the router's
     TTFT breakdown (router/timing.py): `token_s` is its first_token part (step end ->
     router), `request_s` the rest of the client's TTFT beyond the worker's prefill step.
-    Then `step_factor`: the TPOT `pdserve bench` measures there at batch 1 over the same
-    requests' on the engine alone (`offline_tpot_s`, every core's; 1 without it). Not over
-    the model's step: that ratio carried the fit's error at that one shape into every step
-    (0.83 on 2026-12-02, where served and offline steps matched). Then, with two cores or
+    Then `token_cpu_s`, the router's and the bench client's CPU per streamed token over a
+    `pdserve bench` run there at batch 1, and `step_factor`: that run's TPOT, less the
+    token's CPU (the simulator adds it per token), over the same requests' TPOT on the engine
+    alone (`offline_tpot_s`, every core's; 1 without it). Not over the model's step: that
+    ratio carried the fit's error at that one shape into every step (0.83 on 2026-12-02,
+    where served and offline steps matched). Then, with two cores or
     more, a prefill worker's costs (`remote_prefill`) over the prefills `one_thread_prefill()`
     times on a one-thread engine just before (None: not measured)."""
     from pdserve.bench.tokens import TokenSource
@@ -60,22 +62,23 @@ def served_overhead(
     rng = np.random.default_rng(0)
     source = TokenSource.load(model)  # the ids `pdserve bench` sends
     requests, tokens = [], []
-    with Cluster(pipeline_for("collocated", model, kv_cache_bytes),
-                 log_level="WARNING") as url:  # fmt: skip
+    cluster = Cluster(pipeline_for("collocated", model, kv_cache_bytes), log_level="WARNING")
+    with cluster as url:
         for i in range(num_requests + 2):  # two to warm the path up
             prompt = source.random_ids(rng, 16)
             client_ttft_s, parts = first_token(url, model, prompt)
             if i >= 2:
                 tokens.append(parts["first_token"])
                 requests.append(client_ttft_s - parts["prefill"] - parts["first_token"])
-        tpot_s = bench_tpot_s(url, model) if offline_tpot_s else None
-    factor = tpot_s / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
+        router = next(p.popen.pid for p in cluster.processes if p.name == "router")
+        tpot_s, token_cpu_s = bench_tpot_s(url, model, router) if offline_tpot_s else (None, 0.0)
+    factor = (tpot_s - token_cpu_s) / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
     remote = {}
     offline_s = one_thread_prefill() if one_thread_prefill else None
     if offline_s and len(os.sched_getaffinity(0)) >= 2:
         remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, offline_s, source, rng)
     return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor,
-                          **remote)  # fmt: skip
+                          token_cpu_s=token_cpu_s, **remote)  # fmt: skip
 
 
 def remote_prefill(
@@ -118,10 +121,11 @@ def send_cost(extra_s: dict[int, float]) -> tuple[float, float]:
     return max(0.0, e0 - per_token * n0), per_token
 
 
-def bench_tpot_s(url: str, model: str) -> float | None:
+def bench_tpot_s(url: str, model: str, router_pid: int) -> tuple[float | None, float]:
     """Median TPOT of `STEP_FACTOR_REQUESTS` greedy requests sent one at a time by `pdserve
     bench` in its own process: the client whose figures `pdserve simulate` predicts, and
-    whose CPU (with the router's) the worker's threads share its cores with."""
+    whose CPU (with the router's) the worker's threads share its cores with; and that CPU,
+    the router's and the client's, per streamed token (0 where /proc cannot tell)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
@@ -129,9 +133,24 @@ def bench_tpot_s(url: str, model: str) -> float | None:
                 "--num-requests", str(STEP_FACTOR_REQUESTS), "--max-concurrency", "1",
                 "--input-len", str(STEP_FACTOR_PROMPT), "--output-len", str(STEP_FACTOR_TOKENS),
                 "--no-progress", "--output", str(out)]  # fmt: skip
+        router_s = cpu_s(router_pid)
         subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-        tpot_ms = json.loads(out.read_text())["summary"]["tpot_ms"]["p50"]
-    return tpot_ms / 1e3 if tpot_ms else None
+        router_s = cpu_s(router_pid) - router_s
+        document = json.loads(out.read_text())
+    tpot_ms = document["summary"]["tpot_ms"]["p50"]
+    num_tokens = sum(r["output_len"] for r in document["records"])
+    token_cpu_s = (router_s + document["client_cpu_s"]) / num_tokens if num_tokens else 0.0
+    return (tpot_ms / 1e3 if tpot_ms else None), max(0.0, token_cpu_s)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has run so far; 0 without /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is fields[0]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def first_token(

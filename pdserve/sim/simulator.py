@@ -13,6 +13,10 @@ Events, in simulated seconds (ties broken by insertion order):
     kv_landed(request)       a prefill's KV reached its decode worker: decoding starts, and
                              the prefill worker frees the blocks it kept for the send
 
+A step that starts while the busy workers' threads fill every core of the host costs
+`served.token_cpu_s` per token it streams more: the router and the client have no free core
+and run on its.
+
 Every `heartbeat_interval_s` each worker reports its load (`SimWorker.report`), checked
 before each event rather than queued as one. The router routes by that report plus what it
 counts itself (requests it placed, prompt tokens sent whose first token is not back), as the
@@ -105,6 +109,7 @@ class Simulation:
             worker_id, role, size, self.profile.served_cost_model(size), num_blocks,
             cfg.block_size, cfg.scheduler, max_model_len, cfg.enable_prefix_caching,
             self.profile.model.name, (self.served.send_step_s, self.served.send_token_s),
+            self.served.token_cpu_s,
         )  # fmt: skip
 
     # ---- the loop --------------------------------------------------------------------
@@ -158,9 +163,17 @@ class Simulation:
         interval = self.config.heartbeat_interval_s
         self.next_report_s = (math.floor(self.now / interval) + 1) * interval
 
+    def _contended(self, worker: SimWorker) -> bool:
+        """Whether `worker`'s step would start with no core of the host free for the router
+        and the client: the busy workers' threads (its own included) fill them."""
+        if self.profile.size_unit != "threads":
+            return False
+        busy = sum(w.size for w in self.workers if w.is_busy or w is worker)
+        return busy >= self.profile.devices_per_node
+
     def _kick(self, worker: SimWorker) -> None:
         if not worker.is_busy:
-            step = worker.start_step(self.now)
+            step = worker.start_step(self.now, self._contended(worker))
             if step is not None:
                 self._push(self.now + step.duration_s, _STEP, worker)
 

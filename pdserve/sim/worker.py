@@ -47,11 +47,14 @@ class SimWorker:
         enable_prefix_caching: bool = True,
         model_id: str = "",
         send_cost: tuple[float, float] = (0.0, 0.0),
+        token_cpu_s: float = 0.0,
     ) -> None:
         self.worker_id, self.role, self.size = worker_id, role, size
         self.cost_model = cost_model
         # A prefill worker's steps also run its layer-wise KV sends: (per step, per token) s.
         self.send_cost = send_cost
+        # The serving stack's CPU per streamed token, taken from a step when no core is free.
+        self.token_cpu_s = token_cpu_s
         self.kv = KVCacheManager(num_blocks, block_size, model_id, enable_prefix_caching)
         self.scheduler = Scheduler(
             scheduler_config, self.kv, max_model_len, preallocate_prompt=role == "prefill"
@@ -71,9 +74,11 @@ class SimWorker:
     def is_busy(self) -> bool:
         return self.step is not None
 
-    def start_step(self, now: float) -> Step | None:
+    def start_step(self, now: float, contended: bool = False) -> Step | None:
         """Schedule the next step at `now`, or None when there is nothing to run. A step after
-        idle time costs the model's `wake_s` more (the machine woke up for it)."""
+        idle time costs the model's `wake_s` more (the machine woke up for it); one that
+        starts while every core is taken (`contended`) costs `token_cpu_s` per token it
+        streams more (the router and the client run on its cores)."""
         if not self.scheduler.has_unfinished():
             return None
         out = self.scheduler.schedule()
@@ -84,6 +89,8 @@ class SimWorker:
         duration_s = self.cost_model.predict(shape) + self.cost_model.wake_s(now - self.idle_since)
         if self.role == "prefill" and shape.prefill_tokens:
             duration_s += self.send_cost[0] + self.send_cost[1] * shape.prefill_tokens
+        if contended:
+            duration_s += self.token_cpu_s * len(sampled)
         self.step = Step(out, sampled, shape, duration_s)
         self.busy_s += self.step.duration_s
         self.num_steps += 1

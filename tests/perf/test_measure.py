@@ -50,6 +50,8 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
         # a served 1p1d ran: its prefill worker's first token came back, in well under 1 s
         assert 0 < loaded.served.remote_token_s < 1
         assert loaded.served.send_step_s < 1 and loaded.served.send_token_s < 0.01
+        # the router and the client spent CPU on each streamed token: some, far below a step
+        assert 0 < loaded.served.token_cpu_s < 0.05
     with pytest.raises(ValueError, match=f"no cost model for {cores + 1} threads"):
         loaded.cost_model(cores + 1)
 

@@ -189,3 +189,17 @@ def test_the_router_routes_by_the_last_heartbeat_as_the_real_one_does():
     assert [w.num_queued_prefill_tokens for w in at_c.values()] == [0, 32]
     assert [w.num_running for w in at_d.values()] == [1, 1]
     assert all(w.sent_prefill_tokens == 0 for w in sim.workers)  # every first token came back
+
+
+def test_the_serving_stacks_cpu_lengthens_steps_only_while_every_core_is_busy():
+    prof = profile(served=ServedOverhead(token_cpu_s=0.002))  # two cores, 10 ms steps
+    # Alone on one of the two cores: the router and the client take the free one.
+    _, alone = run(prof, "2c", sessions((0.0, 32, 3)))
+    assert alone["s0-0"].ttft_s == pytest.approx(0.010)
+    assert alone["s0-0"].itl_s == pytest.approx([0.010, 0.010])
+    # Both workers busy: each step streams one token and costs 2 ms more. A's first step
+    # started while B's worker was still idle.
+    _, both = run(prof, "2c", sessions((0.0, 32, 3), (0.0, 32, 3)))
+    a, b = both["s0-0"], both["s1-0"]
+    assert a.ttft_s == pytest.approx(0.010) and a.itl_s == pytest.approx([0.012, 0.012])
+    assert b.ttft_s == pytest.approx(0.012) and b.itl_s == pytest.approx([0.012, 0.012])
