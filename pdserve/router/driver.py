@@ -321,7 +321,10 @@ class RequestDriver:
         if worker_done:
             self._release(worker_id)
             self.outstanding.pop(worker_id, None)
-            self.senders.clear()
+            # D done: its KV landed. A prefill worker whose first token ends the request stays
+            # in `senders`: its KV may still be on the way, and close() aborts that send too.
+            if not is_prefill:
+                self.senders.clear()
         room = self.params.max_tokens - self.num_output_tokens
         token_ids = tokens.token_ids[:room]
         hit_length = len(token_ids) >= room

@@ -9,7 +9,7 @@ from pathlib import Path
 import requests
 
 from tests.router.conftest import OUTPUT_TEXT
-from tests.router.harness import Cluster
+from tests.router.harness import EOS, Cluster
 
 PD = {"p0": "prefill", "d0": "decode"}
 
@@ -83,6 +83,16 @@ def test_stop_string_in_first_token_aborts_decode(tokenizer_dir: Path, script: l
             "index": 0, "text": "", "logprobs": None, "finish_reason": "stop"
         }  # fmt: skip
         c.wait_until(lambda: c.kinds("d0") == ["Reserve", "Abort"])
+
+
+def test_a_first_token_that_ends_the_request_aborts_both_workers(tokenizer_dir: Path) -> None:
+    # P's first token is EOS: the request ends there. D never decodes, and P is told to
+    # stop its KV send too (it held the blocks until the send timed out, 5 s).
+    with Cluster(tokenizer_dir, [EOS], PD) as c:
+        body = post(c, {"prompt": "Hi", "max_tokens": 9}).json()
+        assert body["choices"][0]["finish_reason"] == "stop"
+        c.wait_until(lambda: c.kinds("d0") == ["Reserve", "Abort"])
+        c.wait_until(lambda: c.kinds("p0") == ["Prefill", "Abort"])
 
 
 def test_stop_string_during_decode_aborts_decode(tokenizer_dir: Path, script: list[int]) -> None:
