@@ -87,7 +87,7 @@ def test_stop_string_in_first_token_aborts_decode(tokenizer_dir: Path, script: l
 
 def test_a_first_token_that_ends_the_request_aborts_both_workers(tokenizer_dir: Path) -> None:
     # P's first token is EOS: the request ends there. D never decodes, and P is told to
-    # stop its KV send too (it held the blocks until the send timed out, 5 s).
+    # stop its KV send too (it was left to finish or time out on its own: 5 s).
     with Cluster(tokenizer_dir, [EOS], PD) as c:
         body = post(c, {"prompt": "Hi", "max_tokens": 9}).json()
         assert body["choices"][0]["finish_reason"] == "stop"
