@@ -50,9 +50,9 @@ def served_overhead(
     token's CPU (the simulator adds it per token), over the same requests' TPOT on the engine
     alone (`offline_tpot_s`, every core's; 1 without it). Not over the model's step: that
     ratio carried the fit's error at that one shape into every step (0.83 on 2026-12-02,
-    where served and offline steps matched). Then, with two cores or
-    more, a prefill worker's costs (`remote_prefill`) over the prefills `one_thread_prefill()`
-    times on a one-thread engine just before (None: not measured)."""
+    where served and offline steps matched). Then, with two cores or more, a prefill
+    worker's costs (`remote_prefill`) over the prefills `one_thread_prefill()` times on a
+    one-thread engine just before (None: not measured)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
