@@ -73,9 +73,9 @@ def test_profile_times_steps_under_a_workers_openmp_wait_policy():
     assert timing_env() is None
 
 
-def test_a_wake_point_counts_only_when_nearly_every_pair_was_slower_after_the_pause():
+def test_a_wake_point_counts_only_when_every_pair_was_slower_after_the_pause():
     assert wake_extra([0.020, 0.018, 0.025, 0.019, 0.030, 0.021, 0.022]) == pytest.approx(0.021)
-    assert wake_extra([0.020, 0.018, 0.025, 0.019, 0.030, 0.021, -0.001]) == pytest.approx(0.020)
+    assert wake_extra([0.020, 0.018, 0.025, 0.019, 0.030, 0.021, -0.001]) == 0.0  # 6 of 7
     # Jitter larger than any effect: signs at random, and the median is not a cost.
     assert wake_extra([0.015, -0.010, 0.012, -0.004, 0.009, 0.014, -0.012]) == 0.0
     assert wake_extra([-0.002] * 7) == 0.0
