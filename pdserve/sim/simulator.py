@@ -306,8 +306,8 @@ class Simulation:
         """A token produced now reaches the client `hop_s` later (`served.token_s`)."""
         record = flight.record
         seen = self.now + (self.served.token_s if hop_s is None else hop_s)
-        self._uncharge(flight)
         if record.ttft_s is None:
+            self._uncharge(flight)  # the router's charge ends with the first token
             record.ttft_s = seen - record.send_s
             record.cached_tokens = flight.decode.num_cached_tokens if flight.decode else 0
         else:
