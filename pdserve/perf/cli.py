@@ -15,14 +15,34 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_flags(parser, ProfileConfig)
     parser.add_argument("--output", required=True, help="profile JSON to write")
+    parser.add_argument(
+        "--rescale", metavar="PROFILE", help="instead of the grid (half an hour on a slow "
+        "CPU), re-time a short probe per thread count of PROFILE, measured on this machine, "
+        "and write it at this machine's speed now (its model, threads and KV size kept)",
+    )  # fmt: skip
     parser.set_defaults(func=cmd_profile)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    if args.rescale:
+        return _rescale(args.rescale, args.output)
     from pdserve.perf.measure import build_profile
 
     cfg = from_flat(ProfileConfig, flag_values(args, ProfileConfig))
     profile = build_profile(cfg, log=lambda line: print(line, file=sys.stderr))
     profile.save(args.output)
     print(f"wrote {args.output}: {profile.device}, {profile.model.name}, threads {cfg.threads}")
+    return 0
+
+
+def _rescale(path: str, output: str) -> int:
+    from pdserve.perf.profile import load_profile
+    from pdserve.perf.rescale import probe_ratios, rescaled
+
+    profile = load_profile(path)
+    ratios = probe_ratios(profile)
+    rescaled(profile, ratios).save(output)
+    speeds = ", ".join(f"threads {k}: x{v:.3f}" for k, v in ratios.items())
+    print(f"wrote {output}: {path} rescaled by the time a probe took over its prediction "
+          f"({speeds})")  # fmt: skip
     return 0

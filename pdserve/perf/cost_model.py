@@ -137,6 +137,11 @@ class StepCostModel:
             return 0.0
         return sum(c * x for c, x in zip(self.coefficients, self.features(shape), strict=True))
 
+    def scaled(self, factor: float) -> StepCostModel:
+        """The same model `factor` times slower (its wake curve, an idle cost, kept)."""
+        return StepCostModel([c * factor for c in self.coefficients], self.knee_tokens,
+                             wake=self.wake)  # fmt: skip
+
     def wake_s(self, idle_s: float) -> float:
         """What a step costs more after `idle_s` seconds with nothing to run."""
         if not self.wake or idle_s <= 0:

@@ -106,8 +106,8 @@ class Timings:
 
 def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
     """Time the engine on the first `threads` cores: the grid, the wake curve, a TPOT."""
-    with _pinned_engine(cfg, threads) as engine:
-        return Timings(_time_grid(cfg, engine), _time_wake(cfg, engine), _time_tpot(engine))
+    with pinned_engine(cfg, threads) as engine:
+        return Timings(time_grid(cfg, engine), _time_wake(cfg, engine), _time_tpot(engine))
 
 
 def time_lone_prefills(cfg: ProfileConfig) -> dict[int, float]:
@@ -116,12 +116,12 @@ def time_lone_prefills(cfg: ProfileConfig) -> dict[int, float]:
     just before it: a profile that took the two 25 minutes apart (on an AMD EPYC, its grid
     between them) read 7.6 ms of send cost per token, where the same machine read 0.9 with
     the two minutes apart."""
-    with _pinned_engine(cfg, 1) as engine:
+    with pinned_engine(cfg, 1) as engine:
         return _time_prefills(engine)
 
 
 @contextmanager
-def _pinned_engine(cfg: ProfileConfig, threads: int) -> Iterator[Engine]:
+def pinned_engine(cfg: ProfileConfig, threads: int) -> Iterator[Engine]:
     """An engine on the first `threads` cores (this process pinned there meanwhile)."""
     from pdserve.config import DeviceConfig
     from pdserve.engine.engine import Engine
@@ -142,7 +142,7 @@ def _pinned_engine(cfg: ProfileConfig, threads: int) -> Iterator[Engine]:
         pin_threads(cores)
 
 
-def _time_grid(cfg: ProfileConfig, engine: Engine) -> list[tuple[StepShape, float]]:
+def time_grid(cfg: ProfileConfig, engine: Engine) -> list[tuple[StepShape, float]]:
     from pdserve.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -315,6 +315,12 @@ def timing_env() -> dict[str, str] | None:
     return envs.thread_wait()
 
 
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((line.split(":", 1)[1].strip() for line in cpuinfo
+                     if line.startswith("model name")), platform.processor())  # fmt: skip
+
+
 def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
     openmp = timing_env()
     if openmp is None:
@@ -344,8 +350,7 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         f"x{served.step_factor:.2f}; a prefill worker's steps +{served.send_step_s * 1e3:.1f} ms "
         f"+{served.send_token_s * 1e6:.1f} us per token, its first token "
         f"{served.remote_token_s * 1e3:.1f} ms")  # fmt: skip
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = cpu_name()
     return HardwareProfile(
         kind="measured",
         device=f"cpu: {cpu}",

@@ -142,8 +142,7 @@ class HardwareProfile:
         factor = self.served.step_factor
         if self.size_unit != "threads" or size < self.devices_per_node or factor == 1.0:
             return model
-        return StepCostModel([c * factor for c in model.coefficients], model.knee_tokens,
-                             wake=model.wake)  # fmt: skip
+        return model.scaled(factor)
 
     def transfer_model(self, backend: str | None = None) -> TransferModel:
         if backend is None:

@@ -1,0 +1,87 @@
+"""`pdserve profile --rescale PROFILE`: the profile at this machine's speed now.
+
+A profile's grid takes half an hour on a slow CPU, and a VM's speed moves more than a
+simulator's error budget within the hour: on an AMD EPYC VM a one-thread 256-token prefill
+took 1.66 s while the profile ran and 1.94-2.48 s an hour later, and every one-thread cell of
+the accuracy table then read 11-26% low. A probe re-times a few of the grid's shapes on each
+of the profile's thread counts (a minute, not half an hour) against the profile's own
+predictions for them, and multiplies that thread count's coefficients by the ratio. The
+serving stack's figures (CPU time of one Python process) scale by the one-thread ratio.
+
+Only the speed moves: the shape the grid fitted (a token against a row against a context
+token) and the wake curve are kept, and `machine["rescaled"]` records each ratio and when it
+was taken. A probe is no substitute for profiling another machine: a profile of another CPU
+or core count is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, replace
+
+from pdserve.perf.cost_model import StepCostModel, StepShape
+from pdserve.perf.measure import ProfileConfig, cpu_name, pinned_engine, time_grid, timing_env
+from pdserve.perf.profile import HardwareProfile, ServedOverhead
+
+# Grid shapes (prompt tokens, requests) that give prefills of chat lengths, a batched prefill
+# and batch-1 and batch-8 decodes: each a kind of step the workloads are made of.
+PROBE_GRID = ((128, 1), (256, 1), (64, 8))
+# Served figures that are seconds of CPU or latency (step_factor is a ratio: kept).
+SERVED_SECONDS = ("request_s", "token_s", "send_step_s", "send_token_s", "remote_token_s",
+                  "token_cpu_s")  # fmt: skip
+
+
+def speed_ratio(model: StepCostModel, samples: list[tuple[StepShape, float]]) -> float:
+    """Measured over predicted: the geometric mean of the median ratio of the prefill steps
+    and that of the decode steps, so the many short decode steps and the few long prefills
+    weigh alike. ValueError if the samples lack either kind."""
+    prefill = [t / model.predict(s) for s, t in samples if s.prefill_tokens]
+    decode = [t / model.predict(s) for s, t in samples if not s.prefill_tokens]
+    if not prefill or not decode:
+        raise ValueError("a speed probe needs prefill and decode steps")
+    return (statistics.median(prefill) * statistics.median(decode)) ** 0.5
+
+
+def probe_ratios(profile: HardwareProfile, decode_steps: int = 12) -> dict[int, float]:
+    """`speed_ratio` per thread count of `profile`, timed here on the cores its workers get
+    (one warm-up pass over PROBE_GRID, one timed)."""
+    check_same_machine(profile)
+    timing_env()
+    cfg = ProfileConfig(model=profile.model.name, threads=tuple(sorted(profile.models)),
+                        kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None,
+                        decode_steps=decode_steps, repeats=1, grid=PROBE_GRID)  # fmt: skip
+    ratios = {}
+    for threads in cfg.threads:
+        with pinned_engine(cfg, threads) as engine:
+            ratios[threads] = speed_ratio(profile.cost_model(threads), time_grid(cfg, engine))
+    return ratios
+
+
+def check_same_machine(profile: HardwareProfile) -> None:
+    if profile.kind != "measured" or profile.size_unit != "threads":
+        raise ValueError(f"--rescale: a {profile.kind} profile of {profile.device} is not "
+                         "this machine's; only a measured CPU profile rescales")  # fmt: skip
+    here = (cpu_name(), len(os.sched_getaffinity(0)))
+    there = (profile.machine.get("cpu"), profile.machine.get("cores"))
+    if here != there:
+        raise ValueError(f"--rescale: the profile was measured on {there[0]!r} with {there[1]} "
+                         f"cores, this is {here[0]!r} with {here[1]}: profile this machine "
+                         "(pdserve profile)")  # fmt: skip
+
+
+def rescaled(profile: HardwareProfile, ratios: dict[int, float]) -> HardwareProfile:
+    """`profile` with each thread count's coefficients times its ratio and the served seconds
+    times the smallest thread count's."""
+    served_ratio = ratios[min(ratios)]
+    served = asdict(profile.served)
+    served.update({k: served[k] * served_ratio for k in SERVED_SECONDS})
+    record = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "ratios": {str(k): round(v, 4) for k, v in ratios.items()}}  # fmt: skip
+    return replace(
+        profile,
+        models={size: model.scaled(ratios[size]) for size, model in profile.models.items()},
+        served=ServedOverhead(**served),
+        machine={**profile.machine, "rescaled": record},
+    )

@@ -1,0 +1,76 @@
+"""`pdserve profile --rescale`: a probe's ratio, the rescaled profile, what it refuses, and a
+probe on a real engine that finds a profile four times too fast."""
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from pdserve.perf.analytic import analytic_profile, model_shape
+from pdserve.perf.cost_model import FEATURES, StepCostModel, StepShape, fit_cost_model
+from pdserve.perf.measure import ProfileConfig, cpu_name, pinned_engine, time_grid
+from pdserve.perf.profile import HardwareProfile, ServedOverhead
+from pdserve.perf.rescale import SERVED_SECONDS, probe_ratios, rescaled, speed_ratio
+
+PREFILL, DECODE = StepShape(prefill_tokens=100), StepShape(decode_requests=4)
+
+
+def cpu_profile(models: dict[int, StepCostModel], name: str = "m", **machine) -> HardwareProfile:
+    here = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0))}
+    return HardwareProfile(
+        kind="measured", device="cpu: x", model=model_shape("llama-3-8b"), size_unit="threads",
+        models=models, transfer={}, devices_per_node=here["cores"], kv_cache_bytes=1 << 20,
+        machine=here | machine,
+        served=ServedOverhead(request_s=0.004, token_s=0.001, step_factor=1.1, token_cpu_s=0.002),
+    )  # fmt: skip
+
+
+def linear_model(step_s: float = 0.01, per_token_s: float = 0.001) -> StepCostModel:
+    coefficients = [0.0] * len(FEATURES)
+    coefficients[0], coefficients[1], coefficients[2] = step_s, per_token_s, per_token_s
+    return StepCostModel(coefficients)
+
+
+def test_speed_ratio_weighs_prefill_and_decode_steps_alike():
+    model = linear_model()
+    # one prefill twice as slow as predicted, many decodes 1.5 times: sqrt(2 * 1.5), not ~1.5
+    samples = [(PREFILL, 2 * model.predict(PREFILL))]
+    samples += [(DECODE, 1.5 * model.predict(DECODE))] * 20
+    assert speed_ratio(model, samples) == pytest.approx(3**0.5)
+    with pytest.raises(ValueError, match="prefill and decode steps"):
+        speed_ratio(model, samples[1:])
+
+
+def test_rescaled_profile_scales_each_thread_count_and_the_served_seconds():
+    profile = cpu_profile({1: linear_model(), 2: linear_model(0.02)})
+    out = rescaled(profile, {1: 1.25, 2: 0.8})
+    assert out.cost_model(1).predict(PREFILL) == pytest.approx(1.25 * 0.11)
+    assert out.cost_model(2).predict(DECODE) == pytest.approx(0.8 * 0.024)
+    for key in SERVED_SECONDS:  # seconds of one process: the one-thread ratio
+        assert getattr(out.served, key) == pytest.approx(1.25 * getattr(profile.served, key))
+    assert out.served.step_factor == 1.1  # a ratio of two speeds: kept
+    assert out.machine["rescaled"]["ratios"] == {"1": 1.25, "2": 0.8}
+    assert (
+        out.machine["cpu"] == profile.machine["cpu"] and profile.models[1].coefficients[0] == 0.01
+    )
+    loaded = HardwareProfile.from_dict(out.to_dict())  # a file like any other
+    assert loaded.cost_model(1).coefficients == out.cost_model(1).coefficients
+
+
+def test_rescale_refuses_another_machine_and_analytic_profiles():
+    with pytest.raises(ValueError, match="measured on 'another cpu' with 2 cores"):
+        probe_ratios(cpu_profile({1: linear_model()}, cpu="another cpu", cores=2))
+    with pytest.raises(ValueError, match="only a measured CPU profile rescales"):
+        probe_ratios(analytic_profile(model_shape("llama-3-8b"), "H100-SXM"))
+
+
+@pytest.mark.slow
+def test_a_probe_finds_a_profile_four_times_too_fast(tiny_served_model):
+    cfg = ProfileConfig(str(tiny_served_model), (1,), kv_cache_bytes=1 << 20, decode_steps=6,
+                        repeats=1, grid=((128, 1), (256, 1), (64, 8), (32, 4)))  # fmt: skip
+    with pinned_engine(cfg, 1) as engine:
+        fitted = fit_cost_model(time_grid(cfg, engine))
+    profile = cpu_profile({1: fitted.scaled(0.25)})
+    profile = replace(profile, model=replace(profile.model, name=str(tiny_served_model)))
+    ratio = probe_ratios(profile, decode_steps=6)[1]
+    assert 2 < ratio < 8, ratio  # 4, give or take a noisy machine's step times
