@@ -44,14 +44,17 @@ def speed_ratio(model: StepCostModel, samples: list[tuple[StepShape, float]]) ->
     return (statistics.median(prefill) * statistics.median(decode)) ** 0.5
 
 
-def probe_ratios(profile: HardwareProfile, decode_steps: int = 12) -> dict[int, float]:
+def probe_ratios(profile: HardwareProfile, decode_steps: int | None = None) -> dict[int, float]:
     """`speed_ratio` per thread count of `profile`, timed here on the cores its workers get
-    (one warm-up pass over PROBE_GRID, one timed)."""
+    (one warm-up pass over PROBE_GRID, one timed; `decode_steps` as the profile's grid
+    unless given)."""
     check_same_machine(profile)
     timing_env()
     cfg = ProfileConfig(model=profile.model.name, threads=tuple(sorted(profile.models)),
-                        kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None,
-                        decode_steps=decode_steps, repeats=1, grid=PROBE_GRID)  # fmt: skip
+                        kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None, repeats=1,
+                        grid=PROBE_GRID)  # fmt: skip
+    if decode_steps is not None:
+        cfg = replace(cfg, decode_steps=decode_steps)
     ratios = {}
     for threads in cfg.threads:
         with pinned_engine(cfg, threads) as engine:
