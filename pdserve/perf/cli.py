@@ -40,7 +40,7 @@ def _rescale(path: str, output: str) -> int:
     from pdserve.perf.rescale import probe_ratios, rescaled
 
     profile = load_profile(path)
-    ratios = probe_ratios(profile)
+    ratios = probe_ratios(profile, log=lambda line: print(line, file=sys.stderr))
     rescaled(profile, ratios).save(output)
     speeds = ", ".join(f"threads {k}: x{v:.3f}" for k, v in ratios.items())
     print(f"wrote {output}: {path} rescaled by the time a probe took over its prediction "

@@ -25,6 +25,7 @@ from pdserve.perf.cost_model import StepCostModel, StepShape
 from pdserve.perf.measure import ProfileConfig, cpu_name, pinned_engine, time_grid, timing_env
 from pdserve.perf.profile import HardwareProfile, ServedOverhead
 
+Samples = list[tuple[StepShape, float]]
 # Grid shapes (prompt tokens, requests) that give prefills of chat lengths, a batched prefill
 # and batch-1 and batch-8 decodes: each a kind of step the workloads are made of.
 PROBE_GRID = ((128, 1), (256, 1), (64, 8))
@@ -33,18 +34,26 @@ SERVED_SECONDS = ("request_s", "token_s", "send_step_s", "send_token_s", "remote
                   "token_cpu_s")  # fmt: skip
 
 
-def speed_ratio(model: StepCostModel, samples: list[tuple[StepShape, float]]) -> float:
-    """Measured over predicted: the geometric mean of the median ratio of the prefill steps
-    and that of the decode steps, so the many short decode steps and the few long prefills
-    weigh alike. ValueError if the samples lack either kind."""
+def phase_ratios(model: StepCostModel, samples: Samples) -> tuple[float, float]:
+    """Measured over predicted, the median of the prefill steps' and of the decode steps';
+    ValueError if the samples lack either kind."""
     prefill = [t / model.predict(s) for s, t in samples if s.prefill_tokens]
     decode = [t / model.predict(s) for s, t in samples if not s.prefill_tokens]
     if not prefill or not decode:
         raise ValueError("a speed probe needs prefill and decode steps")
-    return (statistics.median(prefill) * statistics.median(decode)) ** 0.5
+    return statistics.median(prefill), statistics.median(decode)
 
 
-def probe_ratios(profile: HardwareProfile, decode_steps: int | None = None) -> dict[int, float]:
+def speed_ratio(model: StepCostModel, samples: Samples) -> float:
+    """The geometric mean of `phase_ratios`: the few long prefills and the many short decode
+    steps weigh alike."""
+    prefill, decode = phase_ratios(model, samples)
+    return (prefill * decode) ** 0.5
+
+
+def probe_ratios(
+    profile: HardwareProfile, decode_steps: int | None = None, log=lambda line: None
+) -> dict[int, float]:
     """`speed_ratio` per thread count of `profile`, timed here on the cores its workers get
     (one warm-up pass over PROBE_GRID, one timed; `decode_steps` as the profile's grid
     unless given)."""
@@ -58,7 +67,12 @@ def probe_ratios(profile: HardwareProfile, decode_steps: int | None = None) -> d
     ratios = {}
     for threads in cfg.threads:
         with pinned_engine(cfg, threads) as engine:
-            ratios[threads] = speed_ratio(profile.cost_model(threads), time_grid(cfg, engine))
+            samples = time_grid(cfg, engine)
+        model = profile.cost_model(threads)
+        ratios[threads] = speed_ratio(model, samples)
+        prefill, decode = phase_ratios(model, samples)
+        log(f"threads {threads}: prefill steps x{prefill:.3f}, decode steps x{decode:.3f} "
+            f"their profiled time")  # fmt: skip
     return ratios
 
 
