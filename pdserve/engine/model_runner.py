@@ -75,16 +75,6 @@ def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, device: torch.device, dt
     return num_blocks
 
 
-def token_slice(request: Request, start: int, end: int) -> list[int]:
-    """request.all_token_ids[start:end] without concatenating the whole sequence."""
-    num_prompt = request.num_prompt_tokens
-    if start >= num_prompt:
-        return request.output_token_ids[start - num_prompt : end - num_prompt]
-    if end <= num_prompt:
-        return request.prompt_token_ids[start:end]
-    return request.prompt_token_ids[start:] + request.output_token_ids[: end - num_prompt]
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -219,7 +209,7 @@ class ModelRunner:
             start = request.num_computed_tokens
             end = start + num_new
             row = len(input_ids)
-            input_ids += token_slice(request, start, end)
+            input_ids += request.token_slice(start, end)
             positions += range(start, end)  # RoPE: original positions, dropped tokens or not
             dropped = request.num_dropped_tokens
             kv_index = range(start - dropped, end - dropped)  # where the KV goes

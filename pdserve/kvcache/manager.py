@@ -63,8 +63,8 @@ class KVCacheManager:
         have = len(request.block_hashes)
         if num_full > have:
             parent = request.block_hashes[-1] if have else self.root_hash
-            tokens = request.all_token_ids[: num_full * self.block_size]
-            request.block_hashes += hash_blocks(tokens, self.block_size, parent, start_block=have)
+            tokens = request.token_slice(have * self.block_size, num_full * self.block_size)
+            request.block_hashes += hash_blocks(tokens, self.block_size, parent)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of a request that holds no blocks yet.
@@ -126,6 +126,8 @@ class KVCacheManager:
         free blocks do not suffice; hit blocks that are themselves free count as taken."""
         hit_block_ids = hit_block_ids or []
         need = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
+        if not need and not hit_block_ids:
+            return True  # its blocks have room (most decode steps)
         num_hits_free = sum(1 for b in hit_block_ids if self.pool.ref_cnt[b] == 0)
         if need + num_hits_free > self.pool.num_free_blocks:
             return False
