@@ -20,6 +20,11 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
         "CPU), re-time a short probe per thread count of PROFILE, measured on this machine, "
         "and write it at this machine's speed now (its model, threads and KV size kept)",
     )  # fmt: skip
+    parser.add_argument(
+        "--update", metavar="PROFILE", help="measure --threads and the served figures again "
+        "and keep PROFILE's other thread counts (its model and KV size too): a thread count "
+        "measured while something else ran, without the whole grid again",
+    )  # fmt: skip
     parser.set_defaults(func=cmd_profile)
 
 
@@ -27,9 +32,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.rescale:
         return _rescale(args.rescale, args.output)
     from pdserve.perf.measure import build_profile
+    from pdserve.perf.profile import load_profile
 
     cfg = from_flat(ProfileConfig, flag_values(args, ProfileConfig))
-    profile = build_profile(cfg, log=lambda line: print(line, file=sys.stderr))
+    base = load_profile(args.update) if args.update else None
+    profile = build_profile(cfg, log=lambda line: print(line, file=sys.stderr), base=base)
     profile.save(args.output)
     print(f"wrote {args.output}: {profile.device}, {profile.model.name}, threads {cfg.threads}")
     return 0

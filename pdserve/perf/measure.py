@@ -321,7 +321,28 @@ def cpu_name() -> str:
                      if line.startswith("model name")), platform.processor())  # fmt: skip
 
 
-def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
+def check_same_machine(profile: HardwareProfile) -> None:
+    """ValueError unless `profile` was measured on this CPU with this many cores."""
+    if profile.kind != "measured" or profile.size_unit != "threads":
+        raise ValueError(f"a {profile.kind} profile of {profile.device} is not this machine's: "
+                         "only a measured CPU profile rescales or updates")  # fmt: skip
+    here = (cpu_name(), len(os.sched_getaffinity(0)))
+    there = (profile.machine.get("cpu"), profile.machine.get("cores"))
+    if here != there:
+        raise ValueError(f"the profile was measured on {there[0]!r} with {there[1]} cores, "
+                         f"this is {here[0]!r} with {here[1]}: profile this machine "
+                         "(pdserve profile)")  # fmt: skip
+
+
+def build_profile(
+    cfg: ProfileConfig, log=print, base: HardwareProfile | None = None
+) -> HardwareProfile:
+    """Measure `cfg.threads` and the served figures; with `base` (a profile of this machine),
+    keep its cost models of other thread counts, its model and its KV size."""
+    if base is not None:
+        check_same_machine(base)
+        kv_cache_bytes = int(base.kv_cache_bytes) if base.kv_cache_bytes else None
+        cfg = replace(cfg, model=base.model.name, kv_cache_bytes=kv_cache_bytes)
     openmp = timing_env()
     if openmp is None:
         log(
@@ -330,7 +351,7 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
         )
     if cfg.kv_cache_bytes is None:
         cfg = replace(cfg, kv_cache_bytes=default_kv_cache_bytes())
-    models, timed = {}, {}
+    models, timed = dict(base.models if base else {}), {}
     for threads in cfg.threads:
         timings = timed[threads] = measure_steps(cfg, threads)
         samples = timings.samples
@@ -342,7 +363,7 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
             f"idle costs more by {wake}")  # fmt: skip
     every_core = timed.get(len(os.sched_getaffinity(0)))
-    one_thread = (lambda: time_lone_prefills(cfg)) if 1 in cfg.threads else None
+    one_thread = (lambda: time_lone_prefills(cfg)) if 1 in models else None
     served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,
                              every_core.tpot_s if every_core else None, one_thread)  # fmt: skip
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
@@ -367,5 +388,16 @@ def build_profile(cfg: ProfileConfig, log=print) -> HardwareProfile:
             "host": platform.node(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "openmp_wait": openmp,  # the variables the steps were timed under; None: unknown
+            # --update: the thread counts kept from the base profile, and when it was measured
+            **(
+                {
+                    "kept": {
+                        "threads": sorted(set(models) - set(cfg.threads)),
+                        "measured_at": base.machine.get("measured_at"),
+                    }
+                }
+                if base
+                else {}
+            ),
         },  # fmt: skip
     )

@@ -16,13 +16,18 @@ or core count is refused.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import asdict, replace
 
 from pdserve.perf.cost_model import StepCostModel, StepShape
-from pdserve.perf.measure import ProfileConfig, cpu_name, pinned_engine, time_grid, timing_env
+from pdserve.perf.measure import (
+    ProfileConfig,
+    check_same_machine,
+    pinned_engine,
+    time_grid,
+    timing_env,
+)
 from pdserve.perf.profile import HardwareProfile, ServedOverhead
 
 Samples = list[tuple[StepShape, float]]
@@ -74,18 +79,6 @@ def probe_ratios(
         log(f"threads {threads}: prefill steps x{prefill:.3f}, decode steps x{decode:.3f} "
             f"their profiled time")  # fmt: skip
     return ratios
-
-
-def check_same_machine(profile: HardwareProfile) -> None:
-    if profile.kind != "measured" or profile.size_unit != "threads":
-        raise ValueError(f"--rescale: a {profile.kind} profile of {profile.device} is not "
-                         "this machine's; only a measured CPU profile rescales")  # fmt: skip
-    here = (cpu_name(), len(os.sched_getaffinity(0)))
-    there = (profile.machine.get("cpu"), profile.machine.get("cores"))
-    if here != there:
-        raise ValueError(f"--rescale: the profile was measured on {there[0]!r} with {there[1]} "
-                         f"cores, this is {here[0]!r} with {here[1]}: profile this machine "
-                         "(pdserve profile)")  # fmt: skip
 
 
 def rescaled(profile: HardwareProfile, ratios: dict[int, float]) -> HardwareProfile:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -54,6 +55,21 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
         assert 0 < loaded.served.token_cpu_s < 0.05
     with pytest.raises(ValueError, match=f"no cost model for {cores + 1} threads"):
         loaded.cost_model(cores + 1)
+    # --update: one thread count again, the others kept as they were
+    updated = build_profile(replace(cfg, threads=(1,)), log=lambda line: None, base=loaded)
+    assert updated.models.keys() == loaded.models.keys()
+    assert updated.models[1].coefficients != loaded.models[1].coefficients  # measured again
+    if cores > 1:
+        assert updated.models[cores].coefficients == loaded.models[cores].coefficients
+        assert updated.machine["kept"]["threads"] == [cores]
+    assert updated.kv_cache_bytes == loaded.kv_cache_bytes
+
+
+def test_update_refuses_a_profile_of_another_machine(tmp_path):
+    from pdserve.perf.analytic import analytic_profile, model_shape
+
+    with pytest.raises(ValueError, match="only a measured CPU profile rescales or updates"):
+        build_profile(ProfileConfig(), base=analytic_profile(model_shape("llama-3-8b"), "H200"))
 
 
 def test_profile_times_steps_under_a_workers_openmp_wait_policy():
