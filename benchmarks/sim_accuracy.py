@@ -82,10 +82,11 @@ def mean_probe(base: Path, probes: list[Path], output: Path) -> Path:
     return output
 
 
-def measured_path(runs: Path, workload: str, name: str) -> Path:
-    """One deployment's `bench compare` result; runs before the probes held all in one."""
+def measured_path(runs: Path, workload: str, name: str, former: bool) -> Path:
+    """One deployment's `bench compare` result; a `former` run's from before the probes held
+    every deployment's in one file."""
     path = runs / f"{workload}-{name}-measured.json"
-    return path if path.exists() else runs / f"{workload}-measured.json"
+    return runs / f"{workload}-measured.json" if former and not path.exists() else path
 
 
 def main() -> int:
@@ -122,7 +123,7 @@ def main() -> int:
         if probing:
             pdserve("profile", "--rescale", str(profile), "--output", str(probes[0]))
         if args.measured_dir:  # the rate those runs had
-            rates[workload] = str(json.loads(measured_path(runs, workload, names[0])
+            rates[workload] = str(json.loads(measured_path(runs, workload, names[0], True)
                                              .read_text())["config"]["rate"])  # fmt: skip
         elif workload not in rates:
             first = profile if args.no_rescale else probes[0]
@@ -130,7 +131,7 @@ def main() -> int:
             print(f"{workload}: rate {rates[workload]} sessions/s", flush=True)
         common += ["--rate", rates[workload]]
         for i, name in enumerate(names):
-            measured_file = measured_path(runs, workload, name)
+            measured_file = measured_path(runs, workload, name, bool(args.measured_dir))
             if not args.measured_dir:
                 spec = f"--deployment={name}={DEPLOYMENTS[name][0]}"
                 pdserve("bench", "compare", *common, spec, "--output", str(measured_file))

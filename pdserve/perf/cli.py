@@ -38,7 +38,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     base = load_profile(args.update) if args.update else None
     profile = build_profile(cfg, log=lambda line: print(line, file=sys.stderr), base=base)
     profile.save(args.output)
-    print(f"wrote {args.output}: {profile.device}, {profile.model.name}, threads {cfg.threads}")
+    threads = tuple(sorted(profile.models))
+    print(f"wrote {args.output}: {profile.device}, {profile.model.name}, threads {threads}")
     return 0
 
 
