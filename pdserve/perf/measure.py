@@ -14,10 +14,8 @@ from __future__ import annotations
 import math
 import os
 import platform
-import socket
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +26,8 @@ import numpy as np
 
 from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig
-from pdserve.perf.cost_model import StepShape, TransferModel, fit_cost_model
+from pdserve.perf.cost_model import StepShape, fit_cost_model
+from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
 from pdserve.perf.profile import HardwareProfile, ModelShape
 from pdserve.perf.served import (
     SEND_PROMPTS,
@@ -246,40 +245,6 @@ def _time_tpot(engine: Engine) -> float:
     return statistics.median(tpots[1:])
 
 
-def tcp_bandwidth(num_bytes: int = 64 * 2**20) -> TransferModel:
-    """Loopback TCP: what the tcp backend's bytes pay in the kernel, one stream."""
-    server = socket.create_server(("127.0.0.1", 0))
-    payload = b"\0" * (4 * 2**20)
-
-    def sink() -> None:
-        conn, _ = server.accept()
-        with conn:
-            while conn.recv(4 * 2**20):
-                pass
-
-    thread = threading.Thread(target=sink)
-    thread.start()
-    with socket.create_connection(server.getsockname()) as client:
-        t = time.perf_counter()
-        client.sendall(b"\0")
-        latency = time.perf_counter() - t
-        start = time.perf_counter()
-        for _ in range(num_bytes // len(payload)):
-            client.sendall(payload)
-    thread.join()
-    server.close()
-    return TransferModel(num_bytes / (time.perf_counter() - start), latency)
-
-
-def shm_bandwidth(num_bytes: int = 64 * 2**20) -> TransferModel:
-    """Shared memory: the shm backend copies into the segment and out of it (two copies)."""
-    src, mid, dst = (np.ones(num_bytes, np.uint8) for _ in range(3))
-    start = time.perf_counter()
-    np.copyto(mid, src)
-    np.copyto(dst, mid)
-    return TransferModel(num_bytes / (time.perf_counter() - start), 0.0)
-
-
 def model_shape(name: str) -> ModelShape:
     from pdserve.model.config import ModelConfig
     from pdserve.model.registry import resolve_model
@@ -313,25 +278,6 @@ def timing_env() -> dict[str, str] | None:
         return None
     envs.set_worker_thread_wait()
     return envs.thread_wait()
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return next((line.split(":", 1)[1].strip() for line in cpuinfo
-                     if line.startswith("model name")), platform.processor())  # fmt: skip
-
-
-def check_same_machine(profile: HardwareProfile) -> None:
-    """ValueError unless `profile` was measured on this CPU with this many cores."""
-    if profile.kind != "measured" or profile.size_unit != "threads":
-        raise ValueError(f"a {profile.kind} profile of {profile.device} is not this machine's: "
-                         "only a measured CPU profile rescales or updates")  # fmt: skip
-    here = (cpu_name(), len(os.sched_getaffinity(0)))
-    there = (profile.machine.get("cpu"), profile.machine.get("cores"))
-    if here != there:
-        raise ValueError(f"the profile was measured on {there[0]!r} with {there[1]} cores, "
-                         f"this is {here[0]!r} with {here[1]}: profile this machine "
-                         "(pdserve profile)")  # fmt: skip
 
 
 def build_profile(

@@ -21,13 +21,8 @@ import time
 from dataclasses import asdict, replace
 
 from pdserve.perf.cost_model import StepCostModel, StepShape
-from pdserve.perf.measure import (
-    ProfileConfig,
-    check_same_machine,
-    pinned_engine,
-    time_grid,
-    timing_env,
-)
+from pdserve.perf.machine import check_same_machine
+from pdserve.perf.measure import ProfileConfig, pinned_engine, time_grid, timing_env
 from pdserve.perf.profile import HardwareProfile, ServedOverhead
 
 Samples = list[tuple[StepShape, float]]

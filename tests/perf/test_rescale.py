@@ -8,7 +8,8 @@ import pytest
 
 from pdserve.perf.analytic import analytic_profile, model_shape
 from pdserve.perf.cost_model import FEATURES, StepCostModel, StepShape, fit_cost_model
-from pdserve.perf.measure import ProfileConfig, cpu_name, pinned_engine, time_grid
+from pdserve.perf.machine import cpu_name
+from pdserve.perf.measure import ProfileConfig, pinned_engine, time_grid
 from pdserve.perf.profile import HardwareProfile, ServedOverhead
 from pdserve.perf.rescale import SERVED_SECONDS, probe_ratios, rescaled, speed_ratio
 
