@@ -51,6 +51,6 @@ def _rescale(path: str, output: str) -> int:
     ratios = probe_ratios(profile, log=lambda line: print(line, file=sys.stderr))
     rescaled(profile, ratios).save(output)
     speeds = ", ".join(f"threads {k}: x{v:.3f}" for k, v in ratios.items())
-    print(f"wrote {output}: {path} rescaled by the time a probe took over its prediction "
+    print(f"wrote {output}: {path} rescaled by a speed probe "
           f"({speeds})")  # fmt: skip
     return 0

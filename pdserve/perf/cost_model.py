@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import operator
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, dataclass, field
 
@@ -245,3 +246,15 @@ def fit_cost_model(
     fitted = best[1]
     fitted.prior = list(fitted.coefficients)
     return fitted
+
+
+def phase_ratios(
+    model: StepCostModel, samples: Sequence[tuple[StepShape, float]]
+) -> tuple[float, float]:
+    """Measured over predicted: the median of the prefill steps' ratios and of the decode
+    steps'; ValueError if the samples lack either kind."""
+    prefill = [t / model.predict(s) for s, t in samples if s.prefill_tokens]
+    decode = [t / model.predict(s) for s, t in samples if not s.prefill_tokens]
+    if not prefill or not decode:
+        raise ValueError("a speed probe needs prefill and decode steps")
+    return statistics.median(prefill), statistics.median(decode)

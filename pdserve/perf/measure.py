@@ -26,7 +26,7 @@ import numpy as np
 
 from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig
-from pdserve.perf.cost_model import StepShape, fit_cost_model
+from pdserve.perf.cost_model import StepShape, fit_cost_model, phase_ratios
 from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
 from pdserve.perf.profile import HardwareProfile, ModelShape
 from pdserve.perf.served import (
@@ -59,6 +59,13 @@ WAKE_PAUSES = (0.01, 0.03, 0.1, 0.3, 1.0)
 WAKE_PROMPT = 128
 WAKE_REPEATS = 7
 WAKE_MIN_SLOWER = 7
+# The speed probe (`pdserve profile --rescale`): prefills of chat lengths, a batched prefill,
+# batch-1 and batch-8 decodes, PROBE_REPEATS timed passes after a warm-up (one pass left the
+# median prefill ratio to three steps: ratios read 0.83-0.95 in one hour). The profile times
+# it right after each thread count's grid, so a later probe compares like with like (its
+# ratio to the model's predictions also holds the fit's error at these shapes).
+PROBE_GRID = ((128, 1), (256, 1), (64, 8))
+PROBE_REPEATS = 3
 
 
 def thread_counts(text: str) -> tuple[int, ...]:
@@ -117,6 +124,13 @@ def time_lone_prefills(cfg: ProfileConfig) -> dict[int, float]:
     the two minutes apart."""
     with pinned_engine(cfg, 1) as engine:
         return _time_prefills(engine)
+
+
+def time_probe(cfg: ProfileConfig, threads: int) -> list[tuple[StepShape, float]]:
+    """PROBE_GRID on a fresh engine on the first `threads` cores, timed as the grid is."""
+    probe = replace(cfg, grid=PROBE_GRID, repeats=PROBE_REPEATS)
+    with pinned_engine(probe, threads) as engine:
+        return time_grid(probe, engine)
 
 
 @contextmanager
@@ -298,16 +312,21 @@ def build_profile(
     if cfg.kv_cache_bytes is None:
         cfg = replace(cfg, kv_cache_bytes=default_kv_cache_bytes())
     models, timed = dict(base.models if base else {}), {}
+    probes = dict(base.machine.get("probe", {}) if base else {})
     for threads in cfg.threads:
         timings = timed[threads] = measure_steps(cfg, threads)
         samples = timings.samples
         models[threads] = fit_cost_model(samples, KNEES)
         models[threads].wake = timings.wake
+        prefill, decode = phase_ratios(models[threads], time_probe(cfg, threads))
+        probes[str(threads)] = {"prefill": round(prefill, 4), "decode": round(decode, 4),
+                                "decode_steps": cfg.decode_steps}  # fmt: skip
         errors = [abs(models[threads].predict(s) / t - 1) for s, t in samples]
         wake = ", ".join(f"{p:g} s: {x * 1e3:.1f} ms" for p, x in timings.wake)
         log(f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
-            f"idle costs more by {wake}")  # fmt: skip
+            f"idle costs more by {wake}; the speed probe's prefill steps x{prefill:.3f} and "
+            f"decode steps x{decode:.3f} the fit's")  # fmt: skip
     every_core = timed.get(len(os.sched_getaffinity(0)))
     one_thread = (lambda: time_lone_prefills(cfg)) if 1 in models else None
     served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,
@@ -334,6 +353,9 @@ def build_profile(
             "host": platform.node(),
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "openmp_wait": openmp,  # the variables the steps were timed under; None: unknown
+            # per thread count: the speed probe's steps over the fit's predictions, just after
+            # the grid (what `--rescale` compares a later probe with)
+            "probe": probes,
             # --update: the thread counts kept from the base profile, and when it was measured
             **(
                 {

@@ -4,8 +4,10 @@ A profile's grid takes half an hour on a slow CPU, and a VM's speed moves more t
 simulator's error budget within the hour: on an AMD EPYC VM a one-thread 256-token prefill
 took 1.66 s while the profile ran and 1.94-2.48 s an hour later, and every one-thread cell of
 the accuracy table then read 11-26% low. A probe re-times a few of the grid's shapes on each
-of the profile's thread counts (a minute, not half an hour) against the profile's own
-predictions for them, and multiplies that thread count's coefficients by the ratio. The
+of the profile's thread counts (a minute, not half an hour) against the same probe timed
+when the profile was measured (`machine["probe"]`), and multiplies that thread count's
+coefficients by the ratio. A profile measured before it had one compares with its model's
+predictions, which carries the fit's error at the probe's shapes into every step. The
 serving stack's figures (CPU time of one Python process) scale by the one-thread ratio.
 
 Only the speed moves: the shape the grid fitted (a token against a row against a context
@@ -16,63 +18,58 @@ or core count is refused.
 
 from __future__ import annotations
 
-import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 
-from pdserve.perf.cost_model import StepCostModel, StepShape
+from pdserve.perf.cost_model import StepCostModel, StepShape, phase_ratios
 from pdserve.perf.machine import check_same_machine
-from pdserve.perf.measure import ProfileConfig, pinned_engine, time_grid, timing_env
+from pdserve.perf.measure import ProfileConfig, time_probe, timing_env
 from pdserve.perf.profile import HardwareProfile, ServedOverhead
 
 Samples = list[tuple[StepShape, float]]
-# Grid shapes (prompt tokens, requests) that give prefills of chat lengths, a batched prefill
-# and batch-1 and batch-8 decodes: each a kind of step the workloads are made of.
-PROBE_GRID = ((128, 1), (256, 1), (64, 8))
 # Served figures that are seconds of CPU or latency (step_factor is a ratio: kept).
 SERVED_SECONDS = ("request_s", "token_s", "send_step_s", "send_token_s", "remote_token_s",
                   "token_cpu_s")  # fmt: skip
 
 
-def phase_ratios(model: StepCostModel, samples: Samples) -> tuple[float, float]:
-    """Measured over predicted, the median of the prefill steps' and of the decode steps';
-    ValueError if the samples lack either kind."""
-    prefill = [t / model.predict(s) for s, t in samples if s.prefill_tokens]
-    decode = [t / model.predict(s) for s, t in samples if not s.prefill_tokens]
-    if not prefill or not decode:
-        raise ValueError("a speed probe needs prefill and decode steps")
-    return statistics.median(prefill), statistics.median(decode)
-
-
-def speed_ratio(model: StepCostModel, samples: Samples) -> float:
-    """The geometric mean of `phase_ratios`: the few long prefills and the many short decode
-    steps weigh alike."""
+def speed_ratio(
+    model: StepCostModel, samples: Samples, baseline: Mapping[str, float] | None = None
+) -> float:
+    """The geometric mean of the prefill and the decode steps' `phase_ratios` (the few long
+    prefills and the many short decodes weigh alike), each over the profile's own probe's
+    (`baseline`) where it has one."""
     prefill, decode = phase_ratios(model, samples)
+    if baseline:
+        prefill, decode = prefill / baseline["prefill"], decode / baseline["decode"]
     return (prefill * decode) ** 0.5
 
 
 def probe_ratios(
     profile: HardwareProfile, decode_steps: int | None = None, log=lambda line: None
 ) -> dict[int, float]:
-    """`speed_ratio` per thread count of `profile`, timed here on the cores its workers get
-    (one warm-up pass over PROBE_GRID, one timed; `decode_steps` as the profile's grid
-    unless given)."""
+    """`speed_ratio` per thread count of `profile`, `measure.time_probe` timed here on the
+    cores its workers get, over the probe the profile timed when it was measured (as many
+    decode steps as then unless `decode_steps`); a profile without one, over its model's
+    predictions."""
     check_same_machine(profile)
     timing_env()
-    cfg = ProfileConfig(model=profile.model.name, threads=tuple(sorted(profile.models)),
-                        kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None, repeats=1,
-                        grid=PROBE_GRID)  # fmt: skip
-    if decode_steps is not None:
-        cfg = replace(cfg, decode_steps=decode_steps)
+    baselines = profile.machine.get("probe", {})
     ratios = {}
-    for threads in cfg.threads:
-        with pinned_engine(cfg, threads) as engine:
-            samples = time_grid(cfg, engine)
+    for threads in sorted(profile.models):
+        baseline = baselines.get(str(threads))
+        steps = decode_steps or (baseline or {}).get("decode_steps") or ProfileConfig.decode_steps
+        cfg = ProfileConfig(model=profile.model.name, threads=(threads,), decode_steps=steps,
+                            kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None)  # fmt: skip
+        samples = time_probe(cfg, threads)
         model = profile.cost_model(threads)
-        ratios[threads] = speed_ratio(model, samples)
+        ratios[threads] = speed_ratio(model, samples, baseline)
         prefill, decode = phase_ratios(model, samples)
+        than = "the profile's own probe" if baseline else "its model's predictions (no probe)"
+        if baseline:
+            prefill, decode = prefill / baseline["prefill"], decode / baseline["decode"]
         log(f"threads {threads}: prefill steps x{prefill:.3f}, decode steps x{decode:.3f} "
-            f"their profiled time")  # fmt: skip
+            f"{than}")  # fmt: skip
     return ratios
 
 

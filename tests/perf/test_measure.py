@@ -44,6 +44,11 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     assert set(loaded.transfer) == {"tcp", "shm"}
     assert loaded.kv_capacity_tokens(1) == (1 << 20) // loaded.model.kv_bytes_per_token
     assert loaded.cost_model(1).predict(samples[0][0]) > 0
+    # the speed probe, timed after each thread count's grid: near the fit (it timed those shapes)
+    probes = loaded.machine["probe"]
+    assert probes.keys() == {str(t) for t in threads}
+    assert all(0.3 < p[k] < 3 and p["decode_steps"] == 4 for p in probes.values()
+               for k in ("prefill", "decode"))  # fmt: skip
     # Through a real router and worker: both legs take time, and far less than a second.
     assert 0 < loaded.served.request_s < 1 and 0 < loaded.served.token_s < 1
     if cores > 1:  # served gaps over modelled steps, both in seconds: a ratio near 1, not 1e3
@@ -62,6 +67,7 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     if cores > 1:
         assert updated.models[cores].coefficients == loaded.models[cores].coefficients
         assert updated.machine["kept"]["threads"] == [cores]
+        assert updated.machine["probe"][str(cores)] == probes[str(cores)]
     assert updated.kv_cache_bytes == loaded.kv_cache_bytes
 
 

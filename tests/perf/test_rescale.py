@@ -42,6 +42,17 @@ def test_speed_ratio_weighs_prefill_and_decode_steps_alike():
         speed_ratio(model, samples[1:])
 
 
+def test_speed_ratio_is_over_the_profiles_own_probe_where_it_has_one():
+    model = linear_model()
+    # the fit priced the probe's prefills 10% high and its decodes 5% low when it was measured:
+    # the same steps timed again are the same speed, not 0.9 and 1.05 times it
+    samples = [(PREFILL, 0.9 * model.predict(PREFILL)), (DECODE, 1.05 * model.predict(DECODE))]
+    assert speed_ratio(model, samples, {"prefill": 0.9, "decode": 1.05}) == pytest.approx(1.0)
+    slower = [(s, 1.2 * t) for s, t in samples]
+    assert speed_ratio(model, slower, {"prefill": 0.9, "decode": 1.05}) == pytest.approx(1.2)
+    assert speed_ratio(model, slower) == pytest.approx((1.08 * 1.26) ** 0.5)  # no baseline
+
+
 def test_rescaled_profile_scales_each_thread_count_and_the_served_seconds():
     profile = cpu_profile({1: linear_model(), 2: linear_model(0.02)})
     out = rescaled(profile, {1: 1.25, 2: 0.8})
@@ -75,3 +86,9 @@ def test_a_probe_finds_a_profile_four_times_too_fast(tiny_served_model):
     profile = replace(profile, model=replace(profile.model, name=str(tiny_served_model)))
     ratio = probe_ratios(profile, decode_steps=6)[1]
     assert 2 < ratio < 8, ratio  # 4, give or take a noisy machine's step times
+    # with the probe of the profile's time (here: one 4x faster than the fitted model's)
+    # the ratio is to it: the same 4, however the fit priced the probe's shapes
+    baseline = {"1": {"prefill": 0.25, "decode": 0.25, "decode_steps": 6}}
+    profile = replace(profile, models={1: fitted}, machine={**profile.machine, "probe": baseline})
+    ratio = probe_ratios(profile)[1]
+    assert 2 < ratio < 8, ratio
