@@ -33,15 +33,22 @@ SERVED_SECONDS = ("request_s", "token_s", "send_step_s", "send_token_s", "remote
                   "token_cpu_s")  # fmt: skip
 
 
-def speed_ratio(
+def relative_phases(
     model: StepCostModel, samples: Samples, baseline: Mapping[str, float] | None = None
-) -> float:
-    """The geometric mean of the prefill and the decode steps' `phase_ratios` (the few long
-    prefills and the many short decodes weigh alike), each over the profile's own probe's
-    (`baseline`) where it has one."""
+) -> tuple[float, float]:
+    """`phase_ratios`, each over the profile's own probe's (`baseline`) where it has one."""
     prefill, decode = phase_ratios(model, samples)
     if baseline:
         prefill, decode = prefill / baseline["prefill"], decode / baseline["decode"]
+    return prefill, decode
+
+
+def speed_ratio(
+    model: StepCostModel, samples: Samples, baseline: Mapping[str, float] | None = None
+) -> float:
+    """The geometric mean of the prefill and the decode steps' `relative_phases`: the few
+    long prefills and the many short decodes weigh alike."""
+    prefill, decode = relative_phases(model, samples, baseline)
     return (prefill * decode) ** 0.5
 
 
@@ -63,11 +70,9 @@ def probe_ratios(
                             kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None)  # fmt: skip
         samples = time_probe(cfg, threads)
         model = profile.cost_model(threads)
-        ratios[threads] = speed_ratio(model, samples, baseline)
-        prefill, decode = phase_ratios(model, samples)
+        prefill, decode = relative_phases(model, samples, baseline)
+        ratios[threads] = (prefill * decode) ** 0.5
         than = "the profile's own probe" if baseline else "its model's predictions (no probe)"
-        if baseline:
-            prefill, decode = prefill / baseline["prefill"], decode / baseline["decode"]
         log(f"threads {threads}: prefill steps x{prefill:.3f}, decode steps x{decode:.3f} "
             f"{than}")  # fmt: skip
     return ratios
