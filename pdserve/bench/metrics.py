@@ -83,16 +83,14 @@ class SLO:
         )
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), ``nan`` for no values."""
-    return float(np.percentile(values, q)) if len(values) else math.nan
-
-
 def latency_stats_ms(values_s: Iterable[float]) -> dict[str, float]:
     """mean/p50/p90/p99 in milliseconds; ``nan`` when nothing was measured."""
-    values = [v * 1000.0 for v in values_s]
-    mean = sum(values) / len(values) if values else math.nan
-    return {"mean": mean, **{f"p{q}": percentile(values, q) for q in (50, 90, 99)}}
+    # One array, one partition for the three ranks: a long replay has millions of gaps.
+    values = np.fromiter(values_s, dtype=float) * 1000.0
+    if not values.size:
+        return {"mean": math.nan, "p50": math.nan, "p90": math.nan, "p99": math.nan}
+    p50, p90, p99 = np.percentile(values, (50, 90, 99))
+    return {"mean": float(values.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
 def meets_slo(record: RequestRecord, slo: SLO) -> bool:

@@ -84,7 +84,11 @@ class Scheduler:
         chunk = self.config.long_prefill_token_threshold
         # Prefill tokens this step may still take: the least cap of a capped prefill in it.
         # (Not min(..., default=budget): the keyword alone cost 1 us a step.)
-        caps = [r.prefill_chunk_tokens for r in self.running if _is_capped_prefill(r)]
+        caps = [
+            r.prefill_chunk_tokens
+            for r in self.running
+            if r.prefill_chunk_tokens is not None and r.num_tokens - r.num_computed_tokens > 1
+        ]
         prefill_left = min(caps) if caps else budget
 
         scheduled_running: list[tuple[Request, int]] = []
@@ -92,7 +96,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > 1:  # a prefill's next chunk (a decode's 1 fits any budget left)
+                num_new = min(num_new, chunk, budget)
             if num_new > 1:
                 num_new = min(num_new, prefill_left)
                 if num_new <= 0:
@@ -149,7 +155,9 @@ class Scheduler:
 
         # Decodes first: the model runner batches one-token rows together.
         everything = scheduled_running + scheduled_new
-        out.scheduled = [x for x in everything if x[1] == 1] + [x for x in everything if x[1] > 1]
+        if prefill_used:
+            everything = [x for x in everything if x[1] == 1] + [x for x in everything if x[1] > 1]
+        out.scheduled = everything
         return out
 
     def update_from_output(
@@ -163,13 +171,14 @@ class Scheduler:
                 continue
             request.num_computed_tokens += num_new
             token = sampled.get(request.request_id)
+            reason = None
             if token is not None:
                 request.output_token_ids.append(token)
                 reason = self._check_stop(request, token)
                 if reason is not None:
                     # A prefill keeps its blocks: the engine frees them once sent.
                     self.finish_request(request.request_id, reason, not request.prefill_only)
-            if not request.is_finished:
+            if reason is None or not request.is_finished:
                 self.kv.cache_computed_blocks(request)
             results.append((request, token))
         return results
@@ -216,17 +225,11 @@ class Scheduler:
         eos = not params.ignore_eos and token in request.eos_token_ids
         if eos or token in params.stop_token_ids:
             return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.max_tokens:
             return FinishReason.LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.max_model_len:  # num_tokens
             return FinishReason.LENGTH
         if request.prefill_only:
             return FinishReason.HANDOFF
         return None
-
-
-def _is_capped_prefill(request: Request) -> bool:
-    """A running request with a cap and more than a decode's one token left to compute."""
-    if request.prefill_chunk_tokens is None:
-        return False
-    return request.num_tokens - request.num_computed_tokens > 1

@@ -13,6 +13,7 @@ Pinning (cache warm-up) holds one extra reference on a cached block, so a pinned
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -52,12 +53,15 @@ class BlockPool:
         """Take `num_blocks` blocks from the front of the free queue, evicting their hashes."""
         if num_blocks > len(self.free_queue):
             raise RuntimeError(f"cannot allocate {num_blocks} blocks, {self.num_free_blocks} free")
-        block_ids = []
-        for _ in range(num_blocks):
-            block_id, _ = self.free_queue.popitem(last=False)
-            self._evict(block_id)
-            self.ref_cnt[block_id] = 1
-            block_ids.append(block_id)
+        # A long prompt takes thousands of blocks: list-wide passes, no call per block.
+        free_queue, block_hash, ref_cnt = self.free_queue, self.block_hash, self.ref_cnt
+        block_ids = list(itertools.islice(free_queue, num_blocks))
+        for block_id in block_ids:
+            del free_queue[block_id]
+            ref_cnt[block_id] = 1
+        evicted = [(b, block_hash[b]) for b in block_ids if block_hash[b] is not None]
+        if evicted:
+            self._evict(evicted)
         return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -70,26 +74,36 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block. Callers pass a request's blocks tail first, so
         the tail of a prefix is evicted before its head (heads are shared more often)."""
+        ref_cnt, block_hash, free_queue = self.ref_cnt, self.block_hash, self.free_queue
         for block_id in block_ids:
-            if self.ref_cnt[block_id] <= 0:
+            count = ref_cnt[block_id]
+            if count <= 0:
                 raise RuntimeError(f"double free of block {block_id}")
-            self.ref_cnt[block_id] -= 1
-            if self.ref_cnt[block_id] == 0:
-                self.free_queue[block_id] = None
-                if self.block_hash[block_id] is None:
+            ref_cnt[block_id] = count - 1
+            if count == 1:
+                free_queue[block_id] = None
+                if block_hash[block_id] is None:
                     # Nothing to reuse: hand it out before blocks that hold a cached prefix.
-                    self.free_queue.move_to_end(block_id, last=False)
+                    free_queue.move_to_end(block_id, last=False)
 
     def cache_block(self, block_id: int, block_hash: int) -> None:
         """Make a full, computed block findable by its hash. If another block already holds
         the same content, keep that one: this copy stays private and is freed plainly."""
-        known = block_hash in self.cached_blocks  # this content is in a block already
-        if not self.enable_caching or self.block_hash[block_id] is not None or known:
+        self.cache_blocks((block_id,), (block_hash,))
+
+    def cache_blocks(self, block_ids: Iterable[int], block_hashes: Iterable[int]) -> None:
+        """`cache_block` for each pair, in one call (a landed prompt indexes thousands)."""
+        if not self.enable_caching:
             return
-        self.block_hash[block_id] = block_hash
-        self.cached_blocks[block_hash] = block_id
-        if self.events is not None:
-            self.events[0].append(block_hash)
+        cached_blocks, hash_of = self.cached_blocks, self.block_hash
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            # Skip a block indexed already, or content another block holds already.
+            if hash_of[block_id] is not None or block_hash in cached_blocks:
+                continue
+            hash_of[block_id] = block_hash
+            cached_blocks[block_hash] = block_id
+            if self.events is not None:
+                self.events[0].append(block_hash)
 
     def pin(self, block_hashes: Iterable[int]) -> int:
         """Keep the cached blocks of these hashes resident until unpinned; returns how many
@@ -132,13 +146,13 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         return self.cached_blocks.get(block_hash)
 
-    def _evict(self, block_id: int) -> None:
-        block_hash = self.block_hash[block_id]
-        if block_hash is not None:
+    def _evict(self, evicted: list[tuple[int, int]]) -> None:
+        """Drop these (block id, hash) pairs from the index: the blocks are handed out again."""
+        for block_id, block_hash in evicted:
             del self.cached_blocks[block_hash]
             self.block_hash[block_id] = None
-            self.num_evicted += 1
-            if self.evicted is not None:
-                self.evicted.append((block_id, block_hash))
-            if self.events is not None:
-                self.events[1].append(block_hash)
+        self.num_evicted += len(evicted)
+        if self.evicted is not None:
+            self.evicted.extend(evicted)
+        if self.events is not None:
+            self.events[1].extend(h for _, h in evicted)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.kvcache.block_pool import BlockPool
-from pdserve.kvcache.hashing import hash_blocks, root_hash
+from pdserve.kvcache.hashing import hash_block, hash_blocks, root_hash
 from pdserve.request import Request
 
 
@@ -32,7 +32,8 @@ class KVCacheManager:
     """Gives requests blocks, finds prefix hits and returns blocks when requests end.
 
     Invariant: a request's `block_ids` cover exactly its tokens with KV (computed or being
-    computed this step); `block_hashes` cover every full block of its tokens, KV or not.
+    computed this step); `block_hashes` cover at least its full blocks with KV, and
+    `update_block_hashes` extends them to every full block of its tokens before they are read.
     """
 
     def __init__(
@@ -64,7 +65,10 @@ class KVCacheManager:
         if num_full > have:
             parent = request.block_hashes[-1] if have else self.root_hash
             tokens = request.token_slice(have * self.block_size, num_full * self.block_size)
-            request.block_hashes += hash_blocks(tokens, self.block_size, parent)
+            if num_full == have + 1:  # a decode's new block: hash_blocks' set-up costs more
+                request.block_hashes.append(hash_block(parent, tokens))
+            else:
+                request.block_hashes += hash_blocks(tokens, self.block_size, parent)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of a request that holds no blocks yet.
@@ -124,10 +128,12 @@ class KVCacheManager:
         """Reserve blocks for `num_new_tokens` more tokens (after taking `hit_block_ids`, a
         cached prefix found for a request with no blocks). False, changing nothing, if the
         free blocks do not suffice; hit blocks that are themselves free count as taken."""
-        hit_block_ids = hit_block_ids or []
+        if not hit_block_ids:
+            num_tokens = request.num_computed_tokens - request.num_dropped_tokens + num_new_tokens
+            if num_tokens <= len(request.block_ids) * self.block_size:
+                return True  # its blocks have room (most decode steps)
+            hit_block_ids = []
         need = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
-        if not need and not hit_block_ids:
-            return True  # its blocks have room (most decode steps)
         num_hits_free = sum(1 for b in hit_block_ids if self.pool.ref_cnt[b] == 0)
         if need + num_hits_free > self.pool.num_free_blocks:
             return False
@@ -144,17 +150,20 @@ class KVCacheManager:
         """Index the request's full blocks whose KV is now computed."""
         if not self.enable_prefix_caching or request.num_dropped_tokens:
             return  # after a drop, block i no longer holds the tokens of hash i
-        self.update_block_hashes(request)
         num_full_computed = request.num_computed_tokens // self.block_size
         # Blocks are indexed in prefix order, so everything before the last block that holds
         # a hash was indexed by an earlier call: start after it (a decode step's call is O(1),
         # not O(context)). Blocks whose content another block holds stay unhashed; they are
         # re-offered, a no-op.
+        block_hash, block_ids = self.pool.block_hash, request.block_ids
         start = num_full_computed
-        while start > 0 and self.pool.block_hash[request.block_ids[start - 1]] is None:
+        while start > 0 and block_hash[block_ids[start - 1]] is None:
             start -= 1
-        for i in range(start, num_full_computed):
-            self.pool.cache_block(request.block_ids[i], request.block_hashes[i])
+        if start == num_full_computed:
+            return  # nothing new (most decode steps): its hashes are extended when read
+        self.update_block_hashes(request)
+        end = num_full_computed
+        self.pool.cache_blocks(block_ids[start:end], request.block_hashes[start:end])
 
     def free(self, request: Request) -> None:
         self.pool.free(reversed(request.block_ids))

@@ -29,7 +29,6 @@ above it (`c_knee` is the FLOP time per token).
 from __future__ import annotations
 
 import math
-import operator
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, dataclass, field
@@ -74,7 +73,7 @@ class StepShape:
         pairs = 0.0
         for request, num_new in scheduled:
             prior = request.num_computed_tokens - request.num_dropped_tokens
-            if num_new == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
+            if num_new == 1 and request.num_computed_tokens >= len(request.prompt_token_ids):
                 decode += 1
                 context += prior + 1
             else:
@@ -136,9 +135,25 @@ class StepCostModel:
 
     def predict(self, shape: StepShape) -> float:
         """Seconds for a step of this shape (0 for an empty step)."""
-        if shape.is_empty:
+        prefill, decode = shape.prefill_tokens, shape.decode_requests
+        if not prefill and not decode:
             return 0.0
-        return sum(map(operator.mul, self.coefficients, self.features(shape)))
+        # `features(shape)` dotted with the coefficients, spelled out: the simulator asks
+        # this once per simulated step.
+        c = self.coefficients
+        over = prefill + decode - self.knee_tokens
+        if not prefill:  # a decode step: the prefill terms are 0
+            knee = c[3] * over if over > 0 else 0.0
+            return c[0] + c[2] * decode + knee + c[5] * shape.decode_context_tokens
+        return (
+            c[0]
+            + c[1] * prefill
+            + c[2] * decode
+            + (c[3] * over if over > 0 else 0.0)
+            + c[4] * shape.prefill_attention_pairs
+            + c[5] * shape.decode_context_tokens
+            + c[6] * shape.num_prefill_sequences
+        )
 
     def scaled(self, factor: float) -> StepCostModel:
         """The same model `factor` times slower (its wake curve, an idle cost, kept)."""

@@ -8,6 +8,7 @@ Bad input raises ValueError, which `pdserve` (cli.py) reports in one line, exit 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from dataclasses import replace
 
@@ -92,6 +93,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     deployment = Deployment.parse(args.deployment, **flag_values(args, Deployment))
     config = sim_config(args)
     plan = build_plan(args, url=SIMULATED_URL)
+    # The workload's prompts live to the end: keep the cyclic collector from walking them
+    # again and again (a 12,000-request trace replay: 59.8 s with it walking them, 58.4 without).
+    gc.freeze()
     started = time.perf_counter()
     document, result = execute(
         plan, run=lambda run: simulate_plan(replace(plan, run=run), profile, deployment, config)
@@ -127,6 +131,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("plan needs --rate (the traffic to serve, requests/s)")
     args.num_requests = args.probe_requests
     plan = build_plan(args, url=SIMULATED_URL)
+    gc.freeze()  # as in simulate
     started = time.perf_counter()
     result = search_layouts(
         plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target,

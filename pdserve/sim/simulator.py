@@ -90,10 +90,13 @@ class Simulation:
         self.records: list[RequestRecord] = []
         self.flights: dict[str, _Flight] = {}
         self.backlog: deque[_Flight] = deque()  # waiting for a decode worker with room
+        self.params: dict[int, SamplingParams] = {}  # by max_tokens (see _request)
         self.max_model_len = min(w.scheduler.max_model_len for w in self.workers)
         self.think_time_s = 0.0
         self.deadline_s = math.inf  # no new turn is sent after it (--duration-s)
         self.next_report_s = 0.0  # the next heartbeat
+        # CPU workers share a host's cores with the router and the client (`_contended`).
+        self.shares_cores = profile.size_unit == "threads"
 
     def _worker(self, worker_id: str, role: str, size: int) -> SimWorker:
         cfg = self.config
@@ -135,19 +138,30 @@ class Simulation:
         times = arrival_times(arrival, len(sessions), np.random.default_rng(seed))
         if times is None:
             times = [s.arrival_s or 0.0 for s in sessions]
+        # First turns wait in their own time-ordered list, not in the heap: a trace's 12,000
+        # sends made every push and pop of the steps' events climb a 12,000-entry heap.
+        sends = []
         for offset, session in zip(times, sessions, strict=True):
             if offset < self.deadline_s:
-                self._push(offset, _SEND, (session, 0, []))
-        while self.events:
-            self.now, _, kind, payload = heapq.heappop(self.events)
+                self.seq += 1
+                sends.append((offset, self.seq, _SEND, (session, 0, [], [])))
+        sends.sort()  # by time, then seq: the order the heap would pop them in
+        sends.append((math.inf, 0, _SEND, None))  # a sentinel, never sent
+        next_send, events = 0, self.events
+        while next_send < len(sends) - 1 or events:
+            if not events or sends[next_send] < events[0]:
+                self.now, _, kind, payload = sends[next_send]
+                next_send += 1
+            else:
+                self.now, _, kind, payload = heapq.heappop(events)
             if self.now >= self.next_report_s:  # heartbeats since the last event
                 self._report()
-            if kind == _SEND:
+            if kind == _STEP:  # most events by far
+                self._step_done(payload)
+            elif kind == _SEND:
                 self._send(*payload)
             elif kind == _ARRIVE:
                 self._arrive(payload)
-            elif kind == _STEP:
-                self._step_done(payload)
             else:
                 self._landed(payload)
         unfinished = [f.record.request_id for f in self.flights.values()]
@@ -166,20 +180,23 @@ class Simulation:
     def _contended(self, worker: SimWorker) -> bool:
         """Whether `worker`'s step would start with no core of the host free for the router
         and the client: the busy workers' threads (its own included) fill them."""
-        if self.profile.size_unit != "threads":
-            return False
         busy = sum(w.size for w in self.workers if w.is_busy or w is worker)
         return busy >= self.profile.devices_per_node
 
     def _kick(self, worker: SimWorker) -> None:
         if not worker.is_busy:
-            step = worker.start_step(self.now, self._contended(worker))
+            contended = self.shares_cores and self._contended(worker)
+            step = worker.start_step(self.now, contended)
             if step is not None:
                 self._push(self.now + step.duration_s, _STEP, worker)
 
     # ---- requests --------------------------------------------------------------------
 
-    def _send(self, session: Session, turn: int, history: list[int]) -> None:
+    def _send(
+        self, session: Session, turn: int, history: list[int], history_hashes: list[int]
+    ) -> None:
+        """`history_hashes`: block hashes of a prefix of `history` (the last turn's), so
+        that a conversation hashes only its new tokens, not its whole history every turn."""
         if turn > 0 and self.now >= self.deadline_s:
             return
         user = session.turns[turn]
@@ -198,7 +215,9 @@ class Simulation:
             record.error = f"prompt of {len(prompt)} tokens; the context is {self.max_model_len}"
             self.records.append(record)
             return
-        hashes = hash_blocks(prompt, self.config.block_size, self._root)
+        parent = history_hashes[-1] if history_hashes else self._root
+        new_hashes = hash_blocks(prompt, self.config.block_size, parent, len(history_hashes))
+        hashes = history_hashes + new_hashes
         flight = _Flight(record, session, turn, history, prompt_ids=prompt, block_hashes=hashes)
         self.flights[record.request_id] = flight
         if self.served.request_s:
@@ -220,7 +239,11 @@ class Simulation:
     def _request(self, flight: _Flight, prefill_only: bool = False) -> Request:
         # A copy each: a request extends its own hashes in place as its tokens grow.
         hashes = list(flight.block_hashes)
-        params = SamplingParams(max_tokens=flight.record.requested_output_len, ignore_eos=True)
+        max_tokens = flight.record.requested_output_len
+        params = self.params.get(max_tokens)
+        if params is None:  # frozen, so shared: validating one per request was 2% of a replay
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            self.params[max_tokens] = params
         return Request(
             flight.record.request_id, list(flight.prompt_ids), params,
             arrival_time=self.now, block_hashes=hashes, prefill_only=prefill_only,
@@ -282,11 +305,12 @@ class Simulation:
 
     def _step_done(self, worker: SimWorker) -> None:
         duration = worker.step.duration_s if worker.step else 0.0
+        prefill, flights = worker.role == "prefill", self.flights
         for request, token in worker.finish_step(self.now):
             if token is None:
                 continue
-            flight = self.flights[request.request_id]
-            if worker.role == "prefill":
+            flight = flights[request.request_id]
+            if prefill:
                 self._prefilled(worker, flight, request, duration)
             else:
                 self._token(flight)
@@ -357,4 +381,7 @@ class Simulation:
         if turn + 1 < len(session.turns):
             answer = flight.decode.output_token_ids if flight.decode else []
             history = flight.prompt_ids + list(answer)
-            self._push(self._client_now + self.think_time_s, _SEND, (session, turn + 1, history))
+            # The decode request's hashes cover its full blocks of prompt and answer so far.
+            known = flight.decode.block_hashes if flight.decode else flight.block_hashes
+            when = self._client_now + self.think_time_s
+            self._push(when, _SEND, (session, turn + 1, history, list(known)))

@@ -16,7 +16,7 @@ from pdserve.request import Request
 from pdserve.router.policies import WorkerLoad
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """A step in flight: what runs, the tokens it will produce, when it ends."""
 
@@ -24,13 +24,6 @@ class Step:
     sampled: dict[str, int]
     shape: StepShape
     duration_s: float
-
-
-def fake_token(request: Request) -> int:
-    """A deterministic output token (never an EOS: simulated requests carry none). Distinct
-    per request and position, so multi-turn histories hash like real, unique answers."""
-    seed = zlib.crc32(request.request_id.encode())
-    return 1 + (seed + 7919 * len(request.output_token_ids)) % 30011
 
 
 class SimWorker:
@@ -69,6 +62,7 @@ class SimWorker:
         # What its last Stats said (report()): before the first, idle with every block free.
         self.reported = _Reported(0, 0, num_blocks, 0)
         self.sent_prefill_tokens = 0  # prompt tokens routed here, first token not yet out
+        self.seeds: dict[str, int] = {}  # output token seeds by request id (crc32 once)
 
     @property
     def is_busy(self) -> bool:
@@ -84,7 +78,15 @@ class SimWorker:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
-        sampled = {r.request_id: fake_token(r) for r, n in out.scheduled if out.samples(r, n)}
+        # A deterministic output token per request and position (never an EOS: simulated
+        # requests carry none), distinct so multi-turn histories hash like real answers.
+        sampled, seeds = {}, self.seeds
+        for r, n in out.scheduled:
+            if r.num_computed_tokens + n == r.num_tokens:  # out.samples(r, n), inlined
+                seed = seeds.get(r.request_id)
+                if seed is None:
+                    seed = seeds[r.request_id] = zlib.crc32(r.request_id.encode())
+                sampled[r.request_id] = 1 + (seed + 7919 * len(r.output_token_ids)) % 30011
         shape = StepShape.of(out.scheduled)
         duration_s = self.cost_model.predict(shape) + self.cost_model.wake_s(now - self.idle_since)
         if self.role == "prefill" and shape.prefill_tokens:

@@ -15,8 +15,8 @@ from pdserve.bench.metrics import (
     RequestRecord,
     attainment,
     goodput,
+    latency_stats_ms,
     meets_slo,
-    percentile,
     summarize,
 )
 from pdserve.bench.search import find_goodput, slo_scale_sweep
@@ -81,12 +81,17 @@ def test_rejected_failed_and_timed_out_requests_are_misses_in_the_denominator():
     assert summary["goodput"] == pytest.approx(1.0)
 
 
-def test_percentile_matches_numpy_and_empty_is_nan():
-    values = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
-    for q in (0, 50, 90, 99, 100):
-        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
-    assert math.isnan(percentile([], 50))
+def test_a_summary_of_nothing_is_nan():
     assert math.isnan(summarize([], SLO())["ttft_ms"]["mean"])
+
+
+def test_latency_stats_are_milliseconds_of_the_values_and_nan_without_any():
+    values_s = [0.005, 0.001, 0.009, 0.003, 0.007, 0.002]
+    stats = latency_stats_ms(iter(values_s))  # any iterable, read once
+    assert stats["mean"] == pytest.approx(1000 * sum(values_s) / len(values_s))
+    for q in (50, 90, 99):
+        assert stats[f"p{q}"] == pytest.approx(np.percentile(values_s, q) * 1000)
+    assert all(math.isnan(v) for v in latency_stats_ms([]).values())
 
 
 def test_find_goodput_brackets_then_bisects_within_probe_budget():

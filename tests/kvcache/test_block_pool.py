@@ -47,6 +47,32 @@ def test_duplicate_content_keeps_first_block():
     assert pool.lookup(5) == a and pool.block_hash[b] is None
 
 
+def test_cache_blocks_indexes_each_pair_and_skips_known_content():
+    pool = BlockPool(4)
+    pool.events = ([], [])
+    a, b, c = pool.allocate(3)
+    pool.cache_block(a, 10)
+    pool.cache_blocks([a, b, c], [10, 10, 30])  # a: indexed already; b: a's content
+    assert (pool.lookup(10), pool.lookup(30)) == (a, c)
+    assert pool.block_hash[b] is None
+    assert pool.events[0] == [10, 30]
+    with pytest.raises(ValueError):
+        pool.cache_blocks([a, b], [10])  # pairs, or nothing
+
+
+def test_allocating_cached_blocks_evicts_them_in_queue_order():
+    pool = BlockPool(4)
+    pool.evicted, pool.events = [], ([], [])
+    blocks = _cached_free_blocks(pool, [1, 2, 3])
+    assert list(pool.free_queue) == [3, *reversed(blocks)]  # the unhashed block first
+    taken = pool.allocate(3)
+    assert taken == [3, blocks[2], blocks[1]]
+    assert pool.evicted == [(blocks[2], 3), (blocks[1], 2)]
+    assert pool.events[1] == [3, 2] and pool.num_evicted == 2
+    assert pool.lookup(1) == blocks[0] and pool.lookup(2) is None
+    assert all(pool.ref_cnt[b] == 1 for b in taken)
+
+
 def test_errors():
     pool = BlockPool(1)
     with pytest.raises(RuntimeError, match="cannot allocate"):

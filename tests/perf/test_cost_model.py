@@ -37,6 +37,20 @@ def test_roofline_knee():
     assert model.predict(StepShape()) == 0.0
 
 
+@pytest.mark.parametrize("knee", [math.inf, 48.0])
+@pytest.mark.parametrize(
+    "shape",
+    [StepShape(decode_requests=3, decode_context_tokens=900),  # a decode step: its own branch
+     StepShape(decode_requests=60, decode_context_tokens=9000),  # past a finite knee
+     StepShape(prefill_tokens=40, decode_requests=2, prefill_attention_pairs=820.0,
+               decode_context_tokens=300, prefill_sequences=2)],
+)  # fmt: skip
+def test_predict_is_the_features_dotted_with_the_coefficients(shape, knee):
+    model = StepCostModel([0.01, 2e-4, 3e-4, 5e-4, 1e-7, 2e-6, 4e-3], knee_tokens=knee)
+    expected = sum(c * f for c, f in zip(model.coefficients, model.features(shape), strict=True))
+    assert model.predict(shape) == expected  # the same sums in the same order: exactly equal
+
+
 def test_fit_recovers_coefficients_and_knee():
     truth = StepCostModel([0.02, 1e-5, 2e-4, 3e-4, 1e-8, 1e-6, 3e-3], knee_tokens=64)
     shapes = [StepShape(p, d, p * p / 2 / r, d * c, r if p else 0)

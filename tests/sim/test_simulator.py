@@ -7,6 +7,7 @@ from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench.workloads import Session, Turn
 from pdserve.config import SchedulerConfig
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kvcache.hashing import hash_blocks
 from pdserve.perf.cost_model import StepCostModel, TransferModel
 from pdserve.perf.profile import HardwareProfile, ModelShape, ServedOverhead
 from pdserve.sim.deployment import Deployment, SimConfig
@@ -152,6 +153,24 @@ def test_multi_turn_prompts_carry_the_history():
     assert records["s0-1"].input_len == 20 + 3 + 10
     assert records["s0-1"].send_s == pytest.approx(records["s0-0"].e2e_s)
     assert records["s0-1"].cached_tokens == 16  # the first turn's full block
+
+
+@pytest.mark.parametrize("spec", ["collocated", "1p1d"])
+def test_a_later_turns_hashes_reuse_the_last_turns_and_match_hashing_it_whole(spec):
+    class Recording(Simulation):
+        def _arrive(self, flight):
+            arrived.append(flight)
+            super()._arrive(flight)
+
+    arrived = []
+    sim = Recording(profile(), Deployment.parse(spec), SimConfig())
+    turns = [Turn(list(range(100 * t, 100 * t + 21)), 19) for t in range(3)]
+    result = sim.run([Session("s0", turns, 0.0)], ArrivalSpec("trace"))
+    assert [r.input_len for r in result.records] == [21, 61, 101]
+    root = sim.workers[0].kv.root_hash
+    for flight in arrived:
+        assert flight.block_hashes == hash_blocks(flight.prompt_ids, 16, root)
+    assert len(arrived[2].block_hashes) == 101 // 16
 
 
 def test_a_prompt_over_the_context_fails_like_the_engine_refuses_it():
