@@ -24,6 +24,8 @@ from pdserve.bench.tokens import TokenSource, join_text
 from pdserve.bench.workloads import Session, Turn
 
 MOONCAKE_BLOCK_LEN = 512
+_EXTRA_KEY = 1 << 40  # keys of the tokens past a line's hash ids: this plus the line's index
+_DRAW_BLOCKS = 1024  # blocks per keyed draw: 4 MiB per uint64 temporary at 512 tokens
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,12 @@ def load_trace(cfg: TraceConfig, tokens: TokenSource) -> list[Session]:
         raise ValueError(f"--trace {cfg.path!r}: no requests")
     block_len = _scaled(cfg.block_len, cfg.length_scale)
     blocks: dict[int, tuple[list[int], str]] = {}
+    if not cfg.text_prompts:  # every block in one keyed draw (text prompts need a Generator)
+        used = list(dict.fromkeys(h for e in entries for h in e["hash_ids"]))
+        for begin in range(0, len(used), _DRAW_BLOCKS):
+            keys = used[begin : begin + _DRAW_BLOCKS]
+            for key, row in zip(keys, tokens.keyed_ids(cfg.seed, keys, block_len), strict=True):
+                blocks[key] = (row.tolist(), "")
 
     def block(hash_id: int) -> tuple[list[int], str]:
         if hash_id not in blocks:
@@ -98,8 +106,13 @@ def load_trace(cfg: TraceConfig, tokens: TokenSource) -> list[Session]:
             text = join_text(text, block_text)
         if len(ids) < input_len:
             # Tokens beyond the listed hash ids are unique to this request.
-            rng = np.random.default_rng([cfg.seed, 1 << 40, index])
-            extra, extra_text = tokens.random_prompt(rng, input_len - len(ids), cfg.text_prompts)
+            num_extra = input_len - len(ids)
+            if cfg.text_prompts:
+                rng = np.random.default_rng([cfg.seed, _EXTRA_KEY, index])
+                extra, extra_text = tokens.random_prompt(rng, num_extra, text=True)
+            else:
+                extra = tokens.keyed_ids(cfg.seed, [_EXTRA_KEY + index], num_extra)[0].tolist()
+                extra_text = ""
             ids, text = ids + extra, join_text(text, extra_text)
         arrival_s = (entry["timestamp"] - start_ms) / 1000.0 * cfg.time_scale
         output_len = _scaled(entry["output_length"], cfg.length_scale)

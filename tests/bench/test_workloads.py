@@ -95,6 +95,20 @@ def test_mooncake_trace_preserves_prefix_sharing_and_scales(tokens, tmp_path):
     assert [s.arrival_s for s in small] == [0.0, 0.5, 1.0]
 
 
+def test_keyed_ids_depend_only_on_seed_key_and_position(tokens):
+    rows = tokens.keyed_ids(0, [7, 8, 9], 64)
+    assert rows.shape == (3, 64)
+    assert (tokens.keyed_ids(0, [9, 7], 64) == rows[[2, 0]]).all()  # whatever the company
+    assert (tokens.keyed_ids(0, [7], 16)[0] == rows[0, :16]).all()  # a prefix of a longer draw
+    assert not (tokens.keyed_ids(1, [7], 64)[0] == rows[0]).all()  # the seed matters
+    assert len({tuple(r) for r in rows}) == 3
+    assert tokens.keyed_ids(-1, [-5, 2**70], 4).shape == (2, 4)  # any int: a trace's ids
+    assert set(rows.ravel().tolist()) <= set(tokens.vocab_ids.tolist())  # no special tokens
+    # Uniform over the vocabulary: 300 words, 30,000 draws, each word's count near 100.
+    counts = np.bincount(tokens.keyed_ids(3, range(100), 300).ravel(), minlength=303)[3:]
+    assert counts.min() > 50 and counts.max() < 150
+
+
 def test_bad_trace_line_is_reported_with_its_number(tokens, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n{"timestamp": 1}\n')
