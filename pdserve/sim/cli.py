@@ -97,9 +97,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     # again and again (a 12,000-request trace replay: 59.8 s with it walking them, 58.4 without).
     gc.freeze()
     started = time.perf_counter()
-    document, result = execute(
-        plan, run=lambda run: simulate_plan(replace(plan, run=run), profile, deployment, config)
-    )
+    try:
+        document, result = execute(
+            plan, run=lambda run: simulate_plan(replace(plan, run=run), profile, deployment, config)
+        )
+    finally:
+        gc.unfreeze()  # an in-process caller (a test) gets its collector back as it was
     wall_s = time.perf_counter() - started
     document["profile"] = args.profile
     print(f"{'deployment':<40}{deployment.describe()} ({profile.device}, {profile.model.name})")
@@ -133,10 +136,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = build_plan(args, url=SIMULATED_URL)
     gc.freeze()  # as in simulate
     started = time.perf_counter()
-    result = search_layouts(
-        plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target,
-        max_probes=args.max_probes,
-    )  # fmt: skip
+    try:
+        result = search_layouts(
+            plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target,
+            max_probes=args.max_probes,
+        )  # fmt: skip
+    finally:
+        gc.unfreeze()
     wall_s = time.perf_counter() - started
     print(format_plan(result, args.top, SLO(args.slo_ttft_ms, args.slo_tpot_ms), wall_s))
     return 0
