@@ -142,9 +142,6 @@ class StepCostModel:
         # this once per simulated step.
         c = self.coefficients
         over = prefill + decode - self.knee_tokens
-        if not prefill:  # a decode step: the prefill terms are 0
-            knee = c[3] * over if over > 0 else 0.0
-            return c[0] + c[2] * decode + knee + c[5] * shape.decode_context_tokens
         return (
             c[0]
             + c[1] * prefill

@@ -180,13 +180,14 @@ class Simulation:
     def _contended(self, worker: SimWorker) -> bool:
         """Whether `worker`'s step would start with no core of the host free for the router
         and the client: the busy workers' threads (its own included) fill them."""
+        if not self.shares_cores:  # GPU workers: the router and client run elsewhere
+            return False
         busy = sum(w.size for w in self.workers if w.is_busy or w is worker)
         return busy >= self.profile.devices_per_node
 
     def _kick(self, worker: SimWorker) -> None:
         if not worker.is_busy:
-            contended = self.shares_cores and self._contended(worker)
-            step = worker.start_step(self.now, contended)
+            step = worker.start_step(self.now, self._contended(worker))
             if step is not None:
                 self._push(self.now + step.duration_s, _STEP, worker)
 

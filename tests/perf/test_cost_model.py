@@ -40,7 +40,7 @@ def test_roofline_knee():
 @pytest.mark.parametrize("knee", [math.inf, 48.0])
 @pytest.mark.parametrize(
     "shape",
-    [StepShape(decode_requests=3, decode_context_tokens=900),  # a decode step: its own branch
+    [StepShape(decode_requests=3, decode_context_tokens=900),  # a decode step
      StepShape(decode_requests=60, decode_context_tokens=9000),  # past a finite knee
      StepShape(prefill_tokens=40, decode_requests=2, prefill_attention_pairs=820.0,
                decode_context_tokens=300, prefill_sequences=2)],
