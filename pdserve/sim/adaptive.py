@@ -87,7 +87,7 @@ class AdaptiveSimulation(Simulation):
             self._charge(flight, decode)
             flight.decode, flight.decode_worker = self._request(flight), decode
             flight.decode.prefill_chunk_tokens = decision.prefill_chunk_tokens
-            decode.scheduler.add_request(flight.decode)
+            decode.add(flight.decode)
         else:
             self.groups.on_remote(self.now)
             super()._admit_disaggregated(flight)

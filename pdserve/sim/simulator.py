@@ -17,8 +17,9 @@ A step that starts while the busy workers' threads fill every core of the host c
 `served.token_cpu_s` per token it streams more: the router and the client have no free core
 and run on its.
 
-Every `heartbeat_interval_s` each worker reports its load (`SimWorker.report`), checked
-before each event rather than queued as one. The router routes by that report plus what it
+Every `heartbeat_interval_s` each worker reports its load (`SimWorker.report`, as of its
+last Stats refresh: after a step, without requests not yet read), checked before each event
+rather than queued as one. The router routes by that report plus what it
 counts itself (requests it placed, prompt tokens sent whose first token is not back), as the
 real router does with Stats: an exact view placed multi-turn sessions differently.
 
@@ -234,7 +235,7 @@ class Simulation:
             worker.num_active_requests += 1
             self._charge(flight, worker)
             flight.decode, flight.decode_worker = self._request(flight), worker
-            worker.scheduler.add_request(flight.decode)
+            worker.add(flight.decode)
             self._kick(worker)
 
     def _request(self, flight: _Flight, prefill_only: bool = False) -> Request:
@@ -294,7 +295,7 @@ class Simulation:
         prefill_worker.num_active_requests += 1
         self._charge(flight, prefill_worker)
         flight.prefill = self._request(flight, prefill_only=True)
-        prefill_worker.scheduler.add_request(flight.prefill)
+        prefill_worker.add(flight.prefill)
         self._kick(prefill_worker)
         return True
 

@@ -61,6 +61,14 @@ class SimWorker:
         self.idle_since = float("-inf")  # when its last step ended: idle since the start
         # What its last Stats said (report()): before the first, idle with every block free.
         self.reported = _Reported(0, 0, num_blocks, 0)
+        # The real worker reads requests from its socket before a step and refreshes its
+        # Stats after one (workers/worker.py, run). So while a step runs, its Stats are the
+        # state when the last step ended (or when it last idled), without the requests
+        # `unseen` that came since: those queued while that step ran or woke this one.
+        self.unseen: list[Request] = []
+        self.arrived_in_step: list[Request] = []  # seen after the next step ends
+        self.snapshot = (0, 0, num_blocks)  # num_waiting, num_running, num_free_blocks
+        self.idle = True  # its Stats are current (idle loop): taken when a step starts
         self.sent_prefill_tokens = 0  # prompt tokens routed here, first token not yet out
         self.seeds: dict[str, int] = {}  # output token seeds by request id (crc32 once)
 
@@ -68,15 +76,36 @@ class SimWorker:
     def is_busy(self) -> bool:
         return self.step is not None
 
+    def add(self, request: Request) -> None:
+        """Queue `request` here; its Stats show it once the next step ends (`report`)."""
+        self.scheduler.add_request(request)
+        self.unseen.append(request)
+        if self.step is not None:
+            self.arrived_in_step.append(request)
+
+    def _snapshot(self) -> None:
+        """Stats as the real worker refreshes them: the `unseen` requests not yet read."""
+        s = self.scheduler
+        waiting = max(0, s.num_waiting - len(self.unseen))
+        self.snapshot = (waiting, s.num_running, self.kv.num_free_blocks)
+
+    def _went_idle(self) -> None:
+        self.idle, self.unseen = True, []
+
     def start_step(self, now: float, contended: bool = False) -> Step | None:
         """Schedule the next step at `now`, or None when there is nothing to run. A step after
         idle time costs the model's `wake_s` more (the machine woke up for it); one that
         starts while every core is taken (`contended`) costs `token_cpu_s` per token it
         streams more (the router and the client run on its cores)."""
         if not self.scheduler.has_unfinished():
+            self._went_idle()
             return None
+        if self.idle:
+            self._snapshot()
+            self.idle = False
         out = self.scheduler.schedule()
         if not out.scheduled:
+            self._went_idle()
             return None
         # A deterministic output token per request and position (never an EOS: simulated
         # requests carry none), distinct so multi-turn histories hash like real answers.
@@ -105,14 +134,24 @@ class SimWorker:
         assert self.step is not None
         step, self.step = self.step, None
         self.idle_since = now
-        return self.scheduler.update_from_output(step.output, step.sampled)
+        results = self.scheduler.update_from_output(step.output, step.sampled)
+        if self.unseen or self.arrived_in_step:  # most steps: nothing came meanwhile
+            self.unseen, self.arrived_in_step = self.arrived_in_step, []
+        self._snapshot()
+        return results
 
     def report(self) -> None:
-        """Its Stats now (a heartbeat): the load the router sees until the next one."""
+        """Its Stats at a heartbeat (the load the router sees until the next one): current
+        when idle; while a step runs, as the last refresh left them (`unseen`)."""
         s = self.scheduler
-        self.reported = _Reported(
-            s.num_waiting, s.num_running, self.kv.num_free_blocks, s.num_queued_tokens
-        )
+        if self.step is None:
+            self.reported = _Reported(
+                s.num_waiting, s.num_running, self.kv.num_free_blocks, s.num_queued_tokens
+            )
+            return
+        unseen = sum(r.num_tokens - r.num_computed_tokens for r in self.unseen
+                     if not r.is_finished)  # fmt: skip
+        self.reported = _Reported(*self.snapshot, s.num_queued_tokens - unseen)
 
     def load(self, block_hashes: list[int] | None = None) -> WorkerLoad:
         """What the router sees, as `router.workers.ControlPlane.loads` builds it: the last

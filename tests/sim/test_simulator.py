@@ -210,6 +210,31 @@ def test_the_router_routes_by_the_last_heartbeat_as_the_real_one_does():
     assert all(w.sent_prefill_tokens == 0 for w in sim.workers)  # every first token came back
 
 
+def test_a_heartbeat_during_a_step_carries_the_stats_from_before_it():
+    # The real worker refreshes its Stats after each step and reads new requests before the
+    # next, so a request that woke it or came during its step is not in its Stats until that
+    # step ends. 1 ms + 0.5 ms per prefill token, 512-token chunks, Stats every 0.3 s.
+    # A (1,400 tokens, t=0) steps 0-0.257 s and 0.257-0.514 s on c0; B (1,500, t=0.1)
+    # steps 0.1-0.357 s on c1. At the 0.3 s heartbeat c0's Stats are those after its first
+    # chunk (888 queued) and c1's those from before B (0), so C at 0.31 s sees c0 at
+    # 888 + 1,400 sent and c1 at 0 + 1,500 sent (not 1,500 + 1,500) and goes to c1.
+    seen = {}
+
+    class Spy(Simulation):
+        def _choose(self, role, flight):
+            seen[flight.record.request_id] = [w.load() for w in self.workers]
+            chosen = super()._choose(role, flight)
+            seen[flight.record.request_id + " to"] = chosen.worker_id
+            return chosen
+
+    prof = profile(coefficients=(0.001, 0.0005, 0, 0, 0, 0, 0))
+    sim = Spy(prof, Deployment.parse("2c"), SimConfig(heartbeat_interval_s=0.3))
+    sim.run(sessions((0.0, 1400, 2), (0.1, 1500, 2), (0.31, 100, 2)), ArrivalSpec("trace"))
+    assert [w.num_queued_prefill_tokens for w in seen["s2-0"]] == [888 + 1400, 1500]
+    assert [seen[f"s{i}-0 to"] for i in range(3)] == ["c0", "c1", "c1"]
+    assert all(not w.unseen and not w.arrived_in_step for w in sim.workers)
+
+
 def test_the_serving_stacks_cpu_lengthens_steps_only_while_every_core_is_busy():
     prof = profile(served=ServedOverhead(token_cpu_s=0.002))  # two cores, 10 ms steps
     # Alone on one of the two cores: the router and the client take the free one.
