@@ -48,6 +48,7 @@ from pdserve.router.policies import RouteRequest, make_policy
 from pdserve.sampling_params import SamplingParams
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.worker import SimWorker
+from pdserve.workers.spec import STATS_PER_HEARTBEAT
 
 _SEND, _ARRIVE, _STEP, _LANDED = 0, 1, 2, 3  # event kinds
 
@@ -113,7 +114,7 @@ class Simulation:
             worker_id, role, size, self.profile.served_cost_model(size), num_blocks,
             cfg.block_size, cfg.scheduler, max_model_len, cfg.enable_prefix_caching,
             self.profile.model.name, (self.served.send_step_s, self.served.send_token_s),
-            self.served.token_cpu_s,
+            self.served.token_cpu_s, cfg.heartbeat_interval_s / STATS_PER_HEARTBEAT,
         )  # fmt: skip
 
     # ---- the loop --------------------------------------------------------------------

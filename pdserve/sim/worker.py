@@ -41,6 +41,7 @@ class SimWorker:
         model_id: str = "",
         send_cost: tuple[float, float] = (0.0, 0.0),
         token_cpu_s: float = 0.0,
+        stats_every_s: float = 0.0,
     ) -> None:
         self.worker_id, self.role, self.size = worker_id, role, size
         self.cost_model = cost_model
@@ -62,13 +63,15 @@ class SimWorker:
         # What its last Stats said (report()): before the first, idle with every block free.
         self.reported = _Reported(0, 0, num_blocks, 0)
         # The real worker reads requests from its socket before a step and refreshes its
-        # Stats after one (workers/worker.py, run). So while a step runs, its Stats are the
-        # state when the last step ended (or when it last idled), without the requests
-        # `unseen` that came since: those queued while that step ran or woke this one.
+        # Stats after one, at most every `stats_every_s` (workers/worker.py, run). So while
+        # a step runs, its Stats are the state at the last refresh (or when it last idled),
+        # without the requests `unseen` since: those read after it or not read yet.
         self.unseen: list[Request] = []
-        self.arrived_in_step: list[Request] = []  # seen after the next step ends
+        self.arrived_in_step: list[Request] = []  # read when the next step starts
         self.snapshot = (0, 0, num_blocks)  # num_waiting, num_running, num_free_blocks
         self.idle = True  # its Stats are current (idle loop): taken when a step starts
+        self.stats_every_s = stats_every_s
+        self.next_stats_s = 0.0  # the rate limit's next refresh
         self.sent_prefill_tokens = 0  # prompt tokens routed here, first token not yet out
         self.seeds: dict[str, int] = {}  # output token seeds by request id (crc32 once)
 
@@ -135,9 +138,13 @@ class SimWorker:
         step, self.step = self.step, None
         self.idle_since = now
         results = self.scheduler.update_from_output(step.output, step.sampled)
-        if self.unseen or self.arrived_in_step:  # most steps: nothing came meanwhile
-            self.unseen, self.arrived_in_step = self.arrived_in_step, []
-        self._snapshot()
+        if now >= self.next_stats_s:  # a refresh: what it read before this step is in it
+            self.next_stats_s = now + self.stats_every_s
+            if self.unseen or self.arrived_in_step:  # most steps: nothing came meanwhile
+                self.unseen, self.arrived_in_step = self.arrived_in_step, []
+            self._snapshot()
+        elif self.arrived_in_step:  # no refresh: those stay unseen, read at the next step
+            self.arrived_in_step = []
         return results
 
     def report(self) -> None:

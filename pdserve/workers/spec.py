@@ -13,6 +13,10 @@ from pdserve.messages import ROLES
 from pdserve.schema import check, from_dict, knob
 from pdserve.transfer import TensorStore
 
+# A worker refreshes its Stats after a step at most this many times per heartbeat interval
+# (workers/worker.py, `_maybe_stats`; the simulator's `SimWorker` refreshes alike).
+STATS_PER_HEARTBEAT = 10
+
 
 @dataclass(frozen=True)
 class WorkerSpec:

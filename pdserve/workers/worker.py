@@ -32,7 +32,7 @@ from pdserve.transfer.receiver import SocketKVReceiver
 from pdserve.transfer.sender import SocketKVSender
 from pdserve.transfer.shm import shared_kv_name, unlink_shared_kv
 from pdserve.workers.cores import Cores, pin_threads
-from pdserve.workers.spec import WorkerSpec
+from pdserve.workers.spec import STATS_PER_HEARTBEAT, WorkerSpec
 from pdserve.workers.step_report import StepLog
 
 log = logging.getLogger(__name__)
@@ -315,7 +315,7 @@ class Worker:
         now = time.monotonic()
         if now < self._next_stats:
             return
-        self._next_stats = now + self.spec.heartbeat_interval_s / 10
+        self._next_stats = now + self.spec.heartbeat_interval_s / STATS_PER_HEARTBEAT
         s, kv = self.engine.scheduler, self.engine.kv
         cache = self.engine.cache_stats()
         self._stats = m.Stats(
