@@ -80,7 +80,8 @@ class SimWorker:
         return self.step is not None
 
     def add(self, request: Request) -> None:
-        """Queue `request` here; its Stats show it once the next step ends (`report`)."""
+        """Queue `request` here: its Stats show it from the first refresh after a step that
+        read it (`report`)."""
         self.scheduler.add_request(request)
         self.unseen.append(request)
         if self.step is not None:
