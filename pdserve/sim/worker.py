@@ -69,7 +69,6 @@ class SimWorker:
         self.unseen: list[Request] = []
         self.arrived_in_step: list[Request] = []  # read when the next step starts
         self.snapshot = (0, 0, num_blocks)  # num_waiting, num_running, num_free_blocks
-        self.idle = True  # its Stats are current (idle loop): taken when a step starts
         self.stats_every_s = stats_every_s
         self.next_stats_s = 0.0  # the rate limit's next refresh
         self.sent_prefill_tokens = 0  # prompt tokens routed here, first token not yet out
@@ -94,7 +93,7 @@ class SimWorker:
         self.snapshot = (waiting, s.num_running, self.kv.num_free_blocks)
 
     def _went_idle(self) -> None:
-        self.idle, self.unseen = True, []
+        self.unseen = []  # the idle loop reads its socket and refreshes its Stats
 
     def start_step(self, now: float, contended: bool = False) -> Step | None:
         """Schedule the next step at `now`, or None when there is nothing to run. A step after
@@ -104,9 +103,8 @@ class SimWorker:
         if not self.scheduler.has_unfinished():
             self._went_idle()
             return None
-        if self.idle:
+        if now > self.idle_since:  # it sat idle, its Stats current: they are taken now
             self._snapshot()
-            self.idle = False
         out = self.scheduler.schedule()
         if not out.scheduled:
             self._went_idle()
