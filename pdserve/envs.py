@@ -18,6 +18,10 @@ CACHE_DIR = "PDSERVE_CACHE_DIR"  # converted models and built kernels (~/.cache/
 NATIVE_KERNELS = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load the C kernels
 CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest), avx2, avx512, amx
 C_COMPILER = "CC"  # the compiler for the native kernels (gcc)
+# A folder: each worker appends every engine step it runs (its shape, threads, start and
+# duration) to `<folder>/<worker id>.steps.jsonl` (workers/step_report.py, `StepTrace`), for
+# comparing served steps with a profile (`benchmarks/served_steps.py`). Unset: no trace.
+STEP_TRACE = "PDSERVE_STEP_TRACE"
 # Where this process runs, for the transfer channel: peers with equal ids use shm. Default:
 # hostname + boot id; Ray placement sets it to the Ray node (pdserve/cluster/ray_actors.py).
 HOST_ID = "PDSERVE_HOST_ID"
@@ -53,6 +57,11 @@ def admin_key() -> str | None:
 
 def redis_password() -> str | None:
     return os.environ.get(REDIS_PASSWORD) or None
+
+
+def step_trace_dir() -> Path | None:
+    value = os.environ.get(STEP_TRACE)
+    return Path(value).expanduser() if value else None
 
 
 def cache_dir() -> Path:

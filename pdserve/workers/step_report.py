@@ -1,7 +1,12 @@
 """The samples of the adaptive planner's online cost model: each engine step's shape,
-thread count and duration, sent to the router in batches (`StepReport`)."""
+thread count and duration, sent to the router in batches (`StepReport`); and the same per
+step to a file for offline study when `PDSERVE_STEP_TRACE` names a folder (`StepTrace`)."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
 
 from pdserve import messages as m
 from pdserve.perf.cost_model import StepShape
@@ -36,3 +41,34 @@ class StepLog:
             return None
         rows, self.rows = self.rows, []
         return m.StepReport(self.worker_id, rows)
+
+
+class StepTrace:
+    """Appends one JSON line per step to `<folder>/<worker_id>.steps.jsonl`: the step's
+    `StepShape` fields, `threads`, `start` (Unix seconds) and `seconds`. Line-buffered, so a
+    worker that dies keeps every step it finished; a restarted worker appends."""
+
+    def __init__(self, folder: Path, worker_id: str) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"{worker_id}.steps.jsonl"
+        self._file = self.path.open("a", buffering=1)
+
+    def record(self, shape: StepShape, threads: int, start: float, seconds: float) -> None:
+        if shape.is_empty:
+            return
+        row = {**asdict(shape), "threads": threads, "start": round(start, 6),
+               "seconds": round(seconds, 6)}  # fmt: skip
+        self._file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_trace(path: str | Path) -> list[tuple[StepShape, int, float, float]]:
+    """A `StepTrace` file's steps: (shape, threads, start, seconds)."""
+    steps = []
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        threads, start, seconds = row.pop("threads"), row.pop("start"), row.pop("seconds")
+        steps.append((StepShape(**row), threads, start, seconds))
+    return steps

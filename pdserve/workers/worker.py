@@ -20,6 +20,7 @@ import time
 import torch
 import zmq
 
+from pdserve import envs
 from pdserve import messages as m
 from pdserve.engine.engine import Engine
 from pdserve.engine.roles.base import KVDestination, Role
@@ -33,7 +34,7 @@ from pdserve.transfer.sender import SocketKVSender
 from pdserve.transfer.shm import shared_kv_name, unlink_shared_kv
 from pdserve.workers.cores import Cores, pin_threads
 from pdserve.workers.spec import STATS_PER_HEARTBEAT, WorkerSpec
-from pdserve.workers.step_report import StepLog
+from pdserve.workers.step_report import StepLog, StepTrace
 
 log = logging.getLogger(__name__)
 KV_EVENTS_PER_MESSAGE = 4096  # block hashes (9 bytes each) in one KVEvents, stored and removed
@@ -52,6 +53,8 @@ class Worker:
         self.engine = Engine(spec.engine, kernels=kernels, allocate_kv=shared_kv if shm else None)
         self.cores = Cores(spec.cpus or os.sched_getaffinity(0))
         self.steps = StepLog(spec.worker_id) if spec.adaptive else None
+        trace_dir = envs.step_trace_dir()
+        self.trace = StepTrace(trace_dir, spec.worker_id) if trace_dir else None
         self.sender: SocketKVSender | None = None
         self.receiver: SocketKVReceiver | None = None
         self._wire: WireSource | None = None
@@ -271,11 +274,13 @@ class Worker:
 
     def _step(self) -> None:
         wid = self.spec.worker_id
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         outputs = self.engine.step()
+        now = time.perf_counter()
         if self.steps is not None:
-            now = time.perf_counter()
             self.steps.record(self.engine.last_shape, self.cores.threads, now - started, now)
+        if self.trace is not None:
+            self.trace.record(self.engine.last_shape, self.cores.threads, wall, now - started)
         for out in outputs:
             if out.error is not None:
                 self.send(m.Failed(wid, out.request_id, out.error))
@@ -336,6 +341,8 @@ class Worker:
                 endpoint.close()
         if name := shared_kv_name(self.engine.runner.kv_cache):  # no receiver unlinked it
             unlink_shared_kv(name)
+        if self.trace is not None:
+            self.trace.close()
         self.ctrl.close(0)
         self.out.close()
         self.ctx.term()
