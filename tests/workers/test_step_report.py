@@ -47,8 +47,9 @@ def test_a_served_workers_trace_matches_its_step_reports(tiny_model_dir, tmp_pat
     assert len(traced) == 6 and traced[0][0].prefill_tokens == 37  # a prefill, 5 decodes
     assert len(rows) == len(traced)
     for (shape, threads, start, seconds), row in zip(traced, rows, strict=True):
-        assert [shape.prefill_tokens, shape.decode_requests, shape.prefill_attention_pairs,
-                shape.decode_context_tokens, shape.num_prefill_sequences, threads] == row[:6]
+        fields = [shape.prefill_tokens, shape.decode_requests, shape.prefill_attention_pairs,
+                  shape.decode_context_tokens, shape.num_prefill_sequences, threads]  # fmt: skip
+        assert fields == row[:6]
         assert seconds == pytest.approx(row[6], abs=1e-5)
         assert start > 0
     assert all(a[2] < b[2] for a, b in zip(traced, traced[1:]))  # in the order they ran
