@@ -4,11 +4,12 @@ over what the profile's served cost model predicts for its shape, by kind of ste
     PDSERVE_STEP_TRACE=/tmp/steps pdserve bench compare ... --deployment collocated=collocated
     python benchmarks/served_steps.py /tmp/steps --profile profile.json
 
-Kinds: a decode step by batch size; a prefill step alone, after the worker sat idle (more
-than IDLE_S since its last step ended) or right after another step; a prefill beside
-running decodes ("mixed"). `+cpu` adds the profile's `token_cpu_s` per streamed token, as
-the simulator does for a step that starts while every core is taken. docs/simulator.md,
-"Served steps".
+Rows by worker and thread count (a worker id may recur across deployments run one after
+another into one folder), and by kind: a decode step by batch size; a prefill step alone,
+after the worker sat idle (more than IDLE_S since its last step ended) or right after
+another step; a prefill beside running decodes ("mixed"). `+cpu` adds the profile's
+`token_cpu_s` per streamed token, as the simulator does for a step that starts while every
+core is taken. docs/simulator.md, "Served steps".
 """
 
 from __future__ import annotations
@@ -39,22 +40,23 @@ def main() -> int:
     args = parser.parse_args()
     profile = load_profile(args.profile)
     token_cpu_s = profile.served.token_cpu_s
-    print(f"{'worker':10} {'kind':22} {'steps':>6} {'measured ms':>12} {'predicted':>10} "
+    print(f"{'worker/threads':18} {'kind':22} {'steps':>6} {'measured ms':>12} {'predicted':>10} "
           f"{'ratio':>6} {'+cpu':>6}")  # fmt: skip
     for path in sorted(Path(args.trace).glob("*.steps.jsonl")):
-        by_kind: dict[str, list[tuple[float, float, float]]] = {}
+        by_kind: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
         last_end = None
         for shape, threads, start, seconds in read_trace(path):
             predicted = profile.served_cost_model(threads).predict(shape)
             idle_s = start - last_end if last_end is not None else float("inf")
             last_end = start + seconds
             with_cpu = predicted + token_cpu_s * shape.decode_requests
-            by_kind.setdefault(kind(shape, idle_s), []).append((seconds, predicted, with_cpu))
-        worker = path.name.removesuffix(".steps.jsonl")
-        for name, rows in sorted(by_kind.items()):
+            key = (threads, kind(shape, idle_s))
+            by_kind.setdefault(key, []).append((seconds, predicted, with_cpu))
+        for (threads, name), rows in sorted(by_kind.items()):
+            worker = f"{path.name.removesuffix('.steps.jsonl')}/{threads}t"
             ratio = statistics.median(s / p for s, p, _ in rows)
             with_cpu = statistics.median(s / c for s, _, c in rows)
-            print(f"{worker:10} {name:22} {len(rows):6d} "
+            print(f"{worker:18} {name:22} {len(rows):6d} "
                   f"{statistics.median(s for s, _, _ in rows) * 1e3:12.1f} "
                   f"{statistics.median(p for _, p, _ in rows) * 1e3:10.1f} "
                   f"{ratio:6.3f} {with_cpu:6.3f}")  # fmt: skip

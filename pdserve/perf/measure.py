@@ -60,11 +60,16 @@ WAKE_PROMPT = 128
 WAKE_REPEATS = 7
 WAKE_MIN_SLOWER = 7
 # The speed probe (`pdserve profile --rescale`): prefills of chat lengths, a batched prefill,
-# batch-1 and batch-8 decodes, PROBE_REPEATS timed passes after a warm-up (one pass left the
-# median prefill ratio to three steps: ratios read 0.83-0.95 in one hour). The profile times
-# it right after each thread count's grid, so a later probe compares like with like (its
-# ratio to the model's predictions also holds the fit's error at these shapes).
-PROBE_GRID = ((128, 1), (256, 1), (64, 8))
+# batch-1 and batch-4 decodes, PROBE_REPEATS timed passes after a warm-up (one pass left the
+# median prefill ratio to three steps: ratios read 0.83-0.95 in one hour). Its baseline is
+# the grid's own steps of these entries (each is one of GRID's), priced by the fit they are
+# part of: it holds the fit's error at these shapes, and the machine's speed as the grid saw
+# it. A probe timed once after the grid read the machine at one moment instead: on an AMD
+# EPYC its prefill and decode steps ran 9% and 5% over the fit, the next probes 6% under
+# that, so every rescaled profile of it ran ~6% fast (docs/simulator.md, "Served steps").
+# A profile whose baseline lacks `shapes` was probed with LEGACY_PROBE_GRID.
+PROBE_GRID = ((128, 1), (320, 1), (64, 4))
+LEGACY_PROBE_GRID = ((128, 1), (256, 1), (64, 8))
 PROBE_REPEATS = 3
 
 
@@ -108,12 +113,17 @@ class Timings:
     samples: list[tuple[StepShape, float]]
     wake: list[tuple[float, float]]
     tpot_s: float
+    probe: list[tuple[StepShape, float]]  # the samples of PROBE_GRID's entries
 
 
 def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
     """Time the engine on the first `threads` cores: the grid, the wake curve, a TPOT."""
+    entries: list[tuple[int, int]] = []
     with pinned_engine(cfg, threads) as engine:
-        return Timings(time_grid(cfg, engine), _time_wake(cfg, engine), _time_tpot(engine))
+        samples = time_grid(cfg, engine, entries)
+        wake, tpot_s = _time_wake(cfg, engine), _time_tpot(engine)
+    probe = [s for s, entry in zip(samples, entries, strict=True) if entry in PROBE_GRID]
+    return Timings(samples, wake, tpot_s, probe)
 
 
 def time_lone_prefills(cfg: ProfileConfig) -> dict[int, float]:
@@ -126,9 +136,12 @@ def time_lone_prefills(cfg: ProfileConfig) -> dict[int, float]:
         return _time_prefills(engine)
 
 
-def time_probe(cfg: ProfileConfig, threads: int) -> list[tuple[StepShape, float]]:
-    """PROBE_GRID on a fresh engine on the first `threads` cores, timed as the grid is."""
-    probe = replace(cfg, grid=PROBE_GRID, repeats=PROBE_REPEATS)
+def time_probe(
+    cfg: ProfileConfig, threads: int, grid: tuple[tuple[int, int], ...] = PROBE_GRID
+) -> list[tuple[StepShape, float]]:
+    """The probe's `grid` on a fresh engine on the first `threads` cores, timed as the
+    profile's grid is."""
+    probe = replace(cfg, grid=grid, repeats=PROBE_REPEATS)
     with pinned_engine(probe, threads) as engine:
         return time_grid(probe, engine)
 
@@ -155,7 +168,11 @@ def pinned_engine(cfg: ProfileConfig, threads: int) -> Iterator[Engine]:
         pin_threads(cores)
 
 
-def time_grid(cfg: ProfileConfig, engine: Engine) -> list[tuple[StepShape, float]]:
+def time_grid(
+    cfg: ProfileConfig, engine: Engine, entries: list[tuple[int, int]] | None = None
+) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) of each step over `cfg.grid`, `cfg.repeats` times after a warm-up
+    pass; `entries`, when given, gets each sample's grid entry."""
     from pdserve.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -175,6 +192,8 @@ def time_grid(cfg: ProfileConfig, engine: Engine) -> list[tuple[StepShape, float
                 elapsed = time.perf_counter() - start
                 if rep > 0:  # the first pass warms caches and kernels
                     samples.append((engine.last_shape, elapsed))
+                    if entries is not None:
+                        entries.append((prompt_len, num_requests))
     return samples
 
 
@@ -299,6 +318,8 @@ def build_profile(
 ) -> HardwareProfile:
     """Measure `cfg.threads` and the served figures; with `base` (a profile of this machine),
     keep its cost models of other thread counts, its model and its KV size."""
+    if missing := [entry for entry in PROBE_GRID if entry not in cfg.grid]:
+        raise ValueError(f"grid: lacks the speed probe's entries {missing} (PROBE_GRID)")
     if base is not None:
         check_same_machine(base)
         kv_cache_bytes = int(base.kv_cache_bytes) if base.kv_cache_bytes else None
@@ -318,15 +339,16 @@ def build_profile(
         samples = timings.samples
         models[threads] = fit_cost_model(samples, KNEES)
         models[threads].wake = timings.wake
-        prefill, decode = phase_ratios(models[threads], time_probe(cfg, threads))
+        prefill, decode = phase_ratios(models[threads], timings.probe)
         probes[str(threads)] = {"prefill": round(prefill, 4), "decode": round(decode, 4),
-                                "decode_steps": cfg.decode_steps}  # fmt: skip
+                                "decode_steps": cfg.decode_steps,
+                                "shapes": [list(entry) for entry in PROBE_GRID]}  # fmt: skip
         errors = [abs(models[threads].predict(s) / t - 1) for s, t in samples]
         wake = ", ".join(f"{p:g} s: {x * 1e3:.1f} ms" for p, x in timings.wake)
         log(f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
-            f"idle costs more by {wake}; the speed probe's prefill steps x{prefill:.3f} and "
-            f"decode steps x{decode:.3f} the fit's")  # fmt: skip
+            f"idle costs more by {wake}; the speed probe's shapes in the grid: prefill steps "
+            f"x{prefill:.3f} and decode steps x{decode:.3f} the fit's")  # fmt: skip
     every_core = timed.get(len(os.sched_getaffinity(0)))
     one_thread = (lambda: time_lone_prefills(cfg)) if 1 in models else None
     served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,

@@ -4,11 +4,12 @@ A profile's grid takes half an hour on a slow CPU, and a VM's speed moves more t
 simulator's error budget within the hour: on an AMD EPYC VM a one-thread 256-token prefill
 took 1.66 s while the profile ran and 1.94-2.48 s an hour later, and every one-thread cell of
 the accuracy table then read 11-26% low. A probe re-times a few of the grid's shapes on each
-of the profile's thread counts (a minute, not half an hour) against the same probe timed
-when the profile was measured (`machine["probe"]`), and multiplies that thread count's
-coefficients by the ratio. A profile measured before it had one compares with its model's
-predictions, which carries the fit's error at the probe's shapes into every step. The
-serving stack's figures (CPU time of one Python process) scale by the one-thread ratio.
+of the profile's thread counts (a minute, not half an hour) against the same shapes as the
+profile's grid timed them (`machine["probe"]`: measured over fitted, by phase), and
+multiplies that thread count's coefficients by the ratio. Older profiles hold a probe
+timed once after the grid instead (`probe_grid`); one without any compares with its
+model's predictions, which carries the fit's error at the probe's shapes into every step.
+The serving stack's figures (CPU time of one Python process) scale by the one-thread ratio.
 
 Only the speed moves: the shape the grid fitted (a token against a row against a context
 token) and the wake curve are kept, and `machine["rescaled"]` records each ratio and when it
@@ -24,7 +25,13 @@ from dataclasses import asdict, replace
 
 from pdserve.perf.cost_model import StepCostModel, StepShape, phase_ratios
 from pdserve.perf.machine import check_same_machine
-from pdserve.perf.measure import ProfileConfig, time_probe, timing_env
+from pdserve.perf.measure import (
+    LEGACY_PROBE_GRID,
+    PROBE_GRID,
+    ProfileConfig,
+    time_probe,
+    timing_env,
+)
 from pdserve.perf.profile import HardwareProfile, ServedOverhead
 
 Samples = list[tuple[StepShape, float]]
@@ -52,12 +59,21 @@ def speed_ratio(
     return (prefill * decode) ** 0.5
 
 
+def probe_grid(baseline: Mapping | None) -> tuple[tuple[int, int], ...]:
+    """The entries a profile's probe `baseline` was taken on: its `shapes`; LEGACY_PROBE_GRID
+    for a baseline from before they were recorded; PROBE_GRID without a baseline."""
+    if not baseline:
+        return PROBE_GRID
+    shapes = baseline.get("shapes")
+    return tuple((int(p), int(n)) for p, n in shapes) if shapes else LEGACY_PROBE_GRID
+
+
 def probe_ratios(
     profile: HardwareProfile, decode_steps: int | None = None, log=lambda line: None
 ) -> dict[int, float]:
     """`speed_ratio` per thread count of `profile`, `measure.time_probe` timed here on the
-    cores its workers get, over the probe the profile timed when it was measured (as many
-    decode steps as then unless `decode_steps`); a profile without one, over its model's
+    cores its workers get, over the profile's baseline of the same shapes (as many decode
+    steps as then unless `decode_steps`); a profile without one, over its model's
     predictions."""
     check_same_machine(profile)
     timing_env()
@@ -68,7 +84,7 @@ def probe_ratios(
         steps = decode_steps or (baseline or {}).get("decode_steps") or ProfileConfig.decode_steps
         cfg = ProfileConfig(model=profile.model.name, threads=(threads,), decode_steps=steps,
                             kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None)  # fmt: skip
-        samples = time_probe(cfg, threads)
+        samples = time_probe(cfg, threads, probe_grid(baseline))
         model = profile.cost_model(threads)
         prefill, decode = relative_phases(model, samples, baseline)
         ratios[threads] = (prefill * decode) ** 0.5

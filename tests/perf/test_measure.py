@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.envs import WORKER_SPINCOUNT
 from pdserve.perf.measure import (
+    PROBE_GRID,
     ProfileConfig,
     build_profile,
     measure_steps,
@@ -27,10 +28,14 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     cores = len(os.sched_getaffinity(0))
     threads = (1, cores) if cores > 1 else (1,)  # every core's: the served step factor's model
     cfg = ProfileConfig(str(tiny_served_model), threads, kv_cache_bytes=1 << 20, decode_steps=4,
-                        repeats=1, grid=((16, 1), (200, 1), (32, 4)),
+                        repeats=1, grid=((16, 1), (200, 1), (32, 4), *PROBE_GRID),
                         served_requests=3, wake_pauses=(0.01, 0.02))  # fmt: skip
     timings = measure_steps(cfg, 1)
     samples = timings.samples
+    # the probe's baseline: the grid's own steps of the probe's entries, 4 steps each
+    assert len(timings.probe) == 4 * len(PROBE_GRID)
+    assert {s.prefill_tokens for s, _ in timings.probe} == {0, 128, 320, 256}
+    assert all(sample in samples for sample in timings.probe)
     assert [p for p, _ in timings.wake] == [0.01, 0.02] and all(x >= 0 for _, x in timings.wake)
     assert 0 < timings.tpot_s < 1
     prefills = time_lone_prefills(cfg)  # what a served prefill worker's steps are compared with
@@ -44,9 +49,10 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     assert set(loaded.transfer) == {"tcp", "shm"}
     assert loaded.kv_capacity_tokens(1) == (1 << 20) // loaded.model.kv_bytes_per_token
     assert loaded.cost_model(1).predict(samples[0][0]) > 0
-    # the speed probe, timed after each thread count's grid: near the fit (it timed those shapes)
+    # the speed probe's baseline, the grid's steps of its shapes: near the fit they are part of
     probes = loaded.machine["probe"]
     assert probes.keys() == {str(t) for t in threads}
+    assert all(p["shapes"] == [list(entry) for entry in PROBE_GRID] for p in probes.values())
     assert all(0.3 < p[k] < 3 and p["decode_steps"] == 4 for p in probes.values()
                for k in ("prefill", "decode"))  # fmt: skip
     # Through a real router and worker: both legs take time, and far less than a second.
@@ -69,6 +75,11 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
         assert updated.machine["kept"]["threads"] == [cores]
         assert updated.machine["probe"][str(cores)] == probes[str(cores)]
     assert updated.kv_cache_bytes == loaded.kv_cache_bytes
+
+
+def test_a_grid_without_the_probes_entries_is_refused():
+    with pytest.raises(ValueError, match=r"grid: lacks the speed probe's entries \[\(320, 1\)\]"):
+        build_profile(ProfileConfig(grid=((128, 1), (64, 4))))
 
 
 def test_update_refuses_a_profile_of_another_machine(tmp_path):

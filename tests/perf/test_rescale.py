@@ -9,9 +9,15 @@ import pytest
 from pdserve.perf.analytic import analytic_profile, model_shape
 from pdserve.perf.cost_model import FEATURES, StepCostModel, StepShape, fit_cost_model
 from pdserve.perf.machine import cpu_name
-from pdserve.perf.measure import ProfileConfig, pinned_engine, time_grid
+from pdserve.perf.measure import (
+    LEGACY_PROBE_GRID,
+    PROBE_GRID,
+    ProfileConfig,
+    pinned_engine,
+    time_grid,
+)
 from pdserve.perf.profile import HardwareProfile, ServedOverhead
-from pdserve.perf.rescale import SERVED_SECONDS, probe_ratios, rescaled, speed_ratio
+from pdserve.perf.rescale import SERVED_SECONDS, probe_grid, probe_ratios, rescaled, speed_ratio
 
 PREFILL, DECODE = StepShape(prefill_tokens=100), StepShape(decode_requests=4)
 
@@ -69,6 +75,13 @@ def test_rescaled_profile_scales_each_thread_count_and_the_served_seconds():
     assert loaded.cost_model(1).coefficients == out.cost_model(1).coefficients
 
 
+def test_a_probe_times_the_shapes_its_baseline_was_taken_on():
+    assert probe_grid({"prefill": 1.0, "decode": 1.0, "shapes": [[80, 1], [64, 16]]}) == (
+        (80, 1), (64, 16))  # fmt: skip
+    assert probe_grid({"prefill": 1.0, "decode": 1.0}) == LEGACY_PROBE_GRID  # timed apart
+    assert probe_grid(None) == PROBE_GRID  # no baseline: against the model, today's shapes
+
+
 def test_rescale_refuses_another_machine_and_analytic_profiles():
     with pytest.raises(ValueError, match="measured on 'another cpu' with 2 cores"):
         probe_ratios(cpu_profile({1: linear_model()}, cpu="another cpu", cores=2))
@@ -79,7 +92,7 @@ def test_rescale_refuses_another_machine_and_analytic_profiles():
 @pytest.mark.slow
 def test_a_probe_finds_a_profile_four_times_too_fast(tiny_served_model):
     cfg = ProfileConfig(str(tiny_served_model), (1,), kv_cache_bytes=1 << 20, decode_steps=6,
-                        repeats=1, grid=((128, 1), (256, 1), (64, 8), (32, 4)))  # fmt: skip
+                        repeats=1, grid=(*PROBE_GRID, (32, 4)))  # fmt: skip
     with pinned_engine(cfg, 1) as engine:
         fitted = fit_cost_model(time_grid(cfg, engine))
     profile = cpu_profile({1: fitted.scaled(0.25)})
