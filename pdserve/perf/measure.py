@@ -66,7 +66,7 @@ WAKE_MIN_SLOWER = 7
 # part of: it holds the fit's error at these shapes, and the machine's speed as the grid saw
 # it. A probe timed once after the grid read the machine at one moment instead: on an AMD
 # EPYC its prefill and decode steps ran 9% and 5% over the fit, the next probes 6% under
-# that, so every rescaled profile of it ran ~6% fast (docs/simulator.md, "Served steps").
+# that, so every rescaled profile of it ran ~6% fast (docs/simulator.md, "Profiles").
 # A profile whose baseline lacks `shapes` was probed with LEGACY_PROBE_GRID.
 PROBE_GRID = ((128, 1), (320, 1), (64, 4))
 LEGACY_PROBE_GRID = ((128, 1), (256, 1), (64, 8))
