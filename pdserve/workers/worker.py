@@ -274,13 +274,15 @@ class Worker:
 
     def _step(self) -> None:
         wid = self.spec.worker_id
-        started, wall = time.perf_counter(), time.time()
+        started = time.perf_counter()
         outputs = self.engine.step()
         now = time.perf_counter()
         if self.steps is not None:
             self.steps.record(self.engine.last_shape, self.cores.threads, now - started, now)
         if self.trace is not None:
-            self.trace.record(self.engine.last_shape, self.cores.threads, wall, now - started)
+            seconds = now - started  # its start in Unix time, read only while tracing:
+            self.trace.record(self.engine.last_shape, self.cores.threads, time.time() - seconds,
+                              seconds)  # fmt: skip
         for out in outputs:
             if out.error is not None:
                 self.send(m.Failed(wid, out.request_id, out.error))
