@@ -225,6 +225,45 @@ class StepCostModel:
 
 
 @dataclass(frozen=True)
+class ServedSteps:
+    """A served worker's steps against its cost model, by phase: a step with prefill tokens
+    takes `prefill_s + prefill_factor * model`, a decode step `decode_s + decode_factor *
+    model`. `pdserve profile` fits the lines to the steps workers ran under a load of
+    requests (perf/served_steps.py): the router, the client and the other workers take
+    cores and memory bandwidth from them, which an engine timed alone does not see."""
+
+    prefill_s: float = knob(0.0, ge=0)
+    prefill_factor: float = knob(1.0, gt=0)
+    decode_s: float = knob(0.0, ge=0)
+    decode_factor: float = knob(1.0, gt=0)
+
+    def __post_init__(self) -> None:
+        check(self, "served_steps.")
+
+
+class ServedCostModel:
+    """`model`'s steps as a served worker runs them (`ServedSteps`); its wake curve kept.
+    What the simulator prices a worker's steps with where the profile measured the lines."""
+
+    __slots__ = ("model", "steps")
+
+    def __init__(self, model: StepCostModel, steps: ServedSteps) -> None:
+        self.model, self.steps = model, steps
+
+    def predict(self, shape: StepShape) -> float:
+        seconds = self.model.predict(shape)
+        if not seconds:
+            return 0.0
+        s = self.steps
+        if shape.prefill_tokens:
+            return s.prefill_s + s.prefill_factor * seconds
+        return s.decode_s + s.decode_factor * seconds
+
+    def wake_s(self, idle_s: float) -> float:
+        return self.model.wake_s(idle_s)
+
+
+@dataclass(frozen=True)
 class TransferModel:
     """Time to move `num_bytes` of KV between two workers: latency + bytes / bandwidth."""
 

@@ -1,6 +1,7 @@
 """`pdserve profile`: time the real engine on this machine over a grid of step shapes, fit
 the step-cost model per thread count, measure KV transfer bandwidth and the serving stack's
-own latency (through a real router and worker), write the profile.
+own latency (through a real router and worker) and how served workers step against the fit
+(under a load of requests: perf/served_steps.py), write the profile.
 
 The engine runs on the cores a deployed worker of that size gets (the first `threads` cores,
 every thread pinned as the worker pins them) and under a worker's OpenMP wait policy
@@ -36,6 +37,7 @@ from pdserve.perf.served import (
     STEP_FACTOR_TOKENS,
     served_overhead,
 )
+from pdserve.perf.served_steps import measure_served_steps
 from pdserve.schema import check, knob, same_as
 
 if TYPE_CHECKING:
@@ -93,7 +95,8 @@ class ProfileConfig:
     repeats: int = knob(2, "measured passes over the grid, after one warm-up pass", ge=1)
     served_requests: int = knob(
         20, "requests sent one at a time through a served collocated deployment to time the "
-        "serving stack (HTTP, router, worker hops); 0: none, the profile's figures are 0", ge=0,
+        "serving stack (HTTP, router, worker hops); 0: none, the profile's figures are 0 "
+        "and no served steps are measured", ge=0,
     )  # fmt: skip
     grid: tuple[tuple[int, int], ...] = knob(tuple(GRID), cli=False)
     wake_pauses: tuple[float, ...] = knob(WAKE_PAUSES, cli=False)
@@ -358,6 +361,11 @@ def build_profile(
         f"x{served.step_factor:.2f}; a prefill worker's steps +{served.send_step_s * 1e3:.1f} ms "
         f"+{served.send_token_s * 1e6:.1f} us per token, its first token "
         f"{served.remote_token_s * 1e3:.1f} ms")  # fmt: skip
+    served_steps = dict(base.served_steps if base else {})
+    if cfg.served_requests:
+        measured = {threads: models[threads] for threads in cfg.threads}
+        served_steps |= measure_served_steps(cfg.model, cfg.kv_cache_bytes, measured,
+                                             served.token_cpu_s, log)  # fmt: skip
     cpu = cpu_name()
     return HardwareProfile(
         kind="measured",
@@ -367,6 +375,7 @@ def build_profile(
         models=models,
         transfer={"tcp": tcp_bandwidth(), "shm": shm_bandwidth()},
         served=served,
+        served_steps=served_steps,
         devices_per_node=len(os.sched_getaffinity(0)),
         kv_cache_bytes=cfg.kv_cache_bytes,
         machine={

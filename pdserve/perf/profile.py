@@ -8,7 +8,9 @@ Version 2 added `served` (what a request costs outside the engine's steps); a ve
 profile is refused: measure again. Version 3 added the `prefill_sequences` coefficient, each
 cost model's `wake` curve and the prefill worker's `served` figures; a version-2 profile reads
 with all of them 0 (as it was measured). Version 4 added `served.token_cpu_s`; a version-3
-profile reads with it 0.
+profile reads with it 0. Version 5 added `served_steps` (per worker size, its served steps
+against its cost model); an older profile has none, and its served workers step as
+`served.step_factor` says.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from pdserve.perf.cost_model import StepCostModel, TransferModel
+from pdserve.perf.cost_model import ServedCostModel, ServedSteps, StepCostModel, TransferModel
 from pdserve.schema import check, knob
 
-PROFILE_VERSION = 4
-READS = {2: ("prefill_sequences",), 3: (), 4: ()}  # version -> coefficients it may lack
+PROFILE_VERSION = 5
+READS = {2: ("prefill_sequences",), 3: (), 4: (), 5: ()}  # version -> coefficients it may lack
 
 
 @dataclass(frozen=True)
@@ -37,8 +39,9 @@ class ServedOverhead:
       the engine's figures while TTFT and end-to-end latency carry it;
     - `step_factor`: how much slower a worker whose threads take every core of its host
       steps in service than on the engine alone (served TPOT at batch 1, less
-      `token_cpu_s`, over the same requests' TPOT offline). `served_cost_model` applies it.
-      Workers on fewer cores leave the router one, and keep their profiled steps;
+      `token_cpu_s`, over the same requests' TPOT offline). `served_cost_model` applies it
+      to a profile without `served_steps` (before version 5), and there workers on fewer
+      cores keep their profiled steps;
     - `token_cpu_s`: the CPU the router and the client spend per streamed token (SSE,
       detokenizing, parsing). It comes out of the workers' cores when no core is free: the
       simulator lengthens such a step by its tokens times this. On an AMD EPYC, 0.4 ms
@@ -109,8 +112,10 @@ class ModelShape:
 @dataclass
 class HardwareProfile:
     """`models[size]`: the step-cost model of a worker of that size. `transfer[backend]`:
-    KV transfer between two workers. `served`: the serving stack's own latency. KV capacity
-    is `kv_cache_bytes` when measured (what the engine was given), else `memory_fraction` of
+    KV transfer between two workers. `served`: the serving stack's own latency.
+    `served_steps[size]`: how a served worker of that size steps against `models[size]`
+    (measured; empty in analytic profiles and before version 5). KV capacity is
+    `kv_cache_bytes` when measured (what the engine was given), else `memory_fraction` of
     the workers' device memory less weights."""
 
     kind: str  # "measured" | "analytic"
@@ -125,6 +130,7 @@ class HardwareProfile:
     kv_cache_bytes: float | None = None
     machine: dict[str, object] = field(default_factory=dict)
     served: ServedOverhead = ServedOverhead()
+    served_steps: dict[int, ServedSteps] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     def cost_model(self, size: int) -> StepCostModel:
@@ -135,10 +141,18 @@ class HardwareProfile:
             )
         return self.models[size]
 
-    def served_cost_model(self, size: int) -> StepCostModel:
-        """The step time of a served worker of `size`: `cost_model(size)`, slower by
+    def served_cost_model(
+        self, size: int, role: str = "collocated"
+    ) -> StepCostModel | ServedCostModel:
+        """The step time of a served worker of `size`: `cost_model(size)` through its
+        `served_steps` lines where the profile has them. A prefill worker keeps the model:
+        its served extra is in `served.send_step_s` and `send_token_s`, measured against
+        the engine alone. Without lines (profiles before version 5), slower by
         `served.step_factor` where its threads take every core of the host."""
         model = self.cost_model(size)
+        if self.served_steps:
+            steps = self.served_steps.get(size)
+            return ServedCostModel(model, steps) if steps and role != "prefill" else model
         factor = self.served.step_factor
         if self.size_unit != "threads" or size < self.devices_per_node or factor == 1.0:
             return model
@@ -182,6 +196,7 @@ class HardwareProfile:
             "models": {str(k): m.to_dict() for k, m in self.models.items()},
             "transfer": {k: asdict(t) for k, t in self.transfer.items()},
             "served": asdict(self.served),
+            "served_steps": {str(k): asdict(v) for k, v in self.served_steps.items()},
         }
 
     @classmethod
@@ -209,6 +224,9 @@ class HardwareProfile:
                 kv_cache_bytes=data.get("kv_cache_bytes"),
                 machine=dict(data.get("machine", {})),
                 served=ServedOverhead(**data["served"]),
+                served_steps={
+                    int(k): ServedSteps(**v) for k, v in data.get("served_steps", {}).items()
+                },
             )
         except KeyError as exc:
             raise ValueError(f"profile lacks the field {exc.args[0]!r}") from None

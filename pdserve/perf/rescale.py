@@ -12,9 +12,9 @@ model's predictions, which carries the fit's error at the probe's shapes into ev
 The serving stack's figures (CPU time of one Python process) scale by the one-thread ratio.
 
 Only the speed moves: the shape the grid fitted (a token against a row against a context
-token) and the wake curve are kept, and `machine["rescaled"]` records each ratio and when it
-was taken. A probe is no substitute for profiling another machine: a profile of another CPU
-or core count is refused.
+token), the wake curve and the served steps' factors are kept, and `machine["rescaled"]`
+records each ratio and when it was taken. A probe is no substitute for profiling another
+machine: a profile of another CPU or core count is refused.
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def probe_ratios(
 
 
 def rescaled(profile: HardwareProfile, ratios: dict[int, float]) -> HardwareProfile:
-    """`profile` with each thread count's coefficients times its ratio and the served seconds
-    times the smallest thread count's."""
+    """`profile` with each thread count's coefficients and its `served_steps` seconds times its
+    ratio (their factors, ratios of two speeds, kept), and the served seconds times the
+    smallest thread count's."""
     served_ratio = ratios[min(ratios)]
     served = asdict(profile.served)
     served.update({k: served[k] * served_ratio for k in SERVED_SECONDS})
@@ -106,5 +107,13 @@ def rescaled(profile: HardwareProfile, ratios: dict[int, float]) -> HardwareProf
         profile,
         models={size: model.scaled(ratios[size]) for size, model in profile.models.items()},
         served=ServedOverhead(**served),
+        served_steps={
+            size: replace(
+                steps,
+                prefill_s=steps.prefill_s * ratios[size],
+                decode_s=steps.decode_s * ratios[size],
+            )
+            for size, steps in profile.served_steps.items()
+        },
         machine={**profile.machine, "rescaled": record},
     )

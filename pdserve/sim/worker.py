@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pdserve.config import SchedulerConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.manager import KVCacheManager
-from pdserve.perf.cost_model import StepCostModel, StepShape
+from pdserve.perf.cost_model import ServedCostModel, StepCostModel, StepShape
 from pdserve.request import Request
 from pdserve.router.policies import WorkerLoad
 
@@ -32,7 +32,7 @@ class SimWorker:
         worker_id: str,
         role: str,
         size: int,
-        cost_model: StepCostModel,
+        cost_model: StepCostModel | ServedCostModel,
         num_blocks: int,
         block_size: int,
         scheduler_config: SchedulerConfig,

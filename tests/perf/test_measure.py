@@ -64,6 +64,11 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
         assert loaded.served.send_step_s < 1 and loaded.served.send_token_s < 0.01
         # the router and the client spent CPU on each streamed token: some, far below a step
         assert 0 < loaded.served.token_cpu_s < 0.05
+    # each size's workers stepped under a load: a line per phase, near the model's steps
+    assert loaded.served_steps.keys() == set(threads)
+    for steps in loaded.served_steps.values():
+        assert 0.2 < steps.prefill_factor < 5 and 0.2 < steps.decode_factor < 5
+        assert steps.prefill_s < 1 and steps.decode_s < 1
     with pytest.raises(ValueError, match=f"no cost model for {cores + 1} threads"):
         loaded.cost_model(cores + 1)
     # --update: one thread count again, the others kept as they were
@@ -75,6 +80,7 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
         assert updated.machine["kept"]["threads"] == [cores]
         assert updated.machine["probe"][str(cores)] == probes[str(cores)]
     assert updated.kv_cache_bytes == loaded.kv_cache_bytes
+    assert updated.served_steps.keys() == loaded.served_steps.keys()
 
 
 def test_a_grid_without_the_probes_entries_is_refused():
