@@ -45,8 +45,10 @@ def main() -> int:
     for path in sorted(Path(args.trace).glob("*.steps.jsonl")):
         by_kind: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
         last_end = None
+        # a worker id is its role's name and an index (cluster/launcher.py)
+        role = path.name.split("-")[0]
         for shape, threads, start, seconds in read_trace(path):
-            predicted = profile.served_cost_model(threads).predict(shape)
+            predicted = profile.served_cost_model(threads, role).predict(shape)
             idle_s = start - last_end if last_end is not None else float("inf")
             last_end = start + seconds
             with_cpu = predicted + token_cpu_s * shape.decode_requests

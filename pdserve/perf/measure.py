@@ -367,6 +367,8 @@ def build_profile(
         served_steps |= measure_served_steps(cfg.model, cfg.kv_cache_bytes, measured,
                                              served.token_cpu_s, log)  # fmt: skip
     cpu = cpu_name()
+    kept = base and {"threads": sorted(set(models) - set(cfg.threads)),
+                     "measured_at": base.machine.get("measured_at")}  # fmt: skip
     return HardwareProfile(
         kind="measured",
         device=f"cpu: {cpu}",
@@ -388,15 +390,6 @@ def build_profile(
             # the grid (what `--rescale` compares a later probe with)
             "probe": probes,
             # --update: the thread counts kept from the base profile, and when it was measured
-            **(
-                {
-                    "kept": {
-                        "threads": sorted(set(models) - set(cfg.threads)),
-                        "measured_at": base.machine.get("measured_at"),
-                    }
-                }
-                if base
-                else {}
-            ),
+            **({"kept": kept} if kept else {}),
         },  # fmt: skip
     )
