@@ -4,8 +4,8 @@
 Timed alone, the engine has its cores to itself. Served, the router and the client take
 CPU from them, and workers on the other cores share the memory bandwidth and the caches:
 on an AMD EPYC (2 cores) a one-thread worker of two ran its chat prefills 15-20% over its
-model, a two-thread worker its short prefills 50-100 ms over, whatever their length
-(docs/simulator.md, "Served steps"). So for each size the profile has, one deployment of
+model, a two-thread worker its prefills 50-100 ms over whatever their length
+(docs/simulator.md, "Profiles", *Served steps*). So for each size the profile has, one deployment of
 workers that size fills the host's cores (one all-core collocated worker; one one-thread
 worker per core), `pdserve bench` sends it a Poisson load of chat-like requests at
 SERVED_LOAD of what the model says it serves, every worker writes its steps
