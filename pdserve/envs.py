@@ -7,6 +7,8 @@ the launcher builds each child's environment with `child_env`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CLUSTER_SECRET = "PDSERVE_CLUSTER_SECRET"  # hex; set by the launcher for router and workers
@@ -62,6 +64,21 @@ def redis_password() -> str | None:
 def step_trace_dir() -> Path | None:
     value = os.environ.get(STEP_TRACE)
     return Path(value).expanduser() if value else None
+
+
+@contextmanager
+def step_trace(folder: Path) -> Iterator[None]:
+    """Processes started meanwhile trace their steps to `folder` (`STEP_TRACE`); the variable
+    is as it was afterwards."""
+    before = os.environ.get(STEP_TRACE)
+    os.environ[STEP_TRACE] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[STEP_TRACE]
+        else:
+            os.environ[STEP_TRACE] = before
 
 
 def cache_dir() -> Path:

@@ -56,3 +56,14 @@ def test_worker_sets_the_spin_count_before_torch_loads(operator, expected):
     out = subprocess.run([sys.executable, "-c", code], env={**env, **operator},
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.split() == ["False", str(expected)]
+
+
+def test_step_trace_sets_the_folder_and_puts_it_back(monkeypatch, tmp_path):
+    monkeypatch.setenv(envs.STEP_TRACE, "/elsewhere")
+    with envs.step_trace(tmp_path):
+        assert envs.step_trace_dir() == tmp_path
+    assert envs.step_trace_dir() == Path("/elsewhere")
+    monkeypatch.delenv(envs.STEP_TRACE)
+    with envs.step_trace(tmp_path):
+        assert envs.step_trace_dir() == tmp_path
+    assert envs.step_trace_dir() is None

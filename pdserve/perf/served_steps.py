@@ -25,8 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve import envs
@@ -66,7 +65,7 @@ def measure_served_steps(
         pipeline = Pipeline(model=model, collocated=role, routing="shortest_queue",
                             port=free_port())  # fmt: skip
         rate = SERVED_LOAD * len(groups) / request_s(models[size])
-        with tempfile.TemporaryDirectory() as tmp, step_trace(Path(tmp)):
+        with tempfile.TemporaryDirectory() as tmp, envs.step_trace(Path(tmp)):
             with Cluster(pipeline, log_level="WARNING") as url:
                 run_bench(url, model, WARMUP_REQUESTS, None)
                 start = time.time()
@@ -87,20 +86,6 @@ def request_s(model: StepCostModel) -> float:
     prefill = model.predict(StepShape(prompt, 0, prompt * (prompt + 1) / 2, 0, 1))
     decode = model.predict(StepShape(0, 1, 0.0, prompt + answer // 2))
     return prefill + answer * decode
-
-
-@contextmanager
-def step_trace(folder: Path) -> Iterator[None]:
-    """Workers started meanwhile write their steps to `folder` (`PDSERVE_STEP_TRACE`)."""
-    before = os.environ.get(envs.STEP_TRACE)
-    os.environ[envs.STEP_TRACE] = str(folder)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[envs.STEP_TRACE]
-        else:
-            os.environ[envs.STEP_TRACE] = before
 
 
 def run_bench(url: str, model: str, num_requests: int, rate: float | None) -> None:

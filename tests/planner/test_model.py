@@ -7,7 +7,13 @@ import typing
 
 import pytest
 
-from pdserve.perf.cost_model import StepCostModel, StepShape, TransferModel
+from pdserve.perf.cost_model import (
+    ServedCostModel,
+    ServedSteps,
+    StepCostModel,
+    StepShape,
+    TransferModel,
+)
 from pdserve.perf.profile import HardwareProfile, ModelShape
 from pdserve.planner.model import OnlineCostModel
 from pdserve.sim.worker import SimWorker
@@ -83,13 +89,18 @@ def test_transfer_fit_from_exposed_times():
 
 def test_planner_and_simulator_use_one_cost_model_class():
     """Issue 15: the adaptive planner and the simulator use this one model: the simulator's
-    workers step with a StepCostModel, and the planner's fits are StepCostModels seeded
-    from the very profile the simulator reads."""
+    workers step with a StepCostModel (or the profile's served lines over that very one),
+    and the planner's fits are StepCostModels seeded from the very profile the simulator
+    reads."""
     profile = HardwareProfile(
         "measured", "cpu: test", ModelShape("m", 2, 64, 128, 4, 2, 16, 100), "threads",
         {4: truth(4)}, {"shm": TransferModel(2e9)}, 1, kv_cache_bytes=1e6,
     )  # fmt: skip
-    assert typing.get_type_hints(SimWorker.__init__)["cost_model"] is StepCostModel
+    hint = typing.get_type_hints(SimWorker.__init__)["cost_model"]
+    assert hint == StepCostModel | ServedCostModel
+    profile.served_steps = {4: ServedSteps(prefill_s=0.01, decode_factor=1.1)}
+    assert profile.served_cost_model(4).model is profile.cost_model(4)  # wraps, not replaces
+    profile.served_steps = {}
     model = OnlineCostModel(min_samples=1, profile=profile)
     model.observe_steps("decode", rows(2, 30))
     assert {type(f.model) for f in model._fits.values()} == {StepCostModel}
