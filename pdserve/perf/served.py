@@ -128,19 +128,27 @@ def bench_tpot_s(url: str, model: str, router_pid: int) -> tuple[float | None, f
     the router's and the client's, per streamed token (0 where /proc cannot tell)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
-                "--tokenizer", model,
-                "--num-requests", str(STEP_FACTOR_REQUESTS), "--max-concurrency", "1",
-                "--input-len", str(STEP_FACTOR_PROMPT), "--output-len", str(STEP_FACTOR_TOKENS),
-                "--no-progress", "--output", str(out)]  # fmt: skip
         router_s = cpu_s(router_pid)
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        run_bench(url, model, STEP_FACTOR_REQUESTS, str(STEP_FACTOR_PROMPT),
+                  str(STEP_FACTOR_TOKENS), "--max-concurrency", "1",
+                  "--output", str(out))  # fmt: skip
         router_s = cpu_s(router_pid) - router_s
         document = json.loads(out.read_text())
     tpot_ms = document["summary"]["tpot_ms"]["p50"]
     num_tokens = sum(r["output_len"] for r in document["records"])
     token_cpu_s = (router_s + document["client_cpu_s"]) / num_tokens if num_tokens else 0.0
     return (tpot_ms / 1e3 if tpot_ms else None), max(0.0, token_cpu_s)
+
+
+def run_bench(
+    url: str, model: str, num_requests: int, input_len: str, output_len: str, *flags: str
+) -> None:
+    """`pdserve bench` in its own process (the client `pdserve simulate` predicts), its
+    output discarded; `flags`: its arrival and the rest."""
+    argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
+            "--tokenizer", model, "--num-requests", str(num_requests), "--input-len", input_len,
+            "--output-len", output_len, "--no-progress", *flags]  # fmt: skip
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
 
 
 def cpu_s(pid: int) -> float:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import bisect
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,6 +28,7 @@ from pathlib import Path
 
 from pdserve import envs
 from pdserve.perf.cost_model import ServedSteps, StepCostModel, StepShape
+from pdserve.perf.served import run_bench
 from pdserve.workers.step_report import read_trace
 
 SERVED_LOAD = 0.6  # the load's rate, as a fraction of what the model says the workers serve
@@ -67,9 +66,12 @@ def measure_served_steps(
         rate = SERVED_LOAD * len(groups) / request_s(models[size])
         with tempfile.TemporaryDirectory() as tmp, envs.step_trace(Path(tmp)):
             with Cluster(pipeline, log_level="WARNING") as url:
-                run_bench(url, model, WARMUP_REQUESTS, None)
+                # as the accuracy runs send: one at a time to warm up, then Poisson at `rate`
+                run_bench(url, model, WARMUP_REQUESTS, LOAD_INPUT, LOAD_OUTPUT,
+                          "--max-concurrency", "1", "--seed", str(WARMUP_REQUESTS))  # fmt: skip
                 start = time.time()
-                run_bench(url, model, SERVED_LOAD_REQUESTS, rate)
+                run_bench(url, model, SERVED_LOAD_REQUESTS, LOAD_INPUT, LOAD_OUTPUT,
+                          "--rate", f"{rate:.6f}", "--seed", str(SERVED_LOAD_REQUESTS))  # fmt: skip
             traces = [read_trace(p) for p in sorted(Path(tmp).glob("*.steps.jsonl"))]
         lines[size] = fit_served_steps(models[size], traces, len(cores), token_cpu_s, start)
         s = lines[size]
@@ -86,17 +88,6 @@ def request_s(model: StepCostModel) -> float:
     prefill = model.predict(StepShape(prompt, 0, prompt * (prompt + 1) / 2, 0, 1))
     decode = model.predict(StepShape(0, 1, 0.0, prompt + answer // 2))
     return prefill + answer * decode
-
-
-def run_bench(url: str, model: str, num_requests: int, rate: float | None) -> None:
-    """`pdserve bench` in its own process, as the accuracy runs send: Poisson at `rate`, or
-    one request at a time (None)."""
-    arrival = ["--rate", f"{rate:.6f}"] if rate else ["--max-concurrency", "1"]
-    argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
-            "--tokenizer", model, "--num-requests", str(num_requests), "--input-len",
-            LOAD_INPUT, "--output-len", LOAD_OUTPUT, *arrival, "--seed", str(num_requests),
-            "--no-progress"]  # fmt: skip
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
 
 
 def fit_served_steps(
