@@ -354,13 +354,17 @@ def build_profile(
             f"x{prefill:.3f} and decode steps x{decode:.3f} the fit's")  # fmt: skip
     every_core = timed.get(len(os.sched_getaffinity(0)))
     one_thread = (lambda: time_lone_prefills(cfg)) if 1 in models else None
+    # A decode step of one request at context n, on one thread (the decode worker's start).
+    decode = one_thread and (lambda n: models[1].predict(StepShape(0, 1, 0.0, n)))
     served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,
-                             every_core.tpot_s if every_core else None, one_thread)  # fmt: skip
+                             every_core.tpot_s if every_core else None, one_thread,
+                             decode)  # fmt: skip
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
         f"{served.token_s * 1e3:.1f} ms from its end per token, steps on every core "
         f"x{served.step_factor:.2f}; a prefill worker's steps +{served.send_step_s * 1e3:.1f} ms "
         f"+{served.send_token_s * 1e6:.1f} us per token, its first token "
-        f"{served.remote_token_s * 1e3:.1f} ms")  # fmt: skip
+        f"{served.remote_token_s * 1e3:.1f} ms, the decode worker's start "
+        f"{served.start_decode_s * 1e3:.1f} ms after it")  # fmt: skip
     served_steps = dict(base.served_steps if base else {})
     if cfg.served_requests:
         measured = {threads: models[threads] for threads in cfg.threads}

@@ -10,7 +10,8 @@ cost model's `wake` curve and the prefill worker's `served` figures; a version-2
 with all of them 0 (as it was measured). Version 4 added `served.token_cpu_s`; a version-3
 profile reads with it 0. Version 5 added `served_steps` (per worker size, its served steps
 against its cost model); an older profile has none, and its served workers step as
-`served.step_factor` says.
+`served.step_factor` says. Version 6 added `served.start_decode_s`; an older profile reads
+with it 0.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pathlib import Path
 from pdserve.perf.cost_model import ServedCostModel, ServedSteps, StepCostModel, TransferModel
 from pdserve.schema import check, knob
 
-PROFILE_VERSION = 5
-READS = {2: ("prefill_sequences",), 3: (), 4: (), 5: ()}  # version -> coefficients it may lack
+PROFILE_VERSION = 6
+# version -> the cost-model coefficients it may lack
+READS = {2: ("prefill_sequences",), 3: (), 4: (), 5: (), 6: ()}
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,11 @@ class ServedOverhead:
       prefill token: the layer-wise KV send hooks run on its core (a 100-token prefill took
       ~11 ms longer there than on a collocated worker of one thread);
     - `remote_token_s`: from its step's end until the router has the first token (`token_s`
-      for a collocated worker's).
+      for a collocated worker's);
+    - `start_decode_s`: from then until the decode worker runs the request: StartDecode's
+      hop to it and its read between steps. The decode worker holds the KV by then (it
+      streamed in layer by layer) but has no first token to continue from until the router
+      forwards it, so its first step starts after both.
 
     Zero (and a factor of 1) in analytic profiles: they model devices, not a serving stack."""
 
@@ -65,6 +71,7 @@ class ServedOverhead:
     send_token_s: float = knob(0.0, ge=0)
     remote_token_s: float = knob(0.0, ge=0)
     token_cpu_s: float = knob(0.0, ge=0)  # absent before version 4: 0
+    start_decode_s: float = knob(0.0, ge=0)  # absent before version 6: 0
 
     def __post_init__(self) -> None:
         check(self, "served.")

@@ -37,7 +37,7 @@ from pdserve.perf.profile import HardwareProfile, ServedOverhead
 Samples = list[tuple[StepShape, float]]
 # Served figures that are seconds of CPU or latency (step_factor is a ratio: kept).
 SERVED_SECONDS = ("request_s", "token_s", "send_step_s", "send_token_s", "remote_token_s",
-                  "token_cpu_s")  # fmt: skip
+                  "token_cpu_s", "start_decode_s")  # fmt: skip
 
 
 def relative_phases(

@@ -40,6 +40,7 @@ def served_overhead(
     num_requests: int,
     offline_tpot_s: float | None,
     one_thread_prefill: Callable[[], dict[int, float] | None] | None = None,
+    one_thread_decode: Callable[[int], float] | None = None,
 ) -> ServedOverhead:
     """Medians over `served_requests` short prompts sent one at a time to a collocated
     deployment on every core (as `bench compare` starts it), each asking for the router's
@@ -52,7 +53,8 @@ def served_overhead(
     ratio carried the fit's error at that one shape into every step (0.83 on 2026-12-02,
     where served and offline steps matched). Then, with two cores or more, a prefill
     worker's costs (`remote_prefill`) over the prefills `one_thread_prefill()` times on a
-    one-thread engine just before (None: not measured)."""
+    one-thread engine just before (None: not measured), and the decode worker's start
+    against `one_thread_decode(context)`, its model's step for one request (None: 0)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
@@ -76,7 +78,10 @@ def served_overhead(
     remote = {}
     offline_s = one_thread_prefill() if one_thread_prefill else None
     if offline_s and len(os.sched_getaffinity(0)) >= 2:
-        remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, offline_s, source, rng)
+        token_s = statistics.median(tokens)  # D's first step, then its token's hop back
+        decode = one_thread_decode and (lambda n: one_thread_decode(n) + token_s)
+        remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, offline_s, source, rng,
+                                decode)  # fmt: skip
     return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor,
                           token_cpu_s=token_cpu_s, **remote)  # fmt: skip
 
@@ -88,6 +93,7 @@ def remote_prefill(
     offline_s: dict[int, float],
     source: TokenSource,
     rng: np.random.Generator,
+    decode_token_s: Callable[[int], float] | None = None,
 ) -> dict[str, float]:
     """Through a served 1p1d (a worker per core), lone prompts of each of SEND_PROMPTS'
     lengths, `num_requests` each (at least 2): the prefill worker's steps (the router's prefill
@@ -95,12 +101,14 @@ def remote_prefill(
     through the two lengths' medians (`send_step_s`, `send_token_s`), and its first token's
     hop (`remote_token_s`). Not over the cost model's steps, whose error at these two
     lengths would count as send cost (one profile read 446 us per token that way, others
-    34-86)."""
+    34-86). Then the hand-off: from the router's first token to the decode worker's, less
+    `decode_token_s(context)` (its first step and that token's hop back), is how long the
+    decode worker took to start (`start_decode_s`; 0 without `decode_token_s`)."""
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
 
     extra: dict[int, list[float]] = {n: [] for n in SEND_PROMPTS}
-    hops = []
+    hops, starts = [], []
     with Cluster(pipeline_for("1p1d", model, kv_cache_bytes), log_level="WARNING") as url:
         for i in range(max(2, num_requests) + 1):
             for n in SEND_PROMPTS:
@@ -108,9 +116,14 @@ def remote_prefill(
                 if i:  # the first round warms the path up
                     extra[n].append(parts["prefill"] - offline_s[n])
                     hops.append(parts["first_token"])
+                    if decode_token_s and "handover" in parts:
+                        # prefill_end -> kv_landed -> D's token, less prefill_end -> P's
+                        handoff_s = parts["transfer"] + parts["handover"] - parts["first_token"]
+                        starts.append(handoff_s - decode_token_s(n + 1))
     step_s, token_s = send_cost({n: statistics.median(e) for n, e in extra.items()})
     return {"send_step_s": step_s, "send_token_s": token_s,
-            "remote_token_s": statistics.median(hops)}  # fmt: skip
+            "remote_token_s": statistics.median(hops),
+            "start_decode_s": max(0.0, statistics.median(starts)) if starts else 0.0}  # fmt: skip
 
 
 def send_cost(extra_s: dict[int, float]) -> tuple[float, float]:

@@ -130,10 +130,14 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     measured) `points`: the line through the medians of the lower and the upper half by
     prediction, robust to a step the client preempted. Where the halves' predictions lie
     less than MIN_SPREAD apart, or the line would need a negative part, the factor alone:
-    the median ratio. (0, 1) with fewer than MIN_STEPS points."""
+    the median ratio. (0, 1) with fewer than MIN_STEPS points, or where the median step
+    cleared of the simulator's own additions is not above 0 (they cover it already: a tiny
+    model's sub-millisecond decode steps less a millisecond of token CPU)."""
     if len(points) < MIN_STEPS:
         return 0.0, 1.0
     ratio = statistics.median(m / p for p, m in points)
+    if ratio <= 0:
+        return 0.0, 1.0
     ordered = sorted(points)
     half = len(ordered) // 2
     lower, upper = ordered[:half], ordered[len(ordered) - half :]

@@ -183,3 +183,7 @@ class AdaptiveSimulation(Simulation):
     def _landed(self, payload: tuple[SimWorker, _Flight]) -> None:
         super()._landed(payload)
         self._replan()
+
+    def _start_decode(self, flight: _Flight) -> None:
+        super()._start_decode(flight)
+        self._replan()

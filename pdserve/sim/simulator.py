@@ -10,8 +10,10 @@ Events, in simulated seconds (ties broken by insertion order):
     step_done(worker)        the worker's step ends: tokens out, next step starts; the
                              client sees each token `served.token_s` later (a prefill
                              worker's first token `served.remote_token_s`, when measured)
-    kv_landed(request)       a prefill's KV reached its decode worker: decoding starts, and
-                             the prefill worker frees the blocks it kept for the send
+    kv_landed(request)       a prefill's KV reached its decode worker: the prefill worker
+                             frees the blocks it kept for the send
+    start_decode(request)    the decode worker has the KV and the first token (the router
+                             forwards it `served.start_decode_s` after it has it): it runs
 
 A step that starts while the busy workers' threads fill every core of the host costs
 `served.token_cpu_s` per token it streams more: the router and the client have no free core
@@ -19,9 +21,9 @@ and run on its.
 
 Every `heartbeat_interval_s` each worker reports its load (`SimWorker.report`, as of its
 last Stats refresh: after a step, without requests not yet read), checked before each event
-rather than queued as one. The router routes by that report plus what it
-counts itself (requests it placed, prompt tokens sent whose first token is not back), as the
-real router does with Stats: an exact view placed multi-turn sessions differently.
+rather than queued as one. The router routes by that report plus what it counts itself
+(requests it placed, prompt tokens sent whose first token is not back), as the real router
+does with Stats: an exact view placed multi-turn sessions differently.
 
 Disaggregated requests follow the router's order: reserve on a decode worker (a prefix it
 caches is taken by reference; no room: the request waits at the router, retried after each
@@ -50,7 +52,7 @@ from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.worker import SimWorker
 from pdserve.workers.spec import STATS_PER_HEARTBEAT
 
-_SEND, _ARRIVE, _STEP, _LANDED = 0, 1, 2, 3  # event kinds
+_SEND, _ARRIVE, _STEP, _LANDED, _START = 0, 1, 2, 3, 4  # event kinds
 
 
 @dataclass
@@ -68,6 +70,7 @@ class _Flight:
     prompt_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks
     charged: SimWorker | None = None  # its prompt counts in this worker's sent tokens
+    start_s: float = 0.0  # disaggregated: when its decode worker has its first token
 
 
 class Simulation:
@@ -164,8 +167,10 @@ class Simulation:
                 self._send(*payload)
             elif kind == _ARRIVE:
                 self._arrive(payload)
-            else:
+            elif kind == _LANDED:
                 self._landed(payload)
+            else:
+                self._start_decode(payload)
         unfinished = [f.record.request_id for f in self.flights.values()]
         if unfinished:
             raise RuntimeError(f"simulation ended with requests unfinished: {unfinished[:5]}")
@@ -344,7 +349,9 @@ class Simulation:
 
     def _prefilled(self, worker: SimWorker, flight: _Flight, request: Request, step_s: float):
         worker.num_active_requests -= 1
-        self._token(flight, self.served.remote_token_s or None)  # 0: not measured
+        hop_s = self.served.remote_token_s or self.served.token_s  # 0: not measured
+        self._token(flight, hop_s)  # then the router forwards it to D (StartDecode)
+        flight.start_s = self.now + hop_s + self.served.start_decode_s
         flight.record.cached_tokens = request.num_cached_tokens
         decode = flight.decode
         assert decode is not None and flight.decode_worker is not None
@@ -369,6 +376,9 @@ class Simulation:
         prefill_worker, flight = payload
         prefill_worker.kv.free(flight.prefill)
         self._kick(prefill_worker)  # blocks came back: a waiting prefill may now fit
+        self._push(max(self.now, flight.start_s), _START, flight)  # and the first token
+
+    def _start_decode(self, flight: _Flight) -> None:
         request, worker = flight.decode, flight.decode_worker
         request.num_computed_tokens = request.num_prompt_tokens
         worker.kv.cache_computed_blocks(request)

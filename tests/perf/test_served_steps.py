@@ -43,6 +43,13 @@ def test_a_line_that_would_need_a_negative_part_gives_a_factor_alone():
     assert fit_line(points[:3]) == (0.0, 1.0)  # too few steps: the model as it is
 
 
+def test_steps_the_simulators_additions_cover_keep_the_model():
+    # 0.5 ms decode steps less 1 ms of token CPU each: cleared, most are below 0
+    points = [(0.0005, 0.0006 - 0.001), (0.0005, 0.0004 - 0.001), (0.0006, 0.0007 - 0.001),
+              (0.0004, 0.0005 - 0.001), (0.0005, 0.0020 - 0.001)]  # fmt: skip
+    assert fit_line(points) == (0.0, 1.0)
+
+
 def test_steps_are_cleared_of_the_wake_and_the_token_cpu_the_simulator_adds():
     model = linear_model(wake=[(1.0, 0.2)])
     token_cpu_s = 0.004

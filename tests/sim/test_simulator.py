@@ -80,6 +80,19 @@ def test_a_prefill_workers_steps_pay_its_kv_sends_and_its_first_token_hop():
     assert records["s0-0"].ttft_s == pytest.approx(0.010)
 
 
+def test_a_decode_worker_starts_once_it_has_both_the_kv_and_the_first_token():
+    # 10 ms steps. The prefill step ends at 10 ms; the router has its token 4 ms later and
+    # the decode worker starts 3 ms after that (17 ms): steps 17-27, 27-37.
+    served = ServedOverhead(remote_token_s=0.004, start_decode_s=0.003)
+    _, records = run(profile(bandwidth=1e12, served=served), "1p1d", sessions((0.0, 20, 3)))
+    (r,) = records.values()
+    assert r.ttft_s == pytest.approx(0.014) and r.itl_s == pytest.approx([0.013, 0.010])
+    # 20 tokens' KV (10 kB) at 512 kB/s lands at 20 ms, after the first token: it waits
+    _, records = run(profile(served=served), "1p1d", sessions((0.0, 20, 3)))
+    (r,) = records.values()
+    assert r.ttft_s == pytest.approx(0.014) and r.itl_s == pytest.approx([0.016, 0.010])
+
+
 def test_a_step_after_idle_time_costs_the_wake_curve_more():
     # 10 ms steps; a step after 0.1 s or more of idle costs 5 ms more, linearly less below.
     # A (at 0) meets a worker idle since the start: 0-15, 15-25. B, sent as A's last step
