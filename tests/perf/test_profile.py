@@ -67,7 +67,7 @@ def test_a_version_2_profile_reads_without_what_version_3_added(tmp_path):
     model = loaded.cost_model(1)
     assert model.coefficients[-1] == 0.0 and model.wake == [] and model.wake_s(10.0) == 0.0
     assert loaded.served.send_step_s == loaded.served.remote_token_s == 0.0
-    assert loaded.served.token_cpu_s == 0.0  # version 4's
+    assert loaded.served.token_cpu_s == loaded.served.start_decode_s == 0.0  # 4's and 6's
     (tmp_path / "v3.json").write_text(json.dumps(data | {"version": 3}))
     with pytest.raises(ValueError, match=r"lacks coefficients \['prefill_sequences'\]"):
         load_profile(tmp_path / "v3.json")
