@@ -75,14 +75,14 @@ def served_overhead(
         router = next(p.popen.pid for p in cluster.processes if p.name == "router")
         tpot_s, token_cpu_s = bench_tpot_s(url, model, router) if offline_tpot_s else (None, 0.0)
     factor = (tpot_s - token_cpu_s) / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
-    remote = {}
+    remote, token_s = {}, statistics.median(tokens)
     offline_s = one_thread_prefill() if one_thread_prefill else None
     if offline_s and len(os.sched_getaffinity(0)) >= 2:
-        token_s = statistics.median(tokens)  # D's first step, then its token's hop back
+        # D's first step, then its token's hop back
         decode = one_thread_decode and (lambda n: one_thread_decode(n) + token_s)
         remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, offline_s, source, rng,
                                 decode)  # fmt: skip
-    return ServedOverhead(max(0.0, statistics.median(requests)), statistics.median(tokens), factor,
+    return ServedOverhead(max(0.0, statistics.median(requests)), token_s, factor,
                           token_cpu_s=token_cpu_s, **remote)  # fmt: skip
 
 
