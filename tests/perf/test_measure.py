@@ -57,8 +57,9 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
                for k in ("prefill", "decode"))  # fmt: skip
     # Through a real router and worker: both legs take time, and far less than a second.
     assert 0 < loaded.served.request_s < 1 and 0 < loaded.served.token_s < 1
-    if cores > 1:  # served gaps over modelled steps, both in seconds: a ratio near 1, not 1e3
-        assert loaded.served.step_factor != 1.0 and 0.3 < loaded.served.step_factor < 30
+    if cores > 1:  # served gaps over offline ones, both in seconds: not 1e3 off (a tiny
+        # model's millisecond steps swing far from 1 while anything else runs: 0.22 once)
+        assert loaded.served.step_factor != 1.0 and 0.02 < loaded.served.step_factor < 50
         # a served 1p1d ran: its prefill worker's first token came back, in well under 1 s
         assert 0 < loaded.served.remote_token_s < 1
         assert loaded.served.send_step_s < 1 and loaded.served.send_token_s < 0.01
