@@ -12,13 +12,14 @@ The only perf module that loads torch (through the engine); the CLI imports it l
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -31,7 +32,6 @@ from pdserve.perf.cost_model import StepShape, fit_cost_model, phase_ratios
 from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
 from pdserve.perf.profile import HardwareProfile, ModelShape
 from pdserve.perf.served import (
-    SEND_PROMPTS,
     STEP_FACTOR_PROMPT,
     STEP_FACTOR_REQUESTS,
     STEP_FACTOR_TOKENS,
@@ -129,14 +129,36 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
     return Timings(samples, wake, tpot_s, probe)
 
 
-def time_lone_prefills(cfg: ProfileConfig) -> dict[int, float]:
-    """`_time_prefills` on a one-thread engine on the first core, where a served 1p1d runs its
-    prefill worker: what `served.remote_prefill` compares that worker's steps with. Timed
-    just before it: a profile that took the two 25 minutes apart (on an AMD EPYC, its grid
-    between them) read 7.6 ms of send cost per token, where the same machine read 0.9 with
-    the two minutes apart."""
+@contextmanager
+def lone_prefill_timer(cfg: ProfileConfig) -> Iterator[Callable[[int], float]]:
+    """`time(n)`: one lone `n`-token prefill's step on a one-thread engine on the first core,
+    where a served 1p1d runs its prefill worker; `served.remote_prefill` times one beside
+    each served prompt, so a drifting machine drifts in both (timed minutes apart, three AMD
+    profiles read a send cost of 10, 100 and 54 ms a step). This process is on that core
+    only while it times: the client and the workers started meanwhile get every core."""
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.workers.cores import pin_threads
+
+    cores = sorted(os.sched_getaffinity(0))
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng, count = np.random.default_rng(3), itertools.count()
     with pinned_engine(cfg, 1) as engine:
-        return _time_prefills(engine)
+        pin_threads(cores)
+        vocab = engine.model_config.vocab_size
+
+        def time_one(n: int) -> float:
+            prompt = rng.integers(0, vocab, size=n).tolist()
+            engine.add_request(f"prefill-{next(count)}", prompt, params)
+            pin_threads(cores[:1])
+            start = time.perf_counter()
+            engine.step()
+            elapsed = time.perf_counter() - start
+            pin_threads(cores)
+            while engine.has_unfinished_requests():  # none left: one token, one chunk
+                engine.step()
+            return elapsed
+
+        yield time_one
 
 
 def time_probe(
@@ -239,27 +261,6 @@ def wake_extra(diffs: list[float]) -> float:
     return max(0.0, statistics.median(diffs))
 
 
-def _time_prefills(engine: Engine, repeats: int = 5) -> dict[int, float]:
-    """The median step of a lone prompt of each of SEND_PROMPTS' lengths, back to back (the
-    way `served.remote_prefill` sends them)."""
-    from pdserve.sampling_params import SamplingParams
-
-    rng = np.random.default_rng(3)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    steps: dict[int, list[float]] = {n: [] for n in SEND_PROMPTS}
-    for i in range(repeats + 1):  # the first round warms up
-        for n in SEND_PROMPTS:
-            engine.add_request(f"prefill-{i}-{n}", rng.integers(0, vocab, size=n).tolist(), params)
-            start = time.perf_counter()
-            engine.step()
-            if i:
-                steps[n].append(time.perf_counter() - start)
-            while engine.has_unfinished_requests():
-                engine.step()
-    return {n: statistics.median(s) for n, s in steps.items()}
-
-
 def _time_tpot(engine: Engine) -> float:
     """`served.bench_tpot_s`'s requests (greedy, one at a time) on this engine: per request the mean
     decode step (TPOT as `pdserve bench` takes it: the gaps after the first token), the
@@ -353,11 +354,11 @@ def build_profile(
             f"idle costs more by {wake}; the speed probe's shapes in the grid: prefill steps "
             f"x{prefill:.3f} and decode steps x{decode:.3f} the fit's")  # fmt: skip
     every_core = timed.get(len(os.sched_getaffinity(0)))
-    one_thread = (lambda: time_lone_prefills(cfg)) if 1 in models else None
+    lone_prefill = (lambda: lone_prefill_timer(cfg)) if 1 in models else None
     # A decode step of one request at context n, on one thread (the decode worker's start).
-    decode = one_thread and (lambda n: models[1].predict(StepShape(0, 1, 0.0, n)))
+    decode = lone_prefill and (lambda n: models[1].predict(StepShape(0, 1, 0.0, n)))
     served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,
-                             every_core.tpot_s if every_core else None, one_thread,
+                             every_core.tpot_s if every_core else None, lone_prefill,
                              decode)  # fmt: skip
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
         f"{served.token_s * 1e3:.1f} ms from its end per token, steps on every core "

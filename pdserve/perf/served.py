@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,7 +40,7 @@ def served_overhead(
     kv_cache_bytes: int | None,
     num_requests: int,
     offline_tpot_s: float | None,
-    one_thread_prefill: Callable[[], dict[int, float] | None] | None = None,
+    lone_prefill: Callable[[], AbstractContextManager[Callable[[int], float]]] | None = None,
     one_thread_decode: Callable[[int], float] | None = None,
 ) -> ServedOverhead:
     """Medians over `served_requests` short prompts sent one at a time to a collocated
@@ -52,9 +53,9 @@ def served_overhead(
     alone (`offline_tpot_s`, every core's; 1 without it). Not over the model's step: that
     ratio carried the fit's error at that one shape into every step (0.83 on 2026-12-02,
     where served and offline steps matched). Then, with two cores or more, a prefill
-    worker's costs (`remote_prefill`) over the prefills `one_thread_prefill()` times on a
-    one-thread engine just before (None: not measured), and the decode worker's start
-    against `one_thread_decode(context)`, its model's step for one request (None: 0)."""
+    worker's costs (`remote_prefill`) over a one-thread engine's, timed by what
+    `lone_prefill()` yields (None: not measured), and the decode worker's start against
+    `one_thread_decode(context)`, its model's step for one request (None: 0)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
@@ -76,12 +77,12 @@ def served_overhead(
         tpot_s, token_cpu_s = bench_tpot_s(url, model, router) if offline_tpot_s else (None, 0.0)
     factor = (tpot_s - token_cpu_s) / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
     remote, token_s = {}, statistics.median(tokens)
-    offline_s = one_thread_prefill() if one_thread_prefill else None
-    if offline_s and len(os.sched_getaffinity(0)) >= 2:
+    if lone_prefill and len(os.sched_getaffinity(0)) >= 2:
         # D's first step, then its token's hop back
         decode = one_thread_decode and (lambda n: one_thread_decode(n) + token_s)
-        remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, offline_s, source, rng,
-                                decode)  # fmt: skip
+        with lone_prefill() as time_alone:
+            remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, time_alone,
+                                    source, rng, decode)  # fmt: skip
     return ServedOverhead(max(0.0, statistics.median(requests)), token_s, factor,
                           token_cpu_s=token_cpu_s, **remote)  # fmt: skip
 
@@ -90,16 +91,16 @@ def remote_prefill(
     model: str,
     kv_cache_bytes: int | None,
     num_requests: int,
-    offline_s: dict[int, float],
+    time_alone: Callable[[int], float],
     source: TokenSource,
     rng: np.random.Generator,
     decode_token_s: Callable[[int], float] | None = None,
 ) -> dict[str, float]:
     """Through a served 1p1d (a worker per core), lone prompts of each of SEND_PROMPTS'
     lengths, `num_requests` each (at least 2): the prefill worker's steps (the router's prefill
-    part) over the same lengths' on a one-thread engine alone (`offline_s`), as a line
-    through the two lengths' medians (`send_step_s`, `send_token_s`), and its first token's
-    hop (`remote_token_s`). Not over the cost model's steps, whose error at these two
+    part) over a one-thread engine alone's, `time_alone(length)` timed just before each, as
+    a line through the two lengths' medians (`send_step_s`, `send_token_s`), and its first
+    token's hop (`remote_token_s`). Not over the cost model's steps, whose error at these two
     lengths would count as send cost (one profile read 446 us per token that way, others
     34-86). Then the hand-off: from the router's first token to the decode worker's, less
     `decode_token_s(context)` (its first step and that token's hop back), is how long the
@@ -112,9 +113,10 @@ def remote_prefill(
     with Cluster(pipeline_for("1p1d", model, kv_cache_bytes), log_level="WARNING") as url:
         for i in range(max(2, num_requests) + 1):
             for n in SEND_PROMPTS:
+                alone_s = time_alone(n)  # beside it: a machine's drift cancels in the pair
                 _, parts = first_token(url, model, source.random_ids(rng, n), max_tokens=2)
-                if i:  # the first round warms the path up
-                    extra[n].append(parts["prefill"] - offline_s[n])
+                if i:  # the first round warms the path and the engine up
+                    extra[n].append(parts["prefill"] - alone_s)
                     hops.append(parts["first_token"])
                     if decode_token_s and "handover" in parts:
                         # prefill_end -> kv_landed -> D's token, less prefill_end -> P's
