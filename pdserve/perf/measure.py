@@ -134,7 +134,7 @@ def lone_prefill_timer(cfg: ProfileConfig) -> Iterator[Callable[[int], float]]:
     """`time(n)`: one lone `n`-token prefill's step on a one-thread engine on the first core,
     where a served 1p1d runs its prefill worker; `served.remote_prefill` times one beside
     each served prompt, so drift cancels (AMD: 10, 100, 54 ms a step timed minutes apart; 52,
-    48 paired). This process is on that core only while it times, not while others run."""
+    48 paired). This process is on that core only while it times: the workers get every core."""
     from pdserve.sampling_params import SamplingParams
     from pdserve.workers.cores import pin_threads
 
