@@ -80,6 +80,34 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_chat)
 
 
+def cmd_synth(args: argparse.Namespace) -> int:
+    from pdserve.model.synthetic import SHAPES, file_bytes, write_synthetic_gguf
+
+    size_gb = file_bytes(SHAPES[args.shape], args.type) / 1e9
+    print(f"writing {args.output}: {args.shape} {args.type}, {size_gb:.2f} GB", file=sys.stderr)
+    write_synthetic_gguf(args.output, args.shape, args.type, args.seed, args.rope_freqs)
+    return 0
+
+
+def add_synth_parser(sub: argparse._SubParsersAction) -> None:
+    from pdserve.model.synthetic import FILE_TYPES, SHAPES
+
+    p = sub.add_parser(
+        "synth",
+        help="write a random-weight GGUF of a real model's shape (for tests and benchmarks)",
+    )
+    p.add_argument("--shape", required=True, choices=list(SHAPES))
+    p.add_argument("--type", default="q4_k_m", choices=list(FILE_TYPES), help="llama.cpp's mix")
+    p.add_argument("--output", required=True, help="the .gguf file to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rope-freqs",
+        action="store_true",
+        help="also write Llama 3's rope_freqs.weight (pdserve's GGUF converter refuses it)",
+    )
+    p.set_defaults(func=cmd_synth)
+
+
 # Each adds its subcommand's parser, with `func` set to what runs it.
 SUBCOMMANDS = [
     add_generate_parser,
@@ -91,6 +119,7 @@ SUBCOMMANDS = [
     add_simulate_parser,
     add_plan_parser,
     add_status_parser,
+    add_synth_parser,
 ]
 
 
