@@ -162,6 +162,9 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ApiRequest:
         limit = config.max_tokens_limit
         raise ApiError(400, f"max_tokens must be <= {limit}, got {max_tokens}", param="max_tokens")
     sampling = _parse_sampling(body, config)
+    from pdserve.router.structured import parse_structured  # it imports ApiError from here
+
+    parse_structured(body)
     return ApiRequest(chat, model, prompt, messages, max_tokens, sampling, stream, include_usage)
 
 
