@@ -273,6 +273,9 @@ class Stats:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the cache (any tier)
     num_computed_prompt_tokens: int = 0
     num_pinned_blocks: int = 0
+    # Cumulative failed KV transfers by reason (engine/roles/prefill.py and decode.py):
+    # send_timeout, send_failed, reserve_timeout, land_timeout, receive_failed, bad_meta.
+    kv_transfer_failures: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -62,7 +62,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             raise
         ctx = responses.ResponseContext(api.chat, state.config.model)
         driver = RequestDriver(
-            state.plane, state.policy, state.processor, prompt_ids, params, ctx.id, timing
+            state.plane,
+            state.policy,
+            state.processor,
+            prompt_ids,
+            params,
+            ctx.id,
+            timing,
+            state.metrics.fallbacks,
         )
         return await _run(request, api, ctx, driver)
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from pdserve import messages
 from pdserve.output_processor import OutputProcessor
+from pdserve.router.fallbacks import FallbackMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, bad_gateway, sampling_to_wire, unavailable
 from pdserve.router.routing import AdaptiveRequest, Lost, route_request
@@ -69,6 +70,7 @@ class RequestDriver:
         params: SamplingParams,
         request_id: str,
         timing: RequestTiming,
+        fallbacks: FallbackMetrics,
     ) -> None:
         self.plane, self.config, self.policy = plane, plane.config, policy
         self.processor, self.prompt_token_ids, self.params = processor, prompt_token_ids, params
@@ -79,7 +81,7 @@ class RequestDriver:
         self.key = request_id
         self.request_id = ""  # the worker-side id of the current attempt
         self.state = "queued"
-        self.timing = timing
+        self.timing, self.fallbacks = timing, fallbacks
         self.num_cached_tokens = 0  # prompt tokens the serving worker took from its cache
         self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
         self.senders: dict[str, int] = {}  # prefill workers whose KV may still be in flight
@@ -101,6 +103,7 @@ class RequestDriver:
                 return
             except Lost as lost:
                 self._abort_attempt()
+                self.fallbacks.redriven(lost.worker_id, lost.reason)
                 self.num_recoveries += 1
                 if self.num_recoveries > self.config.max_recoveries:
                     raise bad_gateway(str(lost)) from None
@@ -125,6 +128,8 @@ class RequestDriver:
             worker_id, tokens = await self._disaggregated_first_token()
         else:
             worker_id, tokens = await self._generate_first_token(local_id or "")
+            if not local_id:  # the adaptive planner's own choice is counted as its decision
+                self.fallbacks.served_whole(self.plane, worker_id, self.num_output_tokens)
         delta = self._on_tokens(worker_id, tokens, is_prefill=self.state == "prefilled")
         if not self._yielded or delta.text or delta.finish_reason:
             self._yielded = True
@@ -240,7 +245,7 @@ class RequestDriver:
                 return self._claim(load.worker_id)
             if role not in self.plane.healthy_roles():
                 if self.plane.switching(role):  # re-drive with the roles there are now
-                    raise Lost(f"every {role} worker is switching roles")
+                    raise Lost(f"every {role} worker is switching roles", reason="switching")
                 raise unavailable(f"no healthy {role} worker")
             if self._stalled >= self.plane.healthy_ids(role):  # not empty: the role is healthy
                 raise unavailable(f"every healthy {role} worker missed a deadline")
@@ -268,6 +273,7 @@ class RequestDriver:
         self._excluded.add(reply.worker_id)
         if time.monotonic() >= deadline:
             raise unavailable(f"no worker had room within the admission timeout ({reply.reason})")
+        self.fallbacks.rejection_retried(reply.worker_id)
 
     async def _next(
         self, deadline: float | None = None, watch: str = "", first_token: bool = True
@@ -292,9 +298,8 @@ class RequestDriver:
                     if watch and time.monotonic() >= silent_until:
                         self._stalled.add(watch)
                         silent_s = getattr(self.config, field)
-                        raise Lost(
-                            f"worker {watch} sent nothing for {silent_s:g} s ({field})"
-                        ) from None
+                        error = f"worker {watch} sent nothing for {silent_s:g} s ({field})"
+                        raise Lost(error, watch, "silent") from None
                     continue
             else:
                 message = self._queue.get_nowait()
@@ -302,9 +307,10 @@ class RequestDriver:
             if not involved:
                 continue
             if isinstance(message, WorkerLost):
-                raise Lost(f"worker {message.worker_id} lost: {message.reason}")
+                raise Lost(f"worker {message.worker_id} lost: {message.reason}", message.worker_id)
             if isinstance(message, messages.Failed):
-                raise Lost(f"worker {message.worker_id} failed: {message.error}")
+                error = f"worker {message.worker_id} failed: {message.error}"
+                raise Lost(error, message.worker_id, "failed")
             return message
 
     def _on_tokens(self, worker_id: str, tokens: messages.Tokens, is_prefill: bool) -> Delta:
@@ -340,7 +346,7 @@ class RequestDriver:
     def _check_alive(self) -> None:
         for worker_id, epoch in [*self.outstanding.items(), *self.senders.items()]:
             if not self.plane.is_healthy(worker_id, epoch):
-                raise Lost(f"worker {worker_id} stopped responding")
+                raise Lost(f"worker {worker_id} stopped responding", worker_id)
 
     def _new_attempt(self) -> None:
         if self.request_id:
@@ -365,7 +371,7 @@ class RequestDriver:
 
     def _send(self, worker_id: str, message: Any) -> None:
         if not self.plane.send(worker_id, message) and not isinstance(message, messages.Abort):
-            raise Lost(f"cannot reach worker {worker_id}")
+            raise Lost(f"cannot reach worker {worker_id}", worker_id, "unreachable")
 
     def _charge_prefill(self, worker_id: str, num_done: int = 0) -> None:
         num_tokens = len(self.prompt_token_ids) + num_done

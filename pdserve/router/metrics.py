@@ -31,6 +31,8 @@ from prometheus_client.metrics import disable_created_metrics
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
+from pdserve.router.fallbacks import FallbackMetrics
+
 # No `<name>_created` series: /metrics never had them. Process-wide, and only the router
 # uses prometheus_client.
 disable_created_metrics()
@@ -83,6 +85,7 @@ class RouterMetrics:
         )
         self.window = Window()  # this interval's samples, for /v1/status (router/status.py)
         self.adaptive = AdaptiveMetrics(self.registry)
+        self.fallbacks = FallbackMetrics(self.registry)  # router/fallbacks.py
 
     def record_finished(
         self,
@@ -315,6 +318,11 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
         for w in workers
         for path, num_bytes in sorted(w.get("kv_moved_bytes", {}).items())
     ]
+    failures = [
+        ([w["worker"], reason], n)
+        for w in workers
+        for reason, n in sorted(w.get("kv_transfer_failures", {}).items())
+    ]
     return [
         *families,
         _family("counter", "pdserve_kv_cache_lookups_total",
@@ -325,6 +333,9 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
         _family("counter", "pdserve_kv_tier_bytes_total",
                 "Bytes read from / written to the tier (L1: copied down from / loaded into the "
                 "pool).", ["worker", "tier", "direction"], tier_bytes),
+        _family("counter", "pdserve_kv_transfer_failures_total",
+                "KV transfers a worker saw fail, by reason (its request was re-driven).",
+                ["worker", "reason"], failures),
         _family("counter", "pdserve_kv_tier_moved_bytes_total",
                 "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
                 ["worker", "src", "dst"], moved),

@@ -19,7 +19,12 @@ if TYPE_CHECKING:
 
 
 class Lost(Exception):
-    """The current attempt cannot finish (a worker died, failed, or missed a deadline)."""
+    """The current attempt cannot finish (a worker died, failed, or missed a deadline).
+    `worker_id` and `reason` label the re-drive's counter (pdserve/router/fallbacks.py)."""
+
+    def __init__(self, message: str, worker_id: str = "", reason: str = "lost") -> None:
+        super().__init__(message)
+        self.worker_id, self.reason = worker_id, reason
 
 
 def route_request(
@@ -65,7 +70,11 @@ class AdaptiveRequest:
         lost for the request (it is re-driven)."""
         for worker_id in worker_ids if self.planner else ():
             if not await self.planner.cores_granted(worker_id, deadline - time.monotonic()):
-                raise Lost(f"worker {worker_id} was given no cores within the admission timeout")
+                raise Lost(
+                    f"worker {worker_id} was given no cores within the admission timeout",
+                    worker_id,
+                    "no_cores",
+                )
 
     def on_landed(self, timing: RequestTiming) -> None:
         """A remote request's KV landed: its exposed transfer time is a planner sample."""

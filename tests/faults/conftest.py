@@ -89,6 +89,16 @@ def router_active(url: str) -> dict[str, int]:
     return {w: int(n) for w, n in pairs}
 
 
+def counted(url: str, name: str, **labels: str) -> float:
+    """The sum of counter `name`'s samples on /metrics whose labels include `labels`."""
+    text = requests.get(url + "/metrics", timeout=5).text
+    total = 0.0
+    for found, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE):
+        pairs = set(re.findall(r'(\w+)="([^"]*)"', found))
+        total += float(value) if set(labels.items()) <= pairs else 0.0
+    return total
+
+
 def assert_blocks_back(url: str, timeout_s: float = 12.0) -> None:
     """Every surviving worker's free blocks return to its total (the baseline: all free,
     cached prefix blocks included), within the send and land deadlines plus a margin."""

@@ -58,6 +58,7 @@ def test_reservation_no_prefill_ever_fills_is_released() -> None:
     assert handoff.poll() == [("r", "no KV within 30.0 s")]
     assert rx.released == ["r"] and kv.num_free_blocks == NUM_BLOCKS
     assert not handoff.awaiting
+    assert handoff.transfer_failures == {"reserve_timeout": 1}  # counted, never silent
 
 
 def test_kv_not_landing_after_the_first_token_fails_sooner() -> None:
@@ -72,6 +73,7 @@ def test_kv_not_landing_after_the_first_token_fails_sooner() -> None:
     [(request_id, error)] = handoff.poll()
     assert request_id == "r" and "did not land within 5.0 s" in error
     assert kv.num_free_blocks == NUM_BLOCKS
+    assert handoff.transfer_failures == {"land_timeout": 1}
 
 
 def test_kv_landing_in_time_is_never_failed() -> None:
@@ -83,6 +85,7 @@ def test_kv_landing_in_time_is_never_failed() -> None:
     assert handoff.poll() == [] and "r" in handoff.scheduler.requests
     now[0] = 100.0
     assert handoff.poll() == []
+    assert not handoff.transfer_failures
 
 
 def test_unacknowledged_send_is_aborted_and_its_blocks_freed() -> None:
@@ -103,3 +106,21 @@ def test_unacknowledged_send_is_aborted_and_its_blocks_freed() -> None:
     assert handoff.poll() == [("r", "KV send not acknowledged within 5.0 s")]
     assert sender.aborted == ["r"]
     assert kv.num_free_blocks == NUM_BLOCKS and not handoff.handoffs
+    assert handoff.transfer_failures == {"send_timeout": 1}
+
+
+def test_the_routers_abort_is_not_counted_as_a_failed_send() -> None:
+    kv = KVCacheManager(NUM_BLOCKS, 16, model_id="m")
+    sender = FakeSender()
+    scheduler = Scheduler(SchedulerConfig(), kv, 256)
+    handoff = PrefillRole(sender, scheduler, kv, 2, "layerwise", list, None, 5.0)
+    r = request()
+    assert kv.allocate(r, r.num_prompt_tokens)
+    handoff.add_prefill(r, KVDestination({"host": "x"}, [0, 1, 2]))
+    handoff.on_finished(r)
+    handoff.abort("r")  # the router's Abort: the client left
+    assert handoff.poll() == [("r", "aborted")]
+    assert not handoff.transfer_failures
+    sender.finished.append(("s", TransferStatus.FAILED, "connection lost"))
+    handoff.poll()
+    assert handoff.transfer_failures == {"send_failed": 1}

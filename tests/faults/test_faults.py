@@ -32,7 +32,13 @@ from typing import Any
 import pytest
 import requests
 
-from tests.faults.conftest import END_BOUND_S, FaultCluster, assert_blocks_back, router_active
+from tests.faults.conftest import (
+    END_BOUND_S,
+    FaultCluster,
+    assert_blocks_back,
+    counted,
+    router_active,
+)
 
 PREFILLS, DECODES = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
 _seeds = iter(range(1000))
@@ -143,10 +149,15 @@ def test_disconnect_while_streaming(cluster: FaultCluster, stage: str) -> None:
 def test_transfer_fault_recovers(cluster: FaultCluster, fault: str) -> None:
     prompt = new_prompt()
     reference = complete(cluster, prompt)
+    redrives = counted(cluster.url, "pdserve_request_redrives_total", reason="failed")
+    failures = counted(cluster.url, "pdserve_kv_transfer_failures_total")
     cluster.inject(fault)
     assert complete(cluster, prompt) == reference
     assert not cluster.fault_file.exists()  # the fault did fire
     assert_blocks_back(cluster.url)
+    # The answer came by a re-drive: counted at the router and by the worker that saw it.
+    assert counted(cluster.url, "pdserve_request_redrives_total", reason="failed") > redrives
+    assert wait_for(lambda: counted(cluster.url, "pdserve_kv_transfer_failures_total") > failures)
 
 
 # ---- workers killed -----------------------------------------------------------------------
@@ -209,5 +220,9 @@ def test_prefills_killed_while_transferring_then_decode_prefills(cluster: FaultC
     stream.read(1)
     cluster.signal(PREFILLS, signal.SIGKILL)  # the sending one among them
     assert stream.read() == reference
+    local = counted(cluster.url, "pdserve_local_prefill_fallbacks_total", reason="no_prefill")
     assert complete(cluster, later) == later_reference  # no P left: D prefills locally
     assert_blocks_back(cluster.url)
+    after = counted(cluster.url, "pdserve_local_prefill_fallbacks_total", reason="no_prefill")
+    assert after == local + 1
+    assert counted(cluster.url, "pdserve_request_redrives_total", reason="lost") >= 1

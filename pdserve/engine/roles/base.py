@@ -99,7 +99,7 @@ class Role:
         """The requests this role holds outside the scheduler."""
         return []
 
-    def transfer_stats(self) -> dict[str, int]:
+    def transfer_stats(self) -> dict[str, Any]:
         """Cumulative counters, named as `messages.Stats` names them."""
         return {}
 

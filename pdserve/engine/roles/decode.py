@@ -20,11 +20,13 @@ brings the kept blocks' scores, from which this worker's own dropping continues.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.engine.roles.base import KVReservation, Role
 from pdserve.engine.scheduler import Scheduler
@@ -77,6 +79,9 @@ class DecodeRole(Role):
         self.awaiting: dict[str, _Awaiting] = {}
         self.fenced: dict[str, Request] = {}  # released while a KV write may still land
         self.kv_blocks_skipped = 0  # prompt blocks reserved from the own prefix cache, never sent
+        # Failed transfers by reason (reserve_timeout, land_timeout, bad_meta, receive_failed):
+        # each one's request is re-driven by the router, so its answer came by a fallback.
+        self.transfer_failures = collections.Counter[str]()
 
     def reserve(self, request: Request, drop: PromptDrop | None = None) -> KVReservation | None:
         """Blocks for the prompt's KV, or None when they do not fit right now.
@@ -133,6 +138,8 @@ class DecodeRole(Role):
             if waiting.deadline <= now:
                 error = waiting.deadline_error
                 log.warning("decode %s: %s; releasing its blocks", request_id, error)
+                landing = waiting.first_token_id is not None
+                self.transfer_failures["land_timeout" if landing else "reserve_timeout"] += 1
                 self._drop(request_id)
                 failed.append((request_id, waiting.deadline_error))
         for request_id, status, error in self.receiver.pop_finished():
@@ -145,6 +152,7 @@ class DecodeRole(Role):
                         waiting, self.receiver.meta(request_id)
                     )
                 except ValueError as exc:
+                    self.transfer_failures["bad_meta"] += 1
                     self._drop(request_id)
                     failed.append((request_id, str(exc)))
                     continue
@@ -152,6 +160,7 @@ class DecodeRole(Role):
                 waiting.request.stamps["kv_landed"] = time.time()
                 self._activate_if_ready(waiting)
             else:
+                self.transfer_failures["receive_failed"] += 1
                 self._drop(request_id)
                 failed.append((request_id, error or "KV transfer failed"))
         return failed
@@ -168,10 +177,11 @@ class DecodeRole(Role):
     def num_in_flight(self) -> int:
         return len(self.awaiting)
 
-    def transfer_stats(self) -> dict[str, int]:
+    def transfer_stats(self) -> dict[str, Any]:
         return {
             "kv_bytes_received": self.receiver.stats().get("bytes_received", 0),
             "kv_blocks_skipped": self.kv_blocks_skipped,
+            "kv_transfer_failures": dict(self.transfer_failures),
         }
 
     def _activate_if_ready(self, waiting: _Awaiting) -> None:

@@ -18,6 +18,7 @@ decode worker (the transfer's `meta`).
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable
@@ -85,6 +86,8 @@ class PrefillRole(Role):
         self.scores_of, self.convert = scores_of, convert
         self.send_timeout_s, self.clock = send_timeout_s, clock
         self.handoffs: dict[str, _Handoff] = {}
+        # Failed sends by reason (send_timeout, send_failed), the router's aborts left out.
+        self.transfer_failures = collections.Counter[str]()
         self._sends: list[_Send] = []  # this step's
 
     def add_prefill(self, request: Request, destination: KVDestination) -> None:
@@ -221,6 +224,9 @@ class PrefillRole(Role):
             ok = status is TransferStatus.DONE
             log.debug("prefill %s: sending_kv -> %s", request_id, "done" if ok else error)
             if not ok:
+                if error != "aborted":  # "aborted" alone: the router's Abort, not a failure
+                    timed_out = handoff is not None and handoff.error is not None
+                    self.transfer_failures["send_timeout" if timed_out else "send_failed"] += 1
                 self.scheduler.finish_request(request_id, FinishReason.ABORT)  # if running
                 failed.append((request_id, error or "KV transfer failed"))
         return failed
@@ -251,5 +257,8 @@ class PrefillRole(Role):
     def num_in_flight(self) -> int:
         return sum(h.request.status is RequestStatus.SENDING_KV for h in self.handoffs.values())
 
-    def transfer_stats(self) -> dict[str, int]:
-        return {"kv_bytes_sent": self.sender.stats()["bytes_sent"]}
+    def transfer_stats(self) -> dict[str, Any]:
+        return {
+            "kv_bytes_sent": self.sender.stats()["bytes_sent"],
+            "kv_transfer_failures": dict(self.transfer_failures),
+        }
