@@ -29,6 +29,15 @@ _ENTRY_NAME = re.compile(r"^([0-9a-f]{16})\.kv$")
 _STALE_TMP_S = 60.0  # a temp/claimed file this old belongs to a crashed process
 
 
+def _owner_only(path: str, flags: int) -> int:
+    """Open an entry's file readable by this user only (0600, whatever the umask), as its
+    directory is (0700): the KV of other users' prompts must not be world-readable, even
+    should the directory's mode be relaxed. fchmod covers a stale temp file left by a crash."""
+    fd = os.open(path, flags | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 class FileTier(KVTier):
     """Entries as files in `directory` under a byte cap, shared by every process using it."""
 
@@ -73,7 +82,7 @@ class FileTier(KVTier):
             return self._put_failed(e)
         tmp = self.directory / f".tmp-{os.getpid()}-{threading.get_ident()}-{path.stem}"
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=_owner_only) as f:
                 f.write(header)
                 f.write(payload)
             os.utime(tmp, ns=(now, now))  # after close: the final flush would reset mtime

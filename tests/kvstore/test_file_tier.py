@@ -159,3 +159,15 @@ def test_stale_temp_files_are_cleaned_on_scan(fmt, host_root):
     os.utime(stale, (0, 0))
     HostTier(fmt, 10 * entry_bytes(fmt), root=host_root)
     assert not stale.exists()
+
+
+def test_entries_are_private_to_the_user_whatever_the_umask(make_tier):
+    tier = make_tier(4)
+    old = os.umask(0o022)  # the usual umask: open() would create 0644
+    try:
+        assert tier.put(1, payload(1))
+    finally:
+        os.umask(old)
+    [entry] = [p for p in tier.directory.iterdir() if p.suffix == ".kv"]
+    assert entry.stat().st_mode & 0o777 == 0o600
+    assert tier.directory.stat().st_mode & 0o777 == 0o700
