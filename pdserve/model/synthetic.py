@@ -251,11 +251,32 @@ def random_matrix(shape: tuple[int, int], qtype: Q, rng: np.random.Generator) ->
         if qtype == Q.F16:
             return values.astype(np.float16).view(np.uint8)
         return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # bf16
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    num_blocks = math.prod(shape) // block
-    blocks = np.frombuffer(rng.bytes(num_blocks * type_size), np.uint8).reshape(-1, type_size)
-    blocks = blocks.copy()
+    blocks = _random_blocks(qtype, math.prod(shape) // GGML_QUANT_SIZES[qtype][0], rng)
     _set_scales(blocks, qtype, WEIGHT_STD / _unit_std(qtype))
+    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0):
+        # The quantizer's d takes the sign of the block's largest value: half are negative,
+        # which centres the values that the forced extreme quant would otherwise shift.
+        blocks[rng.random(len(blocks)) < 0.5, 1] ^= 0x80  # the fp16 sign bit
+    return blocks
+
+
+def _random_blocks(qtype: Q, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks with the extremes llama.cpp's quantizer always writes: it scales each
+    block to its largest value, so a Q8_0 block holds a quant of 127 and a Q4_0 block one of
+    0 (-8 d), and a Q4_1 block spans 0..15. pdserve's loader recognizes such blocks by them
+    and keeps their weights compact (panel_codec.py); fully random quants would not be."""
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    data = rng.bytes(num_blocks * type_size)
+    blocks = np.frombuffer(data, np.uint8).reshape(num_blocks, type_size).copy()
+    if qtype == Q.Q8_0:
+        quants = blocks[:, 2:]  # after the fp16 d
+        quants[quants == 0x80] = 0x81  # the quantizer's range is -127..127, never -128
+        quants[:, 0] = 127
+    elif qtype == Q.Q4_0:
+        blocks[:, 2] &= 0xF0  # quant 0 in the low nibble of the first byte
+    elif qtype == Q.Q4_1:
+        blocks[:, 4] &= 0xF0  # quant 0 = 0, quant 1 = 15 (after d and m)
+        blocks[:, 5] |= 0x0F
     return blocks
 
 
@@ -287,9 +308,7 @@ def _unit_std(qtype: Q) -> float:
     """The std of a `qtype` matrix's values at d = 1, measured by dequantizing random blocks."""
     from gguf.quants import dequantize
 
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(1234)
-    blocks = np.frombuffer(rng.bytes(4096 * type_size), np.uint8).reshape(-1, type_size).copy()
+    blocks = _random_blocks(qtype, 4096, np.random.default_rng(1234))
     _set_scales(blocks, qtype, 1.0)
     values = dequantize(blocks.reshape(1, -1), qtype)
     return float(np.std(values))
