@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.sampling_params import SamplingParams
 
@@ -80,6 +81,10 @@ class Request:
     # time.time() stamps for the router's TTFT breakdown (prefill_start, prefill_end,
     # kv_landed), sent with the request's next output and then cleared (router/timing.py).
     stamps: dict[str, float] = field(default_factory=dict)
+    # Structured output (pdserve/engine/grammar.py): the request's matcher, and whether its
+    # grammar can take no more tokens (the scheduler then ends it with "stop").
+    grammar: Any = None
+    grammar_done: bool = False
 
     @property
     def num_kv_tokens(self) -> int:

@@ -26,6 +26,8 @@ class SamplingParams:
     ignore_eos: bool = knob(False, "generate past the end-of-sequence token")
     # Drop low-attention KV past this (None: the deployment's); the engine flag sets that.
     kv_budget_tokens: int | None = knob(None, ge=1, cli=False)
+    # Structured output: llguidance's serialized grammar (`grammar_of()` in pdserve/grammar.py).
+    grammar: str | None = knob(None, "constrain the output to this grammar", cli=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a lone string, as the OpenAI API allows

@@ -279,6 +279,7 @@ class Engine:
             budget = None
         if budget is not None:
             self.budget.policy(budget)  # a budget too small to honour is the caller's error
+        grammar = params.grammar and self.runner.grammars.state(params.grammar)
         return Request(
             request_id,
             list(prompt_token_ids),
@@ -286,6 +287,7 @@ class Engine:
             eos_token_ids=self.model_config.eos_token_ids,
             prefill_only=prefill_only,
             kv_budget_tokens=budget,
+            grammar=grammar or None,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from pdserve.config import CacheConfig, DeviceConfig
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvcache.dropping import over_budget
 from pdserve.model import native
@@ -122,6 +123,7 @@ class ModelRunner:
         if self.kernels is not None and self.dtype == torch.float32:  # kernels: CPU only
             self._argmax = partial(native.argmax_rows, self.kernels)
         self.block_scores: dict[str, torch.Tensor] = {}  # token dropping, per request
+        self.grammars = Grammars(model_dir, model_config.vocab_size)  # structured outputs
         self.num_blocks = kv_cache.shape[1]
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -138,6 +140,7 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(out)
+        masks = self.grammars.begin(sample_ids)  # filled while the forward pass runs
         hidden = self.model(input_ids, positions, self.layer_caches, meta, on_layer_done)
         self._keep_scores(out, meta)
         if not sample_ids:
@@ -156,7 +159,11 @@ class ModelRunner:
             for r in sample_ids
             for p in (r.sampling_params,)
         ]
+        if masks is not None:
+            masks.apply(logits)
         tokens = sample(logits, rows, self.generator, self._argmax)
+        if masks is not None:
+            masks.accept(tokens)
         return {r.request_id: t for r, t in zip(sample_ids, tokens)}
 
     def _keep_scores(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:

@@ -223,7 +223,7 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling_params
         eos = not params.ignore_eos and token in request.eos_token_ids
-        if eos or token in params.stop_token_ids:
+        if eos or token in params.stop_token_ids or request.grammar_done:
             return FinishReason.STOP
         num_output = len(request.output_token_ids)
         if num_output >= params.max_tokens:

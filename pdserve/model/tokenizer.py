@@ -56,6 +56,11 @@ class Tokenizer:
         longest_first = sorted(specials, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, longest_first))) if specials else None
 
+    @property
+    def backend(self) -> Any:
+        """The HF tokenizer underneath (llguidance builds its token tables from it)."""
+        return self._tokenizer
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; BOS is prepended only if the model asks for it."""
         ids = self._tokenizer.encode(text, add_special_tokens=False)

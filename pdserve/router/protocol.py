@@ -19,6 +19,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.structured import FieldError, parse_structured
 from pdserve.sampling_params import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -162,9 +163,10 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ApiRequest:
         limit = config.max_tokens_limit
         raise ApiError(400, f"max_tokens must be <= {limit}, got {max_tokens}", param="max_tokens")
     sampling = _parse_sampling(body, config)
-    from pdserve.router.structured import parse_structured  # it imports ApiError from here
-
-    parse_structured(body)
+    try:
+        sampling.update(parse_structured(body))
+    except FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
     return ApiRequest(chat, model, prompt, messages, max_tokens, sampling, stream, include_usage)
 
 

@@ -1,0 +1,149 @@
+"""Structured outputs in the engine: each constrained request's grammar state, its token mask
+filled while the forward pass runs, applied to the logits just before sampling.
+
+A request with `SamplingParams.grammar` (built by `pdserve/grammar.py`) gets an llguidance
+matcher at its first sampled row, compiled once per grammar and copied per request. Before
+each step's forward pass the matcher catches up with every token the request already holds
+(`_replayed_tokens`), and a worker thread fills the rows' bitmasks while the model runs (the
+forward pass releases the GIL in torch's kernels, llguidance in its own). Catching up covers
+every way tokens arrive without being sampled here: a decode worker receives the prefill
+worker's first token in `StartDecode`, a resumed request carries its earlier output in its
+prompt. So a disaggregated request's grammar state is the collocated one's, token for token.
+
+After sampling, each matcher takes its token; a grammar that can take no more ends the
+request with finish_reason "stop" (`Request.grammar_done`, read by the scheduler).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+import llguidance.hf
+import torch
+
+from pdserve.request import Request
+
+log = logging.getLogger(__name__)
+
+_MAX_COMPILED = 64  # grammars kept compiled; requests repeat schemas
+
+
+@dataclass
+class GrammarState:
+    """One request's matcher and how many of its tokens it has taken."""
+
+    matcher: llguidance.LLMatcher
+    num_consumed: int = 0
+
+
+class GrammarMasks:
+    """Masks for one step's constrained rows: `apply()` waits for the fill and masks the
+    logits; `accept()` advances each matcher by its sampled token."""
+
+    def __init__(self, rows: list[tuple[int, Request]], mask: torch.Tensor, fill: Future) -> None:
+        self.rows = rows  # (logits row, request)
+        self._mask = mask
+        self._fill = fill
+
+    def apply(self, logits: torch.Tensor) -> None:
+        self._fill.result()
+        vocab = logits.shape[-1]
+        shifts = torch.arange(32, dtype=torch.int32)
+        bits = (self._mask[:, :, None] >> shifts) & 1  # [rows, words, 32]
+        banned = bits.view(len(self.rows), -1)[:, :vocab] == 0
+        for j, (row, _) in enumerate(self.rows):
+            logits[row].masked_fill_(banned[j], float("-inf"))
+
+    def accept(self, tokens: list[int]) -> None:
+        for row, request in self.rows:
+            state = request.grammar
+            ok = state.matcher.consume_token(tokens[row])
+            state.num_consumed += 1
+            if not ok or state.matcher.is_stopped():
+                request.grammar_done = True
+                if not ok:  # sampled under this matcher's own mask: cannot happen
+                    log.warning("request %s: grammar refused its token: %s",
+                                request.request_id, state.matcher.get_error())  # fmt: skip
+
+
+class Grammars:
+    """The model runner's grammar side: the llguidance tokenizer (built at the first
+    constrained request: ~0.6 s for a 49k vocabulary), compiled grammars, the fill thread."""
+
+    def __init__(self, model_dir: Path, vocab_size: int) -> None:
+        self._model_dir = model_dir
+        self._vocab_size = vocab_size  # the logits' width: the mask covers every row entry
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def begin(self, requests: list[Request]) -> GrammarMasks | None:
+        """Start filling the masks of the constrained rows among `requests` (one per sampled
+        row, in row order); None when no row is constrained (the common case costs a scan)."""
+        rows = [(i, r) for i, r in enumerate(requests) if r.sampling_params.grammar is not None]
+        if not rows:
+            return None
+        for _, request in rows:
+            self._catch_up(request)
+        words = (self._vocab_size + 31) // 32
+        mask = torch.zeros((len(rows), words), dtype=torch.int32)
+        matchers = [(r.grammar.matcher, j) for j, (_, r) in enumerate(rows)]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        fill = self._pool.submit(_fill, matchers, mask)
+        return GrammarMasks(rows, mask, fill)
+
+    def state(self, grammar: str) -> GrammarState:
+        """A fresh matcher for a new request (ValueError: the grammar does not compile
+        against this model's tokenizer; the request is refused, never half run)."""
+        return GrammarState(self._matcher(grammar))
+
+    def _catch_up(self, request: Request) -> None:
+        state = request.grammar
+        tokens = _replayed_tokens(request)
+        for token in tokens[state.num_consumed :]:
+            if not state.matcher.consume_token(token):
+                log.warning("request %s: grammar refused a replayed token: %s",
+                            request.request_id, state.matcher.get_error())  # fmt: skip
+        state.num_consumed = len(tokens)
+
+    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"grammar does not compile: {compiled.get_error()}")
+            self._compiled[grammar] = compiled
+            if len(self._compiled) > _MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(grammar)
+        return compiled.deep_copy()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            from pdserve.model.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer(self._model_dir)
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer.backend, n_vocab=self._vocab_size, eos_token=tokenizer.eos_token_ids
+            )
+        return self._tokenizer
+
+
+def _replayed_tokens(request: Request) -> list[int]:
+    """The request's output so far, counted from its first attempt: a resumed request's
+    earlier output is the tail of its prompt."""
+    prior = request.num_prior_output_tokens
+    earlier = request.prompt_token_ids[len(request.prompt_token_ids) - prior :] if prior else []
+    return earlier + request.output_token_ids
+
+
+def _fill(matchers: list[tuple[llguidance.LLMatcher, int]], mask: torch.Tensor) -> None:
+    row_bytes = mask.shape[1] * 4
+    for matcher, j in matchers:
+        matcher.unsafe_compute_mask_ptr(mask[j].data_ptr(), row_bytes)
