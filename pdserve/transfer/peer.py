@@ -23,6 +23,7 @@ import torch
 from pdserve.transfer import wire
 from pdserve.transfer.layout import KVLayout, block_bytes_view, check_ids
 from pdserve.transfer.limits import BufferPool, TokenBucket
+from pdserve.transfer.shm import sees_segment
 from pdserve.transfer.wire import TransferError
 
 LEASE_TIMEOUT_S = 10.0
@@ -53,9 +54,11 @@ def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo
         raise ValueError(f"KV layout mismatch: sender {layout.to_dict()}, peer {peer['layout']}")
     backends = list(peer["backends"])
     same_host = peer.get("host_id") == wire.host_identity()
-    shm_ok = "shm" in backends and same_host and bool(peer.get("shm_name"))
+    shm_ok = "shm" in backends and same_host and _shares_segment(peer)
     if backend == "shm" and not shm_ok:
         why = "does not offer shm" if "shm" not in backends else "is on another host"
+        if "shm" in backends and same_host:
+            why = "does not share this process's /dev/shm"
         raise ValueError(f"backend 'shm' requested but the receiver {why}")
     if backend == "tcp" and "tcp" not in backends:
         raise ValueError(f"backend 'tcp' requested but the receiver offers only {backends}")
@@ -69,6 +72,16 @@ def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo
         max_frame_bytes=int(peer.get("max_frame_bytes") or layout.block_bytes),
         layout=peer_layout,
     )
+
+
+def _shares_segment(peer: dict[str, Any]) -> bool:
+    """The receiver's shm segment is the very file this process sees under its name."""
+    name, identity = peer.get("shm_name"), peer.get("shm_file")
+    if not isinstance(name, str) or not isinstance(identity, list) or len(identity) != 2:
+        return False
+    if not all(isinstance(x, int) for x in identity):
+        return False
+    return sees_segment(name, *identity)
 
 
 def check_send(

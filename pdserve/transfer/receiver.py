@@ -27,7 +27,7 @@ from pdserve.transfer.base import Finished, TransferStatus
 from pdserve.transfer.layout import KVLayout, block_bytes_view, check_kv_tensor
 from pdserve.transfer.limits import DEFAULT_BUFFER_BYTES, DEFAULT_POOL_BYTES, BufferPool
 from pdserve.transfer.reservations import Reservation, ReservationTable
-from pdserve.transfer.shm import unlink_shared_kv
+from pdserve.transfer.shm import segment_identity, unlink_shared_kv
 from pdserve.transfer.wire import Conn, FrameServer
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class SocketKVReceiver:
             raise ValueError("the shm backend needs the receiver's kv in shared memory")
         self.kv, self.layout, self._secret = kv, layout, wire.check_secret(secret)
         self.backends, self.shm_name = tuple(backends), shm_name
+        self._shm_file = segment_identity(shm_name) if shm_name else None
         self.pool = BufferPool(pool_bytes, buffer_bytes, layout.block_bytes)
         self.table = ReservationTable(layout)
         self._counts = {"num_frames": 0, "bytes_received": 0, "rejected_frames": 0}
@@ -87,6 +88,7 @@ class SocketKVReceiver:
             "host": self._host,
             "port": self._server.port,
             "shm_name": self.shm_name,
+            "shm_file": self._shm_file,  # a sender takes shm only if it sees this very file
             "layout": self.layout.to_dict(),
             "host_id": wire.host_identity(),
             "max_frame_bytes": self.pool.buffer_bytes,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -156,6 +157,25 @@ def open_shared_kv(name: str, layout: KVLayout) -> torch.Tensor:
     if size != layout.total_bytes:
         raise ValueError(f"shm {name!r} has {size} bytes, layout needs {layout.total_bytes}")
     return _map(path, layout)
+
+
+def segment_identity(name: str) -> list[int]:
+    """[device, inode] of the segment's file, which a sender compares with what it sees under
+    the same name (`sees_segment`): equal only when both share this /dev/shm. A host's name and
+    boot id are not enough: a container or mount namespace with its own tmpfs on /dev/shm
+    shares them, but not the segment."""
+    st = os.stat(_path(name))
+    return [st.st_dev, st.st_ino]
+
+
+@functools.lru_cache(maxsize=256)
+def sees_segment(name: str, device: int, inode: int) -> bool:
+    """Whether this process's /dev/shm holds the very segment a receiver offered (names are
+    never reused, so a cached answer stays true)."""
+    try:
+        return segment_identity(name) == [device, inode]
+    except (OSError, ValueError):
+        return False
 
 
 def shared_kv_name(kv: torch.Tensor) -> str | None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +28,7 @@ from tests.transfer.conftest import (
     wait_finished,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 # 64 blocks x 8 KiB per layer: one run of 512 KiB per layer, 2 MiB in all.
 BIG = KVLayout(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=16)
 ALL = list(range(BIG.num_layers))
@@ -134,3 +140,41 @@ def test_auto_picks_shm_on_same_host_and_tcp_otherwise() -> None:
     assert not remote.use_shm
     assert parse_peer(peer_shm, LAYOUT, "auto").use_shm
     assert not parse_peer(peer_shm, LAYOUT, "tcp").use_shm
+    # Same host name and boot id, but another /dev/shm (a container, a mount namespace):
+    # the offered segment is not the file this process sees, so tcp.
+    elsewhere = {**peer_shm, "shm_file": [peer_shm["shm_file"][0], peer_shm["shm_file"][1] + 1]}
+    assert not parse_peer(elsewhere, LAYOUT, "auto").use_shm
+    with pytest.raises(ValueError, match="does not share this process's /dev/shm"):
+        parse_peer(elsewhere, LAYOUT, "shm")
+    assert not parse_peer({**peer_shm, "shm_file": None}, LAYOUT, "auto").use_shm
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)"
+)
+def test_a_sender_with_its_own_dev_shm_picks_tcp() -> None:
+    """A process in a mount namespace with a private tmpfs on /dev/shm (as the namespace
+    hosts of a test of several hosts have) sees no receiver segment: auto is tcp there."""
+    kv, _name = create_shared_kv(LAYOUT)
+    rx = make_receiver("auto", kv, LAYOUT, SECRET)
+    try:
+        peer = json.dumps(rx.address())
+        code = (
+            "import json, sys; from pdserve.transfer.peer import parse_peer; "
+            "from tests.transfer.conftest import LAYOUT; "
+            "print(parse_peer(json.loads(sys.argv[1]), LAYOUT, 'auto').use_shm)"
+        )
+        inside = f'mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -c "$0" "$1"'
+        out = subprocess.run(
+            ["unshare", "--mount", "sh", "-c", inside, code, peer],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["False"]
+        same = subprocess.run(
+            [sys.executable, "-c", code, peer], capture_output=True, text=True, timeout=60,
+            cwd=ROOT,
+        )  # fmt: skip
+        assert same.stdout.split() == ["True"], same.stderr
+    finally:
+        rx.close()
