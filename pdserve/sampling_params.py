@@ -24,6 +24,14 @@ class SamplingParams:
     stop: tuple[str, ...] = knob((), "stop string")
     stop_token_ids: tuple[int, ...] = knob((), "stop token id")
     ignore_eos: bool = knob(False, "generate past the end-of-sequence token")
+    # Logits processing (vLLM semantics; docs/sampling.md): repetition over prompt and output
+    # tokens, presence and frequency over output tokens, a bias per token id, and EOS and
+    # stop_token_ids masked until min_tokens are out.
+    repetition_penalty: float = knob(1.0, "> 1 discourages any seen token", gt=0.0, le=100.0)
+    presence_penalty: float = knob(0.0, "subtract once per generated token", ge=-2.0, le=2.0)
+    frequency_penalty: float = knob(0.0, "subtract per occurrence", ge=-2.0, le=2.0)
+    logit_bias: tuple[tuple[int, float], ...] = knob((), "(token id, bias) pairs", cli=False)
+    min_tokens: int = knob(0, "no EOS or stop token before this many tokens", ge=0)
     # Drop low-attention KV past this (None: the deployment's); the engine flag sets that.
     kv_budget_tokens: int | None = knob(None, ge=1, cli=False)
     # Structured output: llguidance's serialized grammar (`grammar_of()` in pdserve/grammar.py).
@@ -37,6 +45,35 @@ class SamplingParams:
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens, got {self.min_tokens}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        pairs = []
+        for pair in self.logit_bias:
+            token_id, bias = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {pair!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ValueError(f"logit_bias values must be numbers, got {pair!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {pair!r}")
+            pairs.append((token_id, float(bias)))
+        if len({t for t, _ in pairs}) < len(pairs):
+            raise ValueError("logit_bias names a token id twice")
+        object.__setattr__(self, "logit_bias", tuple(pairs))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits need processing before sampling (penalties, bias, min_tokens)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -279,6 +279,7 @@ class Engine:
             budget = None
         if budget is not None:
             self.budget.policy(budget)  # a budget too small to honour is the caller's error
+        self.runner.check_sampling(params)
         grammar = params.grammar and self.runner.grammars.state(params.grammar)
         return Request(
             request_id,

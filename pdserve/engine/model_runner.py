@@ -24,8 +24,10 @@ from pdserve.model.cpu_fused import can_fuse, fuse_layers
 from pdserve.model.cpu_linear import can_pack, log_panel_formats, pack_linears
 from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
 from pdserve.model.loader import load_model, torch_dtype
+from pdserve.model.penalties import apply_penalties, penalty_row
 from pdserve.model.sampler import SamplingRow, sample
 from pdserve.request import Request
+from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -159,12 +161,22 @@ class ModelRunner:
             for r in sample_ids
             for p in (r.sampling_params,)
         ]
+        penalized = [i for i, r in enumerate(sample_ids) if r.sampling_params.penalized]
+        if penalized:  # before the grammar's mask and the temperature (docs/sampling.md)
+            apply_penalties(logits, [penalty_row(i, sample_ids[i]) for i in penalized])
         if masks is not None:
             masks.apply(logits)
         tokens = sample(logits, rows, self.generator, self._argmax)
         if masks is not None:
             masks.accept(tokens)
         return {r.request_id: t for r, t in zip(sample_ids, tokens)}
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """ValueError naming a `logit_bias` token id past the vocabulary (the flat index
+        into the step's logits would land in another row)."""
+        vocab = self.model.config.vocab_size
+        if any(token_id >= vocab for token_id, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be < vocab size {vocab}")
 
     def _keep_scores(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:
         """Accumulate each budgeted request's per-block attention (aligned with its

@@ -183,6 +183,7 @@ async def read_json(request: web.Request) -> Any:
 async def _tokenize(state: RouterState, api: ApiRequest) -> list[int]:
     """Prompt ids, once the text is known to be short enough to possibly fit."""
     protocol.check_prompt_chars(api, state.tokenizer.max_token_chars, state.plane.max_model_len())
+    protocol.check_token_ids(api, state.tokenizer.vocab_size)
     if isinstance(api.prompt, list):
         vocab_size = state.tokenizer.vocab_size
         if any(t >= vocab_size for t in api.prompt):

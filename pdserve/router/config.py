@@ -71,6 +71,7 @@ class RouterConfig:
     # stop string is searched for after every token, so their count and length bound that work.
     max_num_stop: int = knob(16, "entries in `stop` and in `stop_token_ids` (OpenAI: 4)", ge=1)
     max_stop_len: int = knob(256, "characters in one stop string", ge=1)
+    max_logit_bias: int = knob(300, "token ids in one request's `logit_bias`", ge=0)
     # Slow clients. aiohttp's keep-alive timer runs from connect (and from each response) to
     # the next complete request head, so it bounds idle and dribbled heads alike.
     head_timeout_s: float = knob(30.0, gt=0)
@@ -94,6 +95,9 @@ class RouterConfig:
                 f"max_num_stop x max_stop_len ({self.max_num_stop} x {self.max_stop_len}) "
                 f"exceeds what a worker's message size bound allows ({FIELDS_BYTES // 2} bytes)"
             )
+        if self.max_logit_bias * 15 > FIELDS_BYTES // 4:  # [uint32, float64] in msgpack
+            limit = FIELDS_BYTES // 4 // 15
+            raise ValueError(f"max_logit_bias must be <= {limit} (a worker's message size bound)")
         ids = [w.worker_id for w in self.workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"workers: duplicate worker_id in {ids}")

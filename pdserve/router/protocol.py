@@ -78,9 +78,7 @@ class ApiRequest:
 # (silently ignoring e.g. logprobs would return a response the client did not ask for).
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}), "tools": (None, []), "min_tokens": (None, 0),
+    "top_logprobs": (None, 0), "suffix": (None, ""), "tools": (None, []),
 }  # fmt: skip
 
 
@@ -228,7 +226,10 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 
 def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
-    fields = (("temperature", float), ("top_p", float), ("top_k", int))
+    fields = (
+        ("temperature", float), ("top_p", float), ("top_k", int), ("min_tokens", int),
+        ("presence_penalty", float), ("frequency_penalty", float), ("repetition_penalty", float),
+    )  # fmt: skip
     kwargs = {n: v for n, kind in fields if (v := _field(body, n, kind, None)) is not None}
     kwargs["seed"] = _field(body, "seed", int, None)
     kwargs["ignore_eos"] = _field(body, "ignore_eos", bool, False) or False
@@ -252,8 +253,36 @@ def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any
         message = f"stop_token_ids holds at most {config.max_num_stop} ids"
         raise ApiError(400, message, param="stop_token_ids")
     kwargs["stop_token_ids"] = ids
-    _sampling_params({**kwargs, "max_tokens": 1})  # validate now: fail before tokenizing
+    kwargs["logit_bias"] = _parse_logit_bias(body, config)
+    # Validate now, to fail before tokenizing; finalize_sampling checks max_tokens itself.
+    _sampling_params({**kwargs, "max_tokens": max(1, kwargs.get("min_tokens", 0))})
     return kwargs
+
+
+def _parse_logit_bias(body: dict[str, Any], config: RouterConfig) -> list[list[Any]]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; SamplingParams checks the biases,
+    `check_token_ids` the ids against the vocabulary."""
+    bias = _field(body, "logit_bias", dict, {})
+    if len(bias) > config.max_logit_bias:
+        message = f"logit_bias holds at most {config.max_logit_bias} token ids"
+        raise ApiError(400, message, param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= _MAX_INT_DIGITS):
+            raise ApiError(400, f"logit_bias keys must be token ids, got {_show(key)}",
+                           param="logit_bias")  # fmt: skip
+        if not (_is_int(value) or isinstance(value, float)):
+            message = f"logit_bias values must be numbers, got {_show(value)}"
+            raise ApiError(400, message, param="logit_bias")
+        pairs.append([int(key), float(value)])
+    return pairs
+
+
+def check_token_ids(request: ApiRequest, vocab_size: int) -> None:
+    """400 naming `logit_bias` when one of its ids is past the vocabulary."""
+    if any(token_id >= vocab_size for token_id, _ in request.sampling.get("logit_bias", ())):
+        message = f"logit_bias token ids must be < vocab size {vocab_size}"
+        raise ApiError(400, message, param="logit_bias")
 
 
 def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:

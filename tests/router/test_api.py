@@ -126,3 +126,21 @@ def test_client_disconnect_aborts_worker(tokenizer_dir: Path, script: list[int])
         c.wait_until(lambda: c.workers["c0"].aborted)
         c.wait_until(lambda: c.app_state.metrics.requests["cancelled"] == 1)
         assert c.app_state.num_pending == 0
+
+
+def test_penalties_bias_and_min_tokens_reach_the_worker(cluster: Cluster) -> None:
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2,
+        "min_tokens": 2,
+        "logit_bias": {"72": -100, "5": 3.5},
+    }
+    body = {"prompt": "Hello", "max_tokens": 3, **fields}
+    r = requests.post(f"{cluster.url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    sent = [m for m in cluster.workers["c0"].received if hasattr(m, "sampling")][-1].sampling
+    assert {k: sent[k] for k in fields if k != "logit_bias"} == {
+        k: v for k, v in fields.items() if k != "logit_bias"
+    }
+    assert [list(pair) for pair in sent["logit_bias"]] == [[72, -100.0], [5, 3.5]]
