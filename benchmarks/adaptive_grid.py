@@ -1,30 +1,15 @@
-"""Issue 14's grid: adaptive vs collocated vs static 1P1D on the same cores, one run.
+"""Adaptive disaggregation against collocated and static 1P1D on the same cores.
 
-For each input length, collocated's capacity is measured first (every request sent at once:
-the completed requests per second), then `pdserve bench compare` runs the three deployments at
-50% and 90% of it, SLOs derived as in BENCHMARKS.md §3 (5x collocated's unloaded p50 TTFT and
-TPOT). Then the interference cell: prompts of mixed length over long-running decodes with a
-stall budget (p99 ITL at most 2x collocated's unloaded TPOT), where a fourth deployment,
-`adaptive-slo`, is the adaptive one told those targets (`adaptive.slo_ttft_ms`,
-`adaptive.slo_itl_ms`); in the grid the planner is given none.
+Per input length, collocated's capacity is measured first (every request sent at once), then
+`pdserve bench compare` runs the three deployments at `--fractions` of it (SLOs: 5x
+collocated's unloaded p50 TTFT and TPOT). Then the interference cell: mixed-length prompts over
+long decodes with a stall budget (p99 ITL), where `adaptive-slo` is the adaptive deployment
+told the targets (`adaptive.slo_ttft_ms`, `adaptive.slo_itl_ms`). Its targets come from
+collocated's unloaded p50 of prompts at the cell's 2,048-token cap; docs/adaptive.md.
 
-The interference cell's targets (`--ttft-slo`, `--itl-slo`; one number each for every
-deployment, and the ones `adaptive-slo` is told) come from collocated's unloaded p50 of either
-prompts drawn from the cell's own distribution (`calibration`: mostly short, its median is
-384 tokens) or prompts at its 2,048-token cap (`longest-prompt`, the default): TTFT 5x that
-TTFT, p99 ITL `--itl-multiplier` (2) x that TPOT (the TPOT target is 5x the calibration
-prompts' TPOT either way). From `calibration` no deployment can meet
-them even unloaded: a lone 2,048-token prompt's first token takes seconds, and its decode
-steps attend 2,048 tokens, so its p99 gap (22.8 ms, measured) is over twice the median
-prompt's TPOT (2 x 6.4 = 12.8 ms). From the longest prompt every request of the cell meets
-them alone on an unloaded collocated worker, so what breaks them is interference.
-
-    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --output grid.json
-    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --lengths 128 --fractions 0.5
-    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_grid.py --lengths ""  # the interference cell
-
-Each cell's full `bench compare` output goes to the JSON; the table printed at the end is what
-BENCHMARKS.md quotes.
+    .venv/bin/python benchmarks/adaptive_grid.py --output grid.json
+    .venv/bin/python benchmarks/adaptive_grid.py --lengths 128 --fractions 0.5
+    .venv/bin/python benchmarks/adaptive_grid.py --lengths ""  # the interference cell only
 """
 
 from __future__ import annotations
@@ -79,33 +64,10 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=30)
     p.add_argument("--capacity-requests", type=int, default=16)
     p.add_argument("--interference", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument(
-        "--itl-multiplier",
-        type=float,
-        default=2.0,
-        help="interference cell: p99 ITL SLO = this x collocated's unloaded TPOT",
-    )
-    p.add_argument(
-        "--interference-fraction",
-        type=float,
-        default=0.7,
-        help="interference cell: its rate as a fraction of collocated's capacity there",
-    )
-    p.add_argument(
-        "--ttft-slo",
-        choices=("calibration", "longest-prompt"),
-        default="longest-prompt",
-        help="interference cell: TTFT SLO = 5x collocated's unloaded p50 TTFT of prompts from "
-        "the cell's distribution (calibration) or of prompts at its cap (longest-prompt)",
-    )
-    p.add_argument(
-        "--itl-slo",
-        choices=("calibration", "longest-prompt"),
-        default="longest-prompt",
-        help="interference cell: p99 ITL SLO = --itl-multiplier x collocated's unloaded TPOT of "
-        "prompts from the cell's distribution (calibration) or of prompts at its cap "
-        "(longest-prompt: what the longest prompts' decodes take alone)",
-    )
+    p.add_argument("--itl-multiplier", type=float, default=2.0,
+                   help="p99 ITL SLO: this x the longest prompts' TPOT")  # fmt: skip
+    p.add_argument("--interference-fraction", type=float, default=0.7,
+                   help="the interference cell's load")  # fmt: skip
     p.add_argument("--output", default="adaptive_grid.json")
     args = p.parse_args()
     results: dict = {"cells": [], "interference": None}
@@ -133,18 +95,13 @@ def main() -> None:
         shape = workload(INTERFERENCE_INPUT, "lognormal:128:0.3", seed=7)
         capacity = collocated_capacity(shape, args.capacity_requests)
         rate = args.interference_fraction * capacity
-        # SLOs from collocated unloaded (bench compare's calibration: 5x p50 TTFT and TPOT),
-        # plus the stall budget: p99 ITL at most 2x the unloaded TPOT. The adaptive
-        # deployment is told the same targets, as an operator would.
-        ttft_ms, tpot_ms = unloaded_slos(shape)
-        itl_ms = args.itl_multiplier * tpot_ms / 5
-        if "longest-prompt" in (args.ttft_slo, args.itl_slo):
-            longest = workload(str(INTERFERENCE_MAX_INPUT), "lognormal:128:0.3", seed=7)
-            longest_ttft_ms, longest_tpot_ms = unloaded_slos(longest)
-            if args.ttft_slo == "longest-prompt":
-                ttft_ms = longest_ttft_ms
-            if args.itl_slo == "longest-prompt":
-                itl_ms = args.itl_multiplier * longest_tpot_ms / 5
+        # SLOs: 5x collocated's unloaded p50 TTFT of prompts at the cell's cap, 5x the TPOT of
+        # the cell's own prompts, p99 ITL at most --itl-multiplier x the longest prompts' TPOT.
+        # adaptive-slo is told the same targets, as an operator would.
+        tpot_ms = unloaded_slos(shape)[1]
+        longest = workload(str(INTERFERENCE_MAX_INPUT), "lognormal:128:0.3", seed=7)
+        ttft_ms, longest_tpot_ms = unloaded_slos(longest)
+        itl_ms = args.itl_multiplier * longest_tpot_ms / 5
         with tempfile.TemporaryDirectory() as tmp:
             config = Path(tmp) / "adaptive-slo.yaml"
             config.write_text(f"adaptive: {{enabled: true, slo_ttft_ms: {ttft_ms:.1f}, "
@@ -159,8 +116,6 @@ def main() -> None:
             "fraction": args.interference_fraction,
             "capacity_rps": capacity,
             "rate_rps": rate,
-            "ttft_slo": args.ttft_slo,
-            "itl_slo": args.itl_slo,
             "slo_ms": {"ttft": ttft_ms, "tpot": tpot_ms, "p99_itl": itl_ms},
             "rows": rows,
         }
@@ -175,9 +130,8 @@ def print_table(results: dict) -> None:
     if results["interference"]:
         cells.append({"input_len": "mixed", **results["interference"]})
     if results["interference"]:
-        cell, slo = results["interference"], results["interference"]["slo_ms"]
-        print(f"interference SLOs (TTFT {cell['ttft_slo']}, ITL {cell.get('itl_slo')}): "
-              f"TTFT {slo['ttft']:.1f} ms, TPOT {slo['tpot']:.1f} ms, "
+        slo = results["interference"]["slo_ms"]
+        print(f"interference SLOs: TTFT {slo['ttft']:.1f} ms, TPOT {slo['tpot']:.1f} ms, "
               f"p99 ITL {slo['p99_itl']:.1f} ms")  # fmt: skip
     for cell in cells:
         base = cell["rows"]["collocated"]["goodput"]

@@ -1,40 +1,17 @@
-"""Issue 14's step change: chat -> summarization -> chat against one adaptive deployment.
+"""A step change of load (chat -> summarization -> chat) against one adaptive deployment.
 
-One adaptive cluster (`pdserve up --adaptive`'s pipeline, `pipeline_for("adaptive")`) takes
-three phases of `pdserve bench` load back to back, each `--phase-seconds` long: chat-shaped
-prompts, then summarization-shaped ones, then chat again (the presets' length shapes,
-Poisson arrivals). Each phase is its own `bench` run started at its phase's time, so the
-previous phase's requests still in flight overlap the change as they would in service. A
-poller reads `/v1/status` every `--poll-s` for each worker's role, the planner's core-group
-targets and acknowledged threads, its core hold, its switch counters and its decisions by
-reason.
+Each phase is its own `pdserve bench` run (the presets' shapes, Poisson arrivals) started at
+its time, so requests in flight overlap the change as in service. A poller reads
+`/v1/status` every `--poll-s` (roles, core-group targets, switch counters, decisions).
+Printed per phase: requests sent / finished / rejected / failed, the longest token gap, the
+requests stalled (a gap over `--stall-s`), TTFT and TPOT p50/p90, the split's changes, the
+settle time (the split's last change in the phase, in planner intervals, from the phase's
+first request sent while another is in flight, and from its start) and flip-backs (a change
+returning the split to what it was two changes before). Role changes need three or more
+workers (`--cpus`). The JSON keeps every stall and status sample.
 
-Printed per phase: requests sent / finished / rejected (429, 503) / failed, the longest gap
-between two tokens of any request, the requests *stalled* (a gap between two of their tokens
-longer than `--stall-s`, 1 s: several times any decode step of this load, so only a stream
-held up by something else), TTFT and TPOT p50/p90, the changes of the split seen in the phase
-(target core groups per worker, roles), the settle time and flip-backs (a change that returns
-the split to what it was two changes before, within the phase). The issue asks: settle
-within two intervals, no flip-back, no failed or stalled request.
-
-*Settled*: the split's last change in a phase's window. The settle time runs from the load
-change reaching the server to that change, in planner intervals (0: the split did not change,
-or changed before). A split pays only where requests overlap (one prefills while another
-decodes): a lone request on an idle deployment is collocated's case. So the load change
-reaches the server at the phase's first request sent while another (of any phase) is in
-flight. From the phase's start the settle time also counts the Poisson arrivals before that,
-which no planner can shorten; it is printed too, and the JSON has it from the phase's first
-request as well. A phase's window is its `--phase-seconds`; the last phase's ends with its
-load, and the changes after it (the merge once the load is over) are printed apart. Changes
-faster than `--poll-s` are not seen by the poller; the planner's acknowledged core switches
-(`num_core_switches`) count them all. The JSON keeps every stall (when, which request) and
-every decision the planner made, with its predictions, to set beside the workers' logs.
-
-    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --output step.json
-    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --slo-itl-ms 60  # split for stalls
-    PYTHONPATH=. .venv/bin/python benchmarks/adaptive_step.py --workers 3 --cpus 0-3
-
-Role changes need three or more workers, so a pool of three or more cores (`--cpus`).
+    .venv/bin/python benchmarks/adaptive_step.py --slo-itl-ms 60 --output step.json
+    .venv/bin/python benchmarks/adaptive_step.py --workers 3 --cpus 0-3
 """
 
 from __future__ import annotations
@@ -64,11 +41,8 @@ PHASES = ("chat", "summarization", "chat")
 
 def parse_cpus(text: str) -> tuple[int, ...]:
     """'0-3,6' -> (0, 1, 2, 3, 6)."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus += range(int(lo), int(hi or lo) + 1)
-    return tuple(cpus)
+    spans = [(p.partition("-")[0], p.partition("-")[2] or p) for p in text.split(",")]
+    return tuple(c for lo, hi in spans for c in range(int(lo), int(hi) + 1))
 
 
 def phase_plan(args: argparse.Namespace, index: int, url: str):
@@ -94,9 +68,7 @@ class Poller(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.every_s, self.t0 = url, every_s, t0
         self.samples: list[dict[str, Any]] = []
-        self.decisions: dict[str, dict[str, Any]] = {}  # by request: the planner's last 32
         self.stop = threading.Event()
-        self.wall0 = time.time() - (time.monotonic() - t0)
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
@@ -105,8 +77,6 @@ class Poller(threading.Thread):
             except (requests.RequestException, ValueError):
                 continue
             planner = status.get("planner") or {}
-            for d in planner.get("recent_decisions", []):
-                self.decisions.setdefault(d["request"], {**d, "t": round(d["t"] - self.wall0, 3)})
             targets = {w: c["target_threads"] for g in planner.get("core_groups", [])
                        for w, c in g["workers"].items()}  # fmt: skip
             self.samples.append({
@@ -269,14 +239,9 @@ def print_table(rows: list[dict], after: dict, interval_s: float) -> None:
               f"{r.get('num_flip_backs', 0):>10}"
               f"{r.get('num_core_switches_acked', 0):>6}")  # fmt: skip
     for r in rows:
-        if r.get("num_flip_backs"):
-            print(f"{r['phase']}: a change undone after {r['min_undone_after_s']:.1f} s at least")
-        changes, decisions = r.get("change_times_s"), r.get("decisions")
-        print(
-            f"{r['phase']}: first request at {r['first_request_s']} s, first overlapping one at "
-            f"{r['first_overlap_s']} s, changes at {changes} s "
-            f"into the phase, longest gap ended at {r['max_gap_end_s']} s; decisions {decisions}"
-        )
+        print(f"{r['phase']}: first request at {r['first_request_s']} s, overlapping at "
+              f"{r['first_overlap_s']} s, changes at {r.get('change_times_s')} s, shortest "
+              f"undone {r.get('min_undone_after_s')} s, {r.get('decisions')}")  # fmt: skip
     print(f"after the load: changes at {after.get('change_times_s')} s after its end")
 
 
@@ -310,7 +275,6 @@ def main() -> None:
         rows, after, poller = run_phases(args, url)
     Path(args.output).write_text(json.dumps({
         "config": vars(args), "phases": rows, "after_load": after, "samples": poller.samples,
-        "decisions": sorted(poller.decisions.values(), key=lambda d: d["t"]),
     }, indent=1))  # fmt: skip
     print_table(rows, after, args.interval_s)
 

@@ -1,19 +1,13 @@
-"""Engine throughput: pdserve vs Hugging Face transformers `generate`, same model, threads
-and prompts, in one process, next to this machine's own fp32 limits.
+"""Engine throughput: pdserve against Hugging Face transformers `generate` in one process, same
+model, threads and prompts, beside this machine's own fp32 limits.
 
-    .venv/bin/python benchmarks/bench_engine.py [--model smollm2-135m] [--repeats 3]
-    PDSERVE_CPU_ISA=avx2 .venv/bin/python benchmarks/bench_engine.py   # AVX2 kernels on an
-                                                                       # AVX-512 machine
+    .venv/bin/python benchmarks/bench_engine.py [--repeats 3] [--batches 1,8,32]
+    PDSERVE_CPU_ISA=avx2 .venv/bin/python benchmarks/bench_engine.py   # the AVX2 kernels
 
-Figures (medians over repeats):
-  - prefill tokens/s for one 1,024-token prompt;
-  - at 1, 8, 32 concurrent requests of 128 prompt tokens and exactly 128 new tokens:
-    decode-only tokens/s (tokens after each request's first, over the time after the last
-    request's first token) and end-to-end tokens/s (all new tokens over wall time);
-  - the machine's fp32 GEMM GFLOP/s and memory read bandwidth, turned into the model's
-    compute bound (tokens/s if every FLOP ran at GEMM speed) and memory bound (batch-1 decode
-    if each step only streamed the weights once; for pdserve, the bytes its linears hold,
-    which for GGUF weights are lossless compact panels, 3.5-5x smaller than fp32).
+Medians over repeats: prefill tok/s of one 1,024-token prompt; at 1, 8 and 32 concurrent
+requests (128 prompt tokens, exactly 128 new), decode-only tok/s (after the last request's
+first token) and end-to-end tok/s; the machine's GEMM GFLOP/s and read GB/s as the model's
+compute bound and batch-1 memory bound (for the bytes pdserve's linears hold).
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""CPU kernels side by side at the default model's shapes: the native panel GEMM vs oneDNN
-(prepacked) vs PyTorch's `F.linear`, and native paged decode attention vs the PyTorch path
-(gather + SDPA).
+"""CPU kernels at the default model's shapes: the native panel GEMM against oneDNN (prepacked)
+and `F.linear`, and native paged decode attention against gather + SDPA.
 
     .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--repeats 30] [--isa avx2]
         [--weights gguf] [--vs avx512]
 
-Linear shapes are SmolLM2-135M's (hidden 576, intermediate 1536, fused QKV 960, fused
-gate/up 3072, vocabulary 49152), at the row counts decode batches (1..64) and prefill chunks
-(512) produce, with random fp32 weights or (--weights gguf) weights on the default model's
-GGUF grids (Q4_1 layers, a Q8_0 LM head), which the panel kernel stores compactly. Figures
-are medians; GB/s counts the fp32 weight bytes (4 per weight) once per call. --isa picks the
-native kernel variant (default: PDSERVE_CPU_ISA, else the widest this CPU runs), --vs a
-second one to compare in the same run (e.g. `--isa amx --vs avx512 --weights gguf`: the AMX
-GEMM runs only compact panels, from 16 rows). Columns are interleaved, a few rounds each.
-Run on an idle machine: two busy cores halve any figure.
+SmolLM2-135M's linear shapes at decode (1..64 rows) and prefill (512) row counts, random fp32
+weights or (`--weights gguf`) weights on the GGUF's grids, stored as compact panels. Medians;
+GB/s counts fp32 weight bytes once per call. `--isa` picks the native variant (default: the
+widest this CPU runs), `--vs` a second one in the same run (`--isa amx --vs avx512 --weights
+gguf`). Columns interleave. Run on an idle machine.
 """
 
 from __future__ import annotations
@@ -49,10 +44,8 @@ def linear_times(libs, w: torch.Tensor, m: int, repeats: int) -> list[float]:
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     panels = [(lib, native.pack_panels(lib, w)) for lib in libs]
     calls = [lambda lib=lib, p=p: native.linear_panels(lib, x, p, None) for lib, p in panels]
-    calls += [
-        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-        lambda: F.linear(x, w),
-    ]
+    calls += [lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+              lambda: F.linear(x, w)]  # fmt: skip
     rounds = [[timed(f, max(1, repeats // 3)) for f in calls] for _ in range(3)]
     return [min(r[i] for r in rounds) for i in range(len(calls))]
 
@@ -70,10 +63,8 @@ def bench_linears(libs, rows: list[int], repeats: int, weights: str) -> None:
         for m in rows:
             times = linear_times(libs, w, m, repeats)
             flops, weight_bytes = 2 * m * n * k, n * k * 4
-            cells = [
-                f"{t * 1e6:.0f} us, {flops / t / 1e9:.0f} GF, {weight_bytes / t / 1e9:.1f} GB/s"
-                for t in times
-            ]
+            cells = [f"{t * 1e6:.0f} us, {flops / t / 1e9:.0f} GF, "
+                     f"{weight_bytes / t / 1e9:.1f} GB/s" for t in times]  # fmt: skip
             ratio = times[len(libs)] / times[0]
             print(f"| {name} {n}x{k} | {m} | {' | '.join(cells)} | {ratio:.2f}x |")
 
@@ -112,12 +103,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--isa", choices=["auto", *native.ISA_FLAGS], default=None)
     ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32")
-    ap.add_argument(
-        "--vs",
-        choices=list(native.ISA_FLAGS),
-        default=None,
-        help="a second native variant in its own column (e.g. avx512 beside amx)",
-    )
+    ap.add_argument("--vs", choices=list(native.ISA_FLAGS), help="a second native variant")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -125,9 +111,7 @@ def main() -> None:
     if lib is None:
         raise SystemExit("native kernels unavailable on this machine (see the log line above)")
     torch.manual_seed(0)
-    print(
-        f"threads: {torch.get_num_threads()}, native kernels: {lib.isa}, {args.weights} weights\n"
-    )
+    print(f"threads: {torch.get_num_threads()}, native: {lib.isa}, {args.weights} weights\n")
     libs = [lib] + ([native.load(args.vs)] if args.vs else [])
     if None in libs:
         raise SystemExit(f"the {args.vs} native kernels cannot run on this machine")

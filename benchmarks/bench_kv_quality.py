@@ -1,16 +1,18 @@
-"""Quality and size of 8-bit KV (fp8, int8) against full-precision KV, on the real default
-model.
+"""KV quality on the real default model: 8-bit KV (fp8, int8), or token dropping at budgets,
+against full-precision KV.
 
-    .venv/bin/python benchmarks/bench_kv_quality.py [--num-prompts 50] [--new-tokens 128]
-        [--kv-dtypes fp8 int8]
+    .venv/bin/python benchmarks/bench_kv_quality.py [--num-prompts 50] [--kv-dtypes fp8 int8]
+    .venv/bin/python benchmarks/bench_kv_quality.py --drop-budgets 96 128 160
 
-- Greedy agreement: 50 chat prompts, 128 new tokens each (EOS ignored), with fp32 KV and with
-  each 8-bit KV; the share of positions where the 8-bit run produced the same token (up to the
-  first divergence counts as agreement; after it, tokens are compared position by position).
-- Perplexity of a held-out text (the GPL-3 licence text shipped with Debian, unseen by this
-  comparison), scored in chunks of 64 tokens so every chunk attends to earlier chunks through
-  the cache — the quantized cache is what the model reads, as it would during decode.
-- KV bytes per token and the time to move one 2,048-token prompt's KV over tcp and shm.
+- Greedy agreement: chat prompts, `--new-tokens` each (EOS ignored): the share of positions
+  with the same token as with full KV, and of identical outputs.
+- Perplexity of a held-out text (Debian's GPL-3 text). 8-bit KV: scored in 64-token chunks
+  that read earlier chunks through the quantized cache. Dropping: the first 64 tokens are the
+  prompt, the next `--score-tokens` are fed one by one (teacher forcing: the sampler is
+  replaced, here only, by one that records the true token's log-probability), so every token
+  is predicted from the dropped cache as in decode.
+- KV bytes per token (8-bit), or KV held per sequence (dropping); transfer time follows the
+  bytes (benchmarks/transfer_ttft.py).
 """
 
 from __future__ import annotations
@@ -18,68 +20,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 
+import pdserve.engine.model_runner as model_runner
 from pdserve.llm import LLM
 from pdserve.model.attention import AttentionMetadata, PrefillSpan
 from pdserve.model.kv_cache import QUANTIZED, layer_caches, row_size, storage_dtype
 from pdserve.sampling_params import SamplingParams
 
-TOPICS = [
-    "photosynthesis",
-    "the French revolution",
-    "black holes",
-    "machine learning",
-    "volcanoes",
-    "the immune system",
-    "blockchains",
-    "climate change",
-    "the printing press",
-    "DNA",
-    "supply and demand",
-    "the Roman empire",
-    "quantum computing",
-    "jazz music",
-    "vaccines",
-    "plate tectonics",
-    "the internet",
-    "bees",
-    "nuclear fusion",
-    "the stock market",
-    "renewable energy",
-    "the moon landing",
-    "compound interest",
-    "coral reefs",
-    "antibiotics",
-    "the water cycle",
-    "electric cars",
-    "the Renaissance",
-    "earthquakes",
-    "neural networks",
-    "the solar system",
-    "inflation",
-    "the human brain",
-    "recycling",
-    "the Great Wall of China",
-    "gravity",
-    "democracy",
-    "rainforests",
-    "3D printing",
-    "the Olympic games",
-    "the theory of evolution",
-    "cryptography",
-    "tides",
-    "sleep",
-    "the Silk Road",
-    "batteries",
-    "honey",
-    "glaciers",
-    "chess",
-    "the speed of light",
-]
+TOPICS = (
+    "photosynthesis;the French revolution;black holes;machine learning;volcanoes;"
+    "the immune system;blockchains;climate change;the printing press;DNA;supply and demand;"
+    "the Roman empire;quantum computing;jazz music;vaccines;plate tectonics;the internet;"
+    "bees;nuclear fusion;the stock market;renewable energy;the moon landing;"
+    "compound interest;coral reefs;antibiotics;the water cycle;electric cars;"
+    "the Renaissance;earthquakes;neural networks;the solar system;inflation;"
+    "the human brain;recycling;the Great Wall of China;gravity;democracy;rainforests;"
+    "3D printing;the Olympic games;the theory of evolution;cryptography;tides;sleep;"
+    "the Silk Road;batteries;honey;glaciers;chess;the speed of light"
+).split(";")
 HELD_OUT = Path("/usr/share/common-licenses/GPL-3")
 ROW_NAMES = {"fp8": "E4M3", "int8": "int8"}
 
@@ -120,36 +81,51 @@ def perplexity(llm: LLM, kv_cache_dtype: str, ids: list[int], chunk: int = 64) -
     return math.exp(nll / count)
 
 
-def transfer_ms(kv_cache_dtype: str, backend: str, num_tokens: int = 2048) -> float:
-    from pdserve.transfer import make_receiver, make_sender
-    from pdserve.transfer.layout import KVLayout
-    from pdserve.transfer.shm import create_shared_kv
+def forced_perplexity(llm: LLM, ids: list[int], budget: int | None, n: int) -> float:
+    """Perplexity of `ids[64:64 + n]` after a 64-token prompt, token by token under `budget`."""
+    forced, nll, real_sample = ids[64 : 64 + n], [], model_runner.sample
 
-    dtype = storage_dtype(kv_cache_dtype, torch.float32)
-    layout = KVLayout(30, -(-num_tokens // 16), 16, 3, row_size(64, kv_cache_dtype),
-                      str(dtype).removeprefix("torch."))  # fmt: skip
-    rx_kv = (
-        create_shared_kv(layout)[0] if backend == "shm" else torch.zeros(layout.shape, dtype=dtype)
-    )
-    tx_kv = torch.zeros_like(rx_kv)
-    rx = make_receiver(backend, rx_kv, layout, b"q" * 32)
-    tx = make_sender(backend, tx_kv, layout, b"q" * 32)
-    blocks = list(range(layout.num_blocks))
-    times = []
+    def teacher(logits, rows, generator):
+        i = rows[0].output_index
+        nll.append(-torch.log_softmax(logits[0], -1)[forced[i]].item())
+        return [forced[i]]
+
+    model_runner.sample = teacher
     try:
-        for i in range(4):
-            rid = f"r{i}"
-            rx.expect(rid, blocks)
-            t = time.perf_counter()
-            tx.send(rx.address(), rid, list(range(30)), blocks, blocks, True)
-            while not any(r == rid for r, _, _ in rx.pop_finished()):
-                time.sleep(0.0002)
-            times.append(time.perf_counter() - t)
-            rx.release(rid)
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                kv_budget_tokens=budget)  # fmt: skip
+        llm.generate([ids[:64]], params)
     finally:
-        tx.close()
-        rx.close()
-    return sorted(times[1:])[1] * 1e3
+        model_runner.sample = real_sample
+    return math.exp(sum(nll) / len(nll))
+
+
+def dropping(args: argparse.Namespace) -> list[dict]:
+    llm = LLM("smollm2-135m", kv_cache_bytes=512 << 20, kv_sink_tokens=16, kv_recent_tokens=32)
+    chat = llm.tokenizer.apply_chat_template
+    prompts = [chat([{"role": "user", "content": f"Explain {t} in detail."}])
+               for t in TOPICS[: args.num_prompts]]  # fmt: skip
+    held_out = llm.tokenizer.encode(HELD_OUT.read_text())
+    seq_len = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens
+    rows, reference = [], None
+    print("| KV budget | KV held per sequence | greedy agreement | identical | perplexity |")
+    print("|---|---|---|---|---|")
+    for budget in [None, *args.drop_budgets]:
+        params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True,
+                                kv_budget_tokens=budget)  # fmt: skip
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        reference = reference or outs
+        held = min(seq_len, budget) if budget else seq_len
+        ppl = forced_perplexity(llm, held_out, budget, args.score_tokens)
+        same = sum(a == b for a, b in zip(reference, outs))
+        row = {"budget": budget or "none", "kv_bytes_held": held * 46080,
+               "kv_share": held / seq_len, "perplexity": ppl, "identical": f"{same}/{len(outs)}",
+               "agreement": sum(map(agreement, reference, outs)) / len(outs)}  # fmt: skip
+        rows.append(row)
+        print(f"| {row['budget']} | {held * 46080 / 1e6:.1f} MB ({row['kv_share']:.0%}) "
+              f"| {row['agreement']:.1%} | {row['identical']} | {row['perplexity']:.3f} |",
+              flush=True)  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -157,32 +133,32 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--kv-dtypes", nargs="+", default=list(QUANTIZED), choices=list(QUANTIZED))
+    ap.add_argument("--drop-budgets", type=int, nargs="*", default=[],
+                    help="token dropping at these KV budgets instead of 8-bit KV")  # fmt: skip
+    ap.add_argument("--score-tokens", type=int, default=384)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.drop_budgets:
+        rows = dropping(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     results: dict = {}
     outputs: dict[str, list[list[int]]] = {}
     ref_llm = None
     for dtype in ("auto", *args.kv_dtypes):
         llm = LLM("smollm2-135m", kv_cache_dtype=dtype, kv_cache_bytes=512 << 20)
         ref_llm = ref_llm or llm
-        prompts = [
-            llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Explain {t} in detail."}]
-            )
-            for t in TOPICS[: args.num_prompts]
-        ]
+        chat = llm.tokenizer.apply_chat_template
+        prompts = [chat([{"role": "user", "content": f"Explain {t} in detail."}])
+                   for t in TOPICS[: args.num_prompts]]  # fmt: skip
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-        t = time.perf_counter()
         outputs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
-        elapsed = time.perf_counter() - t
         ids = llm.tokenizer.encode(HELD_OUT.read_text())[:2048]
         row_bytes = storage_dtype(dtype, torch.float32).itemsize
         results[dtype] = {
             "perplexity": perplexity(llm, dtype, ids),
             "kv_bytes_per_token": 30 * 2 * 3 * row_size(64, dtype) * row_bytes,
-            "generate_s": elapsed,
-            "transfer_ms_2048_tcp": transfer_ms(dtype, "tcp"),
-            "transfer_ms_2048_shm": transfer_ms(dtype, "shm"),
         }
         print(dtype, json.dumps(results[dtype]), flush=True)
     for dtype in args.kv_dtypes:
@@ -191,23 +167,16 @@ def main() -> None:
         results[dtype]["greedy_agreement"] = sum(agree) / len(agree)
         results[dtype]["identical_outputs"] = f"{exact}/{len(agree)}"
     a = results["auto"]
-    print(
-        "\n| KV dtype | bytes/token | perplexity | greedy agreement | identical outputs "
-        "| 2,048-token KV over tcp | over shm |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    print(
-        f"| fp32 | {a['kv_bytes_per_token']} | {a['perplexity']:.3f} | 100% | - "
-        f"| {a['transfer_ms_2048_tcp']:.0f} ms | {a['transfer_ms_2048_shm']:.0f} ms |"
-    )
+    print("\n| KV dtype | bytes/token | perplexity | greedy agreement | identical outputs |")
+    print("|---|---|---|---|---|")
+    print(f"| fp32 | {a['kv_bytes_per_token']} | {a['perplexity']:.3f} | 100% | - |")
     for dtype in args.kv_dtypes:
         f = results[dtype]
         print(
             f"| {dtype} ({ROW_NAMES[dtype]} + per-token scale) | {f['kv_bytes_per_token']} "
             f"({f['kv_bytes_per_token'] / a['kv_bytes_per_token']:.1%}) "
             f"| {f['perplexity']:.3f} ({f['perplexity'] / a['perplexity'] - 1:+.2%}) "
-            f"| {f['greedy_agreement']:.1%} | {f['identical_outputs']} "
-            f"| {f['transfer_ms_2048_tcp']:.0f} ms | {f['transfer_ms_2048_shm']:.0f} ms |"
+            f"| {f['greedy_agreement']:.1%} | {f['identical_outputs']} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -1,15 +1,10 @@
-"""Served steps against a profile: each step a worker ran (a `PDSERVE_STEP_TRACE` folder)
-over what the profile's served cost model predicts for its shape, by kind of step.
+"""Served steps against a profile: each step a worker ran (a `PDSERVE_STEP_TRACE` folder) over
+what the profile's served cost model predicts for its shape, by worker and kind of step
+(decode by batch size; prefill after idle, back to back, or beside decodes). `+cpu` adds the
+profile's `token_cpu_s` per streamed token. docs/simulator.md, "Served steps".
 
     PDSERVE_STEP_TRACE=/tmp/steps pdserve bench compare ... --deployment collocated=collocated
-    python benchmarks/served_steps.py /tmp/steps --profile profile.json
-
-Rows by worker and thread count (a worker id may recur across deployments run one after
-another into one folder), and by kind: a decode step by batch size; a prefill step alone,
-after the worker sat idle (more than IDLE_S since its last step ended) or right after
-another step; a prefill beside running decodes ("mixed"). `+cpu` adds the profile's
-`token_cpu_s` per streamed token, as the simulator does for a step that starts while every
-core is taken. docs/simulator.md, "Served steps".
+    .venv/bin/python benchmarks/served_steps.py /tmp/steps --profile profile.json
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""Simulator accuracy on this machine: predicted vs measured p50/p90 TTFT and TPOT.
+"""Simulator accuracy on this machine: predicted against measured p50/p90 TTFT and TPOT.
 
-    .venv/bin/python benchmarks/sim_accuracy.py [--profile cpu.json] [--num-requests 60]
-        [--load 0.5 | --rates chat=0.3,...] [--no-rescale]
-        [--measured-dir /tmp/sim_accuracy_XXXX]   # a new profile against a run's measurements
+    .venv/bin/python benchmarks/sim_accuracy.py [--profile cpu.json] [--num-requests 30]
+        [--load 0.5 | --rates chat=0.3,...] [--no-rescale] [--measured-dir DIR]
 
-1. `pdserve profile` (unless --profile names one): one profile, threads 1 and all cores.
-2. For each workload (chat-like, summarization-like, multi-turn with shared prefixes) and
-   each deployment (collocated on every core, 1p1d one core each, two collocated workers one
-   core each) it runs `pdserve bench compare` on the real deployment, and `pdserve simulate`
-   on the same layout, same flags, same seed: the same sessions and send times.
-3. A speed probe (`pdserve profile --rescale`, a minute) runs before the first deployment
-   and after each; a deployment is simulated with the profile rescaled by the mean of the
-   probes on either side of its run, and with the profile as it is (`--no-rescale`: only
-   that). On a VM whose speed moves 20-40% within the hour a half-hour-old profile cannot
-   hold 15%; the two columns show what the drift did.
-4. The rate (unless --rates) is `--load` times the capacity the probed profile predicts for
-   the slowest deployment compared (sessions/s with all of them sent at once), so each
-   machine gets a load it can serve: fixed rates that suit one CPU overload a slower one.
-5. Prints one row per (workload, deployment, metric): measured, predicted, error.
-
-Needs a quiet machine: the profile, the probes and the real runs must see the same cores.
+`pdserve profile` (unless `--profile`), then per workload (chat, summarization, multi-turn)
+and deployment (collocated on every core, 1p1d and two collocated workers one core each):
+`pdserve bench compare` on the real deployment and `pdserve simulate` with the same flags and
+seed (the same sessions and send times). A speed probe (`pdserve profile --rescale`) runs
+around each deployment; each is simulated with the profile rescaled by the mean of the probes
+on either side ("probed") and as measured. The rate is `--load` x the capacity the profile
+predicts for the slowest deployment. `--measured-dir` re-prices a run's measurements with
+another profile. Needs a quiet machine (docs/simulator.md, "Accuracy").
 """
 
 from __future__ import annotations
@@ -51,8 +42,7 @@ METRICS = [("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms
 
 
 def pdserve(*argv: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "pdserve.cli", *argv], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "pdserve.cli", *argv], check=True)
 
 
 def simulate(common: list[str], profile: Path, name: str, output: Path) -> dict:
@@ -80,13 +70,6 @@ def mean_probe(base: Path, probes: list[Path], output: Path) -> Path:
     mean = {int(k): sum(r[k] for r in ratios) / len(ratios) for k in ratios[0]}
     rescaled(load_profile(base), mean).save(output)
     return output
-
-
-def measured_path(runs: Path, workload: str, name: str, former: bool) -> Path:
-    """One deployment's `bench compare` result; a `former` run's from before the probes held
-    every deployment's in one file."""
-    path = runs / f"{workload}-{name}-measured.json"
-    return runs / f"{workload}-measured.json" if former and not path.exists() else path
 
 
 def main() -> int:
@@ -123,15 +106,15 @@ def main() -> int:
         if probing:
             pdserve("profile", "--rescale", str(profile), "--output", str(probes[0]))
         if args.measured_dir:  # the rate those runs had
-            rates[workload] = str(json.loads(measured_path(runs, workload, names[0], True)
-                                             .read_text())["config"]["rate"])  # fmt: skip
+            first_run = runs / f"{workload}-{names[0]}-measured.json"
+            rates[workload] = str(json.loads(first_run.read_text())["config"]["rate"])
         elif workload not in rates:
             first = profile if args.no_rescale else probes[0]
             rates[workload] = f"{args.load * capacity(common, first, names, tmp):.4g}"
             print(f"{workload}: rate {rates[workload]} sessions/s", flush=True)
         common += ["--rate", rates[workload]]
         for i, name in enumerate(names):
-            measured_file = measured_path(runs, workload, name, bool(args.measured_dir))
+            measured_file = runs / f"{workload}-{name}-measured.json"
             if not args.measured_dir:
                 spec = f"--deployment={name}={DEPLOYMENTS[name][0]}"
                 pdserve("bench", "compare", *common, spec, "--output", str(measured_file))

@@ -1,17 +1,11 @@
-"""The simulator against a published P/D comparison: DistServe (OSDI'24), Figure 1.
+"""The simulator against DistServe (OSDI'24), Figure 1: OPT-13B on one A100-80GB, Poisson
+arrivals, input 512 / output 64, SLOs P90 TTFT 0.4 s and P90 TPOT 0.04 s. The paper (and its
+authors' blog post, "Throughput is Not All You Need", Hao AI Lab, March 2024) gives collocated
+~2.3 req/s against the TTFT target and ~1.6 against TPOT, a prefill-only GPU ~5.6, a
+decode-only GPU ~10, so 2P1D 3.3 req/s per GPU (2.1x). This predicts the same rates with the
+analytic A100-80GB profile, pdserve's scheduler and the same SLO rule, beside the paper's.
 
     .venv/bin/python benchmarks/sim_published.py
-
-The figure, as the paper's introduction and its authors' blog post ("Throughput is Not All
-You Need", Hao AI Lab, March 2024, Figure 6 there) state it: a 13B model (OPT-13B) on one
-A100-80GB, Poisson arrivals, input 512 / output 64 tokens, SLOs P90 TTFT 0.4 s and P90 TPOT
-0.04 s. Collocated (vLLM) holds the TTFT target up to ~2.3 req/s and the TPOT target up to
-~1.6 req/s, so its goodput is 1.6 req/s per GPU; a prefill-only GPU 5.6 req/s, a
-decode-only GPU 10 req/s; 2 prefill + 1 decode GPUs min(2 x 5.6, 10) = 10 req/s, 3.3 req/s
-per GPU (2.1x).
-
-This script predicts the same four rates with the analytic A100-80GB profile, pdserve's
-scheduler and the same SLO rule, and prints them beside the paper's.
 """
 
 from __future__ import annotations

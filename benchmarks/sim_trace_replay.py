@@ -2,12 +2,9 @@
 
     .venv/bin/python benchmarks/sim_trace_replay.py [--trace conversation_trace.jsonl]
 
-With `--trace`, the file is replayed as it is (the public Mooncake conversation trace has
-about this size). Without it, a Mooncake-format trace is generated: sessions of turns whose
-prompts extend the previous turn's hash ids (prefix sharing as in a conversation), Poisson
-arrivals over `--duration-s`, lognormal lengths whose means are flags. The generated trace's
-lengths are assumptions, not the Mooncake trace's statistics; the figure that counts is the
-wall time on the real file.
+`--trace` replays a file as it is (the public Mooncake conversation trace has this size);
+without it a Mooncake-format trace is generated (turns extending the previous turn's hash ids,
+Poisson arrivals, lognormal lengths): its size, not the real trace's statistics.
 """
 
 from __future__ import annotations

