@@ -56,7 +56,8 @@ class Generate:
     """Run a whole request on this worker (collocated, or a decode worker prefilling
     locally). `output_token_ids` resumes a request whose earlier worker died: they are
     recomputed as part of the prompt and not produced again. `pin`: a cache warm-up;
-    `prefill_chunk_tokens`: the adaptive planner's SLO-sized chunk (both as on `Request`)."""
+    `prefill_chunk_tokens`: the adaptive planner's SLO-sized chunk; `cache_salt`: the cache
+    scope its blocks are hashed in, never an API key (all three as on `Request`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -64,6 +65,7 @@ class Generate:
     output_token_ids: list[int] = field(default_factory=list)
     pin: bool | None = None
     prefill_chunk_tokens: int | None = None
+    cache_salt: str = ""
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Reserve:
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
+    cache_salt: str = ""  # as on Generate: P and D must hash the prompt alike
 
 
 @dataclass
@@ -91,6 +94,7 @@ class Prefill:
     num_keep_blocks: int | None = None
     sink_blocks: int = 0
     recent_blocks: int = 0
+    cache_salt: str = ""  # as on Generate
 
 
 @dataclass
@@ -139,10 +143,12 @@ class Hello:
 
 @dataclass
 class Unpin:
-    """Release the pinned blocks of a prompt warmed earlier (they stay cached until evicted)."""
+    """Release the pinned blocks of a prompt warmed earlier, in cache scope `cache_salt`
+    (they stay cached until evicted)."""
 
     request_id: str
     prompt_token_ids: list[int]
+    cache_salt: str = ""
 
 
 # ---- worker -> router ------------------------------------------------------------------

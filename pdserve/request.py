@@ -60,6 +60,9 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of full blocks, grows with tokens
+    # The cache scope its block hashes are salted with (kvcache/hashing.py): "" the default,
+    # else a tenant's (the router derives it from the API key and `cache_salt`).
+    cache_salt: str = ""
     prefill_only: bool = False  # prefill role: stop after the first token
     kv_budget_tokens: int | None = None  # token dropping: most KV tokens held at once
     # Tokens produced by an earlier attempt and now part of the prompt (a resumed request):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine import warmup
 from pdserve.engine.kv_budget import KVBudget
 from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
@@ -169,23 +170,28 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         destination: KVDestination,
+        cache_salt: str = "",
     ) -> Request:
         """Prefill role: compute the prompt, send its KV to `destination` (all but the
         blocks the decode worker already holds; with a drop, only the blocks it keeps),
-        sample the first token."""
-        request = self._new_request(request_id, prompt_token_ids, params, prefill_only=True)
+        sample the first token. `cache_salt`: its cache scope (`Request.cache_salt`)."""
+        request = self._new_request(request_id, prompt_token_ids, params, True, cache_salt)
         self.role.add_prefill(request, destination)
         self._enqueue(request)
         return request
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str = "",
     ) -> KVReservation | None:
         """Decode role: reserve blocks for a prompt's KV (taking the prefix this worker
         already caches); None when they do not fit now. A prompt over the request's KV
         budget gets only the blocks it keeps (`KVReservation.drop`): this worker decides
         what it holds, the prefill worker drops the rest before sending."""
-        request = self._new_request(request_id, prompt_token_ids, params)
+        request = self._new_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
         reservation = self.role.reserve(request, self.budget.prompt_drop(request))
         if self.offload is not None:
             # The reservation may have evicted cached blocks: save what they hold now, since
@@ -203,50 +209,28 @@ class Engine:
         num_prior_output_tokens: int = 0,
         pin: bool | None = None,
         prefill_chunk_tokens: int | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """`num_prior_output_tokens`: the prompt's last tokens were produced by an earlier
         attempt of this request (resumed after a worker died). `pin`: a cache warm-up
         (`Request.pin`, with `WARMUP_PARAMS`), refused up front (ValueError) when it cannot
         pin: decode role, caching off, pinned share full. `prefill_chunk_tokens`: the most
-        prefill tokens of any step the request is in (`Request.prefill_chunk_tokens`)."""
+        prefill tokens of any step the request is in (`Request.prefill_chunk_tokens`).
+        `cache_salt`: the cache scope its blocks are hashed in (`Request.cache_salt`)."""
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, not {prefill_chunk_tokens}")
-        request = self._new_request(request_id, prompt_token_ids, params)
+        request = self._new_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
         if pin is not None:
-            self._check_pin(prompt_token_ids, pin)
+            warmup.check_pin(self.kv, self.role, prompt_token_ids, pin, cache_salt)
         request.num_prior_output_tokens, request.pin = num_prior_output_tokens, pin
         request.prefill_chunk_tokens = prefill_chunk_tokens
         self._enqueue(request)
         return request
 
-    # ---- cache warm-up ------------------------------------------------------------------
-
-    def _check_pin(self, prompt_token_ids: list[int], pin: bool) -> None:
-        if not self.role.takes_pins:
-            raise ValueError(
-                f"warm-up runs on prefill and collocated workers, not {self.role.name}"
-            )
-        if not self.kv.enable_prefix_caching:
-            raise ValueError("warm-up needs prefix caching, which is off on this worker")
-        if pin:
-            self.kv.pool.check_pin_room(self.kv.prompt_block_hashes(prompt_token_ids))
-
-    def _finish_warmup(self, request: Request, output: RequestOutput) -> None:
-        hashes = self.kv.prompt_block_hashes(request.prompt_token_ids)
-        output.num_pinned_tokens = 0
-        if request.pin:
-            try:
-                output.num_pinned_tokens = self.kv.pool.pin(hashes) * self.kv.block_size
-            except ValueError as exc:  # pins made meanwhile filled the share
-                output.error = str(exc)
-        output.num_cached_tokens = self.kv.num_cached_tokens(hashes)
-
-    def unpin(self, prompt_token_ids: list[int]) -> tuple[int, int]:
-        """Release a warmed prompt's pinned blocks to the LRU queue: (tokens unpinned, tokens
-        still cached)."""
-        hashes = self.kv.prompt_block_hashes(prompt_token_ids)
-        num_unpinned = self.kv.pool.unpin(hashes)
-        return num_unpinned * self.kv.block_size, self.kv.num_cached_tokens(hashes)
+    def unpin(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, int]:
+        """Release a prompt's pinned blocks, warmed in cache scope `cache_salt`, to the LRU
+        queue: (tokens unpinned, tokens still cached)."""
+        return warmup.unpin(self.kv, prompt_token_ids, cache_salt)
 
     def cache_stats(self) -> dict[str, Any]:
         """Cumulative prefix-cache counts per tier (engine/cache_stats.py), for metrics."""
@@ -272,8 +256,10 @@ class Engine:
                     self.offload.install(request, lookup.result())
                 self.scheduler.add_request(request)
 
-    def _new_request(self, request_id, prompt_token_ids, params, prefill_only=False) -> Request:
-        self.validate_prompt(prompt_token_ids)
+    def _new_request(
+        self, request_id, prompt_token_ids, params, prefill_only=False, cache_salt=""
+    ) -> Request:
+        self.validate_prompt(prompt_token_ids, cache_salt)
         budget = params.kv_budget_tokens or self.config.cache.kv_budget_tokens
         if prefill_only:  # never drops itself: the decode worker's reservation says what it keeps
             budget = None
@@ -289,9 +275,10 @@ class Engine:
             prefill_only=prefill_only,
             kv_budget_tokens=budget,
             grammar=grammar or None,
+            cache_salt=cache_salt,
         )
 
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], cache_salt: str = "") -> None:
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -301,7 +288,7 @@ class Engine:
             )
         # The context length ignores pins; a prompt that fits it but not the unpinned blocks
         # would wait at the head of the queue for room that never comes: refuse it now.
-        room = self.kv.room_tokens(prompt_token_ids)
+        room = self.kv.room_tokens(prompt_token_ids, cache_salt)
         if len(prompt_token_ids) >= room:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens; with the pinned (warmed-up) "
@@ -377,7 +364,8 @@ class Engine:
             if request.stamps:  # sent once: later outputs carry none
                 output.stamps, request.stamps = request.stamps, {}
             if request.pin is not None and request.is_finished:
-                self._finish_warmup(request, output)
+                warmed = warmup.finish_warmup(self.kv, request)
+                output.num_pinned_tokens, output.num_cached_tokens, output.error = warmed
             outputs.append(output)
         if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):
             self.budget.enforce(self.scheduler.running)

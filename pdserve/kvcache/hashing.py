@@ -5,6 +5,12 @@ prefixes. The hash must be identical in every process (router and workers comput
 values to route by cache affinity), hence blake2b rather than Python's salted `hash`.
 
     root = H(model_id)     h0 = H(root, t0..t15)     h1 = H(h0, t16..t31)   ...
+
+A cache scope (docs/tiers.md, "Cache scopes") salts the root: `salted_root(root, salt)` with
+a non-empty salt starts another chain, so two scopes' equal prompts never share a block in
+any tier nor in the router's index. The empty salt is the default scope (the plain root);
+`SHARED_SCOPE` holds the warm-ups an operator shares with every scope (every request also
+looks its prefix up there, and only warm-ups write there).
 """
 
 from __future__ import annotations
@@ -21,6 +27,16 @@ def root_hash(model_id: str, extra_key: str = "") -> int:
     KV dtype), so blocks of different models never match."""
     digest = hashlib.blake2b(f"{model_id}\0{extra_key}".encode(), digest_size=8).digest()
     return _U64.unpack(digest)[0]
+
+
+SHARED_SCOPE = "*"  # no router-made salt is "*": those are "" or hex digests
+
+
+def salted_root(root: int, salt: str) -> int:
+    """The root of scope `salt`'s chain: `root` itself for the default scope ("")."""
+    if not salt:
+        return root
+    return _U64.unpack(_digest(_U64.pack(root), b"salt\0" + salt.encode()))[0]
 
 
 def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.kvcache.block_pool import BlockPool
-from pdserve.kvcache.hashing import hash_block, hash_blocks, root_hash
+from pdserve.kvcache.hashing import SHARED_SCOPE, hash_block, hash_blocks, root_hash, salted_root
 from pdserve.request import Request
 
 
@@ -49,6 +49,7 @@ class KVCacheManager:
         self.counters = CacheCounters()
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash(model_id)
+        self.shared_root = salted_root(self.root_hash, SHARED_SCOPE)
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,24 +64,52 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         have = len(request.block_hashes)
         if num_full > have:
-            parent = request.block_hashes[-1] if have else self.root_hash
+            parent = request.block_hashes[-1] if have else self.root_of(request.cache_salt)
             tokens = request.token_slice(have * self.block_size, num_full * self.block_size)
             if num_full == have + 1:  # a decode's new block: hash_blocks' set-up costs more
                 request.block_hashes.append(hash_block(parent, tokens))
             else:
                 request.block_hashes += hash_blocks(tokens, self.block_size, parent)
 
+    def root_of(self, cache_salt: str) -> int:
+        """The root of a cache scope's chain (kvcache/hashing.py): "" is the default scope."""
+        return salted_root(self.root_hash, cache_salt)
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of a request that holds no blocks yet.
 
         At least one token is always left to compute: the last one's logits give the next
         token, and a hit on the whole prompt would leave nothing to run.
+
+        The prefix is looked up in the request's own scope and in the shared warm-ups': a
+        shared hit of k blocks is followed by the request's own blocks from block k on (its
+        scope's chain covers every block, so a later block's hash still pins its prefix).
+        The request's own new blocks are hashed in its scope only: a request never writes
+        into the shared scope.
         """
         if not self.enable_prefix_caching:
             return []
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.cached_prefix(request.block_hashes[:max_blocks])
+        hashes = request.block_hashes[:max_blocks]
+        hits = self.cached_prefix(hashes)
+        if request.cache_salt != SHARED_SCOPE and len(hits) < max_blocks:
+            shared = self._shared_prefix(request, max_blocks)
+            if len(shared) > len(hits):
+                hits = shared + self.cached_prefix(hashes[len(shared) :])
+        return hits
+
+    def _shared_prefix(self, request: Request, max_blocks: int) -> list[int]:
+        """Block ids of the longest prefix of the request warmed in the shared scope; one
+        hash per block it hits plus one (most requests: one hash, a miss)."""
+        hits, parent, size = [], self.shared_root, self.block_size
+        for index in range(max_blocks):
+            parent = hash_block(parent, request.token_slice(index * size, (index + 1) * size))
+            block_id = self.pool.lookup(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
 
     def cached_prefix(self, block_hashes: list[int]) -> list[int]:
         """Block ids of the longest prefix of `block_hashes` the pool holds now."""
@@ -92,16 +121,20 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    def prompt_block_hashes(self, token_ids: list[int]) -> list[int]:
-        """Hashes of every full block of `token_ids` (what warm-up pins and unpin releases)."""
-        return hash_blocks(token_ids, self.block_size, self.root_hash)
+    def prompt_block_hashes(self, token_ids: list[int], cache_salt: str = "") -> list[int]:
+        """Hashes of every full block of `token_ids` in a cache scope (what warm-up pins and
+        unpin release)."""
+        return hash_blocks(token_ids, self.block_size, self.root_of(cache_salt))
 
-    def room_tokens(self, token_ids: list[int]) -> int:
+    def room_tokens(self, token_ids: list[int], cache_salt: str = "") -> int:
         """Tokens one request starting with `token_ids` can ever hold: every block but the
         pinned ones (held for good, unlike a running request's), plus the pinned blocks of
-        its own prefix, which it shares."""
+        its own prefix, which it shares (in its scope or the shared warm-ups')."""
         pinned = self.pool.pinned
-        shared = sum(h in pinned for h in self.prompt_block_hashes(token_ids)) if pinned else 0
+        shared = 0
+        for salt in {cache_salt, SHARED_SCOPE} if pinned else ():
+            hashes = self.prompt_block_hashes(token_ids, salt)
+            shared = max(shared, sum(h in pinned for h in hashes))
         return (self.num_blocks - len(pinned) + shared) * self.block_size
 
     def num_cached_tokens(self, block_hashes: list[int]) -> int:

@@ -42,7 +42,7 @@ from pdserve.output_processor import OutputProcessor
 from pdserve.router.fallbacks import FallbackMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, bad_gateway, sampling_to_wire, unavailable
-from pdserve.router.routing import AdaptiveRequest, Lost, route_request
+from pdserve.router.routing import AdaptiveRequest, Lost, pick
 from pdserve.router.timing import RequestTiming
 from pdserve.router.workers import ControlPlane, WorkerLost
 from pdserve.sampling_params import SamplingParams
@@ -58,6 +58,7 @@ _GENERATE_ROLES = ("collocated", "decode", "prefill")  # who can run a whole req
 class Delta:
     text: str
     finish_reason: str | None  # set on the last delta only
+    logprobs: list[list[Any]] | None = None  # per token: [id, logprob, top] (router/logprobs.py)
 
 
 class RequestDriver:
@@ -71,6 +72,7 @@ class RequestDriver:
         request_id: str,
         timing: RequestTiming,
         fallbacks: FallbackMetrics,
+        cache_salt: str = "",
     ) -> None:
         self.plane, self.config, self.policy = plane, plane.config, policy
         self.processor, self.prompt_token_ids, self.params = processor, prompt_token_ids, params
@@ -81,7 +83,7 @@ class RequestDriver:
         self.key = request_id
         self.request_id = ""  # the worker-side id of the current attempt
         self.state = "queued"
-        self.timing, self.fallbacks = timing, fallbacks
+        self.timing, self.fallbacks, self.cache_salt = timing, fallbacks, cache_salt
         self.num_cached_tokens = 0  # prompt tokens the serving worker took from its cache
         self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
         self.senders: dict[str, int] = {}  # prefill workers whose KV may still be in flight
@@ -90,7 +92,7 @@ class RequestDriver:
         self._excluded: set[str] = set()  # refused for lack of room; retried after a backoff
         self._stalled: set[str] = set()  # missed a deadline: never picked again for this request
         self._decode_id, self._yielded = "", False
-        self.adaptive = AdaptiveRequest(plane, self.key)  # no-ops unless adaptive
+        self.adaptive = AdaptiveRequest(plane, self.key, cache_salt)  # no-ops unless adaptive
         processor.add_request(self.key, params.stop)
 
     async def stream(self) -> AsyncIterator[Delta]:
@@ -131,7 +133,7 @@ class RequestDriver:
             if not local_id:  # the adaptive planner's own choice is counted as its decision
                 self.fallbacks.served_whole(self.plane, worker_id, self.num_output_tokens)
         delta = self._on_tokens(worker_id, tokens, is_prefill=self.state == "prefilled")
-        if not self._yielded or delta.text or delta.finish_reason:
+        if not self._yielded or delta.text or delta.finish_reason or delta.logprobs:
             self._yielded = True
             yield delta
         if delta.finish_reason is not None:
@@ -154,7 +156,7 @@ class RequestDriver:
                 self.senders.clear()  # D decodes: its KV has landed
                 self._transition("decoding")
             delta = self._on_tokens(message.worker_id, message, is_prefill=False)
-            if delta.text or delta.finish_reason:
+            if delta.text or delta.finish_reason or delta.logprobs:
                 yield delta
             if delta.finish_reason is not None:
                 return
@@ -179,6 +181,7 @@ class RequestDriver:
             generate = messages.Generate(
                 self.request_id, self.prompt_token_ids, self.sampling, done,
                 prefill_chunk_tokens=self.adaptive.prefill_chunk_tokens(worker_id),
+                cache_salt=self.cache_salt,
             )  # fmt: skip
             self.timing.on_dispatch()  # before the send: the worker may start at once
             self._send(worker_id, generate)
@@ -196,8 +199,8 @@ class RequestDriver:
         while True:  # admission: a decode worker with room for the prompt's KV
             self._new_attempt()
             decode_id = await self._pick("decode", deadline)
-            reserve = messages.Reserve(self.request_id, self.prompt_token_ids, self.sampling)
-            self._send(decode_id, reserve)
+            ids, salt = self.prompt_token_ids, self.cache_salt
+            self._send(decode_id, messages.Reserve(self.request_id, ids, self.sampling, salt))
             reply = await self._next(deadline)
             if isinstance(reply, messages.Reserved):
                 break
@@ -211,6 +214,7 @@ class RequestDriver:
             # Reserved's blocks as they are: P skips D's cached prefix and, over D's budget,
             # sends only the blocks D keeps.
             blocks = {k: v for k, v in vars(reply).items() if k not in ("worker_id", "request_id")}
+            blocks["cache_salt"] = self.cache_salt
             prefill = messages.Prefill(
                 self.request_id, self.prompt_token_ids, self.sampling, **blocks
             )
@@ -238,9 +242,8 @@ class RequestDriver:
         candidate is excluded because it just refused for lack of room."""
         backoff_s = 0.02
         while True:
-            route = route_request(self.plane, self.policy, self.prompt_token_ids, role)
-            excluded = self._excluded | self._stalled
-            load = self.policy.choose(role, self.plane.loads(route.block_hashes), route, excluded)
+            ids, salt = self.prompt_token_ids, self.cache_salt
+            load = pick(self.plane, self.policy, ids, salt, role, self._excluded | self._stalled)
             if load is not None:
                 return self._claim(load.worker_id)
             if role not in self.plane.healthy_roles():
@@ -337,11 +340,10 @@ class RequestDriver:
         ended = worker_done or hit_length
         text = self.processor.process(self.key, token_ids, finished=ended)
         self.num_output_tokens = len(self.processor.states[self.key].token_ids)
-        if text.stopped:
-            return Delta(text.text, "stop")
-        if worker_done:
-            return Delta(text.text, tokens.finish_reason or "stop")
-        return Delta(text.text, "length" if hit_length else None)
+        lp = tokens.logprobs and [[t, *e] for t, e in zip(token_ids, tokens.logprobs)]
+        if text.stopped or worker_done:
+            return Delta(text.text, "stop" if text.stopped else tokens.finish_reason or "stop", lp)
+        return Delta(text.text, "length" if hit_length else None, lp)
 
     def _check_alive(self) -> None:
         for worker_id, epoch in [*self.outstanding.items(), *self.senders.items()]:

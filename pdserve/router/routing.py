@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.kvcache.hashing import hash_blocks, root_hash
+from pdserve.kvcache.hashing import hash_blocks, root_hash, salted_root
 from pdserve.planner.decision import LOCAL, Decision
-from pdserve.router.policies import RouteRequest, RoutingPolicy
+from pdserve.router.policies import RouteRequest, RoutingPolicy, WorkerLoad
 from pdserve.router.timing import RequestTiming
 
 if TYPE_CHECKING:
@@ -28,24 +28,42 @@ class Lost(Exception):
 
 
 def route_request(
-    plane: ControlPlane, policy: RoutingPolicy, prompt_token_ids: list[int], role: str
+    plane: ControlPlane,
+    policy: RoutingPolicy,
+    prompt_token_ids: list[int],
+    role: str,
+    cache_salt: str = "",
 ) -> RouteRequest:
     """What the policy sees of the request; block hashes only for policies that score
-    cache overlap (they cost a blake2b per block), with the role's block size and model."""
+    cache overlap (they cost a blake2b per block), with the role's block size and model,
+    in the request's cache scope (`cache_salt`), as its workers hash them."""
     ready = [w.ready for w in plane.workers.values() if w.ready and w.role == role]
     if not policy.needs_block_hashes or not ready:
         return RouteRequest(len(prompt_token_ids))
-    parent = root_hash(ready[0].model)
+    parent = salted_root(root_hash(ready[0].model), cache_salt)
     hashes = hash_blocks(prompt_token_ids, ready[0].block_size, parent)
     return RouteRequest(len(prompt_token_ids), hashes, ready[0].block_size)
+
+
+def pick(
+    plane: ControlPlane,
+    policy: RoutingPolicy,
+    prompt_token_ids: list[int],
+    cache_salt: str,
+    role: str,
+    excluded: set[str],
+) -> WorkerLoad | None:
+    """The policy's choice among the workers of `role` less `excluded`, or None."""
+    route = route_request(plane, policy, prompt_token_ids, role, cache_salt)
+    return policy.choose(role, plane.loads(route.block_hashes), route, excluded)
 
 
 class AdaptiveRequest:
     """One request's dealings with the adaptive planner; every method is a no-op (local
     prefill never chosen, cores always there) when the deployment is not adaptive."""
 
-    def __init__(self, plane: ControlPlane, key: str) -> None:
-        self.plane = plane
+    def __init__(self, plane: ControlPlane, key: str, cache_salt: str = "") -> None:
+        self.plane, self.cache_salt = plane, cache_salt
         self.planner: Planner | None = plane.planner
         self.key = key
         self.decision: Decision | None = None
@@ -55,7 +73,7 @@ class AdaptiveRequest:
         """The decode worker that prefills the request itself, or "" (remote)."""
         if self.planner is None:
             return ""
-        route = route_request(self.plane, policy, prompt_token_ids, "decode")
+        route = route_request(self.plane, policy, prompt_token_ids, "decode", self.cache_salt)
         self.decision = self.planner.decide(self.key, route, policy)
         return self.decision.decode_id if self.decision.kind == LOCAL else ""
 

@@ -227,10 +227,10 @@ class Worker:
                     params = dataclasses.replace(params, max_tokens=num_left)
                 e.add_request(
                     msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin,
-                    msg.prefill_chunk_tokens,
+                    msg.prefill_chunk_tokens, msg.cache_salt,
                 )  # fmt: skip
             elif isinstance(msg, m.Reserve):
-                r = e.reserve(msg.request_id, msg.prompt_token_ids, params)
+                r = e.reserve(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
                 if r is None:
                     self.send(m.Rejected(wid, msg.request_id, "no free KV blocks", True))
                 else:
@@ -242,7 +242,7 @@ class Worker:
                 if msg.num_keep_blocks is not None:
                     drop = PromptDrop(msg.num_keep_blocks, msg.sink_blocks, msg.recent_blocks)
                 dest = KVDestination(msg.peer, msg.block_ids, msg.num_cached_blocks, drop)
-                e.add_prefill(msg.request_id, msg.prompt_token_ids, params, dest)
+                e.add_prefill(msg.request_id, msg.prompt_token_ids, params, dest, msg.cache_salt)
             else:
                 log.warning("%s: unexpected %s", wid, type(msg).__name__)
         except (ValueError, TypeError) as exc:
@@ -251,8 +251,8 @@ class Worker:
     def _unpin(self, msg: m.Unpin) -> None:
         e, wid = self.engine, self.spec.worker_id
         try:
-            e.validate_prompt(msg.prompt_token_ids)
-            num_unpinned, num_cached = e.unpin(msg.prompt_token_ids)
+            e.validate_prompt(msg.prompt_token_ids, msg.cache_salt)
+            num_unpinned, num_cached = e.unpin(msg.prompt_token_ids, msg.cache_salt)
         except (ValueError, TypeError) as exc:
             self.send(m.Rejected(wid, msg.request_id, str(exc), False))
             return
