@@ -66,6 +66,9 @@ class BenchConfig:
     slo_ttft_ms: float | None = knob(None, "time-to-first-token target", gt=0)
     slo_tpot_ms: float | None = knob(None, "time-per-output-token target", gt=0)
     slo_itl_ms: float | None = knob(None, "per request: p99 of its inter-token gaps", gt=0)
+    slo_max_gap_ms: float | None = knob(
+        None, "per request: its longest inter-token gap (a stall budget)", gt=0
+    )
     find_goodput: bool = knob(False, "search the highest rate with >= --goodput-target")
     goodput_target: float = knob(0.9, "SLO attainment the search needs", gt=0, le=1)
     start_rate: float = knob(1.0, "the search's first rate", gt=0)
@@ -103,11 +106,12 @@ def build_plan(args: argparse.Namespace, url: str | None = None) -> BenchPlan:
     arrival = ArrivalSpec(arrival_kind, cfg.rate, cfg.burstiness, cfg.concurrency)
     client = _part(ClientConfig, cfg, url=url or cfg.url or "", model=cfg.model or cfg.tokenizer)
     run = _part(RunConfig, cfg, client=client, arrival=arrival, text_prompts=text_prompts)
-    slo = SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.slo_itl_ms)
+    slo = SLO(cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.slo_itl_ms, cfg.slo_max_gap_ms)
     scales = parse_scales(cfg.slo_scale) if cfg.slo_scale else []
     if (scales or cfg.find_goodput) and slo == SLO():
         raise ValueError(
-            "--find-goodput and --slo-scale need --slo-ttft-ms, --slo-tpot-ms or --slo-itl-ms"
+            "--find-goodput and --slo-scale need --slo-ttft-ms, --slo-tpot-ms, --slo-itl-ms "
+            "or --slo-max-gap-ms"
         )
     if cfg.find_goodput and arrival.kind not in ("poisson", "gamma"):
         raise ValueError("--find-goodput varies --rate, so it needs --arrival poisson or gamma")

@@ -70,7 +70,7 @@ def run_compare(
 
     ``deployments``: name -> spec handed to ``launch`` (a URL or a launcher config path).
     ``workload_args``: the ``bench`` flags (CompareConfig's read with defaults). Returns
-    ``{name: {goodput, p90_ttft_ms, p90_tpot_ms, summary, records, ...}}``.
+    ``{name: {goodput, p90_ttft_ms, p90_tpot_ms, max_gap_ms, summary, records, ...}}``.
     """
     if not deployments:
         raise ValueError("compare needs at least one deployment")
@@ -90,12 +90,14 @@ def run_compare(
                 itl_ms = plan.slo.itl_ms
                 if itl_multiplier and tpot_ms:
                     itl_ms = itl_multiplier * tpot_ms
-                slo = SLO(multiplier * ttft_ms, multiplier * tpot_ms if tpot_ms else None, itl_ms)
+                tpot_slo_ms = multiplier * tpot_ms if tpot_ms else None
+                slo = SLO(multiplier * ttft_ms, tpot_slo_ms, itl_ms, plan.slo.max_gap_ms)
                 plan = replace(plan, slo=slo)
                 print(
                     f"SLOs from {name} unloaded p50 x {multiplier:g}: TTFT {slo.ttft_ms:.1f}"
                     f" ms, TPOT {slo.tpot_ms or 0:.1f} ms"
-                    + (f", p99 ITL {slo.itl_ms:.1f} ms" if slo.itl_ms else ""),
+                    + (f", p99 ITL {slo.itl_ms:.1f} ms" if slo.itl_ms else "")
+                    + (f", max gap {slo.max_gap_ms:g} ms" if slo.max_gap_ms else ""),
                     file=out,
                 )
             document, result = execute(plan, url)
@@ -109,10 +111,12 @@ def run_compare(
             "p90_ttft_ms": summary["ttft_ms"]["p90"],
             "p90_tpot_ms": summary["tpot_ms"]["p90"],
             "p99_itl_ms": summary["itl_ms"]["p99"],
+            "max_gap_ms": summary["max_gap_ms"],
             "cache_hit_rate": summary.get("prefix_cache_hit_rate"),
             "slo_ttft_ms": plan.slo.ttft_ms,
             "slo_tpot_ms": plan.slo.tpot_ms,
             "slo_itl_ms": plan.slo.itl_ms,
+            "slo_max_gap_ms": plan.slo.max_gap_ms,
             "summary": summary,
             "records": document["records"],  # per request, as `pdserve bench --output` keeps
         }
@@ -128,12 +132,13 @@ def _ratio(value: object, base: object) -> str:
 
 _COLUMNS = (("goodput", "goodput", 10), ("p50_ttft_ms", "p50 TTFT ms", 14),
             ("p90_ttft_ms", "p90 TTFT ms", 14), ("p90_tpot_ms", "p90 TPOT ms", 14),
-            ("p99_itl_ms", "p99 ITL ms", 14))  # fmt: skip
+            ("p99_itl_ms", "p99 ITL ms", 14), ("max_gap_ms", "max gap ms", 14))  # fmt: skip
 
 
 def format_table(rows: Mapping[str, Mapping[str, object]]) -> str:
-    """Side-by-side goodput, p50/p90 TTFT, p90 TPOT and p99 ITL, each with its ratio to the
-    first row, and the share of prompt tokens the server reports as served from its prefix
+    """Side-by-side goodput, p50/p90 TTFT, p90 TPOT, p99 ITL and the longest freeze (the
+    largest gap between two tokens of any request), each with its ratio to the first row,
+    and the share of prompt tokens the server reports as served from its prefix
     cache."""
     base = next(iter(rows.values()))
     titles = "".join(f"{title:>{width}}{'ratio':>8}" for _, title, width in _COLUMNS)

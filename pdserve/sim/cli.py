@@ -12,7 +12,6 @@ import gc
 import time
 from dataclasses import replace
 
-from pdserve.bench.metrics import SLO
 from pdserve.perf.profile import HardwareProfile, load_profile
 from pdserve.schema import add_flags, flag_values, from_flat
 from pdserve.sim.deployment import Deployment, SimConfig
@@ -144,5 +143,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
     finally:
         gc.unfreeze()
     wall_s = time.perf_counter() - started
-    print(format_plan(result, args.top, SLO(args.slo_ttft_ms, args.slo_tpot_ms), wall_s))
+    print(format_plan(result, args.top, plan.slo, wall_s))
     return 0

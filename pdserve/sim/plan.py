@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from statistics import fmean
 
 from pdserve.bench.app import BenchPlan
-from pdserve.bench.metrics import SLO
+from pdserve.bench.metrics import SLO, fmt
 from pdserve.bench.search import find_goodput
 from pdserve.perf.cost_model import StepShape
 from pdserve.perf.profile import HardwareProfile
@@ -44,6 +44,7 @@ class Candidate:
     estimated_goodput: float  # requests/s of one unit, from the cost model
     goodput: float = 0.0  # requests/s of one unit, simulated
     why: str = ""
+    max_gap_ms: float = math.nan  # the longest freeze at that rate (else the last probe's)
 
     @property
     def per_device(self) -> float:
@@ -171,27 +172,39 @@ def search_layouts(
             f"(the smallest fits in {smallest})"
         )
     for c in survivors:
-        c.goodput = _simulated_goodput(plan, profile, cfg, c, target, max_probes)
+        c.goodput, c.max_gap_ms = _simulated_goodput(plan, profile, cfg, c, target, max_probes)
     survivors.sort(key=lambda c: -c.per_device)
     return PlanResult(survivors, pruned, num_devices, rate)
 
 
-def _simulated_goodput(plan, profile, cfg, candidate: Candidate, target, max_probes) -> float:
+def _simulated_goodput(
+    plan, profile, cfg, candidate: Candidate, target, max_probes
+) -> tuple[float, float]:
+    """The highest probed rate meeting the target, and the longest freeze at it (at the last
+    probe when none passed)."""
+    summaries: dict[float, dict] = {}
+
     def probe(rate: float) -> float:
         run = replace(plan, run=replace(plan.run, arrival=plan.run.arrival.with_rate(rate)))
         result = simulate_plan(run, profile, candidate.unit, cfg)
-        return float(result.summary(plan.slo)["slo_attainment"])
+        summaries[rate] = result.summary(plan.slo)
+        return float(summaries[rate]["slo_attainment"])
 
     start = max(candidate.estimated_goodput * 0.5, 1e-3)
-    return find_goodput(probe, target, start, max_probes).best_rate
+    search = find_goodput(probe, target, start, max_probes)
+    shown = search.best_rate if search.best_rate > 0 else search.probes[-1][0]
+    return search.best_rate, float(summaries[shown]["max_gap_ms"])
 
 
 def format_plan(result: PlanResult, top: int, slo: SLO, wall_s: float) -> str:
     lines = [
         f"budget {result.num_devices} devices, rate {result.rate:g} req/s, "
-        f"SLO TTFT {slo.ttft_ms:g} ms / TPOT {slo.tpot_ms:g} ms; searched in {wall_s:.1f} s",
+        f"SLO TTFT {slo.ttft_ms:g} ms / TPOT {slo.tpot_ms:g} ms"
+        + (f" / p99 ITL {slo.itl_ms:g} ms" if slo.itl_ms else "")
+        + (f" / max gap {slo.max_gap_ms:g} ms" if slo.max_gap_ms else "")
+        + f"; searched in {wall_s:.1f} s",
         f"{'unit':<38}{'devices':>8}{'goodput/s':>11}{'per device':>12}{'replicas':>10}"
-        f"{'carries':>10}  why",
+        f"{'carries':>10}{'max gap ms':>12}  why",
     ]
     chosen = None
     for c in result.candidates[:top]:
@@ -201,7 +214,8 @@ def format_plan(result: PlanResult, top: int, slo: SLO, wall_s: float) -> str:
             chosen = (c, math.ceil(result.rate / c.goodput) if c.goodput else 0)
         lines.append(
             f"{c.unit.describe():<38}{c.unit.num_devices:>8}{c.goodput:>11.3g}"
-            f"{c.per_device:>12.3g}{replicas:>10}{'yes' if carries else 'no':>10}  {c.why}"
+            f"{c.per_device:>12.3g}{replicas:>10}{'yes' if carries else 'no':>10}"
+            f"{fmt(c.max_gap_ms, '.0f'):>12}  {c.why}"
         )
     if chosen is None:
         lines.append("no layout carries the rate within the budget")

@@ -14,6 +14,7 @@ from pdserve.bench.metrics import (
     TIMEOUT,
     RequestRecord,
     attainment,
+    format_summary,
     goodput,
     latency_stats_ms,
     meets_slo,
@@ -50,6 +51,31 @@ def test_itl_slo_checks_each_requests_p99_gap_which_tpot_averages_away():
     short.itl_s = [0.1, 0.2]  # under 100 gaps: the longest one counts
     assert short.p99_itl_s == pytest.approx(0.2)
     assert ok(0.0, 0.1, 0.1, 1).p99_itl_s is None
+
+
+def test_a_five_second_freeze_passes_the_p99_itl_but_fails_the_stall_budget():
+    # 101 tokens 50 ms apart but one 5 s freeze: the p99 of 100 gaps is the second largest,
+    # 50 ms, so a 108 ms ITL target passes it; a 1 s stall budget does not.
+    record = ok(0.0, 0.1, 0.1 + 99 * 0.05 + 5.0, 101)
+    record.itl_s = [0.05] * 50 + [5.0] + [0.05] * 49
+    assert record.p99_itl_s == pytest.approx(0.05) and record.max_gap_s == pytest.approx(5.0)
+    assert meets_slo(record, SLO(itl_ms=108))
+    assert not meets_slo(record, SLO(itl_ms=108, max_gap_ms=1000))
+    assert meets_slo(record, SLO(max_gap_ms=1000).scaled(5))
+    smooth = ok(1.0, 0.1, 0.1 + 100 * 0.05, 101)
+    smooth.itl_s = [0.05] * 100
+    slo = SLO(ttft_ms=200, itl_ms=108, max_gap_ms=1000)
+    summary = summarize([record, smooth], slo)
+    assert summary["max_gap_ms"] == pytest.approx(5000.0)  # the run's longest freeze
+    assert summary["itl_ms"]["p99"] < 108 and summary["slo_max_gap_ms"] == 1000
+    assert summary["slo_attainment"] == 0.5
+    assert summary["goodput"] == pytest.approx(1 / summary["duration_s"])
+    text = format_summary(summary)
+    assert "longest freeze (max gap, ms)".ljust(40) + "5000.0" in text.splitlines()
+    assert text.splitlines()[-3].endswith("200, -, 108, 1000")
+    failed = RequestRecord("f", 10, 5, 0.0, status=FAILED, itl_s=[9.0])
+    assert failed.max_gap_s is None and ok(0.0, 0.1, 0.1, 1).max_gap_s is None
+    assert math.isnan(summarize([failed], SLO())["max_gap_ms"])
 
 
 def test_single_token_has_no_tpot_and_only_ttft_is_checked():
@@ -118,3 +144,7 @@ def test_slo_scale_sweep_loosening_never_lowers_attainment():
     assert values == [0.25, 0.5, 0.75, 1.0]
     assert rows[1]["goodput"] == pytest.approx(2 / 2.0)
     assert rows[2]["slo_ttft_ms"] == 200
+    stalled = ok(0.0, 0.05, 2.05, 3)
+    stalled.itl_s = [0.5, 1.5]  # a 1.5 s freeze: within a 1 s budget only from scale 2
+    rows = slo_scale_sweep([stalled], SLO(max_gap_ms=1000), [1, 2], 2.0)
+    assert [(r["slo_max_gap_ms"], r["attainment"]) for r in rows] == [(1000, 0.0), (2000, 1.0)]

@@ -37,18 +37,22 @@ def test_plan_refuses_bad_input_in_one_line(capsys, extra, message):
 
 
 def test_plan_finds_a_layout_for_a_small_budget(capsys):
-    small = ["--num-devices", "16", "--probe-requests", "40", "--max-probes", "3"]
+    small = ["--num-devices", "16", "--probe-requests", "40", "--max-probes", "3",
+             "--slo-max-gap-ms", "2000"]  # fmt: skip
     code, out, _ = _run(capsys, *PLAN, "--profile", "analytic:H100-SXM:llama-3-8b", *small)
     assert code == 0
     assert "chosen:" in out and "collocated" in out and "prefill" in out
+    assert "/ max gap 2000 ms;" in out and "max gap ms" in out  # each layout's longest freeze
 
 
 def test_simulate_prints_the_bench_report(capsys):
     code, out, _ = _run(capsys, "simulate", "--profile", "analytic:H100-SXM:llama-3-8b",
                         "--preset", "chat", "--num-requests", "40", "--rate", "10",
-                        "--deployment", "1p1d", "--no-progress")  # fmt: skip
+                        "--deployment", "1p1d", "--no-progress",
+                        "--slo-max-gap-ms", "1000")  # fmt: skip
     assert code == 0
     assert "ttft_ms mean/p50/p90/p99" in out and "goodput (req/s)" in out
+    assert "longest freeze (max gap, ms)" in out and "-, -, -, 1000\n" in out
 
 
 def test_one_cost_model_serves_the_simulator_and_an_online_fit():

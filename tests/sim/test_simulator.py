@@ -260,3 +260,18 @@ def test_the_serving_stacks_cpu_lengthens_steps_only_while_every_core_is_busy():
     a, b = both["s0-0"], both["s1-0"]
     assert a.ttft_s == pytest.approx(0.010) and a.itl_s == pytest.approx([0.012, 0.012])
     assert b.ttft_s == pytest.approx(0.012) and b.itl_s == pytest.approx([0.012, 0.012])
+
+
+def test_a_prefill_beside_a_stream_is_its_longest_freeze_which_its_p99_itl_hides():
+    # 50 ms a step and 20 ms a prompt token: B's 250-token prompt, arriving while A streams
+    # its 120 tokens, is one 5.05 s step that A's decode shares. A's p99 over 119 gaps is the
+    # second largest (50 ms): a 108 ms ITL target passes it, a 1 s stall budget does not.
+    from pdserve.bench.metrics import SLO, meets_slo, summarize
+
+    _, records = run(profile((0.05, 0.02, 0, 0, 0, 0, 0)), "collocated",
+                     sessions((0.0, 32, 120), (1.0, 250, 1)))  # fmt: skip
+    a = records["s0-0"]
+    assert a.max_gap_s == pytest.approx(5.05) and a.p99_itl_s == pytest.approx(0.05)
+    assert meets_slo(a, SLO(itl_ms=108)) and not meets_slo(a, SLO(itl_ms=108, max_gap_ms=1000))
+    summary = summarize(list(records.values()), SLO(max_gap_ms=1000))
+    assert summary["max_gap_ms"] == pytest.approx(5050.0) and summary["slo_attainment"] == 0.5
