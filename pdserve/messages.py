@@ -215,6 +215,9 @@ class Tokens:
     # With a request's first tokens from a worker: its time.time() stamps (prefill_start,
     # prefill_end; kv_landed on a decode worker), for the TTFT breakdown (router/timing.py).
     stamps: dict[str, float] | None = None
+    # SamplingParams.logprobs set: one per token, [logprob, [[token id, logprob], ...]]
+    # (pdserve/model/logprobs.py); a prefill worker's carries the first token's.
+    logprobs: list[list[Any]] | None = None
 
 
 @dataclass

@@ -32,6 +32,9 @@ class SamplingParams:
     frequency_penalty: float = knob(0.0, "subtract per occurrence", ge=-2.0, le=2.0)
     logit_bias: tuple[tuple[int, float], ...] = knob((), "(token id, bias) pairs", cli=False)
     min_tokens: int = knob(0, "no EOS or stop token before this many tokens", ge=0)
+    # Log-probabilities of each sampled token and of this many likeliest alternatives
+    # (None: none at all), from the model's raw distribution (docs/sampling.md).
+    logprobs: int | None = knob(None, "top alternatives reported with each token", ge=0)
     # Drop low-attention KV past this (None: the deployment's); the engine flag sets that.
     kv_budget_tokens: int | None = knob(None, ge=1, cli=False)
     # Structured output: llguidance's serialized grammar (`grammar_of()` in pdserve/grammar.py).

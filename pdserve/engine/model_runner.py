@@ -24,6 +24,7 @@ from pdserve.model.cpu_fused import can_fuse, fuse_layers
 from pdserve.model.cpu_linear import can_pack, log_panel_formats, pack_linears
 from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
 from pdserve.model.loader import load_model, torch_dtype
+from pdserve.model.logprobs import TokenLogprobs, raw_logprobs, token_logprobs
 from pdserve.model.penalties import apply_penalties, penalty_row
 from pdserve.model.sampler import SamplingRow, sample
 from pdserve.request import Request
@@ -125,6 +126,7 @@ class ModelRunner:
         if self.kernels is not None and self.dtype == torch.float32:  # kernels: CPU only
             self._argmax = partial(native.argmax_rows, self.kernels)
         self.block_scores: dict[str, torch.Tensor] = {}  # token dropping, per request
+        self.logprobs: dict[str, TokenLogprobs] = {}  # the last step's, by request id
         self.grammars = Grammars(model_dir, model_config.vocab_size)  # structured outputs
         self.num_blocks = kv_cache.shape[1]
         log.info(
@@ -161,6 +163,8 @@ class ModelRunner:
             for r in sample_ids
             for p in (r.sampling_params,)
         ]
+        wanted = [i for i, r in enumerate(sample_ids) if r.sampling_params.logprobs is not None]
+        raw = raw_logprobs(logits, wanted) if wanted else None  # before anything changes them
         penalized = [i for i, r in enumerate(sample_ids) if r.sampling_params.penalized]
         if penalized:  # before the grammar's mask and the temperature (docs/sampling.md)
             apply_penalties(logits, [penalty_row(i, sample_ids[i]) for i in penalized])
@@ -169,6 +173,11 @@ class ModelRunner:
         tokens = sample(logits, rows, self.generator, self._argmax)
         if masks is not None:
             masks.accept(tokens)
+        self.logprobs = {}
+        if raw is not None:
+            num_top = [sample_ids[i].sampling_params.logprobs for i in wanted]
+            found = token_logprobs(raw, [tokens[i] for i in wanted], num_top)
+            self.logprobs = {sample_ids[i].request_id: lp for i, lp in zip(wanted, found)}
         return {r.request_id: t for r, t in zip(sample_ids, tokens)}
 
     def check_sampling(self, params: SamplingParams) -> None:

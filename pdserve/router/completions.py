@@ -17,6 +17,7 @@ from pdserve.output_processor import OutputProcessor
 from pdserve.router import protocol, responses
 from pdserve.router.config import RouterConfig
 from pdserve.router.driver import RequestDriver
+from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, ApiRequest
@@ -61,6 +62,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             state.metrics.requests["invalid"] += 1
             raise
         ctx = responses.ResponseContext(api.chat, state.config.model)
+        if params.logprobs is not None:
+            ctx.logprobs = LogprobsFormatter(state.tokenizer, api.chat)
         driver = RequestDriver(
             state.plane,
             state.policy,
@@ -119,11 +122,13 @@ async def _run(
 async def _whole(
     request: web.Request, api: ApiRequest, driver: RequestDriver, ctx: responses.ResponseContext
 ) -> tuple[web.StreamResponse, None]:
-    text, finish_reason = [], None
+    text, finish_reason, entries = [], None, []
     async for delta in driver.stream():
         text.append(delta.text)
         finish_reason = delta.finish_reason
-    body = responses.body(ctx, "".join(text), finish_reason, stream=False, usage=_usage(driver))
+        entries += delta.logprobs or []
+    body = responses.body(ctx, "".join(text), finish_reason, stream=False, usage=_usage(driver),
+                          logprobs=ctx.format_logprobs(entries))  # fmt: skip
     if _wants_timing(request):
         body["pdserve_timing"] = driver.timing.report(ctx.id)
     return web.json_response(body, headers={REQUEST_ID_HEADER: ctx.id}), None
@@ -161,7 +166,10 @@ def _chunk(
     ctx: responses.ResponseContext, delta: Any, timing: RequestTiming | None, first: bool = False
 ) -> bytes:
     """One SSE chunk; the last carries `pdserve_timing` when the client asked for it."""
-    body = responses.body(ctx, delta.text, delta.finish_reason, stream=True, first=first)
+    logprobs = ctx.format_logprobs(delta.logprobs or [])
+    body = responses.body(
+        ctx, delta.text, delta.finish_reason, stream=True, first=first, logprobs=logprobs
+    )
     if timing is not None and delta.finish_reason is not None:
         body["pdserve_timing"] = timing.report(ctx.id)
     return responses.sse(body)

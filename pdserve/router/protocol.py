@@ -77,8 +77,8 @@ class ApiRequest:
 # Fields we do not implement: accepted only at their "off" value, else a 400 naming them
 # (silently ignoring e.g. logprobs would return a response the client did not ask for).
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "suffix": (None, ""), "tools": (None, []),
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "tools": (None, []),
 }  # fmt: skip
 
 
@@ -161,6 +161,7 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ApiRequest:
         limit = config.max_tokens_limit
         raise ApiError(400, f"max_tokens must be <= {limit}, got {max_tokens}", param="max_tokens")
     sampling = _parse_sampling(body, config)
+    sampling["logprobs"] = _parse_logprobs(body, chat, config.max_logprobs)
     try:
         sampling.update(parse_structured(body))
     except FieldError as exc:
@@ -257,6 +258,23 @@ def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any
     # Validate now, to fail before tokenizing; finalize_sampling checks max_tokens itself.
     _sampling_params({**kwargs, "max_tokens": max(1, kwargs.get("min_tokens", 0))})
     return kwargs
+
+
+def _parse_logprobs(body: dict[str, Any], chat: bool, limit: int) -> int | None:
+    """How many alternatives to report with each token, or None for no logprobs at all.
+    Chat: `logprobs: bool` and `top_logprobs: int`; completions: `logprobs: int`."""
+    name = "top_logprobs" if chat else "logprobs"
+    if chat:
+        wanted = _field(body, "logprobs", bool, False)
+        num_top = _field(body, "top_logprobs", int, None)
+        if num_top is not None and not wanted:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        num_top = (num_top or 0) if wanted else None
+    else:
+        num_top = _field(body, "logprobs", int, None)
+    if num_top is not None and not 0 <= num_top <= limit:
+        raise ApiError(400, f"{name} must be in [0, {limit}], got {num_top}", param=name)
+    return num_top
 
 
 def _parse_logit_bias(body: dict[str, Any], config: RouterConfig) -> list[list[Any]]:

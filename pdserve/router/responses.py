@@ -12,6 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
+from pdserve.router.logprobs import Entry, LogprobsFormatter
+
 
 @dataclass
 class ResponseContext:
@@ -21,6 +23,10 @@ class ResponseContext:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: LogprobsFormatter | None = None  # the request asked for logprobs
+
+    def format_logprobs(self, entries: list[Entry]) -> dict[str, Any] | None:
+        return None if self.logprobs is None else self.logprobs.format(entries)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -48,6 +54,7 @@ def body(
     stream: bool,
     first: bool = False,
     usage: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole response, or (`stream`) one delta: the first chat delta carries `role:
     assistant` (the SDKs and most UIs read the role from it). `text` None: no choices, as in
@@ -61,7 +68,7 @@ def body(
             value["content"] = text
     else:
         kind, key, value = "chat.completion", "message", {"role": "assistant", "content": text}
-    choice = {"index": 0, key: value, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
     choices = [] if text is None else [choice]
     out = {"id": ctx.id, "object": kind, "created": ctx.created, "model": ctx.model}
     return {**out, "choices": choices, **({} if usage is None else {"usage": usage})}

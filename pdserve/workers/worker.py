@@ -22,7 +22,7 @@ import zmq
 
 from pdserve import envs
 from pdserve import messages as m
-from pdserve.engine.engine import Engine
+from pdserve.engine.engine import Engine, RequestOutput
 from pdserve.engine.roles.base import KVDestination, Role
 from pdserve.engine.roles.collocated import CollocatedRole
 from pdserve.engine.wire_source import WireSource
@@ -293,7 +293,13 @@ class Worker:
                 out.finish_reason.value if finished else None,
                 out.num_prompt_tokens, out.num_cached_tokens,
                 num_pinned_tokens=out.num_pinned_tokens, stamps=out.stamps,
+                logprobs=self._logprobs(out),
             ))  # fmt: skip
+
+    def _logprobs(self, out: RequestOutput) -> list[list[float | list]] | None:
+        """The step's logprobs of `out`'s token, when its request asked for them."""
+        found = self.engine.runner.logprobs.get(out.request_id)
+        return None if found is None or not out.new_token_ids else [found]
 
     def _send_kv_events(self) -> None:
         stored, removed = self.engine.kv.pool.drain_events()

@@ -81,3 +81,17 @@ def _without_processing(params: SamplingParams) -> SamplingParams:
         logit_bias=(),
         min_tokens=0,
     )
+
+
+def test_logprobs_are_of_the_raw_distribution_before_penalties(tiny_model_dir):
+    """The same first token's logprobs with and without processing: they describe the model."""
+    reported = []
+    for params in (PARAMS["greedy"], _without_processing(PARAMS["greedy"])):
+        engine = Engine(config(), tiny_model_dir)
+        engine.add_request("r", prompts(1)[0], replace(params, logprobs=3))
+        while not engine.step():
+            pass
+        reported.append(engine.runner.logprobs["r"])
+    assert reported[0][1] == reported[1][1]  # the alternatives; the chosen tokens differ
+    chosen, top = reported[1]
+    assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] and chosen == top[0][1]
