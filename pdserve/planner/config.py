@@ -22,6 +22,13 @@ class AdaptiveConfig:
     # None: derived per request from the cost model (docs/adaptive.md, "Defaults").
     slo_ttft_ms: float | None = knob(None, "time-to-first-token target (ms)", gt=0)
     slo_itl_ms: float | None = knob(None, "inter-token latency target (ms)", gt=0)
+    # None: derived from the cost model (planner/targets.py); 0: no stall budget at all.
+    slo_max_gap_ms: float | None = knob(
+        None,
+        "stall budget (ms): the longest gap a running stream may see because a prompt "
+        "prefills beside it (default: derived from the measured decode step; 0: none)",
+        ge=0,
+    )
     interval_s: float = knob(1.0, "how often the planner re-plans cores and roles", gt=0)
     min_dwell_s: float = knob(30.0, "least time a worker keeps a role", ge=0)
     core_dwell_s: float = knob(

@@ -10,6 +10,7 @@ that will decode it (local). A pure function of what the router knows and the co
                                               local fallback_short : remote fallback_long
     local meets the ITL and TTFT budgets   -> local   fits_slo      (collocated's behaviour)
     remote meets both                      -> remote  itl_interference (local breaks the ITL)
+                                                      | stall_budget (... the stall budget)
                                                       | ttft        (local breaks the TTFT)
     local in SLO-sized chunks meets both   -> local   slo_chunk     (stall-free, every core)
     none, least excess remote, but the     -> local in its SLO chunk when priced, else in
@@ -17,6 +18,10 @@ that will decode it (local). A pure function of what the router knows and the co
     none                                   -> the least summed relative excess over the
                                               budgets: least_violation (local or remote) |
                                               slo_chunk_least_violation
+
+The stall budget (`slo_max_gap_s`, set or derived: targets.py) bounds the longest step a
+running decode sees, as the ITL target does: the tighter of the two is the step budget, and
+with nothing decoding it does not apply (no stream to stall).
 
 Stall-bounded (`_beside_decodes`): a fallback to local beside running decodes whose full
 chunks break the ITL, with no SLO-sized chunk priced, goes in the largest chunks whose step
@@ -109,6 +114,7 @@ def decide(
     slo_ttft_s: float | None,
     slo_itl_s: float | None,
     fallback_prompt_tokens: int,
+    slo_max_gap_s: float | None = None,
 ) -> Decision:
     local_tokens = max(1, s.num_prompt_tokens - s.num_cached_decode_tokens)
     remote_tokens = max(1, s.num_prompt_tokens - s.num_cached_prefill_tokens)
@@ -122,6 +128,9 @@ def decide(
     idle = s.num_decodes == 0 and s.decode_queue_tokens == 0
     if idle and s.decode_threads_local >= s.pool_size:
         return _as(local, "idle_decode")
+    gap_s = slo_max_gap_s if s.num_decodes else None  # no stream running: none to stall
+    stall_bound = gap_s is not None and (slo_itl_s is None or gap_s < slo_itl_s)
+    slo_itl_s = gap_s if stall_bound else slo_itl_s  # the step budget: the tighter one
     p = predict(s, model, slo_ttft_s, slo_itl_s)
     if p is None:
         if slo_itl_s is None:
@@ -136,10 +145,13 @@ def decide(
     itl_budget_s = ITL_HEADROOM * p["itl_budget_s"]
     itl_ok = {k: p[f"itl_{k}_s"] <= itl_budget_s for k in kinds}
     ttft_ok = {k: p[f"ttft_{k}_s"] <= p["ttft_budget_s"] for k in kinds}
+    if stall_bound:  # which budget the ITL predictions were held to, for /v1/status
+        p["stall_budget_s"] = p["itl_budget_s"]
     if itl_ok[LOCAL] and ttft_ok[LOCAL]:
         return _as(local, "fits_slo", p)
     if itl_ok[REMOTE] and ttft_ok[REMOTE]:
-        return _as(remote, "ttft" if itl_ok[LOCAL] else "itl_interference", p)
+        broken = "stall_budget" if stall_bound else "itl_interference"
+        return _as(remote, "ttft" if itl_ok[LOCAL] else broken, p)
     if SLO_CHUNK in kinds and itl_ok[SLO_CHUNK] and ttft_ok[SLO_CHUNK]:
         return _as(chunked, "slo_chunk", p)
 

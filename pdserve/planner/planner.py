@@ -25,6 +25,7 @@ from pdserve.planner.cores import CoreGroups, Demand, check_deployment, plan_cou
 from pdserve.planner.decision import REMOTE, Decision, Situation, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
 from pdserve.planner.roles import RoleSplit, RoleView
+from pdserve.planner.targets import describe, max_gap_s
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import AdaptiveMetrics
@@ -133,8 +134,9 @@ class Planner:
         slo_ttft = self.config.slo_ttft_ms / 1000 if self.config.slo_ttft_ms else None
         slo_itl = self._slo_itl_s
         situation = self._situation(route, decode, prefill)
+        max_gap = max_gap_s(self.config, self.model, situation.pool_size)
         decision = decide(
-            situation, self.model, slo_ttft, slo_itl, self.config.fallback_prompt_tokens
+            situation, self.model, slo_ttft, slo_itl, self.config.fallback_prompt_tokens, max_gap
         )
         decision = dataclasses.replace(
             decision, decode_id=decode.worker_id, prefill_id=prefill.worker_id if prefill else ""
@@ -351,6 +353,7 @@ class Planner:
             "decisions": {f"{k}/{r}": n for (k, r), n in sorted(self.decision_counts.items())},
             "recent_decisions": list(self.recent),
             "model": self.model.state(),
+            "targets": describe(self.config, self.model, [g.pool for g in groups]),
         }
 
 

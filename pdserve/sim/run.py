@@ -14,11 +14,17 @@ from pdserve.sim.simulator import Simulation
 def simulate_plan(
     plan: BenchPlan, profile: HardwareProfile, deployment: Deployment, config: SimConfig
 ) -> RunResult:
-    """An adaptive deployment's planner aims at the plan's SLOs (TTFT, p99 ITL)."""
+    """An adaptive deployment's planner aims at the plan's SLOs (TTFT, p99 ITL, max gap;
+    without a max gap it derives its stall budget as the router's planner does)."""
     if plan.run.max_concurrency is not None:
         raise ValueError("the simulator does not model --max-concurrency")
     if deployment.adaptive:
-        slo = AdaptiveConfig(enabled=True, slo_ttft_ms=plan.slo.ttft_ms, slo_itl_ms=plan.slo.itl_ms)
+        slo = AdaptiveConfig(
+            enabled=True,
+            slo_ttft_ms=plan.slo.ttft_ms,
+            slo_itl_ms=plan.slo.itl_ms,
+            slo_max_gap_ms=plan.slo.max_gap_ms,
+        )
         simulation: Simulation = AdaptiveSimulation(profile, deployment, config, slo)
     else:
         simulation = Simulation(profile, deployment, config)

@@ -253,3 +253,19 @@ def test_a_least_violating_local_prefill_beside_decodes_goes_in_stall_bounded_ch
     assert d.prefill_chunk_tokens is not None and d.prefill_chunk_tokens < 512
     assert d.predictions["itl_stall_chunk_s"] <= alone / ITL_HEADROOM
     assert decide(case(), model, 0.01, 1.0, 256).prefill_chunk_tokens is None
+
+
+def test_the_stall_budget_holds_only_running_decodes_and_the_tighter_budget_decides(model):
+    # BUSY's local step (a 512-token chunk beside 16 decodes on 8 threads) is ~0.1 s
+    d = decide(case(), model, None, None, 256, slo_max_gap_s=0.05)
+    assert (d.kind, d.reason) == (REMOTE, "stall_budget")
+    assert d.predictions["stall_budget_s"] == d.predictions["itl_budget_s"] == 0.05
+    # an ITL target tighter than the stall budget is what the decision names
+    d = decide(case(), model, None, 0.02, 256, slo_max_gap_s=0.05)
+    assert d.reason == "itl_interference" and "stall_budget_s" not in d.predictions
+    # nothing decoding on the decode worker's share of a held split: no one to stall
+    idle = case(num_decodes=0, decode_threads_local=4)
+    assert decide(idle, model, None, None, 256, slo_max_gap_s=0.05).reason == "fits_slo"
+    # an operator's budget before the model is usable: the prompt-length fallback
+    empty = OnlineCostModel(min_samples=20)
+    assert decide(case(), empty, None, None, 256, slo_max_gap_s=1.0).reason == "fallback_long"

@@ -90,6 +90,10 @@ def test_remote_waits_for_cores_local_stays_and_cores_merge_back(tokenizer_dir, 
         c.wait_until(lambda: (c.workers["p0"].threads, c.workers["d1"].threads) == (0, 4), 5)
         status = requests.get(f"{c.url}/v1/status", timeout=10).json()["planner"]
         assert status["split"] == {"prefill": 1, "decode": 1}
+        targets = status["targets"]  # the ITL as set; the stall budget derived, once fitted
+        assert (targets["itl_ms"], targets["itl_source"]) == (50.0, "set")
+        assert targets["max_gap_source"].startswith("derived")
+        assert targets["pools"][0]["cpus"] == list(POOL)
         assert [d["reason"] for d in status["recent_decisions"]] == [
             "idle_decode", "fallback_long", "fallback_short",
         ]  # fmt: skip

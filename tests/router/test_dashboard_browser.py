@@ -82,6 +82,7 @@ _RENDERED = """({
   canvases: document.querySelectorAll('.chart canvas').length,
   planner: document.getElementById('planner').hidden ? null : {
     summary: document.getElementById('planner-summary').textContent,
+    targets: document.getElementById('planner-targets').textContent,
     groups: [...document.querySelectorAll('#core-groups tbody tr')].map(
         tr => [...tr.children].map(td => td.textContent)),
     counts: document.querySelectorAll('#decision-counts tbody tr').length,
@@ -190,6 +191,7 @@ def test_dashboard_draws_the_adaptive_planner(tiny_served_model: Path, tmp_path:
     assert shown["errors"] == []
     planner = shown["planner"]
     assert planner["summary"].startswith("split 1 prefill : 1 decode"), planner
+    assert "ITL 0.001 ms" in planner["targets"] and "stall budget" in planner["targets"]
     assert sorted(g[1:3] for g in planner["groups"]) == [
         ["worker-0", "prefill"], ["worker-1", "decode"]
     ]  # fmt: skip

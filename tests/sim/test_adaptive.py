@@ -73,3 +73,28 @@ def test_deployment_adaptive_shares_the_collocated_size():
     assert (d.num_prefill, d.num_decode, d.num_devices, d.adaptive) == (1, 1, 4, True)
     with pytest.raises(ValueError, match="needs >= 2"):
         Deployment.parse("adaptive")
+
+
+def test_with_no_targets_running_streams_are_not_frozen_past_the_derived_stall_budget():
+    # A 1B model's shape on 4 threads: 50 ms a step, a 128-token chunk 2.6 s. Collocated,
+    # each chunk of the long prompts freezes the two streams for 2.6 s; the adaptive
+    # deployment, told no numbers, holds them within its derived budget (1 s: 10 x 50 ms is
+    # under the floor): each long prompt goes remote or in chunks the budget prices.
+    slow = HardwareProfile(
+        kind="measured", device="test", model=MODEL, size_unit="threads",
+        models={POOL: StepCostModel([0.05, 0.02, 5e-4, 0, 0, 0, 0])},
+        transfer={"tcp": TransferModel(512e6, 1e-4)},
+        devices_per_node=1, kv_cache_bytes=16384 * MODEL.kv_bytes_per_token,
+    )  # fmt: skip
+    work = sessions((0.0, 32, 300), (0.001, 32, 300), *[(1.0 + 3 * i, 512, 4) for i in range(3)])
+    deployment = Deployment.parse("adaptive", collocated_size=POOL)
+    sim = AdaptiveSimulation(slow, deployment, CONFIG)
+    adaptive = {r.request_id: r for r in sim.run(work, ArrivalSpec("trace")).records}
+    alone = Simulation(slow, Deployment.parse("collocated", collocated_size=POOL), CONFIG)
+    collocated = {r.request_id: r for r in alone.run(work, ArrivalSpec("trace")).records}
+    streams = ("s0-0", "s1-0")
+    assert min(collocated[k].max_gap_s for k in streams) > 2.5
+    assert max(adaptive[k].max_gap_s for k in streams) <= 1.0, sim.decisions
+    protected = sim.decisions[("remote", "stall_budget")] + sim.decisions[("local", "slo_chunk")]
+    assert protected == 3, sim.decisions
+    assert all(r.output_len for r in adaptive.values()) and len(adaptive) == len(work)
