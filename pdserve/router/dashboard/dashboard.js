@@ -97,6 +97,17 @@ function row(...cells) {
   return tr;
 }
 
+// The targets the decisions aim at, each set or derived (the stall budget from the measured
+// unloaded step: docs/adaptive.md, "Default targets").
+function renderTargets(t) {
+  const pool = t.pools[0] || {};
+  const ms = (v, pending) => (v == null ? pending : `${v} ms`);
+  document.getElementById("planner-targets").textContent =
+    `stall budget ${ms(pool.max_gap_ms, "not yet (cost model unfitted)")} (${t.max_gap_source})` +
+    ` · ITL ${ms(t.itl_ms, "none")} · TTFT ${ms(t.ttft_ms, t.ttft_source)} · unloaded step ` +
+    `${ms(pool.unloaded_step_ms, "–")}, prefill ${pool.prefill_tokens_per_s ?? "–"} tokens/s`;
+}
+
 function renderPlanner(planner, workers) {
   const panel = document.getElementById("planner");
   panel.hidden = !planner;
@@ -107,6 +118,7 @@ function renderPlanner(planner, workers) {
     `core switches ${planner.num_core_switches} (round trip ${round(planner.core_switch_round_trip_s)})` +
     ` · role switches ${planner.num_role_switches} · prefill asked ` +
     `${Math.round(planner.prefill_demand_tokens_per_s)} tokens/s`;
+  renderTargets(planner.targets);
   const roles = Object.fromEntries(workers.map((w) => [w.worker, w.role]));
   const groups = document.querySelector("#core-groups tbody");
   groups.replaceChildren();
