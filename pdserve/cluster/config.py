@@ -25,7 +25,7 @@ from pdserve.kvstore.config import KVStoreConfig
 from pdserve.messages import ROLES
 from pdserve.model.cpu_flags import has_fast_bf16
 from pdserve.planner.config import AdaptiveConfig
-from pdserve.router.config import POLICY_NAMES
+from pdserve.router.config import POLICY_NAMES, RouterConfig
 from pdserve.schema import check, from_dict, from_flat, knob, same_as, with_fields_of
 from pdserve.transfer import TensorStore
 
@@ -101,7 +101,11 @@ class Pipeline:
     load_balancer: str = knob("shortest_queue", "picks the decode worker", choices=POLICY_NAMES)
     host: str = knob("127.0.0.1", "the API's address")
     port: int = knob(8000, "the API's port", ge=0, le=65535)
-    api_key: str | None = knob(None, f"bearer key for /v1 (or ${envs.API_KEY})", repr=False)
+    api_key: str | None = knob(
+        None, f"bearer key for /v1, or several separated by commas, one per tenant (or "
+        f"${envs.API_KEY})", repr=False,
+    )  # fmt: skip
+    cache_scope: str = same_as(RouterConfig, "cache_scope")
     admin_key: str | None = knob(
         None, f"bearer key for /v1/cache/warmup (or ${envs.ADMIN_KEY}; default: a random one)",
         repr=False,

@@ -93,7 +93,7 @@ def router_settings(
         "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address,
                      "cpus": s.cpus if s.adaptive else ()} for s in specs],
         "policy": p.routing, "load_balancer": p.load_balancer, "log_level": log_level,
-        "adaptive": adaptive,
+        "adaptive": adaptive, "cache_scope": p.cache_scope,
     }  # fmt: skip
 
 

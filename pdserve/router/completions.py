@@ -21,6 +21,7 @@ from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, ApiRequest
+from pdserve.router.scope import TENANT, parse_cache_salt, scope_salt
 from pdserve.router.timing import RequestTiming, export_span
 from pdserve.router.workers import ControlPlane
 
@@ -55,9 +56,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     with request_slot(state):
         timing = RequestTiming()
         try:
-            api = protocol.parse_request(await read_json(request), chat, state.config)
+            body = await read_json(request)
+            api = protocol.parse_request(body, chat, state.config)
             prompt_ids = await _tokenize(state, api)
             params = protocol.finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
+            cache_salt = scope_salt(request.get(TENANT, ""), parse_cache_salt(body))
         except ApiError:
             state.metrics.requests["invalid"] += 1
             raise
@@ -73,6 +76,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             ctx.id,
             timing,
             state.metrics.fallbacks,
+            cache_salt,
         )
         return await _run(request, api, ctx, driver)
 

@@ -17,6 +17,7 @@ from pdserve.router.policies import POLICIES
 from pdserve.schema import check, knob, same_as
 
 POLICY_NAMES = tuple(POLICIES)
+CACHE_SCOPES = ("tenant", "shared")  # router/scope.py
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,13 @@ class RouterConfig:
     secret: bytes = field(default=b"", repr=False)
     policy: str = knob("prefix_cache", "picks prefill / collocated workers", choices=POLICY_NAMES)
     load_balancer: str = knob("shortest_queue", "picks decode workers", choices=POLICY_NAMES)
+    # One key, or several separated by commas: each key is a tenant (`api_keys`).
     api_key: str | None = field(default=None, repr=False)
+    # Whose prefix-cache hits a request may take (router/scope.py): its API key's only, or
+    # every caller's. A request's `cache_salt` narrows its scope further in both.
+    cache_scope: str = knob(
+        "tenant", "prefix-cache hits shared per API key (tenant) or by all", choices=CACHE_SCOPES
+    )
     # `/v1/cache/warmup` pins and unpins every prefill worker's cache: an operator's action,
     # behind its own key (never the users'); without one, warm-up is refused.
     admin_key: str | None = field(default=None, repr=False)
@@ -88,6 +95,8 @@ class RouterConfig:
             raise ValueError("model must be a non-empty served model name")
         if self.admin_key is not None and not self.admin_key:
             raise ValueError("admin_key must be non-empty (or None: warm-up refused)")
+        if self.api_key is not None and not all(self.api_keys):
+            raise ValueError("api_key: every comma-separated key must be non-empty")
         if self.protect_health_metrics and not self.api_key:
             raise ValueError("protect_health_metrics needs api_key: there is nothing to check")
         stop_bytes = self.max_num_stop * (self.max_stop_len * 4 + 5)  # UTF-8, msgpack headers
@@ -109,6 +118,11 @@ class RouterConfig:
                 load_profile(self.adaptive.profile)
             except ValueError as exc:
                 raise ValueError(f"adaptive.profile: {exc}") from None
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted API key (`api_key` split at its commas), each its own tenant."""
+        return tuple(self.api_key.split(",")) if self.api_key is not None else ()
 
     @property
     def tokenizer_source(self) -> str:

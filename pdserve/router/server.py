@@ -29,6 +29,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.policies import make_policy
 from pdserve.router.protocol import ApiError
 from pdserve.router.responses import bounded
+from pdserve.router.scope import TENANT, tenant_of
 from pdserve.router.status import History, add_routes, worker_rows
 from pdserve.router.warmup import unpin, warmup
 from pdserve.router.workers import ControlPlane
@@ -131,10 +132,11 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
 @web.middleware
 async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
     """The admin paths need the admin key (and are refused when there is none). With an
-    api_key every other path needs it (unknown ones too: no probing for routes), except the
-    dashboard's files (the same for everyone, holding no data: the page asks /v1/status, with
-    the key when one is set), and /health, /metrics and /v1/status unless
-    `protect_health_metrics`."""
+    api_key every other path needs one of its keys (unknown ones too: no probing for routes),
+    except the dashboard's files (the same for everyone, holding no data: the page asks
+    /v1/status, with the key when one is set), and /health, /metrics and /v1/status unless
+    `protect_health_metrics`. With cache_scope "tenant" the key's tenant is noted for the
+    request's cache scope (router/scope.py)."""
     config = request.app[STATE].config
     public = () if config.protect_health_metrics else _OPS_PATHS
     is_asset = (request.path + "/").startswith("/dashboard/")
@@ -145,8 +147,12 @@ async def _auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if not _bearer_is(request, config.admin_key):
             raise ApiError(401, "invalid or missing admin key", code="invalid_admin_key")
     elif config.api_key and request.path not in public and not is_asset:
-        if not _bearer_is(request, config.api_key):
+        # Every key is compared, so the time taken does not tell which one matched.
+        matches = [key for key in config.api_keys if _bearer_is(request, key)]
+        if not matches:
             raise ApiError(401, "invalid or missing API key", code="invalid_api_key")
+        if config.cache_scope == "tenant":
+            request[TENANT] = tenant_of(matches[0])
     return await handler(request)
 
 

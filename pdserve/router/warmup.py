@@ -3,9 +3,15 @@
 worker (whichever a later request is routed to then hits), `DELETE` unpins them.
 
     {"model": "...", "prompts": ["...", ...], "messages": [[{"role", "content"}, ...], ...],
-     "pin": true}
-    -> {"object": "cache.warmup", "pin": true, "workers": {"p0": [{"index": 0,
+     "pin": true, "shared": false}
+    -> {"object": "cache.warmup", "pin": true, "shared": false, "workers": {"p0": [{"index": 0,
         "num_prompt_tokens": 30, "num_cached_tokens": 16, "num_pinned_tokens": 16}, ...]}}
+
+Cache scopes (router/scope.py): a warm-up is made in the default scope, hit only by requests
+hashed there (every request when no API key is configured, else none with a key in
+cache_scope "tenant", nor any with a `cache_salt`), unless the operator says `"shared": true`:
+then it is made in the shared scope, which every request reads (after its own) and none
+writes. Unpin with the same `shared` as the warm-up.
 
 A worker that is not healthy, fails or refuses (e.g. its pinned share is full) gets an `error`
 entry per prompt, so a caller sees who was not warmed; the others still answer (200). With
@@ -21,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve import messages
+from pdserve.kvcache.hashing import SHARED_SCOPE
 from pdserve.request import WARMUP_PARAMS
 from pdserve.router import protocol
 from pdserve.router.completions import STATE, RouterState, read_json, request_slot, tokenize
@@ -44,7 +51,7 @@ async def _warm(request: web.Request, unpin: bool) -> web.Response:
     state, config = request.app[STATE], request.app[STATE].config
     with request_slot(state):
         body = await read_json(request)
-        prompts, pin = parse_warmup(body, config.model, config.max_warmup_prompts)
+        prompts, pin, shared = parse_warmup(body, config.model, config.max_warmup_prompts)
         prompt_ids = [await _tokenize(state, prompt, param) for prompt, param in prompts]
         num_tokens = sum(map(len, prompt_ids))
         if num_tokens > config.max_warmup_tokens:
@@ -59,7 +66,8 @@ async def _warm(request: web.Request, unpin: bool) -> web.Response:
             message = "no healthy prefill or collocated worker to warm"
             raise ApiError(503, message, type="server_error")
         pin = pin and not unpin
-        asks = [_ask(state, wid, ids, pin, unpin) for wid in healthy for ids in prompt_ids]
+        salt = SHARED_SCOPE if shared else ""
+        asks = [_ask(state, wid, ids, pin, unpin, salt) for wid in healthy for ids in prompt_ids]
         answers = iter(await asyncio.gather(*asks))
     workers = {
         wid: [
@@ -72,19 +80,24 @@ async def _warm(request: web.Request, unpin: bool) -> web.Response:
     pinned = [r.get("num_pinned_tokens", 0) for rows in workers.values() for r in rows]
     if pin:
         state.metrics.warmup_pinned_tokens.inc(sum(pinned))
-    return web.json_response({"object": "cache.warmup", "pin": pin, "workers": workers})
+    answer = {"object": "cache.warmup", "pin": pin, "shared": shared, "workers": workers}
+    return web.json_response(answer)
 
 
 def parse_warmup(
     body: Any, served_model: str, max_prompts: int
-) -> tuple[list[tuple[Any, str]], bool]:
-    """(prompt, param name) pairs, texts first, then message lists; and the pin flag."""
+) -> tuple[list[tuple[Any, str]], bool, bool]:
+    """(prompt, param name) pairs, texts first, then message lists; the pin and shared
+    flags."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     check_model(body.get("model", served_model), served_model)
     pin = body.get("pin", True)
     if not isinstance(pin, bool):
         raise ApiError(400, f"pin must be a boolean, got {pin!r}", param="pin")
+    shared = body.get("shared", False)
+    if not isinstance(shared, bool):
+        raise ApiError(400, f"shared must be a boolean, got {shared!r}", param="shared")
     texts = body.get("prompts") or []
     if not isinstance(texts, list) or not all(isinstance(p, str) and p for p in texts):
         raise ApiError(400, "prompts must be a list of non-empty strings", param="prompts")
@@ -102,7 +115,7 @@ def parse_warmup(
     if len(prompts) > max_prompts:
         message = f"at most {max_prompts} prompts per call (max_warmup_prompts), got {len(prompts)}"
         raise ApiError(400, message, param="prompts")
-    return prompts, pin
+    return prompts, pin, shared
 
 
 async def _tokenize(state: RouterState, prompt: str | list[dict], param: str) -> list[int]:
@@ -114,7 +127,12 @@ async def _tokenize(state: RouterState, prompt: str | list[dict], param: str) ->
 
 
 async def _ask(
-    state: RouterState, worker_id: str, prompt_ids: list[int], pin: bool, unpin: bool
+    state: RouterState,
+    worker_id: str,
+    prompt_ids: list[int],
+    pin: bool,
+    unpin: bool,
+    cache_salt: str,
 ) -> dict[str, Any]:
     """One prompt on one worker: its warm-up (or Unpin) counts, or {"error": ...}. A client
     that goes away, or a warm-up past its deadline, aborts the prefill on the worker."""
@@ -123,9 +141,11 @@ async def _ask(
     done = False
     try:
         if unpin:
-            message = messages.Unpin(request_id, prompt_ids)
+            message = messages.Unpin(request_id, prompt_ids, cache_salt)
         else:
-            message = messages.Generate(request_id, prompt_ids, _WARMUP_SAMPLING, pin=pin)
+            message = messages.Generate(
+                request_id, prompt_ids, _WARMUP_SAMPLING, pin=pin, cache_salt=cache_salt
+            )
         if not plane.send(worker_id, message):
             done = True
             return {"error": f"cannot reach worker {worker_id}"}
