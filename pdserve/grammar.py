@@ -41,7 +41,7 @@ def grammar_of(kind: str, value: Any) -> str:
     if kind not in KINDS:
         raise GrammarError(f"unknown constraint kind {kind!r}; one of {KINDS}")
     if isinstance(value, dict) and kind == "json":
-        value = json.dumps(value, sort_keys=True)
+        value = json.dumps(value)  # key order kept: properties are written in schema order
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise GrammarError("choice must be a non-empty list of strings")

@@ -72,8 +72,17 @@ class Tokenizer:
         """Text of `ids`; special tokens (eos, chat markers) are dropped by default."""
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Prompt ids for a chat, ending with the assistant's generation prompt.
+    @property
+    def chat_template(self) -> str | None:
+        """The template's Jinja source (router/tools.py reads the family's tool format)."""
+        template = self._tokenizer.chat_template
+        return template if isinstance(template, str) else None
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Prompt ids for a chat, ending with the assistant's generation prompt; `tools`
+        (OpenAI's tool list) go to a template that renders them.
 
         The template writes every special token itself, so the rendered text is encoded
         without adding any. Message fields are text: a special token's string typed in them
@@ -100,7 +109,7 @@ class Tokenizer:
             ]  # fmt: skip
         try:
             text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
             )
         except Exception as exc:  # jinja errors, including the template's own raise_exception
             raise ValueError(f"chat template rejected the messages: {exc}") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,8 +22,9 @@ from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, ApiRequest
-from pdserve.router.scope import TENANT, parse_cache_salt, scope_salt
 from pdserve.router.timing import RequestTiming, export_span
+from pdserve.router.tool_stream import rewrite_body, tool_deltas
+from pdserve.router.tools import chat_input
 from pdserve.router.workers import ControlPlane
 
 REQUEST_ID_HEADER = "X-Request-Id"  # on every generation response: the id in the logs
@@ -57,10 +59,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         timing = RequestTiming()
         try:
             body = await read_json(request)
-            api = protocol.parse_request(body, chat, state.config)
+            api = protocol.parse_request(body, chat, state.config, state.tokenizer.chat_template)
             prompt_ids = await _tokenize(state, api)
             params = protocol.finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
-            cache_salt = scope_salt(request.get(TENANT, ""), parse_cache_salt(body))
         except ApiError:
             state.metrics.requests["invalid"] += 1
             raise
@@ -76,7 +77,6 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             ctx.id,
             timing,
             state.metrics.fallbacks,
-            cache_salt,
         )
         return await _run(request, api, ctx, driver)
 
@@ -133,6 +133,8 @@ async def _whole(
         entries += delta.logprobs or []
     body = responses.body(ctx, "".join(text), finish_reason, stream=False, usage=_usage(driver),
                           logprobs=ctx.format_logprobs(entries))  # fmt: skip
+    if api.tools is not None and api.tools.parses:
+        rewrite_body(body, api.tools, request.app[STATE].metrics.tool_call_parse_failures.inc)
     if _wants_timing(request):
         body["pdserve_timing"] = driver.timing.report(ctx.id)
     return web.json_response(body, headers={REQUEST_ID_HEADER: ctx.id}), None
@@ -145,6 +147,9 @@ async def _stream(
     plain HTTP errors; a failure after that becomes an error event before [DONE] (and is
     returned, the status line being long gone)."""
     deltas = driver.stream()
+    if api.tools is not None and api.tools.parses:
+        failures = request.app[STATE].metrics.tool_call_parse_failures
+        deltas = tool_deltas(api.tools, deltas, failures.inc)
     first = await anext(deltas)
     response = responses.EventStream(request.app[STATE].config.write_timeout_s)
     response.headers[REQUEST_ID_HEADER] = ctx.id
@@ -174,6 +179,8 @@ def _chunk(
     body = responses.body(
         ctx, delta.text, delta.finish_reason, stream=True, first=first, logprobs=logprobs
     )
+    if getattr(delta, "tool_calls", None):
+        body["choices"][0]["delta"]["tool_calls"] = delta.tool_calls
     if timing is not None and delta.finish_reason is not None:
         body["pdserve_timing"] = timing.report(ctx.id)
     return responses.sse(body)
@@ -203,16 +210,23 @@ async def _tokenize(state: RouterState, api: ApiRequest) -> list[int]:
             raise ApiError(400, message, param="prompt")
         return list(api.prompt)
     if api.chat:
-        return await tokenize(state.tokenizer, api.messages or [], "messages")
+        messages, tools = chat_input(api.tools, api.messages or [])
+        return await tokenize(state.tokenizer, messages, "messages", tools)
     return await tokenize(state.tokenizer, api.prompt or "", "prompt")
 
 
 async def tokenize(
-    tokenizer: Tokenizer, prompt: str | list[dict[str, Any]], param: str
+    tokenizer: Tokenizer,
+    prompt: str | list[dict[str, Any]],
+    param: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Text or chat messages as ids, tokenized off the event loop (the HF tokenizer releases
-    the GIL), or a 400 naming `param`: the template refused them, or they encode to nothing."""
-    encode = tokenizer.encode if isinstance(prompt, str) else tokenizer.apply_chat_template
+    """Text or chat messages (and `tools`, for a template that renders them) as ids, tokenized
+    off the event loop (the HF tokenizer releases the GIL), or a 400 naming `param`: the
+    template refused them, or they encode to nothing."""
+    encode = tokenizer.encode
+    if not isinstance(prompt, str):
+        encode = functools.partial(tokenizer.apply_chat_template, tools=tools)
     try:
         ids = await asyncio.to_thread(encode, prompt)
     except ValueError as exc:

@@ -83,6 +83,10 @@ class RouterMetrics:
         self.warmup_pinned_tokens = counter(
             "pdserve_warmup_pinned_tokens", "Prompt tokens pinned by warm-up calls, all workers."
         )
+        self.tool_call_parse_failures = counter(
+            "pdserve_tool_call_parse_failures",
+            "Model output that looked like a tool call but did not parse, returned as text.",
+        )
         self.window = Window()  # this interval's samples, for /v1/status (router/status.py)
         self.adaptive = AdaptiveMetrics(self.registry)
         self.fallbacks = FallbackMetrics(self.registry)  # router/fallbacks.py

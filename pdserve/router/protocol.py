@@ -20,6 +20,8 @@ from typing import Any
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.structured import FieldError, parse_structured
+from pdserve.router.tools import ToolSpec, parse_tools
+from pdserve.router.tools import attach as attach_tools
 from pdserve.sampling_params import SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -72,13 +74,14 @@ class ApiRequest:
     sampling: dict[str, Any]  # SamplingParams kwargs except max_tokens
     stream: bool
     include_usage: bool
+    tools: ToolSpec | None = None  # chat only (router/tools.py)
 
 
 # Fields we do not implement: accepted only at their "off" value, else a 400 naming them
 # (silently ignoring e.g. logprobs would return a response the client did not ask for).
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "tools": (None, []),
+   
 }  # fmt: skip
 
 
@@ -137,7 +140,10 @@ def _check_tree(root: Any, check_strings: bool) -> None:
                     stack.append((item, f"{path}[{index}]", depth + 1))
 
 
-def parse_request(body: Any, chat: bool, config: RouterConfig) -> ApiRequest:
+def parse_request(
+    body: Any, chat: bool, config: RouterConfig, chat_template: str | None = None
+) -> ApiRequest:
+    """`chat_template` (the served model's) picks the family's tool-call format."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     served_model = config.model
@@ -164,9 +170,16 @@ def parse_request(body: Any, chat: bool, config: RouterConfig) -> ApiRequest:
     sampling["logprobs"] = _parse_logprobs(body, chat, config.max_logprobs)
     try:
         sampling.update(parse_structured(body))
+        tools = parse_tools(body) if chat else None
+        if tools is not None:
+            tools = attach_tools(tools, chat_template, sampling)
     except FieldError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
-    return ApiRequest(chat, model, prompt, messages, max_tokens, sampling, stream, include_usage)
+    if not chat and body.get("tools"):
+        raise ApiError(400, "tools are supported on /v1/chat/completions only", param="tools")
+    return ApiRequest(
+        chat, model, prompt, messages, max_tokens, sampling, stream, include_usage, tools
+    )
 
 
 def check_prompt_chars(
