@@ -85,7 +85,7 @@ def forced_perplexity(llm: LLM, ids: list[int], budget: int | None, n: int) -> f
     """Perplexity of `ids[64:64 + n]` after a 64-token prompt, token by token under `budget`."""
     forced, nll, real_sample = ids[64 : 64 + n], [], model_runner.sample
 
-    def teacher(logits, rows, generator):
+    def teacher(logits, rows, *_):
         i = rows[0].output_index
         nll.append(-torch.log_softmax(logits[0], -1)[forced[i]].item())
         return [forced[i]]
