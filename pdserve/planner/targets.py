@@ -7,8 +7,11 @@ tokens because a prompt prefills beside it. Unset, it is
 
     max(STALL_STEP_FACTOR x the unloaded decode step, MIN_STALL_S)
 
-- the unloaded step: one decode on every core of the pool, as the cost model prices it
-  (a profile seeds it, or `min_samples` steps of this host);
+- the unloaded step: one decode attending UNLOADED_CONTEXT_TOKENS on every core of the
+  pool, as the cost model prices it (a profile seeds it, or `min_samples` steps of this
+  host). With context: an online fit may put a decode's whole cost on the tokens it attends
+  (SmolLM2-135M on two cores: 0 s a step and a request, 14 us a context token), so one
+  decode attending nothing is priced at 0;
 - STALL_STEP_FACTOR (10): ten tokens' time. A stream's own step is its pace; a gap of ten
   steps is a hitch a reader sees, while a budget of two steps (the first default tried for
   the ITL, docs/adaptive.md "Defaults") disaggregated whenever decodes ran and lost up to
@@ -34,13 +37,15 @@ from pdserve.planner.model import OnlineCostModel
 
 STALL_STEP_FACTOR = 10.0
 MIN_STALL_S = 1.0
+UNLOADED_CONTEXT_TOKENS = 1024  # a short chat's context
 # The TTFT budget without a target (decision.py's TTFT_BUDGET_FACTOR): priced per request.
 TTFT_DERIVED = "per request: 3x what collocated would give it now"
 
 
 def unloaded_step_s(model: OnlineCostModel, pool_size: int) -> float | None:
-    """One decode step on every core of the pool; None while the model cannot price it."""
-    step = model.step_s("decode", pool_size, StepShape(0, 1, 0.0, 0))
+    """One decode step (UNLOADED_CONTEXT_TOKENS of context) on every core of the pool; None
+    while the model cannot price it."""
+    step = model.step_s("decode", pool_size, StepShape(0, 1, 0.0, UNLOADED_CONTEXT_TOKENS))
     return step if step is not None and step > 0 else None
 
 

@@ -13,7 +13,13 @@ from pdserve.perf.profile import HardwareProfile
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.decision import LOCAL, REMOTE, Situation, decide
 from pdserve.planner.model import OnlineCostModel
-from pdserve.planner.targets import MIN_STALL_S, STALL_STEP_FACTOR, describe, max_gap_s
+from pdserve.planner.targets import (
+    MIN_STALL_S,
+    STALL_STEP_FACTOR,
+    describe,
+    max_gap_s,
+    unloaded_step_s,
+)
 from tests.sim.test_simulator import MODEL
 
 POOL = 2
@@ -64,6 +70,17 @@ def test_the_stall_budget_is_ten_unloaded_steps_at_least_a_second():
     assert max_gap_s(AdaptiveConfig(), OnlineCostModel(min_samples=20), POOL) is None
     with pytest.raises(ValueError, match="slo_max_gap_ms must be >= 0"):
         AdaptiveConfig(slo_max_gap_ms=-1)
+
+
+def test_a_fit_that_prices_decodes_by_their_context_alone_still_gives_an_unloaded_step():
+    # Seen on SmolLM2-135M: the online fit put a decode's cost on its context (14 us a
+    # token), 0 s on the step and the request; one decode attending nothing costs 0.
+    model = OnlineCostModel(min_samples=20)
+    rows = [[0, n, 0, n * ctx, 0, POOL, n * ctx * 1.4e-5] for n in (1, 2, 4) for ctx in (256, 2048)]
+    model.observe_steps("decode", rows * 4)
+    model.refit()
+    assert unloaded_step_s(model, POOL) == pytest.approx(1024 * 1.4e-5, rel=1e-3)
+    assert max_gap_s(AdaptiveConfig(), model, POOL) == MIN_STALL_S
 
 
 def test_with_no_targets_a_prefill_that_would_freeze_running_decodes_goes_remote():
