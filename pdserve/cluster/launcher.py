@@ -24,6 +24,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pdserve import envs
 from pdserve.cluster.config import Pipeline, Role
@@ -38,6 +40,17 @@ DEFAULT_RESTART = RestartPolicy()
 
 class ClusterError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the launcher starts one process, as on another host: `prefix` goes before its
+    command (e.g. `ip netns exec <ns> ...` from `pdserve.testing.netns.Hosts.prefix_of`), and
+    `host` is the address it is reached at: the router's control socket, or a worker's
+    control socket and KV receiver. The router runs in the launcher's network (no prefix)."""
+
+    host: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -105,8 +118,13 @@ class Cluster:
         pipeline: Pipeline,
         log_level: str = "INFO",
         restart: RestartPolicy | None = DEFAULT_RESTART,
+        placements: Mapping[str, Placement] | None = None,
     ) -> None:
+        """`placements`: by process name (router, prefill-0, ...); the others run here."""
         self.pipeline, self.log_level, self.restart = pipeline, log_level, restart
+        self.placements = dict(placements or {})
+        if self.placements.get("router", Placement()).prefix:
+            raise ValueError("the router runs in the launcher's network: give it a host only")
         self.processes: list[Process] = []
         self.supervisor: Supervisor | None = None
         self._lock = threading.Lock()  # no process starts while stop() holds it
@@ -131,12 +149,13 @@ class Cluster:
 
         resolve_model(p.model)  # convert once here, not in every worker at the same time
         secret = secrets.token_bytes(32)
-        router_address = f"tcp://127.0.0.1:{free_port()}"
+        router_host = self.placements.get("router", Placement()).host
+        router_address = f"tcp://{router_host}:{free_port(router_host)}"
         kv_pool, redis_password = p.kv_pool, None
         if kv_pool.redis_url == "local":
             redis_url, redis_password = self._start_redis()
             kv_pool = dataclasses.replace(kv_pool, redis_url=redis_url)
-        specs = worker_specs(p, router_address, kv_pool)
+        specs = [self._placed(s) for s in worker_specs(p, router_address, kv_pool)]
         for spec in specs:
             self._spawn(
                 spec.worker_id,
@@ -196,8 +215,19 @@ class Cluster:
         self.processes.append(Process("redis", launch, launch()))
         return f"redis://127.0.0.1:{port}/0", password
 
+    def _placed(self, spec: WorkerSpec) -> WorkerSpec:
+        """The spec with its worker's placement's host; the port stays (a fresh network
+        namespace has every port free)."""
+        placement = self.placements.get(spec.worker_id)
+        if placement is None:
+            return spec
+        port = spec.ctrl_address.rsplit(":", 1)[1]
+        address = f"tcp://{placement.host}:{port}"
+        return dataclasses.replace(spec, ctrl_address=address, transfer_host=placement.host)
+
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", *args]
+        prefix = self.placements.get(name, Placement()).prefix
+        cmd = [*prefix, sys.executable, "-m", *args]
 
         def launch() -> subprocess.Popen:
             return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)

@@ -1,0 +1,1 @@
+"""Harnesses for tests and benchmarks that need more than one process or host."""

@@ -1,0 +1,204 @@
+"""Hosts on one machine: network namespaces on a private bridge, each with its own address,
+its own /dev/shm and a shaped link, so prefill and decode workers can run as on separate
+hosts (no shared memory, a link of a given rate, delay and loss, a link that goes down).
+
+    root namespace: bridge <prefix>br, 10.77.0.1/24 (the router runs here)
+      ├── veth <prefix>h0 ══ eth0 in namespace <prefix>-<name0>, 10.77.0.2/24
+      ├── veth <prefix>h1 ══ eth0 in namespace <prefix>-<name1>, 10.77.0.3/24
+      ...
+
+A host's link is shaped with netem on both ends (the namespace's eth0 and the bridge side),
+so `delay_ms` is one way and a round trip takes twice it; `rate` caps each direction. Only
+addresses of the namespaces made here are ever used. `Hosts` is a context manager: leaving it,
+normally or by an exception, kills what still runs in the namespaces and deletes them and the
+bridge; a crashed run's leftovers under the same prefix are removed on entry.
+
+Needs root and iproute2 (`ip`, `tc`); `available()` says whether they are there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+SUBNET = "10.77.0"  # a private /24 that exists only on the bridge made here
+# Inside `ip netns exec` (which already gives the command a mount namespace of its own, with
+# mounts not propagated back), a fresh tmpfs on /dev/shm: the host's segments are not seen.
+_PRIVATE_SHM = 'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"'
+
+
+def available() -> str:
+    """Why namespace hosts cannot be made here, or "" when they can."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, tc)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    return f"needs iproute2 ({', '.join(missing)} not found)" if missing else ""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A host's link, each direction: `rate` as tc writes it ("1gbit", "100mbit"; None:
+    unshaped), one-way `delay_ms` and `jitter_ms` (tc netem, which some kernels lack: then a
+    RuntimeError says so), `loss_pct` of packets dropped at random (nftables)."""
+
+    rate: str | None = None
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss_pct: float = 0.0
+
+    def qdisc(self) -> list[str]:
+        """The root qdisc's tc arguments: netem when there is a delay, else a token bucket
+        whose burst is 1 ms of the rate (at least 16 KiB), else a plain FIFO."""
+        if self.delay_ms or self.jitter_ms:
+            args = ["netem", "delay", f"{self.delay_ms}ms"]
+            if self.jitter_ms:
+                args.append(f"{self.jitter_ms}ms")
+            return args + (["rate", self.rate] if self.rate else [])
+        if self.rate:
+            burst_bytes = max(16 << 10, _bits_per_s(self.rate) // 8 // 1000)
+            return ["tbf", "rate", self.rate, "burst", str(burst_bytes), "latency", "100ms"]
+        return ["pfifo"]
+
+
+def _bits_per_s(rate: str) -> int:
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
+    for unit, scale in units.items():
+        if rate.lower().endswith(unit):
+            return int(float(rate[: -len(unit)]) * scale)
+    raise ValueError(f"rate {rate!r}: a number with kbit, mbit or gbit")
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, check=check, timeout=30)
+
+
+class Hosts:
+    """`with Hosts(["prefill", "decode"]) as hosts:` then `hosts.ip("decode")`,
+    `hosts.prefix("decode")` (a command prefix that runs inside), `hosts.shape(...)`,
+    `hosts.set_link(name, up=False)`, `hosts.remove(name)`."""
+
+    def __init__(self, names: list[str], prefix: str = "pds", shm_bytes: int = 1 << 30) -> None:
+        if len(names) > 200 or len(set(names)) != len(names):
+            raise ValueError("host names must be distinct, at most 200")
+        if len(prefix) > 8 or not prefix.isalnum():
+            raise ValueError("prefix: at most 8 letters or digits (interface names are short)")
+        self.names, self.prefix, self.shm_bytes = list(names), prefix, shm_bytes
+        self.bridge = f"{prefix}br"
+        self.gateway = f"{SUBNET}.1"  # the root namespace's address on the bridge
+        self._index = {name: i for i, name in enumerate(names)}
+        self._live: set[str] = set()
+
+    def namespace(self, name: str) -> str:
+        return f"{self.prefix}-{name}"
+
+    def ip(self, name: str) -> str:
+        return f"{SUBNET}.{self._index[name] + 2}"
+
+    def _veth(self, name: str) -> str:
+        return f"{self.prefix}h{self._index[name]}"
+
+    def prefix_of(self, name: str) -> list[str]:
+        """Prepend to a command to run it on host `name` (its network, its own /dev/shm)."""
+        shm = _PRIVATE_SHM.format(size=self.shm_bytes)
+        return ["ip", "netns", "exec", self.namespace(name), "sh", "-c", shm, "sh"]
+
+    def __enter__(self) -> Hosts:
+        self.cleanup()  # a crashed run's leftovers under this prefix
+        try:
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
+            for name in self.names:
+                self._add(name)
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def _add(self, name: str) -> None:
+        ns, veth, peer = self.namespace(name), self._veth(name), f"{self._veth(name)}p"
+        _run("ip", "netns", "add", ns)
+        self._live.add(name)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
+        _run("ip", "link", "set", veth, "master", self.bridge, "up")
+        _run("ip", "link", "set", peer, "netns", ns)
+        inside = ("ip", "netns", "exec", ns, "ip")
+        _run(*inside, "link", "set", peer, "name", "eth0")
+        _run(*inside, "addr", "add", f"{self.ip(name)}/24", "dev", "eth0")
+        _run(*inside, "link", "set", "eth0", "up")
+        _run(*inside, "link", "set", "lo", "up")
+
+    def shape(self, name: str, link: Link) -> None:
+        """Shape both directions of `name`'s link (replacing what was there)."""
+        ns, veth = self.namespace(name), self._veth(name)
+        inside = ("ip", "netns", "exec", ns)
+        for where, dev in (((), veth), (inside, "eth0")):
+            qdisc = ("tc", "qdisc", "replace", "dev", dev, "root", *link.qdisc())
+            done = _run(*where, *qdisc, check=False)
+            if done.returncode:
+                raise RuntimeError(f"tc {' '.join(link.qdisc())}: {done.stderr.strip()}")
+        self._set_loss(name, link.loss_pct)
+
+    def _set_loss(self, name: str, loss_pct: float) -> None:
+        """Random loss in the host's own netfilter (gone with its namespace), each way."""
+        inside = ("ip", "netns", "exec", self.namespace(name))
+        _run(*inside, "nft", "delete", "table", "inet", "pdserve_loss", check=False)
+        if not loss_pct:
+            return
+        if shutil.which("nft") is None:
+            raise RuntimeError("loss needs nftables (apt-get install nftables)")
+        drop = f"numgen random mod 10000 < {round(loss_pct * 100)} drop"
+        chains = [
+            f"chain {hook} {{ type filter hook {hook} priority 0; {drop}; }}"
+            for hook in ("input", "output")
+        ]
+        ruleset = "table inet pdserve_loss {\n" + "\n".join(chains) + "\n}\n"
+        done = subprocess.run(
+            [*inside, "nft", "-f", "-"], input=ruleset, text=True, capture_output=True, timeout=30
+        )
+        if done.returncode:
+            raise RuntimeError(f"nft: {done.stderr.strip()}")
+
+    def set_link(self, name: str, up: bool) -> None:
+        """Cut (`up=False`) or restore `name`'s link at the bridge: packets in flight are lost
+        and connections stall as on a pulled cable, nothing is reset."""
+        _run("ip", "link", "set", self._veth(name), "up" if up else "down")
+
+    def pids(self, name: str) -> list[int]:
+        out = _run("ip", "netns", "pids", self.namespace(name), check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def remove(self, name: str) -> None:
+        """The host disappears: everything running on it is killed (SIGKILL) and its
+        namespace and link deleted."""
+        for _ in range(50):
+            pids = self.pids(name)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        _run("ip", "link", "del", self._veth(name), check=False)
+        _run("ip", "netns", "del", self.namespace(name), check=False)
+        self._live.discard(name)
+
+    def cleanup(self) -> None:
+        """Remove every namespace of this prefix (processes in them killed) and the bridge."""
+        listed = _run("ip", "netns", "list", check=False).stdout.split("\n")
+        ours = {line.split()[0] for line in listed if line.startswith(f"{self.prefix}-")}
+        for name in self.names:
+            if self.namespace(name) in ours or name in self._live:
+                self.remove(name)
+        for ns in ours - {self.namespace(n) for n in self.names}:
+            _run("ip", "netns", "del", ns, check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
