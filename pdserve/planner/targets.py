@@ -18,10 +18,9 @@ tokens because a prompt prefills beside it. Unset, it is
   0.36x goodput against collocated;
 - MIN_STALL_S (1 s): below it a pause in streamed text reads as pacing, past it as a freeze
   (the 0.1 s / 1 s / 10 s response-time limits of interaction design). SmolLM2-135M
-  decodes in ~8 ms a step on two cores of the Xeon, so the floor binds, and its 256-token
-  chunk beside 4 decodes takes 0.57 s on one core (docs/adaptive.md): its local prefills
-  still fit, as on collocated. A 1B model's chunk takes seconds there: that is what the
-  budget catches.
+  decodes in ~8 ms a step on two quiet cores of the Xeon, so the floor binds, and its
+  512-token chunk takes about 0.6 s on both (docs/adaptive.md): its local prefills fit, as
+  on collocated. A 1B model's chunk takes seconds there: that is what the budget catches.
 
 Until the model is usable there is no derived budget, and the decision falls back as it does
 without targets (local: nothing says a stall is worse than halving the prefill's cores).
