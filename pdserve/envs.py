@@ -6,6 +6,7 @@ the launcher builds each child's environment with `child_env`.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +28,10 @@ STEP_TRACE = "PDSERVE_STEP_TRACE"
 # Where this process runs, for the transfer channel: peers with equal ids use shm. Default:
 # hostname + boot id; Ray placement sets it to the Ray node (pdserve/cluster/ray_actors.py).
 HOST_ID = "PDSERVE_HOST_ID"
+# Bytes the launcher's memory plan takes as this host's available memory instead of
+# MemAvailable and the cgroup limit (cluster/memory_plan.py), e.g. "16GiB" to leave the rest
+# to other services.
+MEMORY_AVAILABLE = "PDSERVE_MEMORY_AVAILABLE"
 # OpenMP's wait policy (libgomp, which torch's CPU wheels ship): an operator's value wins over
 # the worker default below.
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
@@ -93,6 +98,18 @@ def host_id() -> str | None:
 def set_host_id(value: str) -> None:
     """For this process, before any transfer endpoint starts (a Ray actor: its node)."""
     os.environ[HOST_ID] = value
+
+
+def memory_available_bytes() -> int | None:
+    value = os.environ.get(MEMORY_AVAILABLE)
+    if not value:
+        return None
+    from pdserve.schema import parse_bytes
+
+    try:
+        return parse_bytes(value)
+    except argparse.ArgumentTypeError:
+        raise ValueError(f"{MEMORY_AVAILABLE}={value!r} is not a size (e.g. 16GiB)") from None
 
 
 def native_kernels_allowed() -> bool:

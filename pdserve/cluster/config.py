@@ -30,6 +30,7 @@ from pdserve.schema import check, from_dict, from_flat, knob, same_as, with_fiel
 from pdserve.transfer import TensorStore
 
 PLACEMENTS = ("local", "ray")
+MEMORY_CHECKS = ("off", "warn", "enforce")  # cluster/memory_plan.py
 
 
 @with_fields_of(CacheConfig, SchedulerConfig, DeviceConfig, skip=("dtype",))
@@ -112,6 +113,12 @@ class Pipeline:
     )  # fmt: skip
     dtype: str = same_as(DeviceConfig, "dtype")
     startup_timeout_s: float = knob(600.0, "wait this long for the workers", gt=0)
+    # Before starting anything, each worker's weights + KV pool + activations against the
+    # host's available memory (cluster/memory_plan.py): refuse a layout that cannot fit.
+    memory_check: str = knob(
+        "enforce", "refuse (enforce), warn about or skip (off) a layout that does not fit "
+        "this host's memory", choices=MEMORY_CHECKS,
+    )  # fmt: skip
     # Tiers below each worker's pool. `redis_url: local` has the launcher start a private
     # redis-server (Debian's package) for a one-host cluster.
     kv_pool: KVStoreConfig = knob(KVStoreConfig(), prefix="kv_")

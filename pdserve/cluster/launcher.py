@@ -24,11 +24,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pdserve import envs
 from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.memory_plan import check_memory
 from pdserve.cluster.supervisor import Process, RestartPolicy, Supervisor
 from pdserve.cluster.warmup import WarmupError, ordered, report_lines, send_warmup, warmup_body
 from pdserve.workers.spec import WorkerSpec
@@ -119,9 +120,12 @@ class Cluster:
         log_level: str = "INFO",
         restart: RestartPolicy | None = DEFAULT_RESTART,
         placements: Mapping[str, Placement] | None = None,
+        report: Callable[[str], None] | None = None,
     ) -> None:
-        """`placements`: by process name (router, prefill-0, ...); the others run here."""
+        """`placements`: by process name (router, prefill-0, ...); the others run here.
+        `report`: where the memory plan's lines go (default: the log)."""
         self.pipeline, self.log_level, self.restart = pipeline, log_level, restart
+        self.report = report or log.info
         self.placements = dict(placements or {})
         if self.placements.get("router", Placement()).prefix:
             raise ValueError("the router runs in the launcher's network: give it a host only")
@@ -147,6 +151,7 @@ class Cluster:
         p = self.pipeline
         from pdserve.model.registry import resolve_model
 
+        check_memory(p, worker_specs(p, router_address=""), self.report)
         resolve_model(p.model)  # convert once here, not in every worker at the same time
         secret = secrets.token_bytes(32)
         router_host = self.placements.get("router", Placement()).host
@@ -260,7 +265,8 @@ class Cluster:
         for proc in self.processes:
             code = proc.popen.poll()
             if code is not None:
-                raise ClusterError(f"{proc.name} exited with code {code} (its log is above)")
+                raise ClusterError(f"{proc.name} {proc.exit_reason(code)} (its log is above)")
+            proc.sample_rss()
 
     def stop(self) -> None:
         if self.supervisor is not None:

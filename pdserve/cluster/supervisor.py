@@ -8,6 +8,8 @@ router re-announces itself (pdserve/messages.py).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from pdserve.schema import check, knob
 
 log = logging.getLogger(__name__)
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,29 @@ class Process:
     popen: subprocess.Popen
     restarts: deque[float] = field(default_factory=deque)  # monotonic times, within the window
     due: float | None = None  # dead: when it is started again
+    last_rss_bytes: int = 0  # its resident memory when last seen alive
+
+    def sample_rss(self) -> None:
+        """Note the process's RSS (/proc/<pid>/statm), so a death can say what it held."""
+        try:
+            with open(f"/proc/{self.popen.pid}/statm") as f:
+                rss = int(f.read().split()[1]) * PAGE_BYTES
+        except (OSError, IndexError, ValueError):
+            return
+        if rss:  # 0: it has just died (a zombie holds no memory), keep what it held
+            self.last_rss_bytes = rss
+
+    def exit_reason(self, code: int) -> str:
+        """How it ended. pdserve sends SIGKILL only while stopping, so a SIGKILL before that
+        is most often the kernel's OOM killer (dmesg, where readable, says so)."""
+        if code == -signal.SIGKILL:
+            return (
+                f"was killed by SIGKILL (out of memory? its RSS was "
+                f"{self.last_rss_bytes / 2**30:.2f} GiB when last seen)"
+            )
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
 
 
 class Supervisor:
@@ -76,6 +102,8 @@ class Supervisor:
 
     def _check(self, proc: Process, now: float) -> None:
         code = proc.popen.poll()
+        if code is None:
+            proc.sample_rss()
         if code is None or self.failure is not None:
             return
         recent = proc.restarts
@@ -84,13 +112,15 @@ class Supervisor:
         if proc.due is None:
             if len(recent) >= self.policy.max_restarts:
                 self.failure = (
-                    f"{proc.name} exited with code {code} after {len(recent)} restarts within "
+                    f"{proc.name} {proc.exit_reason(code)} after {len(recent)} restarts within "
                     f"{self.policy.window_s:.0f} s: giving up (its log is above)"
                 )
                 log.error("supervisor: %s", self.failure)
                 return
             delay_s = self.policy.delay_s(len(recent))
-            log.warning("%s exited with code %s: restarting it in %.1f s", proc.name, code, delay_s)
+            log.warning(
+                "%s %s: restarting it in %.1f s", proc.name, proc.exit_reason(code), delay_s
+            )
             proc.due = now + delay_s
         if now < proc.due:
             return

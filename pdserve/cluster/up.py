@@ -109,7 +109,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # SIGINT too: a shell's `&` leaves it ignored
         signal.signal(sig, _interrupt)
     try:
-        cluster = make_cluster(pipeline, log_level if log_level != "WARNING" else "INFO")
+        cluster = make_cluster(
+            pipeline, log_level if log_level != "WARNING" else "INFO", report=_print_line
+        )
         with cluster as url:
             print(f"pdserve: serving the OpenAI API at {url}/v1 (Ctrl-C to stop)", flush=True)
             if args.example_request:
@@ -129,13 +131,18 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def make_cluster(pipeline: Pipeline, log_level: str) -> Cluster:
-    """The launcher of the pipeline's placement; Ray is imported only for `ray`."""
+def make_cluster(pipeline: Pipeline, log_level: str, report=None) -> Cluster:
+    """The launcher of the pipeline's placement; Ray is imported only for `ray`. `report`:
+    where a local launcher's memory plan goes (Ray places workers on other nodes: none)."""
     if pipeline.placement == "ray":
         from pdserve.cluster.ray import RayCluster
 
         return RayCluster(pipeline, log_level)
-    return Cluster(pipeline, log_level)
+    return Cluster(pipeline, log_level, report=report)
+
+
+def _print_line(line: str) -> None:
+    print(f"pdserve: {line}", file=sys.stderr, flush=True)
 
 
 def example_request(url: str, pipeline: Pipeline) -> None:

@@ -269,6 +269,13 @@ _PER_WORKER = (
      "kv_blocks_skipped"),
     ("gauge", "pdserve_kv_blocks_pinned", "KV blocks pinned by cache warm-up.",
      "num_pinned_blocks"),
+    ("gauge", "pdserve_worker_rss_bytes", "Resident memory of the worker process.", "rss_bytes"),
+    ("gauge", "pdserve_worker_pss_bytes",
+     "The worker's proportional set size: shared pages divided among their processes.",
+     "pss_bytes"),
+    ("gauge", "pdserve_worker_weight_bytes",
+     "Bytes of the worker's weights, every copy it keeps.", "weight_bytes"),
+    ("gauge", "pdserve_worker_kv_pool_bytes", "Bytes of the worker's KV pool.", "kv_pool_bytes"),
 )  # fmt: skip
 # Counters split by one more label: (name, help, row key pattern, label, its values)
 _PER_WORKER_SPLIT = (

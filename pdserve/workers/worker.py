@@ -33,6 +33,7 @@ from pdserve.transfer.receiver import SocketKVReceiver
 from pdserve.transfer.sender import SocketKVSender
 from pdserve.transfer.shm import shared_kv_name, unlink_shared_kv
 from pdserve.workers.cores import Cores, pin_threads
+from pdserve.workers.memory_report import MemoryReport
 from pdserve.workers.spec import STATS_PER_HEARTBEAT, WorkerSpec
 from pdserve.workers.step_report import StepLog, StepTrace
 
@@ -52,6 +53,7 @@ class Worker:
         kernels = "collocated" if spec.adaptive else spec.role
         self.engine = Engine(spec.engine, kernels=kernels, allocate_kv=shared_kv if shm else None)
         self.cores = Cores(spec.cpus or os.sched_getaffinity(0))
+        self.memory = MemoryReport(self.engine.runner.model, self.engine.runner.kv_cache)
         self.steps = StepLog(spec.worker_id) if spec.adaptive else None
         trace_dir = envs.step_trace_dir()
         self.trace = StepTrace(trace_dir, spec.worker_id) if trace_dir else None
@@ -338,6 +340,7 @@ class Worker:
             num_cached_prompt_tokens=cache["cached_prompt_tokens"],
             num_computed_prompt_tokens=cache["computed_prompt_tokens"],
             num_pinned_blocks=cache["num_pinned_blocks"], **self.engine.role.transfer_stats(),
+            **self.memory.fields(),
         )  # fmt: skip
 
     def close(self) -> None:

@@ -190,5 +190,24 @@ def test_a_cluster_that_keeps_dying_is_given_up_on(tiny_served_model):
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         time.sleep(0.5)
-        with pytest.raises(ClusterError, match="collocated-0 exited .* after 1 restarts"):
+        with pytest.raises(ClusterError, match="collocated-0 was killed by SIGKILL .* after 1 "):
             cluster.check_alive()
+
+
+def test_a_sigkill_is_named_with_the_last_rss():
+    """The OOM killer's SIGKILL reads as a likely out-of-memory death, with the memory the
+    process held when last seen, not as a bare exit code."""
+    code = "import os, time; b = b'x' * (200 << 20); time.sleep(1); os.kill(os.getpid(), 9)"
+    launch = launcher(code, [])
+    policy = RestartPolicy(max_restarts=0)
+    sup = Supervisor([Process("hog", launch, launch())], policy, threading.Lock(), 0.02)
+    sup.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sup.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sup.failure and "hog was killed by SIGKILL (out of memory? its RSS was 0.2" in (
+            sup.failure
+        )
+    finally:
+        sup.stop()

@@ -77,6 +77,8 @@ def test_status_route_and_dashboard_files(tokenizer_dir: Path, script: list[int]
             ("p0", "prefill", 1), ("d0", "decode", 1)
         ]  # fmt: skip
         assert status["workers"][0]["kv_blocks_used"] == 4
+        memory = ("rss_bytes", "pss_bytes", "weight_bytes", "kv_pool_bytes")  # from Stats
+        assert all(isinstance(status["workers"][0][key], int) for key in memory)
         assert status["requests"] == {"success": 3} and status["health"]["ok"]
         assert sum(p["num_finished"] for p in status["history"]) == 3
         assert "planner" not in status  # nothing to show until the planner exists
@@ -166,3 +168,17 @@ def test_pdserve_status_of_a_cluster_that_is_down(tokenizer_dir: Path, script: l
     assert len(wrong.stderr.splitlines()) == 1
     bad = pdserve_status("localhost:8000")
     assert bad.returncode == 1 and len(bad.stderr.splitlines()) == 1
+
+
+def test_worker_memory_gauges():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pdserve.router.metrics import RouterMetrics
+    from tests.router.test_metrics import ROW
+
+    memory = {"rss_bytes": 3 << 30, "pss_bytes": 2 << 30, "weight_bytes": 1 << 30,
+              "kv_pool_bytes": 1 << 29}  # fmt: skip
+    text = RouterMetrics().render([{**ROW, "role": "decode", **memory}], 0)
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    for key, value in memory.items():
+        assert values[f"pdserve_worker_{key}"] == value

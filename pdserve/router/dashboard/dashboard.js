@@ -79,7 +79,9 @@ function renderWorkers(status) {
     bar.append(Object.assign(document.createElement("span"), {}));
     bar.firstChild.style.width = (100 * frac).toFixed(1) + "%";
     kv.append(bar, `${w.kv_blocks_used} / ${w.num_total_blocks}`);
-    tr.append(kv, cell(hit), cell(fmtBytes(w.kv_bytes_sent)), cell(fmtBytes(w.kv_bytes_received)));
+    tr.append(kv, cell(hit), cell(fmtBytes(w.kv_bytes_sent)), cell(fmtBytes(w.kv_bytes_received)),
+      ...["weight_bytes", "kv_pool_bytes", "rss_bytes", "pss_bytes"].map(
+        (k) => cell(w[k] ? fmtBytes(w[k]) : "–")));
     body.append(tr);
   }
   const done = Object.entries(status.requests).map(([k, v]) => `${k} ${v}`).join(", ");

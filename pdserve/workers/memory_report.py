@@ -1,0 +1,78 @@
+"""A worker's memory as its Stats report it: RSS and PSS of the process, the bytes its weights
+and its KV pool take (docs/observability.md, "Memory").
+
+PSS divides each shared page among the processes mapping it (libraries, a weight file mapped
+by every worker, a decode worker's KV pool in /dev/shm that prefill workers write into), so
+the workers' PSS add up to what the host gives them; RSS counts shared pages in full in each.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+SMAPS_ROLLUP = "/proc/self/smaps_rollup"
+REFRESH_S = 1.0  # the kernel walks every mapping to sum smaps_rollup: not at every step
+
+
+def process_memory(path: str = SMAPS_ROLLUP) -> tuple[int, int]:
+    """(RSS, PSS) of this process in bytes; (0, 0) where the kernel has no smaps_rollup."""
+    found = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("Rss", "Pss"):
+                    found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        return 0, 0
+    return found.get("Rss", 0), found.get("Pss", 0)
+
+
+def held_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model's modules hold: parameters and buffers, and the
+    weight copies linear layers keep outside them (cpu_linear.PackedLinear's oneDNN tensor,
+    its native panels). A tensor shared by two modules (tied embeddings) counts once."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        key = id(t) if t.is_mkldnn else t.data_ptr()  # oneDNN's blocked tensors: no storage
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for tensor in [*model.parameters(), *model.buffers()]:
+        add(tensor)
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                add(value)
+            elif isinstance(getattr(value, "nbytes", None), int):  # native.PanelWeight
+                total += value.nbytes
+    return total
+
+
+class MemoryReport:
+    """The memory fields of a worker's Stats; RSS and PSS re-read at most every REFRESH_S."""
+
+    def __init__(self, model: nn.Module, kv_cache: torch.Tensor) -> None:
+        self.weight_bytes = held_weight_bytes(model)
+        self.kv_pool_bytes = kv_cache.numel() * kv_cache.element_size()
+        self._rss_pss = process_memory()
+        self._read_at = time.monotonic()
+
+    def fields(self) -> dict[str, int]:
+        now = time.monotonic()
+        if now - self._read_at >= REFRESH_S:
+            self._rss_pss, self._read_at = process_memory(), now
+        rss, pss = self._rss_pss
+        return {
+            "rss_bytes": rss,
+            "pss_bytes": pss,
+            "weight_bytes": self.weight_bytes,
+            "kv_pool_bytes": self.kv_pool_bytes,
+        }

@@ -1,0 +1,67 @@
+"""A worker's Stats carry its memory: RSS and PSS of the process, its weights' and KV pool's
+bytes; the launcher's estimate of the same worker is within a stated margin of its RSS."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pdserve import messages as m
+from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
+from pdserve.engine.memory import estimate_worker, read_checkpoint
+from pdserve.model.cpu_linear import pack_linears
+from pdserve.model.loader import load_model
+from pdserve.workers.memory_report import held_weight_bytes, process_memory
+from tests.workers.conftest import KV_BYTES, WorkerProcess
+
+# The estimate is the peak of a worker's start; the tiny model's RSS is mostly the
+# interpreter and its libraries (BASE_RSS_BYTES), which vary by a few tens of MiB.
+MARGIN = 0.25
+
+
+def test_stats_report_memory_and_the_estimate_is_near_it(tiny_model_dir):
+    core = sorted(os.sched_getaffinity(0))[:1]
+    worker = WorkerProcess(tiny_model_dir, tuple(core))
+    try:
+        stats = worker.expect(m.Stats, timeout_s=30)
+        status = open(f"/proc/{worker.popen.pid}/status").read()
+        peak = next(int(x.split()[1]) * 1024 for x in status.splitlines() if x.startswith("VmHWM"))
+    finally:
+        worker.close()
+    assert stats.kv_pool_bytes == KV_BYTES
+    assert 0 < stats.pss_bytes <= stats.rss_bytes <= peak
+    fp32 = read_checkpoint(str(tiny_model_dir)).fp32_bytes
+    assert stats.weight_bytes >= fp32  # the loaded weights, plus the kernels' packed copies
+    engine = EngineConfig(model=str(tiny_model_dir), cache=CacheConfig(kv_cache_bytes=KV_BYTES),
+                          device=DeviceConfig(threads=1))  # fmt: skip
+    ckpt = read_checkpoint(str(tiny_model_dir))
+    amx = False  # the tiny HF checkpoint's panels are fp32: AMX changes nothing here
+    estimate, _ = estimate_worker(ckpt, engine, "collocated", 1 << 30, amx)
+    assert abs(estimate.total - peak) <= MARGIN * peak, (estimate, peak)
+
+
+def test_process_memory_reads_smaps_rollup(tmp_path):
+    rollup = tmp_path / "smaps_rollup"
+    rollup.write_text("00400000-7fff [rollup]\nRss:    2048 kB\nPss:    1024 kB\n")
+    assert process_memory(str(rollup)) == (2 << 20, 1 << 20)
+    assert process_memory(str(tmp_path / "missing")) == (0, 0)
+    rss, pss = process_memory()
+    assert rss >= pss > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_held_weights_count_a_tied_tensor_once_and_packed_copies(tiny_model_dir, tmp_path, tied):
+    from tests.conftest import make_tiny_llama
+
+    model = load_model(make_tiny_llama(tmp_path, tie_word_embeddings=tied))
+    unique = {p.data_ptr(): p.numel() * 4 for p in model.parameters()}
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert held_weight_bytes(model) == sum(unique.values()) + buffers
+    if torch.backends.mkldnn.is_available():
+        linears = sum(mod.weight.numel() * 4 for mod in model.modules()
+                      if isinstance(mod, torch.nn.Linear))  # fmt: skip
+        pack_linears(model, panels=None, onednn=True)
+        # The oneDNN copy replaces each linear's weight; the tied embedding stays.
+        assert held_weight_bytes(model) >= linears
