@@ -1,4 +1,9 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face model directory (fp32).
+"""Convert a llama-architecture GGUF file into a Hugging Face model directory.
+
+A file holding K-quants, Q5_0/Q5_1, F16 or BF16 matrices gets a directory without weights: its
+model reads the GGUF's blocks in place (gguf_weights.py), and the directory holds the config,
+the tokenizer and a marker naming the file. Files of F32/Q4_0/Q4_1/Q8_0 matrices only are
+converted to fp32 as below, which the compact panels re-encode losslessly (panel_codec.py).
 
 The engine loads one format (HF config + safetensors + tokenizer files), so GGUF support is a
 one-time conversion rather than a second loader. The config is built here, from the metadata
@@ -23,11 +28,64 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama.cpp's architecture name -> the Hugging Face class of the same weights (Mistral's GGUFs
+# are "llama"). Only llama's Q/K rows are permuted by llama.cpp's converter.
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
 SOURCE_MARKER = "pdserve_source.json"
 # Bump when the output format changes, so caches written by an older converter are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 LOADER_KEYS = ("is_local", "local_files_only")  # from_pretrained's, not the tokenizer's
+
+# ggml type ids the kernels read (gguf.GGMLQuantizationType values) -> (values, bytes) a block.
+BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    30: (1, 2),  # BF16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+}
+# Types whose files keep the fp32 conversion below: the compact panels rebuild
+# them losslessly (panel_codec.py) and run fused decode steps on them (docs/cpu-kernels.md).
+PANEL_TYPES = frozenset({0, 2, 3, 8})  # F32, Q4_0, Q4_1, Q8_0
+
+
+def type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {qtype}"
+
+
+def check_types(tensors: list[Any], path: Path) -> None:
+    """ValueError naming the first tensor whose type the kernels do not read."""
+    for t in tensors:
+        if int(t.tensor_type) not in BLOCKS:
+            raise ValueError(
+                f"{path}: tensor {t.name} has type {type_name(int(t.tensor_type))}, which "
+                f"pdserve does not run (supported: "
+                f"{', '.join(type_name(q) for q in sorted(BLOCKS))})"
+            )
+
+
+def reads_in_place(tensors: list[Any]) -> bool:
+    """Whether a file's weights are served from the file itself: any matrix type outside
+    PANEL_TYPES (K-quants, Q5_0/Q5_1, F16, BF16). Files of panel types only keep the
+    converted path, which runs them losslessly in their compact panels."""
+    return any(int(t.tensor_type) not in PANEL_TYPES for t in tensors)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
@@ -40,14 +98,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     reader = _open_reader(gguf_path)
     metadata = _read_metadata(reader, gguf_path)
     config = build_config(metadata, reader.tensors, gguf_path)
+    # gguf_weights.py reads llama's tensor layout in place; other families convert to fp32.
+    in_place = reads_in_place(reader.tensors) and config["model_type"] == "llama"
+    if in_place:
+        check_types(reader.tensors, gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    marker = source_fingerprint(gguf_path)
+    if in_place:  # the model reads the file's blocks (gguf_weights.py): no weights written
+        marker |= {"weights": "in_place", "gguf_path": str(gguf_path.resolve())}
     try:
-        _write_weights(reader, config, gguf_path, tmp_dir)
+        if not in_place:
+            _write_weights(reader, config, gguf_path, tmp_dir)
         _write_json(tmp_dir / "config.json", config)
         _write_json(tmp_dir / "generation_config.json", _generation_config(metadata, config))
         _write_tokenizer(gguf_path, metadata, tmp_dir)
-        _write_json(tmp_dir / SOURCE_MARKER, source_fingerprint(gguf_path))
+        _write_json(tmp_dir / SOURCE_MARKER, marker)
         _make_readable(tmp_dir)
         _replace_dir(tmp_dir, out_dir)
     except BaseException:
@@ -61,6 +127,7 @@ def source_fingerprint(gguf_path: Path) -> dict[str, Any]:
     stat = Path(gguf_path).stat()
     return {
         "source": Path(gguf_path).name,
+        "path": str(Path(gguf_path).resolve()),
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
         "converter_version": CONVERTER_VERSION,
@@ -68,14 +135,14 @@ def source_fingerprint(gguf_path: Path) -> dict[str, Any]:
 
 
 def build_config(metadata: dict[str, Any], tensors: list[Any], path: Path) -> dict[str, Any]:
-    """An HF `LlamaForCausalLM` config.json from GGUF metadata and the tensor list."""
+    """An HF config.json (the class of HF_ARCHITECTURES) from GGUF metadata and the tensors."""
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise ValueError(f"{path}: unsupported architecture {arch!r} (supported: {supported})")
     names = {t.name: t for t in tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: llama3-style rope_freqs.weight is not supported")
+    if "rope_factors_long.weight" in names:
+        raise ValueError(f"{path}: longrope (Phi-3 128k rope_factors_long) is unsupported")
     if "token_embd.weight" not in names:
         raise ValueError(f"{path}: missing tensor token_embd.weight")
 
@@ -92,8 +159,8 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], path: Path) -> di
     if rope_dim != head_dim:
         raise ValueError(f"{path}: partial rotary (rope dim {rope_dim} != head dim {head_dim})")
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [HF_ARCHITECTURES[arch]],
+        "model_type": arch,
         "hidden_size": hidden_size,
         "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),
@@ -106,12 +173,19 @@ def build_config(metadata: dict[str, Any], tensors: list[Any], path: Path) -> di
         "vocab_size": int(names["token_embd.weight"].shape[1]),
         "tie_word_embeddings": "output.weight" not in names,
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": "blk.0.attn_q.bias" in names,
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
     if (rope_scaling := _rope_scaling(metadata, arch, path)) is not None:
         config["rope_scaling"] = rope_scaling
+    if "rope_freqs.weight" in names:  # Llama 3.1+: llama3 scaling as per-frequency divisors
+        if rope_scaling is not None:
+            raise ValueError(f"{path}: both rope_freqs.weight and rope scaling {rope_scaling}")
+        factors = np.asarray(names["rope_freqs.weight"].data, dtype=np.float32).reshape(-1)
+        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    if (window := metadata.get(f"{arch}.attention.sliding_window")) is not None:
+        config["sliding_window"] = int(window)
     for name in ("bos", "eos", "pad"):
         if (token_id := metadata.get(f"tokenizer.ggml.{name}_token_id")) is not None:
             config[f"{name}_token_id"] = int(token_id)
@@ -167,20 +241,32 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path, out_dir: Pat
     import torch
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         LlamaTensorProcessor,
+        TensorProcessor,
         get_gguf_hf_weights_map,
     )
 
+    arch = config["model_type"]
+    # rope_freqs.weight is read into the config (freq_factors), which transformers' classes
+    # do not know; the meta model below only gives parameter names.
+    skip = ("model_type", "rope_scaling", "sliding_window")
+    # Special ids default to None: a class's own defaults (Phi-3's pad id 32000) may lie
+    # outside a file's vocabulary.
+    shape = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))
+    shape |= {k: v for k, v in config.items() if k not in skip}
     with torch.device("meta"):  # only its parameter names are used
-        model = LlamaForCausalLM(LlamaConfig(**config))
-    processor = LlamaTensorProcessor(config)  # undoes llama.cpp's Q/K row permutation
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **shape))
+    # LlamaTensorProcessor undoes llama.cpp's Q/K row permutation (llama files only).
+    processor = (LlamaTensorProcessor if arch == "llama" else TensorProcessor)(config)
     hf_names = get_gguf_hf_weights_map(model, processor)
     weights: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc=f"converting {path.name}", unit="tensor"):
+        if tensor.name == "rope_freqs.weight":
+            continue
         if tensor.name not in hf_names:
-            raise ValueError(f"{path}: unexpected tensor {tensor.name} for a llama model")
+            raise ValueError(f"{path}: unexpected tensor {tensor.name} for a {arch} model")
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
             values = processor.process(weights=values, name=tensor.name).weights

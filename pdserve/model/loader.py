@@ -1,7 +1,9 @@
 """Load a Hugging Face-format Llama checkpoint (config.json + *.safetensors) into our model.
 
 GGUF files and known model names are first converted into such a directory by
-`registry.resolve_model` (once, cached), so this is the only weight-loading path.
+`registry.resolve_model` (once, cached); a directory made for a GGUF whose matrices are read in
+place from the file (K-quants and the other types of gguf_convert.reads_in_place) holds no
+weights, and its model is built by gguf_weights.py.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from safetensors.torch import load_file
 
 from pdserve.config import DTYPES
 from pdserve.model.config import ModelConfig
+from pdserve.model.gguf_weights import load_gguf_model, weights_source
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.rope import cos_sin_table
 
@@ -38,7 +41,8 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def to_model_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> ours: drop the `model.` prefix, fuse q/k/v and gate/up."""
+    """Hugging Face names -> ours: drop the `model.` prefix, fuse q/k/v and gate/up (unless
+    the checkpoint has them fused, as Phi-3's has)."""
     out: dict[str, torch.Tensor] = {}
 
     def take(name: str) -> torch.Tensor:
@@ -54,9 +58,14 @@ def to_model_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         fused["self_attn.qkv_proj.bias"] = [name.replace("weight", "bias") for name in qkv]
     kept = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
             "post_attention_layernorm.weight")  # fmt: skip
+    if cfg.qk_norm:
+        kept += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
     for i in range(cfg.num_layers):
         theirs, ours = f"model.layers.{i}.", f"layers.{i}."
         for name, parts in fused.items():
+            if theirs + name in hf:  # Phi-3 ships qkv_proj and gate_up_proj already fused
+                out[ours + name] = take(theirs + name)
+                continue
             out[ours + name] = torch.cat([take(theirs + part) for part in parts])
         for name in kept:
             out[ours + name] = take(theirs + name)
@@ -73,6 +82,10 @@ def to_model_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
 
 def load_model(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> LlamaForCausalLM:
     cfg = ModelConfig.from_dir(model_dir)
+    if (gguf_path := weights_source(model_dir)) is not None:
+        if dtype != "float32":
+            raise ValueError(f"{gguf_path}: quantized GGUF weights run with dtype float32")
+        return load_gguf_model(gguf_path, cfg, device)
     state = to_model_state_dict(read_safetensors(model_dir), cfg)
     with torch.device("meta"):  # no memory for weights that are about to be replaced
         model = LlamaForCausalLM(cfg)

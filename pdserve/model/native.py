@@ -49,18 +49,18 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Widest first: `auto` takes the first one the CPU runs. The AVX-512 set is Skylake-SP's
 # (every AVX-512 server CPU has it); gcc would otherwise keep auto-vectorized loops 256-bit.
 # `amx` is the AVX-512 build plus the AMX bf16 GEMM of compact panels (csrc/gemm_amx.c).
-_AVX512 = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma",
+_AVX512 = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma", "-mf16c",
            "-mprefer-vector-width=512"]  # fmt: skip
 ISA_FLAGS = {
     "amx": [*_AVX512, "-mamx-tile", "-mamx-bf16", "-mavx512bf16"],
     "avx512": _AVX512,
-    "avx2": ["-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
-_AVX512_CPU = ("avx512f", "avx512vl", "avx512bw", "avx512dq")
+_AVX512_CPU = ("avx512f", "avx512vl", "avx512bw", "avx512dq", "f16c")
 CPU_FLAGS = {
     "amx": (*_AVX512_CPU, "amx_tile", "amx_bf16", "avx512_bf16"),
     "avx512": _AVX512_CPU,
-    "avx2": ("avx2", "fma"),
+    "avx2": ("avx2", "fma", "f16c"),
 }
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
 # chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies, except where the
@@ -165,6 +165,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pd_decode_layers.restype = ctypes.c_int
     lib.pd_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.pd_argmax_rows.restype = None
+    lib.pd_quant_row_bytes.argtypes = [_i64, _i64]
+    lib.pd_quant_row_bytes.restype = _i64
+    lib.pd_quant_rows.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr]
+    lib.pd_quant_rows.restype = ctypes.c_int
+    lib.pd_quant_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
+    lib.pd_quant_linear.restype = ctypes.c_int
     return lib
 
 
@@ -196,6 +202,8 @@ class PdLayer(ctypes.Structure):
         ("qkv_bias", ctypes.c_void_p),
         ("w", PdWeight * 4),
         ("cache", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
     ]
 
 

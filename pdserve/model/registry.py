@@ -109,13 +109,17 @@ def is_valid_cache(model_dir: Path, gguf_path: Path) -> bool:
     tokenizers = (model_dir / name for name in ("tokenizer.json", "tokenizer.model"))
     if not (marker.is_file() and (model_dir / "config.json").is_file()):
         return False
-    if not any(model_dir.glob("*.safetensors")) or not any(t.is_file() for t in tokenizers):
+    if not any(t.is_file() for t in tokenizers):
         return False
     try:
         recorded = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return recorded == source_fingerprint(gguf_path)
+    # A model read in place from the GGUF (gguf_weights.py) has no weights in the directory.
+    if recorded.get("weights") != "in_place" and not any(model_dir.glob("*.safetensors")):
+        return False
+    fingerprint = source_fingerprint(gguf_path)
+    return {k: recorded.get(k) for k in fingerprint} == fingerprint
 
 
 def _cached_conversion(gguf_path: Path, model_dir: Path) -> Path:

@@ -1,0 +1,283 @@
+/* ---- GGUF weights in their own block layout ------------------------------------------
+ * y = x W^T for W [N, K] stored as a GGUF tensor stores it: each row K / QK blocks of one
+ * ggml type, read in place (the caller maps the file). A row is dequantized to fp32 once
+ * into a per-thread buffer (at most K floats: L1/L2) and multiplied with every input row,
+ * so no fp32 copy of W ever exists and batch rows share each dequantization. Numerically
+ * this is the `gguf` package's dequantize followed by a matmul, up to summation order.
+ *
+ * Block layouts (ggml's, as gguf/quants.py reads them; d/dmin/m are fp16):
+ *   Q4_0 [d, qs16]            v_i = d (q_i - 8),   q_i = qs[i] & 15, q_{i+16} = qs[i] >> 4
+ *   Q4_1 [d, m, qs16]         v_i = d q_i + m
+ *   Q5_0 [d, qh32b, qs16]     q_i |= bit i of qh << 4,   v_i = d (q_i - 16)
+ *   Q5_1 [d, m, qh32b, qs16]  v_i = d q_i + m
+ *   Q8_0 [d, int8 qs32]       v_i = d qs_i
+ *   Q4_K [d, dmin, sc12, qs128]         8 sub-blocks of 32, 6-bit scale/min each; chunk c
+ *        of 32 bytes holds sub-block 2c in its low nibbles and 2c+1 in its high ones
+ *   Q5_K [d, dmin, sc12, qh32, qs128]   Q4_K plus bit j of qh[i] as the 5th bit of
+ *        sub-block j's value i
+ *   Q6_K [ql128, qh64, int8 sc16, d]    16 sub-blocks of 16, v = d sc (q - 32)
+ *   F32, F16, BF16                      one value per element
+ * pd_quant_linear returns 0, or -1 for an unknown type or a failed allocation. */
+#include "kernels.h"
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+static inline float h2f(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Values per block and bytes per block of `type` (0 for a type not handled here). */
+static void block_shape(int64_t type, int64_t *qk, int64_t *bytes) {
+    switch (type) {
+    case T_F32: *qk = 1, *bytes = 4; return;
+    case T_F16: case T_BF16: *qk = 1, *bytes = 2; return;
+    case T_Q4_0: *qk = 32, *bytes = 18; return;
+    case T_Q4_1: *qk = 32, *bytes = 20; return;
+    case T_Q5_0: *qk = 32, *bytes = 22; return;
+    case T_Q5_1: *qk = 32, *bytes = 24; return;
+    case T_Q8_0: *qk = 32, *bytes = 34; return;
+    case T_Q4_K: *qk = 256, *bytes = 144; return;
+    case T_Q5_K: *qk = 256, *bytes = 176; return;
+    case T_Q6_K: *qk = 256, *bytes = 210; return;
+    default: *qk = 0, *bytes = 0;
+    }
+}
+
+/* VW bytes widened to 32-bit lanes (zero-extended), and lane-wise integer helpers. */
+#ifdef __AVX512F__
+static inline vi vu8(const uint8_t *q) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)); }
+#define vi_and _mm512_and_si512
+#define vi_or _mm512_or_si512
+#define vi_srli _mm512_srli_epi32
+#define vi_srlv _mm512_srlv_epi32
+static inline vi vi_iota(int first) {
+    return _mm512_add_epi32(_mm512_set1_epi32(first),
+                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+#else
+static inline vi vu8(const uint8_t *q) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)); }
+#define vi_and _mm256_and_si256
+#define vi_or _mm256_or_si256
+#define vi_srli _mm256_srli_epi32
+#define vi_srlv _mm256_srlv_epi32
+static inline vi vi_iota(int first) {
+    return _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
+/* out = scale * q + bias for VW integer lanes q. */
+static inline void vaffine(vi q, float scale, float bias, float *out) {
+    vstore(out, vfmadd(vcvt_f32(q), vset1(scale), vset1(bias)));
+}
+
+/* 32 values scale * q + bias from 32 unsigned bytes. */
+static inline void affine32(const uint8_t *q, float scale, float bias, float *out) {
+    for (int i = 0; i < 32; i += VW) vaffine(vu8(q + i), scale, bias, out + i);
+}
+
+/* 16 bytes of nibbles: low ones to out[0..16), high ones to out[16..32). */
+static inline void nibbles32(const uint8_t *qs, float scale, float bias, float *out) {
+    vi m15 = vi_set1(15);
+    for (int i = 0; i < 16; i += VW) {
+        vi q = vu8(qs + i);
+        vaffine(vi_and(q, m15), scale, bias, out + i);
+        vaffine(vi_srli(q, 4), scale, bias, out + 16 + i);
+    }
+}
+
+static void row_q4_0(const uint8_t *b, float *out, int64_t nb) {
+    for (int64_t j = 0; j < nb; j++, b += 18, out += 32) {
+        float d = h2f(b);
+        nibbles32(b + 2, d, -8.f * d, out);
+    }
+}
+
+static void row_q4_1(const uint8_t *b, float *out, int64_t nb) {
+    for (int64_t j = 0; j < nb; j++, b += 20, out += 32) nibbles32(b + 4, h2f(b), h2f(b + 2), out);
+}
+
+/* Q5_0 / Q5_1: `hdr` bytes of fp16 before the 32 high bits. */
+static void row_q5(const uint8_t *b, float *out, int64_t nb, int has_min) {
+    int64_t hdr = has_min ? 4 : 2, bytes = hdr + 20;
+    vi m15 = vi_set1(15), one = vi_set1(1);
+    for (int64_t j = 0; j < nb; j++, b += bytes, out += 32) {
+        uint32_t qh;
+        memcpy(&qh, b + hdr, 4);
+        const uint8_t *qs = b + hdr + 4;
+        float d = h2f(b), bias = has_min ? h2f(b + 2) : -16.f * d;
+        vi h = vi_set1((int)qh);
+        for (int i = 0; i < 16; i += VW) { /* bit i of qh is value i's 5th bit */
+            vi q = vu8(qs + i);
+            vi hlo = vi_slli(vi_and(vi_srlv(h, vi_iota(i)), one), 4);
+            vi hhi = vi_slli(vi_and(vi_srlv(h, vi_iota(i + 16)), one), 4);
+            vaffine(vi_or(vi_and(q, m15), hlo), d, bias, out + i);
+            vaffine(vi_or(vi_srli(q, 4), hhi), d, bias, out + 16 + i);
+        }
+    }
+}
+
+static void row_q8_0(const uint8_t *b, float *out, int64_t nb) {
+    for (int64_t j = 0; j < nb; j++, b += 34, out += 32) {
+        float d = h2f(b);
+        const int8_t *qs = (const int8_t *)(b + 2);
+        for (int i = 0; i < 32; i += VW) vstore(out + i, vmul(vcvt_f32(vbytes(qs + i)), vset1(d)));
+    }
+}
+
+/* The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block (12 packed bytes). */
+static inline void scale_min_k4(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63, *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K (qh NULL) or Q5_K. */
+static void row_k45(const uint8_t *b, float *out, int64_t nb, int five) {
+    int64_t bytes = five ? 176 : 144;
+    vi m15 = vi_set1(15), one = vi_set1(1);
+    for (int64_t j = 0; j < nb; j++, b += bytes, out += 256) {
+        float d = h2f(b), dmin = h2f(b + 2);
+        const uint8_t *scales = b + 4, *qh = five ? b + 16 : NULL, *qs = b + (five ? 48 : 16);
+        for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+            uint8_t sc0, m0, sc1, m1;
+            scale_min_k4(scales, 2 * c, &sc0, &m0);
+            scale_min_k4(scales, 2 * c + 1, &sc1, &m1);
+            float *o = out + 64 * c;
+            for (int i = 0; i < 32; i += VW) {
+                vi q = vu8(qs + 32 * c + i), lo = vi_and(q, m15), hi = vi_srli(q, 4);
+                if (qh) {
+                    vi h = vu8(qh + i);
+                    lo = vi_or(lo, vi_slli(vi_and(vi_srli(h, 2 * c), one), 4));
+                    hi = vi_or(hi, vi_slli(vi_and(vi_srli(h, 2 * c + 1), one), 4));
+                }
+                vaffine(lo, d * sc0, -dmin * m0, o + i);
+                vaffine(hi, d * sc1, -dmin * m1, o + 32 + i);
+            }
+        }
+    }
+}
+
+static void row_q6_k(const uint8_t *b, float *out, int64_t nb) {
+    vi m15 = vi_set1(15), m3 = vi_set1(3);
+    for (int64_t j = 0; j < nb; j++, b += 210, out += 256) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = h2f(b + 208);
+        for (int g = 0; g < 8; g++) { /* 32 values at 32 g: half h, group k of it */
+            int h = g / 4, k = g % 4;
+            const uint8_t *lo = ql + 64 * h + 32 * (k & 1), *hi = qh + 32 * h;
+            for (int i = 0; i < 32; i += VW) {
+                vi q = vi_and(vi_srli(vu8(lo + i), 4 * (k >> 1)), m15);
+                q = vi_or(q, vi_slli(vi_and(vi_srli(vu8(hi + i), 2 * k), m3), 4));
+                float ds = d * sc[(32 * g + i) / 16]; /* 16 values a scale */
+                vaffine(q, ds, -32.f * ds, out + 32 * g + i);
+            }
+        }
+    }
+}
+
+static void row_f16(const uint8_t *b, float *out, int64_t k) {
+    const uint16_t *h = (const uint16_t *)b;
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < k; i++) out[i] = _cvtsh_ss(h[i]);
+}
+
+static void row_bf16(const uint8_t *b, float *out, int64_t k) {
+    const uint16_t *h = (const uint16_t *)b;
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t bits = (uint32_t)h[i] << 16;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
+/* One row of K values of `type` to fp32. */
+static void dequant_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
+    switch (type) {
+    case T_F32: memcpy(out, row, K * sizeof(float)); return;
+    case T_F16: row_f16(row, out, K); return;
+    case T_BF16: row_bf16(row, out, K); return;
+    case T_Q4_0: row_q4_0(row, out, K / 32); return;
+    case T_Q4_1: row_q4_1(row, out, K / 32); return;
+    case T_Q5_0: row_q5(row, out, K / 32, 0); return;
+    case T_Q5_1: row_q5(row, out, K / 32, 1); return;
+    case T_Q8_0: row_q8_0(row, out, K / 32); return;
+    case T_Q4_K: row_k45(row, out, K / 256, 0); return;
+    case T_Q5_K: row_k45(row, out, K / 256, 1); return;
+    case T_Q6_K: row_q6_k(row, out, K / 256); return;
+    }
+}
+
+/* Bytes of one K-value row of `type`, or -1 when the type is not handled or K is not a
+ * whole number of its blocks. */
+int64_t pd_quant_row_bytes(int64_t type, int64_t K) {
+    int64_t qk, bytes;
+    block_shape(type, &qk, &bytes);
+    if (qk == 0 || K % qk) return -1;
+    return K / qk * bytes;
+}
+
+/* out[i] = row r_i of W as fp32 [n, K], r_i = rows[i] (rows != NULL) or first + i. */
+int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, int64_t first,
+                  int64_t n, float *out) {
+    int64_t rb = pd_quant_row_bytes(type, K);
+    if (rb < 0) return -1;
+#pragma omp parallel for schedule(static) PAR_IF(n * K)
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows ? rows[i] : first + i;
+        dequant_row(type, (const uint8_t *)w + r * rb, out + i * K, K);
+    }
+    return 0;
+}
+
+/* y[m, ldy * m + j] = x[m] . W[src_j] for j < N, src_j = rowmap[j] (rowmap != NULL, e.g. to
+ * undo llama.cpp's Q/K row order) or j; x [M, K] contiguous. Output rows are split across
+ * threads; each dequantizes its rows once and takes every x row against each. */
+int pd_quant_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t type,
+                    int64_t N, const int64_t *rowmap, float *y, int64_t ldy) {
+    int64_t rb = pd_quant_row_bytes(type, K);
+    if (rb < 0) return -1;
+    int failed = 0;
+#pragma omp parallel PAR_IF(N * K)
+    {
+        float *buf = aligned_alloc(64, ((K * sizeof(float) + 63) / 64) * 64);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < N; j++) {
+            if (!buf) continue;
+            int64_t r = rowmap ? rowmap[j] : j;
+            dequant_row(type, (const uint8_t *)w + r * rb, buf, K);
+            int64_t m = 0;
+            for (; m + 4 <= M; m += 4) { /* four x rows per pass over buf */
+                const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+                vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+                int64_t k = 0;
+                for (; k + VW <= K; k += VW) {
+                    vf wv = vload(buf + k);
+                    a0 = vfmadd(wv, vload(x0 + k), a0);
+                    a1 = vfmadd(wv, vload(x1 + k), a1);
+                    a2 = vfmadd(wv, vload(x2 + k), a2);
+                    a3 = vfmadd(wv, vload(x3 + k), a3);
+                }
+                float s[4] = {vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3)};
+                for (; k < K; k++)
+                    for (int t = 0; t < 4; t++) s[t] += buf[k] * x[(m + t) * K + k];
+                for (int t = 0; t < 4; t++) y[(m + t) * ldy + j] = s[t];
+            }
+            for (; m < M; m++) y[m * ldy + j] = dot(buf, x + m * K, K);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}

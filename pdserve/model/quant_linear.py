@@ -1,0 +1,132 @@
+"""Linear layers and embeddings whose weights stay in a GGUF file's own block layout.
+
+Each weight is a `QuantTensor`: a read-only view of the bytes of one tensor of a memory-mapped
+GGUF file, so the page cache holds the only copy of the weights, shared by every process of the
+host that maps the same file. The native kernel `pd_quant_linear` (csrc/quant_gemm.c)
+dequantizes each weight row into a per-thread fp32 buffer and multiplies every input row with
+it; above `QUANT_GEMV_M_MAX` input rows (prefill chunks) a tile of rows is dequantized once into
+a bounded fp32 buffer and multiplied by PyTorch's GEMM, which is compute-bound there.
+`QuantEmbedding` dequantizes only the rows it looks up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pdserve.model.gguf_convert import BLOCKS
+
+# Up to this many input rows the fused dequantize-and-multiply kernel runs; above it a tile
+# of weight rows is dequantized once and multiplied by PyTorch's GEMM.
+QUANT_GEMV_M_MAX = 16
+# fp32 floats of one dequantized tile on the GEMM path (16 MiB).
+TILE_FLOATS = 1 << 22
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    """A [rows, cols] weight as `data` (uint8 [rows, row bytes], typically a view of a
+    memory-mapped file) in ggml type `qtype`. `rowmap`, if given, is the order in which the
+    kernels read the rows (undoing llama.cpp's Q/K row permutation without copying)."""
+
+    data: np.ndarray
+    qtype: int
+    rows: int
+    cols: int
+    name: str = ""
+    rowmap: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        values, nbytes = BLOCKS[self.qtype]
+        if self.cols % values or self.data.shape != (self.rows, self.cols // values * nbytes):
+            raise ValueError(f"tensor {self.name}: {self.data.shape} bytes do not hold a "
+                             f"[{self.rows}, {self.cols}] weight of type {self.qtype}")  # fmt: skip
+        if not self.data.flags.c_contiguous:
+            raise ValueError(f"tensor {self.name}: rows are not contiguous")
+
+    @property
+    def ptr(self) -> int:
+        return self.data.ctypes.data
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def dequantize_rows(self, lib: ctypes.CDLL, first: int, count: int) -> torch.Tensor:
+        """Rows [first, first + count) in the kernels' order, as fp32 [count, cols]."""
+        out = torch.empty(count, self.cols)
+        rows = None if self.rowmap is None else self.rowmap[first : first + count].data_ptr()
+        rc = lib.pd_quant_rows(self.ptr, self.qtype, self.cols, rows, first, count,
+                               out.data_ptr())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"tensor {self.name}: type {self.qtype} not readable")
+        return out
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ bias) where W is the row-wise concatenation of `parts` (fused Q/K/V or
+    gate/up weights stay separate tensors of the file, each written into its columns of y)."""
+
+    def __init__(
+        self, lib: ctypes.CDLL, parts: list[QuantTensor], bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        if len({p.cols for p in parts}) != 1:
+            raise ValueError("fused weights must share their input size")
+        self.lib, self.parts, self.bias = lib, parts, bias
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.rows for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, dtype = x.shape[:-1], x.dtype
+        x = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.out_features)
+        col = 0
+        for part in self.parts:
+            if m <= QUANT_GEMV_M_MAX:
+                rowmap = None if part.rowmap is None else part.rowmap.data_ptr()
+                rc = self.lib.pd_quant_linear(
+                    x.data_ptr(), m, part.cols, part.ptr, part.qtype, part.rows, rowmap,
+                    y[:, col:].data_ptr(), self.out_features,
+                )  # fmt: skip
+                if rc != 0:
+                    raise MemoryError("the quantized GEMV could not allocate its row buffer")
+            else:
+                tile = max(16, TILE_FLOATS // part.cols)
+                for first in range(0, part.rows, tile):
+                    count = min(tile, part.rows - first)
+                    w = part.dequantize_rows(self.lib, first, count)
+                    y[:, col + first : col + first + count] = x @ w.T
+            col += part.rows
+        if self.bias is not None:
+            y += self.bias
+        return y.to(dtype).view(*lead, self.out_features)
+
+
+class QuantEmbedding(nn.Module):
+    """`nn.Embedding` over a quantized table: only the looked-up rows are dequantized."""
+
+    def __init__(self, lib: ctypes.CDLL, table: QuantTensor) -> None:
+        super().__init__()
+        self.lib, self.table = lib, table
+        self.num_embeddings, self.embedding_dim = table.rows, table.cols
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        out = torch.empty(flat.numel(), self.embedding_dim)
+        rc = self.lib.pd_quant_rows(self.table.ptr, self.table.qtype, self.embedding_dim,
+                                    flat.data_ptr(), 0, flat.numel(), out.data_ptr())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"tensor {self.table.name}: type {self.table.qtype} not readable")
+        return out.view(*ids.shape, self.embedding_dim)
