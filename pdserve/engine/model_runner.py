@@ -15,6 +15,7 @@ import torch
 
 from pdserve.config import CacheConfig, DeviceConfig
 from pdserve.engine.grammar import Grammars
+from pdserve.engine.memory import DEFAULT_CPU_KV_FRACTION, DEFAULT_CUDA_KV_FRACTION
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvcache.dropping import over_budget
 from pdserve.model import native
@@ -31,9 +32,6 @@ from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_FRACTION = 0.05  # of available RAM: room for other workers on the host
-DEFAULT_CUDA_KV_FRACTION = 0.8  # of free GPU memory after the weights are loaded
 
 
 def kv_cache_shape(
