@@ -166,8 +166,9 @@ def _bearer_is(request: web.Request, key: str) -> bool:
 async def _limits(request: web.Request, handler: Any) -> web.StreamResponse:
     """Read the whole body within `body_timeout_s` before the handler runs (and takes a
     request slot); write a non-streamed response within `write_timeout_s` (EventStream
-    bounds streamed ones). A body too slow or too large ends the connection after the reply:
-    aiohttp would otherwise linger, draining the rest of it, for up to 10 s more."""
+    bounds streamed ones). A body too slow ends the connection after the reply: aiohttp would
+    otherwise linger, draining the rest of it, for up to 10 s more. A body too large is
+    drained so (the client, still uploading, reads the 413 instead of a broken pipe)."""
     config = request.app[STATE].config
     if request.body_exists:
         try:
@@ -178,10 +179,14 @@ async def _limits(request: web.Request, handler: Any) -> web.StreamResponse:
                 await request.read()  # kept by aiohttp: the handler's read() returns it
         except (TimeoutError, web.HTTPRequestEntityTooLarge) as exc:
             late = isinstance(exc, TimeoutError)
-            message = f"request body not received within {config.body_timeout_s} s"
-            error = ApiError(408, message) if late else ApiError(413, "Request Entity Too Large")
+            if late:
+                limit = f"not received within {config.body_timeout_s} s (body_timeout_s)"
+                error = ApiError(408, f"request body {limit}")
+            else:
+                limit = f"over {config.max_body_bytes} bytes (max_body_bytes)"
+                error = ApiError(413, f"Request Entity Too Large: the body is {limit}")
             response = await _send(request, error_response(error), config.write_timeout_s)
-            if request.transport is not None:
+            if late and request.transport is not None:
                 request.transport.close()  # after the reply is flushed
             return response
     return await _send(request, await handler(request), config.write_timeout_s)

@@ -106,7 +106,8 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     many = {"messages": [{"role": "user", "content": ""}] * (MAX_MODEL_LEN + 1)}
     r = requests.post(f"{cluster.url}/v1/chat/completions", json=many, timeout=60)
-    assert r.status_code == 400 and "4097 messages" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "at most 2048 entries (max_messages)" in r.json()["error"]["message"]
     # Just under the bound the prompt is tokenized and the exact count decides.
     r = post(cluster, {"prompt": "a" * MAX_MODEL_LEN})
     assert r.status_code == 400 and "4096 tokens" in r.json()["error"]["message"]
@@ -126,3 +127,24 @@ def test_body_declared_over_the_limit_is_refused_unread(cluster: Cluster) -> Non
     status_line, _, rest = reply.partition("\r\n")
     assert " 413 " in status_line
     assert "Too Large" in json.loads(rest.split("\r\n\r\n", 1)[1])["error"]["message"]
+
+
+def test_a_client_still_uploading_an_oversized_body_reads_the_413(cluster: Cluster) -> None:
+    """A 240k-message chat body (8.4 MB) sent at a network's pace: the router drains it and
+    the client reads the 413, where closing at once broke its upload (a broken pipe) after
+    128 KiB and it never saw an answer (issue 41)."""
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 240_000}).encode()
+    assert len(body) > cluster.config.max_body_bytes
+    with socket.create_connection(("127.0.0.1", int(cluster.url.rsplit(":", 1)[1]))) as sock:
+        sock.settimeout(10)
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        for start in range(0, len(body), 1 << 16):
+            sock.sendall(body[start : start + (1 << 16)])
+            time.sleep(0.001)
+        reply = sock.recv(4096).decode()
+    assert " 413 " in reply.partition("\r\n")[0]
+    assert "max_body_bytes" in reply
