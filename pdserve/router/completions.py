@@ -16,17 +16,18 @@ from aiohttp import web
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.output_processor import OutputProcessor
 from pdserve.router import protocol, responses
+from pdserve.router.choices import run_choices
 from pdserve.router.config import RouterConfig
 from pdserve.router.driver import RequestDriver
 from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, ApiRequest
-from pdserve.router.scope import TENANT, parse_cache_salt, scope_salt
 from pdserve.router.timing import RequestTiming, export_span
 from pdserve.router.tool_stream import rewrite_body, tool_deltas
 from pdserve.router.tools import chat_input
 from pdserve.router.workers import ControlPlane
+from pdserve.sampling_params import SamplingParams
 
 REQUEST_ID_HEADER = "X-Request-Id"  # on every generation response: the id in the logs
 TIMING_HEADER = "X-PDServe-Timing"  # "1": the response carries `pdserve_timing`
@@ -63,25 +64,31 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             api = protocol.parse_request(body, chat, state.config, state.tokenizer.chat_template)
             prompt_ids = await _tokenize(state, api)
             params = protocol.finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
-            cache_salt = scope_salt(request.get(TENANT, ""), parse_cache_salt(body))
         except ApiError:
             state.metrics.requests["invalid"] += 1
             raise
         ctx = responses.ResponseContext(api.chat, state.config.model)
         if params.logprobs is not None:
             ctx.logprobs = LogprobsFormatter(state.tokenizer, api.chat)
-        driver = RequestDriver(
-            state.plane,
-            state.policy,
-            state.processor,
-            prompt_ids,
-            params,
-            ctx.id,
-            timing,
-            state.metrics.fallbacks,
-            cache_salt,
-        )
-        return await _run(request, api, ctx, driver)
+
+        def make_driver(params: SamplingParams, key: str) -> RequestDriver:
+            timing_of = timing if key == ctx.id else RequestTiming()
+            return RequestDriver(
+                state.plane,
+                state.policy,
+                state.processor,
+                prompt_ids,
+                params,
+                key,
+                timing_of,
+                state.metrics.fallbacks,
+            )
+
+        if api.n > 1 or api.best_of is not None:
+            on_end = functools.partial(_record, state, ctx.id)
+            timeout_s = state.config.write_timeout_s
+            return await run_choices(request, api, ctx, params, make_driver, on_end, timeout_s)
+        return await _run(request, api, ctx, make_driver(params, ctx.id))
 
 
 @contextlib.contextmanager
@@ -116,14 +123,19 @@ async def _run(
         raise
     finally:
         driver.close(status)
-        state.metrics.requests[status] += 1
-        export_span(ctx.id, driver.timing, status)
-        if status == "success":
-            timing = driver.timing
-            state.metrics.record_finished(
-                timing.ttft_s, time.monotonic() - timing.arrival, len(driver.prompt_token_ids),
-                driver.num_output_tokens, timing.itl_s, timing.parts(),
-            )  # fmt: skip
+        _record(state, ctx.id, [driver], status)
+
+
+def _record(state: RouterState, key: str, drivers: list[RequestDriver], status: str) -> None:
+    """A request's outcome in the metrics; its samples' tokens count together (`n`)."""
+    state.metrics.requests[status] += 1
+    timing = drivers[0].timing
+    export_span(key, timing, status)
+    if status == "success":
+        state.metrics.record_finished(
+            timing.ttft_s, time.monotonic() - timing.arrival, len(drivers[0].prompt_token_ids),
+            sum(d.num_output_tokens for d in drivers), timing.itl_s, timing.parts(),
+        )  # fmt: skip
 
 
 async def _whole(

@@ -19,7 +19,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.fields import check_fields
+from pdserve.router.sampling_fields import parse_logit_bias, parse_logprobs, parse_samples
 from pdserve.router.structured import FieldError, parse_structured
 from pdserve.router.tools import ToolSpec, parse_tools
 from pdserve.router.tools import attach as attach_tools
@@ -76,12 +76,14 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     tools: ToolSpec | None = None  # chat only (router/tools.py)
+    n: int = 1  # choices returned (router/choices.py)
+    best_of: int | None = None  # completions: samples drawn, the n likeliest returned
 
 
 # Fields we do not implement: accepted only at their "off" value, else a 400 naming them
 # (silently ignoring e.g. logprobs would return a response the client did not ask for).
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
 }  # fmt: skip
 
 
@@ -146,8 +148,6 @@ def parse_request(
     """`chat_template` (the served model's) picks the family's tool-call format."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    if (refusal := check_fields(body, chat, config.max_messages)) is not None:
-        raise ApiError(400, str(refusal), param=refusal.param)
     served_model = config.model
     model = _field(body, "model", str, served_model)
     check_model(model, served_model)
@@ -169,8 +169,10 @@ def parse_request(
         limit = config.max_tokens_limit
         raise ApiError(400, f"max_tokens must be <= {limit}, got {max_tokens}", param="max_tokens")
     sampling = _parse_sampling(body, config)
-    sampling["logprobs"] = _parse_logprobs(body, chat, config.max_logprobs)
     try:
+        sampling["logprobs"] = parse_logprobs(body, chat, config.max_logprobs)
+        sampling["logit_bias"] = parse_logit_bias(body, config.max_logit_bias)
+        n, best_of = parse_samples(body, chat, stream, config.max_n)
         sampling.update(parse_structured(body))
         tools = parse_tools(body) if chat else None
         if tools is not None:
@@ -179,9 +181,8 @@ def parse_request(
         raise ApiError(400, str(exc), param=exc.param) from None
     if not chat and body.get("tools"):
         raise ApiError(400, "tools are supported on /v1/chat/completions only", param="tools")
-    return ApiRequest(
-        chat, model, prompt, messages, max_tokens, sampling, stream, include_usage, tools
-    )
+    return ApiRequest(chat, model, prompt, messages, max_tokens, sampling, stream, include_usage,
+                      tools, n, best_of)  # fmt: skip
 
 
 def check_prompt_chars(
@@ -269,46 +270,9 @@ def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any
         message = f"stop_token_ids holds at most {config.max_num_stop} ids"
         raise ApiError(400, message, param="stop_token_ids")
     kwargs["stop_token_ids"] = ids
-    kwargs["logit_bias"] = _parse_logit_bias(body, config)
     # Validate now, to fail before tokenizing; finalize_sampling checks max_tokens itself.
     _sampling_params({**kwargs, "max_tokens": max(1, kwargs.get("min_tokens", 0))})
     return kwargs
-
-
-def _parse_logprobs(body: dict[str, Any], chat: bool, limit: int) -> int | None:
-    """How many alternatives to report with each token, or None for no logprobs at all.
-    Chat: `logprobs: bool` and `top_logprobs: int`; completions: `logprobs: int`."""
-    name = "top_logprobs" if chat else "logprobs"
-    if chat:
-        wanted = _field(body, "logprobs", bool, False)
-        num_top = _field(body, "top_logprobs", int, None)
-        if num_top is not None and not wanted:
-            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        num_top = (num_top or 0) if wanted else None
-    else:
-        num_top = _field(body, "logprobs", int, None)
-    if num_top is not None and not 0 <= num_top <= limit:
-        raise ApiError(400, f"{name} must be in [0, {limit}], got {num_top}", param=name)
-    return num_top
-
-
-def _parse_logit_bias(body: dict[str, Any], config: RouterConfig) -> list[list[Any]]:
-    """OpenAI's {"token id": bias} as (id, bias) pairs; SamplingParams checks the biases,
-    `check_token_ids` the ids against the vocabulary."""
-    bias = _field(body, "logit_bias", dict, {})
-    if len(bias) > config.max_logit_bias:
-        message = f"logit_bias holds at most {config.max_logit_bias} token ids"
-        raise ApiError(400, message, param="logit_bias")
-    pairs = []
-    for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= _MAX_INT_DIGITS):
-            raise ApiError(400, f"logit_bias keys must be token ids, got {_show(key)}",
-                           param="logit_bias")  # fmt: skip
-        if not (_is_int(value) or isinstance(value, float)):
-            message = f"logit_bias values must be numbers, got {_show(value)}"
-            raise ApiError(400, message, param="logit_bias")
-        pairs.append([int(key), float(value)])
-    return pairs
 
 
 def check_token_ids(request: ApiRequest, vocab_size: int) -> None:

@@ -6,10 +6,14 @@ client parses the logprobs, streamed and whole."""
 from __future__ import annotations
 
 import math
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.cluster.conftest import post, role, start
+from tests.cluster.conftest import get_text, post, role, start
 
 openai = pytest.importorskip("openai")
 
@@ -34,21 +38,28 @@ def bodies(model: str) -> list[tuple[str, dict]]:
             ("/v1/chat/completions", {**chat, **sampling, **PROCESSING, "logprobs": True,
                                       "top_logprobs": 2})
         )  # fmt: skip
+    out.append(("/v1/completions", {**text, **SEEDED, **PROCESSING, "logprobs": 1, "n": 3}))
+    out.append(("/v1/chat/completions", {**chat, **SEEDED, "logprobs": True, "n": 2}))
     return [(path, {**body, "max_tokens": 10, "ignore_eos": True}) for path, body in out]
 
 
 def answers(url: str, model: str) -> list[tuple[str, list[float], list[str]]]:
     out = []
     for path, body in bodies(model):
-        choice = post(url, path, body)["choices"][0]
-        if "text" in choice:
-            lp = choice["logprobs"]
-            out.append((choice["text"], lp["token_logprobs"], lp["tokens"]))
-        else:
-            content = choice["logprobs"]["content"]
-            tokens = [c["token"] for c in content]
-            out.append((choice["message"]["content"], [c["logprob"] for c in content], tokens))
+        choices = post(url, path, body)["choices"]
+        assert [c["index"] for c in choices] == list(range(body.get("n", 1)))
+        for choice in choices:
+            out.append(_answer(choice))
     return out
+
+
+def _answer(choice: dict) -> tuple[str, list[float], list[str]]:
+    if "text" in choice:
+        lp = choice["logprobs"]
+        return choice["text"], lp["token_logprobs"], lp["tokens"]
+    content = choice["logprobs"]["content"]
+    tokens = [c["token"] for c in content]
+    return choice["message"]["content"], [c["logprob"] for c in content], tokens
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +124,69 @@ def test_logprobs_beyond_the_limit_are_refused(collocated, tiny_served_model):
             model=str(tiny_served_model), messages=[{"role": "user", "content": "hi"}],
             logprobs=True, top_logprobs=21,
         )  # fmt: skip
+
+
+def computed_prompt_tokens(url: str) -> int:
+    """The workers' computed prompt tokens, once their heartbeats stop changing it."""
+    pattern = r'pdserve_worker_prompt_tokens_total\{[^}]*source="computed"[^}]*\} (\S+)'
+    last, stable = -1, 0
+    while stable < 3:
+        time.sleep(0.3)
+        value = int(sum(float(v) for v in re.findall(pattern, get_text(url, "/metrics"))))
+        stable, last = (stable + 1, last) if value == last else (0, value)
+    return last
+
+
+def test_n_shares_one_prefill_and_seeds_each_choice(tiny_served_model, collocated):
+    url, _ = collocated
+    model = str(tiny_served_model)
+    rng = random.Random(5)
+    prompt = [rng.randrange(40, 120) for _ in range(150)]
+    body = {"model": model, "max_tokens": 6, "ignore_eos": True, **SEEDED}
+    before = computed_prompt_tokens(url)
+    shared = post(url, "/v1/completions", {**body, "prompt": prompt, "n": 4})
+    computed_shared = computed_prompt_tokens(url) - before
+    alone = post(url, "/v1/completions", {**body, "prompt": prompt})["choices"][0]["text"]
+    texts = [c["text"] for c in shared["choices"]]
+    assert texts[0] == alone and len(set(texts)) > 1  # sample i is seeded with seed + i
+    assert shared["usage"]["prompt_tokens"] == 150
+    assert shared["usage"]["completion_tokens"] == 24
+    # Four separate requests at once, on a prompt nobody has cached: each computes it all.
+    other = [rng.randrange(40, 120) for _ in range(150)]
+    before = computed_prompt_tokens(url)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: post(url, "/v1/completions", {**body, "prompt": other}), range(4)))
+    computed_separate = computed_prompt_tokens(url) - before
+    assert computed_separate >= 1.5 * computed_shared, (computed_separate, computed_shared)
+
+
+def test_best_of_returns_the_likeliest_and_the_client_parses_n(tiny_served_model, collocated):
+    url, _ = collocated
+    model = str(tiny_served_model)
+    body = {"model": model, "prompt": "hello", "max_tokens": 5, **SEEDED}
+    best = post(url, "/v1/completions", {**body, "best_of": 4, "n": 2, "logprobs": 0})
+    scores = [sum(c["logprobs"]["token_logprobs"]) for c in best["choices"]]
+    assert len(scores) == 2 and scores[0] >= scores[1]
+    everyone = post(url, "/v1/completions", {**body, "n": 4, "logprobs": 0})["choices"]
+    top = sorted((sum(c["logprobs"]["token_logprobs"]) for c in everyone), reverse=True)[:2]
+    assert scores == pytest.approx(top)  # the same four samples (seeds), the best two
+    assert post(url, "/v1/completions", {**body, "best_of": 3})["choices"][0]["logprobs"] is None
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=4, n=3,
+                                          seed=3, temperature=1.0)  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=4, n=3,
+                                            seed=3, temperature=1.0, stream=True)  # fmt: skip
+    streamed = ["", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in chat.choices]
+    completion = client.completions.create(model=model, prompt="hi", max_tokens=4, n=2,
+                                           seed=3, temperature=1.0, stream=True)  # fmt: skip
+    assert {c.index for chunk in completion for c in chunk.choices} == {0, 1}
+    with pytest.raises(openai.BadRequestError, match="best_of > n cannot be streamed"):
+        client.completions.create(model=model, prompt="hi", best_of=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="n must be in"):
+        client.completions.create(model=model, prompt="hi", n=17)
