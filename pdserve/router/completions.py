@@ -23,6 +23,7 @@ from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, ApiRequest
+from pdserve.router.scope import TENANT, parse_cache_salt, scope_salt
 from pdserve.router.timing import RequestTiming, export_span
 from pdserve.router.tool_stream import rewrite_body, tool_deltas
 from pdserve.router.tools import chat_input
@@ -64,6 +65,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             api = protocol.parse_request(body, chat, state.config, state.tokenizer.chat_template)
             prompt_ids = await _tokenize(state, api)
             params = protocol.finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
+            cache_salt = scope_salt(request.get(TENANT, ""), parse_cache_salt(body))
         except ApiError:
             state.metrics.requests["invalid"] += 1
             raise
@@ -82,6 +84,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 key,
                 timing_of,
                 state.metrics.fallbacks,
+                cache_salt,
             )
 
         if api.n > 1 or api.best_of is not None:

@@ -78,6 +78,9 @@ class RouterConfig:
     # stop string is searched for after every token, so their count and length bound that work.
     max_num_stop: int = knob(16, "entries in `stop` and in `stop_token_ids` (OpenAI: 4)", ge=1)
     max_stop_len: int = knob(256, "characters in one stop string", ge=1)
+    # A chat body's messages are walked and rendered one by one: their number bounds that work
+    # before it starts (a 240k-message body held the event loop for seconds). OpenAI: 2048.
+    max_messages: int = knob(2048, "messages in one chat request", ge=1)
     max_logit_bias: int = knob(300, "token ids in one request's `logit_bias`", ge=0)
     max_logprobs: int = knob(20, "most `top_logprobs` (chat) or `logprobs` (completions)", ge=0)
     max_n: int = knob(16, "most choices (`n`) or samples (`best_of`) of one request", ge=1)

@@ -19,6 +19,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from pdserve.router.config import RouterConfig
+from pdserve.router.fields import check_fields
 from pdserve.router.sampling_fields import parse_logit_bias, parse_logprobs, parse_samples
 from pdserve.router.structured import FieldError, parse_structured
 from pdserve.router.tools import ToolSpec, parse_tools
@@ -148,6 +149,8 @@ def parse_request(
     """`chat_template` (the served model's) picks the family's tool-call format."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    if (refusal := check_fields(body, chat, config.max_messages)) is not None:
+        raise ApiError(400, str(refusal), param=refusal.param)
     served_model = config.model
     model = _field(body, "model", str, served_model)
     check_model(model, served_model)
