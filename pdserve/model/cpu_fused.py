@@ -49,6 +49,10 @@ class FusedDecoderLayer(nn.Module):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h, kvh, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         qkv = attn.qkv_proj(native.rmsnorm(lib, x, norm1.weight, norm1.eps))
+        if attn.q_norm is not None:  # Qwen3: per-head Q/K norms, in place, before RoPE
+            q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+            q.copy_(attn.q_norm(q))
+            k.copy_(attn.k_norm(k))
         native.rope_qkv_store(
             lib, qkv, cos, sin, cache.blocks, meta.slot_block_ids, meta.slot_offsets, h
         )
@@ -67,10 +71,9 @@ class FusedLayerStack(LayerStack):
         super().__init__(FusedDecoderLayer(layer, lib) for layer in layers)
         self.lib = lib
         # Decode-only steps take the one call when every linear has its panel weights (not
-        # on prefill workers), only QKV has a bias (as in Llama) and the norms share an eps.
-        norms = (
-            n for layer in self for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        )
+        # on prefill workers), only QKV has a bias (as in Llama) and the norms (Qwen3's
+        # per-head Q/K norms included) share an eps.
+        norms = (n for layer in self for n in _norms(layer) if n is not None)
         self.one_call = len({n.eps for n in norms}) == 1 and all(
             getattr(m, "panel_weight", None) is not None and (m.bias is None or i == 0)
             for layer in self
@@ -123,8 +126,16 @@ class FusedLayerStack(LayerStack):
                 for j, linear in enumerate(_linears(layer)):
                     c_layer.w[j] = linear.panel_weight.as_c()
                 c_layer.cache = cache.blocks.data_ptr()
+                if (q_norm := layer.self_attn.q_norm) is not None:
+                    c_layer.q_norm = q_norm.weight.data_ptr()
+                    c_layer.k_norm = layer.self_attn.k_norm.weight.data_ptr()
             self._layers_c, self._caches_key = layers_c, key
         return self._layers_c
+
+
+def _norms(layer: nn.Module) -> tuple[nn.Module | None, ...]:
+    attn = layer.self_attn
+    return (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:

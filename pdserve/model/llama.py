@@ -1,4 +1,5 @@
-"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU), plain PyTorch.
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU), plain PyTorch: Llama, Mistral, Qwen2/3
+and Phi-3 are this one model with config switches (Q/K/V bias, Qwen3's Q/K norm; config.py).
 
 It reads like the paper and knows nothing of serving: it takes a flat batch of tokens with
 their positions and per-step attention metadata, and the KV cache tensor of each layer. The
@@ -37,6 +38,11 @@ class Attention(nn.Module):
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:  # Qwen3: each Q and K head RMS-normalized over head_dim, before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -47,8 +53,11 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, cache, meta)
         return self.o_proj(o.view(x.shape[0], -1))

@@ -1,5 +1,7 @@
 """Rotary position embeddings (rotate-half form, as in Hugging Face's Llama), with the
-checkpoint's theta and its `linear` or `llama3` frequency scaling."""
+checkpoint's theta and its `linear` or `llama3` frequency scaling, or llama.cpp's per-frequency
+divisors (`freq_factors`: the `rope_freqs.weight` tensor its Llama 3 GGUFs carry, which is the
+llama3 scaling precomputed: llama3's inv_freq = inv_freq / factor, frequency by frequency)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,17 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    if kind == "freq_factors":
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope freq_factors has {factors.numel()} values; head_dim {head_dim} needs "
+                f"{inv_freq.numel()}"
+            )
+        return inv_freq / factors
+    raise ValueError(
+        f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, freq_factors)"
+    )
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

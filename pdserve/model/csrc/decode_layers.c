@@ -18,11 +18,13 @@ typedef struct {
     int64_t codec;
 } pd_weight;
 
-/* One layer's parameters and its KV cache (native.PdLayer). */
+/* One layer's parameters and its KV cache (native.PdLayer). q_norm/k_norm: Qwen3's per-head
+ * norms (NULL for the families without them). */
 typedef struct {
     const float *norm1, *norm2, *qkv_bias;
     pd_weight w[4];
     float *cache;
+    const float *q_norm, *k_norm;
 } pd_layer;
 
 /* One layer. Its input is x + *pending (the previous layer's MLP output, not yet added:
@@ -41,6 +43,7 @@ static int decode_layer(float *x, const float **pending, float *scratch, int64_t
     if (*pending) pd_add_rmsnorm(x, *pending, l->norm1, y, M, Dm, eps);
     else pd_rmsnorm(x, l->norm1, y, M, Dm, eps);
     if (pd_linear_panels(y, w[0].data, w[0].codec, l->qkv_bias, qkv, M, nqkv, Dm)) return -1;
+    if (l->q_norm) pd_qk_norm(qkv, l->q_norm, l->k_norm, M, H, KVH, D, eps);
     pd_rope_qkv_store(qkv, cos, sin, l->cache, slot_blocks, slot_offsets, M, H, KVH, D, BS);
     if (pd_paged_decode_attn(qkv, nqkv, l->cache, tables, context_lens, att, scores, M, H, KVH,
                              D, BS, max_blocks, 1.f / sqrtf((float)D)))

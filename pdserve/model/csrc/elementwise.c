@@ -24,6 +24,19 @@ void pd_add_rmsnorm(float *x, const float *add, const float *w, float *y, int64_
     }
 }
 
+/* Qwen3's per-head norms: each q head of qkv [T, (H + 2 KVH) D] RMS-normalized over its D
+ * values with q_w, each k head with k_w, in place (before RoPE). */
+void pd_qk_norm(float *qkv, const float *q_w, const float *k_w, int64_t T, int64_t H,
+                int64_t KVH, int64_t D, float eps) {
+    int64_t row = (H + 2 * KVH) * D;
+#pragma omp parallel for PAR_IF(T * row)
+    for (int64_t t = 0; t < T; t++) {
+        float *r = qkv + t * row;
+        for (int64_t h = 0; h < H + KVH; h++)
+            rmsnorm_row(r + h * D, h < H ? q_w : k_w, r + h * D, D, eps);
+    }
+}
+
 static inline void rope_row(float *x, const float *c, const float *s, int64_t D) {
     int64_t half = D / 2;
     for (int64_t i = 0; i < half; i++) {

@@ -184,6 +184,8 @@ int pd_linear_panels_amx(const float *x, const void *wp, int64_t codec, const fl
 void pd_rmsnorm(const float *x, const float *w, float *y, int64_t M, int64_t D, float eps);
 void pd_add_rmsnorm(float *x, const float *add, const float *w, float *y, int64_t M, int64_t D,
                     float eps);
+void pd_qk_norm(float *qkv, const float *q_w, const float *k_w, int64_t T, int64_t H,
+                int64_t KVH, int64_t D, float eps);
 void pd_rope_qkv_store(float *qkv, const float *cos, const float *sin, float *cache,
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t T,
                        int64_t H, int64_t KVH, int64_t D, int64_t BS);
