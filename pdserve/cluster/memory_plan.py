@@ -148,7 +148,10 @@ def plan_memory(
         memory, holding = estimate_worker(ckpt, spec.engine, kernels, available_bytes, amx)
         workers.append(PlannedWorker(spec.worker_id, spec.role, memory))
         shared = max(shared, holding.shared_bytes)
-    convert = int(ckpt.fp32_bytes * CONVERT_FACTOR) + CONVERT_BASE_BYTES if needs_conversion else 0
+    convert = 0
+    if needs_conversion:  # a file read in place converts no weights
+        weights = 0 if ckpt.in_place_bytes else int(ckpt.fp32_bytes * CONVERT_FACTOR)
+        convert = weights + CONVERT_BASE_BYTES
     return MemoryPlan(workers, shared, convert, available_bytes)
 
 

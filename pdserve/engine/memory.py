@@ -9,21 +9,28 @@ A worker holds, at the peak of its start (when workers starting together coincid
                                        the memory available when it starts
   + activations of its largest step    max_num_batched_tokens x hidden x ACTIVATION_FACTOR
 
-Weights today: each worker loads its own fp32 copy from the converted safetensors
-(LOADED_FACTOR x the fp32 bytes: the allocator keeps what the loader's fusing freed), then
-packs every linear layer for the CPU kernels (model/cpu_linear.py): a oneDNN copy (fp32) or
-native panels (0.75 or 1.125 bytes a weight for GGUF-born Q4_1 or Q4_0/Q8_0 matrices, which
-panel_codec.py stores losslessly, else fp32), or both, made while the loaded copy is still
-alive, plus PACKING_TRANSIENT_FACTOR x the fp32 bytes of buffers the packing frees again.
-A loader that maps a file's weights once per host instead is one more `WeightHolding`:
-`shared_bytes`, counted once per host, not once per worker.
+The weights are held one of two ways (`weights_held()`, `WeightHolding`):
+
+- a GGUF with any matrix outside the panel types (K-quants, Q5, F16, BF16: see
+  gguf_convert.reads_in_place) is read in place from the memory-mapped file
+  (model/gguf_weights.py): its tensor bytes are `shared_bytes`, one page-cache copy counted
+  once per host however many workers map it; a worker's own part is its rope tables, norms
+  and the kernels' fp32 tile (`in_place_private_bytes()`);
+- any other checkpoint is converted to fp32 safetensors, and each worker loads its own copy
+  (LOADED_FACTOR x the fp32 bytes: the allocator keeps what the loader's fusing freed), then
+  packs every linear layer for the CPU kernels (model/cpu_linear.py): a oneDNN copy (fp32) or
+  native panels (0.75 or 1.125 bytes a weight for GGUF-born Q4_1 or Q4_0/Q8_0 matrices, which
+  panel_codec.py stores losslessly, else fp32), or both, made while the loaded copy is still
+  alive, plus PACKING_TRANSIENT_FACTOR x the fp32 bytes of buffers the packing frees again.
 
 The factors were measured with /proc/self/status (VmHWM, VmRSS) on SmolLM2-135M (Q4_1) and a
-Llama 3.2 1B-shaped Q4_1 file (`pdserve synth`), docs/observability.md ("Memory").
+Llama 3.2 1B-shaped file (`pdserve synth`); docs/observability.md ("Memory") compares the
+estimate with what workers report.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +46,7 @@ ACTIVATION_FACTOR = 72  # step RSS growth in bytes per (batched token x hidden u
 # when it starts (model_runner.num_kv_blocks).
 DEFAULT_CPU_KV_FRACTION = 0.05  # of available RAM: room for other workers on the host
 DEFAULT_CUDA_KV_FRACTION = 0.8  # of free GPU memory after the weights are loaded
+IN_PLACE_TILE_BYTES = 4 << 22  # quant_linear.TILE_FLOATS fp32 values (torch-free here)
 # Bytes a weight of each GGUF type takes in native panels (panel_codec.py); others: fp32.
 PANEL_BYTES = {"Q4_1": 0.75, "Q4_0": 1.125, "Q8_0": 1.125}
 
@@ -50,6 +58,9 @@ class Checkpoint:
 
     config: ModelConfig
     linears: tuple[tuple[int, str | None], ...]
+    # A GGUF whose matrices the loader reads in place from the mapped file
+    # (gguf_convert.reads_in_place): the file's tensor bytes, else 0.
+    in_place_bytes: int = 0
 
     @property
     def num_params(self) -> int:
@@ -89,25 +100,35 @@ def read_checkpoint(model: str) -> Checkpoint | None:
     try:
         path = known_gguf_path(model) if model in KNOWN_MODELS else Path(model).expanduser()
         if path.is_dir():
-            config, types = ModelConfig.from_dir(path), {}
+            config, types, in_place_bytes = ModelConfig.from_dir(path), {}, 0
         elif path.is_file() and path.suffix == ".gguf":
-            config, types = _gguf_facts(path)
+            config, types, in_place_bytes = _gguf_facts(path)
         else:
             return None
     except ValueError:
         return None
     linears = tuple((n, types.get(name)) for name, n in linear_shapes(config))
-    return Checkpoint(config, linears)
+    return Checkpoint(config, linears, in_place_bytes if path.is_file() else 0)
 
 
-def _gguf_facts(path: Path) -> tuple[ModelConfig, dict[str, str]]:
-    """A GGUF file's model config (as its conversion writes it) and each tensor's type."""
-    from pdserve.model.gguf_convert import build_config
+def _gguf_facts(path: Path) -> tuple[ModelConfig, dict[str, str], int]:
+    """A GGUF file's model config (as its conversion writes it), each tensor's type, and its
+    tensor bytes if the loader reads them in place (else 0)."""
+    from gguf import GGML_QUANT_SIZES
+
+    from pdserve.model.gguf_convert import build_config, reads_in_place
     from pdserve.model.gguf_header import read_header
 
     metadata, tensors = read_header(path)
     config = ModelConfig.from_hf(build_config(metadata, tensors, path))
-    return config, {t.name: t.tensor_type.name for t in tensors}
+    types = {t.name: t.tensor_type.name for t in tensors}
+    if not reads_in_place(tensors):
+        return config, types, 0
+    in_place = 0
+    for t in tensors:
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        in_place += math.prod(t.shape) // block * type_size
+    return config, types, in_place
 
 
 @dataclass(frozen=True)
@@ -123,6 +144,8 @@ def weights_held(ckpt: Checkpoint, kernels: str, cpu_kernels: str, amx: bool) ->
     """Today's: a private fp32 copy, and the packed copies `kernels` (a role name: which
     linear kernels the worker prepares) makes beside it (module docstring). `amx`: the AMX
     kernels run, whose compact panels are the only copy in every role."""
+    if ckpt.in_place_bytes:
+        return WeightHolding(in_place_private_bytes(ckpt.config), ckpt.in_place_bytes)
     fp32 = ckpt.fp32_bytes
     if cpu_kernels == "torch":
         return WeightHolding(int(fp32 * LOADED_FACTOR))
@@ -137,6 +160,15 @@ def weights_held(ckpt: Checkpoint, kernels: str, cpu_kernels: str, amx: bool) ->
         copies += n * ((compact or 4) if panels else 0) + n * (4 if onednn else 0)
     peak = fp32 * (LOADED_FACTOR + PACKING_TRANSIENT_FACTOR) + copies
     return WeightHolding(int(peak))
+
+
+def in_place_private_bytes(cfg: ModelConfig) -> int:
+    """What a worker of an in-place GGUF holds of its own: the rope tables (cos and sin,
+    [max_position_embeddings, head_dim] fp32 each), the norms, and the kernels' fp32 tile
+    (quant_linear.TILE_FLOATS)."""
+    rope = 2 * cfg.max_position_embeddings * cfg.head_dim * 4
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size * 4
+    return rope + norms + IN_PLACE_TILE_BYTES
 
 
 def kv_pool_bytes(engine: EngineConfig, available_bytes: int) -> int:

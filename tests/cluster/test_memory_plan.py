@@ -83,3 +83,18 @@ def test_up_refuses_with_exit_2_naming_the_numbers(tiny_served_model):
     assert lines[-1].startswith("pdserve: error: memory: 2 workers need ~")
     assert "0.20 GiB available" in lines[-1]
     assert "Traceback" not in out.stderr
+
+
+def test_weights_read_in_place_count_once_per_host(tmp_path):
+    from pdserve.model.synthetic import write_synthetic_gguf
+
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", "tiny", "q4_k_m")
+    p = Pipeline(model=str(path), prefill=role(num=2), decode=role(num=2))
+    ckpt = read_checkpoint(p.model)
+    plan = plan_memory(ckpt, worker_specs(p, ""), 64 << 30, needs_conversion=True)
+    assert plan.shared_bytes == ckpt.in_place_bytes > 0
+    assert plan.total_bytes == sum(w.memory.total for w in plan.workers) + (
+        ckpt.in_place_bytes + plan.router_bytes
+    )
+    assert "shared weights (once per host)" in "\n".join(plan.lines())
+    assert plan.convert_bytes < 1 << 30  # no fp32 weights are written for it

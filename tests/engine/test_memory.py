@@ -10,13 +10,14 @@ from pdserve.engine.memory import (
     PACKING_TRANSIENT_FACTOR,
     Checkpoint,
     estimate_worker,
+    in_place_private_bytes,
     kv_pool_bytes,
     linear_shapes,
     read_checkpoint,
     weights_held,
 )
 from pdserve.model.config import ModelConfig
-from pdserve.model.synthetic import SHAPES, write_synthetic_gguf
+from pdserve.model.synthetic import SHAPES, file_bytes, write_synthetic_gguf
 from tests.conftest import make_tiny_llama
 
 
@@ -42,6 +43,15 @@ def test_a_gguf_is_read_without_converting_it(tmp_path):
     assert list(types) == ["Q4_1", "Q6_K"]  # the matrices, then the tied output (embedding)
     assert not list(tmp_path.glob("*/config.json"))  # nothing converted
     assert read_checkpoint(str(tmp_path / "missing.gguf")) is None
+    # Its Q6_K embedding is read in place (gguf_convert.reads_in_place): the file's tensors
+    # are mapped once per host, and a worker holds only its rope tables, norms and tile.
+    assert ckpt.in_place_bytes == file_bytes(shape, "q4_1")
+    holding = weights_held(ckpt, "decode", "native", amx=False)
+    assert holding.shared_bytes == ckpt.in_place_bytes
+    assert holding.private_bytes == in_place_private_bytes(ckpt.config)
+    # Q8_0 alone stays on the converted fp32 path: nothing shared.
+    q8 = read_checkpoint(str(write_synthetic_gguf(tmp_path / "q8.gguf", "tiny", "q8_0")))
+    assert q8.in_place_bytes == 0 and weights_held(q8, "decode", "native", False).shared_bytes == 0
 
 
 def _ckpt(source: str | None) -> Checkpoint:
