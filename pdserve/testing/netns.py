@@ -176,8 +176,10 @@ class Hosts:
         return [int(p) for p in out.split()]
 
     def remove(self, name: str) -> None:
-        """The host disappears: everything running on it is killed (SIGKILL) and its
+        """The host disappears as a machine that loses power: its link is cut first, so no
+        reset reaches its peers, then everything running on it is killed (SIGKILL) and its
         namespace and link deleted."""
+        _run("ip", "link", "set", self._veth(name), "down", check=False)
         for _ in range(50):
             pids = self.pids(name)
             if not pids:

@@ -42,6 +42,11 @@ NONCE_BYTES = 32
 MAC_BYTES = 32
 LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 64 * 1024
+# A peer that vanishes without a reset (power lost, link gone) would otherwise hold a
+# connection for TCP's own ~15 min of retransmissions, and a prefill worker's send with it
+# (its KV blocks stay pinned until the send ends): bytes unacknowledged this long, or an idle
+# peer silent to keepalive probes, drop the connection.
+LINK_TIMEOUT_S = 10.0
 
 # Message types, sender -> receiver.
 HELLO = "hello"  # {layout, process: [pid, pid namespace] (the writer, for shm fencing)}
@@ -200,8 +205,18 @@ def host_identity() -> str:
 def connect(host: str, port: int, timeout_s: float) -> socket.socket:
     sock = socket.create_connection((host, port), timeout=timeout_s)
     sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tune(sock)
     return sock
+
+
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay; a dead peer is noticed within LINK_TIMEOUT_S (Linux's TCP options)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(LINK_TIMEOUT_S * 1000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, int(LINK_TIMEOUT_S / 2))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, int(LINK_TIMEOUT_S / 2))
 
 
 def process_identity() -> list[int]:
@@ -346,7 +361,7 @@ class FrameServer:
                 return
             self._conns.add(conn)
             self.counts["connections"] += 1
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock)
         reason = "sender connection closed"
         try:
             while (header := recv_header(sock)) is not None:
