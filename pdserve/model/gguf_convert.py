@@ -18,6 +18,7 @@ interrupted conversion never leaves a half-written model behind.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ HF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
+log = logging.getLogger(__name__)
 SOURCE_MARKER = "pdserve_source.json"
 # Bump when the output format changes, so caches written by an older converter are redone.
 CONVERTER_VERSION = 2
@@ -99,7 +101,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     metadata = _read_metadata(reader, gguf_path)
     config = build_config(metadata, reader.tensors, gguf_path)
     # gguf_weights.py reads llama's tensor layout in place; other families convert to fp32.
-    in_place = reads_in_place(reader.tensors) and config["model_type"] == "llama"
+    in_place = reads_in_place(reader.tensors)
+    if in_place and config["model_type"] != "llama":
+        log.warning(
+            "%s: %s weights are dequantized to fp32 (only llama files are read in place)",
+            gguf_path.name,
+            config["model_type"],
+        )
+        in_place = False
     if in_place:
         check_types(reader.tensors, gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.model import native
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_fused import FusedDecoderLayer
 from pdserve.model.gguf_convert import convert_gguf
+from pdserve.model.gguf_weights import weights_source
 from pdserve.model.loader import load_model
 from pdserve.model.rope import inv_frequencies
 from pdserve.sampling_params import SamplingParams
@@ -158,6 +160,25 @@ def test_gguf_generates_what_the_hf_directory_generates(family, tmp_path):
     assert generate(converted)[0] == generate(model_dir)[0]
 
 
+@pytest.mark.parametrize("name", ["llama3-untied", "qwen3", "phi3"])
+def test_f16_gguf_generates_what_the_hf_directory_generates(name, tmp_path, caplog):
+    """F16 matrices: llama files are read in place (gguf_weights.py), the other families'
+    are dequantized to fp32 at conversion (logged). The HF weights are rounded to fp16 first,
+    so both hold the same values."""
+    model_dir = make_family(tmp_path / "hf", name)
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({k: v.half().float() for k, v in weights.items()}, model_dir / "model.safetensors")
+    arch = FAMILIES[name][2]
+    gguf_path = write_family_gguf(model_dir, arch, tmp_path / f"{name}.gguf", f16=True)
+    converted = convert_gguf(gguf_path, tmp_path / "converted")
+    in_place = weights_source(converted) is not None
+    assert in_place == (arch == "llama")
+    assert in_place or "dequantized to fp32" in caplog.text
+    if in_place and native.load() is None:
+        pytest.skip("GGUF weights read in place need the native CPU kernels")
+    assert generate(converted)[0] == generate(model_dir)[0]
+
+
 def llama3_rope_freqs(hf: dict) -> np.ndarray:
     """llama.cpp's `rope_freqs.weight` for a Llama 3.1 config (convert_hf_to_gguf.py's loop)."""
     s, dim = hf["rope_scaling"], hf["hidden_size"] // hf["num_attention_heads"]
@@ -200,9 +221,9 @@ _GLOBAL_NAMES = {
 }
 
 
-def write_family_gguf(model_dir: Path, arch: str, path: Path) -> Path:
-    """The HF directory's weights as llama.cpp's converter writes them (F32), with a tiny
-    byte-level BPE tokenizer whose vocabulary the model's embedding covers."""
+def write_family_gguf(model_dir: Path, arch: str, path: Path, f16: bool = False) -> Path:
+    """The HF directory's weights as llama.cpp's converter writes them (F32, or matrices in
+    F16), with a tiny byte-level BPE tokenizer whose vocabulary the model's embedding covers."""
     hf = json.loads((model_dir / "config.json").read_text())
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -234,12 +255,12 @@ def write_family_gguf(model_dir: Path, arch: str, path: Path) -> Path:
     for name, value in load_file(model_dir / "model.safetensors").items():
         if name == "lm_head.weight" and hf.get("tie_word_embeddings"):
             continue
+        array = value.numpy().astype(np.float16 if f16 and value.dim() > 1 else np.float32)
         if name in _GLOBAL_NAMES:
-            writer.add_tensor(_GLOBAL_NAMES[name], value.numpy())
+            writer.add_tensor(_GLOBAL_NAMES[name], array)
             continue
         _, _, layer, *module, kind = name.split(".")
         gguf_name = f"blk.{layer}.{_LAYER_NAMES['.'.join(module)]}.{kind}"
-        array = value.numpy()
         if arch == "llama" and kind == "weight" and module[-1] in ("q_proj", "k_proj"):
             array = llama_cpp_permute(array, heads if module[-1] == "q_proj" else kv_heads)
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
