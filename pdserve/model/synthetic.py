@@ -13,9 +13,8 @@ mean ~0 and standard deviation `WEIGHT_STD` (the usual initializer's), which kee
 finite through every layer. Tensors are generated and written one at a time, so writing an 8B
 file holds one tensor in memory, never the model.
 
-Llama 3's rope scaling lives in a `rope_freqs.weight` tensor in llama.cpp's files, which pdserve's
-converter (gguf_convert.py) does not read yet, so it is written only on request
-(`rope_freqs=True`); without it, the file's rope is plain rope at the shape's theta.
+Llama 3's rope scaling lives in a `rope_freqs.weight` tensor in llama.cpp's files; it is written
+on request (`rope_freqs=True`); without it, the file's rope is plain rope at the shape's theta.
 
     pdserve synth --shape llama-1b --type q4_k_m --output llama-1b.q4_k_m.gguf
 """
@@ -49,13 +48,14 @@ class Shape:
     rope_theta: float
     context_length: int
     tie_word_embeddings: bool
-    architecture: str = "llama"  # llama.cpp's name; "qwen2" has Q/K/V biases
+    architecture: str = "llama"  # llama.cpp's name; "qwen2" has Q/K/V biases, "qwen3" Q/K norms
     rms_norm_eps: float = 1e-5
     llama3_rope_factor: float | None = None  # Llama 3.1+ rope scaling (rope_freqs.weight)
+    key_length: int | None = None  # head_dim where it is not hidden_size / num_heads (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.key_length or self.hidden_size // self.num_heads
 
     @property
     def qkv_bias(self) -> bool:
@@ -68,6 +68,7 @@ SHAPES: dict[str, Shape] = {
     "llama-3b": Shape(3072, 28, 24, 8, 8192, 500000.0, 131072, True, llama3_rope_factor=32.0),
     "llama-8b": Shape(4096, 32, 32, 8, 14336, 500000.0, 131072, False, llama3_rope_factor=8.0),
     "qwen2.5-1.5b": Shape(1536, 28, 12, 2, 8960, 1e6, 32768, True, "qwen2", 1e-6),
+    "qwen3-0.6b": Shape(1024, 28, 16, 8, 3072, 1e6, 40960, True, "qwen3", 1e-6, key_length=128),
     # For tests: K-quant rows (256 values) fit every matrix; two layers, GQA, seconds to write.
     "tiny": Shape(256, 2, 4, 2, 512, 10000.0, 2048, True),
 }
@@ -153,6 +154,9 @@ def tensor_specs(shape: Shape, file_type: str, rope_freqs: bool = False) -> list
             if s.qkv_bias:
                 specs.append(vector(f"{b}attn_{part}.bias", rows))
         specs.append(matrix(b + "attn_output.weight", s.hidden_size, q_size, i))
+        if s.architecture == "qwen3":
+            specs.append(vector(b + "attn_q_norm.weight", s.head_dim))
+            specs.append(vector(b + "attn_k_norm.weight", s.head_dim))
         specs.append(vector(b + "ffn_norm.weight", s.hidden_size))
         specs.append(matrix(b + "ffn_gate.weight", s.intermediate_size, s.hidden_size, i))
         specs.append(matrix(b + "ffn_up.weight", s.intermediate_size, s.hidden_size, i))
@@ -214,6 +218,9 @@ def _add_metadata(writer: GGUFWriter, s: Shape, file_type: str, name: str) -> No
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", s.rms_norm_eps)
     writer.add_uint32(f"{arch}.vocab_size", default_vocab_size())
     writer.add_uint32(f"{arch}.rope.dimension_count", s.head_dim)
+    if s.key_length is not None:
+        writer.add_uint32(f"{arch}.attention.key_length", s.key_length)
+        writer.add_uint32(f"{arch}.attention.value_length", s.key_length)
     writer.add_file_type(int(FILE_TYPES[file_type][0]))
     writer.add_quantization_version(2)
     for key, (value, vtype, sub_type) in default_tokenizer_metadata().items():

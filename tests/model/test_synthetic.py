@@ -111,6 +111,20 @@ def test_deep_model_gives_finite_logits_and_the_default_tokenizer(tmp_path):
     assert logits.std() > 0.1  # not collapsed to zero either
 
 
+def test_qwen3_shape_converts_with_its_q_k_norms(tmp_path):
+    """A Qwen3-shaped file (head_dim apart from hidden / heads, per-head Q/K norms) converts
+    and runs like Qwen3's own GGUFs."""
+    shape = replace(SHAPES["qwen3-0.6b"], hidden_size=256, num_layers=2, intermediate_size=512,
+                    num_heads=4, num_kv_heads=2, key_length=128)  # fmt: skip
+    path = write_synthetic_gguf(tmp_path / "qwen3.gguf", shape, "q8_0")
+    model = load_model(convert_gguf(path, tmp_path / "qwen3"))
+    assert model.config.qk_norm and model.config.head_dim == 128
+    assert model.layers[0].self_attn.q_norm.weight.shape == (128,)
+    with torch.no_grad():
+        logits = our_logits(model, [5, 17, 300, 4000])
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
 def test_cli_writes_a_file(tmp_path, capsys):
     from pdserve.cli import main
 
