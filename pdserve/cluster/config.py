@@ -130,6 +130,8 @@ class Pipeline:
     # Prompts (text, or chat message lists) the launcher prefills and pins on every prefill
     # and collocated worker once the cluster is healthy, e.g. the deployment's system prompts.
     warmup_prompts: tuple = knob((), "prompts to prefill and pin once up", cli=False)
+    # Warm them in the shared cache scope, hit by every tenant (docs/tiers.md, "Cache scopes").
+    warmup_shared: bool = knob(False, "warmup_prompts serve every tenant (shared cache scope)")
     # Where the processes run: `local` (this host, the embedded launcher) or `ray` (actors on
     # a Ray cluster, docs/cluster.md). `ray_address`: None starts a local Ray instance.
     placement: str = knob("local", "this host, or actors on a Ray cluster", choices=PLACEMENTS)
@@ -140,6 +142,13 @@ class Pipeline:
     def __post_init__(self) -> None:
         check(self)
         object.__setattr__(self, "warmup_prompts", _warmup_prompts(self.warmup_prompts))
+        tenants = self.api_key and self.cache_scope == "tenant"
+        if self.warmup_prompts and tenants and not self.warmup_shared:
+            raise ValueError(
+                "warmup_prompts would serve no request: with api_key and cache_scope tenant "
+                "every request has its key's scope; set warmup_shared (every tenant hits "
+                "them) or cache_scope shared"
+            )
         if self.adaptive.enabled:
             self._check_adaptive()
             return

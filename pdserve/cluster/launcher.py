@@ -182,7 +182,7 @@ class Cluster:
         """Prefill and pin the pipeline's warm-up prompts on every prefill-capable worker;
         a prompt any worker could not warm is an error of the deployment's config."""
         self._wait_healthy(self.pipeline.startup_timeout_s, every_worker=True)
-        body = warmup_body(prompts)
+        body = warmup_body(prompts, shared=self.pipeline.warmup_shared)
         try:
             answer = send_warmup(self.url, body, self.admin_key,
                                  timeout_s=self.pipeline.startup_timeout_s)  # fmt: skip

@@ -64,12 +64,14 @@ def _is_message(value: Any) -> bool:
     return isinstance(value, dict) and isinstance(value.get("role"), str) and "content" in value
 
 
-def warmup_body(prompts: list[Prompt], chat: bool = False, pin: bool = True) -> dict[str, Any]:
+def warmup_body(
+    prompts: list[Prompt], chat: bool = False, pin: bool = True, shared: bool = False
+) -> dict[str, Any]:
     """The request body; the router answers texts first, then message lists, in this order
-    (see `ordered`)."""
+    (see `ordered`). `shared`: in the shared cache scope, hit by every tenant."""
     if chat:
         prompts = [[{"role": "system", "content": p}] if isinstance(p, str) else p for p in prompts]
-    body: dict[str, Any] = {"pin": pin}
+    body: dict[str, Any] = {"pin": pin, "shared": shared}
     texts = [p for p in prompts if isinstance(p, str)]
     chats = [list(p) for p in prompts if not isinstance(p, str)]
     if texts:
@@ -155,6 +157,9 @@ def add_warmup_parser(sub) -> None:
     p.add_argument("--file", default=None, help="one prompt per line, or .jsonl")
     p.add_argument("--chat", action="store_true", help="text prompts as system messages")
     p.add_argument("--unpin", action="store_true", help="release the pins instead")
+    p.add_argument(
+        "--shared", action="store_true", help="in the shared cache scope: every tenant hits them"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
     p.set_defaults(func=cmd_warmup)
 
@@ -168,7 +173,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
             prompts += read_prompts(args.file)
         if not prompts:
             raise WarmupError("give --prompt (repeatable) and/or --file")
-        body = warmup_body(prompts, args.chat, pin=not args.unpin)
+        body = warmup_body(prompts, args.chat, pin=not args.unpin, shared=args.shared)
         answer = send_warmup(args.url, body, args.admin_key, args.unpin, args.timeout)
     except WarmupError as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)

@@ -8,6 +8,8 @@ import json
 import time
 import urllib.request
 
+import pytest
+
 from tests.cluster.conftest import role, start
 
 PREFIX = [60 + i % 50 for i in range(96)]  # 6 full blocks of 16
@@ -15,7 +17,8 @@ PIPELINE = dict(prefill=role(), decode=role())
 
 
 def cached(url: str, model: str, key: str | None = None, **extra) -> int:
-    """The cached prompt tokens of a request with PREFIX and a different last token."""
+    """The cached prompt tokens of a request with PREFIX and a different last token (or the
+    `prompt` given)."""
     body = {"model": model, "prompt": PREFIX + [40], "max_tokens": 2, "temperature": 0, **extra}
     headers = {"Content-Type": "application/json"}
     if key:
@@ -55,7 +58,8 @@ def test_shared_warmups_are_hit_by_every_tenant(tiny_served_model):
     """A warm-up in the default scope serves no keyed tenant; `"shared": true` serves all,
     and a tenant's continuation past it stays its own."""
     model = str(tiny_served_model)
-    system = "".join(chr(c) for c in PREFIX)  # byte tokens: the same 96 ids as PREFIX
+    system = "".join(chr(c) for c in PREFIX)  # 96 byte tokens: 6 full blocks
+    prompt = system + "Go."
     admin = {"Authorization": "Bearer op", "Content-Type": "application/json"}
 
     def warm(shared: bool) -> dict:
@@ -66,9 +70,21 @@ def test_shared_warmups_are_hit_by_every_tenant(tiny_served_model):
 
     with start(tiny_served_model, api_key="key-a,key-b", admin_key="op", **PIPELINE) as url:
         assert warm(shared=False)["shared"] is False
-        assert cached(url, model, "key-a") == 0
+        assert cached(url, model, "key-a", prompt=prompt) == 0
         answer = warm(shared=True)
         assert answer["shared"] is True
         assert answer["workers"]["prefill-0"][0]["num_pinned_tokens"] == 96
-        assert cached(url, model, "key-b") == 96
-        assert cached(url, model, "key-b", cache_salt="x") == 96
+        assert cached(url, model, "key-b", prompt=prompt) == 96
+        assert cached(url, model, "key-b", prompt=prompt, cache_salt="x") == 96
+
+
+def test_warmup_prompts_no_tenant_could_hit_are_refused():
+    from pdserve.cluster.config import Pipeline
+    from pdserve.cluster.warmup import warmup_body
+
+    keyed = dict(model="m", collocated=role(), api_key="a,b", warmup_prompts=["system"])
+    with pytest.raises(ValueError, match="warmup_shared"):
+        Pipeline(**keyed)
+    assert Pipeline(**keyed, warmup_shared=True).warmup_shared
+    assert Pipeline(**keyed, cache_scope="shared").warmup_prompts == ("system",)
+    assert warmup_body(["s"], shared=True) == {"pin": True, "shared": True, "prompts": ["s"]}
