@@ -145,6 +145,15 @@ def test_native_kernels_generate_what_torch_generates(family):
     assert fast == generate(model_dir)[0]
 
 
+def test_qwen3_one_call_decode_on_every_kernel_variant(lib, tmp_path):
+    """The per-head Q/K norms inside the one-call decode kernel, per ISA variant (the
+    `lib` fixture makes the engine load it): AVX2, AVX-512 and AMX builds alike."""
+    model_dir = make_family(tmp_path, "qwen3")
+    fast, engine = generate(model_dir, "native")
+    assert engine.runner.kernels.isa == lib.isa and engine.runner.model.layers.one_call
+    assert fast == [hf_generate(model_dir, p) for p in PROMPTS]
+
+
 def test_gguf_generates_what_the_hf_directory_generates(family, tmp_path):
     name, model_dir = family
     gguf_path = write_family_gguf(model_dir, FAMILIES[name][2], tmp_path / f"{name}.gguf")
