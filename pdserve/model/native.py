@@ -169,7 +169,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pd_quant_row_bytes.restype = _i64
     lib.pd_quant_rows.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr]
     lib.pd_quant_rows.restype = ctypes.c_int
-    lib.pd_quant_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
+    lib.pd_quant_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64]
     lib.pd_quant_linear.restype = ctypes.c_int
     return lib
 
@@ -205,6 +205,13 @@ class PdLayer(ctypes.Structure):
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
     ]
+
+
+class PdQuantPart(ctypes.Structure):
+    """The C side's `pd_qpart`: one GGUF weight of a fused linear (quant_linear.py)."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("rowmap", ctypes.c_void_p)]  # fmt: skip
 
 
 @dataclass(frozen=True)

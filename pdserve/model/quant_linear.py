@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pdserve.model import native
 from pdserve.model.gguf_convert import BLOCKS
 
 # Up to this many input rows the fused dequantize-and-multiply kernel runs; above it a tile
@@ -80,6 +81,10 @@ class QuantLinear(nn.Module):
         self.lib, self.parts, self.bias = lib, parts, bias
         self.in_features = parts[0].cols
         self.out_features = sum(p.rows for p in parts)
+        self._parts_c = (native.PdQuantPart * len(parts))(*(
+            native.PdQuantPart(p.ptr, p.qtype, p.rows, None if p.rowmap is None
+                               else p.rowmap.data_ptr()) for p in parts
+        ))  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -90,23 +95,22 @@ class QuantLinear(nn.Module):
         x = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.out_features)
-        col = 0
-        for part in self.parts:
-            if m <= QUANT_GEMV_M_MAX:
-                rowmap = None if part.rowmap is None else part.rowmap.data_ptr()
-                rc = self.lib.pd_quant_linear(
-                    x.data_ptr(), m, part.cols, part.ptr, part.qtype, part.rows, rowmap,
-                    y[:, col:].data_ptr(), self.out_features,
-                )  # fmt: skip
-                if rc != 0:
-                    raise MemoryError("the quantized GEMV could not allocate its row buffer")
-            else:
+        if m <= QUANT_GEMV_M_MAX:
+            n, out = len(self.parts), self.out_features
+            rc = self.lib.pd_quant_linear(
+                x.data_ptr(), m, self.in_features, self._parts_c, n, y.data_ptr(), out
+            )
+            if rc != 0:
+                raise MemoryError("the quantized GEMV could not allocate its row buffer")
+        else:
+            col = 0
+            for part in self.parts:
                 tile = max(16, TILE_FLOATS // part.cols)
                 for first in range(0, part.rows, tile):
                     count = min(tile, part.rows - first)
                     w = part.dequantize_rows(self.lib, first, count)
                     y[:, col + first : col + first + count] = x @ w.T
-            col += part.rows
+                col += part.rows
         if self.bias is not None:
             y += self.bias
         return y.to(dtype).view(*lead, self.out_features)

@@ -70,8 +70,9 @@ def test_fused_parts_row_map_and_bias(lib, m):
         bias,
     )
     w = torch.cat([reference(a, Q.Q4_K, 8, 256)[rowmap], reference(b, Q.Q6_K, 5, 256)])
-    x = torch.randn(m, 256)
-    torch.testing.assert_close(linear(x), x @ w.T + bias, rtol=1e-5, atol=1e-5)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    # fp32 sums of 256 products in another order: an error relative to the largest weight
+    torch.testing.assert_close(linear(x), x @ w.T + bias, rtol=1e-5, atol=1e-4 * w.abs().max())
 
 
 def test_embedding_dequantizes_the_looked_up_rows(lib):

@@ -69,39 +69,44 @@ static inline vi vi_iota(int first) {
     return _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 #endif
-/* out = scale * q + bias for VW integer lanes q. */
-static inline void vaffine(vi q, float scale, float bias, float *out) {
-    vstore(out, vfmadd(vcvt_f32(q), vset1(scale), vset1(bias)));
-}
+/* Where dequantized values go: stored to the row buffer `base`, or (x != NULL: a single
+ * input row) multiplied with x at the same offset into `acc` without being stored. */
+typedef struct {
+    float *base;
+    const float *x;
+    vf acc;
+} sink;
 
-/* 32 values scale * q + bias from 32 unsigned bytes. */
-static inline void affine32(const uint8_t *q, float scale, float bias, float *out) {
-    for (int i = 0; i < 32; i += VW) vaffine(vu8(q + i), scale, bias, out + i);
+/* scale * q + bias for VW integer lanes q, at `out` (a position in s->base). */
+static inline void vaffine(sink *s, vi q, float scale, float bias, float *out) {
+    vf v = vfmadd(vcvt_f32(q), vset1(scale), vset1(bias));
+    if (s->x) s->acc = vfmadd(v, vload(s->x + (out - s->base)), s->acc);
+    else vstore(out, v);
 }
 
 /* 16 bytes of nibbles: low ones to out[0..16), high ones to out[16..32). */
-static inline void nibbles32(const uint8_t *qs, float scale, float bias, float *out) {
+static inline void nibbles32(sink *s, const uint8_t *qs, float scale, float bias, float *out) {
     vi m15 = vi_set1(15);
     for (int i = 0; i < 16; i += VW) {
         vi q = vu8(qs + i);
-        vaffine(vi_and(q, m15), scale, bias, out + i);
-        vaffine(vi_srli(q, 4), scale, bias, out + 16 + i);
+        vaffine(s, vi_and(q, m15), scale, bias, out + i);
+        vaffine(s, vi_srli(q, 4), scale, bias, out + 16 + i);
     }
 }
 
-static void row_q4_0(const uint8_t *b, float *out, int64_t nb) {
+static void row_q4_0(const uint8_t *b, float *out, int64_t nb, sink *s) {
     for (int64_t j = 0; j < nb; j++, b += 18, out += 32) {
         float d = h2f(b);
-        nibbles32(b + 2, d, -8.f * d, out);
+        nibbles32(s, b + 2, d, -8.f * d, out);
     }
 }
 
-static void row_q4_1(const uint8_t *b, float *out, int64_t nb) {
-    for (int64_t j = 0; j < nb; j++, b += 20, out += 32) nibbles32(b + 4, h2f(b), h2f(b + 2), out);
+static void row_q4_1(const uint8_t *b, float *out, int64_t nb, sink *s) {
+    for (int64_t j = 0; j < nb; j++, b += 20, out += 32) nibbles32(s, b + 4, h2f(b), h2f(b + 2), out);
 }
 
 /* Q5_0 / Q5_1: `hdr` bytes of fp16 before the 32 high bits. */
-static void row_q5(const uint8_t *b, float *out, int64_t nb, int has_min) {
+static void row_q5(const uint8_t *b, float *out, int64_t nb, int has_min, sink *s) {
     int64_t hdr = has_min ? 4 : 2, bytes = hdr + 20;
     vi m15 = vi_set1(15), one = vi_set1(1);
     for (int64_t j = 0; j < nb; j++, b += bytes, out += 32) {
@@ -114,17 +119,17 @@ static void row_q5(const uint8_t *b, float *out, int64_t nb, int has_min) {
             vi q = vu8(qs + i);
             vi hlo = vi_slli(vi_and(vi_srlv(h, vi_iota(i)), one), 4);
             vi hhi = vi_slli(vi_and(vi_srlv(h, vi_iota(i + 16)), one), 4);
-            vaffine(vi_or(vi_and(q, m15), hlo), d, bias, out + i);
-            vaffine(vi_or(vi_srli(q, 4), hhi), d, bias, out + 16 + i);
+            vaffine(s, vi_or(vi_and(q, m15), hlo), d, bias, out + i);
+            vaffine(s, vi_or(vi_srli(q, 4), hhi), d, bias, out + 16 + i);
         }
     }
 }
 
-static void row_q8_0(const uint8_t *b, float *out, int64_t nb) {
+static void row_q8_0(const uint8_t *b, float *out, int64_t nb, sink *s) {
     for (int64_t j = 0; j < nb; j++, b += 34, out += 32) {
         float d = h2f(b);
         const int8_t *qs = (const int8_t *)(b + 2);
-        for (int i = 0; i < 32; i += VW) vstore(out + i, vmul(vcvt_f32(vbytes(qs + i)), vset1(d)));
+        for (int i = 0; i < 32; i += VW) vaffine(s, vbytes(qs + i), d, 0.f, out + i);
     }
 }
 
@@ -139,7 +144,7 @@ static inline void scale_min_k4(const uint8_t *s, int j, uint8_t *sc, uint8_t *m
 }
 
 /* Q4_K (qh NULL) or Q5_K. */
-static void row_k45(const uint8_t *b, float *out, int64_t nb, int five) {
+static void row_k45(const uint8_t *b, float *out, int64_t nb, int five, sink *s) {
     int64_t bytes = five ? 176 : 144;
     vi m15 = vi_set1(15), one = vi_set1(1);
     for (int64_t j = 0; j < nb; j++, b += bytes, out += 256) {
@@ -157,14 +162,14 @@ static void row_k45(const uint8_t *b, float *out, int64_t nb, int five) {
                     lo = vi_or(lo, vi_slli(vi_and(vi_srli(h, 2 * c), one), 4));
                     hi = vi_or(hi, vi_slli(vi_and(vi_srli(h, 2 * c + 1), one), 4));
                 }
-                vaffine(lo, d * sc0, -dmin * m0, o + i);
-                vaffine(hi, d * sc1, -dmin * m1, o + 32 + i);
+                vaffine(s, lo, d * sc0, -dmin * m0, o + i);
+                vaffine(s, hi, d * sc1, -dmin * m1, o + 32 + i);
             }
         }
     }
 }
 
-static void row_q6_k(const uint8_t *b, float *out, int64_t nb) {
+static void row_q6_k(const uint8_t *b, float *out, int64_t nb, sink *s) {
     vi m15 = vi_set1(15), m3 = vi_set1(3);
     for (int64_t j = 0; j < nb; j++, b += 210, out += 256) {
         const uint8_t *ql = b, *qh = b + 128;
@@ -177,7 +182,7 @@ static void row_q6_k(const uint8_t *b, float *out, int64_t nb) {
                 vi q = vi_and(vi_srli(vu8(lo + i), 4 * (k >> 1)), m15);
                 q = vi_or(q, vi_slli(vi_and(vi_srli(vu8(hi + i), 2 * k), m3), 4));
                 float ds = d * sc[(32 * g + i) / 16]; /* 16 values a scale */
-                vaffine(q, ds, -32.f * ds, out + 32 * g + i);
+                vaffine(s, q, ds, -32.f * ds, out + 32 * g + i);
             }
         }
     }
@@ -199,22 +204,33 @@ static void row_bf16(const uint8_t *b, float *out, int64_t k) {
     }
 }
 
-/* One row of K values of `type` to fp32. */
-static void dequant_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
+/* One row of K values of `type` to fp32 in `out`, or with `x` (block types only) its dot
+ * product with x, returned, nothing stored. */
+static float dequant_row_x(int64_t type, const uint8_t *row, float *out, int64_t K,
+                           const float *x) {
+    sink snk = {out, x, vzero()}, *s = &snk;
     switch (type) {
-    case T_F32: memcpy(out, row, K * sizeof(float)); return;
-    case T_F16: row_f16(row, out, K); return;
-    case T_BF16: row_bf16(row, out, K); return;
-    case T_Q4_0: row_q4_0(row, out, K / 32); return;
-    case T_Q4_1: row_q4_1(row, out, K / 32); return;
-    case T_Q5_0: row_q5(row, out, K / 32, 0); return;
-    case T_Q5_1: row_q5(row, out, K / 32, 1); return;
-    case T_Q8_0: row_q8_0(row, out, K / 32); return;
-    case T_Q4_K: row_k45(row, out, K / 256, 0); return;
-    case T_Q5_K: row_k45(row, out, K / 256, 1); return;
-    case T_Q6_K: row_q6_k(row, out, K / 256); return;
+    case T_F32: memcpy(out, row, K * sizeof(float)); break;
+    case T_F16: row_f16(row, out, K); break;
+    case T_BF16: row_bf16(row, out, K); break;
+    case T_Q4_0: row_q4_0(row, out, K / 32, s); break;
+    case T_Q4_1: row_q4_1(row, out, K / 32, s); break;
+    case T_Q5_0: row_q5(row, out, K / 32, 0, s); break;
+    case T_Q5_1: row_q5(row, out, K / 32, 1, s); break;
+    case T_Q8_0: row_q8_0(row, out, K / 32, s); break;
+    case T_Q4_K: row_k45(row, out, K / 256, 0, s); break;
+    case T_Q5_K: row_k45(row, out, K / 256, 1, s); break;
+    case T_Q6_K: row_q6_k(row, out, K / 256, s); break;
     }
+    return x ? vhsum(snk.acc) : 0.f;
 }
+
+static void dequant_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
+    dequant_row_x(type, row, out, K, NULL);
+}
+
+/* Whether dequant_row_x can take x for `type` (the block types; not F32/F16/BF16). */
+static inline int fuses(int64_t type) { return type != T_F32 && type != T_F16 && type != T_BF16; }
 
 /* Bytes of one K-value row of `type`, or -1 when the type is not handled or K is not a
  * whole number of its blocks. */
@@ -238,13 +254,25 @@ int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, i
     return 0;
 }
 
-/* y[m, ldy * m + j] = x[m] . W[src_j] for j < N, src_j = rowmap[j] (rowmap != NULL, e.g. to
- * undo llama.cpp's Q/K row order) or j; x [M, K] contiguous. Output rows are split across
- * threads; each dequantizes its rows once and takes every x row against each. */
-int pd_quant_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t type,
-                    int64_t N, const int64_t *rowmap, float *y, int64_t ldy) {
-    int64_t rb = pd_quant_row_bytes(type, K);
-    if (rb < 0) return -1;
+/* One weight of a fused linear (native.PdQuantPart): its rows fill the next `rows` output
+ * columns, row j read from rowmap[j] (rowmap != NULL, e.g. to undo llama.cpp's Q/K row
+ * order) or j. */
+typedef struct {
+    const void *w;
+    int64_t type, rows;
+    const int64_t *rowmap;
+} pd_qpart;
+
+/* y[m, j] (row stride ldy) = x[m] . W[j] for the rows W of `parts` [P] one after another;
+ * x [M, K] contiguous. All output rows of all parts are split across the threads in one
+ * parallel region; each thread dequantizes its rows once and takes every x row against each. */
+int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
+                    float *y, int64_t ldy) {
+    int64_t N = 0;
+    for (int64_t p = 0; p < P; p++) {
+        if (pd_quant_row_bytes(parts[p].type, K) < 0) return -1;
+        N += parts[p].rows;
+    }
     int failed = 0;
 #pragma omp parallel PAR_IF(N * K)
     {
@@ -256,8 +284,16 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const void *w, int64_t
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < N; j++) {
             if (!buf) continue;
-            int64_t r = rowmap ? rowmap[j] : j;
-            dequant_row(type, (const uint8_t *)w + r * rb, buf, K);
+            int64_t p = 0, r = j;
+            while (r >= parts[p].rows) r -= parts[p++].rows;
+            if (parts[p].rowmap) r = parts[p].rowmap[r];
+            int64_t rb = pd_quant_row_bytes(parts[p].type, K);
+            const uint8_t *row = (const uint8_t *)parts[p].w + r * rb;
+            if (M == 1 && fuses(parts[p].type)) { /* one input row: nothing stored */
+                y[j] = dequant_row_x(parts[p].type, row, buf, K, x);
+                continue;
+            }
+            dequant_row(parts[p].type, row, buf, K);
             int64_t m = 0;
             for (; m + 4 <= M; m += 4) { /* four x rows per pass over buf */
                 const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;

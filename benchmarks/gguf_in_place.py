@@ -1,0 +1,84 @@
+"""A GGUF read in place (model/gguf_weights.py): batch-1 decode ms/token against the bound the
+machine's read bandwidth sets (weight bytes / bandwidth), 512-token prefill, and the process's
+peak RSS and PSS, through `LLM` as a user runs it.
+
+The read bandwidth is measured in the same run, between the decode rounds (a numpy sum over a
+2 GiB array), so drift on a shared machine hits both alike.
+
+    pdserve synth --shape llama-1b --type q4_k_m --output /tmp/llama-1b.q4_k_m.gguf
+    .venv/bin/python benchmarks/gguf_in_place.py /tmp/llama-1b.q4_k_m.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def read_bandwidth(array: np.ndarray) -> float:
+    """GB/s of a numpy sum over `array` (the best of 2)."""
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        array.sum()
+        best = min(best, time.perf_counter() - t0)
+    return array.nbytes / best / 1e9
+
+
+def proc_kb(field: str, path: str = "/proc/self/status") -> int:
+    for line in open(path):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("gguf", type=Path)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=16, help="decode tokens a round")
+    parser.add_argument("--prefill", type=int, default=512)
+    args = parser.parse_args()
+
+    from pdserve.llm import LLM
+    from pdserve.model.quant_linear import QuantEmbedding, QuantLinear
+    from pdserve.sampling_params import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(str(args.gguf), kv_cache_bytes=256 * 2**20)
+    load_s = time.perf_counter() - t0
+    modules = list(llm.engine.runner.model.modules())
+    if not any(isinstance(m, QuantEmbedding) for m in modules):
+        raise SystemExit(f"{args.gguf} is not read in place (its types keep the fp32 path)")
+    # Bytes a decode step reads: every layer's matrices and the output head (not the table).
+    step_bytes = sum(m.nbytes for m in modules if isinstance(m, QuantLinear))
+    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    array = np.ones(2**29, np.float32)  # 2 GiB
+    gaps, bandwidths = [], []
+    for r in range(args.rounds):
+        bandwidths.append(read_bandwidth(array))
+        stamps = [time.perf_counter() for _ in llm.stream([[1, 2, 3, 4 + r]], greedy)]
+        gaps += list(np.diff(stamps)[1:])  # after the first token: decode steps only
+    del array
+    prompt = [(7 * i) % 40000 + 100 for i in range(args.prefill)]
+    t0 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    prefill_s = time.perf_counter() - t0
+    ms = statistics.median(gaps) * 1e3
+    bw = statistics.median(bandwidths)
+    print(f"load {load_s:.1f} s; weights read a step {step_bytes / 1e6:.0f} MB")
+    print(f"decode batch 1: {ms:.1f} ms/token median of {len(gaps)} "
+          f"({step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read {bw:.1f} GB/s "
+          f"(bound {step_bytes / bw / 1e6:.1f} ms/token, ratio {ms / (step_bytes / bw / 1e6):.2f})")  # fmt: skip
+    print(f"prefill {args.prefill} tokens: {prefill_s:.2f} s")
+    print(f"peak RSS {proc_kb('VmHWM') / 2**20:.2f} GiB; now RSS "
+          f"{proc_kb('Rss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB, "
+          f"PSS {proc_kb('Pss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
