@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,8 +34,9 @@ def process_memory(path: str = SMAPS_ROLLUP) -> tuple[int, int]:
 
 def held_weight_bytes(model: nn.Module) -> int:
     """Bytes of every tensor the model's modules hold: parameters and buffers, and the
-    weight copies linear layers keep outside them (cpu_linear.PackedLinear's oneDNN tensor,
-    its native panels). A tensor shared by two modules (tied embeddings) counts once."""
+    weights linear layers keep outside them (cpu_linear.PackedLinear's oneDNN tensor, its
+    native panels; quant_linear's views of a mapped GGUF file). A tensor shared by two
+    modules (tied embeddings) counts once."""
     seen: set[int] = set()
     total = 0
 
@@ -45,14 +47,30 @@ def held_weight_bytes(model: nn.Module) -> int:
             seen.add(key)
             total += t.numel() * t.element_size()
 
+    def add_array(a: np.ndarray) -> None:
+        nonlocal total
+        key = a.__array_interface__["data"][0]
+        if key not in seen:
+            seen.add(key)
+            total += a.nbytes
+
+    def add_value(value: object) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            add(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                add_value(item)
+        elif hasattr(value, "qtype") and isinstance(value.data, np.ndarray):  # QuantTensor
+            add_array(value.data)
+        elif isinstance(getattr(value, "nbytes", None), int):  # native.PanelWeight
+            total += value.nbytes
+
     for tensor in [*model.parameters(), *model.buffers()]:
         add(tensor)
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, torch.Tensor):
-                add(value)
-            elif isinstance(getattr(value, "nbytes", None), int):  # native.PanelWeight
-                total += value.nbytes
+            add_value(value)
     return total
 
 

@@ -65,3 +65,17 @@ def test_held_weights_count_a_tied_tensor_once_and_packed_copies(tiny_model_dir,
         pack_linears(model, panels=None, onednn=True)
         # The oneDNN copy replaces each linear's weight; the tied embedding stays.
         assert held_weight_bytes(model) >= linears
+
+
+def test_held_weights_of_a_gguf_read_in_place_are_its_mapped_tensors(tmp_path):
+    from pdserve.model.registry import resolve_model
+    from pdserve.model.synthetic import SHAPES, file_bytes, write_synthetic_gguf
+
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", "tiny", "q4_k_m")
+    model = load_model(resolve_model(str(path), cache_dir=tmp_path / "cache"))
+    rope = sum(b.numel() * b.element_size() for b in model.buffers())
+    # The file's tensors once (the tied embedding serves the output too), its norms copied.
+    norms = sum(p.numel() * 4 for p in model.parameters())
+    held = held_weight_bytes(model)
+    assert file_bytes(SHAPES["tiny"], "q4_k_m") + rope <= held
+    assert held <= file_bytes(SHAPES["tiny"], "q4_k_m") + rope + norms
