@@ -6,6 +6,7 @@ that will decode it (local). A pure function of what the router knows and the co
     nothing runs on the decode worker,     -> local   idle_decode   (no one to interfere with)
     and it has every core
     no ITL target and no usable model      -> local   no_itl_slo    (nothing to protect)
+      (unless decodes run and a stall budget is on: the fallback below)
     no usable cost model yet               -> uncached prompt <= fallback_prompt_tokens ?
                                               local fallback_short : remote fallback_long
     local meets the ITL and TTFT budgets   -> local   fits_slo      (collocated's behaviour)
@@ -115,7 +116,11 @@ def decide(
     slo_itl_s: float | None,
     fallback_prompt_tokens: int,
     slo_max_gap_s: float | None = None,
+    stall_budget_on: bool = False,
 ) -> Decision:
+    """`slo_max_gap_s`: the stall budget, None while there is none to apply; `stall_budget_on`:
+    one is in force (set, or derived once the model can price a step), so before the model is
+    usable the prompt-length fallback keeps long prompts off a worker with running decodes."""
     local_tokens = max(1, s.num_prompt_tokens - s.num_cached_decode_tokens)
     remote_tokens = max(1, s.num_prompt_tokens - s.num_cached_prefill_tokens)
     local = Decision(LOCAL, "", num_prefill_tokens=local_tokens)
@@ -133,7 +138,7 @@ def decide(
     slo_itl_s = gap_s if stall_bound else slo_itl_s  # the step budget: the tighter one
     p = predict(s, model, slo_ttft_s, slo_itl_s)
     if p is None:
-        if slo_itl_s is None:
+        if slo_itl_s is None and not (stall_budget_on and s.num_decodes):
             return _as(local, "no_itl_slo")
         if local_tokens <= fallback_prompt_tokens:
             return _as(local, "fallback_short")

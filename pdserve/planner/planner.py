@@ -25,7 +25,7 @@ from pdserve.planner.cores import CoreGroups, Demand, check_deployment, plan_cou
 from pdserve.planner.decision import REMOTE, Decision, Situation, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
 from pdserve.planner.roles import RoleSplit, RoleView
-from pdserve.planner.targets import describe, max_gap_s
+from pdserve.planner.targets import describe, max_gap_s, stall_budget_on
 
 if TYPE_CHECKING:
     from pdserve.router.metrics import AdaptiveMetrics
@@ -136,8 +136,9 @@ class Planner:
         situation = self._situation(route, decode, prefill)
         max_gap = max_gap_s(self.config, self.model, situation.pool_size)
         decision = decide(
-            situation, self.model, slo_ttft, slo_itl, self.config.fallback_prompt_tokens, max_gap
-        )
+            situation, self.model, slo_ttft, slo_itl, self.config.fallback_prompt_tokens, max_gap,
+            stall_budget_on(self.config),
+        )  # fmt: skip
         decision = dataclasses.replace(
             decision, decode_id=decode.worker_id, prefill_id=prefill.worker_id if prefill else ""
         )

@@ -22,8 +22,9 @@ tokens because a prompt prefills beside it. Unset, it is
   512-token chunk takes about 0.6 s on both (docs/adaptive.md): its local prefills fit, as
   on collocated. A 1B model's chunk takes seconds there: that is what the budget catches.
 
-Until the model is usable there is no derived budget, and the decision falls back as it does
-without targets (local: nothing says a stall is worse than halving the prefill's cores).
+Until the model is usable there is no derived budget: with requests decoding the decision
+takes the prompt-length fallback, as with an ITL target (a fresh deployment's first steps
+froze two answers for 5.96 s on a loaded two-core host before it did), and with none, local.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def prefill_tokens_per_s(model: OnlineCostModel, pool_size: int, chunk_tokens: i
     shape = StepShape(chunk_tokens, 0, chunk_tokens * (chunk_tokens + 1) / 2, 0)
     step = model.step_s("prefill", pool_size, shape)
     return chunk_tokens / step if step else None
+
+
+def stall_budget_on(config: AdaptiveConfig) -> bool:
+    """A stall budget is in force: set, or to be derived (only 0 switches it off)."""
+    return config.slo_max_gap_ms != 0
 
 
 def max_gap_s(config: AdaptiveConfig, model: OnlineCostModel, pool_size: int) -> float | None:

@@ -22,7 +22,7 @@ from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import CoreGroups, Cores, Demand, plan_counts
 from pdserve.planner.decision import LOCAL, Situation, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
-from pdserve.planner.targets import max_gap_s
+from pdserve.planner.targets import max_gap_s, stall_budget_on
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.simulator import Simulation, _Flight
 from pdserve.sim.worker import SimWorker
@@ -81,7 +81,7 @@ class AdaptiveSimulation(Simulation):
         decision = decide(
             self._situation(flight, decode), self.model, self._slo_ttft_s, self._slo_itl_s,
             self.adaptive.fallback_prompt_tokens,
-            max_gap_s(self.adaptive, self.model, len(self.pool)),
+            max_gap_s(self.adaptive, self.model, len(self.pool)), stall_budget_on(self.adaptive),
         )  # fmt: skip
         self.decisions[(decision.kind, decision.reason)] += 1
         if decision.kind == LOCAL:

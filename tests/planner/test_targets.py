@@ -18,6 +18,7 @@ from pdserve.planner.targets import (
     STALL_STEP_FACTOR,
     describe,
     max_gap_s,
+    stall_budget_on,
     unloaded_step_s,
 )
 from tests.sim.test_simulator import MODEL
@@ -58,7 +59,8 @@ BESIDE_DECODES = Situation(
 def no_targets(situation: Situation, model: OnlineCostModel, **config):
     adaptive = AdaptiveConfig(enabled=True, **config)
     gap = max_gap_s(adaptive, model, situation.pool_size)
-    return decide(situation, model, None, None, adaptive.fallback_prompt_tokens, gap)
+    on = stall_budget_on(adaptive)
+    return decide(situation, model, None, None, adaptive.fallback_prompt_tokens, gap, on)
 
 
 def test_the_stall_budget_is_ten_unloaded_steps_at_least_a_second():
@@ -103,6 +105,20 @@ def test_with_nothing_running_or_steps_that_fit_the_prefill_stays_local():
     # the operator's budget wins: 5 s holds a 3 s step, 0 switches the budget off
     assert no_targets(BESIDE_DECODES, SLOW, slo_max_gap_ms=5000).kind == LOCAL
     assert no_targets(BESIDE_DECODES, SLOW, slo_max_gap_ms=0).reason == "fits_slo"
+
+
+def test_before_the_model_is_usable_long_prompts_stay_off_running_decodes():
+    # A fresh deployment's first steps: no derived budget yet, but one is on, so the
+    # prompt-length fallback decides while decodes run (over 256 uncached tokens: remote).
+    empty = OnlineCostModel(min_samples=20)
+    d = no_targets(BESIDE_DECODES, empty)
+    assert (d.kind, d.reason) == (REMOTE, "fallback_long")
+    short = dataclasses.replace(BESIDE_DECODES, num_prompt_tokens=200)
+    assert no_targets(short, empty).reason == "fallback_short"
+    # nothing decoding (on the decode worker's share of a held split), or the budget off
+    held = dataclasses.replace(BESIDE_DECODES, num_decodes=0, decode_threads_local=1)
+    assert no_targets(held, empty).reason == "no_itl_slo"
+    assert no_targets(BESIDE_DECODES, empty, slo_max_gap_ms=0).reason == "no_itl_slo"
 
 
 def test_status_says_which_targets_are_set_and_what_the_derived_one_read():
