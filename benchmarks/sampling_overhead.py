@@ -8,6 +8,10 @@ steps in which every request is past its prompt. Rounds alternate the settings (
 machine drifts; alternation makes the ratios fair); the median of the per-round mean step
 times is reported, and each setting's overhead against plain sampling in the same rounds.
 
+The sampling stage alone is timed first (the same three settings on [32, 49152] logits,
+512-token prompts, 32 and 256 output tokens): the milliseconds each adds per step, free of
+the model's own noise.
+
     .venv/bin/python benchmarks/sampling_overhead.py [--model smollm2-135m] [--rounds 5]
 """
 
@@ -48,6 +52,56 @@ def decode_step_ms(llm: LLM, prompts: list[list[int]], params: SamplingParams, t
     return statistics.mean(times) * 1e3
 
 
+def stage_ms(vocab: int, batch: int, prompt_len: int, output_len: int, rounds: int):
+    """The sampling stage alone on [batch, vocab] logits, per setting: sample() after the
+    setting's own work (apply_penalties over histories of prompt_len + output_len tokens,
+    or raw_logprobs + token_logprobs with 5 alternatives). Interleaved; median ms."""
+    import torch
+
+    from pdserve.model.logprobs import raw_logprobs, token_logprobs
+    from pdserve.model.penalties import PenaltyRow, apply_penalties
+    from pdserve.model.sampler import SamplingRow, sample
+
+    rng = random.Random(1)
+    base = torch.randn(batch, vocab) * 4
+    rows = [SamplingRow(0.8, 0, 1.0, 1, output_len) for _ in range(batch)]
+    extra = SETTINGS["penalties"]
+    penalty_rows = [
+        PenaltyRow(
+            i,
+            [rng.randrange(vocab) for _ in range(prompt_len)],
+            [rng.randrange(vocab) for _ in range(output_len)],
+            extra["repetition_penalty"],
+            extra["presence_penalty"],
+            extra["frequency_penalty"],
+            extra["logit_bias"],
+        )
+        for i in range(batch)
+    ]
+    generator = torch.Generator().manual_seed(0)
+
+    def plain(logits):
+        sample(logits, rows, generator)
+
+    def penalties(logits):
+        apply_penalties(logits, penalty_rows)
+        sample(logits, rows, generator)
+
+    def logprobs(logits):
+        raw = raw_logprobs(logits, list(range(batch)))
+        tokens = sample(logits, rows, generator)
+        token_logprobs(raw, tokens, [5] * batch)
+
+    times: dict[str, list[float]] = {"plain": [], "penalties": [], "logprobs": []}
+    for _ in range(rounds):
+        for name, run in (("plain", plain), ("penalties", penalties), ("logprobs", logprobs)):
+            logits = base.clone()
+            start = time.perf_counter()
+            run(logits)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -56,7 +110,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--stage-only", action="store_true", help="the sampling stage alone")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    for output_len in (32, 256):
+        stage = stage_ms(49152, args.batch, 512, output_len, 40)
+        added = {k: v - stage["plain"] for k, v in stage.items()}
+        print(f"sampling stage, batch {args.batch}, vocab 49152, prompt 512, output {output_len}: "
+              + ", ".join(f"{k} {v:.2f} ms" for k, v in stage.items())
+              + f"; added: penalties {added['penalties']:.2f} ms, "
+              f"logprobs {added['logprobs']:.2f} ms per step")  # fmt: skip
+    if args.stage_only:
+        return
     llm = LLM(args.model, **({"threads": args.threads} if args.threads else {}))
     rng = random.Random(0)
     vocab = llm.engine.model_config.vocab_size
