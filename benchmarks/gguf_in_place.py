@@ -71,9 +71,10 @@ def main() -> None:
     ms = statistics.median(gaps) * 1e3
     bw = statistics.median(bandwidths)
     print(f"load {load_s:.1f} s; weights read a step {step_bytes / 1e6:.0f} MB")
+    bound_ms = step_bytes / bw / 1e6
     print(f"decode batch 1: {ms:.1f} ms/token median of {len(gaps)} "
           f"({step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read {bw:.1f} GB/s "
-          f"(bound {step_bytes / bw / 1e6:.1f} ms/token, ratio {ms / (step_bytes / bw / 1e6):.2f})")  # fmt: skip
+          f"(bound {bound_ms:.1f} ms/token, ratio {ms / bound_ms:.2f})")  # fmt: skip
     print(f"prefill {args.prefill} tokens: {prefill_s:.2f} s")
     print(f"peak RSS {proc_kb('VmHWM') / 2**20:.2f} GiB; now RSS "
           f"{proc_kb('Rss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB, "

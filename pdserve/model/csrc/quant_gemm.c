@@ -72,20 +72,21 @@ static inline vi vi_iota(int first) {
 /* Where dequantized values go: stored to the row buffer `base`, or (x != NULL: a single
  * input row) multiplied with x at the same offset into `acc` without being stored. */
 typedef struct {
-    float *base;
-    const float *x;
+    int dot;      /* a constant where the row functions are inlined: no branch remains */
+    intptr_t dx;  /* bytes from a position in the row buffer to the same one in x */
     vf acc;
 } sink;
 
-/* scale * q + bias for VW integer lanes q, at `out` (a position in s->base). */
-static inline void vaffine(sink *s, vi q, float scale, float bias, float *out) {
+/* scale * q + bias for VW integer lanes q, at `out` (a position in the row buffer). */
+static inline __attribute__((always_inline)) void vaffine(sink *s, vi q, float scale,
+                                                          float bias, float *out) {
     vf v = vfmadd(vcvt_f32(q), vset1(scale), vset1(bias));
-    if (s->x) s->acc = vfmadd(v, vload(s->x + (out - s->base)), s->acc);
+    if (s->dot) s->acc = vfmadd(v, vload((const float *)((const char *)out + s->dx)), s->acc);
     else vstore(out, v);
 }
 
 /* 16 bytes of nibbles: low ones to out[0..16), high ones to out[16..32). */
-static inline void nibbles32(sink *s, const uint8_t *qs, float scale, float bias, float *out) {
+static inline __attribute__((always_inline)) void nibbles32(sink *s, const uint8_t *qs, float scale, float bias, float *out) {
     vi m15 = vi_set1(15);
     for (int i = 0; i < 16; i += VW) {
         vi q = vu8(qs + i);
@@ -94,19 +95,19 @@ static inline void nibbles32(sink *s, const uint8_t *qs, float scale, float bias
     }
 }
 
-static void row_q4_0(const uint8_t *b, float *out, int64_t nb, sink *s) {
+static inline __attribute__((always_inline)) void row_q4_0(const uint8_t *b, float *out, int64_t nb, sink *s) {
     for (int64_t j = 0; j < nb; j++, b += 18, out += 32) {
         float d = h2f(b);
         nibbles32(s, b + 2, d, -8.f * d, out);
     }
 }
 
-static void row_q4_1(const uint8_t *b, float *out, int64_t nb, sink *s) {
+static inline __attribute__((always_inline)) void row_q4_1(const uint8_t *b, float *out, int64_t nb, sink *s) {
     for (int64_t j = 0; j < nb; j++, b += 20, out += 32) nibbles32(s, b + 4, h2f(b), h2f(b + 2), out);
 }
 
 /* Q5_0 / Q5_1: `hdr` bytes of fp16 before the 32 high bits. */
-static void row_q5(const uint8_t *b, float *out, int64_t nb, int has_min, sink *s) {
+static inline __attribute__((always_inline)) void row_q5(const uint8_t *b, float *out, int64_t nb, int has_min, sink *s) {
     int64_t hdr = has_min ? 4 : 2, bytes = hdr + 20;
     vi m15 = vi_set1(15), one = vi_set1(1);
     for (int64_t j = 0; j < nb; j++, b += bytes, out += 32) {
@@ -125,7 +126,7 @@ static void row_q5(const uint8_t *b, float *out, int64_t nb, int has_min, sink *
     }
 }
 
-static void row_q8_0(const uint8_t *b, float *out, int64_t nb, sink *s) {
+static inline __attribute__((always_inline)) void row_q8_0(const uint8_t *b, float *out, int64_t nb, sink *s) {
     for (int64_t j = 0; j < nb; j++, b += 34, out += 32) {
         float d = h2f(b);
         const int8_t *qs = (const int8_t *)(b + 2);
@@ -144,7 +145,7 @@ static inline void scale_min_k4(const uint8_t *s, int j, uint8_t *sc, uint8_t *m
 }
 
 /* Q4_K (qh NULL) or Q5_K. */
-static void row_k45(const uint8_t *b, float *out, int64_t nb, int five, sink *s) {
+static inline __attribute__((always_inline)) void row_k45(const uint8_t *b, float *out, int64_t nb, int five, sink *s) {
     int64_t bytes = five ? 176 : 144;
     vi m15 = vi_set1(15), one = vi_set1(1);
     for (int64_t j = 0; j < nb; j++, b += bytes, out += 256) {
@@ -169,7 +170,7 @@ static void row_k45(const uint8_t *b, float *out, int64_t nb, int five, sink *s)
     }
 }
 
-static void row_q6_k(const uint8_t *b, float *out, int64_t nb, sink *s) {
+static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *b, float *out, int64_t nb, sink *s) {
     vi m15 = vi_set1(15), m3 = vi_set1(3);
     for (int64_t j = 0; j < nb; j++, b += 210, out += 256) {
         const uint8_t *ql = b, *qh = b + 128;
@@ -204,11 +205,12 @@ static void row_bf16(const uint8_t *b, float *out, int64_t k) {
     }
 }
 
-/* One row of K values of `type` to fp32 in `out`, or with `x` (block types only) its dot
- * product with x, returned, nothing stored. */
-static float dequant_row_x(int64_t type, const uint8_t *row, float *out, int64_t K,
-                           const float *x) {
-    sink snk = {out, x, vzero()}, *s = &snk;
+/* One row of K values of `type` to fp32 in `out`, or with `dot` (block types only) its dot
+ * product with x, returned, nothing stored. Inlined into the two callers below, so each has
+ * its own copy of every row function with `dot` a constant. */
+static inline __attribute__((always_inline)) float dequant_row_any(
+    int64_t type, const uint8_t *row, float *out, int64_t K, const float *x, int dot) {
+    sink snk = {dot, (intptr_t)x - (intptr_t)out, vzero()}, *s = &snk;
     switch (type) {
     case T_F32: memcpy(out, row, K * sizeof(float)); break;
     case T_F16: row_f16(row, out, K); break;
@@ -222,14 +224,20 @@ static float dequant_row_x(int64_t type, const uint8_t *row, float *out, int64_t
     case T_Q5_K: row_k45(row, out, K / 256, 1, s); break;
     case T_Q6_K: row_q6_k(row, out, K / 256, s); break;
     }
-    return x ? vhsum(snk.acc) : 0.f;
+    return dot ? vhsum(snk.acc) : 0.f;
 }
 
 static void dequant_row(int64_t type, const uint8_t *row, float *out, int64_t K) {
-    dequant_row_x(type, row, out, K, NULL);
+    dequant_row_any(type, row, out, K, out, 0);
 }
 
-/* Whether dequant_row_x can take x for `type` (the block types; not F32/F16/BF16). */
+/* x . row for the block types; `buf` (K floats) only anchors the offsets, nothing is stored. */
+static float dequant_row_dot(int64_t type, const uint8_t *row, float *buf, int64_t K,
+                             const float *x) {
+    return dequant_row_any(type, row, buf, K, x, 1);
+}
+
+/* Whether dequant_row_dot can take for `type` (the block types; not F32/F16/BF16). */
 static inline int fuses(int64_t type) { return type != T_F32 && type != T_F16 && type != T_BF16; }
 
 /* Bytes of one K-value row of `type`, or -1 when the type is not handled or K is not a
@@ -290,7 +298,7 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
             int64_t rb = pd_quant_row_bytes(parts[p].type, K);
             const uint8_t *row = (const uint8_t *)parts[p].w + r * rb;
             if (M == 1 && fuses(parts[p].type)) { /* one input row: nothing stored */
-                y[j] = dequant_row_x(parts[p].type, row, buf, K, x);
+                y[j] = dequant_row_dot(parts[p].type, row, buf, K, x);
                 continue;
             }
             dequant_row(parts[p].type, row, buf, K);
