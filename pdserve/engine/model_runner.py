@@ -142,7 +142,6 @@ class ModelRunner:
         if not out.scheduled:
             return {}
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(out)
-        masks = self.grammars.begin(sample_ids)  # filled while the forward pass runs
         hidden = self.model(input_ids, positions, self.layer_caches, meta, on_layer_done)
         self._keep_scores(out, meta)
         if not sample_ids:
@@ -166,6 +165,7 @@ class ModelRunner:
         penalized = [i for i, r in enumerate(sample_ids) if r.sampling_params.penalized]
         if penalized:  # before the grammar's mask and the temperature (docs/sampling.md)
             apply_penalties(logits, [penalty_row(i, sample_ids[i]) for i in penalized])
+        masks = self.grammars.begin(sample_ids)  # structured outputs (engine/grammar.py)
         if masks is not None:
             masks.apply(logits)
         tokens = sample(logits, rows, self.generator, self._argmax)
