@@ -14,6 +14,10 @@ roofline:
            + c_pairs * sum_i n_i * (p_i + (n_i + 1)/2)   prefill attention (query-key pairs)
            + c_context * sum_j c_j                       decode attention (KV read)
 
+Each sampled row under a structured-output grammar costs `GRAMMAR_ROW_S` more (its token
+mask, filled and applied before sampling, pdserve/engine/grammar.py): a measured constant,
+not a coefficient, so profiles and fits are the same with or without constrained requests.
+
 A step that starts after the worker sat idle costs `wake_s(idle)` more, a curve measured by
 `pdserve profile` (points of idle seconds -> extra seconds, linear between them): on a VM two
 OpenMP threads took 18 ms longer over a 100-token prefill after 0.1 s idle than back to back,
@@ -37,6 +41,10 @@ import numpy as np
 
 from pdserve.schema import check, knob
 
+# Seconds per constrained row and step: catch-up, mask fill, masking a 49,152-entry row and
+# accept, 54-81 us a row at batch 32 (SmolLM2-135M, `benchmarks/grammar_overhead.py`, a
+# 2-core Xeon VM under load).
+GRAMMAR_ROW_S = 60e-6
 FEATURES = ("step", "prefill_tokens", "decode_requests", "tokens_over_knee", "pairs", "context",
             "prefill_sequences")  # fmt: skip
 
@@ -54,6 +62,7 @@ class StepShape:
     # what-ifs describe). On CPU each row's attention runs alone in every layer: a 32-token
     # prefill on two threads took 40 ms against a decode step's 8 (docs/simulator.md).
     prefill_sequences: int | None = None
+    grammar_rows: int = 0  # sampled rows under a structured-output grammar
 
     @property
     def is_empty(self) -> bool:
@@ -69,9 +78,11 @@ class StepShape:
     def of(cls, scheduled: Iterable[tuple[object, int]]) -> StepShape:
         """The shape of a scheduler step: `(request, num_new_tokens)` pairs, each request with
         `num_computed_tokens` (its KV before this step) and `num_dropped_tokens`."""
-        prefill = decode = context = sequences = 0
+        prefill = decode = context = sequences = grammar = 0
         pairs = 0.0
         for request, num_new in scheduled:
+            samples = request.num_computed_tokens + num_new >= len(request.prompt_token_ids)
+            grammar += samples and getattr(request, "grammar", None) is not None
             prior = request.num_computed_tokens - request.num_dropped_tokens
             if num_new == 1 and request.num_computed_tokens >= len(request.prompt_token_ids):
                 decode += 1
@@ -80,7 +91,7 @@ class StepShape:
                 prefill += num_new
                 sequences += 1
                 pairs += num_new * (prior + (num_new + 1) / 2)
-        return cls(prefill, decode, pairs, context, sequences)
+        return cls(prefill, decode, pairs, context, sequences, grammar)
 
 
 @dataclass
@@ -150,6 +161,7 @@ class StepCostModel:
             + c[4] * shape.prefill_attention_pairs
             + c[5] * shape.decode_context_tokens
             + c[6] * shape.num_prefill_sequences
+            + GRAMMAR_ROW_S * shape.grammar_rows
         )
 
     def scaled(self, factor: float) -> StepCostModel:
@@ -166,6 +178,7 @@ class StepCostModel:
     def observe(self, shape: StepShape, step_s: float, weight: float = 1.0) -> None:
         """Add one measured step; `refit()` turns the samples into coefficients."""
         x = np.asarray(self.features(shape))
+        step_s -= GRAMMAR_ROW_S * shape.grammar_rows  # priced apart, never fitted
         self._xtx += weight * np.outer(x, x)
         self._xty += weight * step_s * x
         self.num_samples += 1

@@ -3,7 +3,13 @@ import math
 import pytest
 
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.perf.cost_model import FEATURES, StepCostModel, StepShape, fit_cost_model
+from pdserve.perf.cost_model import (
+    FEATURES,
+    GRAMMAR_ROW_S,
+    StepCostModel,
+    StepShape,
+    fit_cost_model,
+)
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 
@@ -93,3 +99,18 @@ def test_wake_cost_follows_the_measured_curve():
     assert again.wake == model.wake
     with pytest.raises(ValueError, match="wake"):
         StepCostModel([0.01, 0, 0, 0, 0, 0, 0], wake=[(0.1, 0.01), (0.01, 0.002)])
+
+
+def test_constrained_rows_that_sample_are_priced_apart_from_the_fit():
+    decoding, last_chunk, first_chunk = _request(10, 12, 3), _request(20, 8), _request(30, 0)
+    for request in (decoding, last_chunk, first_chunk):
+        request.grammar = object()  # a structured-output matcher (engine/grammar.py)
+    shape = StepShape.of([(decoding, 1), (last_chunk, 12), (first_chunk, 16)])
+    assert shape.grammar_rows == 2  # the first chunk of 16 of 30 samples nothing
+    model = StepCostModel([0.01, 1e-4, 2e-4, 0, 0, 0, 0])
+    plain = StepShape.of([(_request(10, 12, 3), 1), (_request(20, 8), 12), (_request(30, 0), 16)])
+    assert model.predict(shape) == pytest.approx(model.predict(plain) + 2 * GRAMMAR_ROW_S)
+    model.observe(shape, model.predict(shape))  # the fit sees the step without the masks
+    model.observe(plain, model.predict(plain))
+    model.refit()
+    assert model.predict(plain) == pytest.approx(0.01 + 28 * 1e-4 + 2e-4, rel=1e-3)
