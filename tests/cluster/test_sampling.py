@@ -151,11 +151,13 @@ def test_n_shares_one_prefill_and_seeds_each_choice(tiny_served_model, collocate
     assert texts[0] == alone and len(set(texts)) > 1  # sample i is seeded with seed + i
     assert shared["usage"]["prompt_tokens"] == 150
     assert shared["usage"]["completion_tokens"] == 24
-    # Four separate requests at once, on a prompt nobody has cached: each computes it all.
-    other = [rng.randrange(40, 120) for _ in range(150)]
+    # The prompt once, and each other sample only the last partial block (16-token blocks).
+    assert computed_shared <= 150 + 3 * 16, computed_shared
+    # Four separate requests of four prompts, none cached: each computes its prompt whole.
+    others = [[rng.randrange(40, 120) for _ in range(150)] for _ in range(4)]
     before = computed_prompt_tokens(url)
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda _: post(url, "/v1/completions", {**body, "prompt": other}), range(4)))
+        list(pool.map(lambda p: post(url, "/v1/completions", {**body, "prompt": p}), others))
     computed_separate = computed_prompt_tokens(url) - before
     assert computed_separate >= 1.5 * computed_shared, (computed_separate, computed_shared)
 
