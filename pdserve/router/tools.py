@@ -237,6 +237,8 @@ def parse_calls(text: str, spec: ToolSpec) -> tuple[str | None, list[dict[str, A
         kept.append(text[start : match.start()])
         start = match.end()
     content = ("".join(kept) + text[start:]).strip()
+    if calls and spec.choice in ("required", "named"):
+        content = ""  # all calls by grammar: what is left is a call cut short by max_tokens
     return content or None, calls, failed
 
 

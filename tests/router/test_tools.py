@@ -191,3 +191,15 @@ def test_required_and_named_choices_are_enforced_by_a_grammar(tokenizer, choice)
     assert accepts(weather_call) == (choice == "required")
     assert not accepts("Just text.")
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
+
+
+def test_a_required_call_cut_short_is_not_content() -> None:
+    """Under a required choice the grammar allows only calls: a second call that max_tokens
+    cut off is dropped, not returned as text beside the first."""
+    spec = parse(tools=[WEATHER], tool_choice="required").tools
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls, _ = parse_calls(f"{first}\n{first[:-3]}", spec)
+    assert content is None and len(calls) == 1
+    out = asyncio.run(_collect(spec, [first, "\n", first[:-3]], reason="length"))
+    assert "".join(d.text for d in out) == "" and out[-1].finish_reason == "length"
+    assert sum(1 for d in out for e in d.tool_calls or [] if "id" in e) == 1
