@@ -180,6 +180,8 @@ def parse_request(
         tools = parse_tools(body) if chat else None
         if tools is not None:
             tools = attach_tools(tools, chat_template, sampling)
+        if tools is not None and tools.parses and (n > 1 or best_of is not None):
+            raise FieldError("n", "n > 1 and best_of are not supported with tools")
     except FieldError as exc:
         raise ApiError(400, str(exc), param=exc.param) from None
     if not chat and body.get("tools"):

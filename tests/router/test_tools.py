@@ -203,3 +203,10 @@ def test_a_required_call_cut_short_is_not_content() -> None:
     out = asyncio.run(_collect(spec, [first, "\n", first[:-3]], reason="length"))
     assert "".join(d.text for d in out) == "" and out[-1].finish_reason == "length"
     assert sum(1 for d in out for e in d.tool_calls or [] if "id" in e) == 1
+
+
+def test_several_choices_with_tools_are_refused_by_name() -> None:
+    with pytest.raises(ApiError) as info:
+        parse(tools=[WEATHER], n=2)
+    assert info.value.param == "n"
+    assert parse(tools=[WEATHER], tool_choice="none", n=2).tools.choice == "none"
