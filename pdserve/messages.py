@@ -218,6 +218,9 @@ class Tokens:
     # SamplingParams.logprobs set: one per token, [logprob, [[token id, logprob], ...]]
     # (pdserve/model/logprobs.py); a prefill worker's carries the first token's.
     logprobs: list[list[Any]] | None = None
+    # SamplingParams.prompt_logprobs set, with the first token: one per prompt token, None
+    # for the first, else as `logprobs` (computed where the prompt was prefilled).
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass

@@ -88,6 +88,9 @@ class Request:
     # grammar can take no more tokens (the scheduler then ends it with "stop").
     grammar: Any = None
     grammar_done: bool = False
+    # SamplingParams.prompt_logprobs set: one entry per prompt position (None for the first
+    # token), filled chunk by chunk by the prefill and sent with the first token.
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def num_kv_tokens(self) -> int:

@@ -35,6 +35,9 @@ class SamplingParams:
     # Log-probabilities of each sampled token and of this many likeliest alternatives
     # (None: none at all), from the model's raw distribution (docs/sampling.md).
     logprobs: int | None = knob(None, "top alternatives reported with each token", ge=0)
+    # The same for each prompt token after the first (completions' `echo` with `logprobs`):
+    # computed by the prefill, which then skips the prefix cache (docs/sampling.md).
+    prompt_logprobs: int | None = knob(None, "alternatives per prompt token", ge=0, cli=False)
     # Drop low-attention KV past this (None: the deployment's); the engine flag sets that.
     kv_budget_tokens: int | None = knob(None, ge=1, cli=False)
     # Structured output: llguidance's serialized grammar (`grammar_of()` in pdserve/grammar.py).

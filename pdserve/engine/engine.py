@@ -56,6 +56,7 @@ class RequestOutput:
     num_pinned_tokens: int | None = None
     error: str | None = None
     stamps: dict[str, float] | None = None  # Request.stamps taken since its last output
+    prompt_logprobs: list[Any] | None = None  # Request.prompt_logprobs, with the first token
 
 
 class Engine:
@@ -363,6 +364,8 @@ class Engine:
                 request.stamps.setdefault("prefill_end", ended)
             if request.stamps:  # sent once: later outputs carry none
                 output.stamps, request.stamps = request.stamps, {}
+            if request.prompt_logprobs is not None:  # the same
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if request.pin is not None and request.is_finished:
                 warmed = warmup.finish_warmup(self.kv, request)
                 output.num_pinned_tokens, output.num_cached_tokens, output.error = warmed

@@ -25,7 +25,7 @@ from pdserve.model.cpu_fused import can_fuse, fuse_layers
 from pdserve.model.cpu_linear import can_pack, log_panel_formats, pack_linears
 from pdserve.model.kv_cache import layer_caches, row_size, storage_dtype
 from pdserve.model.loader import load_model, torch_dtype
-from pdserve.model.logprobs import TokenLogprobs, raw_logprobs, token_logprobs
+from pdserve.model.logprobs import TokenLogprobs, prompt_logprobs, raw_logprobs, token_logprobs
 from pdserve.model.penalties import apply_penalties, penalty_row
 from pdserve.model.sampler import SamplingRow, sample
 from pdserve.request import Request
@@ -144,6 +144,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sample_ids = self._prepare(out)
         hidden = self.model(input_ids, positions, self.layer_caches, meta, on_layer_done)
         self._keep_scores(out, meta)
+        if any(r.sampling_params.prompt_logprobs is not None for r, _ in out.scheduled):
+            self._prompt_logprobs(out, hidden)
         if not sample_ids:
             return {}
         if len(sample_rows) < hidden.shape[0]:  # rows ascend: as many as rows means all
@@ -184,6 +186,25 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         if any(token_id >= vocab for token_id, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be < vocab size {vocab}")
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """The prompt logprobs of this step's chunk of each request that asks: position p's
+        logits score prompt token p + 1 (the last position's give the first output token,
+        scored as any sampled one). Only before the first output token: a request resumed
+        or recomputed after it already sent them."""
+        row = 0
+        for request, num_new in out.scheduled:
+            start, num_top = request.num_computed_tokens, request.sampling_params.prompt_logprobs
+            end = min(start + num_new, request.num_prompt_tokens - 1)
+            first = not request.output_token_ids and not request.num_prior_output_tokens
+            if num_top is not None and end > start and first:
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = [None] * request.num_prompt_tokens
+                next_ids = request.token_slice(start + 1, end + 1)
+                rows = hidden[row : row + len(next_ids)]
+                found = prompt_logprobs(self.model.compute_logits, rows, next_ids, num_top)
+                request.prompt_logprobs[start + 1 : end + 1] = found
+            row += num_new
 
     def _keep_scores(self, out: SchedulerOutput, meta: AttentionMetadata) -> None:
         """Accumulate each budgeted request's per-block attention (aligned with its

@@ -87,8 +87,8 @@ class KVCacheManager:
         The request's own new blocks are hashed in its scope only: a request never writes
         into the shared scope.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every position's logits: all of it is computed
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes[:max_blocks]

@@ -36,3 +36,23 @@ def token_logprobs(
     return [
         [chosen[j], [[ids[j][i], values[j][i]] for i in range(n)]] for j, n in enumerate(num_top)
     ]
+
+
+# Prompt positions whose logits exist at once: 256 x 49,152 fp32 (SmolLM2) = 48 MiB, where a
+# 4,096-token prompt's whole [T, V] would be 805 MB.
+PROMPT_SLICE_ROWS = 256
+
+
+def prompt_logprobs(
+    compute_logits, hidden: torch.Tensor, next_ids: list[int], num_top: int
+) -> list[TokenLogprobs]:
+    """For row t of `hidden` [T, H] (a prompt position's last hidden state): the raw logprob
+    of `next_ids[t]`, the prompt's next token, and the `num_top` likeliest tokens there. The
+    logits are computed `PROMPT_SLICE_ROWS` positions at a time; only the selected values
+    are kept."""
+    found: list[TokenLogprobs] = []
+    for i in range(0, len(next_ids), PROMPT_SLICE_ROWS):
+        ids = next_ids[i : i + PROMPT_SLICE_ROWS]
+        logprobs = torch.log_softmax(compute_logits(hidden[i : i + len(ids)]).float(), dim=-1)
+        found += token_logprobs(logprobs, ids, [num_top] * len(ids))
+    return found

@@ -295,7 +295,7 @@ class Worker:
                 out.finish_reason.value if finished else None,
                 out.num_prompt_tokens, out.num_cached_tokens,
                 num_pinned_tokens=out.num_pinned_tokens, stamps=out.stamps,
-                logprobs=self._logprobs(out),
+                logprobs=self._logprobs(out), prompt_logprobs=out.prompt_logprobs,
             ))  # fmt: skip
 
     def _logprobs(self, out: RequestOutput) -> list[list[float | list]] | None:
