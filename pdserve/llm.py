@@ -146,7 +146,7 @@ class LLM:
             for i, (ids, params) in enumerate(zip(prompt_ids, params_list)):
                 request_id = f"llm-{next(self._ids)}"
                 index[request_id] = i
-                processor.add_request(request_id, params.stop)
+                processor.add_request(request_id, params.stop, params.min_tokens)
                 self.engine.add_request(request_id, ids, params)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

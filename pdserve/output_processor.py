@@ -22,6 +22,7 @@ class TextState:
     detokenizer: IncrementalDetokenizer
     stop: tuple[str, ...]
     hold_back: int  # characters that may still begin a stop string
+    min_tokens: int = 0  # no stop string ends before the token after this many (vLLM's rule)
     pending: str = ""  # text not returned yet; at most hold_back chars between calls
     stopped: bool = False
     token_ids: list[int] = field(default_factory=list)
@@ -38,9 +39,10 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, TextState] = {}
 
-    def add_request(self, request_id: str, stop: tuple[str, ...] = ()) -> None:
+    def add_request(self, request_id: str, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         hold_back = max((len(s) for s in stop), default=1) - 1
-        self.states[request_id] = TextState(self.tokenizer.detokenizer(), tuple(stop), hold_back)
+        detokenizer = self.tokenizer.detokenizer()
+        self.states[request_id] = TextState(detokenizer, tuple(stop), hold_back, min_tokens)
 
     def process(self, request_id: str, new_token_ids: list[int], finished: bool) -> TextDelta:
         """Feed new tokens; returns the text that may be sent now. After a stop-string match
@@ -67,11 +69,16 @@ class OutputProcessor:
     def _add_text(state: TextState, text: str, ready: list[str]) -> bool:
         """Append `text`, cut at a stop string, move what can no longer start one to `ready`.
         A match ending in `text` starts within the held-back tail, so only `pending` is
-        searched."""
+        searched, and only for matches that end in `text`: until the output holds more than
+        `min_tokens` tokens none is looked for, and text from then cannot end one later."""
         if not text:
             return False
+        old = len(state.pending)
         state.pending += text
-        hits = [i for s in state.stop if (i := state.pending.find(s)) >= 0]
+        hits = []
+        if len(state.token_ids) > state.min_tokens:
+            starts = ((s, max(0, old - len(s) + 1)) for s in state.stop)
+            hits = [i for s, start in starts if (i := state.pending.find(s, start)) >= 0]
         if hits:
             state.pending = state.pending[: min(hits)]
             state.stopped = True

@@ -13,9 +13,9 @@ def tokenizer(tmp_path_factory):
     return Tokenizer(write_tiny_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
-def stream(tokenizer, text: str, stop=()):
+def stream(tokenizer, text: str, stop=(), min_tokens=0):
     proc = OutputProcessor(tokenizer)
-    proc.add_request("r", tuple(stop))
+    proc.add_request("r", tuple(stop), min_tokens)
     ids = tokenizer.encode(text)
     out = []
     for i, token in enumerate(ids):
@@ -38,6 +38,16 @@ def test_stop_string_spanning_tokens_is_cut_and_not_returned(tokenizer):
 def test_earliest_of_several_stops_wins(tokenizer):
     text, stopped = stream(tokenizer, "abc STOP xyz HALT", stop=["HALT", "STOP"])
     assert stopped and text == "abc "
+
+
+def test_no_stop_string_ends_within_min_tokens(tokenizer):
+    """vLLM's rule: a stop string counts once the output holds more than min_tokens tokens,
+    and only a match ending in a token from then on (one already passed is not found later)."""
+    text = "ab END cd END ef"
+    assert len(tokenizer.encode(text)) == len(text)  # one token per character here
+    assert stream(tokenizer, text, ["END"], min_tokens=5) == ("ab ", True)  # ends in token 6
+    assert stream(tokenizer, text, ["END"], min_tokens=6) == ("ab END cd ", True)
+    assert stream(tokenizer, text, ["END"], min_tokens=13) == (text, False)
 
 
 def test_partial_stop_prefix_is_released_at_the_end(tokenizer):

@@ -21,7 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.router import responses
-from pdserve.router.driver import Delta, RequestDriver
+from pdserve.router.delta import Delta
+from pdserve.router.driver import RequestDriver
 from pdserve.router.protocol import ApiError, ApiRequest
 from pdserve.sampling_params import SamplingParams
 

@@ -34,11 +34,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from pdserve import messages
 from pdserve.output_processor import OutputProcessor
+from pdserve.router.delta import Delta
 from pdserve.router.fallbacks import FallbackMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, bad_gateway, sampling_to_wire, unavailable
@@ -52,13 +52,6 @@ log = logging.getLogger(__name__)
 _TERMINAL_REASONS = ("stop", "length", "abort")
 _POLL_S = 0.5  # how often a waiting request checks that its workers are still alive
 _GENERATE_ROLES = ("collocated", "decode", "prefill")  # who can run a whole request
-
-
-@dataclass
-class Delta:
-    text: str
-    finish_reason: str | None  # set on the last delta only
-    logprobs: list[list[Any]] | None = None  # per token: [id, logprob, top] (router/logprobs.py)
 
 
 class RequestDriver:
@@ -93,7 +86,7 @@ class RequestDriver:
         self._stalled: set[str] = set()  # missed a deadline: never picked again for this request
         self._decode_id, self._yielded = "", False
         self.adaptive = AdaptiveRequest(plane, self.key, cache_salt)  # no-ops unless adaptive
-        processor.add_request(self.key, params.stop)
+        processor.add_request(self.key, params.stop, params.min_tokens)
 
     async def stream(self) -> AsyncIterator[Delta]:
         """Text deltas until the request ends. Raises ApiError (503 no capacity, 400 refused,
@@ -341,9 +334,10 @@ class RequestDriver:
         text = self.processor.process(self.key, token_ids, finished=ended)
         self.num_output_tokens = len(self.processor.states[self.key].token_ids)
         lp = tokens.logprobs and [[t, *e] for t, e in zip(token_ids, tokens.logprobs)]
-        if text.stopped or worker_done:
-            return Delta(text.text, "stop" if text.stopped else tokens.finish_reason or "stop", lp)
-        return Delta(text.text, "length" if hit_length else None, lp)
+        reason = "stop" if text.stopped else tokens.finish_reason or "stop"
+        if not (text.stopped or worker_done):
+            reason = "length" if hit_length else None
+        return Delta(text.text, reason, lp, tokens.prompt_logprobs)
 
     def _check_alive(self) -> None:
         for worker_id, epoch in [*self.outstanding.items(), *self.senders.items()]:
