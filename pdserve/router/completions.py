@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,9 @@ from pdserve.output_processor import OutputProcessor
 from pdserve.router import protocol, responses
 from pdserve.router.choices import run_choices
 from pdserve.router.config import RouterConfig
+from pdserve.router.delta import Delta
 from pdserve.router.driver import RequestDriver
+from pdserve.router.echo import echoed
 from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
@@ -145,7 +147,7 @@ async def _whole(
     request: web.Request, api: ApiRequest, driver: RequestDriver, ctx: responses.ResponseContext
 ) -> tuple[web.StreamResponse, None]:
     text, finish_reason, entries = [], None, []
-    async for delta in driver.stream():
+    async for delta in _deltas(request, api, driver):
         text.append(delta.text)
         finish_reason = delta.finish_reason
         entries += delta.logprobs or []
@@ -164,7 +166,7 @@ async def _stream(
     """SSE. Headers go out with the first token, so admission errors (503, 400) are still
     plain HTTP errors; a failure after that becomes an error event before [DONE] (and is
     returned, the status line being long gone)."""
-    deltas = driver.stream()
+    deltas = _deltas(request, api, driver)
     if api.tools is not None and api.tools.parses:
         failures = request.app[STATE].metrics.tool_call_parse_failures
         deltas = tool_deltas(api.tools, deltas, failures.inc)
@@ -202,6 +204,14 @@ def _chunk(
     if timing is not None and delta.finish_reason is not None:
         body["pdserve_timing"] = timing.report(ctx.id)
     return responses.sse(body)
+
+
+def _deltas(request: web.Request, api: ApiRequest, driver: RequestDriver) -> AsyncIterator[Delta]:
+    """The driver's deltas, the prompt echoed before them when asked (router/echo.py)."""
+    if not api.echo:
+        return driver.stream()
+    tokenizer, scored = request.app[STATE].tokenizer, driver.params.prompt_logprobs is not None
+    return echoed(driver.stream(), api, driver.prompt_token_ids, tokenizer, scored)
 
 
 def _usage(driver: RequestDriver) -> dict[str, Any]:

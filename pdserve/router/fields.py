@@ -96,7 +96,7 @@ FIELDS: dict[str, Field] = {
     "best_of": _implemented(COMPLETIONS, "protocol.py (_OFF_VALUES: 1 only)"),
     "suffix": _implemented(COMPLETIONS, "protocol.py (_OFF_VALUES: empty only)"),
     # ---- vLLM extensions --------------------------------------------------------------------
-    "echo": _implemented(BOTH, "protocol.py (_OFF_VALUES: false only)"),
+    "echo": _implemented(BOTH, "completions: the prompt before the completion (echo.py)"),
     "top_k": _implemented(BOTH, "SamplingParams"),
     "min_tokens": _implemented(BOTH, "SamplingParams"),
     "repetition_penalty": _implemented(BOTH, "pdserve/model/penalties.py"),
@@ -119,7 +119,7 @@ FIELDS: dict[str, Field] = {
     "skip_special_tokens": _refused(BOTH, "special tokens are skipped", True),
     "spaces_between_special_tokens": _refused(BOTH, "the detokenizer's default", True),
     "truncate_prompt_tokens": _refused(BOTH, "an over-long prompt is a 400, never cut"),
-    "prompt_logprobs": _refused(BOTH, "no prompt logprobs"),
+    "prompt_logprobs": _refused(BOTH, "completions: echo with logprobs scores the prompt"),
     "allowed_token_ids": _refused(BOTH, "use logit_bias or a grammar"),
     "bad_words": _refused(BOTH, "use logit_bias"),
     "priority": _refused(BOTH, "first come, first served", 0),

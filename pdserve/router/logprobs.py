@@ -4,7 +4,8 @@ Chat: `choices[].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [
 logprob, bytes}]}]}`. Completions: `choices[].logprobs = {tokens, token_logprobs,
 top_logprobs: [{token: logprob}], text_offset}`. A token's text is the token decoded alone
 (a piece of a multi-byte character decodes to U+FFFD, as in vLLM); `bytes` are that text's
-UTF-8. The values are of the model's raw distribution (pdserve/model/logprobs.py).
+UTF-8. The values are of the model's raw distribution (pdserve/model/logprobs.py). An echoed
+prompt's first token has neither logprob nor alternatives: None (router/echo.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class LogprobsFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": [logprob for _, logprob, _ in entries],
-            "top_logprobs": [{self._text(t): lp for t, lp in top} for _, _, top in entries],
+            "top_logprobs": [
+                None if top is None else {self._text(t): lp for t, lp in top}
+                for _, _, top in entries
+            ],
             "text_offset": offsets,
         }

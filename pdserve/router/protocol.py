@@ -20,7 +20,12 @@ from typing import Any
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.fields import check_fields
-from pdserve.router.sampling_fields import parse_logit_bias, parse_logprobs, parse_samples
+from pdserve.router.sampling_fields import (
+    parse_echo,
+    parse_logit_bias,
+    parse_logprobs,
+    parse_samples,
+)
 from pdserve.router.structured import FieldError, parse_structured
 from pdserve.router.tools import ToolSpec, parse_tools
 from pdserve.router.tools import attach as attach_tools
@@ -79,13 +84,12 @@ class ApiRequest:
     tools: ToolSpec | None = None  # chat only (router/tools.py)
     n: int = 1  # choices returned (router/choices.py)
     best_of: int | None = None  # completions: samples drawn, the n likeliest returned
+    echo: bool = False  # completions: the prompt before the completion (router/echo.py)
 
 
 # Fields we do not implement: accepted only at their "off" value, else a 400 naming them
 # (silently ignoring e.g. logprobs would return a response the client did not ask for).
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "suffix": (None, ""),
-}  # fmt: skip
+_OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": (None, "")}
 
 
 def check_model(model: Any, served_model: str) -> None:
@@ -176,6 +180,8 @@ def parse_request(
         sampling["logprobs"] = parse_logprobs(body, chat, config.max_logprobs)
         sampling["logit_bias"] = parse_logit_bias(body, config.max_logit_bias)
         n, best_of = parse_samples(body, chat, stream, config.max_n)
+        echo = parse_echo(body, chat, max_tokens, n, best_of)
+        sampling["prompt_logprobs"] = sampling["logprobs"] if echo else None
         sampling.update(parse_structured(body))
         tools = parse_tools(body) if chat else None
         if tools is not None:
@@ -187,7 +193,7 @@ def parse_request(
     if not chat and body.get("tools"):
         raise ApiError(400, "tools are supported on /v1/chat/completions only", param="tools")
     return ApiRequest(chat, model, prompt, messages, max_tokens, sampling, stream, include_usage,
-                      tools, n, best_of)  # fmt: skip
+                      tools, n, best_of, echo)  # fmt: skip
 
 
 def check_prompt_chars(
@@ -226,6 +232,8 @@ def finalize_sampling(
     if max_tokens is None:
         max_tokens = 16 if not request.chat or room is None else room
         max_tokens = max_tokens if room is None else min(max_tokens, room)
+    elif max_tokens == 0 and request.echo:
+        max_tokens = 1  # as vLLM: one token is generated and dropped (router/echo.py)
     elif room is not None and max_tokens > room and max_tokens >= 1:
         what = (
             f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "

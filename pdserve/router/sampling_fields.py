@@ -1,6 +1,7 @@
 """OpenAI's sampling fields that are not SamplingParams as they stand: `logit_bias` (a JSON
 object keyed by token id strings), `logprobs`/`top_logprobs` (two spellings, chat and
-completions), `n` and `best_of` (how many samples; router/choices.py runs them). Each
+completions), `n` and `best_of` (how many samples; router/choices.py runs them), `echo`
+(router/echo.py). Each
 refusal is a FieldError naming the field, which protocol.py answers with a 400."""
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ def parse_samples(
     if stream and best_of > n:
         raise FieldError("best_of", "best_of > n cannot be streamed")
     return n, best_of
+
+
+def parse_echo(
+    body: dict[str, Any], chat: bool, max_tokens: int | None, n: int, best_of: int | None
+) -> bool:
+    """Completions' `echo` (router/echo.py): a boolean, false on chat (vLLM's chat echo
+    repeats the last message, another feature), with one choice. `max_tokens: 0` (score the
+    prompt, generate nothing) needs it."""
+    echo = _typed(body, "echo", bool) or False
+    if echo and chat:
+        raise FieldError("echo", "echo is supported on /v1/completions only")
+    if echo and (n > 1 or best_of is not None):
+        raise FieldError("echo", "echo is supported with one choice only (n = 1, no best_of)")
+    if max_tokens == 0 and not echo:
+        raise FieldError("max_tokens", "max_tokens must be >= 1 (0 only with echo: true)")
+    return echo
 
 
 def _typed(body: dict[str, Any], name: str, kind: type) -> Any:

@@ -192,3 +192,69 @@ def test_best_of_returns_the_likeliest_and_the_client_parses_n(tiny_served_model
         client.completions.create(model=model, prompt="hi", best_of=2, stream=True)
     with pytest.raises(openai.BadRequestError, match="n must be in"):
         client.completions.create(model=model, prompt="hi", n=17)
+
+
+def echo_answers(url: str, model: str) -> tuple[dict, dict]:
+    """A 37-token prompt echoed and scored with 4 tokens after it, and with none
+    (`max_tokens: 0`: the prompt alone, as evaluation harnesses score one)."""
+    body = {"model": model, "prompt": [70 + i % 30 for i in range(37)], "echo": True,
+            "logprobs": 2, **GREEDY}  # fmt: skip
+    whole = post(url, "/v1/completions", {**body, "max_tokens": 4})["choices"][0]
+    only = post(url, "/v1/completions", {**body, "max_tokens": 0})["choices"][0]
+    return whole, only
+
+
+def test_echo_scores_the_prompt_and_1p1d_equals_collocated(tiny_served_model, collocated):
+    url, _ = collocated
+    model = str(tiny_served_model)
+    # The prompt of bodies(): the collocated worker holds its blocks, which echo recomputes.
+    whole, only = echo_answers(url, model)
+    body = {"model": model, "prompt": [70 + i % 30 for i in range(37)], "max_tokens": 4,
+            "logprobs": 2, **GREEDY}  # fmt: skip
+    plain = post(url, "/v1/completions", body)["choices"][0]
+    lp, lp_only = whole["logprobs"], only["logprobs"]
+    assert whole["text"] == only["text"] + plain["text"] and only["finish_reason"] == "length"
+    assert len(lp["tokens"]) == 41 and lp["token_logprobs"][0] is None
+    # Keyed by token text: two byte tokens that each decode to U+FFFD share one key.
+    assert lp["top_logprobs"][0] is None and all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
+    assert lp["tokens"][37:] == plain["logprobs"]["tokens"]
+    assert lp["token_logprobs"][37:] == pytest.approx(plain["logprobs"]["token_logprobs"])
+    assert lp["text_offset"][37] == len(only["text"])  # the completion's offsets follow on
+    assert lp_only["tokens"] == lp["tokens"][:37]
+    assert lp_only["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:37], abs=1e-5)
+    with start(tiny_served_model, prefill=role(), decode=role()) as pd_url:
+        # Twice: cold, then with both workers' caches holding the prompt.
+        for _ in range(2):
+            for mine, theirs in zip(echo_answers(pd_url, model), (whole, only)):
+                assert mine["text"] == theirs["text"]
+                assert mine["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+                values = mine["logprobs"]["token_logprobs"]
+                expected = theirs["logprobs"]["token_logprobs"]
+                assert values[0] is None and values[1:] == pytest.approx(expected[1:], abs=1e-4)
+
+
+def test_openai_client_parses_an_echo_completion(tiny_served_model, collocated):
+    url, _ = collocated
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    model, prompt = str(tiny_served_model), "hello there"
+    for max_tokens in (0, 1):
+        completion = client.completions.create(model=model, prompt=prompt, echo=True,
+                                               logprobs=2, max_tokens=max_tokens)  # fmt: skip
+        choice, num_prompt = completion.choices[0], completion.usage.prompt_tokens
+        lp = choice.logprobs
+        assert choice.text.startswith(prompt) and (choice.text == prompt) == (max_tokens == 0)
+        assert len(lp.tokens) == len(lp.token_logprobs) == num_prompt + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.text_offset[0] == 0 and all(v <= 0 for v in lp.token_logprobs[1:])
+    stream = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2,
+                                       max_tokens=3, temperature=0, stream=True)  # fmt: skip
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text.startswith(prompt)
+    assert len(chunks[0].logprobs.tokens) == num_prompt + 1  # the prompt and the first token
+    whole = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2,
+                                      max_tokens=3, temperature=0)  # fmt: skip
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    streamed = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == whole.choices[0].logprobs.tokens
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model=model, prompt=prompt, echo=True, n=2)

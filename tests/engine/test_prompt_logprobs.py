@@ -78,7 +78,8 @@ def test_a_cached_prompt_is_recomputed_for_its_logprobs(tiny_model_dir):
 @pytest.mark.parametrize("cached", [False, True], ids=["cold", "decode-holds-prefix"])
 def test_a_prefill_worker_sends_the_collocated_prompt_logprobs(tiny_model_dir, cached):
     batch = prompts(3, lo=12, hi=30)
-    collocated = first_outputs(Engine(config(), tiny_model_dir), {str(i): p for i, p in enumerate(batch)})
+    engine = Engine(config(), tiny_model_dir)
+    collocated = first_outputs(engine, {str(i): p for i, p in enumerate(batch)})
     pair = Pair(tiny_model_dir, "shm", "full", long_prefill_token_threshold=6)
     seen = []
     step = pair.p.step

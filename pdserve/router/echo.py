@@ -1,0 +1,56 @@
+"""Completions' `echo`: the response's text starts with the prompt's, and with `logprobs` the
+prompt's tokens are scored too (OpenAI's legacy completions and vLLM): the first prompt token
+with a null logprob and null alternatives, each later one with its logprob under the model
+given the tokens before it. The prefill computes them (SamplingParams.prompt_logprobs, the
+same number of alternatives as `logprobs`) and sends them with the first token; streamed,
+the first chunk carries the prompt.
+
+`max_tokens: 0` (score a prompt without generating, as evaluation harnesses do) runs as
+vLLM runs it: the workers generate one token, which is dropped here; the answer is the
+prompt alone, finish_reason "length", and usage counts that token (it was computed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router.delta import Delta
+from pdserve.router.protocol import ApiRequest, bad_gateway
+
+
+async def echoed(
+    deltas: AsyncIterator[Delta],
+    api: ApiRequest,
+    prompt_ids: list[int],
+    tokenizer: Tokenizer,
+    scored: bool,
+) -> AsyncIterator[Delta]:
+    """`deltas` with the prompt before the first: its text and (`scored`) its tokens'
+    logprobs entries ahead of the first token's."""
+    generate, first = api.max_tokens != 0, True
+    async for delta in deltas:
+        if not first:
+            if generate:
+                yield delta
+            continue
+        first = False
+        text = api.prompt if isinstance(api.prompt, str) else None
+        text = tokenizer.decode(prompt_ids, skip_special_tokens=False) if text is None else text
+        entries = prompt_entries(prompt_ids, delta.prompt_logprobs) if scored else None
+        if not generate:
+            yield Delta(text, "length", entries)
+            continue
+        if entries is not None:
+            entries += delta.logprobs or []
+        yield Delta(text + delta.text, delta.finish_reason, entries)
+
+
+def prompt_entries(prompt_ids: list[int], found: list[Any] | None) -> list[list[Any]]:
+    """[[token id, logprob, [[id, logprob], ...]]] per prompt token, the first one's logprob
+    and alternatives None (router/logprobs.py formats them)."""
+    if found is None or len(found) != len(prompt_ids):
+        got = "none" if found is None else f"{len(found)} for {len(prompt_ids)} tokens"
+        raise bad_gateway(f"the worker sent no prompt logprobs with the first token ({got})")
+    return [[prompt_ids[0], None, None]] + [[t, *e] for t, e in zip(prompt_ids[1:], found[1:])]
