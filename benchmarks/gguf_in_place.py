@@ -6,7 +6,7 @@ The read bandwidth is measured in the same run, between the decode rounds (a num
 2 GiB array), so drift on a shared machine hits both alike.
 
     pdserve synth --shape llama-1b --type q4_k_m --output /tmp/llama-1b.q4_k_m.gguf
-    .venv/bin/python benchmarks/gguf_in_place.py /tmp/llama-1b.q4_k_m.gguf
+    .venv/bin/python benchmarks/gguf_in_place.py /tmp/llama-1b.q4_k_m.gguf [--compare]
 """
 
 from __future__ import annotations
@@ -42,9 +42,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens a round")
     parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument(
+        "--compare", action="store_true",
+        help="alternate each round between int8 activations (the default) and fp32 ones",
+    )  # fmt: skip
     args = parser.parse_args()
 
     from pdserve.llm import LLM
+    from pdserve.model import quant_linear
     from pdserve.model.quant_linear import QuantEmbedding, QuantLinear
     from pdserve.sampling_params import SamplingParams
 
@@ -58,23 +63,31 @@ def main() -> None:
     step_bytes = sum(m.nbytes for m in modules if isinstance(m, QuantLinear))
     greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     array = np.ones(2**29, np.float32)  # 2 GiB
-    gaps, bandwidths = [], []
+    modes = {"int8": quant_linear.INT8_M_MAX}
+    if args.compare:
+        modes["fp32"] = 0
+    gaps, bandwidths = {mode: [] for mode in modes}, []
     for r in range(args.rounds):
         bandwidths.append(read_bandwidth(array))
-        stamps = [time.perf_counter() for _ in llm.stream([[1, 2, 3, 4 + r]], greedy)]
-        gaps += list(np.diff(stamps)[1:])  # after the first token: decode steps only
+        for mode, m_max in modes.items():
+            quant_linear.INT8_M_MAX = m_max
+            stamps = [time.perf_counter() for _ in llm.stream([[1, 2, 3, 4 + r]], greedy)]
+            gaps[mode] += list(np.diff(stamps)[1:])  # after the first token: decode steps only
+    quant_linear.INT8_M_MAX = modes["int8"]
     del array
     prompt = [(7 * i) % 40000 + 100 for i in range(args.prefill)]
     t0 = time.perf_counter()
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
     prefill_s = time.perf_counter() - t0
-    ms = statistics.median(gaps) * 1e3
     bw = statistics.median(bandwidths)
     print(f"load {load_s:.1f} s; weights read a step {step_bytes / 1e6:.0f} MB")
     bound_ms = step_bytes / bw / 1e6
-    print(f"decode batch 1: {ms:.1f} ms/token median of {len(gaps)} "
-          f"({step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read {bw:.1f} GB/s "
-          f"(bound {bound_ms:.1f} ms/token, ratio {ms / bound_ms:.2f})")  # fmt: skip
+    for mode, mode_gaps in gaps.items():
+        ms = statistics.median(mode_gaps) * 1e3
+        print(f"decode batch 1, {mode} activations: {ms:.1f} ms/token median of "
+              f"{len(mode_gaps)} ({step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read "
+              f"{bw:.1f} GB/s (bound {bound_ms:.1f} ms/token, "
+              f"ratio {ms / bound_ms:.2f})")  # fmt: skip
     print(f"prefill {args.prefill} tokens: {prefill_s:.2f} s")
     print(f"peak RSS {proc_kb('VmHWM') / 2**20:.2f} GiB; now RSS "
           f"{proc_kb('Rss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB, "

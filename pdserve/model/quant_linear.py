@@ -24,6 +24,12 @@ from pdserve.model.gguf_convert import BLOCKS
 # Up to this many input rows the fused dequantize-and-multiply kernel runs; above it a tile
 # of weight rows is dequantized once and multiplied by PyTorch's GEMM.
 QUANT_GEMV_M_MAX = 16
+# Up to this many input rows, Q4_K, Q6_K and Q8_0 weights take each input row quantized to
+# int8 (per 256 or 32 values) with integer dot products (csrc/quant_dot.c), as llama.cpp
+# does; other types, and these past it, dequantize to fp32 (docs/cpu-kernels.md). Batch 1
+# only: the integer kernel decodes each weight block again for every row, and from 4 rows the
+# fp32 kernel, which dequantizes a row once for all of them, was faster. 0: never.
+INT8_M_MAX = 1
 # fp32 floats of one dequantized tile on the GEMM path (16 MiB).
 TILE_FLOATS = 1 << 22
 
@@ -98,8 +104,9 @@ class QuantLinear(nn.Module):
         if m <= QUANT_GEMV_M_MAX:
             n, out = len(self.parts), self.out_features
             rc = self.lib.pd_quant_linear(
-                x.data_ptr(), m, self.in_features, self._parts_c, n, y.data_ptr(), out
-            )
+                x.data_ptr(), m, self.in_features, self._parts_c, n, y.data_ptr(), out,
+                INT8_M_MAX,
+            )  # fmt: skip
             if rc != 0:
                 raise MemoryError("the quantized GEMV could not allocate its row buffer")
         else:

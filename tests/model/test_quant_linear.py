@@ -1,5 +1,7 @@
 """The GGUF block kernels (csrc/quant_gemm.c) equal the `gguf` package's dequantize followed by
-a matmul, for every type they read, on every instruction-set variant this CPU runs."""
+a matmul, for every type they read, on every instruction-set variant this CPU runs; with int8
+activations (csrc/quant_dot.c) they equal the same integer algorithm done in numpy, and stay
+within the activation rounding's bound of the fp32 matmul."""
 
 import numpy as np
 import pytest
@@ -8,6 +10,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
+from pdserve.model import quant_linear
 from pdserve.model.gguf_convert import BLOCKS
 from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantEmbedding, QuantLinear, QuantTensor
 
@@ -45,9 +48,16 @@ def test_every_listed_type_has_a_case():
     assert set(SCALES) | {Q.F32, Q.F16, Q.BF16} == set(TYPES)
 
 
+# Types with an integer dot product, and the values each activation scale covers for them.
+INT8 = {Q.Q8_0: 32, Q.Q4_K: 256, Q.Q6_K: 256}
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 3, 5, QUANT_GEMV_M_MAX + 7])
-def test_linear_matches_dequantize_then_matmul(lib, qtype, m):
+def test_linear_matches_dequantize_then_matmul(lib, qtype, m, monkeypatch):
+    """The fp32 kernels (every type; the int8 ones with int8 activations switched off)."""
+    if qtype in INT8:
+        monkeypatch.setattr(quant_linear, "INT8_M_MAX", 0)
     rng = np.random.default_rng(int(qtype) * 100 + m)
     rows, cols = 37, 512  # an odd number of rows; two K-quant super-blocks a row
     data = random_tensor(qtype, rows, cols, rng)
@@ -57,9 +67,86 @@ def test_linear_matches_dequantize_then_matmul(lib, qtype, m):
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5 * float(w.abs().max()) * 8)
 
 
+def quantize_activations(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] fp32 as csrc/quant_dot.c quantizes it: per `block` values d = max|x| / 127,
+    q = round-half-even(x * (127 / max|x|)) in fp32. Returns q (int8) and d (fp32) [M, K/block]."""
+    b = x.astype(np.float32).reshape(x.shape[0], -1, block)
+    amax = np.abs(b).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv).astype(np.int8).reshape(x.shape)
+    return q, (amax / np.float32(127)).astype(np.float32)[..., 0]
+
+
+def int8_reference(w: torch.Tensor, x: torch.Tensor, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The integer algorithm in float64 (exact sums of the same int8 activations against
+    the dequantized weights), and the scale of its fp32 rounding: |W| |x_q| per output."""
+    q, d = quantize_activations(x.numpy(), block)
+    xq = (q.reshape(*d.shape, block) * d[..., None].astype(np.float64)).reshape(q.shape)
+    w64 = w.numpy().astype(np.float64)
+    return xq @ w64.T, np.abs(xq) @ np.abs(w64).T
+
+
+def rounding_bound(w: torch.Tensor, x: torch.Tensor, block: int) -> np.ndarray:
+    """max |y_int8 - y_fp32| per output: each |x - q d| <= d / 2, so over a block the dot
+    product moves by at most sum |w_i| d / 2."""
+    _, d = quantize_activations(x.numpy(), block)
+    w_abs = np.abs(w.numpy().astype(np.float64)).reshape(w.shape[0], -1, block).sum(-1)
+    return d.astype(np.float64) / 2 @ w_abs.T
+
+
+def test_activation_quantization_matches_numpy(lib):
+    k = 512
+    x = torch.randn(k) * torch.linspace(0.01, 30, k)
+    x[256:288] = 0  # an all-zero block quantizes to zeros with scale 0
+    buf = np.zeros(lib.pd_q8_row_bytes(k), np.uint8)
+    lib.pd_q8_quantize(x.data_ptr(), k, buf.ctypes.data)
+    q256, d256 = quantize_activations(x[None].numpy(), 256)
+    q32, d32 = quantize_activations(x[None].numpy(), 32)
+    assert np.array_equal(buf[:k].view(np.int8), q256[0])
+    assert np.array_equal(buf[k : 2 * k].view(np.int8), q32[0])
+    assert np.array_equal(buf[2 * k : 2 * k + 8].view(np.float32), d256[0])
+    assert np.array_equal(buf[2 * k + 64 : 2 * k + 128].view(np.float32), d32[0])
+    bsum = buf[2 * k + 128 : 2 * k + 192].view(np.int16)
+    assert np.array_equal(bsum, q256[0].reshape(-1, 16).sum(-1, dtype=np.int16))
+
+
+@pytest.mark.parametrize("qtype", list(INT8), ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 3, QUANT_GEMV_M_MAX])
+def test_int8_dot_matches_integer_reference(lib, qtype, m, monkeypatch):
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", QUANT_GEMV_M_MAX)  # batches too
+    rng = np.random.default_rng(int(qtype) * 10 + m)
+    rows, cols = 37, 768
+    data = random_tensor(qtype, rows, cols, rng)
+    w = reference(data, qtype, rows, cols)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)) * 3
+    y = QuantLinear(lib, [QuantTensor(data, int(qtype), rows, cols, "w")])(x).numpy()
+    exact, scale = int8_reference(w, x, INT8[qtype])
+    # fp32 rounding only (measured 3e-8 of the scale): one activation a quantum off is ~1e-5
+    assert np.all(np.abs(y - exact) <= 1e-6 * scale)
+    # and against the fp32 matmul, within the activation rounding's bound (+ fp32 sums)
+    err = np.abs(y - (x @ w.T).numpy())
+    bound = rounding_bound(w, x, INT8[qtype]) + 1e-6 * scale
+    assert np.all(err <= bound)
+    assert err.max() > 0  # int8 activations did run
+
+
+def test_int8_is_the_batch_1_default(lib):
+    rng = np.random.default_rng(2)
+    data = random_tensor(Q.Q4_K, 4, 256, rng)
+    w = reference(data, Q.Q4_K, 4, 256)
+    linear = QuantLinear(lib, [QuantTensor(data, int(Q.Q4_K), 4, 256, "w")])
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2))
+    exact, scale = int8_reference(w, x, 256)
+    assert np.all(np.abs(linear(x[:1]).numpy() - exact[:1]) <= 1e-6 * scale[:1])
+    torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4)  # 2 rows: fp32
+
+
 @pytest.mark.parametrize("m", [1, QUANT_GEMV_M_MAX + 1])
-def test_fused_parts_row_map_and_bias(lib, m):
-    """Q4_K and Q6_K parts (as in a Q4_K_M file) side by side, one read through a row map."""
+def test_fused_parts_row_map_and_bias(lib, m, monkeypatch):
+    """Q4_K and Q6_K parts (as in a Q4_K_M file) side by side, one read through a row map
+    (the fp32 kernels)."""
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", 0)
     rng = np.random.default_rng(7)
     a, b = random_tensor(Q.Q4_K, 8, 256, rng), random_tensor(Q.Q6_K, 5, 256, rng)
     rowmap = torch.tensor([3, 1, 0, 7, 2, 6, 5, 4])
@@ -73,6 +160,27 @@ def test_fused_parts_row_map_and_bias(lib, m):
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
     # fp32 sums of 256 products in another order: an error relative to the largest weight
     torch.testing.assert_close(linear(x), x @ w.T + bias, rtol=1e-5, atol=1e-4 * w.abs().max())
+
+
+def test_fused_parts_int8_with_row_map(lib, monkeypatch):
+    """A fused Q4_K | Q6_K | Q4_0 linear with int8 activations: the first two take integer
+    dot products (one through its row map), Q4_0 stays on the fp32 kernel."""
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", QUANT_GEMV_M_MAX)
+    rng = np.random.default_rng(11)
+    k = 512
+    shapes = ((Q.Q4_K, 8), (Q.Q6_K, 5), (Q.Q4_0, 3))
+    a, b, c = (random_tensor(t, n, k, rng) for t, n in shapes)
+    rowmap = torch.tensor([3, 1, 0, 7, 2, 6, 5, 4])
+    parts = [QuantTensor(a, int(Q.Q4_K), 8, k, "a", rowmap)]
+    parts += [QuantTensor(b, int(Q.Q6_K), 5, k), QuantTensor(c, int(Q.Q4_0), 3, k)]
+    linear = QuantLinear(lib, parts)
+    wa = reference(a, Q.Q4_K, 8, k)[rowmap]
+    wb, wc = reference(b, Q.Q6_K, 5, k), reference(c, Q.Q4_0, 3, k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(5))
+    y = linear(x).numpy()
+    exact, scale = int8_reference(torch.cat([wa, wb]), x, 256)
+    assert np.all(np.abs(y[:, :13] - exact) <= 1e-6 * scale)
+    torch.testing.assert_close(torch.from_numpy(y[:, 13:]), x @ wc.T, rtol=1e-5, atol=1e-4)
 
 
 def test_embedding_dequantizes_the_looked_up_rows(lib):

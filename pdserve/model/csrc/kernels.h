@@ -190,5 +190,10 @@ void pd_rope_qkv_store(float *qkv, const float *cos, const float *sin, float *ca
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t T,
                        int64_t H, int64_t KVH, int64_t D, int64_t BS);
 void pd_silu_mul(const float *gate_up, float *y, int64_t M, int64_t I);
+/* quant_dot.c: GGUF weight rows against int8-quantized activation rows. */
+int pd_q8_dot_type(int64_t type, int64_t K);
+int64_t pd_q8_row_bytes(int64_t K);
+void pd_q8_quantize(const float *x, int64_t K, void *out);
+float pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t K);
 
 #endif

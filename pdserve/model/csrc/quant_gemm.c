@@ -273,13 +273,22 @@ typedef struct {
 
 /* y[m, j] (row stride ldy) = x[m] . W[j] for the rows W of `parts` [P] one after another;
  * x [M, K] contiguous. All output rows of all parts are split across the threads in one
- * parallel region; each thread dequantizes its rows once and takes every x row against each. */
+ * parallel region; each thread dequantizes its rows once and takes every x row against each.
+ * With M <= int8_m_max, the parts whose type has an integer dot product (quant_dot.c) take
+ * each x row quantized to int8 once instead. */
 int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
-                    float *y, int64_t ldy) {
-    int64_t N = 0;
+                    float *y, int64_t ldy, int64_t int8_m_max) {
+    int64_t N = 0, int8 = 0;
     for (int64_t p = 0; p < P; p++) {
         if (pd_quant_row_bytes(parts[p].type, K) < 0) return -1;
         N += parts[p].rows;
+        int8 |= pd_q8_dot_type(parts[p].type, K);
+    }
+    int64_t xqb = pd_q8_row_bytes(K);
+    uint8_t *xq = NULL;
+    if (int8 && M <= int8_m_max) {
+        if (!(xq = aligned_alloc(64, M * xqb))) return -1;
+        for (int64_t m = 0; m < M; m++) pd_q8_quantize(x + m * K, K, xq + m * xqb);
     }
     int failed = 0;
 #pragma omp parallel PAR_IF(N * K)
@@ -297,6 +306,10 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
             if (parts[p].rowmap) r = parts[p].rowmap[r];
             int64_t rb = pd_quant_row_bytes(parts[p].type, K);
             const uint8_t *row = (const uint8_t *)parts[p].w + r * rb;
+            if (xq && pd_q8_dot_type(parts[p].type, K)) {
+                for (int64_t m = 0; m < M; m++) y[m * ldy + j] = pd_q8_dot(parts[p].type, row, xq + m * xqb, K);
+                continue;
+            }
             if (M == 1 && fuses(parts[p].type)) { /* one input row: nothing stored */
                 y[j] = dequant_row_dot(parts[p].type, row, buf, K, x);
                 continue;
@@ -323,5 +336,6 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
         }
         free(buf);
     }
+    free(xq);
     return failed ? -1 : 0;
 }

@@ -1,0 +1,189 @@
+/* ---- Integer dot products of GGUF weight rows with int8 activations ------------------
+ * For few input rows (decode), pd_quant_linear (quant_gemm.c) quantizes each input row once
+ * per call to int8 and takes every weight row against it with 8-bit integer multiplies
+ * (`maddubs`: 32 u8 x s8 products summed in pairs, `madd`: pairs of those summed into 32-bit
+ * lanes, with a sub-block's scale as the second factor), converting to float once per block.
+ * Dequantizing to fp32 and multiplying with fp32 activations spends ~10 vector ops per 8 or
+ * 16 values and is bound by them; this spends ~2 per 32 values and is bound by the bytes read.
+ *
+ * One quantized activation row (pd_q8_row_bytes), each part 64-byte aligned:
+ *   q256 int8 [K]    per 256 values: d = max|x| / 127, q = round-to-nearest-even(x * 127/max)
+ *   q32  int8 [K]    the same per 32 values
+ *   d256 f32 [K/256], d32 f32 [K/32], bsum int16 [K/16] (sum of each 16 q256 values)
+ * The 256-value form serves the K-quants (their scales multiply integer sub-block sums; a
+ * min or an offset is one multiply by the bsums), the 32-value form Q8_0, whose own scale
+ * changes every 32 values. Every |x - q d| <= d / 2, so a weight row's dot product moves by
+ * at most sum |w_i| d / 2 over each block (tests/model/test_quant_linear.py). The code is
+ * AVX2, the same in every variant. */
+#include "kernels.h"
+
+enum { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+
+static inline int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
+
+/* Whether `type` has an integer dot product with K-value rows. */
+int pd_q8_dot_type(int64_t type, int64_t K) {
+    if (type == Q8_0) return K % 32 == 0;
+    return (type == Q4_K || type == Q6_K) && K % 256 == 0;
+}
+
+int64_t pd_q8_row_bytes(int64_t K) {
+    return 2 * up64(K) + up64(K / 256 * 4) + up64(K / 32 * 4) + up64(K / 16 * 2);
+}
+
+typedef struct {
+    int8_t *q256, *q32;
+    float *d256, *d32;
+    int16_t *bsum;
+} q8row;
+
+static q8row q8_parts(void *base, int64_t K) {
+    char *p = base;
+    q8row r;
+    r.q256 = (int8_t *)p, p += up64(K);
+    r.q32 = (int8_t *)p, p += up64(K);
+    r.d256 = (float *)p, p += up64(K / 256 * 4);
+    r.d32 = (float *)p, p += up64(K / 32 * 4);
+    r.bsum = (int16_t *)p;
+    return r;
+}
+
+/* n (a multiple of 8) values of x to int8 with one scale, stored to *d. */
+static void quantize_block(const float *x, int64_t n, int8_t *q, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    float mx = _mm_cvtss_f32(m);
+    *d = mx / 127.f;
+    __m256 id = _mm256_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), id));
+        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(q + i), _mm_packs_epi16(w, w));
+    }
+}
+
+/* x [K] (K a multiple of 32) to its quantized row at `out` (pd_q8_row_bytes(K) bytes). */
+void pd_q8_quantize(const float *x, int64_t K, void *out) {
+    q8row r = q8_parts(out, K);
+    for (int64_t b = 0; b < K / 32; b++) quantize_block(x + 32 * b, 32, r.q32 + 32 * b, r.d32 + b);
+    for (int64_t b = 0; b < K / 256; b++) quantize_block(x + 256 * b, 256, r.q256 + 256 * b, r.d256 + b);
+    for (int64_t s = 0; s < K / 256 * 16; s++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += r.q256[16 * s + i];
+        r.bsum[s] = (int16_t)sum;
+    }
+}
+
+static inline float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline __m256i ld(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Q8_0 [d, int8 qs32] against the 32-value form: |w| times x with w's sign, so the
+ * unsigned-by-signed multiply takes two signed operands. */
+static float dot_q8_0(const uint8_t *b, const q8row *x, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t j = 0; j < nb; j++, b += 34) {
+        __m256i w = ld(b + 2), v = ld(x->q32 + 32 * j);
+        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w));
+        __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        acc = _mm256_fmadd_ps(s, _mm256_set1_ps(fp16(b) * x->d32[j]), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* Q4_K [d, dmin, sc12, qs128]: value = d sc_j q - dmin m_j over sub-block j of 32; chunk c
+ * of qs holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. */
+static float dot_q4_k(const uint8_t *b, const q8row *x, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0.f;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t j = 0; j < nb; j++, b += 144) {
+        const uint8_t *s = b + 4, *qs = b + 16;
+        const int8_t *xq = x->q256 + 256 * j;
+        const int16_t *bs = x->bsum + 16 * j;
+        int sc[8], mn[8];
+        for (int k = 0; k < 4; k++) {
+            sc[k] = s[k] & 63, mn[k] = s[k + 4] & 63;
+            sc[k + 4] = (s[k + 8] & 15) | ((s[k] >> 6) << 4);
+            mn[k + 4] = (s[k + 8] >> 4) | ((s[k + 4] >> 6) << 4);
+        }
+        __m256i isum = _mm256_setzero_si256();
+        int msum = 0;
+        for (int c = 0; c < 4; c++) {
+            __m256i q = ld(qs + 32 * c);
+            __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q, m4), ld(xq + 64 * c));
+            __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                                              ld(xq + 64 * c + 32));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(lo, _mm256_set1_epi16((short)sc[2 * c])));
+            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(hi, _mm256_set1_epi16((short)sc[2 * c + 1])));
+        }
+        for (int k = 0; k < 8; k++) msum += mn[k] * (bs[2 * k] + bs[2 * k + 1]);
+        float dx = x->d256[j];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(fp16(b) * dx), acc);
+        mins += fp16(b + 2) * dx * (float)msum;
+    }
+    return hsum_ps(acc) - mins;
+}
+
+/* Q6_K [ql128, qh64, int8 sc16, d]: value = d sc_i (q - 32) over sub-block i of 16, q the
+ * low nibble of ql (or its high one) with two bits of qh above it; 32 values at 32 g (half
+ * h = g / 4, k = g % 4) read ql + 64 h + 32 (k & 1) shifted by 4 (k >> 1), qh + 32 h shifted
+ * by 2 k. The -32 is one integer multiply by the bsums. */
+static float dot_q6_k(const uint8_t *b, const q8row *x, int64_t nb) {
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
+    for (int64_t j = 0; j < nb; j++, b += 210) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192), *xq = x->q256 + 256 * j;
+        const int16_t *bs = x->bsum + 16 * j;
+        __m256i isum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = ld(ql + 64 * h), l1 = ld(ql + 64 * h + 32), hh = ld(qh + 32 * h);
+            __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m2)),
+                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(hh, 2), m2)),
+            };
+            for (int k = 0; k < 4; k++) {
+                int g = 4 * h + k;
+                __m256i p = _mm256_maddubs_epi16(q[k], ld(xq + 32 * g));
+                __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s));
+            }
+        }
+        int off = 0;
+        for (int i = 0; i < 16; i++) off += sc[i] * bs[i];
+        isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(fp16(b + 208) * x->d256[j]), acc);
+    }
+    return hsum_ps(acc);
+}
+
+/* The dot product of one K-value weight row of `type` (pd_q8_dot_type) with a quantized
+ * activation row (pd_q8_quantize). */
+float pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t K) {
+    q8row x = q8_parts((void *)xq, K);
+    switch (type) {
+    case Q8_0: return dot_q8_0(row, &x, K / 32);
+    case Q4_K: return dot_q4_k(row, &x, K / 256);
+    case Q6_K: return dot_q6_k(row, &x, K / 256);
+    }
+    return 0.f;
+}
