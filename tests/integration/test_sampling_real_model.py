@@ -1,7 +1,7 @@
 """The real default model with every sampling feature on (penalties, logit_bias, min_tokens,
-a seed, logprobs, n): an adaptive deployment, which prefills some requests on its decode
-worker and hands others over from its prefill worker, answers exactly as a collocated
-worker does, greedy and seeded."""
+a seed, logprobs, n, echo with the prompt scored): an adaptive deployment, which prefills
+some requests on its decode worker and hands others over from its prefill worker, answers
+exactly as a collocated worker does, greedy and seeded."""
 
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ FEATURES = {
 
 
 @pytest.mark.skipif(len(POOL) < 2, reason="an adaptive deployment of 2 workers needs 2 cores")
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 5, "n": 2}])
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0}, {"temperature": 0.9, "seed": 5, "n": 2}, {"temperature": 0, "echo": True}],
+    ids=["greedy", "seeded-n2", "echo"],
+)
 def test_adaptive_equals_collocated_with_sampling_features(sampling):
     bodies = [{"prompt": p, **FEATURES, **sampling} for p in PROMPTS]
     collocated, _ = serve_bodies(
