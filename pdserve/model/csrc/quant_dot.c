@@ -14,7 +14,7 @@
  * min or an offset is one multiply by the bsums), the 32-value form Q8_0, whose own scale
  * changes every 32 values. Every |x - q d| <= d / 2, so a weight row's dot product moves by
  * at most sum |w_i| d / 2 over each block (tests/model/test_quant_linear.py). The code is
- * AVX2, the same in every variant. */
+ * AVX2 (`maddubs`, `madd`), with 512-bit forms of the K-quant kernels in the AVX-512 builds. */
 #include "kernels.h"
 
 enum { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -106,6 +106,7 @@ static float dot_q8_0(const uint8_t *b, const q8row *x, int64_t nb) {
     return hsum_ps(acc);
 }
 
+#ifndef __AVX512BW__
 /* Q4_K [d, dmin, sc12, qs128]: value = d sc_j q - dmin m_j over sub-block j of 32; chunk c
  * of qs holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. */
 static float dot_q4_k(const uint8_t *b, const q8row *x, int64_t nb) {
@@ -175,6 +176,89 @@ static float dot_q6_k(const uint8_t *b, const q8row *x, int64_t nb) {
     }
     return hsum_ps(acc);
 }
+
+#else
+/* The AVX-512 build: the same integer steps 64 values at a time (two Q4_K sub-blocks, or four
+ * Q6_K ones, a vector); each 16-bit lane's scale picked from the block's scales by a permute. */
+static inline __m512i lanes_of(int first, int count) { /* index `first + i / count` per lane */
+    uint8_t idx[32];
+    for (int i = 0; i < 32; i++) idx[i] = (uint8_t)(first + i / count);
+    return _mm512_cvtepu8_epi16(ld(idx));
+}
+
+/* The 8 scales and 8 mins of a Q4_K block's 12 packed bytes, as bytes, by 32-bit word ops
+ * (kept in registers: byte stores read back as one vector would stall store forwarding). */
+static inline void scales_mins_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    *sc = (u[0] & m6) | (uint64_t)((u[2] & m4) | (((u[0] >> 6) & m2) << 4)) << 32;
+    *mn = (u[1] & m6) | (uint64_t)(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)) << 32;
+}
+
+static float dot_q4_k(const uint8_t *b, const q8row *x, int64_t nb) {
+    __m512 acc = _mm512_setzero_ps();
+    __m256 mins = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i pick[4];
+    for (int c = 0; c < 4; c++) pick[c] = lanes_of(2 * c, 16);
+    for (int64_t j = 0; j < nb; j++, b += 144) {
+        const uint8_t *qs = b + 16;
+        const int8_t *xq = x->q256 + 256 * j;
+        uint64_t sc, mn;
+        scales_mins_k4(b + 4, &sc, &mn);
+        __m512i scv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        __m512i isum = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) { /* low nibbles in the low half, high in the high one */
+            __m512i q = _mm512_broadcast_i64x4(ld(qs + 32 * c));
+            q = _mm512_and_si512(_mm512_srlv_epi16(q, shift), m4);
+            __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * c));
+            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[c], scv)));
+        }
+        /* each min twice against the 16 bsums: min_k (bsum_2k + bsum_2k+1) in lane k */
+        __m128i mn8 = _mm_cvtsi64_si128((long long)mn);
+        __m256i msum = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8)),
+                                         ld(x->bsum + 16 * j));
+        float dx = x->d256[j];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(fp16(b) * dx), acc);
+        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(fp16(b + 2) * dx), mins);
+    }
+    return _mm512_reduce_add_ps(acc) - hsum_ps(mins);
+}
+
+static float dot_q6_k(const uint8_t *b, const q8row *x, int64_t nb) {
+    __m512 acc = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(0x30);
+    /* high bits to bits 4-5: groups k = 0 | 1 shift qh left by 4 | 2, k = 2 | 3 right by 0 | 2 */
+    const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    __m512i pick[4];
+    for (int i = 0; i < 4; i++) pick[i] = lanes_of(4 * i, 8);
+    for (int64_t j = 0; j < nb; j++, b += 210) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192), *xq = x->q256 + 256 * j;
+        const int16_t *bs = x->bsum + 16 * j;
+        __m512i scv = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
+        __m512i isum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512i l = _mm512_loadu_si512(ql + 64 * h), hh = _mm512_broadcast_i64x4(ld(qh + 32 * h));
+            __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hh, left), m2));
+            __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                          _mm512_and_si512(_mm512_srlv_epi16(hh, right), m2));
+            __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xq + 128 * h));
+            __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xq + 128 * h + 64));
+            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p01, _mm512_permutexvar_epi16(pick[2 * h], scv)));
+            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p23, _mm512_permutexvar_epi16(pick[2 * h + 1], scv)));
+        }
+        int off = 0;
+        for (int i = 0; i < 16; i++) off += sc[i] * bs[i];
+        isum = _mm512_sub_epi32(isum, _mm512_maskz_set1_epi32(1, 32 * off));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(fp16(b + 208) * x->d256[j]), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
 
 /* The dot product of one K-value weight row of `type` (pd_q8_dot_type) with a quantized
  * activation row (pd_q8_quantize). */
