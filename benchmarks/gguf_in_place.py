@@ -46,6 +46,7 @@ def main() -> None:
         "--compare", action="store_true",
         help="alternate each round between int8 activations (the default) and fp32 ones",
     )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     args = parser.parse_args()
 
     from pdserve.llm import LLM
@@ -54,7 +55,7 @@ def main() -> None:
     from pdserve.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(str(args.gguf), kv_cache_bytes=256 * 2**20)
+    llm = LLM(str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads)
     load_s = time.perf_counter() - t0
     modules = list(llm.engine.runner.model.modules())
     if not any(isinstance(m, QuantEmbedding) for m in modules):
