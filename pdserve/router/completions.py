@@ -20,7 +20,7 @@ from pdserve.router.choices import run_choices
 from pdserve.router.config import RouterConfig
 from pdserve.router.delta import Delta
 from pdserve.router.driver import RequestDriver
-from pdserve.router.echo import echoed
+from pdserve.router.echo import check_size, echoed
 from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
@@ -67,6 +67,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             api = protocol.parse_request(body, chat, state.config, state.tokenizer.chat_template)
             prompt_ids = await _tokenize(state, api)
             params = protocol.finalize_sampling(api, len(prompt_ids), state.plane.max_model_len())
+            max_bytes = state.config.max_message_bytes
+            check_size(len(prompt_ids), params.prompt_logprobs, max_bytes)
             cache_salt = scope_salt(request.get(TENANT, ""), parse_cache_salt(body))
         except ApiError:
             state.metrics.requests["invalid"] += 1

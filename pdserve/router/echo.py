@@ -8,6 +8,10 @@ the first chunk carries the prompt.
 `max_tokens: 0` (score a prompt without generating, as evaluation harnesses do) runs as
 vLLM runs it: the workers generate one token, which is dropped here; the answer is the
 prompt alone, finish_reason "length", and usage counts that token (it was computed).
+
+The scores travel in one message, the first token's, which the router's control socket
+takes only up to `max_message_bytes`: a request whose scores could not fit is a 400 naming
+`logprobs` (`check_size`), never a frame the socket drops.
 """
 
 from __future__ import annotations
@@ -15,9 +19,29 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pdserve.messages import FIELDS_BYTES
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.delta import Delta
-from pdserve.router.protocol import ApiRequest, bad_gateway
+from pdserve.router.protocol import ApiError, ApiRequest, bad_gateway
+
+# msgpack bytes of one prompt token's scores, at most: [logprob, [alternatives]] is 9 bytes
+# of float64 and up to 4 of headers, each [id, logprob] alternative 1 + 5 (a uint32) + 9.
+ENTRY_BYTES, ALTERNATIVE_BYTES = 13, 15
+
+
+def check_size(num_prompt_tokens: int, num_top: int | None, max_message_bytes: int) -> None:
+    """400 naming `logprobs` when `num_prompt_tokens` tokens' scores with `num_top`
+    alternatives each (None: not asked) could overflow one worker message."""
+    if num_top is None:
+        return
+    need = num_prompt_tokens * (ENTRY_BYTES + ALTERNATIVE_BYTES * num_top) + FIELDS_BYTES
+    if need > max_message_bytes:
+        message = (
+            f"echo with logprobs={num_top} over {num_prompt_tokens} prompt tokens needs a "
+            f"{need}-byte worker message, over max_message_bytes ({max_message_bytes}); ask "
+            "for fewer alternatives or send a shorter prompt"
+        )
+        raise ApiError(400, message, param="logprobs")
 
 
 async def echoed(
