@@ -23,6 +23,7 @@ from aiohttp import web
 from pdserve.router import responses
 from pdserve.router.delta import Delta
 from pdserve.router.driver import RequestDriver
+from pdserve.router.echo import Echo
 from pdserve.router.protocol import ApiError, ApiRequest
 from pdserve.sampling_params import SamplingParams
 
@@ -33,6 +34,11 @@ class Choice:
     text: list[str] = dataclasses.field(default_factory=list)
     entries: list[list[Any]] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    echo: Echo | None = None  # the request's, shared by its choices (router/echo.py)
+
+    def deltas(self) -> AsyncIterator[Delta]:
+        stream = self.driver.stream()
+        return stream if self.echo is None else self.echo.wrap(stream)
 
     def add(self, delta: Delta) -> None:
         self.text.append(delta.text)
@@ -41,14 +47,19 @@ class Choice:
 
     @property
     def score(self) -> float:
-        return sum(logprob for _, logprob, _ in self.entries)
+        # An echoed prompt's entries are every choice's: the first one's None is skipped.
+        return sum(logprob for _, logprob, _ in self.entries if logprob is not None)
 
 
 def sample_params(params: SamplingParams, index: int, ranked: bool) -> SamplingParams:
-    """Sample `index`'s params: its own seed, and logprobs when `best_of` ranks by them."""
+    """Sample `index`'s params: its own seed, and logprobs when `best_of` ranks by them.
+    Only the first scores an echoed prompt (the others take its blocks from the cache)."""
     seed = None if params.seed is None else params.seed + index
     logprobs = 0 if ranked and params.logprobs is None else params.logprobs
-    return dataclasses.replace(params, seed=seed, logprobs=logprobs)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(
+        params, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+    )
 
 
 async def run_choices(
@@ -59,10 +70,12 @@ async def run_choices(
     make_driver: Callable[[SamplingParams, str], RequestDriver],
     on_end: Callable[[list[RequestDriver], str], None],
     write_timeout_s: float,
+    echo: Echo | None = None,
 ) -> web.StreamResponse:
     """Answer a request for `api.best_of` samples of which `api.n` are returned.
     `make_driver(params, key)` builds a sample's driver; `on_end(drivers, status)` records
-    the outcome (the caller's metrics) once every driver is closed."""
+    the outcome (the caller's metrics) once every driver is closed; `echo` puts the prompt
+    before every choice."""
     if getattr(api, "tools", None) is not None:  # its parsed calls are one choice's
         raise ApiError(400, "n > 1 is not supported with tools", param="n")
     num_samples, ranked = api.best_of or api.n, (api.best_of or api.n) > api.n
@@ -70,6 +83,8 @@ async def run_choices(
         Choice(make_driver(sample_params(params, i, ranked), ctx.id if i == 0 else f"{ctx.id}-{i}"))
         for i in range(num_samples)
     ]
+    for choice in choices:
+        choice.echo = echo
     status = "failed"
     try:
         error = None
@@ -98,7 +113,7 @@ def _status_of(error: ApiError) -> str:
 async def _deltas(choices: list[Choice]) -> AsyncIterator[tuple[int, Delta]]:
     """(choice index, delta) as they come: the first sample's first delta before any other
     sample starts (its prompt is then cached), then all samples side by side."""
-    streams = [c.driver.stream() for c in choices]
+    streams = [c.deltas() for c in choices]
     yield 0, await anext(streams[0])
     queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
 

@@ -20,7 +20,7 @@ from pdserve.router.choices import run_choices
 from pdserve.router.config import RouterConfig
 from pdserve.router.delta import Delta
 from pdserve.router.driver import RequestDriver
-from pdserve.router.echo import check_size, echoed
+from pdserve.router.echo import Echo, check_size
 from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import RoutingPolicy
@@ -93,8 +93,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
         if api.n > 1 or api.best_of is not None:
             on_end = functools.partial(_record, state, ctx.id)
-            timeout_s = state.config.write_timeout_s
-            return await run_choices(request, api, ctx, params, make_driver, on_end, timeout_s)
+            timeout_s, echo = state.config.write_timeout_s, _echo(request, api, prompt_ids, params)
+            return await run_choices(
+                request, api, ctx, params, make_driver, on_end, timeout_s, echo
+            )
         return await _run(request, api, ctx, make_driver(params, ctx.id))
 
 
@@ -210,10 +212,17 @@ def _chunk(
 
 def _deltas(request: web.Request, api: ApiRequest, driver: RequestDriver) -> AsyncIterator[Delta]:
     """The driver's deltas, the prompt echoed before them when asked (router/echo.py)."""
+    echo = _echo(request, api, driver.prompt_token_ids, driver.params)
+    return driver.stream() if echo is None else echo.wrap(driver.stream())
+
+
+def _echo(
+    request: web.Request, api: ApiRequest, prompt_ids: list[int], params: SamplingParams
+) -> Echo | None:
     if not api.echo:
-        return driver.stream()
-    tokenizer, scored = request.app[STATE].tokenizer, driver.params.prompt_logprobs is not None
-    return echoed(driver.stream(), api, driver.prompt_token_ids, tokenizer, scored)
+        return None
+    scored = params.prompt_logprobs is not None
+    return Echo(api, prompt_ids, request.app[STATE].tokenizer, scored)
 
 
 def _usage(driver: RequestDriver) -> dict[str, Any]:

@@ -44,31 +44,40 @@ def check_size(num_prompt_tokens: int, num_top: int | None, max_message_bytes: i
         raise ApiError(400, message, param="logprobs")
 
 
-async def echoed(
-    deltas: AsyncIterator[Delta],
-    api: ApiRequest,
-    prompt_ids: list[int],
-    tokenizer: Tokenizer,
-    scored: bool,
-) -> AsyncIterator[Delta]:
-    """`deltas` with the prompt before the first: its text and (`scored`) its tokens'
-    logprobs entries ahead of the first token's."""
-    generate, first = api.max_tokens != 0, True
-    async for delta in deltas:
-        if not first:
-            if generate:
-                yield delta
-            continue
-        first = False
+class Echo:
+    """One request's echo, shared by its choices (`n`, `best_of`): only the first sample
+    scores the prompt (router/choices.py); its first token, which comes before any other
+    sample starts, brings the scores every choice then starts with."""
+
+    def __init__(
+        self, api: ApiRequest, prompt_ids: list[int], tokenizer: Tokenizer, scored: bool
+    ) -> None:
         text = api.prompt if isinstance(api.prompt, str) else None
-        text = tokenizer.decode(prompt_ids, skip_special_tokens=False) if text is None else text
-        entries = prompt_entries(prompt_ids, delta.prompt_logprobs) if scored else None
-        if not generate:
-            yield Delta(text, "length", entries)
-            continue
-        if entries is not None:
-            entries += delta.logprobs or []
-        yield Delta(text + delta.text, delta.finish_reason, entries)
+        if text is None:
+            text = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        self.text, self.prompt_ids, self.scored = text, prompt_ids, scored
+        self.generate = api.max_tokens != 0
+        self.entries: list[list[Any]] | None = None  # the prompt's, once they arrived
+
+    async def wrap(self, deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+        """`deltas` with the prompt before the first: its text and (`scored`) its tokens'
+        logprobs entries ahead of the first token's."""
+        first = True
+        async for delta in deltas:
+            if not first:
+                if self.generate:
+                    yield delta
+                continue
+            first = False
+            if self.scored and self.entries is None:
+                self.entries = prompt_entries(self.prompt_ids, delta.prompt_logprobs)
+            entries = None if self.entries is None else list(self.entries)
+            if not self.generate:
+                yield Delta(self.text, "length", entries)
+                continue
+            if entries is not None:
+                entries += delta.logprobs or []
+            yield Delta(self.text + delta.text, delta.finish_reason, entries)
 
 
 def prompt_entries(prompt_ids: list[int], found: list[Any] | None) -> list[list[Any]]:

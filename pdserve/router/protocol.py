@@ -180,7 +180,7 @@ def parse_request(
         sampling["logprobs"] = parse_logprobs(body, chat, config.max_logprobs)
         sampling["logit_bias"] = parse_logit_bias(body, config.max_logit_bias)
         n, best_of = parse_samples(body, chat, stream, config.max_n)
-        echo = parse_echo(body, chat, max_tokens, n, best_of)
+        echo = parse_echo(body, chat, max_tokens)
         sampling["prompt_logprobs"] = sampling["logprobs"] if echo else None
         sampling.update(parse_structured(body))
         tools = parse_tools(body) if chat else None

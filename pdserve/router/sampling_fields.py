@@ -69,17 +69,13 @@ def parse_samples(
     return n, best_of
 
 
-def parse_echo(
-    body: dict[str, Any], chat: bool, max_tokens: int | None, n: int, best_of: int | None
-) -> bool:
+def parse_echo(body: dict[str, Any], chat: bool, max_tokens: int | None) -> bool:
     """Completions' `echo` (router/echo.py): a boolean, false on chat (vLLM's chat echo
-    repeats the last message, another feature), with one choice. `max_tokens: 0` (score the
-    prompt, generate nothing) needs it."""
+    repeats the last message, another feature). `max_tokens: 0` (score the prompt, generate
+    nothing) needs it."""
     echo = _typed(body, "echo", bool) or False
     if echo and chat:
         raise FieldError("echo", "echo is supported on /v1/completions only")
-    if echo and (n > 1 or best_of is not None):
-        raise FieldError("echo", "echo is supported with one choice only (n = 1, no best_of)")
     if max_tokens == 0 and not echo:
         raise FieldError("max_tokens", "max_tokens must be >= 1 (0 only with echo: true)")
     return echo

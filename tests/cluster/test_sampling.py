@@ -256,5 +256,11 @@ def test_openai_client_parses_an_echo_completion(tiny_served_model, collocated):
     assert "".join(c.text for c in chunks) == whole.choices[0].text
     streamed = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
     assert streamed == whole.choices[0].logprobs.tokens
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        client.completions.create(model=model, prompt=prompt, echo=True, n=2)
+    # n = 2: every choice starts with the prompt and its scores, computed once (by sample 0).
+    two = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, n=2,
+                                    max_tokens=3, temperature=0)  # fmt: skip
+    for choice in two.choices:
+        assert choice.text == whole.choices[0].text
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+            whole.choices[0].logprobs.token_logprobs[1:], abs=1e-5
+        )

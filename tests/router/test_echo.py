@@ -33,6 +33,15 @@ def test_echo_puts_the_prompt_before_the_completion(cluster: Cluster) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == "Say: Hi "
 
 
+def test_every_choice_starts_with_the_prompt(cluster: Cluster) -> None:
+    body = {"prompt": "Say: ", "max_tokens": 3, "echo": True, "n": 2}
+    choices = requests.post(f"{cluster.url}/v1/completions", json=body).json()["choices"]
+    assert [c["text"] for c in choices] == ["Say: Hi "] * 2
+    body = {**body, "max_tokens": 0, "best_of": 3}
+    choices = requests.post(f"{cluster.url}/v1/completions", json=body).json()["choices"]
+    assert [c["text"] for c in choices] == ["Say: "] * 2
+
+
 def test_max_tokens_zero_answers_the_prompt_alone(cluster: Cluster) -> None:
     body = {"prompt": "Say: ", "max_tokens": 0, "echo": True}
     answer = requests.post(f"{cluster.url}/v1/completions", json=body).json()

@@ -67,7 +67,6 @@ CASES = [
      "logit_bias"),
     ("completions", {"prompt": "hi", "echo": "yes"}, 400, "echo"),
     ("completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
-    ("completions", {"prompt": "hi", "echo": True, "n": 2}, 400, "echo"),
     ("chat/completions", {"messages": MSGS, "echo": True}, 400, "echo"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "echo": True, "max_tokens": -1}, 400, "max_tokens"),
