@@ -131,15 +131,16 @@ def test_int8_dot_matches_integer_reference(lib, qtype, m, monkeypatch):
     assert err.max() > 0  # int8 activations did run
 
 
-def test_int8_is_the_batch_1_default(lib):
+def test_int8_up_to_int8_m_max_rows_by_default(lib):
     rng = np.random.default_rng(2)
     data = random_tensor(Q.Q4_K, 4, 256, rng)
     w = reference(data, Q.Q4_K, 4, 256)
     linear = QuantLinear(lib, [QuantTensor(data, int(Q.Q4_K), 4, 256, "w")])
-    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(2))
-    exact, scale = int8_reference(w, x, 256)
-    assert np.all(np.abs(linear(x[:1]).numpy() - exact[:1]) <= 1e-6 * scale[:1])
-    torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4)  # 2 rows: fp32
+    m = quant_linear.INT8_M_MAX
+    x = torch.randn(m + 1, 256, generator=torch.Generator().manual_seed(2))
+    exact, scale = int8_reference(w, x[:m], 256)
+    assert np.all(np.abs(linear(x[:m]).numpy() - exact) <= 1e-6 * scale)
+    torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4)  # one more: fp32
 
 
 @pytest.mark.parametrize("m", [1, QUANT_GEMV_M_MAX + 1])
