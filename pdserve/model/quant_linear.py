@@ -4,8 +4,10 @@ Each weight is a `QuantTensor`: a read-only view of the bytes of one tensor of a
 GGUF file, so the page cache holds the only copy of the weights, shared by every process of the
 host that maps the same file. The native kernel `pd_quant_linear` (csrc/quant_gemm.c)
 dequantizes each weight row into a per-thread fp32 buffer and multiplies every input row with
-it; above `QUANT_GEMV_M_MAX` input rows (prefill chunks) a tile of rows is dequantized once into
-a bounded fp32 buffer and multiplied by PyTorch's GEMM, which is compute-bound there.
+it, or (Q4_K, Q6_K, Q8_0, up to `INT8_M_MAX` rows) takes integer dot products with the input
+rows quantized to int8 (csrc/quant_dot.c); above `QUANT_GEMV_M_MAX` input rows (prefill
+chunks) a tile of rows is dequantized once into a bounded fp32 buffer and multiplied by
+PyTorch's GEMM, which is compute-bound there.
 `QuantEmbedding` dequantizes only the rows it looks up.
 """
 
