@@ -41,7 +41,9 @@ def test_local_redis_password_is_private_and_required(tiny_served_model):
     pipeline = Pipeline(
         # 12 blocks: a few prompts evict blocks, which are written down to Redis.
         model=model, port=free_port(), collocated=Role(kv_cache_bytes=12 * 16 * 512, threads=1),
-        kv_pool=KVStoreConfig(redis_url="local", async_puts=False),
+        # A loaded CI machine can take longer than the default 0.25 s for the first
+        # authenticated connection; a timeout there marks the tier down and drops the puts.
+        kv_pool=KVStoreConfig(redis_url="local", async_puts=False, redis_timeout_s=5.0),
     )  # fmt: skip
     cluster = Cluster(pipeline, log_level="WARNING")
     with cluster as url:
