@@ -164,3 +164,64 @@ def test_nested_lists_of_configs_and_choices_from_registries():
         RouterConfig(workers=[{"worker_id": "a", "role": "prefil", "address": "x"}])
     with pytest.raises(ValueError, match=r"load_balancer must be one of .*'round_robin'"):
         Pipeline(collocated=Role(), load_balancer="round_robin_")
+
+
+# Flat names that mean a different thing in different configs, so may default differently.
+_OWN_DEFAULTS = {
+    "ctrl_address": "the router's socket vs a worker's, given by the launcher",
+    "dtype": "a Role's None reads as its pipeline's",
+    "model": "a benchmark's None asks the server",
+    "threads": "a profile's is the list of thread counts it measures",
+    "transfer_backend": "the simulator's names a measured backend, None the profile's first",
+    "url": "a benchmark's target",
+    "workers": "a count in AdaptiveConfig, a Role in Pipeline",
+}
+
+
+_CONFIG_MODULES = (
+    "pdserve.bench.app",
+    "pdserve.bench.compare",
+    "pdserve.cluster.config",
+    "pdserve.config",
+    "pdserve.kvstore.config",
+    "pdserve.perf.measure",
+    "pdserve.planner.config",
+    "pdserve.router.config",
+    "pdserve.sim.deployment",
+    "pdserve.transfer",
+    "pdserve.workers.spec",
+)
+
+
+def _config_classes() -> list[type]:
+    import importlib
+
+    found = []
+    for name in _CONFIG_MODULES:
+        classes = [v for v in vars(importlib.import_module(name)).values() if isinstance(v, type)]
+        found += [c for c in classes if dataclasses.is_dataclass(c) and c.__module__ == name]
+    return found
+
+
+def test_a_knob_has_one_default_wherever_it_appears():
+    """A second declaration of a knob with its own default (the simulator routing by
+    shortest_queue while `pdserve up` routed by prefix_cache) fails here."""
+    defaults: dict[str, dict[str, object]] = {}
+    for cls in _config_classes():
+        for name, flat in flat_fields(cls).items():
+            f = flat.field
+            if f.default is not dataclasses.MISSING and name not in _OWN_DEFAULTS:
+                defaults.setdefault(name, {})[cls.__name__] = f.default
+    split = {n: d for n, d in defaults.items() if len({repr(v) for v in d.values()}) > 1}
+    assert split == {}
+    assert len(defaults) > 100  # the walk found the configs
+
+
+def test_routing_is_one_knob_for_up_the_router_and_simulate():
+    from pdserve.sim.deployment import SimConfig
+
+    policy = flat_fields(RouterConfig)["policy"].field
+    for cls in (Pipeline, SimConfig):
+        assert dict(flat_fields(cls)["routing"].field.metadata) == dict(policy.metadata)
+    assert Pipeline(collocated=Role()).routing == RouterConfig().policy == SimConfig().routing
+    assert Pipeline(collocated=Role()).load_balancer == SimConfig().load_balancer

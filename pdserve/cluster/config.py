@@ -25,7 +25,7 @@ from pdserve.kvstore.config import KVStoreConfig
 from pdserve.messages import ROLES
 from pdserve.model.cpu_flags import has_fast_bf16
 from pdserve.planner.config import AdaptiveConfig
-from pdserve.router.config import POLICY_NAMES, RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.schema import check, from_dict, from_flat, knob, same_as, with_fields_of
 from pdserve.transfer import TensorStore
 
@@ -97,9 +97,9 @@ class Pipeline:
     decode: Role | None = None
     collocated: Role | None = None
     kv_transfer: TensorStore = knob(TensorStore(), prefix="transfer_")
-    routing: str = knob("prefix_cache", "picks the prefill (or collocated) worker",
-                        choices=POLICY_NAMES)  # fmt: skip
-    load_balancer: str = knob("shortest_queue", "picks the decode worker", choices=POLICY_NAMES)
+    # Declared once, on the router (RouterConfig.policy), so up, the router and simulate agree.
+    routing: str = same_as(RouterConfig, "policy")
+    load_balancer: str = same_as(RouterConfig, "load_balancer")
     host: str = knob("127.0.0.1", "the API's address")
     port: int = knob(8000, "the API's port", ge=0, le=65535)
     api_key: str | None = knob(

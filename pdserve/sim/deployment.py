@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from pdserve.config import CacheConfig, SchedulerConfig
-from pdserve.router.policies import POLICIES
+from pdserve.router.config import RouterConfig
 from pdserve.schema import check, knob, same_as
 from pdserve.workers.spec import WorkerSpec
 
@@ -101,10 +101,9 @@ class SimConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     block_size: int = same_as(CacheConfig, "block_size")
     enable_prefix_caching: bool = same_as(CacheConfig, "enable_prefix_caching")
-    routing: str = knob("shortest_queue", "picks workers", choices=tuple(sorted(POLICIES)))
-    load_balancer: str | None = knob(
-        None, "picks decode workers (default: --routing)", choices=tuple(sorted(POLICIES))
-    )
+    # The router's policies and defaults (RouterConfig): the simulator runs what `up` runs.
+    routing: str = same_as(RouterConfig, "policy")
+    load_balancer: str = same_as(RouterConfig, "load_balancer")
     transfer_backend: str | None = knob(None, "a backend the profile measured (default: first)")
     kv_cache_bytes: float | None = knob(None, "per worker (default: the profile's)", gt=0)
     # The router routes by each worker's last Stats (SimWorker.report), as the real one does.
