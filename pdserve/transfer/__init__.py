@@ -34,6 +34,16 @@ class TensorStore:
                      choices=TRANSFER_MODES)  # fmt: skip
     buffer_pool_size: int = knob(64 * 2**20, "staging memory (bytes)", gt=0, parse=parse_bytes)
     bandwidth: str | None = knob(None, "e.g. 10Gbit (an emulated link)")
+    # Deadlines on waits for a peer (engine/roles/ says which wait each bounds). Reserve
+    # covers a saturated CPU prefill worker's whole queue; a dead one is noticed by the
+    # router from its heartbeats long before.
+    send_timeout_s: float = knob(5.0, "a prefill worker's wait for a send's acknowledgement", gt=0)
+    reserve_timeout_s: float = knob(
+        600.0, "a decode worker's wait for a reserved prompt's first KV", gt=0
+    )
+    land_timeout_s: float = knob(
+        5.0, "a decode worker's wait for the KV after the first token", gt=0
+    )
 
     def __post_init__(self) -> None:
         check(self)

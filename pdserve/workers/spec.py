@@ -29,7 +29,7 @@ class WorkerSpec:
     # Planned by the adaptive planner: reports its steps (StepReport), keeps its KV pool in
     # shared memory and both kernel sets, since any worker may prefill, decode or switch.
     adaptive: bool = False
-    kv_transfer: TensorStore = TensorStore()
+    kv_transfer: TensorStore = TensorStore()  # with the transfer's deadlines
     transfer_host: str = "127.0.0.1"  # where a decode worker's KV receiver listens
     # prefill: the decode workers' KV dtype and model dtype (None: this worker's), converted to
     wire_kv_cache_dtype: str = knob("auto", choices=KV_CACHE_DTYPES)
@@ -37,10 +37,6 @@ class WorkerSpec:
     # Seconds between Stats sends: the load the router routes by is up to this old (the
     # simulator models the same lag, `SimConfig.heartbeat_interval_s`).
     heartbeat_interval_s: float = knob(0.5, "seconds between a worker's Stats", gt=0)
-    # Deadlines on waits for a peer (engine/roles/ says which wait each bounds).
-    kv_send_timeout_s: float = 5.0
-    kv_reserve_timeout_s: float = 600.0  # see engine/roles/decode.py
-    kv_land_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         check(self)

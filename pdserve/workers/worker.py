@@ -91,7 +91,7 @@ class Worker:
                     transfer.backend, kv, KVLayout.from_tensor(kv), self.secret,
                     host=spec.transfer_host, pool_bytes=transfer.buffer_pool_size,
                 )  # fmt: skip
-            return e.decode_role(self.receiver, spec.kv_reserve_timeout_s, spec.kv_land_timeout_s)
+            return e.decode_role(self.receiver, transfer.reserve_timeout_s, transfer.land_timeout_s)
         if name == "prefill":
             if self.sender is None:
                 self._wire = e.wire_source(spec.wire_kv_cache_dtype, spec.wire_dtype)
@@ -100,7 +100,7 @@ class Worker:
                     transfer.backend, kv, KVLayout.from_tensor(kv), self.secret,
                     bandwidth_bps=transfer.bandwidth, pool_bytes=transfer.buffer_pool_size,
                 )  # fmt: skip
-            return e.prefill_role(self.sender, transfer.mode, self._wire, spec.kv_send_timeout_s)
+            return e.prefill_role(self.sender, transfer.mode, self._wire, transfer.send_timeout_s)
         if name == "collocated":
             return CollocatedRole()
         raise ValueError(f"role must be one of {m.ROLES}, got {name!r}")

@@ -104,6 +104,21 @@ def test_worker_specs_round_trip_through_json():
         pipeline_for("2x", "m")
 
 
+def test_transfer_deadlines_from_yaml_and_flags_reach_every_worker_spec(tmp_path):
+    path = tmp_path / "c.yaml"
+    transfer = "kv_transfer: {send_timeout_s: 2.5, reserve_timeout_s: 30}\n"
+    path.write_text("prefill: {num: 1}\ndecode: {num: 1}\n" + transfer)
+    p = pipeline_from_args(up_args("--config", str(path), "--transfer-land-timeout-s", "7"))
+    deadlines = (2.5, 30, 7)
+    for spec in worker_specs(p, "tcp://127.0.0.1:1"):
+        t = WorkerSpec.from_json(spec.to_json()).kv_transfer
+        assert (t.send_timeout_s, t.reserve_timeout_s, t.land_timeout_s) == deadlines
+    with pytest.raises(SystemExit):
+        up_args("--transfer-send-timeout-s", "soon")
+    with pytest.raises(ValueError, match="kv_transfer.land_timeout_s must be > 0, got 0"):
+        load_pipeline(path, {"kv_transfer": {"land_timeout_s": 0}})
+
+
 def test_warmup_prompts_from_yaml_and_from_a_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(

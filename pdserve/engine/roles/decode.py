@@ -33,15 +33,15 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request, RequestStatus
+from pdserve.transfer import TensorStore
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.receiver import SocketKVReceiver
 
 log = logging.getLogger(__name__)
 
-# Covers the whole prefill queue (minutes when a CPU prefill worker is saturated); a dead
-# prefill worker is noticed by the router long before this, from its heartbeats.
-RESERVE_TIMEOUT_S = 600.0
-LAND_TIMEOUT_S = 5.0
+# The transfer's knobs (TensorStore, `--transfer-reserve-timeout-s`), when not given.
+RESERVE_TIMEOUT_S = TensorStore().reserve_timeout_s
+LAND_TIMEOUT_S = TensorStore().land_timeout_s
 
 
 @dataclass
