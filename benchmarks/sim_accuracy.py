@@ -63,7 +63,7 @@ def capacity(common: list[str], profile: Path, names: list[str], tmp: Path) -> f
 
 def mean_probe(base: Path, probes: list[Path], output: Path) -> Path:
     """`base` rescaled by the mean of the ratios the `probes` (rescaled copies of it) hold."""
-    from pdserve.perf.profile import load_profile
+    from pdserve.costmodel.profile import load_profile
     from pdserve.perf.rescale import rescaled
 
     ratios = [json.loads(p.read_text())["machine"]["rescaled"]["ratios"] for p in probes]

@@ -19,7 +19,7 @@ from pdserve.bench.metrics import SLO, attainment
 from pdserve.bench.search import find_goodput
 from pdserve.bench.workloads import Session, Turn
 from pdserve.config import SchedulerConfig
-from pdserve.perf.analytic import analytic_profile, model_shape
+from pdserve.costmodel.analytic import analytic_profile, model_shape
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.simulator import Simulation
 

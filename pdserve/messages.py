@@ -311,7 +311,7 @@ class CoresSet:
 @dataclass
 class StepReport:
     """The engine steps a worker ran since its last report: samples for the online cost
-    model (pdserve.perf.cost_model). One row per step: prefill_tokens, decode_requests,
+    model (pdserve.costmodel.step_cost). One row per step: prefill_tokens, decode_requests,
     prefill_attention_pairs, decode_context_tokens, prefill_sequences (StepShape's fields),
     threads, seconds."""
 

@@ -31,7 +31,7 @@ from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import torch_dtype
-from pdserve.perf.cost_model import StepShape
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.receiver import SocketKVReceiver

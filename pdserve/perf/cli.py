@@ -32,7 +32,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.rescale:
         return _rescale(args.rescale, args.output)
     from pdserve.perf.measure import build_profile
-    from pdserve.perf.profile import load_profile
+    from pdserve.costmodel.profile import load_profile
 
     cfg = from_flat(ProfileConfig, flag_values(args, ProfileConfig))
     base = load_profile(args.update) if args.update else None
@@ -44,7 +44,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _rescale(path: str, output: str) -> int:
-    from pdserve.perf.profile import load_profile
+    from pdserve.costmodel.profile import load_profile
     from pdserve.perf.rescale import probe_ratios, rescaled
 
     profile = load_profile(path)

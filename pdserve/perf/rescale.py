@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, replace
 
-from pdserve.perf.cost_model import StepCostModel, StepShape, phase_ratios
+from pdserve.costmodel.step_cost import StepCostModel, StepShape, phase_ratios
 from pdserve.perf.machine import check_same_machine
 from pdserve.perf.measure import (
     LEGACY_PROBE_GRID,
@@ -32,7 +32,7 @@ from pdserve.perf.measure import (
     time_probe,
     timing_env,
 )
-from pdserve.perf.profile import HardwareProfile, ServedOverhead
+from pdserve.costmodel.profile import HardwareProfile, ServedOverhead
 
 Samples = list[tuple[StepShape, float]]
 # Served figures that are seconds of CPU or latency (step_factor is a ratio: kept).

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pdserve.perf.profile import ServedOverhead
+from pdserve.costmodel.profile import ServedOverhead
 
 if TYPE_CHECKING:
     from pdserve.bench.tokens import TokenSource

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve import envs
-from pdserve.perf.cost_model import ServedSteps, StepCostModel, StepShape
+from pdserve.costmodel.step_cost import ServedSteps, StepCostModel, StepShape
 from pdserve.perf.served import run_bench
 from pdserve.workers.step_report import read_trace
 

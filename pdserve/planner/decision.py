@@ -54,7 +54,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from pdserve.perf.cost_model import StepShape
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.model import OnlineCostModel
 
 LOCAL, REMOTE = "local", "remote"

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve import messages
-from pdserve.perf.cost_model import StepShape
-from pdserve.perf.profile import load_profile
+from pdserve.costmodel.step_cost import StepShape
+from pdserve.costmodel.profile import load_profile
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import CoreGroups, Demand, check_deployment, plan_counts, pools_of
 from pdserve.planner.decision import REMOTE, Decision, Situation, decide, decode_need

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.perf.cost_model import StepShape
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.model import OnlineCostModel
 

@@ -10,7 +10,7 @@ from dataclasses import MISSING, dataclass, field
 
 from pdserve.config import EngineConfig
 from pdserve.messages import FIELDS_BYTES, ROLES
-from pdserve.perf.profile import load_profile
+from pdserve.costmodel.profile import load_profile
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import check_deployment
 from pdserve.router.policies import POLICIES

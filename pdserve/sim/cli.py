@@ -12,7 +12,7 @@ import gc
 import time
 from dataclasses import replace
 
-from pdserve.perf.profile import HardwareProfile, load_profile
+from pdserve.costmodel.profile import HardwareProfile, load_profile
 from pdserve.schema import add_flags, flag_values, from_flat
 from pdserve.sim.deployment import Deployment, SimConfig
 
@@ -34,7 +34,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_profile(spec: str, model: str | None = None) -> HardwareProfile:
     """A profile file, or `analytic:DEVICE:MODEL` built from datasheet figures."""
     if spec.startswith("analytic:"):
-        from pdserve.perf.analytic import analytic_profile, model_shape
+        from pdserve.costmodel.analytic import analytic_profile, model_shape
 
         parts = spec.split(":")
         if len(parts) != 3:

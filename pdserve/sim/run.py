@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.bench.app import BenchPlan
 from pdserve.bench.runner import RunResult
-from pdserve.perf.profile import HardwareProfile
+from pdserve.costmodel.profile import HardwareProfile
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.sim.adaptive import AdaptiveSimulation
 from pdserve.sim.deployment import Deployment, SimConfig

@@ -44,7 +44,7 @@ from pdserve.bench.metrics import FAILED, RequestRecord, run_duration_s
 from pdserve.bench.runner import RunResult
 from pdserve.bench.workloads import Session
 from pdserve.kvcache.hashing import hash_blocks
-from pdserve.perf.profile import HardwareProfile
+from pdserve.costmodel.profile import HardwareProfile
 from pdserve.request import Request
 from pdserve.router.policies import RouteRequest, make_policy
 from pdserve.sampling_params import SamplingParams

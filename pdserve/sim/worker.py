@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pdserve.config import SchedulerConfig
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.manager import KVCacheManager
-from pdserve.perf.cost_model import ServedCostModel, StepCostModel, StepShape
+from pdserve.costmodel.step_cost import ServedCostModel, StepCostModel, StepShape
 from pdserve.request import Request
 from pdserve.router.policies import WorkerLoad
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pdserve import messages as m
-from pdserve.perf.cost_model import StepShape
+from pdserve.costmodel.step_cost import StepShape
 
 REPORT_INTERVAL_S = 0.25  # the planner re-plans every second or so: fresh enough
 REPORT_ROWS = 64  # and frames stay small while steps are short

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from pdserve.perf.analytic import analytic_profile, model_shape
+from pdserve.costmodel.analytic import analytic_profile, model_shape
 from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
-from pdserve.perf.profile import HardwareProfile
+from pdserve.costmodel.profile import HardwareProfile
 
 
 def measured_here(**machine) -> HardwareProfile:

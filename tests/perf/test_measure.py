@@ -19,7 +19,7 @@ from pdserve.perf.measure import (
     timing_env,
     wake_extra,
 )
-from pdserve.perf.profile import load_profile
+from pdserve.costmodel.profile import load_profile
 from pdserve.perf.served import SEND_PROMPTS
 
 
@@ -98,7 +98,7 @@ def test_a_grid_without_the_probes_entries_is_refused():
 
 
 def test_update_refuses_a_profile_of_another_machine(tmp_path):
-    from pdserve.perf.analytic import analytic_profile, model_shape
+    from pdserve.costmodel.analytic import analytic_profile, model_shape
 
     with pytest.raises(ValueError, match="only a measured CPU profile rescales or updates"):
         build_profile(ProfileConfig(), base=analytic_profile(model_shape("llama-3-8b"), "H200"))

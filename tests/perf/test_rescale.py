@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.perf.analytic import analytic_profile, model_shape
-from pdserve.perf.cost_model import FEATURES, StepCostModel, StepShape, fit_cost_model
+from pdserve.costmodel.analytic import analytic_profile, model_shape
+from pdserve.costmodel.step_cost import FEATURES, StepCostModel, StepShape, fit_cost_model
 from pdserve.perf.machine import cpu_name
 from pdserve.perf.measure import (
     LEGACY_PROBE_GRID,
@@ -16,7 +16,7 @@ from pdserve.perf.measure import (
     pinned_engine,
     time_grid,
 )
-from pdserve.perf.profile import HardwareProfile, ServedOverhead
+from pdserve.costmodel.profile import HardwareProfile, ServedOverhead
 from pdserve.perf.rescale import SERVED_SECONDS, probe_grid, probe_ratios, rescaled, speed_ratio
 
 PREFILL, DECODE = StepShape(prefill_tokens=100), StepShape(decode_requests=4)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from pdserve.perf.analytic import MODELS, analytic_profile
-from pdserve.perf.cost_model import FEATURES, ServedCostModel, ServedSteps, StepCostModel, StepShape
-from pdserve.perf.profile import HardwareProfile, ServedOverhead, load_profile
+from pdserve.costmodel.analytic import MODELS, analytic_profile
+from pdserve.costmodel.step_cost import FEATURES, ServedCostModel, ServedSteps, StepCostModel, StepShape
+from pdserve.costmodel.profile import HardwareProfile, ServedOverhead, load_profile
 from pdserve.perf.served_steps import fit_line, fit_served_steps, request_s
 
 PREFILL, DECODE = StepShape(prefill_tokens=100), StepShape(decode_requests=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from pdserve.perf.cost_model import StepCostModel, StepShape
+from pdserve.costmodel.step_cost import StepCostModel, StepShape
 
 # seconds per: step, prefill token, decode, over knee, attention pair, context token, prefill row
 BASE = [2e-3, 2e-4, 4e-4, 0.0, 2e-8, 4e-7, 1e-3]

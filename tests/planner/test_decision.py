@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pdserve.perf.cost_model import StepShape
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.decision import (
     ITL_HEADROOM,
     LOCAL,

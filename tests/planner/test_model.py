@@ -7,14 +7,14 @@ import typing
 
 import pytest
 
-from pdserve.perf.cost_model import (
+from pdserve.costmodel.step_cost import (
     ServedCostModel,
     ServedSteps,
     StepCostModel,
     StepShape,
     TransferModel,
 )
-from pdserve.perf.profile import HardwareProfile, ModelShape
+from pdserve.costmodel.profile import HardwareProfile, ModelShape
 from pdserve.planner.model import OnlineCostModel
 from pdserve.sim.worker import SimWorker
 from tests.planner.conftest import rows, truth

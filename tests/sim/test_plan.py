@@ -1,7 +1,7 @@
 import pytest
 
 from pdserve.cli import main
-from pdserve.perf.cost_model import FEATURES, StepCostModel
+from pdserve.costmodel.step_cost import FEATURES, StepCostModel
 from pdserve.sim.deployment import Deployment
 from pdserve.sim.simulator import Simulation
 
@@ -60,7 +60,7 @@ def test_one_cost_model_serves_the_simulator_and_an_online_fit():
     that same class the way an online planner fits workers' reported steps, give it back."""
     from pdserve.bench.arrivals import ArrivalSpec
     from pdserve.bench.workloads import Session, Turn
-    from pdserve.perf.analytic import analytic_profile, model_shape
+    from pdserve.costmodel.analytic import analytic_profile, model_shape
 
     profile = analytic_profile(model_shape("llama-3-8b"), "H100-SXM", sizes=(1,))
     sim = Simulation(profile, Deployment(num_collocated=1))

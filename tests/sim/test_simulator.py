@@ -8,8 +8,8 @@ from pdserve.bench.workloads import Session, Turn
 from pdserve.config import SchedulerConfig
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.hashing import hash_blocks
-from pdserve.perf.cost_model import StepCostModel, TransferModel
-from pdserve.perf.profile import HardwareProfile, ModelShape, ServedOverhead
+from pdserve.costmodel.step_cost import StepCostModel, TransferModel
+from pdserve.costmodel.profile import HardwareProfile, ModelShape, ServedOverhead
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.simulator import Simulation
 

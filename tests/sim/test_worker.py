@@ -2,7 +2,7 @@
 worker's `_maybe_stats`, and without the requests it has not read yet."""
 
 from pdserve.config import SchedulerConfig
-from pdserve.perf.cost_model import StepCostModel
+from pdserve.costmodel.step_cost import StepCostModel
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.sim.worker import SimWorker

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import envs
 from pdserve import messages as m
-from pdserve.perf.cost_model import StepShape
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.workers.step_report import StepTrace, read_trace
 from tests.workers.conftest import WorkerProcess
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from pdserve.perf.analytic import MODELS, analytic_profile, model_shape
-from pdserve.perf.profile import load_profile
+from pdserve.costmodel.analytic import MODELS, analytic_profile, model_shape
+from pdserve.costmodel.profile import load_profile
 
 
 def test_profile_round_trips_through_json(tmp_path):
@@ -17,7 +17,7 @@ def test_profile_round_trips_through_json(tmp_path):
 def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill():
     profile = analytic_profile(MODELS["llama-3-8b"], "H100-SXM")
     model = profile.cost_model(1)
-    from pdserve.perf.cost_model import StepShape
+    from pdserve.costmodel.step_cost import StepShape
 
     one = model.predict(StepShape(decode_requests=1, decode_context_tokens=512))
     eight = model.predict(StepShape(decode_requests=8, decode_context_tokens=8 * 512))

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.perf.cost_model import (
+from pdserve.costmodel.step_cost import (
     FEATURES,
     GRAMMAR_ROW_S,
     StepCostModel,

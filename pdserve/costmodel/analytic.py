@@ -13,7 +13,7 @@ all-reduces of the hidden state per layer over NVLink):
     c_context   = kv_bytes_per_token / t / (hbm_bw * eff_memory)
 
 so a step costs max(weights read, linear FLOPs) plus attention plus communication: the
-StepCostModel of perf/cost_model.py with these coefficients. Efficiencies are assumptions
+StepCostModel of costmodel/step_cost.py with these coefficients. Efficiencies are assumptions
 (named in `Efficiency`), not measurements: calibrate them against one measured run when one
 exists.
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.perf.cost_model import StepCostModel, TransferModel
-from pdserve.perf.profile import HardwareProfile, ModelShape
+from pdserve.costmodel.step_cost import StepCostModel, TransferModel
+from pdserve.costmodel.profile import HardwareProfile, ModelShape
 from pdserve.schema import check, knob
 
 

@@ -1,5 +1,5 @@
 """Hardware profiles: a cost model per worker size for one model on one kind of machine,
-measured (`pdserve profile`) or analytic (perf/analytic.py), stored as versioned JSON.
+measured (`pdserve profile`) or analytic (costmodel/analytic.py), stored as versioned JSON.
 
 A worker's *size* is the devices it spans: threads on a CPU (one per core), the
 tensor-parallel degree on GPUs. The profile says which (`size_unit`).
@@ -20,7 +20,7 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from pdserve.perf.cost_model import ServedCostModel, ServedSteps, StepCostModel, TransferModel
+from pdserve.costmodel.step_cost import ServedCostModel, ServedSteps, StepCostModel, TransferModel
 from pdserve.schema import check, knob
 
 PROFILE_VERSION = 6
