@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdserve import messages
-from pdserve.costmodel.step_cost import StepShape
 from pdserve.costmodel.profile import load_profile
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import CoreGroups, Demand, check_deployment, plan_counts, pools_of
 from pdserve.planner.decision import REMOTE, Decision, Situation, decide, decode_need
@@ -260,10 +260,9 @@ class Planner:
 
     def _decode_need(self, w: WorkerState, pool: int) -> int:
         s = w.stats
-        if s is None:
+        if s is None or w.ready is None:  # its block size is in its Ready
             return 1
-        block_size = w.ready.block_size if w.ready else 16
-        context = (s.num_total_blocks - s.num_free_blocks) * block_size
+        context = (s.num_total_blocks - s.num_free_blocks) * w.ready.block_size
         return decode_need(self.model, pool, s.num_running, context, self._slo_itl_s)
 
     @property

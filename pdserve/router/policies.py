@@ -36,8 +36,8 @@ class WorkerLoad:
 @dataclass(frozen=True)
 class RouteRequest:
     num_prompt_tokens: int
+    block_size: int  # the workers' (their Ready), which `num_cached_blocks` counts in
     block_hashes: Sequence[int] = field(default_factory=tuple)
-    block_size: int = 16
 
 
 class RoutingPolicy(ABC):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from pdserve.config import CacheConfig
 from pdserve.kvcache.hashing import hash_blocks, root_hash, salted_root
 from pdserve.planner.decision import LOCAL, Decision
 from pdserve.router.policies import RouteRequest, RoutingPolicy, WorkerLoad
@@ -38,11 +39,14 @@ def route_request(
     cache overlap (they cost a blake2b per block), with the role's block size and model,
     in the request's cache scope (`cache_salt`), as its workers hash them."""
     ready = [w.ready for w in plane.workers.values() if w.ready and w.role == role]
-    if not policy.needs_block_hashes or not ready:
-        return RouteRequest(len(prompt_token_ids))
+    if not ready:  # nothing to route to: the block size the workers will have by default
+        return RouteRequest(len(prompt_token_ids), CacheConfig().block_size)
+    block_size = ready[0].block_size
+    if not policy.needs_block_hashes:
+        return RouteRequest(len(prompt_token_ids), block_size)
     parent = salted_root(root_hash(ready[0].model), cache_salt)
-    hashes = hash_blocks(prompt_token_ids, ready[0].block_size, parent)
-    return RouteRequest(len(prompt_token_ids), hashes, ready[0].block_size)
+    hashes = hash_blocks(prompt_token_ids, block_size, parent)
+    return RouteRequest(len(prompt_token_ids), block_size, hashes)
 
 
 def pick(

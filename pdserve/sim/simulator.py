@@ -43,8 +43,8 @@ from pdserve.bench.arrivals import ArrivalSpec, arrival_times
 from pdserve.bench.metrics import FAILED, RequestRecord, run_duration_s
 from pdserve.bench.runner import RunResult
 from pdserve.bench.workloads import Session
-from pdserve.kvcache.hashing import hash_blocks
 from pdserve.costmodel.profile import HardwareProfile
+from pdserve.kvcache.hashing import hash_blocks
 from pdserve.request import Request
 from pdserve.router.policies import RouteRequest, make_policy
 from pdserve.sampling_params import SamplingParams
@@ -278,7 +278,7 @@ class Simulation:
         hashes = None
         if self.policy.needs_block_hashes and role != "decode":
             hashes = flight.block_hashes
-        route = RouteRequest(len(flight.prompt_ids), hashes or (), self.config.block_size)
+        route = RouteRequest(len(flight.prompt_ids), self.config.block_size, hashes or ())
         load = self.policy.choose(role, [w.load(hashes) for w in candidates], route)
         assert load is not None
         return next(w for w in candidates if w.worker_id == load.worker_id)

@@ -7,7 +7,7 @@ import pytest
 from pdserve.router.policies import RoundRobin, RouteRequest, ShortestQueue, WorkerLoad, make_policy
 from pdserve.router.policies import WorkerLoad as W
 
-REQ = RouteRequest(num_prompt_tokens=10)
+REQ = RouteRequest(num_prompt_tokens=10, block_size=16)
 
 
 def ids(policy, role: str, workers: list[W], n: int) -> list[str | None]:
@@ -85,7 +85,7 @@ def test_prefix_cache_loses_to_a_large_load_gap() -> None:
 
 def test_by_role_splits_routing_and_load_balancing() -> None:
     policy = make_policy("prefix_cache", "round_robin")
-    request = RouteRequest(num_prompt_tokens=10)
+    request = RouteRequest(num_prompt_tokens=10, block_size=16)
     decodes = [WorkerLoad("d0", "decode", True), WorkerLoad("d1", "decode", True)]
     assert [policy.choose("decode", decodes, request).worker_id for _ in range(3)] == [
         "d0",
