@@ -13,8 +13,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from pdserve.costmodel.step_cost import StepShape
 from pdserve.costmodel.profile import load_profile
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.workers.step_report import read_trace
 
 IDLE_S = 1.0  # longer than any gap between a busy worker's steps

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.costmodel.step_cost import StepCostModel, TransferModel
 from pdserve.costmodel.profile import HardwareProfile, ModelShape
+from pdserve.costmodel.step_cost import StepCostModel, TransferModel
 from pdserve.schema import check, knob
 
 

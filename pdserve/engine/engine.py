@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.engine import warmup
 from pdserve.engine.kv_budget import KVBudget
 from pdserve.engine.kv_offload import KVOffload
@@ -31,7 +32,6 @@ from pdserve.engine.wire_source import WireSource
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.model.config import ModelConfig
 from pdserve.model.loader import torch_dtype
-from pdserve.costmodel.step_cost import StepShape
 from pdserve.request import FinishReason, Request
 from pdserve.sampling_params import SamplingParams
 from pdserve.transfer.receiver import SocketKVReceiver

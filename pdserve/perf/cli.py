@@ -31,8 +31,8 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.rescale:
         return _rescale(args.rescale, args.output)
-    from pdserve.perf.measure import build_profile
     from pdserve.costmodel.profile import load_profile
+    from pdserve.perf.measure import build_profile
 
     cfg = from_flat(ProfileConfig, flag_values(args, ProfileConfig))
     base = load_profile(args.update) if args.update else None

@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 
-from pdserve.costmodel.step_cost import TransferModel
 from pdserve.costmodel.profile import HardwareProfile
+from pdserve.costmodel.step_cost import TransferModel
 
 
 def cpu_name() -> str:

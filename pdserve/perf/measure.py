@@ -28,9 +28,9 @@ import numpy as np
 
 from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig
+from pdserve.costmodel.profile import HardwareProfile, ModelShape
 from pdserve.costmodel.step_cost import StepShape, fit_cost_model, phase_ratios
 from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
-from pdserve.costmodel.profile import HardwareProfile, ModelShape
 from pdserve.perf.served import (
     STEP_FACTOR_PROMPT,
     STEP_FACTOR_REQUESTS,

@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, replace
 
+from pdserve.costmodel.profile import HardwareProfile, ServedOverhead
 from pdserve.costmodel.step_cost import StepCostModel, StepShape, phase_ratios
 from pdserve.perf.machine import check_same_machine
 from pdserve.perf.measure import (
@@ -32,7 +33,6 @@ from pdserve.perf.measure import (
     time_probe,
     timing_env,
 )
-from pdserve.costmodel.profile import HardwareProfile, ServedOverhead
 
 Samples = list[tuple[StepShape, float]]
 # Served figures that are seconds of CPU or latency (step_factor is a ratio: kept).

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.costmodel.step_cost import FEATURES, StepCostModel, StepShape, TransferModel
 from pdserve.costmodel.profile import HardwareProfile
+from pdserve.costmodel.step_cost import FEATURES, StepCostModel, StepShape, TransferModel
 
 ROLES = ("prefill", "decode")
 STEP_FIELDS = 7  # a StepReport row: 5 StepShape fields, threads, seconds

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field
 
 from pdserve.config import EngineConfig
-from pdserve.messages import FIELDS_BYTES, ROLES
 from pdserve.costmodel.profile import load_profile
+from pdserve.messages import FIELDS_BYTES, ROLES
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import check_deployment
 from pdserve.router.policies import POLICIES

@@ -16,8 +16,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from pdserve.costmodel.step_cost import StepShape
 from pdserve.costmodel.profile import HardwareProfile
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import CoreGroups, Cores, Demand, plan_counts
 from pdserve.planner.decision import LOCAL, Situation, decide, decode_need

@@ -32,8 +32,8 @@ from statistics import fmean
 from pdserve.bench.app import BenchPlan
 from pdserve.bench.metrics import SLO, fmt
 from pdserve.bench.search import find_goodput
-from pdserve.costmodel.step_cost import StepShape
 from pdserve.costmodel.profile import HardwareProfile
+from pdserve.costmodel.step_cost import StepShape
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.run import simulate_plan
 

@@ -9,9 +9,9 @@ import zlib
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
+from pdserve.costmodel.step_cost import ServedCostModel, StepCostModel, StepShape
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.manager import KVCacheManager
-from pdserve.costmodel.step_cost import ServedCostModel, StepCostModel, StepShape
 from pdserve.request import Request
 from pdserve.router.policies import WorkerLoad
 

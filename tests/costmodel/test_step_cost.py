@@ -2,7 +2,6 @@ import math
 
 import pytest
 
-from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.costmodel.step_cost import (
     FEATURES,
     GRAMMAR_ROW_S,
@@ -10,6 +9,7 @@ from pdserve.costmodel.step_cost import (
     StepShape,
     fit_cost_model,
 )
+from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
 

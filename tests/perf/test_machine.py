@@ -6,8 +6,8 @@ import os
 import pytest
 
 from pdserve.costmodel.analytic import analytic_profile, model_shape
-from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
 from pdserve.costmodel.profile import HardwareProfile
+from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
 
 
 def measured_here(**machine) -> HardwareProfile:

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from pdserve.costmodel.profile import load_profile
 from pdserve.envs import WORKER_SPINCOUNT
 from pdserve.perf.measure import (
     PROBE_GRID,
@@ -19,7 +20,6 @@ from pdserve.perf.measure import (
     timing_env,
     wake_extra,
 )
-from pdserve.costmodel.profile import load_profile
 from pdserve.perf.served import SEND_PROMPTS
 
 

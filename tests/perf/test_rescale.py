@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from pdserve.costmodel.analytic import analytic_profile, model_shape
+from pdserve.costmodel.profile import HardwareProfile, ServedOverhead
 from pdserve.costmodel.step_cost import FEATURES, StepCostModel, StepShape, fit_cost_model
 from pdserve.perf.machine import cpu_name
 from pdserve.perf.measure import (
@@ -16,7 +17,6 @@ from pdserve.perf.measure import (
     pinned_engine,
     time_grid,
 )
-from pdserve.costmodel.profile import HardwareProfile, ServedOverhead
 from pdserve.perf.rescale import SERVED_SECONDS, probe_grid, probe_ratios, rescaled, speed_ratio
 
 PREFILL, DECODE = StepShape(prefill_tokens=100), StepShape(decode_requests=4)

@@ -7,8 +7,14 @@ import json
 import pytest
 
 from pdserve.costmodel.analytic import MODELS, analytic_profile
-from pdserve.costmodel.step_cost import FEATURES, ServedCostModel, ServedSteps, StepCostModel, StepShape
 from pdserve.costmodel.profile import HardwareProfile, ServedOverhead, load_profile
+from pdserve.costmodel.step_cost import (
+    FEATURES,
+    ServedCostModel,
+    ServedSteps,
+    StepCostModel,
+    StepShape,
+)
 from pdserve.perf.served_steps import fit_line, fit_served_steps, request_s
 
 PREFILL, DECODE = StepShape(prefill_tokens=100), StepShape(decode_requests=2)

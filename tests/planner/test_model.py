@@ -7,6 +7,7 @@ import typing
 
 import pytest
 
+from pdserve.costmodel.profile import HardwareProfile, ModelShape
 from pdserve.costmodel.step_cost import (
     ServedCostModel,
     ServedSteps,
@@ -14,7 +15,6 @@ from pdserve.costmodel.step_cost import (
     StepShape,
     TransferModel,
 )
-from pdserve.costmodel.profile import HardwareProfile, ModelShape
 from pdserve.planner.model import OnlineCostModel
 from pdserve.sim.worker import SimWorker
 from tests.planner.conftest import rows, truth

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from pdserve.costmodel.step_cost import StepCostModel
 from pdserve.costmodel.profile import HardwareProfile
+from pdserve.costmodel.step_cost import StepCostModel
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.decision import LOCAL, REMOTE, Situation, decide
 from pdserve.planner.model import OnlineCostModel

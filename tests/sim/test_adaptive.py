@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.config import SchedulerConfig
-from pdserve.costmodel.step_cost import StepCostModel, TransferModel
 from pdserve.costmodel.profile import HardwareProfile
+from pdserve.costmodel.step_cost import StepCostModel, TransferModel
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.sim.adaptive import AdaptiveSimulation
 from pdserve.sim.deployment import Deployment, SimConfig

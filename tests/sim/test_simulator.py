@@ -6,10 +6,10 @@ import pytest
 from pdserve.bench.arrivals import ArrivalSpec
 from pdserve.bench.workloads import Session, Turn
 from pdserve.config import SchedulerConfig
+from pdserve.costmodel.profile import HardwareProfile, ModelShape, ServedOverhead
+from pdserve.costmodel.step_cost import StepCostModel, TransferModel
 from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.hashing import hash_blocks
-from pdserve.costmodel.step_cost import StepCostModel, TransferModel
-from pdserve.costmodel.profile import HardwareProfile, ModelShape, ServedOverhead
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.simulator import Simulation
 
