@@ -288,6 +288,7 @@ class Stats:
     # Cumulative failed KV transfers by reason (engine/roles/prefill.py and decode.py):
     # send_timeout, send_failed, reserve_timeout, land_timeout, receive_failed, bad_meta.
     kv_transfer_failures: dict[str, int] = field(default_factory=dict)
+    kv_transfer_fallbacks: dict[str, int] = field(default_factory=dict)  # shm_to_tcp
     # Memory (workers/memory_report.py): the process's RSS and PSS, what its weights (every
     # copy the loader and the CPU kernels keep) and its KV pool take, in bytes.
     rss_bytes: int = 0

@@ -14,6 +14,11 @@ switching roles), no_cores (the adaptive planner gave it none). `reason` of a lo
 no_prefill (no healthy prefill worker could take it), no_decode (the prefill worker ran it
 whole: no decode worker could), resumed (tokens were already streamed, so the re-driven
 request recomputes them on one worker).
+
+The workers count their own (router/metrics.py exports them from their Stats):
+pdserve_kv_transfer_fallbacks_total{worker, reason} is a prefill worker's KV connections moved
+to a slower path; reason shm_to_tcp: the receiver offered shared memory that could not be
+mapped, so tcp carries its KV (pdserve/transfer/sender.py).
 """
 
 from __future__ import annotations

@@ -334,6 +334,11 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
         for w in workers
         for reason, n in sorted(w.get("kv_transfer_failures", {}).items())
     ]
+    fallbacks = [
+        ([w["worker"], reason], n)
+        for w in workers
+        for reason, n in sorted(w.get("kv_transfer_fallbacks", {}).items())
+    ]
     return [
         *families,
         _family("counter", "pdserve_kv_cache_lookups_total",
@@ -347,6 +352,10 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
         _family("counter", "pdserve_kv_transfer_failures_total",
                 "KV transfers a worker saw fail, by reason (its request was re-driven).",
                 ["worker", "reason"], failures),
+        _family("counter", "pdserve_kv_transfer_fallbacks_total",
+                "KV connections a prefill worker moved to a slower path, by reason (shm_to_tcp: "
+                "the receiver's shared memory could not be mapped).", ["worker", "reason"],
+                fallbacks),
         _family("counter", "pdserve_kv_tier_moved_bytes_total",
                 "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
                 ["worker", "src", "dst"], moved),

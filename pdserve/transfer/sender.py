@@ -30,6 +30,7 @@ from pdserve.transfer.limits import (
     TokenBucket,
     parse_bandwidth,
 )
+from pdserve.transfer.mooncake import MooncakeWriter, SenderEngine
 from pdserve.transfer.peer import (
     BlockWriter,
     PeerConnection,
@@ -51,7 +52,10 @@ CONNECT_TIMEOUT_S = 5.0  # connect, handshake and hello
 
 
 def open_writer(ctx: WriteContext) -> BlockWriter:
-    """The default ``make_writer``: shm when the receiver's pool is mapped here, else tcp."""
+    """The default ``make_writer``: mooncake when the sender uses it, shm when the receiver's
+    pool is mapped here, else tcp."""
+    if ctx.mooncake is not None:
+        return MooncakeWriter(ctx)
     return ShmWriter(ctx) if ctx.remote_kv is not None else TcpWriter(ctx)
 
 
@@ -125,7 +129,10 @@ class SocketKVSender:
         self._ended: OrderedDict[str, SendState] = OrderedDict()
         self._finished: list[Finished] = []
         self._peers: dict[tuple[str, int], _PeerWorker] = {}
-        self._totals = {"num_writes": 0, "num_frames": 0, "bytes_sent": 0}
+        self.mooncake = SenderEngine()  # started for the first mooncake receiver
+        # shm_fallbacks: receivers offered shm whose segment could not be mapped, so tcp
+        # carries their KV (the router shows them as pdserve_kv_transfer_fallbacks_total).
+        self._totals = {"num_writes": 0, "num_frames": 0, "bytes_sent": 0, "shm_fallbacks": 0}
         self.closing = False
 
     # -- public API ------------------------------------------------------------------------
@@ -206,7 +213,8 @@ class SocketKVSender:
 
     def stats(self) -> dict[str, Any]:
         """Counters: ``num_writes`` (coalesced runs x layers), ``num_frames``,
-        ``bytes_sent``, and ``requests`` mapping recent request ids to their own counts."""
+        ``bytes_sent``, ``shm_fallbacks`` (connections that fell back to tcp), and
+        ``requests`` mapping recent request ids to their own counts."""
         with self._lock:
             states = list(self._ended.values()) + list(self._requests.values())
             requests = {s.request_id: s.counts() for s in states}
@@ -333,11 +341,14 @@ class _PeerWorker:
                     raise TransferError(f"cannot map receiver shm {info.shm_name!r}: {e}") from e
                 log.warning("shm unavailable (%s); falling back to tcp", e)
                 info.use_shm = False
+                with s._lock:
+                    s._totals["shm_fallbacks"] += 1
         remote_kv = self._remote_kv if info.use_shm else None
         self.writer = s.make_writer(WriteContext(
             kv=s.kv, layout=s.layout, conn=self.conn, remote_kv=remote_kv,
             max_frame_bytes=info.max_frame_bytes, chunk_bytes=s.chunk_bytes, bucket=s.bucket,
             staging=s.pool, checksum=s.checksum, stopped=s.stopped, account=s.account,
+            mooncake=s.mooncake.peer(self.conn, info) if info.mooncake is not None else None,
         ))  # fmt: skip
         return self.conn, self.writer
 

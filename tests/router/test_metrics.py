@@ -12,7 +12,7 @@ ROW = {
     "num_total_blocks": 64, "kv_bytes_sent": 12_345_678_901, "kv_bytes_received": 9,
     "kv_blocks_skipped": 3, "active_requests": 2, "unacked_releases": 0,
     "kv_tiers": {"L1": {"lookups": 10, "hits": 4, "bytes_read": 5, "bytes_written": 6}},
-    "kv_moved_bytes": {"L2->L3": 300},
+    "kv_moved_bytes": {"L2->L3": 300}, "kv_transfer_fallbacks": {"shm_to_tcp": 2},
 }  # fmt: skip
 
 
@@ -64,6 +64,8 @@ def test_worker_rows_are_escaped_typed_and_exact():
     assert got["pdserve_kv_tier_bytes_total", tier] == 6
     moved = frozenset({worker, ("src", "L2"), ("dst", "L3")})
     assert got["pdserve_kv_tier_moved_bytes_total", moved] == 300
+    fallback = frozenset({worker, ("reason", "shm_to_tcp")})
+    assert got["pdserve_kv_transfer_fallbacks_total", fallback] == 2
     assert got["pdserve_worker_prompt_tokens_total", frozenset({worker, ("source", "cached")})] == 0
 
 

@@ -258,7 +258,10 @@ class PrefillRole(Role):
         return sum(h.request.status is RequestStatus.SENDING_KV for h in self.handoffs.values())
 
     def transfer_stats(self) -> dict[str, Any]:
+        stats = self.sender.stats()
+        num_shm_fallbacks = stats.get("shm_fallbacks", 0)  # other backends have no shm
         return {
-            "kv_bytes_sent": self.sender.stats()["bytes_sent"],
+            "kv_bytes_sent": stats["bytes_sent"],
             "kv_transfer_failures": dict(self.transfer_failures),
+            "kv_transfer_fallbacks": {"shm_to_tcp": num_shm_fallbacks} if num_shm_fallbacks else {},
         }

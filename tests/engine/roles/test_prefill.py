@@ -168,3 +168,12 @@ def test_an_engine_refuses_what_its_role_does_not_take_and_switches_only_when_id
         engine.step()
     engine.switch_role(role)
     assert engine.role is role and engine.scheduler.preallocate_prompt
+
+
+@pytest.mark.parametrize("num_fallbacks, expected", [(0, {}), (2, {"shm_to_tcp": 2})])
+def test_the_senders_shm_fallbacks_reach_the_stats_by_reason(num_fallbacks, expected) -> None:
+    tx = FakeSender()
+    tx.stats = lambda: {"bytes_sent": 5, "shm_fallbacks": num_fallbacks}
+    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="m")
+    stats = prefill_role(tx, kv, "layerwise").transfer_stats()
+    assert stats["kv_bytes_sent"] == 5 and stats["kv_transfer_fallbacks"] == expected
