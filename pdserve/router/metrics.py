@@ -132,7 +132,7 @@ class RouterMetrics:
 
 
 class AdaptiveMetrics:
-    """The adaptive planner's families (pdserve/planner/planner.py records them)."""
+    """The adaptive planner's families (pdserve/router/adaptive_planner.py records them)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         counter = functools.partial(Counter, registry=registry)

@@ -15,7 +15,7 @@ from pdserve.router.policies import RouteRequest, RoutingPolicy, WorkerLoad
 from pdserve.router.timing import RequestTiming
 
 if TYPE_CHECKING:
-    from pdserve.planner.planner import Planner
+    from pdserve.router.adaptive_planner import Planner
     from pdserve.router.workers import ControlPlane
 
 

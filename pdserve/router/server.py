@@ -23,7 +23,7 @@ from aiohttp import web
 
 from pdserve.model.tokenizer import Tokenizer, load_tokenizer
 from pdserve.output_processor import OutputProcessor
-from pdserve.planner.planner import Planner
+from pdserve.router.adaptive_planner import Planner
 from pdserve.router.completions import STATE, RouterState, chat_completions, completions
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import make_policy

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -48,6 +48,12 @@ _REQUEST_MESSAGES = (
     messages.Unpinned,
 )
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+class PlannerHook(Protocol):
+    """An adaptive deployment's Planner (router/adaptive_planner.py, which reads this table)."""
+
+    def on_message(self, message: Any) -> None: ...  # Ready, CoresSet or StepReport
 
 
 @dataclass
@@ -102,9 +108,7 @@ class ControlPlane:
         self._signer = messages.Signer(config.secret)
         self._verifier = messages.Verifier(config.secret)
         self.unacked_releases: dict[tuple[str, str], float] = {}  # (worker, request) -> sent
-        # An adaptive deployment's Planner (pdserve/planner/planner.py, set by router/server.py);
-        # not imported here: the planner depends on this table, not the other way round.
-        self.planner: Any = None
+        self.planner: PlannerHook | None = None
 
     async def start(self) -> None:
         self._pull = self._sync_ctx.socket(zmq.PULL)

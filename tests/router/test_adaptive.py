@@ -11,9 +11,9 @@ from pathlib import Path
 
 import requests
 
-from pdserve.planner import planner as planner_module
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.decision import LOCAL, Decision
+from pdserve.router import adaptive_planner as planner_module
 from tests.router.conftest import OUTPUT_TEXT
 from tests.router.harness import Cluster
 
