@@ -7,11 +7,14 @@ hosts (no shared memory, a link of a given rate, delay and loss, a link that goe
       ├── veth <prefix>h1 ══ eth0 in namespace <prefix>-<name1>, 10.77.0.3/24
       ...
 
-A host's link is shaped with netem on both ends (the namespace's eth0 and the bridge side),
-so `delay_ms` is one way and a round trip takes twice it; `rate` caps each direction. Only
-addresses of the namespaces made here are ever used. `Hosts` is a context manager: leaving it,
-normally or by an exception, kills what still runs in the namespaces and deletes them and the
-bridge; a crashed run's leftovers under the same prefix are removed on entry.
+A host's link is shaped on both ends (the namespace's eth0 and the bridge side), so
+`delay_ms` is one way and a round trip takes twice it; `rate` caps each direction (a token
+bucket, or netem's rate with a delay); `loss_pct` drops packets at random each way, with netem
+where the kernel has it, else with nftables at each end's ingress (some kernels have no
+sch_netem: delay and jitter then raise, loss still works). Only addresses of the namespaces
+made here are ever used. `Hosts` is a context manager: leaving it, normally or by an
+exception, kills what still runs in the namespaces and deletes them, the bridge and the loss
+tables; a crashed run's leftovers under the same prefix are removed on entry.
 
 Needs root and iproute2 (`ip`, `tc`); `available()` says whether they are there.
 """
@@ -43,20 +46,23 @@ def available() -> str:
 class Link:
     """A host's link, each direction: `rate` as tc writes it ("1gbit", "100mbit"; None:
     unshaped), one-way `delay_ms` and `jitter_ms` (tc netem, which some kernels lack: then a
-    RuntimeError says so), `loss_pct` of packets dropped at random (nftables)."""
+    RuntimeError says so), `loss_pct` of packets dropped at random (netem, else nftables)."""
 
     rate: str | None = None
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     loss_pct: float = 0.0
 
-    def qdisc(self) -> list[str]:
-        """The root qdisc's tc arguments: netem when there is a delay, else a token bucket
-        whose burst is 1 ms of the rate (at least 16 KiB), else a plain FIFO."""
-        if self.delay_ms or self.jitter_ms:
+    def qdisc(self, netem: bool = True) -> list[str]:
+        """The root qdisc's tc arguments: netem when there is a delay (or a loss, with
+        `netem`), else a token bucket whose burst is 1 ms of the rate (at least 16 KiB), else
+        a plain FIFO. Without `netem` the loss is left out, for nftables to apply."""
+        if self.delay_ms or self.jitter_ms or (netem and self.loss_pct):
             args = ["netem", "delay", f"{self.delay_ms}ms"]
             if self.jitter_ms:
                 args.append(f"{self.jitter_ms}ms")
+            if netem and self.loss_pct:
+                args += ["loss", "random", f"{self.loss_pct}%"]
             return args + (["rate", self.rate] if self.rate else [])
         if self.rate:
             burst_bytes = max(16 << 10, _bits_per_s(self.rate) // 8 // 1000)
@@ -78,8 +84,10 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 class Hosts:
     """`with Hosts(["prefill", "decode"]) as hosts:` then `hosts.ip("decode")`,
-    `hosts.prefix("decode")` (a command prefix that runs inside), `hosts.shape(...)`,
-    `hosts.set_link(name, up=False)`, `hosts.remove(name)`."""
+    `hosts.prefix_of("decode")` (a command prefix that runs inside), `hosts.shape(...)`,
+    `hosts.set_rate(name, "100mbit")` (mid-run), `hosts.set_link(name, up=False)`,
+    `hosts.remove(name)`. `loss_by` says what drops the packets of a lossy link: "netem" or
+    "nftables" ("" until a loss is set)."""
 
     def __init__(self, names: list[str], prefix: str = "pds", shm_bytes: int = 1 << 30) -> None:
         if len(names) > 200 or len(set(names)) != len(names):
@@ -91,6 +99,9 @@ class Hosts:
         self.gateway = f"{SUBNET}.1"  # the root namespace's address on the bridge
         self._index = {name: i for i, name in enumerate(names)}
         self._live: set[str] = set()
+        self._links: dict[str, Link] = {}
+        self._netem: bool | None = None  # whether the kernel has sch_netem, once tried
+        self.loss_by = ""
 
     def namespace(self, name: str) -> str:
         return f"{self.prefix}-{name}"
@@ -136,35 +147,66 @@ class Hosts:
         _run(*inside, "link", "set", "lo", "up")
 
     def shape(self, name: str, link: Link) -> None:
-        """Shape both directions of `name`'s link (replacing what was there)."""
-        ns, veth = self.namespace(name), self._veth(name)
-        inside = ("ip", "netns", "exec", ns)
-        for where, dev in (((), veth), (inside, "eth0")):
-            qdisc = ("tc", "qdisc", "replace", "dev", dev, "root", *link.qdisc())
-            done = _run(*where, *qdisc, check=False)
+        """Shape both directions of `name`'s link (replacing what was there). A loss goes to
+        netem; when the kernel has no netem (learnt on the first try), to nftables."""
+        if self._netem is not False and link.loss_pct and not (link.delay_ms or link.jitter_ms):
+            try:
+                self._qdisc(name, link.qdisc(netem=True))
+                self._netem = True
+            except RuntimeError as e:
+                if "unknown" not in str(e):
+                    raise
+                self._netem = False
+        netem = bool(self._netem)
+        self._qdisc(name, link.qdisc(netem=netem))
+        self._set_loss(name, 0.0 if netem else link.loss_pct)
+        self._links[name] = link
+        if link.loss_pct:
+            self.loss_by = "netem" if netem else "nftables"
+
+    def set_rate(self, name: str, rate: str | None) -> None:
+        """Change the rate of `name`'s link in place, both ways, keeping its delay and loss
+        (a tbf or netem change: what is queued stays queued), as a link whose capacity
+        drops or recovers mid-run."""
+        link = self._links.get(name, Link())
+        link = Link(rate, link.delay_ms, link.jitter_ms, link.loss_pct)
+        self._qdisc(name, link.qdisc(netem=bool(self._netem)))
+        self._links[name] = link
+
+    def _qdisc(self, name: str, args: list[str]) -> None:
+        inside = ("ip", "netns", "exec", self.namespace(name))
+        for where, dev in (((), self._veth(name)), (inside, "eth0")):
+            done = _run(*where, "tc", "qdisc", "replace", "dev", dev, "root", *args, check=False)
             if done.returncode:
-                raise RuntimeError(f"tc {' '.join(link.qdisc())}: {done.stderr.strip()}")
-        self._set_loss(name, link.loss_pct)
+                raise RuntimeError(f"tc {' '.join(args)}: {done.stderr.strip()}")
+
+    def _loss_table(self, name: str) -> str:
+        return f"pdloss_{self._veth(name)}"
 
     def _set_loss(self, name: str, loss_pct: float) -> None:
-        """Random loss in the host's own netfilter (gone with its namespace), each way."""
+        """Random loss at the ingress of each end (nftables netdev hooks): into the host at
+        its eth0, out of it at the bridge side's veth. Dropped on arrival, as on a wire: the
+        sender is never told (an output hook would fail its send with EPERM)."""
         inside = ("ip", "netns", "exec", self.namespace(name))
-        _run(*inside, "nft", "delete", "table", "inet", "pdserve_loss", check=False)
+        table = self._loss_table(name)
+        for where in ((), inside):
+            _run(*where, "nft", "delete", "table", "netdev", table, check=False)
         if not loss_pct:
             return
         if shutil.which("nft") is None:
             raise RuntimeError("loss needs nftables (apt-get install nftables)")
         drop = f"numgen random mod 10000 < {round(loss_pct * 100)} drop"
-        chains = [
-            f"chain {hook} {{ type filter hook {hook} priority 0; {drop}; }}"
-            for hook in ("input", "output")
-        ]
-        ruleset = "table inet pdserve_loss {\n" + "\n".join(chains) + "\n}\n"
-        done = subprocess.run(
-            [*inside, "nft", "-f", "-"], input=ruleset, text=True, capture_output=True, timeout=30
-        )
-        if done.returncode:
-            raise RuntimeError(f"nft: {done.stderr.strip()}")
+        for where, dev in (((), self._veth(name)), (inside, "eth0")):
+            ruleset = (
+                f"table netdev {table} {{ chain ingress {{\n"
+                f'type filter hook ingress device "{dev}" priority 0; {drop}\n}}\n}}\n'
+            )
+            done = subprocess.run(
+                [*where, "nft", "-f", "-"], input=ruleset, text=True, capture_output=True,
+                timeout=30,
+            )  # fmt: skip
+            if done.returncode:
+                raise RuntimeError(f"nft: {done.stderr.strip()}")
 
     def set_link(self, name: str, up: bool) -> None:
         """Cut (`up=False`) or restore `name`'s link at the bridge: packets in flight are lost
@@ -192,6 +234,8 @@ class Hosts:
             time.sleep(0.1)
         _run("ip", "link", "del", self._veth(name), check=False)
         _run("ip", "netns", "del", self.namespace(name), check=False)
+        if shutil.which("nft") is not None:
+            _run("nft", "delete", "table", "netdev", self._loss_table(name), check=False)
         self._live.discard(name)
 
     def cleanup(self) -> None:
@@ -204,3 +248,8 @@ class Hosts:
         for ns in ours - {self.namespace(n) for n in self.names}:
             _run("ip", "netns", "del", ns, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
+        if shutil.which("nft") is not None:
+            tables = _run("nft", "list", "tables", "netdev", check=False).stdout.split()
+            for table in tables:
+                if table.startswith(f"pdloss_{self.prefix}h"):
+                    _run("nft", "delete", "table", "netdev", table, check=False)
