@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -85,13 +85,29 @@ async def run_choices(
     ]
     for choice in choices:
         choice.echo = echo
+
+    async def answer() -> tuple[web.StreamResponse, ApiError | None]:
+        if api.stream:
+            return await _stream(request, api, ctx, choices, write_timeout_s)
+        return await _whole(ctx, api, choices, params.logprobs is not None), None
+
+    def end(status: str) -> None:
+        for choice in choices:
+            choice.driver.close(status)
+        on_end([c.driver for c in choices], status)
+
+    return await answer_recorded(answer(), end)
+
+
+async def answer_recorded(
+    answer: Awaitable[tuple[web.StreamResponse, ApiError | None]], end: Callable[[str], None]
+) -> web.StreamResponse:
+    """Await `answer` (the response and the error it streamed, if any) and call `end` with
+    the request's outcome, a metrics label, however it ends: success, cancelled (the client
+    left), rejected (503), invalid (4xx) or failed."""
     status = "failed"
     try:
-        error = None
-        if api.stream:
-            response, error = await _stream(request, api, ctx, choices, write_timeout_s)
-        else:
-            response = await _whole(ctx, api, choices, params.logprobs is not None)
+        response, error = await answer
         status = "success" if error is None else _status_of(error)
         return response
     except (asyncio.CancelledError, ConnectionResetError):
@@ -101,9 +117,7 @@ async def run_choices(
         status = _status_of(exc)
         raise
     finally:
-        for choice in choices:
-            choice.driver.close(status)
-        on_end([c.driver for c in choices], status)
+        end(status)
 
 
 def _status_of(error: ApiError) -> str:

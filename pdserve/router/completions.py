@@ -16,7 +16,7 @@ from aiohttp import web
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.output_processor import OutputProcessor
 from pdserve.router import protocol, responses
-from pdserve.router.choices import run_choices
+from pdserve.router.choices import answer_recorded, run_choices
 from pdserve.router.config import RouterConfig
 from pdserve.router.delta import Delta
 from pdserve.router.driver import RequestDriver
@@ -119,20 +119,14 @@ async def _run(
     request: web.Request, api: ApiRequest, ctx: responses.ResponseContext, driver: RequestDriver
 ) -> web.StreamResponse:
     """Drive one request and answer it, recording its outcome however it ends."""
-    state, status = request.app[STATE], "failed"
-    try:
-        response, error = await (_stream if api.stream else _whole)(request, api, driver, ctx)
-        status = "success" if error is None else _status_of(error)
-        return response
-    except (asyncio.CancelledError, ConnectionResetError):
-        status = "cancelled"
-        raise
-    except ApiError as exc:
-        status = _status_of(exc)
-        raise
-    finally:
+    state = request.app[STATE]
+
+    def end(status: str) -> None:
         driver.close(status)
         _record(state, ctx.id, [driver], status)
+
+    answer = (_stream if api.stream else _whole)(request, api, driver, ctx)
+    return await answer_recorded(answer, end)
 
 
 def _record(state: RouterState, key: str, drivers: list[RequestDriver], status: str) -> None:
@@ -273,10 +267,3 @@ async def tokenize(
     if not ids:
         raise ApiError(400, f"{param} encodes to zero tokens", param=param)
     return ids
-
-
-def _status_of(error: ApiError) -> str:
-    """The metrics label of a request that ended in `error`."""
-    if error.status == 503:
-        return "rejected"
-    return "invalid" if error.status < 500 else "failed"
