@@ -76,10 +76,22 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
         subparsers, "simulate", "replay a bench workload on a simulated deployment, from a profile"
     )
     parser.add_argument(
-        "--deployment", default="collocated", help="collocated, Nc, NpMd or adaptive"
+        "--deployment",
+        default=None,
+        help="collocated, Nc, NpMd or adaptive (default: what pdserve up runs on the profile's "
+        "host: adaptive on 2 cores or more, else 1p1d)",
     )
     add_flags(parser, Deployment)
     parser.set_defaults(func=cmd_simulate)
+
+
+def simulated_deployment(args: argparse.Namespace, profile: HardwareProfile) -> Deployment:
+    """`--deployment` and the sizes given; on a CPU profile the rest as `pdserve up` would
+    run them on the profiled host (its cores: `devices_per_node`), else one device each."""
+    sizes = flag_values(args, Deployment)
+    if profile.size_unit == "threads":
+        return Deployment.on_host(args.deployment, profile.devices_per_node, **sizes)
+    return Deployment.parse(args.deployment or "collocated", **sizes)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -89,7 +101,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     check_greedy(args)
     profile = resolve_profile(args.profile, args.model)
-    deployment = Deployment.parse(args.deployment, **flag_values(args, Deployment))
+    deployment = simulated_deployment(args, profile)
     config = sim_config(args)
     plan = build_plan(args, url=SIMULATED_URL)
     # The workload's prompts live to the end: keep the cyclic collector from walking them

@@ -9,7 +9,12 @@ Spec strings, as `pdserve bench compare` names deployments:
                  adaptive planner placing requests and moving cores (sim/adaptive.py)
 
 A worker's size (threads on a CPU profile, tensor-parallel degree on a GPU one) comes per
-role from `collocated_size`, `prefill_size`, `decode_size`.
+role from `collocated_size`, `prefill_size`, `decode_size` (1 when not given).
+`Deployment.on_host` is what `pdserve up` runs on a host of N cores, which `pdserve simulate`
+takes by default on a CPU profile: the spec `up` picks without role counts (adaptive where
+its two workers have a core each, else 1p1d), one collocated worker or the adaptive pool on
+every core (as `up --collocated 1` runs it: torch's threads on every core), and several
+workers one core each (as `up --pin-cpus` and `bench compare` start them).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import re
 from dataclasses import dataclass
 
 from pdserve.config import CacheConfig, SchedulerConfig
+from pdserve.planner.config import AdaptiveConfig
 from pdserve.router.config import RouterConfig
 from pdserve.schema import check, knob, same_as
 from pdserve.workers.spec import WorkerSpec
@@ -29,16 +35,23 @@ class Deployment:
     num_collocated: int = knob(0, ge=0, cli=False)
     num_prefill: int = knob(0, ge=0, cli=False)
     num_decode: int = knob(0, ge=0, cli=False)
-    collocated_size: int = knob(
-        1, "devices per worker (adaptive: the pool its two workers share)", ge=1
+    # None: 1 here; `pdserve simulate` gives what `up` would (`on_host`).
+    collocated_size: int | None = knob(
+        None,
+        "devices per worker (adaptive: the pool its two workers share; default: what pdserve "
+        "up gives it on the profile's host)",
+        ge=1,
     )
-    prefill_size: int = knob(1, "devices per prefill worker", ge=1)
-    decode_size: int = knob(1, "devices per decode worker", ge=1)
+    prefill_size: int | None = knob(None, "devices per prefill worker (default: 1)", ge=1)
+    decode_size: int | None = knob(None, "devices per decode worker (default: 1)", ge=1)
     # num_prefill + num_decode workers share one pool of cores
     adaptive: bool = knob(False, cli=False)
 
     def __post_init__(self) -> None:
         check(self)
+        for name in ("collocated_size", "prefill_size", "decode_size"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, 1)
         if self.num_collocated and (self.num_prefill or self.num_decode):
             raise ValueError("a deployment is collocated or disaggregated, not both")
         if not self.num_collocated and not (self.num_prefill and self.num_decode):
@@ -62,6 +75,16 @@ class Deployment:
         raise ValueError(
             f"unknown deployment {spec!r}: use collocated, Nc (e.g. 2c), NpMd or adaptive"
         )
+
+    @classmethod
+    def on_host(cls, spec: str | None, cores: int, **sizes: int) -> Deployment:
+        """What `pdserve up` runs on a host of `cores` cores (module docstring): `spec`, or
+        up's default when None; `sizes` given replace the ones up would choose."""
+        if spec is None:  # cluster/up.py, `default_is_adaptive`
+            spec = "adaptive" if cores >= AdaptiveConfig().workers else "1p1d"
+        if spec in ("collocated", "adaptive"):
+            sizes = {"collocated_size": cores, **sizes}
+        return cls.parse(spec, **sizes)
 
     @property
     def is_disaggregated(self) -> bool:
