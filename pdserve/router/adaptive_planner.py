@@ -28,10 +28,10 @@ from pdserve.planner.roles import RoleSplit, RoleView
 from pdserve.planner.targets import describe, max_gap_s, stall_budget_on
 
 if TYPE_CHECKING:
+    from pdserve.router.control_plane import ControlPlane, WorkerState
     from pdserve.router.metrics import AdaptiveMetrics
     from pdserve.router.policies import RouteRequest, RoutingPolicy, WorkerLoad
     from pdserve.router.timing import RequestTiming
-    from pdserve.router.workers import ControlPlane, WorkerState
 
 log = logging.getLogger(__name__)
 

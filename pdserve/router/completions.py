@@ -18,6 +18,7 @@ from pdserve.output_processor import OutputProcessor
 from pdserve.router import protocol, responses
 from pdserve.router.choices import answer_recorded, run_choices
 from pdserve.router.config import RouterConfig
+from pdserve.router.control_plane import ControlPlane
 from pdserve.router.delta import Delta
 from pdserve.router.driver import RequestDriver
 from pdserve.router.echo import Echo, check_size
@@ -29,7 +30,6 @@ from pdserve.router.scope import TENANT, parse_cache_salt, scope_salt
 from pdserve.router.timing import RequestTiming, export_span
 from pdserve.router.tool_stream import rewrite_body, tool_deltas
 from pdserve.router.tools import chat_input
-from pdserve.router.workers import ControlPlane
 from pdserve.sampling_params import SamplingParams
 
 REQUEST_ID_HEADER = "X-Request-Id"  # on every generation response: the id in the logs

@@ -38,13 +38,13 @@ from typing import Any
 
 from pdserve import messages
 from pdserve.output_processor import OutputProcessor
+from pdserve.router.control_plane import ControlPlane, WorkerLost
 from pdserve.router.delta import Delta
 from pdserve.router.fallbacks import FallbackMetrics
 from pdserve.router.policies import RoutingPolicy
 from pdserve.router.protocol import ApiError, bad_gateway, sampling_to_wire, unavailable
 from pdserve.router.routing import AdaptiveRequest, Lost, pick
 from pdserve.router.timing import RequestTiming
-from pdserve.router.workers import ControlPlane, WorkerLost
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)

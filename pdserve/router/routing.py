@@ -16,7 +16,7 @@ from pdserve.router.timing import RequestTiming
 
 if TYPE_CHECKING:
     from pdserve.router.adaptive_planner import Planner
-    from pdserve.router.workers import ControlPlane
+    from pdserve.router.control_plane import ControlPlane
 
 
 class Lost(Exception):

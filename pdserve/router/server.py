@@ -26,13 +26,13 @@ from pdserve.output_processor import OutputProcessor
 from pdserve.router.adaptive_planner import Planner
 from pdserve.router.completions import STATE, RouterState, chat_completions, completions
 from pdserve.router.config import RouterConfig
+from pdserve.router.control_plane import ControlPlane
 from pdserve.router.policies import make_policy
 from pdserve.router.protocol import ApiError
 from pdserve.router.responses import bounded
 from pdserve.router.scope import TENANT, tenant_of
 from pdserve.router.status import History, add_routes, worker_rows
 from pdserve.router.warmup import unpin, warmup
-from pdserve.router.workers import ControlPlane
 
 log = logging.getLogger(__name__)
 _OPS_PATHS = ("/health", "/metrics", "/v1/status")  # public unless `protect_health_metrics`

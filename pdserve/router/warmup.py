@@ -31,8 +31,8 @@ from pdserve.kvcache.hashing import SHARED_SCOPE
 from pdserve.request import WARMUP_PARAMS
 from pdserve.router import protocol
 from pdserve.router.completions import STATE, RouterState, read_json, request_slot, tokenize
+from pdserve.router.control_plane import WorkerLost
 from pdserve.router.protocol import ApiError, check_model, parse_messages, too_long
-from pdserve.router.workers import WorkerLost
 
 WARMUP_ROLES = ("prefill", "collocated")
 _WARMUP_SAMPLING = protocol.sampling_to_wire(WARMUP_PARAMS)

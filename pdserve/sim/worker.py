@@ -160,7 +160,7 @@ class SimWorker:
         self.reported = _Reported(*self.snapshot, s.num_queued_tokens - unseen)
 
     def load(self, block_hashes: list[int] | None = None) -> WorkerLoad:
-        """What the router sees, as `router.workers.ControlPlane.loads` builds it: the last
+        """What the router sees, as `router.control_plane.ControlPlane.loads` builds it: the last
         Stats (`report`), plus its own count of requests here and of prompt tokens sent
         whose first token has not come back; cached prefixes exactly (KVEvents follow each
         step)."""
