@@ -4,6 +4,6 @@ processes): `make_cluster(pipeline)` is `Cluster` on this host or `RayCluster` (
 from pdserve.cluster.config import Pipeline, Role
 from pdserve.cluster.launcher import Cluster, ClusterError
 from pdserve.cluster.up import make_cluster
-from pdserve.transfer import TensorStore
+from pdserve.transfer import KVTransferConfig
 
-__all__ = ["Cluster", "ClusterError", "Pipeline", "Role", "TensorStore", "make_cluster"]
+__all__ = ["Cluster", "ClusterError", "Pipeline", "Role", "KVTransferConfig", "make_cluster"]

@@ -3,7 +3,7 @@
 One frozen tree, from CLI flags, a YAML file (same field names) or Python:
 
     Pipeline(prefill=Role(num=1, cpus=[0], threads=1), decode=Role(num=1, cpus=[1], threads=1),
-             kv_transfer=TensorStore(backend="auto", mode="layerwise"))
+             kv_transfer=KVTransferConfig(backend="auto", mode="layerwise"))
 
 `routing` picks the prefill worker for a request, `load_balancer` the decode worker (for a
 collocated deployment, `routing` picks the worker). A `Role` holds the engine settings of its
@@ -27,7 +27,7 @@ from pdserve.model.cpu_flags import has_fast_bf16
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.router.config import RouterConfig
 from pdserve.schema import check, from_dict, from_flat, knob, same_as, with_fields_of
-from pdserve.transfer import TensorStore
+from pdserve.transfer import KVTransferConfig
 
 PLACEMENTS = ("local", "ray")
 MEMORY_CHECKS = ("off", "warn", "enforce")  # cluster/memory_plan.py
@@ -96,7 +96,7 @@ class Pipeline:
     prefill: Role | None = None
     decode: Role | None = None
     collocated: Role | None = None
-    kv_transfer: TensorStore = knob(TensorStore(), prefix="transfer_")
+    kv_transfer: KVTransferConfig = knob(KVTransferConfig(), prefix="transfer_")
     # Declared once, on the router (RouterConfig.policy), so up, the router and simulate agree.
     routing: str = same_as(RouterConfig, "policy")
     load_balancer: str = same_as(RouterConfig, "load_balancer")

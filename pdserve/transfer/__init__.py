@@ -1,5 +1,5 @@
 """KV transfer between prefill and decode workers (docs/transfer.md): the backend and mode
-names, the transfer's settings (`TensorStore`), and the factories that build a receiver or
+names, the transfer's settings (`KVTransferConfig`), and the factories that build a receiver or
 sender by backend name. The contract is `SocketKVSender` and `SocketKVReceiver` (base.py
 draws the flow); backends load lazily here, so the control plane (which only validates
 names) never imports torch. How ``auto`` chooses: docs/transfer.md, "Two backends".
@@ -25,7 +25,7 @@ TRANSFER_MODES = ("layerwise", "full")
 
 
 @dataclass(frozen=True)
-class TensorStore:
+class KVTransferConfig:
     """The KV transfer channel. `bandwidth` caps the sender with a token bucket, to emulate a
     cluster network on one host; `buffer_pool_size` bounds staging memory."""
 

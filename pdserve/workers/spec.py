@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass
 from pdserve.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from pdserve.messages import ROLES
 from pdserve.schema import check, from_dict, knob
-from pdserve.transfer import TensorStore
+from pdserve.transfer import KVTransferConfig
 
 # A worker refreshes its Stats after a step at most this many times per heartbeat interval
 # (workers/worker.py, `_maybe_stats`; the simulator's `SimWorker` refreshes alike).
@@ -29,7 +29,7 @@ class WorkerSpec:
     # Planned by the adaptive planner: reports its steps (StepReport), keeps its KV pool in
     # shared memory and both kernel sets, since any worker may prefill, decode or switch.
     adaptive: bool = False
-    kv_transfer: TensorStore = TensorStore()  # with the transfer's deadlines
+    kv_transfer: KVTransferConfig = KVTransferConfig()  # with the transfer's deadlines
     transfer_host: str = "127.0.0.1"  # where a decode worker's KV receiver listens
     # prefill: the decode workers' KV dtype and model dtype (None: this worker's), converted to
     wire_kv_cache_dtype: str = knob("auto", choices=KV_CACHE_DTYPES)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from pdserve.cluster.config import Role
-from pdserve.transfer import TensorStore
+from pdserve.transfer import KVTransferConfig
 from tests.cluster.conftest import get_text, post, role, start
 
 NUM_PROMPTS = 4
@@ -64,7 +64,7 @@ def reference(tiny_served_model):
 @pytest.mark.parametrize("mode", ["layerwise", "full"])
 def test_1p1d_equals_collocated(tiny_served_model, reference, backend, mode):
     model = str(tiny_served_model)
-    store = TensorStore(backend=backend, mode=mode)
+    store = KVTransferConfig(backend=backend, mode=mode)
     # Chunks of 24 tokens make the longer prompts cross several prefill steps.
     with start(tiny_served_model, prefill=role(long_prefill_token_threshold=24),
                decode=role(), kv_transfer=store) as url:  # fmt: skip
@@ -179,7 +179,7 @@ def test_1p1d_with_a_decode_budget_drops_before_the_transfer(tiny_served_model):
 
     with start(tiny_served_model, collocated=role(**budget)) as url:
         reference = complete(url)
-    store = TensorStore(backend="tcp", mode="layerwise")
+    store = KVTransferConfig(backend="tcp", mode="layerwise")
     with start(tiny_served_model, prefill=role(), decode=role(**budget), kv_transfer=store) as url:
         assert complete(url) == reference
         # 4 + 4 + 2 blocks crossed (5 + 9 + 2 without the budget), 8 KiB each.

@@ -8,7 +8,7 @@ from pdserve.cluster.config import Pipeline, Role, load_pipeline
 from pdserve.cluster.deployments import pipeline_for
 from pdserve.cluster.launcher import worker_specs
 from pdserve.cluster.up import pipeline_from_args
-from pdserve.transfer import TensorStore
+from pdserve.transfer import KVTransferConfig
 from pdserve.workers.spec import WorkerSpec
 
 
@@ -20,7 +20,7 @@ def test_default_is_adaptive_where_it_can_run_else_one_prefill_one_decode(monkey
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     p = pipeline_from_args(up_args())
     assert p.adaptive.enabled and p.adaptive.workers == 2 and not p.roles
-    assert p.kv_transfer == TensorStore()
+    assert p.kv_transfer == KVTransferConfig()
     kv = pipeline_from_args(up_args("--kv-cache-bytes", "64MiB"))  # role flags: the workers'
     assert kv.adaptive.enabled and kv.workers.kv_cache_bytes == 64 << 20
     # No pool for two workers, cores or threads fixed per worker, or Ray: 1 prefill, 1 decode.
@@ -38,7 +38,7 @@ def test_flags_and_pinning():
                                    "--pin-cpus", "--threads", "1"))  # fmt: skip
     assert p.prefill.num == 2 and p.prefill.cpus == ((0,), (1,)) and p.prefill.threads == 1
     assert p.decode.cpus == ((0,),)  # wraps around on 2 cores
-    assert p.kv_transfer == TensorStore(backend="tcp", mode="full", bandwidth="1Gbit")
+    assert p.kv_transfer == KVTransferConfig(backend="tcp", mode="full", bandwidth="1Gbit")
     collocated = pipeline_from_args(up_args("--collocated", "1"))
     assert [n for n, _ in collocated.roles] == ["collocated"]
 
@@ -70,7 +70,7 @@ def test_invalid_pipelines(kwargs, match):
 
 def test_bad_bandwidth_names_it():
     with pytest.raises(ValueError, match="invalid bandwidth 'fast'"):
-        TensorStore(bandwidth="fast")
+        KVTransferConfig(bandwidth="fast")
 
 
 def test_role_cpus_shapes():

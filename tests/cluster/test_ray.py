@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 from pdserve.cluster.config import Pipeline  # noqa: E402
 from pdserve.cluster.launcher import ClusterError, free_port  # noqa: E402
 from pdserve.cluster.ray import RayCluster  # noqa: E402
-from pdserve.transfer import TensorStore  # noqa: E402
+from pdserve.transfer import KVTransferConfig  # noqa: E402
 from tests.cluster.conftest import get_text, post, role  # noqa: E402
 from tests.cluster.test_cluster import complete_all  # noqa: E402
 
@@ -123,7 +123,7 @@ def reference(ray_nodes, tiny_served_model):
 
 
 def test_1p1d_on_two_nodes_equals_collocated(ray_nodes, tiny_served_model, reference):
-    cluster = start(tiny_served_model, kv_transfer=TensorStore(backend="auto"), **pools())
+    cluster = start(tiny_served_model, kv_transfer=KVTransferConfig(backend="auto"), **pools())
     with cluster as url:
         nodes = {w: p["node_id"] for w, p in cluster.placements.items()}
         assert nodes["prefill-0"] != nodes["decode-0"]

@@ -12,7 +12,7 @@ import zmq
 
 from pdserve import messages as m
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
-from pdserve.transfer import TensorStore
+from pdserve.transfer import KVTransferConfig
 from pdserve.workers.spec import WorkerSpec
 
 SECRET = b"k" * 32
@@ -60,7 +60,7 @@ def worker(request, tiny_model_dir, tmp_path):
     )
     spec = WorkerSpec(
         "w0", request.param, engine, f"ipc://{tmp_path}/w0", f"ipc://{tmp_path}/router",
-        kv_transfer=TensorStore(backend="tcp"),
+        kv_transfer=KVTransferConfig(backend="tcp"),
     )  # fmt: skip
     router = FakeRouter(spec)
     w = Worker(spec, SECRET)

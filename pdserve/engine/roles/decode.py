@@ -33,15 +33,15 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.kvcache.dropping import PromptDrop
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request, RequestStatus
-from pdserve.transfer import TensorStore
+from pdserve.transfer import KVTransferConfig
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.receiver import SocketKVReceiver
 
 log = logging.getLogger(__name__)
 
-# The transfer's knobs (TensorStore, `--transfer-reserve-timeout-s`), when not given.
-RESERVE_TIMEOUT_S = TensorStore().reserve_timeout_s
-LAND_TIMEOUT_S = TensorStore().land_timeout_s
+# The transfer's knobs (KVTransferConfig, `--transfer-reserve-timeout-s`), when not given.
+RESERVE_TIMEOUT_S = KVTransferConfig().reserve_timeout_s
+LAND_TIMEOUT_S = KVTransferConfig().land_timeout_s
 
 
 @dataclass

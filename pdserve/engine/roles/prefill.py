@@ -29,13 +29,13 @@ from pdserve.engine.roles.base import KVDestination, Role
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.manager import KVCacheManager, cdiv
 from pdserve.request import FinishReason, Request, RequestStatus
-from pdserve.transfer import TRANSFER_MODES, TensorStore
+from pdserve.transfer import TRANSFER_MODES, KVTransferConfig
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.sender import SocketKVSender
 
 log = logging.getLogger(__name__)
 
-SEND_TIMEOUT_S = TensorStore().send_timeout_s  # the knob's default (--transfer-send-timeout-s)
+SEND_TIMEOUT_S = KVTransferConfig().send_timeout_s  # the knob's default (--transfer-send-timeout-s)
 
 
 @dataclass
