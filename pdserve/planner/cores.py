@@ -39,7 +39,9 @@ MIN_GAPS = 4  # fewer: the rate is not known (the first remote requests of a loa
 
 
 @dataclass(frozen=True)
-class Cores:
+class CoreGrant:
+    """The cores the planner gives a worker (what a SetCores carries)."""
+
     cpus: tuple[int, ...]
     threads: int  # 0: parked (takes messages and KV, runs no step)
 
@@ -98,21 +100,21 @@ def _share(total: int, weights: Sequence[int]) -> list[int]:
 
 
 def layout(
-    pool: Sequence[int], counts: dict[str, int], roles: dict[str, str], parked: dict[str, Cores]
-) -> dict[str, Cores]:
+    pool: Sequence[int], counts: dict[str, int], roles: dict[str, str], parked: dict[str, CoreGrant]
+) -> dict[str, CoreGrant]:
     """The cpus of each count: decode workers (id order) from the pool's start, prefill
     workers from its end, so a resize moves only the cores at the boundary. A parked worker
     keeps the cpus it had (its idle threads' affinity; it runs no step)."""
-    out: dict[str, Cores] = {}
+    out: dict[str, CoreGrant] = {}
     start, end = 0, len(pool)
     for worker_id in sorted(counts, key=lambda w: (roles[w] == "prefill", w)):
         n = counts[worker_id]
         if n == 0:
-            out[worker_id] = Cores(parked.get(worker_id, Cores(tuple(pool), 0)).cpus, 0)
+            out[worker_id] = CoreGrant(parked.get(worker_id, CoreGrant(tuple(pool), 0)).cpus, 0)
         elif roles[worker_id] == "prefill":
-            out[worker_id], end = Cores(tuple(pool[end - n : end]), n), end - n
+            out[worker_id], end = CoreGrant(tuple(pool[end - n : end]), n), end - n
         else:
-            out[worker_id], start = Cores(tuple(pool[start : start + n]), n), start + n
+            out[worker_id], start = CoreGrant(tuple(pool[start : start + n]), n), start + n
     return out
 
 
@@ -131,10 +133,10 @@ class CoreGroups:
         self.dwell_s, self.hold_gaps, self.hold_max_s = dwell_s, hold_gaps, hold_max_s
         self.gaps_s: collections.deque[float] = collections.deque(maxlen=NUM_GAPS)
         self._last_remote: float | None = None
-        self.current: dict[str, Cores | None] = {w: None for w in worker_ids}
-        self.pending: dict[str, tuple[Cores, float]] = {}  # sent, not acknowledged: (to, sent)
+        self.current: dict[str, CoreGrant | None] = {w: None for w in worker_ids}
+        self.pending: dict[str, tuple[CoreGrant, float]] = {}  # sent, not acknowledged: (to, sent)
         self.counts: dict[str, int] = {}  # the counts being moved to
-        self.target: dict[str, Cores] = {}
+        self.target: dict[str, CoreGrant] = {}
         self._proposal: tuple[dict[str, int], float] | None = None
         self.num_switches = 0
         # Acknowledged a SetCores since its Ready: the planner, not the launcher, set its cores.
@@ -144,7 +146,7 @@ class CoreGroups:
 
     def on_ready(self, worker_id: str, cpus: Sequence[int], threads: int, restarted: bool) -> None:
         """A Ready: a restarted process runs on what it says and its old SetCores is void."""
-        self.current[worker_id] = Cores(tuple(cpus), threads)
+        self.current[worker_id] = CoreGrant(tuple(cpus), threads)
         if restarted:
             self.pending.pop(worker_id, None)
             self.confirmed.discard(worker_id)
@@ -152,7 +154,7 @@ class CoreGroups:
     def on_ack(self, worker_id: str, cpus: Sequence[int], threads: int, now: float) -> float | None:
         """A CoresSet; returns the router-side round trip of the SetCores it answers."""
         before = self.current.get(worker_id)
-        self.current[worker_id] = Cores(tuple(cpus), threads)
+        self.current[worker_id] = CoreGrant(tuple(cpus), threads)
         if before != self.current[worker_id]:
             self.num_switches += 1
         self.confirmed.add(worker_id)
@@ -210,7 +212,7 @@ class CoreGroups:
         self.target = layout(self.pool, self.counts, roles, known)
         return True
 
-    def sends(self, now: float) -> list[tuple[str, Cores]]:
+    def sends(self, now: float) -> list[tuple[str, CoreGrant]]:
         """The SetCores to send now (recorded as pending): shrinks at once, grows once safe."""
         out = []
         for worker_id, target in sorted(self.target.items()):

@@ -19,7 +19,7 @@ import dataclasses
 from pdserve.costmodel.profile import HardwareProfile
 from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.config import AdaptiveConfig
-from pdserve.planner.cores import CoreGroups, Cores, Demand, plan_counts
+from pdserve.planner.cores import CoreGrant, CoreGroups, Demand, plan_counts
 from pdserve.planner.decision import LOCAL, Situation, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
 from pdserve.planner.targets import max_gap_s, stall_budget_on
@@ -65,7 +65,7 @@ class AdaptiveSimulation(Simulation):
             self.pool, ids, a.core_dwell_s, a.core_hold_gaps, a.core_hold_max_s
         )
         self.by_id = {w.worker_id: w for w in self.workers}
-        self.pending: dict[str, Cores] = {}  # sent, applied at the worker's step boundary
+        self.pending: dict[str, CoreGrant] = {}  # sent, applied at the worker's step boundary
         self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
         for w in self.workers:  # as the launcher starts them: decode on every core
             threads = len(self.pool) if w.role == "decode" else 0

@@ -8,7 +8,14 @@ import random
 import pytest
 
 from pdserve.planner.config import AdaptiveConfig
-from pdserve.planner.cores import CoreGroups, Cores, Demand, check_deployment, layout, plan_counts
+from pdserve.planner.cores import (
+    CoreGrant,
+    CoreGroups,
+    Demand,
+    check_deployment,
+    layout,
+    plan_counts,
+)
 from pdserve.router.config import WorkerEndpoint
 
 POOL = tuple(range(8))
@@ -42,19 +49,23 @@ def test_plan_counts(busy, need, expected):
 
 def test_layout_decode_from_the_start_prefill_from_the_end():
     out = layout(POOL, {"p0": 3, "d1": 2, "d2": 3}, ROLES, {})
-    assert out == {"d1": Cores((0, 1), 2), "d2": Cores((2, 3, 4), 3), "p0": Cores((5, 6, 7), 3)}
-    parked = layout(POOL, {"p0": 0, "d1": 8, "d2": 0}, ROLES, {"p0": Cores((5, 6, 7), 3)})
-    assert parked["p0"] == Cores((5, 6, 7), 0) and parked["d1"] == Cores(POOL, 8)
+    assert out == {
+        "d1": CoreGrant((0, 1), 2),
+        "d2": CoreGrant((2, 3, 4), 3),
+        "p0": CoreGrant((5, 6, 7), 3),
+    }
+    parked = layout(POOL, {"p0": 0, "d1": 8, "d2": 0}, ROLES, {"p0": CoreGrant((5, 6, 7), 3)})
+    assert parked["p0"] == CoreGrant((5, 6, 7), 0) and parked["d1"] == CoreGrant(POOL, 8)
 
 
 class Host:
     """Workers that apply a SetCores some random time after it was sent and whose CoresSet
     reaches the planner some random time after that."""
 
-    def __init__(self, rng: random.Random, groups: CoreGroups, start: dict[str, Cores]):
+    def __init__(self, rng: random.Random, groups: CoreGroups, start: dict[str, CoreGrant]):
         self.rng, self.groups = rng, groups
         self.applied = dict(start)  # what each worker really runs on
-        self.in_flight: list[tuple[float, str, str, Cores]] = []  # (due, kind, worker, cores)
+        self.in_flight: list[tuple[float, str, str, CoreGrant]] = []  # (due, kind, worker, cores)
         for w, c in start.items():
             groups.on_ready(w, c.cpus, c.threads, restarted=True)
 
@@ -87,7 +98,7 @@ class Host:
 def test_running_workers_never_share_a_cpu_under_random_demand(seed):
     rng = random.Random(seed)
     groups = CoreGroups(POOL, list(ROLES), dwell_s=rng.choice([0.0, 0.5]))
-    start = {"p0": Cores(POOL, 0), "d1": Cores(POOL, 8), "d2": Cores(POOL, 0)}
+    start = {"p0": CoreGrant(POOL, 0), "d1": CoreGrant(POOL, 8), "d2": CoreGrant(POOL, 0)}
     host = Host(rng, groups, start)
     now = 0.0
     for _ in range(300):
@@ -115,10 +126,10 @@ def test_a_grow_waits_for_the_ack_of_the_shrink_it_needs():
     roles = {"p0": "prefill", "d1": "decode"}
     assert groups.want({"p0": 4, "d1": 4}, roles, 0.0)
     sent = dict(groups.sends(0.0))
-    assert sent == {"d1": Cores((0, 1, 2, 3), 4)}  # the shrink only
+    assert sent == {"d1": CoreGrant((0, 1, 2, 3), 4)}  # the shrink only
     assert groups.sends(0.1) == []  # still unacknowledged: no grow
     assert groups.on_ack("d1", (0, 1, 2, 3), 4, 0.2) == pytest.approx(0.2)
-    assert dict(groups.sends(0.2)) == {"p0": Cores((4, 5, 6, 7), 4)}
+    assert dict(groups.sends(0.2)) == {"p0": CoreGrant((4, 5, 6, 7), 4)}
 
 
 def test_a_worker_never_heard_from_holds_the_whole_pool():
@@ -127,7 +138,7 @@ def test_a_worker_never_heard_from_holds_the_whole_pool():
     groups.want({"p0": 8, "d1": 0}, {"p0": "prefill", "d1": "decode"}, 0.0)
     assert groups.sends(0.0) == []  # d1 has not announced itself: it may run anywhere
     groups.on_ready("d1", POOL, 0, restarted=True)
-    assert dict(groups.sends(0.1)) == {"d1": Cores(POOL, 0), "p0": Cores(POOL, 8)}
+    assert dict(groups.sends(0.1)) == {"d1": CoreGrant(POOL, 0), "p0": CoreGrant(POOL, 8)}
 
 
 def test_merge_back_waits_for_the_dwell_and_a_grant_does_not():
@@ -331,7 +342,7 @@ def test_a_worker_being_parked_takes_no_work_until_it_is_granted_again():
     assert not groups.runs("p0")  # but the park is on its way: it comes first
     assert groups.sends(1.1) == []  # one SetCores in flight per worker
     groups.on_ack("p0", (1,), 0, 1.2)
-    assert groups.sends(1.2) == [("p0", Cores((1,), 1))]
+    assert groups.sends(1.2) == [("p0", CoreGrant((1,), 1))]
     groups.on_ack("p0", (1,), 1, 1.3)
     assert groups.runs("p0")
 
