@@ -1,7 +1,13 @@
 """The adaptive planner's cost model, fitted online: one `StepCostModel` (pdserve/perf, the
-simulator's class) per (role, threads), fed by the workers' StepReport rows, and a
-`TransferModel` fitted to the exposed KV transfer times the router measures. Pure: no I/O,
-no clock (callers pass times), so the simulator can drive it as the router does.
+simulator's class) per (role, threads), fed by the workers' StepReport rows; a
+`TransferModel` fitted to the exposed KV transfer times the router measures; and the link
+(`link`: bandwidth and latency), the profile's measured figures until the prefill workers'
+own sends measure it (KV bytes over the seconds their sender spent writing them). Pure: no
+I/O, no clock (callers pass times), so the simulator can drive it as the router does.
+
+A remote prefill's exposed transfer is at least what the link cannot hide behind it: with
+layer-wise sends the wire runs during the prefill, so `latency + max(0, wire - prefill)`.
+The fit of exposed times answers when it says more (queueing on the link, a slow receiver).
 
 Which model answers `step_s(role, threads, shape)`, first that exists among those *usable for
 the shape* (seeded from a profile, or at least `min_samples` steps of which some had each
@@ -29,6 +35,10 @@ ROLES = ("prefill", "decode")
 STEP_FIELDS = 7  # a StepReport row: 5 StepShape fields, threads, seconds
 DECAY = 0.98  # per refit: a sample weighs half after ~35 refits (about 35 planner intervals)
 MIN_TRANSFER_SAMPLES = 3
+# Sends measured before the link's rate replaces the profile's: less KV than this is mostly
+# socket buffers filling, not the link.
+MIN_LINK_BYTES = 16 << 20
+LINK_WINDOW = 64  # the link's rate is over the last this many measured intervals
 
 
 @dataclass
@@ -45,13 +55,16 @@ class OnlineCostModel:
         self.profile = profile
         self._fits: dict[tuple[str, int], _Fit] = {}
         self._transfer_samples: list[tuple[float, float]] = []  # (bytes, exposed seconds)
-        self.transfer: TransferModel | None = None
+        self.transfer: TransferModel | None = None  # fitted to exposed times only
+        self.link: TransferModel | None = None
+        self._link_totals: dict[str, tuple[float, float]] = {}  # worker -> (bytes, seconds)
+        self._link_samples: list[tuple[float, float]] = []  # (bytes, seconds) per interval
         if profile is not None:
             for threads, seeded in profile.models.items():
                 for role in ROLES:
                     self._fits[(role, threads)] = _Fit(_copy(seeded), seeded=True)
             if profile.transfer:
-                self.transfer = profile.transfer_model()
+                self.link = profile.transfer_model()
 
     # ---- samples ------------------------------------------------------------------------
 
@@ -85,6 +98,18 @@ class OnlineCostModel:
         if num_bytes > 0 and seconds >= 0:
             self._transfer_samples = [*self._transfer_samples[-255:], (num_bytes, seconds)]
 
+    def observe_link(self, worker_id: str, bytes_sent: float, send_s: float) -> None:
+        """A prefill worker's cumulative KV bytes sent and seconds its sender spent writing
+        them (its Stats): the increase since its last report is a sample of the link. Totals
+        that went down are a restarted worker's, counted from there."""
+        last_bytes, last_s = self._link_totals.get(worker_id, (0.0, 0.0))
+        self._link_totals[worker_id] = (bytes_sent, send_s)
+        num_bytes, seconds = bytes_sent - last_bytes, send_s - last_s
+        if num_bytes < 0 or seconds < 0:
+            num_bytes, seconds = bytes_sent, send_s
+        if num_bytes > 0 and seconds > 0:
+            self._link_samples = [*self._link_samples[1 - LINK_WINDOW :], (num_bytes, seconds)]
+
     def refit(self) -> None:
         """Refit the models that have new samples; older samples fade (`DECAY`)."""
         for fit in self._fits.values():
@@ -94,6 +119,10 @@ class OnlineCostModel:
                 fit.num_new = 0
         if len(self._transfer_samples) >= MIN_TRANSFER_SAMPLES:
             self.transfer = _fit_transfer(self._transfer_samples) or self.transfer
+        num_bytes = sum(b for b, _ in self._link_samples)
+        if num_bytes >= MIN_LINK_BYTES:
+            rate = num_bytes / sum(s for _, s in self._link_samples)
+            self.link = TransferModel(rate, self.link.latency_s if self.link else 0.0)
 
     # ---- predictions --------------------------------------------------------------------
 
@@ -119,10 +148,17 @@ class OnlineCostModel:
         fit = self._fits.get((_kind(role), max(1, threads)))
         return fit.model.wake_s(idle_s) if fit is not None else 0.0
 
-    def transfer_s(self, num_bytes: float) -> float:
-        """Exposed transfer seconds; 0 before any fit (layer-wise sends overlap the prefill,
-        so what shows is the tail: small, and measured from the third transfer on)."""
-        return self.transfer.seconds(num_bytes) if self.transfer and num_bytes > 0 else 0.0
+    def transfer_s(self, num_bytes: float, overlap_s: float = 0.0) -> float:
+        """Exposed seconds of a transfer of `num_bytes` sent while a prefill of `overlap_s`
+        runs (layer-wise): the larger of the fit of exposed times (from the third transfer
+        on) and what the link leaves unhidden (module docstring); 0 with neither."""
+        if num_bytes <= 0:
+            return 0.0
+        exposed_s = self.transfer.seconds(num_bytes) if self.transfer else 0.0
+        if self.link is not None:
+            wire_s = num_bytes / self.link.bandwidth_bytes_per_s
+            exposed_s = max(exposed_s, self.link.latency_s + max(0.0, wire_s - overlap_s))
+        return exposed_s
 
     def ready(self) -> bool:
         return any(self._usable(k) for k in self._fits)
@@ -148,6 +184,10 @@ class OnlineCostModel:
                 "bandwidth_bytes_per_s": self.transfer.bandwidth_bytes_per_s,
                 "latency_s": self.transfer.latency_s,
                 "num_samples": len(self._transfer_samples)},
+            "link": None if self.link is None else {
+                "bandwidth_bytes_per_s": self.link.bandwidth_bytes_per_s,
+                "latency_s": self.link.latency_s,
+                "num_samples": len(self._link_samples)},
         }  # fmt: skip
 
 

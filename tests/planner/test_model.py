@@ -127,3 +127,24 @@ def test_a_model_never_shown_a_feature_does_not_price_it():
     assert model.step_s("decode", 4, chunk) == pytest.approx(truth(4).predict(chunk), rel=1e-3)
     mixed = StepShape(512, 8, 512 * 256.5, 4000)
     assert model.step_s("decode", 4, mixed) is None  # neither saw both
+
+
+def test_the_link_the_workers_measure_replaces_the_profiles_and_hides_behind_the_prefill():
+    profile = HardwareProfile(
+        "measured", "cpu: test", ModelShape("m", 2, 64, 128, 4, 2, 16, 100), "threads",
+        {8: truth(8)}, {"tcp": TransferModel(1e9, 1e-3)}, 1, kv_cache_bytes=1e6,
+    )  # fmt: skip
+    model = OnlineCostModel(min_samples=50, profile=profile)
+    assert model.transfer is None  # the profile's figures are the link's, not exposed times
+    assert model.transfer_s(1e8) == pytest.approx(1e-3 + 0.1)  # nothing to hide behind
+    assert model.transfer_s(1e8, overlap_s=0.06) == pytest.approx(1e-3 + 0.04)
+    assert model.transfer_s(1e8, overlap_s=1.0) == pytest.approx(1e-3)  # all hidden
+    # a prefill worker's sends at 10 MB/s: 8 MB a report (under MIN_LINK_BYTES alone)
+    for i in range(1, 3):
+        model.observe_link("prefill-0", i * 8e6, i * 0.8)
+    model.observe_link("prefill-0", 8e6, 0.8)  # restarted: its totals start again
+    model.refit()
+    assert model.link.bandwidth_bytes_per_s == pytest.approx(1e7)
+    assert model.link.latency_s == 1e-3  # the profile's: sends measure no round trip
+    assert model.transfer_s(1e8, overlap_s=1.0) == pytest.approx(1e-3 + 9.0)
+    assert model.state()["link"]["num_samples"] == 3
