@@ -3,7 +3,9 @@ machine's read bandwidth sets (weight bytes / bandwidth), 512-token prefill, and
 peak RSS and PSS, through `LLM` as a user runs it.
 
 The read bandwidth is measured in the same run, between the decode rounds (a numpy sum over a
-2 GiB array), so drift on a shared machine hits both alike.
+2 GiB array), so drift on a shared machine hits both alike. Each step's CPU time on the
+calling thread is printed beside its wall time: with `--threads 1` the kernels run on that
+thread, so the CPU time leaves out the time other processes' load preempts it.
 
     pdserve synth --shape llama-1b --type q4_k_m --output /tmp/llama-1b.q4_k_m.gguf
     .venv/bin/python benchmarks/gguf_in_place.py /tmp/llama-1b.q4_k_m.gguf [--compare]
@@ -68,12 +70,18 @@ def main() -> None:
     if args.compare:
         modes["fp32"] = 0
     gaps, bandwidths = {mode: [] for mode in modes}, []
+    cpu_gaps = {mode: [] for mode in modes}
     for r in range(args.rounds):
         bandwidths.append(read_bandwidth(array))
         for mode, m_max in modes.items():
             quant_linear.INT8_M_MAX = m_max
-            stamps = [time.perf_counter() for _ in llm.stream([[1, 2, 3, 4 + r]], greedy)]
-            gaps[mode] += list(np.diff(stamps)[1:])  # after the first token: decode steps only
+            stamps = [
+                (time.perf_counter(), time.thread_time())
+                for _ in llm.stream([[1, 2, 3, 4 + r]], greedy)
+            ]
+            steps = np.diff(np.array(stamps), axis=0)[1:]  # after the first token: decodes only
+            gaps[mode] += list(steps[:, 0])
+            cpu_gaps[mode] += list(steps[:, 1])
     quant_linear.INT8_M_MAX = modes["int8"]
     del array
     prompt = [(7 * i) % 40000 + 100 for i in range(args.prefill)]
@@ -85,8 +93,10 @@ def main() -> None:
     bound_ms = step_bytes / bw / 1e6
     for mode, mode_gaps in gaps.items():
         ms = statistics.median(mode_gaps) * 1e3
+        cpu_ms = statistics.median(cpu_gaps[mode]) * 1e3
         print(f"decode batch 1, {mode} activations: {ms:.1f} ms/token median of "
-              f"{len(mode_gaps)} ({step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read "
+              f"{len(mode_gaps)} (CPU {cpu_ms:.1f} ms on this thread; "
+              f"{step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read "
               f"{bw:.1f} GB/s (bound {bound_ms:.1f} ms/token, "
               f"ratio {ms / bound_ms:.2f})")  # fmt: skip
     print(f"prefill {args.prefill} tokens: {prefill_s:.2f} s")

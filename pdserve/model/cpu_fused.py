@@ -9,7 +9,8 @@ parameters of the layer it replaces and is only used where every kernel applies:
 the CPU with full-precision KV (an 8-bit cache keeps the PyTorch layer, which quantizes on
 write). A step of decodes only goes further: `FusedLayerStack` runs all layers in one
 native call (at batch 32, a ctypes call and its argument building per layer cost ~5% of
-the step). tests/model/test_cpu_fused.py holds both equal to the reference layers.
+the step), on panel weights or GGUF weights read in place (`QuantLinear`).
+tests/model/test_cpu_fused.py holds both equal to the reference layers.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import threading
 import torch
 from torch import nn
 
-from pdserve.model import native
+from pdserve.model import native, quant_linear
 from pdserve.model.attention import AttentionMetadata, attend
 from pdserve.model.kv_cache import LayerCache
 from pdserve.model.llama import DecoderLayer, LayerStack
+from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear
 
 
 class FusedDecoderLayer(nn.Module):
@@ -71,19 +73,22 @@ class FusedLayerStack(LayerStack):
         super().__init__(FusedDecoderLayer(layer, lib) for layer in layers)
         self.lib = lib
         # Decode-only steps take the one call when every linear has its panel weights (not
-        # on prefill workers), only QKV has a bias (as in Llama) and the norms (Qwen3's
-        # per-head Q/K norms included) share an eps.
+        # on prefill workers) or is read in place from a GGUF, only QKV has a bias (as in
+        # Llama) and the norms (Qwen3's per-head Q/K norms included) share an eps.
         norms = (n for layer in self for n in _norms(layer) if n is not None)
+        linears = [m for layer in self for m in _linears(layer)]
         self.one_call = len({n.eps for n in norms}) == 1 and all(
-            getattr(m, "panel_weight", None) is not None and (m.bias is None or i == 0)
-            for layer in self
-            for i, m in enumerate(_linears(layer))
+            _native_weight(m) is not None and (m.bias is None or i % 4 == 0)
+            for i, m in enumerate(linears)
         )
+        # GGUF weights take the row-wise kernel only up to QUANT_GEMV_M_MAX rows.
+        quant = any(isinstance(m, QuantLinear) for m in linears)
+        self.max_rows = QUANT_GEMV_M_MAX if quant else native.PANEL_M_MAX
         self._layers_c = None  # the C side's pd_layer[L], built for one set of caches
         self._caches_key: tuple[int, ...] = ()
 
     def forward(self, x, cos, sin, caches, meta, on_layer_done=None):
-        if not (self.one_call and not meta.prefills and x.shape[0] <= native.PANEL_M_MAX):
+        if not (self.one_call and not meta.prefills and x.shape[0] <= self.max_rows):
             return super().forward(x, cos, sin, caches, meta, on_layer_done)
         layers_c = self._layers_for(caches)
         first = self[0]
@@ -104,7 +109,7 @@ class FusedLayerStack(LayerStack):
                 meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
                 tables.data_ptr(), lens.data_ptr(), None if scores is None else scores.data_ptr(),
                 tables.shape[1], hidden, h, kvh, d, inter, caches[0].block_size,
-                first.input_layernorm.eps,
+                first.input_layernorm.eps, quant_linear.INT8_M_MAX,
             )  # fmt: skip
             if rc != 0:
                 raise MemoryError("a decode-layer kernel could not allocate its scratch buffer")
@@ -124,13 +129,21 @@ class FusedLayerStack(LayerStack):
                 c_layer.norm2 = layer.post_attention_layernorm.weight.data_ptr()
                 c_layer.qkv_bias = bias.data_ptr() if bias is not None else None
                 for j, linear in enumerate(_linears(layer)):
-                    c_layer.w[j] = linear.panel_weight.as_c()
+                    c_layer.w[j] = _native_weight(linear)
                 c_layer.cache = cache.blocks.data_ptr()
                 if (q_norm := layer.self_attn.q_norm) is not None:
                     c_layer.q_norm = q_norm.weight.data_ptr()
                     c_layer.k_norm = layer.self_attn.k_norm.weight.data_ptr()
             self._layers_c, self._caches_key = layers_c, key
         return self._layers_c
+
+
+def _native_weight(linear: nn.Module) -> native.PdWeight | None:
+    """The linear's weight as `pd_decode_layers` reads it, or None where it has none."""
+    if isinstance(linear, QuantLinear):
+        return linear.as_c()
+    panel = getattr(linear, "panel_weight", None)
+    return None if panel is None else panel.as_c()
 
 
 def _norms(layer: nn.Module) -> tuple[nn.Module | None, ...]:

@@ -161,7 +161,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pd_decode_layer_scratch.argtypes = [_i64] * 6
     lib.pd_decode_layer_scratch.restype = _i64
     lib.pd_decode_layers.argtypes = [_ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 7 + [_i64] * 7
-    lib.pd_decode_layers.argtypes += [_f32]
+    lib.pd_decode_layers.argtypes += [_f32, _i64]
     lib.pd_decode_layers.restype = ctypes.c_int
     lib.pd_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.pd_argmax_rows.restype = None
@@ -216,6 +216,16 @@ class PdQuantPart(ctypes.Structure):
 
     _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
                 ("rowmap", ctypes.c_void_p)]  # fmt: skip
+
+
+# The codec of a `PdWeight` that is no panel but a `PdQuantLinear` (GGUF weights read in place).
+PD_GGUF = 3
+
+
+class PdQuantLinear(ctypes.Structure):
+    """The C side's `pd_qlinear`: a fused linear's GGUF parts, for `pd_decode_layers`."""
+
+    _fields_ = [("parts", ctypes.POINTER(PdQuantPart)), ("n", ctypes.c_int64)]
 
 
 @dataclass(frozen=True)

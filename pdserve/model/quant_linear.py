@@ -93,10 +93,15 @@ class QuantLinear(nn.Module):
             native.PdQuantPart(p.ptr, p.qtype, p.rows, None if p.rowmap is None
                                else p.rowmap.data_ptr()) for p in parts
         ))  # fmt: skip
+        self._linear_c = native.PdQuantLinear(self._parts_c, len(parts))
 
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def as_c(self) -> native.PdWeight:
+        """This linear as a `pd_decode_layers` weight (valid while the module lives)."""
+        return native.PdWeight(ctypes.addressof(self._linear_c), native.PD_GGUF)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, dtype = x.shape[:-1], x.dtype

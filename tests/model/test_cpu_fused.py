@@ -78,3 +78,46 @@ def test_one_call_stack_with_a_layer_hook_equals_without(tiny_model_dir):
     assert run(hooked, batch) == run(plain, batch)
     assert counts and set(counts) == {1}
     assert seen == list(range(len(stack)))
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_dir(tmp_path_factory):
+    """The tiny shape as a Q4_K_M GGUF, resolved to a directory whose model reads it in place."""
+    from pdserve.model.registry import resolve_model
+    from pdserve.model.synthetic import write_synthetic_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    path = write_synthetic_gguf(root / "tiny.q4_k_m.gguf", "tiny")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_CACHE_DIR", str(root / "cache"))
+        return resolve_model(str(path))
+
+
+@pytest.mark.parametrize("int8_m_max", [0, 2])
+def test_gguf_weights_in_place_take_the_one_call_and_equal_the_layers(
+    q4_k_m_dir, int8_m_max, monkeypatch
+):
+    """Decode steps of GGUF weights read in place run all layers in one native call (pd_quant_linear
+    inside pd_decode_layers) with the same tokens as a call per layer; batches past
+    QUANT_GEMV_M_MAX rows take the layers one by one."""
+    from pdserve.model import quant_linear
+
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", int8_m_max)
+    cache = CacheConfig(block_size=4, kv_cache_bytes=4 << 20)
+
+    def gguf_engine() -> Engine:
+        return Engine(EngineConfig(model="tiny", cache=cache), model_dir=q4_k_m_dir)
+
+    fast, slow = gguf_engine(), gguf_engine()
+    stack = fast.runner.model.layers
+    assert stack.one_call and stack.max_rows == quant_linear.QUANT_GEMV_M_MAX
+    slow.runner.model.layers.one_call = False
+    real, rows = stack.lib, []  # rows of each one-call step
+    stack.lib = SimpleNamespace(
+        pd_decode_layer_scratch=real.pd_decode_layer_scratch,
+        pd_decode_layers=lambda *a: rows.append(a[2]) or real.pd_decode_layers(*a),
+    )
+    for n in (1, 2, 5, 20):
+        batch = prompts(n, seed=n, lo=3, hi=30)
+        assert run(fast, batch) == run(slow, batch)
+    assert {1, 2, 5} <= set(rows) and max(rows) <= quant_linear.QUANT_GEMV_M_MAX

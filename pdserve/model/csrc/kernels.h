@@ -123,8 +123,10 @@ static inline vi vbytes(const int8_t *q) { return _mm256_cvtepi8_epi32(_mm_loadl
 /* Output columns per packed weight panel (native.py reads it back with pd_panel_width). */
 #define PANEL (3 * VW)
 
-/* The packed weight formats (gemm.c): fp32 panels, or the lossless compact blocks of 32 k. */
-enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2 };
+/* The packed weight formats (gemm.c): fp32 panels, or the lossless compact blocks of 32 k.
+ * PD_GGUF is no panel format: a pd_weight of that codec points to a pd_qlinear, GGUF weights
+ * read in place (quant_gemm.c), which pd_decode_layers hands to pd_quant_linear. */
+enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2, PD_GGUF = 3 };
 #define QBLOCK 32
 #define Q4A_BLOCK (24 * PANEL)
 #define Q8S_BLOCK (36 * PANEL)
@@ -190,6 +192,21 @@ void pd_rope_qkv_store(float *qkv, const float *cos, const float *sin, float *ca
                        const int64_t *slot_blocks, const int64_t *slot_offsets, int64_t T,
                        int64_t H, int64_t KVH, int64_t D, int64_t BS);
 void pd_silu_mul(const float *gate_up, float *y, int64_t M, int64_t I);
+/* quant_gemm.c: GGUF weights in their own block layout. One weight of a fused linear
+ * (native.PdQuantPart): its rows fill the next `rows` output columns, row j read from
+ * rowmap[j] (rowmap != NULL, e.g. to undo llama.cpp's Q/K row order) or j. */
+typedef struct {
+    const void *w;
+    int64_t type, rows;
+    const int64_t *rowmap;
+} pd_qpart;
+/* A whole fused linear (native.PdQuantLinear): its parts [n]. */
+typedef struct {
+    const pd_qpart *parts;
+    int64_t n;
+} pd_qlinear;
+int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
+                    float *y, int64_t ldy, int64_t int8_m_max);
 /* quant_dot.c: GGUF weight rows against int8-quantized activation rows. */
 int pd_q8_dot_type(int64_t type, int64_t K);
 int64_t pd_q8_row_bytes(int64_t K);
