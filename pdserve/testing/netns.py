@@ -65,12 +65,12 @@ class Link:
                 args += ["loss", "random", f"{self.loss_pct}%"]
             return args + (["rate", self.rate] if self.rate else [])
         if self.rate:
-            burst_bytes = max(16 << 10, _bits_per_s(self.rate) // 8 // 1000)
+            burst_bytes = max(16 << 10, bits_per_s(self.rate) // 8 // 1000)
             return ["tbf", "rate", self.rate, "burst", str(burst_bytes), "latency", "100ms"]
         return ["pfifo"]
 
 
-def _bits_per_s(rate: str) -> int:
+def bits_per_s(rate: str) -> int:
     units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
     for unit, scale in units.items():
         if rate.lower().endswith(unit):
