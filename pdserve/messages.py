@@ -57,7 +57,8 @@ class Generate:
     locally). `output_token_ids` resumes a request whose earlier worker died: they are
     recomputed as part of the prompt and not produced again. `pin`: a cache warm-up;
     `prefill_chunk_tokens`: the adaptive planner's SLO-sized chunk; `cache_salt`: the cache
-    scope its blocks are hashed in, never an API key (all three as on `Request`)."""
+    scope its blocks are hashed in, never an API key; `stall_budget_s`: the planner's stall
+    budget, capping its prefill beside running decodes (all four as on `Request`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -66,6 +67,7 @@ class Generate:
     pin: bool | None = None
     prefill_chunk_tokens: int | None = None
     cache_salt: str = ""
+    stall_budget_s: float | None = None
 
 
 @dataclass

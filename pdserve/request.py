@@ -81,6 +81,10 @@ class Request:
     # planner's SLO-sized chunk, so the decodes sharing those steps keep their ITL target);
     # None: the scheduler's `long_prefill_token_threshold` alone.
     prefill_chunk_tokens: int | None = None
+    # The adaptive planner's stall budget for the decodes beside this request's prefill: in
+    # a step with decodes its prefill tokens are capped at what this worker measures to fit
+    # (engine/stall_guard.py). None: no such cap.
+    stall_budget_s: float | None = None
     # time.time() stamps for the router's TTFT breakdown (prefill_start, prefill_end,
     # kv_landed), sent with the request's next output and then cleared (router/timing.py).
     stamps: dict[str, float] = field(default_factory=dict)

@@ -211,20 +211,25 @@ class Engine:
         pin: bool | None = None,
         prefill_chunk_tokens: int | None = None,
         cache_salt: str = "",
+        stall_budget_s: float | None = None,
     ) -> Request:
         """`num_prior_output_tokens`: the prompt's last tokens were produced by an earlier
         attempt of this request (resumed after a worker died). `pin`: a cache warm-up
         (`Request.pin`, with `WARMUP_PARAMS`), refused up front (ValueError) when it cannot
         pin: decode role, caching off, pinned share full. `prefill_chunk_tokens`: the most
         prefill tokens of any step the request is in (`Request.prefill_chunk_tokens`).
-        `cache_salt`: the cache scope its blocks are hashed in (`Request.cache_salt`)."""
+        `cache_salt`: the cache scope its blocks are hashed in (`Request.cache_salt`).
+        `stall_budget_s`: caps its prefill beside decodes (`Request.stall_budget_s`)."""
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, not {prefill_chunk_tokens}")
+        if stall_budget_s is not None and not stall_budget_s > 0:
+            raise ValueError(f"stall_budget_s must be > 0, not {stall_budget_s}")
         request = self._new_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
         if pin is not None:
             warmup.check_pin(self.kv, self.role, prompt_token_ids, pin, cache_salt)
         request.num_prior_output_tokens, request.pin = num_prior_output_tokens, pin
         request.prefill_chunk_tokens = prefill_chunk_tokens
+        request.stall_budget_s = stall_budget_s
         self._enqueue(request)
         return request
 
@@ -331,11 +336,16 @@ class Engine:
         if self.loading:
             self._admit_loaded()
         started = time.time()
+        guard = self.scheduler.stall_guard
+        guard.threads = torch.get_num_threads()  # a core switch applies between steps
         out = self.scheduler.schedule()
-        self.last_shape = StepShape.of(out.scheduled)  # before the step advances the requests
+        self.last_shape = shape = StepShape.of(out.scheduled)  # before the requests advance
         if self.offload is not None:
             self.offload.save_evicted()
+        run_started = time.perf_counter()
         sampled = self.runner.execute(out, _stamp_layers(self.role.plan(out), layer_done := []))
+        run_s = time.perf_counter() - run_started
+        guard.observe(guard.threads, shape.prefill_tokens, shape.decode_requests, run_s)
         # The prefill's end: its last layer's KV in the cache when layers are handed over one
         # by one (the transfer tail starts there), else the step's end (sampling included).
         ended = layer_done[-1] if layer_done else time.time()

@@ -11,6 +11,12 @@ prefills, it bounds the prefill tokens of every step it takes part in, its own a
 together: the decodes of that step were promised a step no longer than the planner priced. A
 waiting request that would exceed a cap waits (first come, first served), a running one sits
 the step out.
+
+A request with `stall_budget_s` (the adaptive planner's stall budget, sent with a local
+prefill on the decode worker) caps the same way, in every step it prefills in that also
+carries decodes: at what this worker's measured steps say fits the budget
+(`StallGuard.cap()`, engine/stall_guard.py), so a mispriced prefill cannot freeze the
+streams beside it. With no decode in the step nothing is stalled and it takes full chunks.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
+from pdserve.engine.stall_guard import StallGuard
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import FinishReason, Request, RequestStatus
 
@@ -54,6 +61,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.stall_guard = StallGuard()  # the engine feeds it each step's time
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -84,11 +92,14 @@ class Scheduler:
         chunk = self.config.long_prefill_token_threshold
         # Prefill tokens this step may still take: the least cap of a capped prefill in it.
         # (Not min(..., default=budget): the keyword alone cost 1 us a step.)
-        caps = [
-            r.prefill_chunk_tokens
-            for r in self.running
-            if r.prefill_chunk_tokens is not None and r.num_tokens - r.num_computed_tokens > 1
-        ]
+        capped, has_decodes = [], False
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens <= 1:
+                has_decodes = True
+            elif r.prefill_chunk_tokens is not None or r.stall_budget_s is not None:
+                capped.append(r)
+        stall_cap = self._stall_cap if has_decodes else _no_stall_cap
+        caps = [c for r in capped if (c := stall_cap(r)) is not None]
         prefill_left = min(caps) if caps else budget
 
         scheduled_running: list[tuple[Request, int]] = []
@@ -131,7 +142,7 @@ class Scheduler:
             hits = self.kv.find_cached_prefix(request)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - num_hit_tokens, chunk, budget)
-            cap = request.prefill_chunk_tokens
+            cap = stall_cap(request)
             # Taken already this step: the running prefills' tokens, whatever their caps.
             cap_left = prefill_left if cap is None else min(prefill_left, cap - prefill_used)
             if num_new > 1:
@@ -159,6 +170,14 @@ class Scheduler:
             everything = [x for x in everything if x[1] == 1] + [x for x in everything if x[1] > 1]
         out.scheduled = everything
         return out
+
+    def _stall_cap(self, request: Request) -> int | None:
+        """`request`'s cap in a step with decodes: its chunk and its stall budget's."""
+        cap = request.prefill_chunk_tokens
+        if request.stall_budget_s is None:
+            return cap
+        tokens = self.stall_guard.cap(request.stall_budget_s)
+        return tokens if cap is None else min(cap, tokens)
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, int]
@@ -233,3 +252,8 @@ class Scheduler:
         if request.prefill_only:
             return FinishReason.HANDOFF
         return None
+
+
+def _no_stall_cap(request: Request) -> int | None:
+    """`request`'s cap in a step without decodes: no stream to stall, its chunk alone."""
+    return request.prefill_chunk_tokens

@@ -70,6 +70,16 @@ def max_gap_s(config: AdaptiveConfig, model: OnlineCostModel, pool_size: int) ->
     return None if step is None else max(STALL_STEP_FACTOR * step, MIN_STALL_S)
 
 
+def enforced_gap_s(config: AdaptiveConfig, model: OnlineCostModel, pool_size: int) -> float | None:
+    """The stall budget a decode worker holds a local prefill to (engine/stall_guard.py):
+    `max_gap_s()`, or while it cannot be derived yet MIN_STALL_S, the least it can derive
+    (a fresh worker's first prefills beside decodes are bounded too); None when off."""
+    if not stall_budget_on(config):
+        return None
+    budget = max_gap_s(config, model, pool_size)
+    return MIN_STALL_S if budget is None else budget
+
+
 def describe(
     config: AdaptiveConfig, model: OnlineCostModel, pools: list[tuple[int, ...]]
 ) -> dict[str, Any]:

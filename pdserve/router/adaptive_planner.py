@@ -25,7 +25,7 @@ from pdserve.planner.cores import CoreGroups, Demand, check_deployment, plan_cou
 from pdserve.planner.decision import REMOTE, Decision, Situation, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
 from pdserve.planner.roles import RoleSplit, RoleView
-from pdserve.planner.targets import describe, max_gap_s, stall_budget_on
+from pdserve.planner.targets import describe, enforced_gap_s, max_gap_s, stall_budget_on
 
 if TYPE_CHECKING:
     from pdserve.router.control_plane import ControlPlane, WorkerState
@@ -146,6 +146,12 @@ class Planner:
             self.groups[decision.prefill_id].on_remote(self.clock())
         self._record(key, decision)
         return decision
+
+    def stall_budget_s(self, worker_id: str) -> float | None:
+        """The stall budget `worker_id` holds its local prefills to beside running decodes
+        (`enforced_gap_s()`); None for a worker the planner does not plan."""
+        groups = self.groups.get(worker_id)
+        return None if groups is None else enforced_gap_s(self.config, self.model, len(groups.pool))
 
     def _situation(
         self, route: RouteRequest, decode: WorkerLoad, prefill: WorkerLoad | None

@@ -175,6 +175,7 @@ class RequestDriver:
                 self.request_id, self.prompt_token_ids, self.sampling, done,
                 prefill_chunk_tokens=self.adaptive.prefill_chunk_tokens(worker_id),
                 cache_salt=self.cache_salt,
+                stall_budget_s=self.adaptive.stall_budget_s(worker_id),
             )  # fmt: skip
             self.timing.on_dispatch()  # before the send: the worker may start at once
             self._send(worker_id, generate)

@@ -87,6 +87,11 @@ class AdaptiveRequest:
         d = self.decision
         return d.prefill_chunk_tokens if d is not None and d.decode_id == worker_id else None
 
+    def stall_budget_s(self, worker_id: str) -> float | None:
+        """The stall budget `worker_id` holds this request's prefill to beside its running
+        decodes (engine/stall_guard.py), or None: not adaptive, or the budget is off."""
+        return self.planner.stall_budget_s(worker_id) if self.planner else None
+
     async def cores(self, deadline: float, *worker_ids: str) -> None:
         """Return once every worker of `worker_ids` runs steps; one given none in time is
         lost for the request (it is re-driven)."""

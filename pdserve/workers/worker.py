@@ -229,7 +229,7 @@ class Worker:
                     params = dataclasses.replace(params, max_tokens=num_left)
                 e.add_request(
                     msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin,
-                    msg.prefill_chunk_tokens, msg.cache_salt,
+                    msg.prefill_chunk_tokens, msg.cache_salt, msg.stall_budget_s,
                 )  # fmt: skip
             elif isinstance(msg, m.Reserve):
                 r = e.reserve(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)

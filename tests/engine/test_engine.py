@@ -84,6 +84,27 @@ def test_per_request_chunk_cap_gives_same_output(tiny_model_dir, reference):
     assert num_steps > 12 + max(len(r.prompt_token_ids) for r in reqs[1::2]) // 3 - 1
 
 
+def test_a_stall_budget_gives_same_output(tiny_model_dir, reference):
+    # The worker's stall guard caps prefills beside decodes at its measured rate (here a
+    # budget so small every capped step takes the least chunk): tokens do not change.
+    engine = make_engine(tiny_model_dir)
+    waiting = list(enumerate(prompts(6)))
+    out = {str(i): [] for i in range(6)}
+    prefills_beside_decodes, num_steps = [], 0
+    while waiting or engine.has_unfinished_requests():
+        if waiting and num_steps % 3 == 0:  # each prompt joins running decodes
+            i, p = waiting.pop(0)
+            engine.add_request(str(i), p, GREEDY, stall_budget_s=1e-6)
+        num_steps += 1
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        shape = engine.last_shape
+        if shape.decode_requests and shape.prefill_tokens:
+            prefills_beside_decodes.append(shape.prefill_tokens)
+    assert [out[str(i)] for i in range(6)] == reference
+    assert prefills_beside_decodes and max(prefills_beside_decodes) <= 32
+
+
 def test_preemption_recompute_gives_same_output(tiny_model_dir, reference):
     # 24 blocks of 4 tokens cannot hold six requests of up to ~50 tokens at once.
     engine = make_engine(tiny_model_dir, num_blocks=24)

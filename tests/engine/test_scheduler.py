@@ -2,6 +2,7 @@
 
 from pdserve.config import SchedulerConfig
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.stall_guard import PROBE_TOKENS
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.sampling_params import SamplingParams
@@ -142,3 +143,41 @@ def test_abort_waiting_and_running():
     assert s.finish_request("missing", FinishReason.ABORT) is None
     s.finish_request("b", FinishReason.ABORT)
     assert s.kv.num_free_blocks == 16 and not s.has_unfinished()
+
+
+def measured(s: Scheduler, decode_s: float, token_s: float) -> Scheduler:
+    """Give the scheduler's stall guard a decode step and a prompt token's time."""
+    s.stall_guard.observe(1, 0, 1, decode_s)
+    s.stall_guard.observe(1, 100, 1, decode_s + 100 * token_s)
+    return s
+
+
+def budgeted(request: Request, seconds: float) -> Request:
+    request.stall_budget_s = seconds
+    return request
+
+
+def test_a_stall_budget_caps_a_prefill_beside_decodes_at_the_measured_rate():
+    # 50 ms a decode step, 10 ms a prompt token: 0.75 x 1 s leaves room for 70 tokens.
+    s = measured(make(num_blocks=256, long_prefill_token_threshold=128), 0.05, 0.01)
+    s.add_request(budgeted(req("alone", 200), 1.0))
+    assert scheduled(run_step(s)) == [("alone", 128)]  # no decode beside it: full chunks
+    assert scheduled(run_step(s)) == [("alone", 72)]
+    s.add_request(budgeted(req("long", 200), 1.0))
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 70)]
+    # an unbudgeted prompt behind it takes only what the cap leaves, as under a chunk cap
+    s.add_request(req("plain", 100))
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 70)]
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 60), ("plain", 10)]
+    # a chunk cap and a stall budget: the smaller holds
+    s.add_request(budgeted(capped(req("both", 100), 20), 1.0))
+    run_step(s)
+    assert ("both", 20) in scheduled(run_step(s))
+
+
+def test_a_stall_budget_waits_for_a_measured_rate_in_probe_chunks():
+    s = make(num_blocks=256, long_prefill_token_threshold=128)
+    s.add_request(req("short", 3))
+    run_step(s)
+    s.add_request(budgeted(req("long", 200), 1.0))
+    assert scheduled(run_step(s)) == [("short", 1), ("long", PROBE_TOKENS)]

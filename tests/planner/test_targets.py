@@ -17,6 +17,7 @@ from pdserve.planner.targets import (
     MIN_STALL_S,
     STALL_STEP_FACTOR,
     describe,
+    enforced_gap_s,
     max_gap_s,
     stall_budget_on,
     unloaded_step_s,
@@ -72,6 +73,17 @@ def test_the_stall_budget_is_ten_unloaded_steps_at_least_a_second():
     assert max_gap_s(AdaptiveConfig(), OnlineCostModel(min_samples=20), POOL) is None
     with pytest.raises(ValueError, match="slo_max_gap_ms must be >= 0"):
         AdaptiveConfig(slo_max_gap_ms=-1)
+
+
+def test_the_worker_holds_prefills_to_the_budget_or_its_floor_before_one_is_derived():
+    # What a decode worker's stall guard is sent with each local prefill (stall_guard.py).
+    crawling = seeded(0.2, 0.012)
+    assert enforced_gap_s(AdaptiveConfig(), crawling, POOL) == max_gap_s(
+        AdaptiveConfig(), crawling, POOL
+    )
+    assert enforced_gap_s(AdaptiveConfig(), OnlineCostModel(min_samples=20), POOL) == MIN_STALL_S
+    assert enforced_gap_s(AdaptiveConfig(slo_max_gap_ms=2500), SLOW, POOL) == 2.5
+    assert enforced_gap_s(AdaptiveConfig(slo_max_gap_ms=0), SLOW, POOL) is None
 
 
 def test_a_fit_that_prices_decodes_by_their_context_alone_still_gives_an_unloaded_step():

@@ -146,6 +146,8 @@ def test_an_slo_sized_chunk_travels_with_the_local_prefill(tokenizer_dir, script
         assert chunked.json()["choices"][0]["text"] == OUTPUT_TEXT[:5]
         generates = [m for m in c.workers["d1"].received if type(m).__name__ == "Generate"]
         assert [m.prefill_chunk_tokens for m in generates] == [None, 32]
+        # and the stall budget the worker holds every local prefill to (1 s: the floor)
+        assert [m.stall_budget_s for m in generates] == [1.0, 1.0]
         assert kinds_for(c, "p0") == []
         assert decisions(c) == {
             'kind="local",reason="idle_decode"': 1.0,

@@ -126,6 +126,11 @@ def test_generate_carries_the_planners_chunk_to_the_request(worker):
     router.send(m.Generate("c1", list(range(3, 40)), LONG, prefill_chunk_tokens=4))
     router.expect(m.Tokens, where=lambda t: t.request_id == "c1")
     assert w.engine.scheduler.requests["c1"].prefill_chunk_tokens == 4
+    router.send(m.Generate("bad2", [5, 6, 7], {"max_tokens": 2}, stall_budget_s=0.0))
+    assert "stall_budget_s" in router.expect(m.Rejected).reason
+    router.send(m.Generate("c2", list(range(3, 40)), LONG, stall_budget_s=1.5))
+    router.expect(m.Tokens, where=lambda t: t.request_id == "c2")
+    assert w.engine.scheduler.requests["c2"].stall_budget_s == 1.5
 
 
 @pytest.mark.parametrize("worker", ["collocated"], indirect=True)
