@@ -51,62 +51,43 @@ in full chunks beside the decodes); it is the answer where no split can hold the
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.model import OnlineCostModel
+from pdserve.planner.pricing import (
+    ITL_HEADROOM,
+    LOCAL,
+    REMOTE,
+    SLO_CHUNK,
+    STALL_CHUNK,
+    TTFT_BUDGET_FACTOR,
+    Prediction,
+    Situation,
+    predict,
+    predict_slo_chunk,
+)
 
-LOCAL, REMOTE = "local", "remote"
-SLO_CHUNK = "slo_chunk"  # a candidate of decide(), not a kind: local with a smaller chunk
 # Without an ITL target a local prefill breaks no budget: the operator asked for nothing a
 # collocated worker cannot give, so local (every core, no transfer) decides unless the TTFT
 # target says otherwise. A decode group is still sized (`decode_need`) for this many times
 # the unloaded step when both groups are busy.
 ITL_BUDGET_FACTOR = 2.0
-ITL_HEADROOM = 0.75  # a decode group is sized for this share of the ITL budget
-# Default TTFT budget: 3x what collocated would give the request now (its queue and prompt,
-# with the running decodes, on every core); a remote prefill on half a pool takes ~2x.
-TTFT_BUDGET_FACTOR = 3.0
-# The smallest SLO-sized chunk: a one-token row is decode-sized and the scheduler does not
-# cap it. Small chunks are not refused here: their TTFT (a step's fixed cost per few prompt
-# tokens) is predicted and weighed like any other.
-MIN_SLO_CHUNK_TOKENS = 2
-
-
-@dataclass(frozen=True)
-class Situation:
-    """The request and its two candidate workers as the router sees them now."""
-
-    num_prompt_tokens: int
-    num_cached_decode_tokens: int  # prefix the candidate decode worker caches
-    num_cached_prefill_tokens: int  # prefix the candidate prefill worker caches
-    pool_size: int  # cores of the decode worker's host
-    num_decodes: int  # requests decoding on the decode worker
-    decode_context_tokens: int  # the KV they attend
-    decode_queue_tokens: int  # local prefill tokens already queued there
-    decode_threads_local: int  # the decode worker's threads if it prefills this locally
-    decode_threads_split: int  # ... while a remote prefill runs beside it (same host)
-    prefill_threads: int  # the prefill worker's threads for this prefill
-    prefill_queue_tokens: int
-    prefill_parked: bool  # the prefill worker has no cores yet: a core switch first
-    switch_s: float  # measured core switch latency
-    kv_bytes_per_token: float
-    chunk_tokens: int
-    has_prefill: bool = True
-    decode_free_tokens: int | None = None  # free KV on the decode worker (None: unknown)
-    decode_reserve_tokens: int = 0  # free KV its running decodes need to keep growing
 
 
 @dataclass(frozen=True)
 class Decision:
     kind: str  # LOCAL | REMOTE
     reason: str
-    predictions: dict[str, float] = field(default_factory=dict)
+    prediction: Prediction | None = None  # None: decided before pricing anything
     decode_id: str = ""
     prefill_id: str = ""
     num_prefill_tokens: int = 0  # uncached tokens the chosen worker computes
     prefill_chunk_tokens: int | None = None  # local in SLO-sized chunks: the chunk
+
+    @property
+    def predictions(self) -> dict[str, float]:
+        return self.prediction.as_dict() if self.prediction else {}
 
 
 def decide(
@@ -143,144 +124,53 @@ def decide(
         if local_tokens <= fallback_prompt_tokens:
             return _as(local, "fallback_short")
         return _as(remote, "fallback_long")
-    chunked = dataclasses.replace(local, prefill_chunk_tokens=int(p.get("slo_chunk_tokens", 0)))
-    kinds = (LOCAL, SLO_CHUNK, REMOTE) if "slo_chunk_tokens" in p else (LOCAL, REMOTE)
-    # Predictions are mean steps and the target a tail: every path gets the headroom the
-    # SLO-sized chunk and the decode group are sized with.
-    itl_budget_s = ITL_HEADROOM * p["itl_budget_s"]
-    itl_ok = {k: p[f"itl_{k}_s"] <= itl_budget_s for k in kinds}
-    ttft_ok = {k: p[f"ttft_{k}_s"] <= p["ttft_budget_s"] for k in kinds}
     if stall_bound:  # which budget the ITL predictions were held to, for /v1/status
-        p["stall_budget_s"] = p["itl_budget_s"]
-    if itl_ok[LOCAL] and ttft_ok[LOCAL]:
+        p = dataclasses.replace(p, stall_budget_s=p.itl_budget_s)
+    chunk = p.slo_chunk.chunk_tokens if p.slo_chunk else 0
+    chunked = dataclasses.replace(local, prefill_chunk_tokens=chunk)
+    budgets = p.budgets
+    if p.local.meets(budgets):
         return _as(local, "fits_slo", p)
-    if itl_ok[REMOTE] and ttft_ok[REMOTE]:
+    if p.remote.meets(budgets):
         broken = "stall_budget" if stall_bound else "itl_interference"
-        return _as(remote, "ttft" if itl_ok[LOCAL] else broken, p)
-    if SLO_CHUNK in kinds and itl_ok[SLO_CHUNK] and ttft_ok[SLO_CHUNK]:
+        return _as(remote, "ttft" if p.local.itl_s <= budgets.itl_s else broken, p)
+    if p.slo_chunk is not None and p.slo_chunk.meets(budgets):
         return _as(chunked, "slo_chunk", p)
-
-    def excess(kind: str) -> float:
-        budgets = {"itl": itl_budget_s, "ttft": p["ttft_budget_s"]}
-        return sum(max(0.0, p[f"{m}_{kind}_s"] / max(budgets[m], 1e-9) - 1) for m in budgets)
-
-    best = min(kinds, key=excess)  # ties: the first, local before remote
-    if best == REMOTE:
-        nearest = min((k for k in kinds if k != REMOTE), key=excess)
-        queued = p["queue_remote_s"] > TTFT_BUDGET_FACTOR * p[f"ttft_{nearest}_s"]
+    best = min(p.candidates, key=lambda c: c.excess(budgets))  # ties: the first
+    if best.path == REMOTE:
+        others = [c for c in p.candidates if c.path != REMOTE]
+        nearest = min(others, key=lambda c: c.excess(budgets))
+        queued = p.queue_remote_s > TTFT_BUDGET_FACTOR * nearest.ttft_s
         free = s.decode_free_tokens
         starves = free is not None and free - local_tokens < s.decode_reserve_tokens
         if queued or starves:  # a backlog's requests must not stall the running decodes
             if chunked.prefill_chunk_tokens:
                 return _as(chunked, "remote_backlog", p)
-            return _beside_decodes(s, model, local, "remote_backlog", p, itl_budget_s)
-    if best == SLO_CHUNK:
+            return _beside_decodes(s, model, local, "remote_backlog", p)
+    if best.path == SLO_CHUNK:
         return _as(chunked, "slo_chunk_least_violation", p)
-    if best == LOCAL and not chunked.prefill_chunk_tokens:
-        return _beside_decodes(s, model, local, "least_violation", p, itl_budget_s)
-    return _as(local if best == LOCAL else remote, "least_violation", p)
+    if best.path == LOCAL and not chunked.prefill_chunk_tokens:
+        return _beside_decodes(s, model, local, "least_violation", p)
+    return _as(local if best.path == LOCAL else remote, "least_violation", p)
 
 
 def _beside_decodes(
-    s: Situation,
-    model: OnlineCostModel,
-    local: Decision,
-    reason: str,
-    p: dict[str, float],
-    itl_budget_s: float,
+    s: Situation, model: OnlineCostModel, local: Decision, reason: str, p: Prediction
 ) -> Decision:
     """Local as a fallback (`remote_backlog`, `least_violation`) with no SLO-sized chunk
     priced: where full chunks would break the ITL of running decodes, in the largest chunks
     whose step, at the prompt's end, stays within 1 / ITL_HEADROOM of the decodes' own step.
     A fallback must not stall the streams already running: a full chunk on a one-core decode
     group is 0.5-1 s per 256 tokens, and queued prompts share a step."""
-    if s.num_decodes and p["itl_local_s"] > itl_budget_s:
+    if s.num_decodes and p.local.itl_s > p.budgets.itl_s:
         shape = StepShape(0, s.num_decodes, 0, s.decode_context_tokens)
         alone = model.step_s("decode", s.decode_threads_local, shape)
-        bound = predict_slo_chunk(s, model, local.num_prefill_tokens, (alone or 0) / ITL_HEADROOM)
+        step_budget_s = (alone or 0) / ITL_HEADROOM
+        bound = predict_slo_chunk(s, model, local.num_prefill_tokens, step_budget_s, STALL_CHUNK)
         if bound:
-            p = {**p, "stall_chunk_tokens": bound["slo_chunk_tokens"],
-                 "ttft_stall_chunk_s": bound["ttft_slo_chunk_s"],
-                 "itl_stall_chunk_s": bound["itl_slo_chunk_s"]}  # fmt: skip
-            local = dataclasses.replace(local, prefill_chunk_tokens=int(bound["slo_chunk_tokens"]))
+            p = dataclasses.replace(p, stall_chunk=bound)
+            local = dataclasses.replace(local, prefill_chunk_tokens=bound.chunk_tokens)
     return _as(local, reason, p)
-
-
-def predict(
-    s: Situation, model: OnlineCostModel, slo_ttft_s: float | None, slo_itl_s: float | None
-) -> dict[str, float] | None:
-    """Predicted TTFT and ITL of both paths and the budgets; None without a usable model.
-    A remote request's own first gap waits for the exposed transfer: it counts in its ITL.
-    Queued prompts share the steps the request runs in (the scheduler batches them), so a
-    queue costs its tokens' compute, not steps of its own."""
-    local_tokens = max(1, s.num_prompt_tokens - s.num_cached_decode_tokens)
-    remote_tokens = max(1, s.num_prompt_tokens - s.num_cached_prefill_tokens)
-    b, ctx, chunk = s.num_decodes, s.decode_context_tokens, max(1, s.chunk_tokens)
-    t_local, t_pool, cached_local = s.decode_threads_local, s.pool_size, s.num_cached_decode_tokens
-    parts = (
-        model.step_s("decode", t_pool, StepShape(0, max(b, 1), 0, ctx)),
-        queue_s(model, "decode", t_pool, s.decode_queue_tokens, chunk, b, ctx),
-        prefill_s(model, "decode", t_pool, local_tokens, cached_local, chunk, b, ctx),
-        queue_s(model, "decode", t_local, s.decode_queue_tokens, chunk, b, ctx),
-        prefill_s(model, "decode", t_local, local_tokens, cached_local, chunk, b, ctx),
-        queue_s(model, "prefill", s.prefill_threads, s.prefill_queue_tokens, chunk),
-        prefill_s(
-            model, "prefill", s.prefill_threads, remote_tokens, s.num_cached_prefill_tokens, chunk
-        ),
-        model.step_s("decode", s.decode_threads_split, StepShape(0, b, 0, ctx)),
-    )
-    if any(p is None for p in parts):
-        return None
-    unloaded, queue_pool, on_pool, queue_local, mixed, queue_remote, remote, split = parts  # type: ignore[misc]
-    if not unloaded > 0:  # a fit that prices a decode step at nothing cannot set a budget
-        return None
-    transfer = model.transfer_s(local_tokens * s.kv_bytes_per_token)
-    collocated = queue_pool + on_pool[0]  # what one worker on every core would give it now
-    p = {
-        "ttft_local_s": queue_local + mixed[0],
-        "itl_local_s": max(mixed[1], unloaded),
-        "ttft_remote_s": (s.switch_s if s.prefill_parked else 0.0) + queue_remote + remote[0],
-        "itl_remote_s": split + transfer,
-        "transfer_s": transfer,
-        "queue_remote_s": queue_remote,
-        "itl_budget_s": slo_itl_s if slo_itl_s is not None else math.inf,
-        "ttft_budget_s": slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * collocated,
-    }
-    if slo_itl_s is not None and p["itl_local_s"] > slo_itl_s:
-        p.update(predict_slo_chunk(s, model, local_tokens, ITL_HEADROOM * slo_itl_s))
-    return p
-
-
-def predict_slo_chunk(
-    s: Situation, model: OnlineCostModel, num_tokens: int, step_budget_s: float
-) -> dict[str, float]:
-    """The largest chunk below `chunk_tokens` whose step with the running decodes, at the
-    prompt's end (its costliest chunk: the most attention), fits `step_budget_s`, and the
-    local prefill's TTFT and ITL in such chunks; {} when no chunk of MIN_SLO_CHUNK_TOKENS
-    does. Queued prompts are priced in the same chunks, in steps of their own: on a worker
-    that takes SLO-sized chunks the queue is most likely capped too."""
-    b, ctx, threads = s.num_decodes, s.decode_context_tokens, s.decode_threads_local
-    end = s.num_cached_decode_tokens + num_tokens
-
-    def step(n: int) -> float:
-        seconds = model.step_s("decode", threads, StepShape(n, b, n * (end - n + (n + 1) / 2), ctx))
-        return math.inf if seconds is None else seconds
-
-    lo, hi = MIN_SLO_CHUNK_TOKENS, min(s.chunk_tokens, num_tokens) - 1
-    if hi < lo or step(lo) > step_budget_s:
-        return {}
-    while lo < hi:  # the step grows with the chunk: the largest that fits
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if step(mid) <= step_budget_s else (lo, mid - 1)
-    own = prefill_s(model, "decode", threads, num_tokens, s.num_cached_decode_tokens, lo, b, ctx)
-    queue = prefill_s(model, "decode", threads, s.decode_queue_tokens, 0, lo, b, ctx)
-    if own is None or queue is None:
-        return {}
-    return {
-        "slo_chunk_tokens": float(lo),
-        "ttft_slo_chunk_s": queue[0] + own[0],
-        "itl_slo_chunk_s": max(own[1], queue[1]),
-    }
 
 
 def decode_need(
@@ -307,68 +197,5 @@ def decode_need(
     return pool
 
 
-def queue_s(
-    model: OnlineCostModel,
-    role: str,
-    threads: int,
-    num_tokens: int,
-    chunk_tokens: int,
-    num_decodes: int = 0,
-    context_tokens: int = 0,
-) -> float | None:
-    """What `num_tokens` of queued prompts add to the steps they share with this one: their
-    compute, as independent prompts of at most a chunk each (None without a usable model)."""
-    if num_tokens <= 0:
-        return 0.0
-    n = min(chunk_tokens, num_tokens)
-    base = StepShape(1, num_decodes, 1.0, context_tokens)
-    queued = StepShape(1 + num_tokens, num_decodes, 1.0 + num_tokens * (n + 1) / 2, context_tokens)
-    with_queue, without = model.step_s(role, threads, queued), model.step_s(role, threads, base)
-    if with_queue is None or without is None:
-        return None
-    return max(0.0, with_queue - without)
-
-
-def prefill_s(
-    model: OnlineCostModel,
-    role: str,
-    threads: int,
-    num_tokens: int,
-    num_cached: int,
-    chunk_tokens: int,
-    num_decodes: int = 0,
-    context_tokens: int = 0,
-) -> tuple[float, float] | None:
-    """(seconds, longest step) to prefill `num_tokens` after `num_cached` in chunks, each step
-    also carrying `num_decodes` decodes over `context_tokens`; None without a usable model.
-
-    In closed form, not chunk by chunk: the router decides on its event loop, and a 2,000-token
-    prompt in SLO-sized chunks of 2 is a thousand steps (priced one by one, 0.8 s of a loaded
-    core that every stream waited for). The full chunks differ only in their attention pairs,
-    in which the model is linear: their sum is as many steps at the mean pairs; the longest is
-    the last full chunk or the remainder after it (each attends more than any before)."""
-    if num_tokens <= 0:
-        return 0.0, 0.0
-
-    def step(n: int, done: float) -> float | None:
-        return model.step_s(role, threads, StepShape(n, num_decodes, n * (done + (n + 1) / 2),
-                                                     context_tokens))  # fmt: skip
-
-    num_full, rest = divmod(num_tokens, chunk_tokens)
-    total = longest = 0.0
-    if num_full:
-        mean = step(chunk_tokens, num_cached + (num_full - 1) * chunk_tokens / 2)
-        last = step(chunk_tokens, num_cached + (num_full - 1) * chunk_tokens)
-        if mean is None or last is None:
-            return None
-        total, longest = num_full * mean, last
-    if rest:
-        tail = step(rest, num_cached + num_full * chunk_tokens)
-        if tail is None:
-            return None
-        total, longest = total + tail, max(longest, tail)
-    return total, longest
-
-
-def _as(decision: Decision, reason: str, predictions: dict[str, float] | None = None) -> Decision:
-    return dataclasses.replace(decision, reason=reason, predictions=predictions or {})
+def _as(decision: Decision, reason: str, prediction: Prediction | None = None) -> Decision:
+    return dataclasses.replace(decision, reason=reason, prediction=prediction)

@@ -9,17 +9,20 @@ import math
 import pytest
 
 from pdserve.costmodel.step_cost import StepShape
-from pdserve.planner.decision import (
+from pdserve.planner.decision import decide
+from pdserve.planner.model import OnlineCostModel
+from pdserve.planner.pricing import (
     ITL_HEADROOM,
     LOCAL,
     MIN_SLO_CHUNK_TOKENS,
     REMOTE,
+    SLO_CHUNK,
+    Budgets,
+    Candidate,
     Situation,
-    decide,
     predict,
     prefill_s,
 )
-from pdserve.planner.model import OnlineCostModel
 from tests.planner.conftest import rows
 
 BUSY = Situation(
@@ -188,7 +191,7 @@ def test_a_queue_on_the_decode_worker_delays_the_slo_chunked_prompt(model):
 def test_a_path_meets_the_itl_only_within_the_headroom_of_the_target(model):
     """Predictions are mean steps and the target a tail: a split whose step is 90% of the
     target does not meet it; at 70% (inside ITL_HEADROOM) it does."""
-    split_s = predict(BUSY, model, None, 1.0)["itl_remote_s"]
+    split_s = predict(BUSY, model, None, 1.0).remote.itl_s
     assert ITL_HEADROOM < 0.9
     tight = decide(BUSY, model, None, split_s / 0.9, fallback_prompt_tokens=512)
     loose = decide(BUSY, model, None, split_s / 0.7, fallback_prompt_tokens=512)
@@ -269,3 +272,54 @@ def test_the_stall_budget_holds_only_running_decodes_and_the_tighter_budget_deci
     # an operator's budget before the model is usable: the prompt-length fallback
     empty = OnlineCostModel(min_samples=20)
     assert decide(case(), empty, None, None, 256, slo_max_gap_s=1.0).reason == "fallback_long"
+
+
+# Decisions and predictions as the string-keyed form priced them, before the Candidate:
+# (situation, slo_ttft_s, slo_itl_s, slo_max_gap_s) -> kind, reason, chunk, a few predictions.
+PINNED = [
+    (
+        (case(), None, 0.02, None),
+        (REMOTE, "itl_interference", None),
+        {
+            "ttft_local_s": 0.551907,
+            "itl_remote_s": 0.0116,
+            "slo_chunk_tokens": 54.0,
+            "ttft_slo_chunk_s": 1.048307,
+            "ttft_budget_s": 1.65572,
+        },
+    ),
+    (
+        (case(prefill_queue_tokens=8192), None, 1e-4, None),
+        (LOCAL, "remote_backlog", 12),
+        {"ttft_remote_s": 2.691438, "queue_remote_s": 1.680425, "itl_stall_chunk_s": 0.00899},
+    ),
+    (
+        (ONE_THREAD_SPLIT, 0.5, 0.02, None),
+        (LOCAL, "slo_chunk_least_violation", 54),
+        {"ttft_remote_s": 0.586865, "itl_remote_s": 0.0404, "itl_slo_chunk_s": 0.014873},
+    ),
+    (
+        (case(), None, None, 0.05),
+        (REMOTE, "stall_budget", None),
+        {"slo_chunk_tokens": 215.0, "itl_slo_chunk_s": 0.037353, "stall_budget_s": 0.05},
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "decided", "predicted"), PINNED)
+def test_decisions_and_predictions_are_pinned(model, args, decided, predicted):
+    situation, ttft, itl, gap = args
+    d = decide(situation, model, ttft, itl, 256, slo_max_gap_s=gap)
+    assert (d.kind, d.reason, d.prefill_chunk_tokens) == decided
+    assert {k: d.predictions[k] for k in predicted} == pytest.approx(predicted, rel=1e-4)
+
+
+def test_one_scoring_rule_the_summed_relative_excess_over_the_budgets():
+    budgets = Budgets(ttft_s=1.0, itl_s=0.02)
+    meets = Candidate(LOCAL, ttft_s=1.0, itl_s=0.02)
+    assert meets.meets(budgets) and meets.excess(budgets) == 0.0
+    late = Candidate(REMOTE, ttft_s=1.5, itl_s=0.03)  # 50% over each
+    assert not late.meets(budgets) and late.excess(budgets) == pytest.approx(1.0)
+    chunked = Candidate(SLO_CHUNK, ttft_s=2.5, itl_s=0.01, chunk_tokens=64)  # TTFT 150% over
+    assert min((meets, late, chunked), key=lambda c: c.excess(budgets)) is meets
+    assert min((chunked, late), key=lambda c: c.excess(budgets)) is late
