@@ -30,7 +30,7 @@ from pdserve.bench.app import build_plan, execute
 from pdserve.bench.cli import add_bench_arguments
 from pdserve.bench.metrics import OK, REJECTED
 from pdserve.bench.workloads import PRESETS
-from pdserve.cluster.config import Role
+from pdserve.cluster.config import WorkerGroup
 from pdserve.cluster.deployments import pipeline_for
 from pdserve.cluster.launcher import Cluster
 from pdserve.config import EngineConfig
@@ -269,7 +269,7 @@ def main() -> None:
         enabled=True, workers=args.workers, slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, interval_s=args.interval_s, min_dwell_s=args.min_dwell_s,
     )  # fmt: skip
-    workers = Role(cpus=args.cpus) if args.cpus else pipeline.workers
+    workers = WorkerGroup(cpus=args.cpus) if args.cpus else pipeline.workers
     pipeline = dataclasses.replace(pipeline, adaptive=adaptive, workers=workers)
     with Cluster(pipeline, log_level=args.log_level) as url:
         rows, after, poller = run_phases(args, url)

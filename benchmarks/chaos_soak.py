@@ -33,7 +33,7 @@ import aiohttp
 
 from pdserve.bench.client import ClientConfig, send_request
 from pdserve.bench.metrics import OK, RequestRecord, latency_stats_ms
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 from pdserve.cluster.supervisor import RestartPolicy
 from pdserve.kvstore.config import KVStoreConfig
@@ -256,14 +256,16 @@ def main() -> int:
     one_thread = {"threads": 1, "kv_cache_bytes": args.kv_cache_mib * 2**20}
 
     t = time.monotonic()
-    ref_pipeline = Pipeline(model=args.model, port=free_port(), collocated=Role(**one_thread))
+    ref_pipeline = Pipeline(
+        model=args.model, port=free_port(), collocated=WorkerGroup(**one_thread)
+    )
     with Cluster(ref_pipeline, log_level="WARNING", restart=None) as url:
         refs = asyncio.run(reference(url, pool, args))
     print(f"reference: {len(refs)} prompts in {time.monotonic() - t:.0f} s", flush=True)
 
     pipeline = Pipeline(
-        model=args.model, port=free_port(), prefill=Role(**one_thread),
-        decode=Role(num=2, **one_thread), kv_pool=KVStoreConfig(redis_url="local"),
+        model=args.model, port=free_port(), prefill=WorkerGroup(**one_thread),
+        decode=WorkerGroup(num=2, **one_thread), kv_pool=KVStoreConfig(redis_url="local"),
     )  # fmt: skip
     # A restart budget above what the schedule kills (about one worker a minute).
     policy = RestartPolicy(backoff_s=0.5, max_backoff_s=10.0, max_restarts=30, window_s=600.0)

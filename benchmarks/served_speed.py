@@ -28,7 +28,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 from pdserve.model.registry import known_gguf_path
 
@@ -95,7 +95,7 @@ def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[s
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, env={**os.environ, **variant})  # fmt: skip
     row = {"offline_tpot_ms": float(out.stdout.strip().splitlines()[-1])}
-    pipeline = Pipeline(model=MODEL, collocated=Role(threads=args.threads), port=free_port())
+    pipeline = Pipeline(model=MODEL, collocated=WorkerGroup(threads=args.threads), port=free_port())
     saved = dict(os.environ)
     os.environ.update(variant)  # the launcher hands its environment to the workers
     try:

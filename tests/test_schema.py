@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.router.config import RouterConfig
 from pdserve.schema import (
@@ -103,14 +103,15 @@ def test_with_fields_of_repeats_fields_defaults_and_checks():
 
     assert [f for f in Group.__dataclass_fields__] == ["num", "size"]
     assert Group().size == 4
-    role_defaults = {n: getattr(Role(), n) for n in ("block_size", "max_num_seqs", "cpu_kernels")}
+    names = ("block_size", "max_num_seqs", "cpu_kernels")
+    role_defaults = {n: getattr(WorkerGroup(), n) for n in names}
     assert role_defaults == {"block_size": CacheConfig().block_size,
                              "max_num_seqs": SchedulerConfig().max_num_seqs,
                              "cpu_kernels": DeviceConfig().cpu_kernels}  # fmt: skip
-    # skipped: not DeviceConfig's dtype (Pipeline-wide); Role declares its own override
-    assert Role.__dataclass_fields__["dtype"].default is None
+    # skipped: not DeviceConfig's dtype (Pipeline-wide); WorkerGroup declares its own override
+    assert WorkerGroup.__dataclass_fields__["dtype"].default is None
     with pytest.raises(ValueError, match="max_num_batched_tokens must be > 0"):
-        Role(max_num_batched_tokens=0)
+        WorkerGroup(max_num_batched_tokens=0)
 
 
 def test_flags_from_fields():
@@ -163,18 +164,18 @@ def test_nested_lists_of_configs_and_choices_from_registries():
     ):
         RouterConfig(workers=[{"worker_id": "a", "role": "prefil", "address": "x"}])
     with pytest.raises(ValueError, match=r"load_balancer must be one of .*'round_robin'"):
-        Pipeline(collocated=Role(), load_balancer="round_robin_")
+        Pipeline(collocated=WorkerGroup(), load_balancer="round_robin_")
 
 
 # Flat names that mean a different thing in different configs, so may default differently.
 _OWN_DEFAULTS = {
     "ctrl_address": "the router's socket vs a worker's, given by the launcher",
-    "dtype": "a Role's None reads as its pipeline's",
+    "dtype": "a WorkerGroup's None reads as its pipeline's",
     "model": "a benchmark's None asks the server",
     "threads": "a profile's is the list of thread counts it measures",
     "transfer_backend": "the simulator's names a measured backend, None the profile's first",
     "url": "a benchmark's target",
-    "workers": "a count in AdaptiveConfig, a Role in Pipeline",
+    "workers": "a count in AdaptiveConfig, a WorkerGroup in Pipeline",
 }
 
 
@@ -223,5 +224,6 @@ def test_routing_is_one_knob_for_up_the_router_and_simulate():
     policy = flat_fields(RouterConfig)["policy"].field
     for cls in (Pipeline, SimConfig):
         assert dict(flat_fields(cls)["routing"].field.metadata) == dict(policy.metadata)
-    assert Pipeline(collocated=Role()).routing == RouterConfig().policy == SimConfig().routing
-    assert Pipeline(collocated=Role()).load_balancer == SimConfig().load_balancer
+    pipeline = Pipeline(collocated=WorkerGroup())
+    assert pipeline.routing == RouterConfig().policy == SimConfig().routing
+    assert pipeline.load_balancer == SimConfig().load_balancer

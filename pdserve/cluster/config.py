@@ -2,11 +2,12 @@
 
 One frozen tree, from CLI flags, a YAML file (same field names) or Python:
 
-    Pipeline(prefill=Role(num=1, cpus=[0], threads=1), decode=Role(num=1, cpus=[1], threads=1),
+    Pipeline(prefill=WorkerGroup(num=1, cpus=[0], threads=1),
+             decode=WorkerGroup(num=1, cpus=[1], threads=1),
              kv_transfer=KVTransferConfig(backend="auto", mode="layerwise"))
 
 `routing` picks the prefill worker for a request, `load_balancer` the decode worker (for a
-collocated deployment, `routing` picks the worker). A `Role` holds the engine settings of its
+collocated deployment, `routing` picks the worker). A `WorkerGroup` holds the engine settings of its
 workers under their `EngineConfig` names (block_size, threads, kv_cache_bytes, ...).
 """
 
@@ -34,7 +35,7 @@ MEMORY_CHECKS = ("off", "warn", "enforce")  # cluster/memory_plan.py
 
 
 @with_fields_of(CacheConfig, SchedulerConfig, DeviceConfig, skip=("dtype",))
-class Role:
+class WorkerGroup:
     """Workers of one role. `cpus` is one core list shared by all of them, or one list per
     worker (`[[0], [1]]`); on one host this is the "separate core groups" form of
     disaggregation. On GPUs, `device` names each worker's device ("cuda:0"). Token dropping:
@@ -93,9 +94,9 @@ _PLACEMENT_FIELDS = ("num", "cpus", "ray_num_cpus", "ray_num_gpus", "ray_resourc
 @dataclass(frozen=True)
 class Pipeline:
     model: str = same_as(EngineConfig, "model")
-    prefill: Role | None = None
-    decode: Role | None = None
-    collocated: Role | None = None
+    prefill: WorkerGroup | None = None
+    decode: WorkerGroup | None = None
+    collocated: WorkerGroup | None = None
     kv_transfer: KVTransferConfig = knob(KVTransferConfig(), prefix="transfer_")
     # Declared once, on the router (RouterConfig.policy), so up, the router and simulate agree.
     routing: str = same_as(RouterConfig, "policy")
@@ -126,7 +127,7 @@ class Pipeline:
     # roles and cores; `workers` holds their engine settings and the pool (`cpus`, default:
     # the launcher's cores), and no role is given.
     adaptive: AdaptiveConfig = knob(AdaptiveConfig(), prefix="adaptive_")
-    workers: Role | None = None
+    workers: WorkerGroup | None = None
     # Prompts (text, or chat message lists) the launcher prefills and pins on every prefill
     # and collocated worker once the cluster is healthy, e.g. the deployment's system prompts.
     warmup_prompts: tuple = knob((), "prompts to prefill and pin once up", cli=False)
@@ -165,7 +166,7 @@ class Pipeline:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: an adaptive pipeline's planner gives the roles "
                                  "(the workers' settings go in `workers`)")  # fmt: skip
-        w = self.workers or Role()
+        w = self.workers or WorkerGroup()
         if w.num != 1:
             raise ValueError("workers.num: an adaptive pipeline has adaptive.workers workers")
         if w.threads is not None:
@@ -187,7 +188,7 @@ class Pipeline:
         return pool
 
     @property
-    def roles(self) -> list[tuple[str, Role]]:
+    def roles(self) -> list[tuple[str, WorkerGroup]]:
         return [(n, r) for n in ROLES if (r := getattr(self, n))]
 
 

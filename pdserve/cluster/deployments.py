@@ -18,7 +18,7 @@ import os
 import re
 from collections.abc import Iterator
 
-from pdserve.cluster.config import Pipeline, Role, load_pipeline
+from pdserve.cluster.config import Pipeline, WorkerGroup, load_pipeline
 from pdserve.cluster.launcher import Cluster, free_port
 from pdserve.planner.config import AdaptiveConfig
 
@@ -29,10 +29,10 @@ def pipeline_for(spec: str, model: str, kv_cache_bytes: int | None = None) -> Pi
     cores = sorted(os.sched_getaffinity(0))
     port = free_port()
     if spec == "collocated":
-        role = Role(cpus=tuple(cores), threads=len(cores), kv_cache_bytes=kv_cache_bytes)
+        role = WorkerGroup(cpus=tuple(cores), threads=len(cores), kv_cache_bytes=kv_cache_bytes)
         return Pipeline(model=model, collocated=role, port=port)
     if spec == "adaptive":
-        workers = Role(cpus=tuple(cores), kv_cache_bytes=kv_cache_bytes)
+        workers = WorkerGroup(cpus=tuple(cores), kv_cache_bytes=kv_cache_bytes)
         return Pipeline(model=model, adaptive=AdaptiveConfig(enabled=True), workers=workers,
                         port=port)  # fmt: skip
     match = re.fullmatch(r"(\d+)p(\d+)d", spec)
@@ -42,8 +42,8 @@ def pipeline_for(spec: str, model: str, kv_cache_bytes: int | None = None) -> Pi
             raise ValueError(f"deployment {spec!r} needs {num_p + num_d} cores, have {len(cores)}")
         one_each = [[c] for c in cores]
 
-        def role(first: int, n: int) -> Role:
-            return Role(num=n, cpus=one_each[first : first + n], threads=1,
+        def role(first: int, n: int) -> WorkerGroup:
+            return WorkerGroup(num=n, cpus=one_each[first : first + n], threads=1,
                         kv_cache_bytes=kv_cache_bytes)  # fmt: skip
 
         return Pipeline(model=model, prefill=role(0, num_p), decode=role(num_p, num_d), port=port)

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pdserve import envs
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.memory_plan import check_memory
 from pdserve.cluster.supervisor import Process, RestartPolicy, Supervisor
 from pdserve.cluster.warmup import WarmupError, ordered, report_lines, send_warmup, warmup_body
@@ -73,7 +73,7 @@ def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerS
     if p.adaptive.enabled:
         # Every worker may run on the whole pool; the planner sends each its share on Ready.
         pool = p.adaptive_cpus()
-        role = dataclasses.replace(p.workers or Role(), threads=len(pool))
+        role = dataclasses.replace(p.workers or WorkerGroup(), threads=len(pool))
         engine = role.engine_config(p.model, p.dtype, kv_pool)
         roles = ["prefill"] + ["decode"] * (p.adaptive.workers - 1)
         layout = [(f"worker-{i}", name, engine, pool) for i, name in enumerate(roles)]

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import (
     Cluster,
     ClusterError,
@@ -46,7 +46,7 @@ def _import_ray() -> Any:
     return ray
 
 
-def actor_options(role: Role) -> dict[str, Any]:
+def actor_options(role: WorkerGroup) -> dict[str, Any]:
     """What one worker of `role` asks of a Ray node."""
     num_cpus = role.ray_num_cpus if role.ray_num_cpus is not None else (role.threads or 1)
     return {"num_cpus": num_cpus, "num_gpus": role.ray_num_gpus,

@@ -1,7 +1,7 @@
 """`pdserve up`: start a cluster from flags or a YAML file and serve until Ctrl-C.
 
-Flags are the Pipeline's fields (`--transfer-mode` is `kv_transfer.mode`), and a Role's fields
-set every role's workers (`--threads 1`); given with `--config`, flags win over the file.
+Flags are the Pipeline's fields (`--transfer-mode` is `kv_transfer.mode`), and a WorkerGroup's
+fields set every role's workers (`--threads 1`); given with `--config`, flags win over the file.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import urllib.request
 
 from pdserve import envs
-from pdserve.cluster.config import Pipeline, Role, load_pipeline
+from pdserve.cluster.config import Pipeline, WorkerGroup, load_pipeline
 from pdserve.cluster.launcher import Cluster, ClusterError
 from pdserve.cluster.warmup import WarmupError, read_prompts
 from pdserve.messages import ROLES
@@ -31,7 +31,8 @@ def add_up_parser(sub) -> None:
     for name in ROLES:
         p.add_argument(f"--{name}", type=int, default=None, help=f"number of {name} workers")
     add_flags(p, Pipeline)
-    add_flags(p.add_argument_group("every worker (per role: the config file)"), Role, "role.")
+    every_worker = p.add_argument_group("every worker (per role: the config file)")
+    add_flags(every_worker, WorkerGroup, "role.")
     p.add_argument("--pin-cpus", action="store_true", help="one core per worker, in order")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run as Ray actors (placement: ray) on the cluster at ADDRESS, or on "
@@ -74,7 +75,7 @@ def pipeline_from_args(args: argparse.Namespace) -> Pipeline:
             raise ValueError(str(exc)) from None
     counts = {name: getattr(args, name) for name in ROLES}
     adaptive = (data.get("adaptive") or {}).get("enabled", False)
-    role = flag_values(args, Role, "role.")
+    role = flag_values(args, WorkerGroup, "role.")
     if not args.config and all(v is None for v in counts.values()) and not adaptive:
         adaptive = default_is_adaptive(args, data, role)
         if adaptive:

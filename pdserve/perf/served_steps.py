@@ -51,7 +51,7 @@ def measure_served_steps(
 ) -> dict[int, ServedSteps]:
     """`ServedSteps` for each size of `models` that fills the host's cores with workers of
     that size (one all-core worker, or one per core for one thread)."""
-    from pdserve.cluster.config import Pipeline, Role
+    from pdserve.cluster.config import Pipeline, WorkerGroup
     from pdserve.cluster.launcher import Cluster, free_port
 
     cores = sorted(os.sched_getaffinity(0))
@@ -60,7 +60,9 @@ def measure_served_steps(
         if len(cores) % size:
             continue
         groups = [tuple(cores[i : i + size]) for i in range(0, len(cores), size)]
-        role = Role(num=len(groups), cpus=groups, threads=size, kv_cache_bytes=kv_cache_bytes)
+        role = WorkerGroup(
+            num=len(groups), cpus=groups, threads=size, kv_cache_bytes=kv_cache_bytes
+        )
         pipeline = Pipeline(model=model, collocated=role, routing="shortest_queue",
                             port=free_port())  # fmt: skip
         rate = SERVED_LOAD * len(groups) / request_s(models[size])

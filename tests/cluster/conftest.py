@@ -7,14 +7,14 @@ import json
 import urllib.request
 from pathlib import Path
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 
 KV_BYTES = 256 * 16 * 512  # 256 blocks of 16 tokens
 
 
-def role(**kw) -> Role:
-    return Role(kv_cache_bytes=KV_BYTES, threads=1, **kw)
+def role(**kw) -> WorkerGroup:
+    return WorkerGroup(kv_cache_bytes=KV_BYTES, threads=1, **kw)
 
 
 def start(model: Path, **pipeline) -> Cluster:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pdserve.cluster.config import Pipeline, Role, load_pipeline
+from pdserve.cluster.config import Pipeline, WorkerGroup, load_pipeline
 from pdserve.cluster.deployments import pipeline_for
 from pdserve.cluster.launcher import router_settings, worker_specs
 from pdserve.cluster.up import pipeline_from_args
@@ -25,7 +25,7 @@ def test_flags_make_an_adaptive_pipeline_with_every_worker_flag_in_workers():
                    "--kv-cache-bytes", "1MiB")  # fmt: skip
     p = pipeline_from_args(args)
     assert p.adaptive == AdaptiveConfig(enabled=True, slo_ttft_ms=800, min_dwell_s=5)
-    assert p.roles == [] and p.workers == Role(kv_cache_bytes=2**20)
+    assert p.roles == [] and p.workers == WorkerGroup(kv_cache_bytes=2**20)
 
 
 def test_yaml_adaptive_section_and_workers(tmp_path):
@@ -43,13 +43,13 @@ def test_yaml_adaptive_section_and_workers(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(collocated=Role()), "collocated"),
-        (dict(prefill=Role(), decode=Role()), "prefill"),
-        (dict(workers=Role(cpus=(0,))), "adaptive.workers"),
-        (dict(workers=Role(num=2)), "workers.num"),
-        (dict(workers=Role(threads=1)), "workers.threads"),
-        (dict(workers=Role(num=2, cpus=((0,), (1,)))), "workers.num"),
-        (dict(workers=Role(num=1, cpus=((0, 1),))), "workers.cpus"),
+        (dict(collocated=WorkerGroup()), "collocated"),
+        (dict(prefill=WorkerGroup(), decode=WorkerGroup()), "prefill"),
+        (dict(workers=WorkerGroup(cpus=(0,))), "adaptive.workers"),
+        (dict(workers=WorkerGroup(num=2)), "workers.num"),
+        (dict(workers=WorkerGroup(threads=1)), "workers.threads"),
+        (dict(workers=WorkerGroup(num=2, cpus=((0,), (1,)))), "workers.num"),
+        (dict(workers=WorkerGroup(num=1, cpus=((0, 1),))), "workers.cpus"),
     ],
 )
 def test_adaptive_refusals_name_the_field(kwargs, field):
@@ -68,7 +68,7 @@ def test_more_workers_than_cores_is_refused_at_start():
 
 def test_workers_without_adaptive_and_adaptive_with_roles_or_pinning_are_refused():
     with pytest.raises(ValueError, match=r"^workers: only an adaptive pipeline"):
-        Pipeline(model="m", collocated=Role(), workers=Role())
+        Pipeline(model="m", collocated=WorkerGroup(), workers=WorkerGroup())
     with pytest.raises(ValueError, match=r"prefill: an adaptive pipeline"):
         pipeline_from_args(up_args("--adaptive", "--prefill", "1", "--decode", "1"))
     with pytest.raises(ValueError, match=r"^--pin-cpus"):
@@ -77,7 +77,7 @@ def test_workers_without_adaptive_and_adaptive_with_roles_or_pinning_are_refused
 
 def test_launcher_starts_one_prefill_and_decode_workers_on_the_whole_pool():
     adaptive = AdaptiveConfig(enabled=True, workers=3, slo_ttft_ms=500)
-    p = Pipeline(model="m", adaptive=adaptive, workers=Role(cpus=(4, 5, 6), block_size=32))
+    p = Pipeline(model="m", adaptive=adaptive, workers=WorkerGroup(cpus=(4, 5, 6), block_size=32))
     specs = worker_specs(p, "tcp://127.0.0.1:1")
     assert [(s.worker_id, s.role) for s in specs] == [
         ("worker-0", "prefill"),
@@ -94,7 +94,7 @@ def test_launcher_starts_one_prefill_and_decode_workers_on_the_whole_pool():
 
 
 def test_a_static_pipeline_plans_no_cores():
-    p = Pipeline(model="m", collocated=Role(cpus=(0,)))
+    p = Pipeline(model="m", collocated=WorkerGroup(cpus=(0,)))
     specs = worker_specs(p, "tcp://127.0.0.1:1")
     assert not specs[0].adaptive and specs[0].cpus == (0,)
     router = from_dict(RouterConfig, router_settings(p, specs, "tcp://127.0.0.1:1", "INFO"))
@@ -116,7 +116,7 @@ def test_adaptive_cluster_answers_like_collocated(tiny_served_model):
     model = str(tiny_served_model)
     with start(tiny_served_model, collocated=role()) as url:
         reference = complete_all(url, model)
-    workers = Role(kv_cache_bytes=KV_BYTES)
+    workers = WorkerGroup(kv_cache_bytes=KV_BYTES)
     with start(tiny_served_model, adaptive=ON, workers=workers) as url:
         assert complete_all(url, model) == reference
 
@@ -124,7 +124,7 @@ def test_adaptive_cluster_answers_like_collocated(tiny_served_model):
 def test_the_router_prices_local_prefills_in_the_workers_chunks():
     adaptive = AdaptiveConfig(enabled=True)
     p = Pipeline(model="m", adaptive=adaptive,
-                 workers=Role(cpus=(0, 1), long_prefill_token_threshold=64))  # fmt: skip
+                 workers=WorkerGroup(cpus=(0, 1), long_prefill_token_threshold=64))  # fmt: skip
     specs = worker_specs(p, "tcp://127.0.0.1:1")
     router = from_dict(RouterConfig, router_settings(p, specs, "tcp://127.0.0.1:1", "INFO"))
     assert router.adaptive.prefill_chunk_tokens == 64

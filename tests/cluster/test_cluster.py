@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from pdserve.cluster.config import Role
+from pdserve.cluster.config import WorkerGroup
 from pdserve.transfer import KVTransferConfig
 from tests.cluster.conftest import get_text, post, role, start
 
@@ -252,7 +252,7 @@ def test_a_prompt_beyond_the_unpinned_room_is_a_fast_400(tiny_served_model):
     model = str(tiny_served_model)
     system = "".join(chr(60 + i % 50) for i in range(192))  # 12 full blocks of 16
     small = 16 * 16 * 512
-    prefill = Role(kv_cache_bytes=small, threads=1, max_pinned_fraction=0.75)
+    prefill = WorkerGroup(kv_cache_bytes=small, threads=1, max_pinned_fraction=0.75)
     pipeline = dict(prefill=prefill,
                     decode=role(), warmup_prompts=[system])  # fmt: skip
     with start(tiny_served_model, **pipeline) as url:

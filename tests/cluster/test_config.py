@@ -4,7 +4,7 @@ import pytest
 
 from pdserve.cli import build_parser
 from pdserve.cluster import config as cluster_config
-from pdserve.cluster.config import Pipeline, Role, load_pipeline
+from pdserve.cluster.config import Pipeline, WorkerGroup, load_pipeline
 from pdserve.cluster.deployments import pipeline_for
 from pdserve.cluster.launcher import worker_specs
 from pdserve.cluster.up import pipeline_from_args
@@ -58,9 +58,9 @@ def test_yaml_with_overrides_and_unknown_field(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(prefill=Role()), "both prefill and decode"),
-        (dict(collocated=Role(), prefill=Role(), decode=Role()), "either"),
-        (dict(collocated=Role(), routing="random"), "routing"),
+        (dict(prefill=WorkerGroup()), "both prefill and decode"),
+        (dict(collocated=WorkerGroup(), prefill=WorkerGroup(), decode=WorkerGroup()), "either"),
+        (dict(collocated=WorkerGroup(), routing="random"), "routing"),
     ],
 )
 def test_invalid_pipelines(kwargs, match):
@@ -74,10 +74,10 @@ def test_bad_bandwidth_names_it():
 
 
 def test_role_cpus_shapes():
-    assert Role(num=2, cpus=[[0], [1]]).cpus_of(1) == (1,)
-    assert Role(num=2, cpus=[0, 1]).cpus_of(1) == (0, 1)
+    assert WorkerGroup(num=2, cpus=[[0], [1]]).cpus_of(1) == (1,)
+    assert WorkerGroup(num=2, cpus=[0, 1]).cpus_of(1) == (0, 1)
     with pytest.raises(ValueError, match="cpus"):
-        Role(num=2, cpus=[[0]])
+        WorkerGroup(num=2, cpus=[[0]])
 
 
 def test_role_dtype_overrides_the_pipeline_and_auto_follows_the_cpu(monkeypatch, tmp_path):
@@ -88,10 +88,10 @@ def test_role_dtype_overrides_the_pipeline_and_auto_follows_the_cpu(monkeypatch,
     assert specs[0].wire_dtype == "float32"  # the prefill worker converts to the decode's
     for fast, dtype in ((True, "bfloat16"), (False, "float32")):
         monkeypatch.setattr(cluster_config, "has_fast_bf16", lambda fast=fast: fast)
-        assert Role(dtype="auto").dtype_of("float32") == dtype
-    assert Role().dtype_of("float16") == "float16"
+        assert WorkerGroup(dtype="auto").dtype_of("float32") == dtype
+    assert WorkerGroup().dtype_of("float16") == "float16"
     with pytest.raises(ValueError, match="dtype must be one of"):
-        Role(dtype="bf16")
+        WorkerGroup(dtype="bf16")
 
 
 def test_worker_specs_round_trip_through_json():
@@ -137,9 +137,9 @@ def test_warmup_prompts_from_yaml_and_from_a_file(tmp_path):
     p = pipeline_from_args(up_args("--collocated", "1"))
     assert worker_specs(p, "tcp://x:1")[0].engine.cache.max_pinned_fraction == 0.5
     with pytest.raises(ValueError, match="max_pinned_fraction"):
-        Role(max_pinned_fraction=2)
+        WorkerGroup(max_pinned_fraction=2)
     with pytest.raises(ValueError, match=r"warmup_prompts\[1\]"):
-        Pipeline(collocated=Role(), warmup_prompts=["ok", [{"content": "no role"}]])
+        Pipeline(collocated=WorkerGroup(), warmup_prompts=["ok", [{"content": "no role"}]])
 
 
 def test_admin_key_from_the_flag_the_environment_or_made_per_cluster(monkeypatch):
@@ -174,6 +174,6 @@ def test_ray_flag_sets_the_placement(tmp_path):
     assert p.placement == "ray" and p.prefill.ray_resources == {"prefill_pool": 1}
     assert p.prefill.ray_num_gpus == 1 and p.decode.ray_resources == {"decode_pool": 0.5}
     with pytest.raises(ValueError, match="ray_resources must map names to amounts >= 0"):
-        Role(ray_resources={"pool": -1})
+        WorkerGroup(ray_resources={"pool": -1})
     with pytest.raises(ValueError, match="placement must be one of"):
-        Pipeline(collocated=Role(), placement="k8s")
+        Pipeline(collocated=WorkerGroup(), placement="k8s")

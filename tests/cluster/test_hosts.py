@@ -12,7 +12,7 @@ import time
 import pytest
 import requests
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, Placement, free_port
 from pdserve.testing.netns import Hosts, Link, available
 from tests.cluster.conftest import KV_BYTES, get_text, post, role
@@ -36,7 +36,7 @@ def placements(hosts: Hosts) -> dict[str, Placement]:
     return placed
 
 
-def split_run(model: str, prefill: Role, decode: Role, capfd) -> list[str]:
+def split_run(model: str, prefill: WorkerGroup, decode: WorkerGroup, capfd) -> list[str]:
     pipeline = Pipeline(model=model, port=free_port(), prefill=prefill, decode=decode)
     with Hosts(["prefill-0", "decode-0"], prefix="pdtc") as hosts:
         cluster = Cluster(pipeline, log_level="WARNING", placements=placements(hosts))
@@ -56,14 +56,14 @@ def test_1p1d_on_two_hosts_equals_collocated(tiny_served_model, capfd):
     model = str(tiny_served_model)
     with Cluster(Pipeline(model=model, port=free_port(), collocated=role()), "WARNING") as url:
         reference = complete_all(url, model)
-    small = Role(kv_cache_bytes=KV_BYTES, threads=1, long_prefill_token_threshold=24)
+    small = WorkerGroup(kv_cache_bytes=KV_BYTES, threads=1, long_prefill_token_threshold=24)
     assert split_run(model, small, small, capfd) == reference
 
 
 @pytest.mark.slow
 @pytest.mark.integration
 def test_1p1d_on_two_hosts_equals_collocated_on_the_default_model(capfd):
-    model, one = "smollm2-135m", Role(kv_cache_bytes=64 * 2**20, threads=1)
+    model, one = "smollm2-135m", WorkerGroup(kv_cache_bytes=64 * 2**20, threads=1)
     with Cluster(Pipeline(model=model, port=free_port(), collocated=one), "WARNING") as url:
         reference = complete_all(url, model)
     assert split_run(model, one, one, capfd) == reference
@@ -118,7 +118,7 @@ def split(tiny_served_model):
     """A 1P1D cluster across two hosts, unsupervised (a host the test removed stays gone),
     with the reference text of LONG_PROMPT from the unshaped link."""
     model = str(tiny_served_model)
-    small = Role(kv_cache_bytes=KV_BYTES, threads=1, long_prefill_token_threshold=64)
+    small = WorkerGroup(kv_cache_bytes=KV_BYTES, threads=1, long_prefill_token_threshold=64)
     pipeline = Pipeline(model=model, port=free_port(), prefill=small, decode=small)
     with Hosts(["prefill-0", "decode-0"], prefix="pdtf") as hosts:
         cluster = Cluster(pipeline, "WARNING", restart=None, placements=placements(hosts))

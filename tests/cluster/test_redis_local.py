@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 from pdserve.envs import REDIS_PASSWORD
 from pdserve.kvstore.config import KVStoreConfig
@@ -40,7 +40,8 @@ def test_local_redis_password_is_private_and_required(tiny_served_model):
     model = str(tiny_served_model)
     pipeline = Pipeline(
         # 12 blocks: a few prompts evict blocks, which are written down to Redis.
-        model=model, port=free_port(), collocated=Role(kv_cache_bytes=12 * 16 * 512, threads=1),
+        model=model, port=free_port(),
+        collocated=WorkerGroup(kv_cache_bytes=12 * 16 * 512, threads=1),
         # A loaded CI machine can take longer than the default 0.25 s for the first
         # authenticated connection; a timeout there marks the tier down and drops the puts.
         kv_pool=KVStoreConfig(redis_url="local", async_puts=False, redis_timeout_s=5.0),

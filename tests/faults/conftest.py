@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port, worker_specs
 from tests.cluster.conftest import KV_BYTES
 
@@ -115,7 +115,7 @@ def assert_blocks_back(url: str, timeout_s: float = 12.0) -> None:
 @pytest.fixture(scope="module")
 def cluster(tiny_served_model, tmp_path_factory):
     fault_file = tmp_path_factory.mktemp("faults") / "fault"
-    role = Role(kv_cache_bytes=KV_BYTES, threads=1, num=2, long_prefill_token_threshold=32)
+    role = WorkerGroup(kv_cache_bytes=KV_BYTES, threads=1, num=2, long_prefill_token_threshold=32)
     pipeline = Pipeline(model=str(tiny_served_model), port=free_port(), prefill=role, decode=role)
     assert [s.worker_id for s in worker_specs(pipeline, "x")] == list(WORKERS)
     c = FaultCluster(pipeline, fault_file)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 from pdserve.planner.config import AdaptiveConfig
 
@@ -43,8 +43,10 @@ def serve(pipeline: Pipeline) -> tuple[list[str], set[str]]:
 
 @pytest.mark.skipif(len(POOL) < 2, reason="an adaptive deployment of 2 workers needs 2 cores")
 def test_adaptive_gives_collocated_greedy_output_local_and_remote():
-    collocated, _ = serve(Pipeline(collocated=Role(cpus=POOL, threads=len(POOL)), port=free_port()))
+    one = WorkerGroup(cpus=POOL, threads=len(POOL))
+    collocated, _ = serve(Pipeline(collocated=one, port=free_port()))
     adaptive = AdaptiveConfig(enabled=True, slo_itl_ms=5.0, fallback_prompt_tokens=64)
-    texts, kinds = serve(Pipeline(adaptive=adaptive, workers=Role(cpus=POOL), port=free_port()))
+    pipeline = Pipeline(adaptive=adaptive, workers=WorkerGroup(cpus=POOL), port=free_port())
+    texts, kinds = serve(pipeline)
     assert kinds == {'kind="local"', 'kind="remote"'}  # both paths taken
     assert texts == collocated

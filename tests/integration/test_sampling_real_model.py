@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 from pdserve.planner.config import AdaptiveConfig
 from tests.integration.test_adaptive_real_model import POOL, PROMPTS
@@ -37,11 +37,11 @@ FEATURES = {
 def test_adaptive_equals_collocated_with_sampling_features(sampling):
     bodies = [{"prompt": p, **FEATURES, **sampling} for p in PROMPTS]
     collocated, _ = serve_bodies(
-        Pipeline(collocated=Role(cpus=POOL, threads=len(POOL)), port=free_port()), bodies
+        Pipeline(collocated=WorkerGroup(cpus=POOL, threads=len(POOL)), port=free_port()), bodies
     )
     adaptive = AdaptiveConfig(enabled=True, slo_itl_ms=5.0, fallback_prompt_tokens=64)
     answers, kinds = serve_bodies(
-        Pipeline(adaptive=adaptive, workers=Role(cpus=POOL), port=free_port()), bodies
+        Pipeline(adaptive=adaptive, workers=WorkerGroup(cpus=POOL), port=free_port()), bodies
     )
     assert kinds == {'kind="local"', 'kind="remote"'}  # both paths taken
     for got, want in zip(answers, collocated):

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdserve.cluster.config import Role
+from pdserve.cluster.config import WorkerGroup
 from pdserve.planner.config import AdaptiveConfig
 from tests.cluster.conftest import KV_BYTES, post, role, start
 
@@ -176,7 +176,8 @@ def test_dashboard_draws_the_adaptive_planner(tiny_served_model: Path, tmp_path:
     model = str(tiny_served_model)
     # A target no local prefill meets: the planner sends prefills remote and moves cores.
     adaptive = AdaptiveConfig(enabled=True, slo_itl_ms=0.001)
-    with start(tiny_served_model, adaptive=adaptive, workers=Role(kv_cache_bytes=KV_BYTES)) as url:
+    workers = WorkerGroup(kv_cache_bytes=KV_BYTES)
+    with start(tiny_served_model, adaptive=adaptive, workers=workers) as url:
         stop = threading.Event()
         clients = [threading.Thread(target=load, args=(url, model, stop)) for _ in range(3)]
         for client in clients:

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.cluster.config import Pipeline, Role
+from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -43,7 +43,7 @@ def stream_timed(url: str, prompt: str) -> tuple[float, dict]:
 
 
 def test_parts_add_up_to_the_ttft_the_client_measured() -> None:
-    role = Role(threads=1, kv_cache_bytes=64 * 2**20)
+    role = WorkerGroup(threads=1, kv_cache_bytes=64 * 2**20)
     pipeline = Pipeline(port=free_port(), prefill=role, decode=role)
     words = "the quick brown fox jumps over the lazy dog and keeps running".split()
     unseen_s, client_ttfts_s = [], []
