@@ -290,28 +290,8 @@ class ControlPlane:
         if worker.lost and not worker.disconnected:
             log.info("worker %s is back", worker_id)
             worker.lost = False
-        if isinstance(message, messages.Ready) and message.hello and _same(worker.ready, message):
-            # The answer to a Hello from the process this router knows: everything this router
-            # sent it came after the Hello, so nothing was lost (no new epoch), and a switch in
-            # progress goes on.
-            if not worker.switching_to:
-                worker.ready = message
-        elif isinstance(message, messages.Ready) and worker.switching_to and worker.ready:
-            # The same process (a restart would have been lost first), done switching: its
-            # requests were drained, its prefix cache stays, so no new epoch.
-            log.info("worker %s switched to %s", worker_id, message.role)
-            worker.ready, worker.switching_to = message, None
-        elif isinstance(message, messages.Ready):
-            if message.role != worker.endpoint.role:
-                log.warning(
-                    "worker %s announced role %s, configured as %s; using %s",
-                    worker_id, message.role, worker.endpoint.role, message.role,
-                )  # fmt: skip
-            worker.ready, worker.stats = message, None
-            worker.cached_hashes.clear()
-            worker.epoch += 1
-            worker.sent_prefill_tokens = worker.active_requests = 0
-            log.info("worker %s ready: %s", worker_id, message)
+        if isinstance(message, messages.Ready):
+            self._on_ready(worker, message)
         if isinstance(message, (messages.Ready, messages.CoresSet, messages.StepReport)):
             if self.planner is not None:  # an adaptive deployment's
                 self.planner.on_message(message)
@@ -331,6 +311,31 @@ class ControlPlane:
                 queue.put_nowait(message)
         else:
             log.warning("unexpected %s from worker %s", type(message).__name__, worker_id)
+
+    def _on_ready(self, worker: WorkerState, message: messages.Ready) -> None:
+        worker_id = worker.worker_id
+        if message.hello and _same(worker.ready, message):
+            # The answer to a Hello from the process this router knows: everything this router
+            # sent it came after the Hello, so nothing was lost (no new epoch), and a switch in
+            # progress goes on.
+            if not worker.switching_to:
+                worker.ready = message
+        elif worker.switching_to and worker.ready:
+            # The same process (a restart would have been lost first), done switching: its
+            # requests were drained, its prefix cache stays, so no new epoch.
+            log.info("worker %s switched to %s", worker_id, message.role)
+            worker.ready, worker.switching_to = message, None
+        else:
+            if message.role != worker.endpoint.role:
+                log.warning(
+                    "worker %s announced role %s, configured as %s; using %s",
+                    worker_id, message.role, worker.endpoint.role, message.role,
+                )  # fmt: skip
+            worker.ready, worker.stats = message, None
+            worker.cached_hashes.clear()
+            worker.epoch += 1
+            worker.sent_prefill_tokens = worker.active_requests = 0
+            log.info("worker %s ready: %s", worker_id, message)
 
     def is_healthy(self, worker_id: str, epoch: int | None = None) -> bool:
         """Ready, heard from within the heartbeat timeout, and (if given) not restarted."""
