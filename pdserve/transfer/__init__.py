@@ -18,7 +18,9 @@ if TYPE_CHECKING:  # torch-free at run time
     from pdserve.transfer.receiver import SocketKVReceiver
     from pdserve.transfer.sender import SocketKVSender
 
-BACKENDS = ("auto", "shm", "tcp")
+# mooncake: Mooncake's Transfer Engine moves the bytes (an optional package); auto never
+# picks it.
+BACKENDS = ("auto", "shm", "tcp", "mooncake")
 # layerwise: one send per layer as the prefill computes it (transfer overlaps compute);
 # full: one send of every layer after the prefill's last chunk.
 TRANSFER_MODES = ("layerwise", "full")
@@ -60,10 +62,17 @@ def make_receiver(
     backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any
 ) -> SocketKVReceiver:
     """A receiver offering ``backend``; ``opts`` go to ``SocketKVReceiver`` (host, port,
-    pool_bytes, buffer_bytes, shm_name). With shm the receiver unlinks the segment on close."""
+    pool_bytes, buffer_bytes, shm_name). With shm the receiver unlinks the segment on close;
+    with mooncake it starts an engine on ``host`` (MooncakeUnavailable without the library)."""
     _check(backend)
     from pdserve.transfer.receiver import SocketKVReceiver
     from pdserve.transfer.shm import shared_kv_name
+
+    if backend == "mooncake":
+        from pdserve.transfer.mooncake import MooncakeTarget
+
+        target = MooncakeTarget(kv, layout, opts.get("host", "127.0.0.1"))
+        return SocketKVReceiver(kv, layout, secret, backends=("mooncake",), mooncake=target, **opts)
 
     shm_name = opts.pop("shm_name", None)
     if backend in ("auto", "shm") and shm_name is None:
@@ -83,8 +92,13 @@ def make_sender(
     backend: str, kv: Any, layout: KVLayout, secret: bytes, **opts: Any
 ) -> SocketKVSender:
     """A sender using ``backend``; ``opts`` go to ``SocketKVSender`` (bandwidth_bps,
-    pool_bytes, buffer_bytes, checksum, stage, make_writer)."""
+    pool_bytes, buffer_bytes, checksum, stage, make_writer). With mooncake, the library must
+    load (MooncakeUnavailable, a ValueError, says why not)."""
     _check(backend)
+    from pdserve.transfer.mooncake import MooncakeUnavailable, unavailable
     from pdserve.transfer.sender import SocketKVSender
+
+    if backend == "mooncake" and (why := unavailable()):
+        raise MooncakeUnavailable(why)
 
     return SocketKVSender(kv, layout, secret, backend=backend, **opts)

@@ -40,10 +40,12 @@ class PeerInfo:
     shm_name: str | None
     max_frame_bytes: int
     layout: KVLayout  # the receiver's (its pool size may differ from ours)
+    mooncake: dict[str, Any] | None = None  # the receiver's engine, when the backend is mooncake
 
 
 def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo:
-    """Check a receiver address against our layout and backend; pick shm or tcp."""
+    """Check a receiver address against our layout and backend; pick shm or tcp (mooncake
+    only when asked: ``auto`` never picks it)."""
     if not isinstance(peer, dict):
         raise ValueError(f"peer must be a receiver address dict, got {type(peer).__name__}")
     missing = [k for k in ("backends", "host", "port", "layout") if k not in peer]
@@ -60,17 +62,20 @@ def parse_peer(peer: dict[str, Any], layout: KVLayout, backend: str) -> PeerInfo
         if "shm" in backends and same_host:
             why = "does not share this process's /dev/shm"
         raise ValueError(f"backend 'shm' requested but the receiver {why}")
-    if backend == "tcp" and "tcp" not in backends:
-        raise ValueError(f"backend 'tcp' requested but the receiver offers only {backends}")
+    if backend in ("tcp", "mooncake") and backend not in backends:
+        raise ValueError(f"backend {backend!r} requested but the receiver offers only {backends}")
+    if backend == "mooncake" and not isinstance(peer.get("mooncake"), dict):
+        raise ValueError("backend 'mooncake' requested but the receiver's address has no engine")
     if backend == "auto" and not shm_ok and "tcp" not in backends:
         raise ValueError(f"no common backend: receiver offers {backends} on another host")
     return PeerInfo(
         key=(str(peer["host"]), int(peer["port"])),
         backends=backends,
-        use_shm=shm_ok and backend != "tcp",
+        use_shm=shm_ok and backend in ("auto", "shm"),
         shm_name=peer.get("shm_name"),
         max_frame_bytes=int(peer.get("max_frame_bytes") or layout.block_bytes),
         layout=peer_layout,
+        mooncake=peer.get("mooncake") if backend == "mooncake" else None,
     )
 
 
@@ -218,6 +223,9 @@ class WriteContext:
     checksum: bool | None  # crc32 per write; None: the backend's default
     stopped: Callable[[str], bool]  # the request ended (failed, aborted) or the sender closes
     account: Callable[[str, int, int, int], None]  # (request_id, writes, frames, nbytes)
+    # The receiver's engine as a mooncake.MooncakePeer (backend mooncake), else None; typed
+    # loosely because mooncake.py builds its writer on this module.
+    mooncake: Any = None
 
 
 class BlockWriter(ABC):

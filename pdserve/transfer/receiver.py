@@ -1,8 +1,10 @@
-"""The decode-side receiver: one authenticated TCP server for the tcp and shm backends.
+"""The decode-side receiver: one authenticated TCP server for the tcp, shm and mooncake
+backends.
 
 tcp payloads are checked (reservation, size, checksum) in a staging buffer and only then
-copied into KV memory, so a rejected frame never touches it. shm senders get a *lease* (the
-reserved block ids) before writing and send ``data`` notices with ``written=True`` after,
+copied into KV memory, so a rejected frame never touches it. shm and mooncake senders get a
+*lease* (the reserved block ids; for mooncake, their ranges registered with the engine for
+the lease's life) before writing and send ``data`` notices with ``written=True`` after,
 which are re-validated.
 
 Fencing: a lease ends only on proof that its writer can no longer write: its ``lease_end``
@@ -26,6 +28,7 @@ from pdserve.transfer import wire
 from pdserve.transfer.base import Finished, TransferStatus
 from pdserve.transfer.layout import KVLayout, block_bytes_view, check_kv_tensor
 from pdserve.transfer.limits import DEFAULT_BUFFER_BYTES, DEFAULT_POOL_BYTES, BufferPool
+from pdserve.transfer.mooncake import MooncakeTarget
 from pdserve.transfer.reservations import Reservation, ReservationTable
 from pdserve.transfer.shm import segment_identity, unlink_shared_kv
 from pdserve.transfer.wire import Conn, FrameServer
@@ -59,13 +62,16 @@ class SocketKVReceiver:
         shm_name: str | None = None,
         pool_bytes: int = DEFAULT_POOL_BYTES,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        mooncake: MooncakeTarget | None = None,
     ) -> None:
-        """With shm, ``close`` unlinks the segment ``shm_name``."""
+        """With shm, ``close`` unlinks the segment ``shm_name``; with mooncake, senders write
+        through ``mooncake`` under leases, as shm senders do."""
         check_kv_tensor(kv, layout)
         if "shm" in backends and shm_name is None:
             raise ValueError("the shm backend needs the receiver's kv in shared memory")
         self.kv, self.layout, self._secret = kv, layout, wire.check_secret(secret)
-        self.backends, self.shm_name = tuple(backends), shm_name
+        self.backends, self.shm_name, self.mooncake = tuple(backends), shm_name, mooncake
+        self._one_sided = bool({"shm", "mooncake"} & set(backends))  # writers under leases
         self._shm_file = segment_identity(shm_name) if shm_name else None
         self.pool = BufferPool(pool_bytes, buffer_bytes, layout.block_bytes)
         self.table = ReservationTable(layout)
@@ -92,6 +98,7 @@ class SocketKVReceiver:
             "layout": self.layout.to_dict(),
             "host_id": wire.host_identity(),
             "max_frame_bytes": self.pool.buffer_bytes,
+            "mooncake": self.mooncake.address() if self.mooncake else None,
         }
 
     def expect(self, request_id: str, block_ids: list[int]) -> None:
@@ -175,6 +182,8 @@ class SocketKVReceiver:
             conn.close_pidfd()
         if self.shm_name is not None:
             unlink_shared_kv(self.shm_name)
+        if self.mooncake is not None:
+            self.mooncake.close()
 
     # -- connections -----------------------------------------------------------------------
 
@@ -195,7 +204,7 @@ class SocketKVReceiver:
             conn.reply({"type": wire.HELLO_OK, "error": error})
             raise wire.ProtocolError("sender layout differs from the receiver's")
         conn.hello_done = True
-        if "shm" in self.backends:
+        if self._one_sided:
             conn.pidfd = wire.open_process(header.get("process"))
         conn.reply({"type": wire.HELLO_OK})
 
@@ -334,7 +343,7 @@ class SocketKVReceiver:
     # -- shm leases ------------------------------------------------------------------------
 
     def _check_written(self, conn: Conn, request_id: str, nbytes: int) -> str | None:
-        if "shm" not in self.backends:
+        if not self._one_sided:
             return "shm write notice, but this receiver does not offer shm"
         if nbytes != 0:
             return f"shm write notice with nbytes={nbytes} (must be 0)"
@@ -348,7 +357,7 @@ class SocketKVReceiver:
         req, error = self.table.get(request_id), None
         if req is None or not req.live:
             error = f"no live reservation for request {request_id!r}; lease refused"
-        if "shm" not in self.backends:
+        if not self._one_sided:
             error = "this receiver does not offer shm"
         if not isinstance(writes, list) or not writes:
             raise wire.ProtocolError("lease field 'writes' must be a non-empty list")
@@ -362,12 +371,16 @@ class SocketKVReceiver:
         if error is None:
             assert req is not None
             with req.cond:  # atomic with release(): either it waits for us or we see it
-                if req.live:
+                if req.live and self.mooncake is not None:
+                    error = self.mooncake.open(req, writes)
+                    if error is not None and req.active_leases == 0:
+                        self.mooncake.end(req)
+                if req.live and error is None:
                     req.active_leases += 1
                     req.holders.add(conn)
                     conn.leases[req] = conn.leases.get(req, 0) + 1
                     conn.touched.add(request_id)
-                else:
+                elif error is None:
                     error = f"request {request_id!r} released or finished; lease refused"
         if error is not None:
             self._reject(conn, request_id, req, error)
@@ -378,4 +391,6 @@ class SocketKVReceiver:
     def _end_lease(self, req: Reservation, num_leases: int) -> None:
         with req.cond:
             req.active_leases -= num_leases
+            if req.active_leases == 0 and self.mooncake is not None:
+                self.mooncake.end(req)  # its ranges are no longer writable from the network
             req.cond.notify_all()

@@ -30,7 +30,7 @@ from pdserve.transfer.limits import (
     TokenBucket,
     parse_bandwidth,
 )
-from pdserve.transfer.mooncake import MooncakeWriter, SenderEngine
+from pdserve.transfer.mooncake import MooncakeWriter, mooncake_peer
 from pdserve.transfer.peer import (
     BlockWriter,
     PeerConnection,
@@ -129,7 +129,6 @@ class SocketKVSender:
         self._ended: OrderedDict[str, SendState] = OrderedDict()
         self._finished: list[Finished] = []
         self._peers: dict[tuple[str, int], _PeerWorker] = {}
-        self.mooncake = SenderEngine()  # started for the first mooncake receiver
         # shm_fallbacks: receivers offered shm whose segment could not be mapped, so tcp
         # carries their KV (the router shows them as pdserve_kv_transfer_fallbacks_total).
         self._totals = {"num_writes": 0, "num_frames": 0, "bytes_sent": 0, "shm_fallbacks": 0}
@@ -348,7 +347,7 @@ class _PeerWorker:
             kv=s.kv, layout=s.layout, conn=self.conn, remote_kv=remote_kv,
             max_frame_bytes=info.max_frame_bytes, chunk_bytes=s.chunk_bytes, bucket=s.bucket,
             staging=s.pool, checksum=s.checksum, stopped=s.stopped, account=s.account,
-            mooncake=s.mooncake.peer(self.conn, info) if info.mooncake is not None else None,
+            mooncake=mooncake_peer(self.conn, info) if info.mooncake is not None else None,
         ))  # fmt: skip
         return self.conn, self.writer
 

@@ -49,7 +49,8 @@ class Worker:
         # A decode worker's KV pool lives in shared memory when shm may be used, so a
         # prefill worker on the same host writes into it directly. An adaptive worker may
         # become a decode worker, and prefills and decodes whatever its role.
-        shm = (spec.role == "decode" or spec.adaptive) and spec.kv_transfer.backend != "tcp"
+        backend = spec.kv_transfer.backend
+        shm = (spec.role == "decode" or spec.adaptive) and backend in ("auto", "shm")
         kernels = "collocated" if spec.adaptive else spec.role
         self.engine = Engine(spec.engine, kernels=kernels, allocate_kv=shared_kv if shm else None)
         self.cores = Cores(spec.cpus or os.sched_getaffinity(0))

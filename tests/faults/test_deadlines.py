@@ -20,6 +20,8 @@ NUM_BLOCKS = 16
 class FakeSender:
     """Never hears an ack; `abort` ends the request FAILED at the next poll."""
 
+    backend = "tcp"
+
     def __init__(self) -> None:
         self.aborted: list[str] = []
         self.finished: list[tuple[str, TransferStatus, str | None]] = []

@@ -11,6 +11,7 @@ import torch
 from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.layout import KVLayout
+from pdserve.transfer.mooncake import unavailable
 from pdserve.transfer.shm import create_shared_kv, unlink_shared_kv
 
 torch.set_num_threads(1)
@@ -70,7 +71,11 @@ class Pair:
         assert torch.equal(self.rx_kv, expected)
 
 
-@pytest.fixture(params=["tcp", "shm"])
+MOONCAKE_MISSING = unavailable()  # the library's own reason, when it cannot load
+needs_mooncake = pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING)
+
+
+@pytest.fixture(params=["tcp", "shm", pytest.param("mooncake", marks=needs_mooncake)])
 def pair(request) -> Iterator[Pair]:
     p = Pair(request.param)
     yield p

@@ -24,6 +24,7 @@ from tests.transfer.conftest import (
     SECRET,
     Pair,
     assert_status,
+    needs_mooncake,
     random_kv,
     wait_finished,
 )
@@ -33,9 +34,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BIG = KVLayout(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=16)
 ALL = list(range(BIG.num_layers))
 IDS = list(range(BIG.num_blocks))
+BACKENDS = ["tcp", "shm", pytest.param("mooncake", marks=needs_mooncake)]
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bandwidth_cap_lower_bound(backend: str) -> None:
     rate_bps = 64e6  # 8 MB/s: 2 MiB takes >= ~0.25 s; the burst allowance is excluded
     p = Pair(backend, BIG, tx_opts={"bandwidth_bps": rate_bps})
@@ -53,7 +55,7 @@ def test_bandwidth_cap_lower_bound(backend: str) -> None:
         p.close()
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_layer_sent_after_idle_is_still_paced(backend: str) -> None:
     """Layer-wise sends idle between layers while the next one computes; the burst the
     bucket refills to meanwhile must stay well under one layer (512 KiB here), or the

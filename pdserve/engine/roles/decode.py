@@ -160,7 +160,10 @@ class DecodeRole(Role):
                 waiting.request.stamps["kv_landed"] = time.time()
                 self._activate_if_ready(waiting)
             else:
-                self.transfer_failures["receive_failed"] += 1
+                reason = "receive_failed"
+                if "mooncake" in self.receiver.backends:  # the optional library's own count
+                    reason = f"mooncake_{reason}"
+                self.transfer_failures[reason] += 1
                 self._drop(request_id)
                 failed.append((request_id, error or "KV transfer failed"))
         return failed

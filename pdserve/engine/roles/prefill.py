@@ -226,7 +226,10 @@ class PrefillRole(Role):
             if not ok:
                 if error != "aborted":  # "aborted" alone: the router's Abort, not a failure
                     timed_out = handoff is not None and handoff.error is not None
-                    self.transfer_failures["send_timeout" if timed_out else "send_failed"] += 1
+                    reason = "send_timeout" if timed_out else "send_failed"
+                    if self.sender.backend == "mooncake":  # the optional library's own count
+                        reason = f"mooncake_{reason}"
+                    self.transfer_failures[reason] += 1
                 self.scheduler.finish_request(request_id, FinishReason.ABORT)  # if running
                 failed.append((request_id, error or "KV transfer failed"))
         return failed

@@ -7,6 +7,8 @@ from pdserve.transfer.base import TransferStatus
 
 
 class FakeReceiver:
+    backends = ("tcp",)
+
     def __init__(self) -> None:
         self.expected: dict[str, list[int]] = {}
         self.released: list[str] = []

@@ -19,6 +19,8 @@ SCORES = [0.0, 1.0, 7.0, 2.0, 3.0, 0.5, 0.5, 0.5]  # block 2 is the best droppab
 
 
 class FakeSender:
+    backend = "tcp"
+
     def __init__(self) -> None:
         self.sends: list[tuple[list[int], list[int], list[int], bool]] = []
         self.metas: dict[str, dict] = {}
