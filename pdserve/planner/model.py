@@ -184,9 +184,9 @@ class OnlineCostModel:
                 "bandwidth_bytes_per_s": self.transfer.bandwidth_bytes_per_s,
                 "latency_s": self.transfer.latency_s,
                 "num_samples": len(self._transfer_samples)},
-            "link": None if self.link is None else {
-                "bandwidth_bytes_per_s": self.link.bandwidth_bytes_per_s,
-                "latency_s": self.link.latency_s,
+            "link": {  # None: no profile, and the sends measured so far are too few
+                "bandwidth_bytes_per_s": self.link and self.link.bandwidth_bytes_per_s,
+                "latency_s": self.link and self.link.latency_s,
                 "num_samples": len(self._link_samples)},
         }  # fmt: skip
 

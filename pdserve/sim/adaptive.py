@@ -2,7 +2,9 @@
 worker (`collocated_size`), driven by the adaptive planner's own parts (pdserve/planner,
 docs/adaptive.md): `decide()` places each request, `plan_counts()` and `CoreGroups` move
 the cores, and the planner's cost model, seeded from the profile, prices both — the same
-calls the router's `Planner` makes.
+calls the router's `Planner` makes. Its link is the one the simulated transfers cross (the
+profile's figures for `SimConfig.transfer_backend`), so a slow link makes remote rarer here
+as in the router, where the prefill workers' sends measure it.
 
 Modelled: a SetCores applies at the worker's next step boundary (a worker mid-step finishes
 the step first) and is acknowledged at once; a parked worker runs no step; a thread count
@@ -56,6 +58,7 @@ class AdaptiveSimulation(Simulation):
         super().__init__(profile, deployment, config)
         self.adaptive = adaptive or AdaptiveConfig(enabled=True)
         self.model = OnlineCostModel(self.adaptive.min_samples, profile)
+        self.model.link = self.transfer  # the link the flights cross (`transfer_backend`)
         slos_ms = (self.adaptive.slo_ttft_ms, self.adaptive.slo_itl_ms)
         self._slo_ttft_s, self._slo_itl_s = (ms / 1000 if ms else None for ms in slos_ms)
         self.pool = tuple(range(deployment.collocated_size))

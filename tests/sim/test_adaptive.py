@@ -4,6 +4,8 @@ running decodes with a tight ITL go remote and keep the decodes' inter-token lat
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.bench.arrivals import ArrivalSpec
@@ -98,3 +100,22 @@ def test_with_no_targets_running_streams_are_not_frozen_past_the_derived_stall_b
     protected = sim.decisions[("remote", "stall_budget")] + sim.decisions[("local", "slo_chunk")]
     assert protected == 3, sim.decisions
     assert all(r.output_len for r in adaptive.values()) and len(adaptive) == len(work)
+
+
+def test_a_slow_link_keeps_the_long_prompts_local():
+    """The long prompts that go remote over a 512 MB/s link (the test above) stay local over
+    a 5 MB/s one: 1,024 tokens of KV take longer on the wire than the ITL target allows, and
+    the simulated transfers cross the link the planner priced (`transfer_backend`)."""
+    decodes = [(0.001 * i, 32, 400) for i in range(8)]
+    work = sessions(*decodes, *[(0.6 + 0.15 * i, 1024, 8) for i in range(6)])
+    slo = AdaptiveConfig(enabled=True, slo_itl_ms=20.0)
+    deployment = Deployment.parse("adaptive", collocated_size=POOL)
+    links = {"fast": TransferModel(512e6, 1e-4), "slow": TransferModel(5e6, 1e-4)}
+    remote = {}
+    for backend in links:
+        profile = dataclasses.replace(CPU, transfer=links)
+        config = dataclasses.replace(CONFIG, transfer_backend=backend)
+        sim = AdaptiveSimulation(profile, deployment, config, slo)
+        assert len(sim.run(work, ArrivalSpec("trace")).records) == len(work)
+        remote[backend] = sum(n for (kind, _), n in sim.decisions.items() if kind == "remote")
+    assert remote["fast"] >= 3 and remote["slow"] == 0, remote
