@@ -3,24 +3,39 @@ against the link's rate: one prefill-side sender and one decode-side receiver, e
 own namespace, the tcp backend (the hosts share no /dev/shm), one whole prompt's KV per send.
 
     sudo .venv/bin/python benchmarks/netns_link_rate.py --rates none,10gbit,1gbit
+    sudo .venv/bin/python benchmarks/netns_link_rate.py --rates 25gbit,10gbit,1gbit --served
 
 The default layout is SmolLM2-135M's fp32 KV for 2,048 tokens (30 layers, 3 KV heads of 64:
 90 MiB). Prints, per rate, the median seconds from `send` to the receiver's acknowledgement
-over `--repeats` sends and the KV rate achieved. Needs root and iproute2.
+over `--repeats` sends and the KV rate achieved. With `--served`, also the real thing: a
+prefill and a decode worker of the default model (pdserve/cluster) in the same two
+namespaces, `--repeats` prompts of `--tokens` each, and per rate the median of the exposed
+transfer (the TTFT breakdown's `transfer`: the prefill's last layer to the KV landing on the
+decode worker) and the fraction of the link's transfer time hidden behind the prefill:
+1 - exposed / (the request's KV bytes at the rate the bare sender achieved). The link has no
+delay: this kernel has no sch_netem (see pdserve/testing/netns.py). Needs root and iproute2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.testing.netns import Hosts, Link, available  # noqa: E402
+from pdserve.cluster.config import Pipeline, WorkerGroup  # noqa: E402
+from pdserve.cluster.launcher import Cluster, Placement, free_port  # noqa: E402
+from pdserve.testing.netns import Hosts, Link, available, bits_per_s  # noqa: E402
+
+PREFILL, DECODE = "prefill-0", "decode-0"  # the cluster's worker names, and the hosts'
+SENT = r'pdserve_kv_transfer_bytes_total\{direction="sent",worker="prefill-0"\} (\S+)'
 
 SECRET = "b'k' * 32"
 RECEIVE = """
@@ -60,13 +75,13 @@ def measure(hosts: Hosts, rate: str, layout: dict, repeats: int) -> list[float]:
     spec = json.dumps(layout)
     receive = RECEIVE.format(secret=SECRET)
     receiver = subprocess.Popen(
-        [*hosts.prefix_of("decode"), sys.executable, "-c", receive, hosts.ip("decode"), spec,
+        [*hosts.prefix_of(DECODE), sys.executable, "-c", receive, hosts.ip(DECODE), spec,
          str(repeats)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
     try:
         peer = receiver.stdout.readline()
         sent = subprocess.run(
-            [*hosts.prefix_of("prefill"), sys.executable, "-c", SEND.format(secret=SECRET), peer,
+            [*hosts.prefix_of(PREFILL), sys.executable, "-c", SEND.format(secret=SECRET), peer,
              spec, str(repeats)], capture_output=True, text=True, cwd=ROOT, timeout=300,
         )  # fmt: skip
         if sent.returncode:
@@ -77,11 +92,41 @@ def measure(hosts: Hosts, rate: str, layout: dict, repeats: int) -> list[float]:
         receiver.wait()
 
 
+def post(url: str, body: dict) -> dict:
+    headers = {"Content-Type": "application/json", "X-PDServe-Timing": "1"}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return json.loads(resp.read())
+
+
+def kv_bytes_sent(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        found = re.search(SENT, resp.read().decode(), re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def served(url: str, model: str, tokens: int, repeats: int, rng: random.Random) -> dict:
+    """`repeats` distinct prompts of `tokens` (no prefix hit), one at a time: the medians of
+    their prefill and exposed transfer, and the KV bytes each sent."""
+    parts, before = [], kv_bytes_sent(url)
+    for _ in range(repeats):
+        prompt = [rng.randrange(200, 20000) for _ in range(tokens)]
+        body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        parts.append(post(url, body)["pdserve_timing"]["ttft_parts_s"])
+    num_bytes = (kv_bytes_sent(url) - before) / repeats  # the stats lag a heartbeat at most
+    median = {k: sorted(p[k] for p in parts)[repeats // 2] for k in ("prefill", "transfer")}
+    return {"num_bytes": num_bytes, **median}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="none,10gbit,1gbit", help="none: unshaped")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--served", action="store_true", help="also through a 1P1D cluster")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1, help="each worker's (--served)")
     args = parser.parse_args()
     if why := available():
         print(f"netns_link_rate: {why}", file=sys.stderr)
@@ -90,7 +135,7 @@ def main() -> int:
               "num_kv_heads": 3, "head_dim": 64}  # fmt: skip
     num_bytes = 30 * args.tokens * 3 * 64 * 2 * 4
     rows = []
-    with Hosts(["prefill", "decode"], prefix="pdlr") as hosts:
+    with Hosts([PREFILL, DECODE], prefix="pdlr") as hosts:
         for rate in args.rates.split(","):
             seconds = sorted(measure(hosts, rate, layout, args.repeats))
             median_s = seconds[len(seconds) // 2]
@@ -98,8 +143,36 @@ def main() -> int:
                          "median_ms": round(median_s * 1000, 1),
                          "kv_gbit_s": round(num_bytes * 8 / median_s / 1e9, 2),
                          "all_ms": [round(s * 1000, 1) for s in seconds]})  # fmt: skip
+            if rate != "none":
+                rows[-1]["of_link"] = round(rows[-1]["kv_gbit_s"] * 1e9 / bits_per_s(rate), 2)
             print(json.dumps(rows[-1]), flush=True)
+        if args.served:
+            served_rows(hosts, rows, args)
     return 0
+
+
+def served_rows(hosts: Hosts, rows: list[dict], args: argparse.Namespace) -> None:
+    """The same rates through a prefill and a decode worker in the two namespaces (the first
+    prompt of each rate warms the link up and is left out)."""
+    one = WorkerGroup(kv_cache_bytes=256 * 2**20, threads=args.threads)
+    pipeline = Pipeline(model=args.model, port=free_port(), prefill=one, decode=one)
+    placed = {"router": Placement(hosts.gateway)}
+    placed |= {n: Placement(hosts.ip(n), tuple(hosts.prefix_of(n))) for n in hosts.names}
+    rng = random.Random(0)
+    with Cluster(pipeline, "WARNING", placements=placed) as url:
+        for row in rows:
+            link = Link(rate=None if row["rate"] == "none" else row["rate"])
+            for name in hosts.names:
+                hosts.shape(name, link)
+            served(url, args.model, args.tokens, 1, rng)
+            got = served(url, args.model, args.tokens, args.repeats, rng)
+            wire_s = got["num_bytes"] * 8 / (row["kv_gbit_s"] * 1e9)
+            out = {"rate": row["rate"], "served_kv_mib": round(got["num_bytes"] / 2**20, 1),
+                   "prefill_ms": round(got["prefill"] * 1000, 1),
+                   "wire_ms": round(wire_s * 1000, 1),
+                   "exposed_ms": round(got["transfer"] * 1000, 1),
+                   "hidden": round(max(0.0, 1 - got["transfer"] / wire_s), 3)}  # fmt: skip
+            print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
