@@ -278,6 +278,7 @@ class Stats:
     num_total_blocks: int
     num_queued_prefill_tokens: int
     kv_bytes_sent: int = 0
+    kv_send_s: float = 0.0  # the seconds a prefill worker's sender spent writing them
     kv_bytes_received: int = 0
     kv_blocks_skipped: int = 0  # decode: prompt blocks found in its own cache, never sent
     # Cumulative prefix-cache counts (engine/cache_stats.py): tier ("L1".."L4") -> lookups,

@@ -232,6 +232,9 @@ class Planner:
         now = self.clock()
         if now - self._last_refit >= self.config.interval_s:
             self._last_refit = now
+            for w in self.plane.workers.values():  # the link, as the prefill workers' sends see it
+                if w.stats is not None and w.stats.kv_send_s > 0:
+                    self.model.observe_link(w.worker_id, w.stats.kv_bytes_sent, w.stats.kv_send_s)
             self.model.refit()
         for groups in {id(g): g for g in self.groups.values()}.values():
             ids = list(groups.current)

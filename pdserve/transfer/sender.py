@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,6 +133,9 @@ class SocketKVSender:
         # shm_fallbacks: receivers offered shm whose segment could not be mapped, so tcp
         # carries their KV (the router shows them as pdserve_kv_transfer_fallbacks_total).
         self._totals = {"num_writes": 0, "num_frames": 0, "bytes_sent": 0, "shm_fallbacks": 0}
+        # send_s: seconds the peer threads spent writing (blocked on the link when it is the
+        # bottleneck): bytes_sent / send_s is the rate the link gave (the planner's link).
+        self._totals["send_s"] = 0.0
         self.closing = False
 
     # -- public API ------------------------------------------------------------------------
@@ -212,8 +216,9 @@ class SocketKVSender:
 
     def stats(self) -> dict[str, Any]:
         """Counters: ``num_writes`` (coalesced runs x layers), ``num_frames``,
-        ``bytes_sent``, ``shm_fallbacks`` (connections that fell back to tcp), and
-        ``requests`` mapping recent request ids to their own counts."""
+        ``bytes_sent``, ``shm_fallbacks`` (connections that fell back to tcp), ``send_s``
+        (seconds spent writing), and ``requests`` mapping recent request ids to their own
+        counts."""
         with self._lock:
             states = list(self._ended.values()) + list(self._requests.values())
             requests = {s.request_id: s.counts() for s in states}
@@ -362,9 +367,12 @@ class _PeerWorker:
                 if not self.sender.stopped(state.request_id):
                     conn, writer = self._connected()
                     self.sender.job_started(state, conn)
+                    start = time.perf_counter()
                     writer.write(state.request_id, job.layers, job.runs)
                     if job.last and not self.sender.stopped(state.request_id):
                         writer.finish(state.request_id, state.num_frames, job.meta)
+                    with self.sender._lock:
+                        self.sender._totals["send_s"] += time.perf_counter() - start
             except (TransferError, OSError) as e:
                 self.sender.fail(state, str(e) or type(e).__name__)
             except Exception as e:

@@ -205,3 +205,18 @@ def test_without_adaptive_nothing_changes(tokenizer_dir, script, caplog):
         assert [k for _, k, _ in c.events] == ["Reserve", "Prefill", "StartDecode"]
         assert "planner" not in requests.get(f"{c.url}/v1/status", timeout=10).json()
     assert "unexpected" not in caplog.text
+
+
+def test_the_prefill_workers_send_seconds_reach_the_planners_link(tokenizer_dir, script):
+    """Each interval the planner takes a prefill worker's KV bytes and send seconds (its
+    Stats) as a sample of the link; totals that did not move are no sample."""
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
+                 p0={"cache_stats": {"kv_send_s": 0.5}}) as c:  # fmt: skip
+
+        def link() -> dict:
+            status = requests.get(f"{c.url}/v1/status", timeout=10).json()
+            return status["planner"]["model"]["link"]
+
+        c.wait_until(lambda: link()["num_samples"] == 1)
+        time.sleep(0.2)  # four more intervals of the same totals
+        assert link() == {"bandwidth_bytes_per_s": None, "latency_s": None, "num_samples": 1}

@@ -1,12 +1,16 @@
-"""The sender's shm -> tcp fallback: a receiver that offers shm whose segment cannot be mapped
-still gets its KV (over tcp), and the fallback is counted, never silent."""
+"""The sender's own counts: the shm -> tcp fallback (a receiver that offers shm whose segment
+cannot be mapped still gets its KV, over tcp, and the fallback is counted, never silent), and
+the seconds spent writing, from which the planner takes the link's rate."""
 
 from __future__ import annotations
 
+import time
+
 from pdserve.transfer import make_receiver, make_sender, sender
 from pdserve.transfer.base import TransferStatus
+from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.shm import create_shared_kv, unlink_shared_kv
-from tests.transfer.conftest import LAYOUT, SECRET, random_kv, wait_finished
+from tests.transfer.conftest import LAYOUT, SECRET, Pair, random_kv, wait_finished
 
 
 def unmappable(name: str, layout: object) -> None:
@@ -51,3 +55,23 @@ def test_a_shm_only_sender_fails_instead_of_falling_back(monkeypatch) -> None:
         tx.close()
         rx.close()
         unlink_shared_kv(shm_name)
+
+
+def test_send_seconds_measure_the_rate_the_link_gave() -> None:
+    """A sender capped at 8 MB/s (its token bucket stands in for a slow link): 2 MiB sent in
+    four layer-wise sends, with idle gaps between them that must not count as link time."""
+    layout = KVLayout(num_layers=4, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=16)
+    p = Pair("tcp", layout, tx_opts={"bandwidth_bps": 64e6})
+    try:
+        ids = list(range(layout.num_blocks))
+        p.rx.expect("r", ids)
+        for layer in range(layout.num_layers):
+            time.sleep(0.2)  # the next layer computing
+            p.tx.send(p.peer, "r", [layer], ids, ids, last=layer == layout.num_layers - 1)
+        assert wait_finished(p.tx, ["r"])["r"][0] == TransferStatus.DONE
+        stats = p.tx.stats()
+        rate = stats["bytes_sent"] / stats["send_s"]
+        # the bucket's first burst comes at once: a little over the cap, never the idle rate
+        assert 7e6 < rate < 12e6, stats
+    finally:
+        p.close()

@@ -265,6 +265,7 @@ class PrefillRole(Role):
         num_shm_fallbacks = stats.get("shm_fallbacks", 0)  # other backends have no shm
         return {
             "kv_bytes_sent": stats["bytes_sent"],
+            "kv_send_s": stats.get("send_s", 0.0),
             "kv_transfer_failures": dict(self.transfer_failures),
             "kv_transfer_fallbacks": {"shm_to_tcp": num_shm_fallbacks} if num_shm_fallbacks else {},
         }

@@ -175,7 +175,8 @@ def test_an_engine_refuses_what_its_role_does_not_take_and_switches_only_when_id
 @pytest.mark.parametrize("num_fallbacks, expected", [(0, {}), (2, {"shm_to_tcp": 2})])
 def test_the_senders_shm_fallbacks_reach_the_stats_by_reason(num_fallbacks, expected) -> None:
     tx = FakeSender()
-    tx.stats = lambda: {"bytes_sent": 5, "shm_fallbacks": num_fallbacks}
+    tx.stats = lambda: {"bytes_sent": 5, "shm_fallbacks": num_fallbacks, "send_s": 0.5}
     kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="m")
     stats = prefill_role(tx, kv, "layerwise").transfer_stats()
     assert stats["kv_bytes_sent"] == 5 and stats["kv_transfer_fallbacks"] == expected
+    assert stats["kv_send_s"] == 0.5  # the link's rate, for the planner
