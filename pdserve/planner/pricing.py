@@ -164,7 +164,9 @@ def predict(
         return None
     if not unloaded > 0:  # a fit that prices a decode step at nothing cannot set a budget
         return None
-    transfer = model.transfer_s(local_tokens * s.kv_bytes_per_token)
+    # Layer-wise sends (the default mode) run during the remote prefill; in full mode the
+    # fit of exposed times, from the third transfer on, prices the rest.
+    transfer = model.transfer_s(local_tokens * s.kv_bytes_per_token, overlap_s=own_remote[0])
     collocated = queue_pool + on_pool[0]  # what one worker on every core would give it now
     switch_s = s.switch_s if s.prefill_parked else 0.0
     local = Candidate(LOCAL, queue_local + mixed[0], max(mixed[1], unloaded))

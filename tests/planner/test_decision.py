@@ -323,3 +323,20 @@ def test_one_scoring_rule_the_summed_relative_excess_over_the_budgets():
     chunked = Candidate(SLO_CHUNK, ttft_s=2.5, itl_s=0.01, chunk_tokens=64)  # TTFT 150% over
     assert min((meets, late, chunked), key=lambda c: c.excess(budgets)) is meets
     assert min((chunked, late), key=lambda c: c.excess(budgets)) is late
+
+
+@pytest.mark.parametrize(("bytes_per_s", "kind"), [(1e10, REMOTE), (1e7, LOCAL)])
+def test_the_measured_link_decides_whether_a_long_prompt_goes_remote(bytes_per_s, kind):
+    """The situation that goes remote for its ITL (the table) over a link its prefill hides
+    (37.7 MB of KV: 4 ms at 10 GB/s), stays local over 10 MB/s: 3.8 s on the wire, of which
+    the ~1 s remote prefill hides only that much, so the first decoded gap breaks the ITL."""
+    model = OnlineCostModel(min_samples=20)
+    for threads in (1, 2, 4, 8):
+        model.observe_steps("decode", rows(threads, 100, seed=threads))
+    model.observe_link("prefill-0", 64e6, 64e6 / bytes_per_s)  # what its sends measured
+    model.refit()
+    d = decide(case(), model, None, 0.02, fallback_prompt_tokens=256)
+    assert d.kind == kind, d.predictions
+    wire_s = 4096 * 9216.0 / bytes_per_s
+    remote_prefill_s = d.predictions["ttft_remote_s"]  # no queue, no core switch
+    assert d.predictions["transfer_s"] == pytest.approx(max(0.0, wire_s - remote_prefill_s))

@@ -104,13 +104,14 @@ def test_with_no_targets_running_streams_are_not_frozen_past_the_derived_stall_b
 
 def test_a_slow_link_keeps_the_long_prompts_local():
     """The long prompts that go remote over a 512 MB/s link (the test above) stay local over
-    a 5 MB/s one: 1,024 tokens of KV take longer on the wire than the ITL target allows, and
-    the simulated transfers cross the link the planner priced (`transfer_backend`)."""
+    a 0.5 MB/s one: 1,024 tokens of KV (0.5 MB) take 1 s on the wire, of which their ~0.2 s
+    prefill hides little, far over the ITL target; and the simulated transfers cross the link
+    the planner priced (`transfer_backend`)."""
     decodes = [(0.001 * i, 32, 400) for i in range(8)]
     work = sessions(*decodes, *[(0.6 + 0.15 * i, 1024, 8) for i in range(6)])
     slo = AdaptiveConfig(enabled=True, slo_itl_ms=20.0)
     deployment = Deployment.parse("adaptive", collocated_size=POOL)
-    links = {"fast": TransferModel(512e6, 1e-4), "slow": TransferModel(5e6, 1e-4)}
+    links = {"fast": TransferModel(512e6, 1e-4), "slow": TransferModel(0.5e6, 1e-4)}
     remote = {}
     for backend in links:
         profile = dataclasses.replace(CPU, transfer=links)
