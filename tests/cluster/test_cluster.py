@@ -17,6 +17,7 @@ import pytest
 from pdserve.cluster.config import WorkerGroup
 from pdserve.transfer import KVTransferConfig
 from tests.cluster.conftest import get_text, post, role, start
+from tests.transfer.conftest import needs_mooncake
 
 NUM_PROMPTS = 4
 
@@ -60,7 +61,7 @@ def reference(tiny_served_model):
         return complete_all(url, str(tiny_served_model))
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp"])
+@pytest.mark.parametrize("backend", ["shm", "tcp", pytest.param("mooncake", marks=needs_mooncake)])
 @pytest.mark.parametrize("mode", ["layerwise", "full"])
 def test_1p1d_equals_collocated(tiny_served_model, reference, backend, mode):
     model = str(tiny_served_model)

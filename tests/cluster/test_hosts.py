@@ -15,8 +15,10 @@ import requests
 from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, Placement, free_port
 from pdserve.testing.netns import Hosts, Link, available
+from pdserve.transfer import KVTransferConfig
 from tests.cluster.conftest import KV_BYTES, get_text, post, role
 from tests.cluster.test_cluster import kv_blocks
+from tests.transfer.conftest import needs_mooncake
 
 pytestmark = pytest.mark.skipif(bool(available()), reason=available() or "available")
 
@@ -36,8 +38,15 @@ def placements(hosts: Hosts) -> dict[str, Placement]:
     return placed
 
 
-def split_run(model: str, prefill: WorkerGroup, decode: WorkerGroup, capfd) -> list[str]:
-    pipeline = Pipeline(model=model, port=free_port(), prefill=prefill, decode=decode)
+BACKENDS = ["auto", pytest.param("mooncake", marks=needs_mooncake)]
+
+
+def split_run(
+    model: str, prefill: WorkerGroup, decode: WorkerGroup, capfd, backend: str = "auto"
+) -> list[str]:
+    store = KVTransferConfig(backend=backend)
+    pipeline = Pipeline(model=model, port=free_port(), prefill=prefill, decode=decode,
+                        kv_transfer=store)  # fmt: skip
     with Hosts(["prefill-0", "decode-0"], prefix="pdtc") as hosts:
         cluster = Cluster(pipeline, log_level="WARNING", placements=placements(hosts))
         with cluster as url:
@@ -52,21 +61,23 @@ def split_run(model: str, prefill: WorkerGroup, decode: WorkerGroup, capfd) -> l
     return texts
 
 
-def test_1p1d_on_two_hosts_equals_collocated(tiny_served_model, capfd):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_1p1d_on_two_hosts_equals_collocated(tiny_served_model, capfd, backend):
     model = str(tiny_served_model)
     with Cluster(Pipeline(model=model, port=free_port(), collocated=role()), "WARNING") as url:
         reference = complete_all(url, model)
     small = WorkerGroup(kv_cache_bytes=KV_BYTES, threads=1, long_prefill_token_threshold=24)
-    assert split_run(model, small, small, capfd) == reference
+    assert split_run(model, small, small, capfd, backend) == reference
 
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_1p1d_on_two_hosts_equals_collocated_on_the_default_model(capfd):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_1p1d_on_two_hosts_equals_collocated_on_the_default_model(capfd, backend):
     model, one = "smollm2-135m", WorkerGroup(kv_cache_bytes=64 * 2**20, threads=1)
     with Cluster(Pipeline(model=model, port=free_port(), collocated=one), "WARNING") as url:
         reference = complete_all(url, model)
-    assert split_run(model, one, one, capfd) == reference
+    assert split_run(model, one, one, capfd, backend) == reference
 
 
 # ---- link faults --------------------------------------------------------------------------
