@@ -1,8 +1,10 @@
 """KV bytes per second over a shaped link between two namespace hosts (pdserve/testing/netns.py),
 against the link's rate: one prefill-side sender and one decode-side receiver, each in its
-own namespace, the tcp backend (the hosts share no /dev/shm), one whole prompt's KV per send.
+own namespace, one whole prompt's KV per send, over each backend of `--transfer` (tcp by
+default: the hosts share no /dev/shm; mooncake: Mooncake's engine moves the bytes).
 
     sudo .venv/bin/python benchmarks/netns_link_rate.py --rates none,10gbit,1gbit
+    sudo .venv/bin/python benchmarks/netns_link_rate.py --rates 1gbit --transfer tcp,mooncake
     sudo .venv/bin/python benchmarks/netns_link_rate.py --rates 25gbit,10gbit,1gbit --served
 
 The default layout is SmolLM2-135M's fp32 KV for 2,048 tokens (30 layers, 3 KV heads of 64:
@@ -19,6 +21,7 @@ delay: this kernel has no sch_netem (see pdserve/testing/netns.py). Needs root a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import re
@@ -33,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from pdserve.cluster.config import Pipeline, WorkerGroup  # noqa: E402
 from pdserve.cluster.launcher import Cluster, Placement, free_port  # noqa: E402
 from pdserve.testing.netns import Hosts, Link, available, bits_per_s  # noqa: E402
+from pdserve.transfer import KVTransferConfig  # noqa: E402
 
 PREFILL, DECODE = "prefill-0", "decode-0"  # the cluster's worker names, and the hosts'
 SENT = r'pdserve_kv_transfer_bytes_total\{direction="sent",worker="prefill-0"\} (\S+)'
@@ -43,7 +47,7 @@ import json, sys, time, torch
 from pdserve.transfer import make_receiver
 from pdserve.transfer.layout import KVLayout
 layout = KVLayout(**json.loads(sys.argv[2]))
-rx = make_receiver("tcp", torch.zeros(layout.shape), layout, {secret}, host=sys.argv[1])
+rx = make_receiver(sys.argv[4], torch.zeros(layout.shape), layout, {secret}, host=sys.argv[1])
 for i in range(int(sys.argv[3])):
     rx.expect(f"r{{i}}", list(range(layout.num_blocks)))
 print(json.dumps(rx.address()), flush=True)
@@ -55,7 +59,7 @@ from pdserve.transfer import make_sender
 from pdserve.transfer.layout import KVLayout
 layout = KVLayout(**json.loads(sys.argv[2]))
 peer, seconds = json.loads(sys.argv[1]), []
-tx = make_sender("tcp", torch.randn(layout.shape), layout, {secret})
+tx = make_sender(sys.argv[4], torch.randn(layout.shape), layout, {secret})
 ids, layers = list(range(layout.num_blocks)), list(range(layout.num_layers))
 for i in range(int(sys.argv[3])):
     start = time.perf_counter()
@@ -68,7 +72,7 @@ print(json.dumps(seconds))
 """
 
 
-def measure(hosts: Hosts, rate: str, layout: dict, repeats: int) -> list[float]:
+def measure(hosts: Hosts, rate: str, layout: dict, repeats: int, backend: str) -> list[float]:
     link = Link(rate=None if rate == "none" else rate)
     for name in hosts.names:
         hosts.shape(name, link)
@@ -76,13 +80,13 @@ def measure(hosts: Hosts, rate: str, layout: dict, repeats: int) -> list[float]:
     receive = RECEIVE.format(secret=SECRET)
     receiver = subprocess.Popen(
         [*hosts.prefix_of(DECODE), sys.executable, "-c", receive, hosts.ip(DECODE), spec,
-         str(repeats)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+         str(repeats), backend], stdout=subprocess.PIPE, text=True, cwd=ROOT,
     )  # fmt: skip
     try:
         peer = receiver.stdout.readline()
         sent = subprocess.run(
             [*hosts.prefix_of(PREFILL), sys.executable, "-c", SEND.format(secret=SECRET), peer,
-             spec, str(repeats)], capture_output=True, text=True, cwd=ROOT, timeout=300,
+             spec, str(repeats), backend], capture_output=True, text=True, cwd=ROOT, timeout=300,
         )  # fmt: skip
         if sent.returncode:
             raise RuntimeError(sent.stderr[-2000:])
@@ -124,6 +128,7 @@ def main() -> int:
     parser.add_argument("--rates", default="none,10gbit,1gbit", help="none: unshaped")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--transfer", default="tcp", help="backends, e.g. tcp,mooncake")
     parser.add_argument("--served", action="store_true", help="also through a 1P1D cluster")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=1, help="each worker's (--served)")
@@ -136,10 +141,10 @@ def main() -> int:
     num_bytes = 30 * args.tokens * 3 * 64 * 2 * 4
     rows = []
     with Hosts([PREFILL, DECODE], prefix="pdlr") as hosts:
-        for rate in args.rates.split(","):
-            seconds = sorted(measure(hosts, rate, layout, args.repeats))
+        for rate, backend in itertools.product(args.rates.split(","), args.transfer.split(",")):
+            seconds = sorted(measure(hosts, rate, layout, args.repeats, backend))
             median_s = seconds[len(seconds) // 2]
-            rows.append({"rate": rate, "kv_mib": round(num_bytes / 2**20, 1),
+            rows.append({"rate": rate, "transfer": backend, "kv_mib": round(num_bytes / 2**20, 1),
                          "median_ms": round(median_s * 1000, 1),
                          "kv_gbit_s": round(num_bytes * 8 / median_s / 1e9, 2),
                          "all_ms": [round(s * 1000, 1) for s in seconds]})  # fmt: skip
@@ -154,8 +159,14 @@ def main() -> int:
 def served_rows(hosts: Hosts, rows: list[dict], args: argparse.Namespace) -> None:
     """The same rates through a prefill and a decode worker in the two namespaces (the first
     prompt of each rate warms the link up and is left out)."""
+    for backend in args.transfer.split(","):
+        served_backend(hosts, [r for r in rows if r["transfer"] == backend], args, backend)
+
+
+def served_backend(hosts: Hosts, rows: list[dict], args: argparse.Namespace, backend: str) -> None:
     one = WorkerGroup(kv_cache_bytes=256 * 2**20, threads=args.threads)
-    pipeline = Pipeline(model=args.model, port=free_port(), prefill=one, decode=one)
+    pipeline = Pipeline(model=args.model, port=free_port(), prefill=one, decode=one,
+                        kv_transfer=KVTransferConfig(backend=backend))  # fmt: skip
     placed = {"router": Placement(hosts.gateway)}
     placed |= {n: Placement(hosts.ip(n), tuple(hosts.prefix_of(n))) for n in hosts.names}
     rng = random.Random(0)
@@ -167,7 +178,8 @@ def served_rows(hosts: Hosts, rows: list[dict], args: argparse.Namespace) -> Non
             served(url, args.model, args.tokens, 1, rng)
             got = served(url, args.model, args.tokens, args.repeats, rng)
             wire_s = got["num_bytes"] * 8 / (row["kv_gbit_s"] * 1e9)
-            out = {"rate": row["rate"], "served_kv_mib": round(got["num_bytes"] / 2**20, 1),
+            out = {"rate": row["rate"], "transfer": backend,
+                   "served_kv_mib": round(got["num_bytes"] / 2**20, 1),
                    "prefill_ms": round(got["prefill"] * 1000, 1),
                    "wire_ms": round(wire_s * 1000, 1),
                    "exposed_ms": round(got["transfer"] * 1000, 1),
