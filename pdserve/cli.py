@@ -8,7 +8,7 @@ import sys
 
 from pdserve.bench.cli import add_bench_parser
 from pdserve.cluster.up import add_up_parser
-from pdserve.cluster.warmup import add_warmup_parser
+from pdserve.cluster.warmup_client import add_warmup_parser
 from pdserve.config import EngineConfig
 from pdserve.perf.cli import add_profile_parser
 from pdserve.router.status_cli import add_status_parser

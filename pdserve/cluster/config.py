@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve import envs
-from pdserve.cluster.warmup import WarmupError, check_prompt
+from pdserve.cluster.warmup_client import WarmupError, check_prompt
 from pdserve.config import DTYPES, CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from pdserve.kvstore.config import KVStoreConfig
 from pdserve.messages import ROLES

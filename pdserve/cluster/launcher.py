@@ -31,7 +31,13 @@ from pdserve import envs
 from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.memory_plan import check_memory
 from pdserve.cluster.supervisor import Process, RestartPolicy, Supervisor
-from pdserve.cluster.warmup import WarmupError, ordered, report_lines, send_warmup, warmup_body
+from pdserve.cluster.warmup_client import (
+    WarmupError,
+    ordered,
+    report_lines,
+    send_warmup,
+    warmup_body,
+)
 from pdserve.workers.spec import WorkerSpec
 
 log = logging.getLogger(__name__)

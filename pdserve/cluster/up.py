@@ -19,7 +19,7 @@ import urllib.request
 from pdserve import envs
 from pdserve.cluster.config import Pipeline, WorkerGroup, load_pipeline
 from pdserve.cluster.launcher import Cluster, ClusterError
-from pdserve.cluster.warmup import WarmupError, read_prompts
+from pdserve.cluster.warmup_client import WarmupError, read_prompts
 from pdserve.messages import ROLES
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.schema import add_flags, flag_values, from_dict, nest

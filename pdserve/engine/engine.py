@@ -19,7 +19,7 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.costmodel.step_cost import StepShape
-from pdserve.engine import warmup
+from pdserve.engine import pins
 from pdserve.engine.kv_budget import KVBudget
 from pdserve.engine.kv_offload import KVOffload
 from pdserve.engine.model_runner import ModelRunner
@@ -226,7 +226,7 @@ class Engine:
             raise ValueError(f"stall_budget_s must be > 0, not {stall_budget_s}")
         request = self._new_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
         if pin is not None:
-            warmup.check_pin(self.kv, self.role, prompt_token_ids, pin, cache_salt)
+            pins.check_pin(self.kv, self.role, prompt_token_ids, pin, cache_salt)
         request.num_prior_output_tokens, request.pin = num_prior_output_tokens, pin
         request.prefill_chunk_tokens = prefill_chunk_tokens
         request.stall_budget_s = stall_budget_s
@@ -236,7 +236,7 @@ class Engine:
     def unpin(self, prompt_token_ids: list[int], cache_salt: str = "") -> tuple[int, int]:
         """Release a prompt's pinned blocks, warmed in cache scope `cache_salt`, to the LRU
         queue: (tokens unpinned, tokens still cached)."""
-        return warmup.unpin(self.kv, prompt_token_ids, cache_salt)
+        return pins.unpin(self.kv, prompt_token_ids, cache_salt)
 
     def cache_stats(self) -> dict[str, Any]:
         """Cumulative prefix-cache counts per tier (engine/cache_stats.py), for metrics."""
@@ -377,7 +377,7 @@ class Engine:
             if request.prompt_logprobs is not None:  # the same
                 output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if request.pin is not None and request.is_finished:
-                warmed = warmup.finish_warmup(self.kv, request)
+                warmed = pins.finish_warmup(self.kv, request)
                 output.num_pinned_tokens, output.num_cached_tokens, output.error = warmed
             outputs.append(output)
         if any(r.kv_budget_tokens is not None for r, _ in out.scheduled):

@@ -80,7 +80,7 @@ def test_shared_warmups_are_hit_by_every_tenant(tiny_served_model):
 
 def test_warmup_prompts_no_tenant_could_hit_are_refused():
     from pdserve.cluster.config import Pipeline
-    from pdserve.cluster.warmup import warmup_body
+    from pdserve.cluster.warmup_client import warmup_body
 
     keyed = dict(model="m", collocated=role(), api_key="a,b", warmup_prompts=["system"])
     with pytest.raises(ValueError, match="warmup_shared"):
