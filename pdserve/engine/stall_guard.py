@@ -8,24 +8,28 @@ other work on the host slows every step it did not see (a 219-token prompt price
 on two threads ran as one 1.68 s step on one thread of a loaded host, a 1.68 s gap in every
 stream there). So the worker bounds the step itself: while a request with a stall budget
 prefills beside running decodes, the step's prefill tokens are capped at what this worker's
-latest steps say fits HEADROOM of the budget.
+latest steps say fits HEADROOM of the budget:
 
-    cap = (HEADROOM x budget - decode step) / seconds per prefill token
+    cap = (HEADROOM x budget - decode step) / (a prompt token's seconds
+                                               + DEVIATIONS x their mean deviation)
 
-both measured here, per thread count, on the last steps (an exponential average: the host's
-load moves within seconds). A thread count not seen yet is priced from the nearest one seen,
-scaled by threads (half the threads, twice the time); before any prefill was measured the
-cap is PROBE_TOKENS, a chunk small enough for any model this runs (its step then measures
-the rate). Torch-free: the scheduler calls it (tests state it with given step times).
+all measured here, per thread count, as TCP estimates a round trip and its variation (RFC
+6298): exponential averages follow a host whose load moves within seconds, and the
+deviation term shrinks the chunk where steps of one shape vary (a 57-token step beside 8
+decodes took 0.43-1.10 s on one thread of a two-core host at a load of 10). A thread count
+not run yet is priced from the nearest one run, scaled by threads (half the threads, twice
+the time); before any prefill was measured the cap is PROBE_TOKENS. Torch-free: the
+scheduler calls it (tests state it with given step times).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Of the budget, what a step's estimate may take: the estimate is the mean of the last
-# steps, and the next one varies around it (15-30% on a shared two-core host).
+# Of the budget, what a step's estimate may take: the rest is for a remote request's first
+# gap, which waits for the step in flight and then its own.
 HEADROOM = 0.75
+DEVIATIONS = 2.0  # mean deviations of a prompt token's time added to its mean
 # The first chunk beside decodes on a worker that never measured a prefill (its decodes all
 # came by KV transfer): small, so the step that measures the rate stalls them little.
 PROBE_TOKENS = 32
@@ -35,13 +39,14 @@ PROBE_TOKENS = 32
 MIN_CHUNK_TOKENS = 16
 # A step with fewer prefill tokens says little about the per-token rate (fixed costs).
 MIN_MEASURED_TOKENS = 16
-SMOOTHING = 0.5  # weight of the newest step in the averages
+SMOOTHING = 0.25  # weight of the newest step in the averages (RFC 6298: 1/8 and 1/4)
 
 
 @dataclass
 class _Rates:
     decode_s: float | None = None  # a step of decodes alone
     token_s: float | None = None  # one prefill token beside them (or alone)
+    token_dev_s: float | None = None  # its mean deviation
 
 
 class StallGuard:
@@ -67,6 +72,10 @@ class StallGuard:
         # charged to its tokens (an overestimate: the cap errs small).
         base = (self._scaled("decode_s", threads) or 0.0) if num_decodes else 0.0
         per_token = max(seconds - base, 0.0) / num_prefill_tokens
+        if rates.token_s is None:  # RFC 6298's first sample: half of it as the deviation
+            rates.token_s, rates.token_dev_s = per_token, per_token / 2
+            return
+        rates.token_dev_s = _average(rates.token_dev_s, abs(rates.token_s - per_token))
         rates.token_s = _average(rates.token_s, per_token)
 
     def cap(self, budget_s: float) -> int:
@@ -76,6 +85,7 @@ class StallGuard:
         token_s = self._scaled("token_s", self.threads)
         if token_s is None or token_s <= 0:
             return PROBE_TOKENS
+        token_s += DEVIATIONS * (self._scaled("token_dev_s", self.threads) or 0.0)
         room = HEADROOM * budget_s - (decode_s or 0.0)
         return max(MIN_CHUNK_TOKENS, int(room / token_s))
 

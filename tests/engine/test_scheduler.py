@@ -146,9 +146,10 @@ def test_abort_waiting_and_running():
 
 
 def measured(s: Scheduler, decode_s: float, token_s: float) -> Scheduler:
-    """Give the scheduler's stall guard a decode step and a prompt token's time."""
-    s.stall_guard.observe(1, 0, 1, decode_s)
-    s.stall_guard.observe(1, 100, 1, decode_s + 100 * token_s)
+    """Give the scheduler's stall guard steady steps: a decode step, a prompt token's time."""
+    for _ in range(60):
+        s.stall_guard.observe(1, 0, 1, decode_s)
+        s.stall_guard.observe(1, 100, 1, decode_s + 100 * token_s)
     return s
 
 
@@ -158,17 +159,17 @@ def budgeted(request: Request, seconds: float) -> Request:
 
 
 def test_a_stall_budget_caps_a_prefill_beside_decodes_at_the_measured_rate():
-    # 50 ms a decode step, 10 ms a prompt token: 0.75 x 1 s leaves room for 70 tokens.
-    s = measured(make(num_blocks=256, long_prefill_token_threshold=128), 0.05, 0.01)
+    # 50 ms a decode step, 9.5 ms a prompt token: 0.75 x 1 s leaves room for 73 tokens.
+    s = measured(make(num_blocks=256, long_prefill_token_threshold=128), 0.05, 0.0095)
     s.add_request(budgeted(req("alone", 200), 1.0))
     assert scheduled(run_step(s)) == [("alone", 128)]  # no decode beside it: full chunks
     assert scheduled(run_step(s)) == [("alone", 72)]
     s.add_request(budgeted(req("long", 200), 1.0))
-    assert scheduled(run_step(s)) == [("alone", 1), ("long", 70)]
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 73)]
     # an unbudgeted prompt behind it takes only what the cap leaves, as under a chunk cap
     s.add_request(req("plain", 100))
-    assert scheduled(run_step(s)) == [("alone", 1), ("long", 70)]
-    assert scheduled(run_step(s)) == [("alone", 1), ("long", 60), ("plain", 10)]
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 73)]
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 54), ("plain", 19)]
     # a chunk cap and a stall budget: the smaller holds
     s.add_request(budgeted(capped(req("both", 100), 20), 1.0))
     run_step(s)

@@ -1,11 +1,21 @@
 """The worker's stall guard: measured step times to a prefill cap within a stall budget."""
 
+import pytest
+
 from pdserve.engine.stall_guard import (
+    DEVIATIONS,
     HEADROOM,
     MIN_CHUNK_TOKENS,
     PROBE_TOKENS,
     StallGuard,
 )
+
+
+def steady(guard: StallGuard, threads: int, decode_s: float, token_s: float, n: int = 40):
+    """Steps of one shape, the same time each: the deviation fades."""
+    for _ in range(n):
+        guard.observe(threads, 0, 4, decode_s)
+        guard.observe(threads, 100, 4, decode_s + 100 * token_s)
 
 
 def test_before_any_prefill_is_measured_the_cap_is_a_probe_chunk():
@@ -21,8 +31,11 @@ def test_the_cap_is_what_fits_the_budget_beside_the_decode_step():
     guard = StallGuard()
     guard.observe(1, 0, 4, 0.05)
     guard.observe(1, 100, 4, 1.05)  # 10 ms a prompt token beside the decodes
-    assert guard.cap(1.0) == int((HEADROOM * 1.0 - 0.05) / 0.01)  # 70
-    assert guard.cap(2.0) == int((HEADROOM * 2.0 - 0.05) / 0.01)  # 145
+    # one sample: half of it as its deviation (RFC 6298), so twice the time a token
+    assert guard.cap(1.0) == int((HEADROOM - 0.05) / (0.01 * (1 + DEVIATIONS / 2)))
+    steady(guard, 1, 0.05, 0.01)
+    assert guard.cap(1.0) == pytest.approx((HEADROOM - 0.05) / 0.01, abs=1)  # 70
+    assert guard.cap(2.0) == pytest.approx((HEADROOM * 2 - 0.05) / 0.01, abs=1)  # 145
     # a decode step alone over the budget still lets the prompt progress
     assert guard.cap(0.04) == MIN_CHUNK_TOKENS
 
@@ -30,22 +43,30 @@ def test_the_cap_is_what_fits_the_budget_beside_the_decode_step():
 def test_a_prefill_alone_charges_the_whole_step_to_its_tokens():
     guard = StallGuard()
     guard.threads = 2
-    guard.observe(2, 0, 3, 0.1)
-    guard.observe(2, 200, 0, 1.0)  # 5 ms a token, the step's fixed cost included
-    assert guard.cap(1.0) == int((0.75 - 0.1) / 0.005)
+    for _ in range(40):
+        guard.observe(2, 0, 3, 0.1)
+        guard.observe(2, 200, 0, 1.0)  # 5 ms a token, the step's fixed cost included
+    assert guard.cap(1.0) == pytest.approx((HEADROOM - 0.1) / 0.005, abs=1)
+
+
+def test_steps_that_vary_get_smaller_chunks_than_steady_ones():
+    # Same mean (10 ms a token), one host steady, one swinging 5-15 ms from step to step.
+    calm, loaded = StallGuard(), StallGuard()
+    steady(calm, 1, 0.0, 0.01)
+    for i in range(40):
+        loaded.observe(1, 0, 4, 0.0)
+        loaded.observe(1, 100, 4, 100 * (0.005 if i % 2 else 0.015))
+    assert loaded.cap(1.0) < 0.6 * calm.cap(1.0)
 
 
 def test_the_averages_follow_a_host_that_slows_down():
     guard = StallGuard()
-    guard.observe(1, 0, 1, 0.0)
-    guard.observe(1, 100, 0, 0.5)
+    steady(guard, 1, 0.0, 0.005)
     before = guard.cap(1.0)
     guard.observe(1, 100, 0, 1.5)  # other work took the core: three times slower
-    after = guard.cap(1.0)
-    assert after < before / 1.9  # half of the newest step's weight at once
-    for _ in range(8):
-        guard.observe(1, 100, 0, 1.5)
-    assert guard.cap(1.0) == int(0.75 / 0.015)
+    assert guard.cap(1.0) < before / 2  # the mean and its deviation grow at once
+    steady(guard, 1, 0.0, 0.015)
+    assert guard.cap(1.0) == pytest.approx(HEADROOM / 0.015, abs=1)
 
 
 def test_a_thread_count_not_seen_yet_is_priced_from_the_nearest_scaled():
@@ -53,11 +74,10 @@ def test_a_thread_count_not_seen_yet_is_priced_from_the_nearest_scaled():
     # at two threads' speed (a mispriced 219-token prompt froze the streams for 1.68 s).
     guard = StallGuard()
     guard.threads = 2
-    guard.observe(2, 0, 2, 0.02)
-    guard.observe(2, 100, 2, 0.52)  # 5 ms a token on two threads
+    steady(guard, 2, 0.02, 0.005)  # 5 ms a token on two threads
     on_two = guard.cap(1.0)
     guard.threads = 1
-    assert guard.cap(1.0) == int((0.75 - 0.04) / 0.01)  # twice the time on one thread
+    assert guard.cap(1.0) == pytest.approx((HEADROOM - 0.04) / 0.01, abs=1)  # twice the time
     assert guard.cap(1.0) < on_two / 1.9
-    guard.observe(1, 100, 2, 0.04 + 1.2)  # then its own steps decide
-    assert guard.cap(1.0) == int((0.75 - 0.04) / 0.012)
+    steady(guard, 1, 0.04, 0.012)  # then its own steps decide
+    assert guard.cap(1.0) == pytest.approx((HEADROOM - 0.04) / 0.012, abs=1)
