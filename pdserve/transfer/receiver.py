@@ -314,31 +314,40 @@ class SocketKVReceiver:
         assert req is not None
         dst = block_bytes_view(self.kv, layer, dst_start, num_blocks)
         if written:
-            with req.cond:
-                if crc is not None and zlib.crc32(dst.numpy()) != crc:
-                    error = f"checksum mismatch in shm write of request {request_id!r}"
-                elif req.live:
-                    self.table.mark_transferring(req, 0)
-                else:
-                    error = f"request {request_id!r} released; shm write notice rejected"
+            error = self._check_in_place(req, dst, crc)
         else:
-            with self.pool.borrow() as buf:
-                staged = buf[:nbytes]
-                wire.recv_exact_into(conn.sock, memoryview(staged.numpy()))
-                if crc is not None and zlib.crc32(staged.numpy()) != crc:
-                    error = f"checksum mismatch in request {request_id!r} layer {layer}"
-                else:
-                    with req.cond:
-                        if not req.live:  # released or failed while the payload arrived
-                            error = f"request {request_id!r} released; late write dropped"
-                        else:
-                            dst.copy_(staged)
-                            self.table.mark_transferring(req, nbytes)
+            error = self._copy_staged(conn, req, dst, nbytes, crc, layer)
         if error is not None:
             self._reject(conn, request_id, req, error)
             return
         self._count("num_frames")
         self._count("bytes_received", nbytes)
+
+    def _check_in_place(self, req: Reservation, dst: torch.Tensor, crc: Any) -> str | None:
+        """An shm write notice: the sender wrote `dst` itself; checked, then counted."""
+        with req.cond:
+            if crc is not None and zlib.crc32(dst.numpy()) != crc:
+                return f"checksum mismatch in shm write of request {req.request_id!r}"
+            if not req.live:
+                return f"request {req.request_id!r} released; shm write notice rejected"
+            self.table.mark_transferring(req, 0)
+        return None
+
+    def _copy_staged(
+        self, conn: Conn, req: Reservation, dst: torch.Tensor, nbytes: int, crc: Any, layer: int
+    ) -> str | None:
+        """A data frame's payload: read into a staging buffer, checked, copied into `dst`."""
+        with self.pool.borrow() as buf:
+            staged = buf[:nbytes]
+            wire.recv_exact_into(conn.sock, memoryview(staged.numpy()))
+            if crc is not None and zlib.crc32(staged.numpy()) != crc:
+                return f"checksum mismatch in request {req.request_id!r} layer {layer}"
+            with req.cond:
+                if not req.live:  # released or failed while the payload arrived
+                    return f"request {req.request_id!r} released; late write dropped"
+                dst.copy_(staged)
+                self.table.mark_transferring(req, nbytes)
+        return None
 
     # -- shm leases ------------------------------------------------------------------------
 
