@@ -69,6 +69,18 @@ def blocks(text: str) -> dict[str, tuple[int, int]]:
     return {w: (int(free[w]), int(total[w])) for w in free}
 
 
+def leaked_blocks(url: str, timeout_s: float = 60.0) -> dict[str, int]:
+    """Blocks each worker still holds once every request is over: polled until none is, or
+    for `timeout_s`."""
+    deadline, left = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        left = {w: t - f for w, (f, t) in blocks(metrics(url)).items() if f != t}
+        if not left:
+            break
+        time.sleep(0.5)
+    return left
+
+
 def run(args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     prompts = [
@@ -143,13 +155,7 @@ def run(args: argparse.Namespace) -> dict:
             loss_by = hosts.loss_by
             for name in names:
                 hosts.shape(name, Link())
-            deadline, leaked = time.monotonic() + 60, None
-            while time.monotonic() < deadline:
-                left = {w: t - f for w, (f, t) in blocks(metrics(url)).items() if f != t}
-                leaked = left
-                if not left:
-                    break
-                time.sleep(0.5)
+            leaked = leaked_blocks(url)
             text = metrics(url)
     hung = [r for r in results if r["status"] != "ok" and r["status"].startswith("error")]
     seconds = sorted(r["seconds"] for r in results)
