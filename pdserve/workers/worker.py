@@ -222,34 +222,39 @@ class Worker:
                 self.send(m.Failed(wid, msg.request_id, str(exc)))
             return
         try:
-            params = SamplingParams(**msg.sampling)
-            if isinstance(msg, m.Generate):
-                prompt = msg.prompt_token_ids + msg.output_token_ids
-                if msg.output_token_ids:  # resumed: what was already produced counts
-                    num_left = max(1, params.max_tokens - len(msg.output_token_ids))
-                    params = dataclasses.replace(params, max_tokens=num_left)
-                e.add_request(
-                    msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin,
-                    msg.prefill_chunk_tokens, msg.cache_salt, msg.stall_budget_s,
-                )  # fmt: skip
-            elif isinstance(msg, m.Reserve):
-                r = e.reserve(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
-                if r is None:
-                    self.send(m.Rejected(wid, msg.request_id, "no free KV blocks", True))
-                else:
-                    kept = dataclasses.astuple(r.drop) if r.drop else ()  # num_keep, sink, recent
-                    self.send(m.Reserved(wid, msg.request_id, self.receiver.address(),
-                                         r.block_ids, r.num_cached_blocks, *kept))  # fmt: skip
-            elif isinstance(msg, m.Prefill):
-                drop = None
-                if msg.num_keep_blocks is not None:
-                    drop = PromptDrop(msg.num_keep_blocks, msg.sink_blocks, msg.recent_blocks)
-                dest = KVDestination(msg.peer, msg.block_ids, msg.num_cached_blocks, drop)
-                e.add_prefill(msg.request_id, msg.prompt_token_ids, params, dest, msg.cache_salt)
-            else:
-                log.warning("%s: unexpected %s", wid, type(msg).__name__)
+            self._admit(msg, SamplingParams(**msg.sampling))
         except (ValueError, TypeError) as exc:
             self.send(m.Rejected(wid, getattr(msg, "request_id", ""), str(exc), False))
+
+    def _admit(self, msg, params: SamplingParams) -> None:
+        """A request for the engine: Generate (collocated or decode), Reserve (decode) or
+        Prefill (prefill). ValueError or TypeError: refused (the caller answers Rejected)."""
+        e, wid = self.engine, self.spec.worker_id
+        if isinstance(msg, m.Generate):
+            prompt = msg.prompt_token_ids + msg.output_token_ids
+            if msg.output_token_ids:  # resumed: what was already produced counts
+                num_left = max(1, params.max_tokens - len(msg.output_token_ids))
+                params = dataclasses.replace(params, max_tokens=num_left)
+            e.add_request(
+                msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin,
+                msg.prefill_chunk_tokens, msg.cache_salt, msg.stall_budget_s,
+            )  # fmt: skip
+        elif isinstance(msg, m.Reserve):
+            r = e.reserve(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
+            if r is None:
+                self.send(m.Rejected(wid, msg.request_id, "no free KV blocks", True))
+            else:
+                kept = dataclasses.astuple(r.drop) if r.drop else ()  # num_keep, sink, recent
+                self.send(m.Reserved(wid, msg.request_id, self.receiver.address(),
+                                     r.block_ids, r.num_cached_blocks, *kept))  # fmt: skip
+        elif isinstance(msg, m.Prefill):
+            drop = None
+            if msg.num_keep_blocks is not None:
+                drop = PromptDrop(msg.num_keep_blocks, msg.sink_blocks, msg.recent_blocks)
+            dest = KVDestination(msg.peer, msg.block_ids, msg.num_cached_blocks, drop)
+            e.add_prefill(msg.request_id, msg.prompt_token_ids, params, dest, msg.cache_salt)
+        else:
+            log.warning("%s: unexpected %s", wid, type(msg).__name__)
 
     def _unpin(self, msg: m.Unpin) -> None:
         e, wid = self.engine, self.spec.worker_id
