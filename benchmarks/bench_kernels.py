@@ -3,18 +3,29 @@ and `F.linear`, and native paged decode attention against gather + SDPA.
 
     .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--repeats 30] [--isa avx2]
         [--weights gguf] [--vs avx512]
+    .venv/bin/python benchmarks/bench_kernels.py --weights in-place --threads 1 --rows 1 2
 
 SmolLM2-135M's linear shapes at decode (1..64 rows) and prefill (512) row counts, random fp32
 weights or (`--weights gguf`) weights on the GGUF's grids, stored as compact panels. Medians;
 GB/s counts fp32 weight bytes once per call. `--isa` picks the native variant (default: the
 widest this CPU runs), `--vs` a second one in the same run (`--isa amx --vs avx512 --weights
 gguf`). Columns interleave. Run on an idle machine.
+
+`--weights in-place` times instead an 8192x2048 GGUF matrix read in place (`QuantLinear`, the
+1B models' gate/up shape) per block type, with fp32 activations and, for the types that have
+them, int8 ones (quant_linear.INT8_M_MAX): `hot` calls one matrix again and again (its 5-18 MB
+stay in the L2/L3 caches), `streamed` cycles through copies larger than the caches, as a decode
+step streams each weight from memory once. At `--threads 1` the times are the calling thread's
+CPU time (the kernels run on it), which leaves out what other processes' load preempts; with
+more threads, wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from bench_engine import timed
@@ -69,6 +80,67 @@ def bench_linears(libs, rows: list[int], repeats: int, weights: str) -> None:
             print(f"| {name} {n}x{k} | {m} | {' | '.join(cells)} | {ratio:.2f}x |")
 
 
+IN_PLACE_TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"]
+
+
+def in_place_times(lib, qtype: str, m: int, repeats: int, stream_bytes: int) -> tuple[dict, int]:
+    """({(activations, "hot" | "streamed"): seconds}, matrix bytes) for x [m, 2048] against
+    an 8192x2048 `qtype` matrix read in place; the activation modes interleave, the best of
+    3 rounds."""
+    from gguf import GGMLQuantizationType
+
+    from pdserve.model import quant_linear
+    from pdserve.model.quant_linear import QuantLinear, QuantTensor
+    from pdserve.model.synthetic import random_matrix
+
+    n, k, t = 8192, 2048, GGMLQuantizationType[qtype]
+    base = random_matrix((n, k), t, np.random.default_rng(0)).reshape(n, -1)
+    copies = [np.roll(base, i, axis=0) for i in range(max(2, stream_bytes // base.nbytes))]
+    linears = [QuantLinear(lib, [QuantTensor(c, int(t), n, k, qtype)]) for c in copies]
+    modes = {"fp32": 0}
+    if lib.pd_q8_dot_type(int(t), k):
+        modes["int8"] = max(m, quant_linear.INT8_M_MAX)
+    x, default, best = torch.randn(m, k), quant_linear.INT8_M_MAX, {}
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    try:
+        for _ in range(3):
+            for mode, m_max in modes.items():
+                quant_linear.INT8_M_MAX = m_max
+                linears[0](x)
+                hot = []
+                for _ in range(max(1, repeats // 3)):
+                    start = clock()
+                    linears[0](x)
+                    hot.append(clock() - start)
+                hot = sorted(hot)[len(hot) // 2]
+                start = clock()
+                for linear in linears:
+                    linear(x)
+                streamed = (clock() - start) / len(linears)
+                for key, s in (((mode, "hot"), hot), ((mode, "streamed"), streamed)):
+                    best[key] = min(best.get(key, s), s)
+    finally:
+        quant_linear.INT8_M_MAX = default
+    return best, base.nbytes
+
+
+def bench_in_place(libs, rows: list[int], repeats: int, stream_mb: int, types: list[str]) -> None:
+    print("| type 8192x2048 | rows | native | fp32 act. hot | fp32 streamed | int8 act. hot "
+          "| int8 streamed | fp32 / int8 streamed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for qtype in types:
+        for m in rows:
+            for lib in libs:
+                t, nbytes = in_place_times(lib, qtype, m, repeats, stream_mb << 20)
+                cells = [f"{t[key] * 1e3:.2f} ms, {nbytes / t[key] / 1e9:.1f} GB/s"
+                         if key in t else "-" for key in
+                         [("fp32", "hot"), ("fp32", "streamed"), ("int8", "hot"),
+                          ("int8", "streamed")]]  # fmt: skip
+                ratio = t[("fp32", "streamed")] / t[("int8", "streamed")] if len(t) > 2 else None
+                print(f"| {qtype} | {m} | {lib.isa} | {' | '.join(cells)} | "
+                      f"{f'{ratio:.2f}x' if ratio else '-'} |")  # fmt: skip
+
+
 def attention_times(lib, b: int, context: int, repeats: int) -> tuple[float, float]:
     """(native, PyTorch) seconds for one layer's decode attention, SmolLM2's heads."""
     heads, kv_heads, d, bs = 9, 3, 64, 16
@@ -102,7 +174,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--isa", choices=["auto", *native.ISA_FLAGS], default=None)
-    ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32")
+    ap.add_argument("--weights", choices=["fp32", "gguf", "in-place"], default="fp32")
+    ap.add_argument("--stream-mb", type=int, default=768, help="in-place: bytes of copies")
+    ap.add_argument("--types", nargs="+", choices=IN_PLACE_TYPES, default=IN_PLACE_TYPES)
     ap.add_argument("--vs", choices=list(native.ISA_FLAGS), help="a second native variant")
     args = ap.parse_args()
     if args.threads:
@@ -116,6 +190,8 @@ def main() -> None:
     if None in libs:
         raise SystemExit(f"the {args.vs} native kernels cannot run on this machine")
     with torch.inference_mode():
+        if args.weights == "in-place":
+            return bench_in_place(libs, args.rows, args.repeats, args.stream_mb, args.types)
         bench_linears(libs, args.rows, args.repeats, args.weights)
         bench_attention(lib, [1, 8, 32], args.context, args.repeats)
 

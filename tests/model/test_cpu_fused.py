@@ -7,6 +7,7 @@ import torch
 
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
 from pdserve.engine.engine import Engine
+from pdserve.model import quant_linear
 from pdserve.model.cpu_fused import FusedDecoderLayer, fuse_layers
 from pdserve.model.loader import load_model
 from tests.engine.test_engine import make_engine, prompts, run
@@ -93,15 +94,13 @@ def q4_k_m_dir(tmp_path_factory):
         return resolve_model(str(path))
 
 
-@pytest.mark.parametrize("int8_m_max", [0, 2])
+@pytest.mark.parametrize("int8_m_max", [0, quant_linear.QUANT_GEMV_M_MAX])
 def test_gguf_weights_in_place_take_the_one_call_and_equal_the_layers(
     q4_k_m_dir, int8_m_max, monkeypatch
 ):
     """Decode steps of GGUF weights read in place run all layers in one native call (pd_quant_linear
     inside pd_decode_layers) with the same tokens as a call per layer; batches past
     QUANT_GEMV_M_MAX rows take the layers one by one."""
-    from pdserve.model import quant_linear
-
     monkeypatch.setattr(quant_linear, "INT8_M_MAX", int8_m_max)
     cache = CacheConfig(block_size=4, kv_cache_bytes=4 << 20)
 

@@ -131,6 +131,21 @@ def test_int8_dot_matches_integer_reference(lib, qtype, m, monkeypatch):
     assert err.max() > 0  # int8 activations did run
 
 
+@pytest.mark.parametrize("qtype", list(INT8), ids=lambda q: q.name)
+def test_int8_rows_of_a_batch_equal_each_row_alone(lib, qtype, monkeypatch):
+    """The integer kernels take up to 4 activation rows per pass over a weight row, each with
+    its own accumulators in the same order: a row's result is bit for bit the same alone and
+    in any batch (3 = a pass of 3, 7 = 4 + 3, 16 = four passes of 4)."""
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", QUANT_GEMV_M_MAX)
+    rng = np.random.default_rng(int(qtype))
+    data = random_tensor(qtype, 21, 512, rng)
+    linear = QuantLinear(lib, [QuantTensor(data, int(qtype), 21, 512, "w")])
+    x = torch.randn(QUANT_GEMV_M_MAX, 512, generator=torch.Generator().manual_seed(3)) * 2
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(len(x))])
+    for m in (2, 3, 7, QUANT_GEMV_M_MAX):
+        assert torch.equal(linear(x[:m]), alone[:m])
+
+
 def test_int8_up_to_int8_m_max_rows_by_default(lib):
     rng = np.random.default_rng(2)
     data = random_tensor(Q.Q4_K, 4, 256, rng)

@@ -211,6 +211,7 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
 int pd_q8_dot_type(int64_t type, int64_t K);
 int64_t pd_q8_row_bytes(int64_t K);
 void pd_q8_quantize(const float *x, int64_t K, void *out);
-float pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t K);
+void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, int64_t M,
+               int64_t K, float *y, int64_t ldy);
 
 #endif

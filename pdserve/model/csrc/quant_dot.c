@@ -92,98 +92,30 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* Each kernel takes one weight row against R <= ROWS_MAX activation rows at once: the weight's
+ * bytes are unpacked once (nibbles, high bits, scales) and every row's products taken from the
+ * same registers. Row r's arithmetic is the same whatever R is (its own accumulators, in the
+ * same order), so a row's result does not depend on the batch it is in. The kernels are
+ * inlined with R a constant (q8_dot_rows), so the per-row arrays stay in registers. */
+#define ROWS_MAX 4
+#define ROWS_INLINE static inline __attribute__((always_inline))
+
 /* Q8_0 [d, int8 qs32] against the 32-value form: |w| times x with w's sign, so the
  * unsigned-by-signed multiply takes two signed operands. */
-static float dot_q8_0(const uint8_t *b, const q8row *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
+ROWS_INLINE void dot_q8_0(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
+    __m256 acc[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t j = 0; j < nb; j++, b += 34) {
-        __m256i w = ld(b + 2), v = ld(x->q32 + 32 * j);
-        __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w));
-        __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
-        acc = _mm256_fmadd_ps(s, _mm256_set1_ps(fp16(b) * x->d32[j]), acc);
-    }
-    return hsum_ps(acc);
-}
-
-#ifndef __AVX512BW__
-/* Q4_K [d, dmin, sc12, qs128]: value = d sc_j q - dmin m_j over sub-block j of 32; chunk c
- * of qs holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. */
-static float dot_q4_k(const uint8_t *b, const q8row *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.f;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    for (int64_t j = 0; j < nb; j++, b += 144) {
-        const uint8_t *s = b + 4, *qs = b + 16;
-        const int8_t *xq = x->q256 + 256 * j;
-        const int16_t *bs = x->bsum + 16 * j;
-        int sc[8], mn[8];
-        for (int k = 0; k < 4; k++) {
-            sc[k] = s[k] & 63, mn[k] = s[k + 4] & 63;
-            sc[k + 4] = (s[k + 8] & 15) | ((s[k] >> 6) << 4);
-            mn[k + 4] = (s[k + 8] >> 4) | ((s[k + 4] >> 6) << 4);
+        __m256i w = ld(b + 2), aw = _mm256_sign_epi8(w, w);
+        float d = fp16(b);
+        for (int r = 0; r < R; r++) {
+            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(ld(x[r].q32 + 32 * j), w));
+            __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * x[r].d32[j]), acc[r]);
         }
-        __m256i isum = _mm256_setzero_si256();
-        int msum = 0;
-        for (int c = 0; c < 4; c++) {
-            __m256i q = ld(qs + 32 * c);
-            __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q, m4), ld(xq + 64 * c));
-            __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
-                                              ld(xq + 64 * c + 32));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(lo, _mm256_set1_epi16((short)sc[2 * c])));
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(hi, _mm256_set1_epi16((short)sc[2 * c + 1])));
-        }
-        for (int k = 0; k < 8; k++) msum += mn[k] * (bs[2 * k] + bs[2 * k + 1]);
-        float dx = x->d256[j];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(fp16(b) * dx), acc);
-        mins += fp16(b + 2) * dx * (float)msum;
     }
-    return hsum_ps(acc) - mins;
-}
-
-/* Q6_K [ql128, qh64, int8 sc16, d]: value = d sc_i (q - 32) over sub-block i of 16, q the
- * low nibble of ql (or its high one) with two bits of qh above it; 32 values at 32 g (half
- * h = g / 4, k = g % 4) read ql + 64 h + 32 (k & 1) shifted by 4 (k >> 1), qh + 32 h shifted
- * by 2 k. The -32 is one integer multiply by the bsums. */
-static float dot_q6_k(const uint8_t *b, const q8row *x, int64_t nb) {
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
-    for (int64_t j = 0; j < nb; j++, b += 210) {
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192), *xq = x->q256 + 256 * j;
-        const int16_t *bs = x->bsum + 16 * j;
-        __m256i isum = _mm256_setzero_si256();
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = ld(ql + 64 * h), l1 = ld(ql + 64 * h + 32), hh = ld(qh + 32 * h);
-            __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m2)),
-                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(hh, 2), m2)),
-            };
-            for (int k = 0; k < 4; k++) {
-                int g = 4 * h + k;
-                __m256i p = _mm256_maddubs_epi16(q[k], ld(xq + 32 * g));
-                __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s));
-            }
-        }
-        int off = 0;
-        for (int i = 0; i < 16; i++) off += sc[i] * bs[i];
-        isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(fp16(b + 208) * x->d256[j]), acc);
-    }
-    return hsum_ps(acc);
-}
-
-#else
-/* The AVX-512 build: the same integer steps 64 values at a time (two Q4_K sub-blocks, or four
- * Q6_K ones, a vector); each 16-bit lane's scale picked from the block's scales by a permute. */
-static inline __m512i lanes_of(int first, int count) { /* index `first + i / count` per lane */
-    uint8_t idx[32];
-    for (int i = 0; i < 32; i++) idx[i] = (uint8_t)(first + i / count);
-    return _mm512_cvtepu8_epi16(ld(idx));
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]);
 }
 
 /* The 8 scales and 8 mins of a Q4_K block's 12 packed bytes, as bytes, by 32-bit word ops
@@ -196,39 +128,136 @@ static inline void scales_mins_k4(const uint8_t *s, uint64_t *sc, uint64_t *mn) 
     *mn = (u[1] & m6) | (uint64_t)(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)) << 32;
 }
 
-static float dot_q4_k(const uint8_t *b, const q8row *x, int64_t nb) {
-    __m512 acc = _mm512_setzero_ps();
-    __m256 mins = _mm256_setzero_ps();
+#ifndef __AVX512BW__
+/* Q4_K [d, dmin, sc12, qs128]: value = d sc_j q - dmin m_j over sub-block j of 32; chunk c
+ * of qs holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. */
+ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
+    __m256 acc[ROWS_MAX], mins[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t j = 0; j < nb; j++, b += 144) {
+        const uint8_t *qs = b + 16;
+        uint64_t sc, mn;
+        scales_mins_k4(b + 4, &sc, &mn);
+        __m256i isum[ROWS_MAX];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = ld(qs + 32 * c);
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            __m256i slo = _mm256_set1_epi16((short)((sc >> 16 * c) & 0xff));
+            __m256i shi = _mm256_set1_epi16((short)((sc >> (16 * c + 8)) & 0xff));
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = x[r].q256 + 256 * j + 64 * c;
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ld(xq)), slo));
+                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ld(xq + 32)), shi));
+            }
+        }
+        /* each min twice against the 16 bsums: min_k (bsum_2k + bsum_2k+1) in lane k */
+        __m128i mn8 = _mm_cvtsi64_si128((long long)mn);
+        __m256i mnv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
+        float d = fp16(b), dmin = fp16(b + 2);
+        for (int r = 0; r < R; r++) {
+            __m256i msum = _mm256_madd_epi16(mnv, ld(x[r].bsum + 16 * j));
+            float dx = x[r].d256[j];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(d * dx), acc[r]);
+            mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * dx), mins[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]) - hsum_ps(mins[r]);
+}
+
+/* Q6_K [ql128, qh64, int8 sc16, d]: value = d sc_i (q - 32) over sub-block i of 16, q the
+ * low nibble of ql (or its high one) with two bits of qh above it; 32 values at 32 g (half
+ * h = g / 4, k = g % 4) read ql + 64 h + 32 (k & 1) shifted by 4 (k >> 1), qh + 32 h shifted
+ * by 2 k. The -32 is one integer multiply by the bsums. */
+ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
+    __m256 acc[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
+    for (int64_t j = 0; j < nb; j++, b += 210) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        __m256i isum[ROWS_MAX];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = ld(ql + 64 * h), l1 = ld(ql + 64 * h + 32), hh = ld(qh + 32 * h);
+            __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m2)),
+                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(hh, 2), m2)),
+            };
+            for (int k = 0; k < 4; k++) {
+                int g = 4 * h + k;
+                __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
+                for (int r = 0; r < R; r++) {
+                    __m256i p = _mm256_maddubs_epi16(q[k], ld(x[r].q256 + 256 * j + 32 * g));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, s));
+                }
+            }
+        }
+        float d = fp16(b + 208);
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        for (int r = 0; r < R; r++) { /* - 32 sc_i bsum_i, spread over 8 lanes */
+            __m256i off = _mm256_madd_epi16(sc16, ld(x[r].bsum + 16 * j));
+            __m256i v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(off, 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(d * x[r].d256[j]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]);
+}
+
+#else
+/* The AVX-512 build: the same integer steps 64 values at a time (two Q4_K sub-blocks, or four
+ * Q6_K ones, a vector); each 16-bit lane's scale picked from the block's scales by a permute. */
+static inline __m512i lanes_of(int first, int count) { /* index `first + i / count` per lane */
+    uint8_t idx[32];
+    for (int i = 0; i < 32; i++) idx[i] = (uint8_t)(first + i / count);
+    return _mm512_cvtepu8_epi16(ld(idx));
+}
+
+ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
+    __m512 acc[ROWS_MAX];
+    __m256 mins[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(15);
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     __m512i pick[4];
     for (int c = 0; c < 4; c++) pick[c] = lanes_of(2 * c, 16);
     for (int64_t j = 0; j < nb; j++, b += 144) {
         const uint8_t *qs = b + 16;
-        const int8_t *xq = x->q256 + 256 * j;
         uint64_t sc, mn;
         scales_mins_k4(b + 4, &sc, &mn);
         __m512i scv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-        __m512i isum = _mm512_setzero_si512();
+        __m512i isum[ROWS_MAX];
+        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
         for (int c = 0; c < 4; c++) { /* low nibbles in the low half, high in the high one */
             __m512i q = _mm512_broadcast_i64x4(ld(qs + 32 * c));
             q = _mm512_and_si512(_mm512_srlv_epi16(q, shift), m4);
-            __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(xq + 64 * c));
-            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p, _mm512_permutexvar_epi16(pick[c], scv)));
+            __m512i s = _mm512_permutexvar_epi16(pick[c], scv);
+            for (int r = 0; r < R; r++) {
+                __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r].q256 + 256 * j + 64 * c));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p, s));
+            }
         }
         /* each min twice against the 16 bsums: min_k (bsum_2k + bsum_2k+1) in lane k */
         __m128i mn8 = _mm_cvtsi64_si128((long long)mn);
-        __m256i msum = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8)),
-                                         ld(x->bsum + 16 * j));
-        float dx = x->d256[j];
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(fp16(b) * dx), acc);
-        mins = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(fp16(b + 2) * dx), mins);
+        __m256i mnv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
+        float d = fp16(b), dmin = fp16(b + 2);
+        for (int r = 0; r < R; r++) {
+            __m256i msum = _mm256_madd_epi16(mnv, ld(x[r].bsum + 16 * j));
+            float dx = x[r].d256[j];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * dx), acc[r]);
+            mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * dx), mins[r]);
+        }
     }
-    return _mm512_reduce_add_ps(acc) - hsum_ps(mins);
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) - hsum_ps(mins[r]);
 }
 
-static float dot_q6_k(const uint8_t *b, const q8row *x, int64_t nb) {
-    __m512 acc = _mm512_setzero_ps();
+ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
+    __m512 acc[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(0x30);
     /* high bits to bits 4-5: groups k = 0 | 1 shift qh left by 4 | 2, k = 2 | 3 right by 0 | 2 */
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
@@ -237,37 +266,67 @@ static float dot_q6_k(const uint8_t *b, const q8row *x, int64_t nb) {
     for (int i = 0; i < 4; i++) pick[i] = lanes_of(4 * i, 8);
     for (int64_t j = 0; j < nb; j++, b += 210) {
         const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192), *xq = x->q256 + 256 * j;
-        const int16_t *bs = x->bsum + 16 * j;
-        __m512i scv = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
-        __m512i isum = _mm512_setzero_si512();
+        const int8_t *sc = (const int8_t *)(b + 192);
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m512i scv = _mm512_castsi256_si512(sc16);
+        __m512i isum[ROWS_MAX];
+        for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
             __m512i l = _mm512_loadu_si512(ql + 64 * h), hh = _mm512_broadcast_i64x4(ld(qh + 32 * h));
             __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hh, left), m2));
             __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
                                           _mm512_and_si512(_mm512_srlv_epi16(hh, right), m2));
-            __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xq + 128 * h));
-            __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xq + 128 * h + 64));
-            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p01, _mm512_permutexvar_epi16(pick[2 * h], scv)));
-            isum = _mm512_add_epi32(isum, _mm512_madd_epi16(p23, _mm512_permutexvar_epi16(pick[2 * h + 1], scv)));
+            __m512i s01 = _mm512_permutexvar_epi16(pick[2 * h], scv);
+            __m512i s23 = _mm512_permutexvar_epi16(pick[2 * h + 1], scv);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xq = x[r].q256 + 256 * j + 128 * h;
+                __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xq));
+                __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xq + 64));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p01, s01));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p23, s23));
+            }
         }
-        int off = 0;
-        for (int i = 0; i < 16; i++) off += sc[i] * bs[i];
-        isum = _mm512_sub_epi32(isum, _mm512_maskz_set1_epi32(1, 32 * off));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(fp16(b + 208) * x->d256[j]), acc);
+        float d = fp16(b + 208);
+        for (int r = 0; r < R; r++) { /* - 32 sc_i bsum_i, spread over the low 8 lanes */
+            __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, ld(x[r].bsum + 16 * j)), 5);
+            __m512i v = _mm512_sub_epi32(isum[r], _mm512_zextsi256_si512(off));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(d * x[r].d256[j]), acc[r]);
+        }
     }
-    return _mm512_reduce_add_ps(acc);
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 #endif
 
-/* The dot product of one K-value weight row of `type` (pd_q8_dot_type) with a quantized
- * activation row (pd_q8_quantize). */
-float pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t K) {
-    q8row x = q8_parts((void *)xq, K);
+ROWS_INLINE void q8_dot_n(int64_t type, const uint8_t *row, const q8row *x, int R, int64_t K,
+                          float *out) {
     switch (type) {
-    case Q8_0: return dot_q8_0(row, &x, K / 32);
-    case Q4_K: return dot_q4_k(row, &x, K / 256);
-    case Q6_K: return dot_q6_k(row, &x, K / 256);
+    case Q8_0: dot_q8_0(row, x, R, K / 32, out); return;
+    case Q4_K: dot_q4_k(row, x, R, K / 256, out); return;
+    case Q6_K: dot_q6_k(row, x, R, K / 256, out); return;
     }
-    return 0.f;
+}
+
+/* R (1..ROWS_MAX) rows with R a constant in each copy of q8_dot_n. */
+static void q8_dot_rows(int64_t type, const uint8_t *row, const q8row *x, int R, int64_t K,
+                        float *out) {
+    switch (R) {
+    case 1: q8_dot_n(type, row, x, 1, K, out); return;
+    case 2: q8_dot_n(type, row, x, 2, K, out); return;
+    case 3: q8_dot_n(type, row, x, 3, K, out); return;
+    default: q8_dot_n(type, row, x, ROWS_MAX, K, out); return;
+    }
+}
+
+/* y[m * ldy] = the dot product of one K-value weight row of `type` (pd_q8_dot_type) with
+ * quantized activation row m (pd_q8_quantize, rows `xqb` bytes apart) for m < M. */
+void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, int64_t M,
+               int64_t K, float *y, int64_t ldy) {
+    q8row x[ROWS_MAX];
+    float out[ROWS_MAX];
+    for (int64_t m = 0; m < M; m += ROWS_MAX) {
+        int R = M - m < ROWS_MAX ? (int)(M - m) : ROWS_MAX;
+        for (int r = 0; r < R; r++) x[r] = q8_parts((char *)xq + (m + r) * xqb, K);
+        q8_dot_rows(type, row, x, R, K, out);
+        for (int r = 0; r < R; r++) y[(m + r) * ldy] = out[r];
+    }
 }

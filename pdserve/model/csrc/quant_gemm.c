@@ -318,7 +318,7 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
                 for (int64_t o = 0; o < nb; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
             }
             if (xq && pd_q8_dot_type(parts[p].type, K)) {
-                for (int64_t m = 0; m < M; m++) y[m * ldy + j] = pd_q8_dot(parts[p].type, row, xq + m * xqb, K);
+                pd_q8_dot(parts[p].type, row, xq, xqb, M, K, y + j, ldy);
                 continue;
             }
             if (M == 1 && fuses(parts[p].type)) { /* one input row: nothing stored */
