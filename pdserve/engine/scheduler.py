@@ -22,6 +22,7 @@ streams beside it. With no decode in the step nothing is stalled and it takes fu
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.config import SchedulerConfig
@@ -90,17 +91,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunk = self.config.long_prefill_token_threshold
-        # Prefill tokens this step may still take: the least cap of a capped prefill in it.
-        # (Not min(..., default=budget): the keyword alone cost 1 us a step.)
-        capped, has_decodes = [], False
-        for r in self.running:
-            if r.num_tokens - r.num_computed_tokens <= 1:
-                has_decodes = True
-            elif r.prefill_chunk_tokens is not None or r.stall_budget_s is not None:
-                capped.append(r)
-        stall_cap = self._stall_cap if has_decodes else _no_stall_cap
-        caps = [c for r in capped if (c := stall_cap(r)) is not None]
-        prefill_left = min(caps) if caps else budget
+        stall_cap, prefill_left = self._step_caps()
 
         scheduled_running: list[tuple[Request, int]] = []
         prefill_used = 0  # prefill tokens scheduled this step
@@ -170,6 +161,20 @@ class Scheduler:
             everything = [x for x in everything if x[1] == 1] + [x for x in everything if x[1] > 1]
         out.scheduled = everything
         return out
+
+    def _step_caps(self) -> tuple[Callable[[Request], int | None], int]:
+        """A prefill's cap in this step (its stall budget's only beside running decodes), and
+        the prefill tokens the step may take: the least cap of a capped prefill running."""
+        capped, has_decodes = [], False
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens <= 1:
+                has_decodes = True
+            elif r.prefill_chunk_tokens is not None or r.stall_budget_s is not None:
+                capped.append(r)
+        stall_cap = self._stall_cap if has_decodes else _no_stall_cap
+        caps = [c for r in capped if (c := stall_cap(r)) is not None]
+        # (Not min(..., default=...): the keyword alone cost 1 us a step.)
+        return stall_cap, min(caps) if caps else self.config.max_num_batched_tokens
 
     def _stall_cap(self, request: Request) -> int | None:
         """`request`'s cap in a step with decodes: its chunk and its stall budget's."""
