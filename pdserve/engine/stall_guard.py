@@ -26,9 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Of the budget, what a step's estimate may take: the rest is for a remote request's first
-# gap, which waits for the step in flight and then its own.
-HEADROOM = 0.75
+# Of the budget, what a step's estimate may take: under half, because a request whose KV
+# lands from a prefill worker waits for the step in flight and then its own, both capped,
+# for its second token (at 0.75 those first gaps took 1.11-1.33 s under a 1 s budget while
+# every running stream's stayed within 0.95 s).
+HEADROOM = 0.45
 DEVIATIONS = 2.0  # mean deviations of a prompt token's time added to its mean
 # The first chunk beside decodes on a worker that never measured a prefill (its decodes all
 # came by KV transfer): small, so the step that measures the rate stalls them little.

@@ -159,17 +159,17 @@ def budgeted(request: Request, seconds: float) -> Request:
 
 
 def test_a_stall_budget_caps_a_prefill_beside_decodes_at_the_measured_rate():
-    # 50 ms a decode step, 9.5 ms a prompt token: 0.75 x 1 s leaves room for 73 tokens.
-    s = measured(make(num_blocks=256, long_prefill_token_threshold=128), 0.05, 0.0095)
+    # 50 ms a decode step, 5.6 ms a prompt token: 0.45 x 1 s leaves room for 71 tokens.
+    s = measured(make(num_blocks=256, long_prefill_token_threshold=128), 0.05, 0.0056)
     s.add_request(budgeted(req("alone", 200), 1.0))
     assert scheduled(run_step(s)) == [("alone", 128)]  # no decode beside it: full chunks
     assert scheduled(run_step(s)) == [("alone", 72)]
     s.add_request(budgeted(req("long", 200), 1.0))
-    assert scheduled(run_step(s)) == [("alone", 1), ("long", 73)]
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 71)]
     # an unbudgeted prompt behind it takes only what the cap leaves, as under a chunk cap
     s.add_request(req("plain", 100))
-    assert scheduled(run_step(s)) == [("alone", 1), ("long", 73)]
-    assert scheduled(run_step(s)) == [("alone", 1), ("long", 54), ("plain", 19)]
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 71)]
+    assert scheduled(run_step(s)) == [("alone", 1), ("long", 58), ("plain", 13)]
     # a chunk cap and a stall budget: the smaller holds
     s.add_request(budgeted(capped(req("both", 100), 20), 1.0))
     run_step(s)
