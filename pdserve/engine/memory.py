@@ -155,7 +155,8 @@ def weights_held(ckpt: Checkpoint, kernels: str, cpu_kernels: str, amx: bool) ->
         if compact is not None and amx:
             copies += n * compact  # compact panels alone, in every role
             continue
-        panels = cpu_kernels == "native" and kernels != "prefill"
+        # A prefill worker keeps compact panels for short chunks, fp32 ones not (cpu_linear.py).
+        panels = cpu_kernels == "native" and (kernels != "prefill" or compact is not None)
         onednn = kernels != "decode" or not panels
         copies += n * ((compact or 4) if panels else 0) + n * (4 if onednn else 0)
     peak = fp32 * (LOADED_FACTOR + PACKING_TRANSIENT_FACTOR) + copies

@@ -88,10 +88,11 @@ class ModelRunner:
         allocate_kv: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
         kernels: str = "collocated",
     ) -> None:
-        """`kernels` (a role name) picks the CPU linear kernels' weight copies: a prefill
-        worker runs only large GEMMs (oneDNN), a decode worker only decode batches (native
-        panels), a collocated one both. `allocate_kv(shape, dtype)` places the KV pool
-        (zeroed, on this device, by default); its size is computed here, once."""
+        """`kernels` (a role name) picks the CPU linear kernels' weight copies: a decode
+        worker runs only decode batches (native panels), a collocated one and a prefill one
+        both (a prefill worker's panels only where compact: cpu_linear.py).
+        `allocate_kv(shape, dtype)` places the KV pool (zeroed, on this device, by default);
+        its size is computed here, once."""
         if device.threads:
             torch.set_num_threads(device.threads)
         self.device = torch.device(device.device)
@@ -101,9 +102,8 @@ class ModelRunner:
         on_cpu = self.device.type == "cpu"
         self.kernels = native.load() if device.cpu_kernels == "native" and on_cpu else None
         if device.cpu_kernels in ("native", "onednn") and can_pack(self.model):
-            # Prefill workers use panels only on AMX (compact ones; PackedLinear decides).
-            prefill_panels = native.panels_take_any_rows(self.kernels)
-            panels = self.kernels if kernels != "prefill" or prefill_panels else None
+            # A prefill worker's panels: compact ones only (PackedLinear decides).
+            panels = self.kernels
             onednn = kernels != "decode" or panels is None
             pack_linears(self.model, panels, onednn, decode=kernels != "prefill")
             log_panel_formats(self.model)

@@ -15,9 +15,12 @@ runs inputs of up to `native.PANEL_M_MAX` rows: at batch 1 it streams the weight
 thread where oneDNN's GEMV uses one core, and up to batch 64 it matches or beats oneDNN's
 GEMM (benchmarks/bench_kernels.py). Panels of weights that came from a GGUF file are stored in a
 lossless 4- or 8-bit form (panel_codec.py), 3.5-5x fewer bytes to stream per step. A
-prefill-only worker keeps only the oneDNN copy — except with the AMX kernels, whose GEMM on
-compact panels beats oneDNN at every size: there compact panels are the only copy, in every
-role (`native.panels_take_any_rows`).
+prefill-only worker keeps such compact panels beside oneDNN's copy too: a short prompt's
+chunk (up to `PANEL_M_MAX` rows) and the logits of its last token run on them as on a
+collocated worker (without them a 32-token prompt's step on one AVX-512 thread takes
+1.8-2.1x as long); fp32 panels, which stream the same bytes as oneDNN's copy, it does not keep. With
+the AMX kernels, whose GEMM on compact panels beats oneDNN at every size, compact panels are
+the only copy, in every role (`native.panels_take_any_rows`).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ class PackedLinear(nn.Module):
         onednn: bool = True,
         decode: bool = True,
     ) -> None:
-        """`decode=False` (a prefill worker): panels are kept only where they take every
-        size of input (`native.panels_take_any_rows`), else oneDNN alone runs."""
+        """`decode=False` (a prefill worker): fp32 panels are not kept (oneDNN's copy
+        streams the same bytes); compact ones are, for inputs of up to `PANEL_M_MAX` rows."""
         super().__init__()
         if panels is None and not onednn:
             raise ValueError("a PackedLinear needs the oneDNN weights, the panel kernel or both")
@@ -58,8 +61,9 @@ class PackedLinear(nn.Module):
         # On AMX kernels compact panels run prefill-sized inputs too, faster than oneDNN's
         # fp32 GEMM, so no oneDNN copy is kept for them.
         any_rows = native.panels_take_any_rows(panels, self.panel_weight)
-        if not (decode or any_rows):
-            self.panel_weight = None
+        if not decode and self.panel_weight is not None:
+            if self.panel_weight.codec == panel_codec.F32:
+                self.panel_weight = None
         self.lib = panels if self.panel_weight is not None else None
         onednn = (onednn or self.lib is None) and not any_rows
         self.packed_weight = (

@@ -71,8 +71,9 @@ def test_weight_copies_follow_the_role_and_the_cpu_kernels():
     # AMX: compact panels are the only copy, in every role (0.75 bytes a Q4_1 weight).
     for kernels in ("prefill", "decode", "collocated"):
         assert copies(q4, kernels, amx=True) == pytest.approx(0.75 * linear, abs=1)
-    # Elsewhere: prefill keeps oneDNN's fp32 copy, decode the panels, collocated both.
-    assert copies(q4, "prefill") == pytest.approx(4 * linear, abs=1)
+    # Elsewhere: decode keeps the panels, collocated and prefill both (prefill: compact ones).
+    assert copies(q4, "prefill") == pytest.approx(4.75 * linear, abs=1)
+    assert copies(fp32, "prefill") == pytest.approx(4 * linear, abs=1)
     assert copies(q4, "decode") == pytest.approx(0.75 * linear, abs=1)
     assert copies(q4, "collocated") == pytest.approx(4.75 * linear, abs=1)
     # An HF checkpoint's panels stay fp32, even on AMX, where prefill keeps oneDNN's.
