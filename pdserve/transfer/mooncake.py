@@ -21,6 +21,7 @@ receiver's own memory), then ``lease_end``. A chunk that makes no progress for
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import threading
 import time
@@ -82,17 +83,21 @@ def run_offset(layout: KVLayout, layer: int, block: int) -> int:
 
 class Endpoint:
     """One Mooncake engine listening on ``host`` (its RPC port and TCP data port). A process
-    keeps one per host (``shared``), as Mooncake intends (its allocator is process-wide), and
-    for the process's life: stopping an engine takes a second."""
+    keeps one per host (``shared``), as Mooncake intends (its allocator is process-wide)."""
 
     _shared: dict[str, Endpoint] = {}
     _shared_lock = threading.Lock()
 
     @classmethod
     def shared(cls, host: str) -> Endpoint:
+        """The process's engine on ``host``, started once and never stopped: stopping one
+        joins Mooncake's listener (a 1 s accept timeout) and its connections, 1 to 3 s at
+        exit, which pushed workers past the launcher's 5 s grace into SIGKILL; the engine
+        holds only sockets and threads, which the process's exit ends."""
         with cls._shared_lock:
             if host not in cls._shared:
-                cls._shared[host] = cls(host)
+                endpoint = cls._shared[host] = cls(host)
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(endpoint.engine))  # never freed
             return cls._shared[host]
 
     def __init__(self, host: str) -> None:

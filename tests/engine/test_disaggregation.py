@@ -17,8 +17,10 @@ from pdserve.transfer import make_receiver, make_sender
 from pdserve.transfer.layout import KVLayout
 from pdserve.workers.worker import shared_kv
 from tests.engine.test_engine import GREEDY, prompts, run
+from tests.transfer.conftest import needs_mooncake
 
 SECRET = b"k" * 32
+BACKENDS = ["tcp", "shm", pytest.param("mooncake", marks=needs_mooncake)]
 NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 
@@ -38,7 +40,7 @@ class Pair:
     ) -> None:  # fmt: skip
         """`d_cache`: CacheConfig fields of the decode engine only (e.g. a KV budget);
         `p_model_dtype`: the prefill engine's dtype (the decode engine's is float32)."""
-        allocate = shared_kv if backend != "tcp" else None
+        allocate = shared_kv if backend == "shm" else None
         self.d = Engine(config(d_dtype, d_cache), model_dir, "decode", allocate)
         kv = self.d.runner.kv_cache
         self.rx = make_receiver(backend, kv, KVLayout.from_tensor(kv), SECRET)
@@ -112,7 +114,7 @@ def collocated(tiny_model_dir):
     return [run(engine, [p])[0] for p in prompts(5)]
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["layerwise", "full"])
 def test_disaggregated_equals_collocated(tiny_model_dir, collocated, backend, mode):
     pair = Pair(tiny_model_dir, backend, mode, long_prefill_token_threshold=6)  # chunked
@@ -153,7 +155,7 @@ def assert_only_new_blocks_sent(pair: Pair, num_cached_blocks: int) -> None:
             assert per_request[rid]["bytes_sent"] == expected
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["layerwise", "full"])
 def test_decode_holding_the_prefix_receives_only_the_rest(
     tiny_model_dir, shared_reference, backend, mode
