@@ -24,9 +24,9 @@ import argparse
 import itertools
 import json
 import random
-import re
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -39,7 +39,6 @@ from pdserve.testing.netns import Hosts, Link, available, bits_per_s  # noqa: E4
 from pdserve.transfer import KVTransferConfig  # noqa: E402
 
 PREFILL, DECODE = "prefill-0", "decode-0"  # the cluster's worker names, and the hosts'
-SENT = r'pdserve_kv_transfer_bytes_total\{direction="sent",worker="prefill-0"\} (\S+)'
 
 SECRET = "b'k' * 32"
 RECEIVE = """
@@ -103,24 +102,31 @@ def post(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
-def kv_bytes_sent(url: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        found = re.search(SENT, resp.read().decode(), re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+def kv_sent(url: str) -> tuple[float, float]:
+    """The prefill worker's KV bytes sent and its sender's seconds writing them (its last
+    Stats, at most a heartbeat old: callers wait one out first)."""
+    time.sleep(1.0)  # two heartbeats
+    with urllib.request.urlopen(url + "/v1/status", timeout=10) as resp:
+        rows = json.loads(resp.read())["workers"]
+    row = next(w for w in rows if w["worker"] == PREFILL)
+    return float(row["kv_bytes_sent"]), float(row["kv_send_s"])
 
 
 def served(url: str, model: str, tokens: int, repeats: int, rng: random.Random) -> dict:
     """`repeats` distinct prompts of `tokens` (no prefix hit), one at a time: the medians of
-    their prefill and exposed transfer, and the KV bytes each sent."""
-    parts, before = [], kv_bytes_sent(url)
+    their prefill and exposed transfer, the KV bytes each sent, and the link's rate as the
+    prefill worker's sender measured it (what the adaptive planner prices)."""
+    parts, (bytes_before, send_s_before) = [], kv_sent(url)
     for _ in range(repeats):
         prompt = [rng.randrange(200, 20000) for _ in range(tokens)]
         body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
         parts.append(post(url, body)["pdserve_timing"]["ttft_parts_s"])
-    num_bytes = (kv_bytes_sent(url) - before) / repeats  # the stats lag a heartbeat at most
+    bytes_after, send_s_after = kv_sent(url)
+    num_bytes = (bytes_after - bytes_before) / repeats
+    sender_bps = 8 * (bytes_after - bytes_before) / max(1e-9, send_s_after - send_s_before)
     median = {k: sorted(p[k] for p in parts)[repeats // 2] for k in ("prefill", "transfer")}
-    return {"num_bytes": num_bytes, **median}
+    return {"num_bytes": num_bytes, "sender_bps": sender_bps, **median}
 
 
 def main() -> int:
@@ -183,6 +189,7 @@ def served_backend(hosts: Hosts, rows: list[dict], args: argparse.Namespace, bac
                    "prefill_ms": round(got["prefill"] * 1000, 1),
                    "wire_ms": round(wire_s * 1000, 1),
                    "exposed_ms": round(got["transfer"] * 1000, 1),
+                   "sender_gbit_s": round(got["sender_bps"] / 1e9, 2),
                    "hidden": round(max(0.0, 1 - got["transfer"] / wire_s), 3)}  # fmt: skip
             print(json.dumps(out), flush=True)
 
