@@ -4,14 +4,11 @@ measured (`pdserve profile`) or analytic (costmodel/analytic.py), stored as vers
 A worker's *size* is the devices it spans: threads on a CPU (one per core), the
 tensor-parallel degree on GPUs. The profile says which (`size_unit`).
 
-Version 2 added `served` (what a request costs outside the engine's steps); a version-1
-profile is refused: measure again. Version 3 added the `prefill_sequences` coefficient, each
-cost model's `wake` curve and the prefill worker's `served` figures; a version-2 profile reads
-with all of them 0 (as it was measured). Version 4 added `served.token_cpu_s`; a version-3
-profile reads with it 0. Version 5 added `served_steps` (per worker size, its served steps
-against its cost model); an older profile has none, and its served workers step as
-`served.step_factor` says. Version 6 added `served.start_decode_s`; an older profile reads
-with it 0.
+One format, `PROFILE_VERSION`: a file of another version is refused with its version named
+(measure again: `pdserve profile`). Older formats priced costs the serving stack no longer
+has (a prefill worker's extra step time, a served step factor for profiles without served
+steps), and reading them with those terms dropped would price their workers otherwise than
+they were measured.
 """
 
 from __future__ import annotations
@@ -23,9 +20,7 @@ from pathlib import Path
 from pdserve.costmodel.step_cost import ServedCostModel, ServedSteps, StepCostModel, TransferModel
 from pdserve.schema import check, knob
 
-PROFILE_VERSION = 6
-# version -> the cost-model coefficients it may lack
-READS = {2: ("prefill_sequences",), 3: (), 4: (), 5: (), 6: ()}
+PROFILE_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -39,22 +34,15 @@ class ServedOverhead:
     - `token_s`: from a step's end until the router has its token (the hop back, the router's
       processing). A constant per token: it delays every token alike, so ITL and TPOT keep
       the engine's figures while TTFT and end-to-end latency carry it;
-    - `step_factor`: how much slower a worker whose threads take every core of its host
-      steps in service than on the engine alone (served TPOT at batch 1, less
-      `token_cpu_s`, over the same requests' TPOT offline). `served_cost_model` applies it
-      to a profile without `served_steps` (before version 5), and there workers on fewer
-      cores keep their profiled steps;
     - `token_cpu_s`: the CPU the router and the client spend per streamed token (SSE,
       detokenizing, parsing). It comes out of the workers' cores when no core is free: the
       simulator lengthens such a step by its tokens times this. On an AMD EPYC, 0.4 ms
       (router) + 0.5 ms (client) per token, 7 ms a step at batch 8; without it the
       simulator priced collocated chat TPOT 22-33% low there.
 
-    And of a prefill worker (a served 1p1d, one core each; 0 where the host has one core):
+    And of a prefill worker (a served 1p1d, one core each; 0 where the host has one core),
+    whose steps are its cost model's (it keeps the weights the profiled engine runs on):
 
-    - `send_step_s`, `send_token_s`: what its steps cost beyond its cost model, fixed and per
-      prefill token: the layer-wise KV send hooks run on its core (a 100-token prefill took
-      ~11 ms longer there than on a collocated worker of one thread);
     - `remote_token_s`: from its step's end until the router has the first token (`token_s`
       for a collocated worker's);
     - `start_decode_s`: from then until the decode worker runs the request: StartDecode's
@@ -62,16 +50,13 @@ class ServedOverhead:
       streamed in layer by layer) but has no first token to continue from until the router
       forwards it, so its first step starts after both.
 
-    Zero (and a factor of 1) in analytic profiles: they model devices, not a serving stack."""
+    Zero in analytic profiles: they model devices, not a serving stack."""
 
     request_s: float = knob(0.0, ge=0)
     token_s: float = knob(0.0, ge=0)
-    step_factor: float = knob(1.0, gt=0)  # absent from profiles measured before it: 1
-    send_step_s: float = knob(0.0, ge=0)  # these three: absent before version 3, 0
-    send_token_s: float = knob(0.0, ge=0)
     remote_token_s: float = knob(0.0, ge=0)
-    token_cpu_s: float = knob(0.0, ge=0)  # absent before version 4: 0
-    start_decode_s: float = knob(0.0, ge=0)  # absent before version 6: 0
+    token_cpu_s: float = knob(0.0, ge=0)
+    start_decode_s: float = knob(0.0, ge=0)
 
     def __post_init__(self) -> None:
         check(self, "served.")
@@ -152,18 +137,11 @@ class HardwareProfile:
         self, size: int, role: str = "collocated"
     ) -> StepCostModel | ServedCostModel:
         """The step time of a served worker of `size`: `cost_model(size)` through its
-        `served_steps` lines where the profile has them. A prefill worker keeps the model:
-        its served extra is in `served.send_step_s` and `send_token_s`, measured against
-        the engine alone. Without lines (profiles before version 5), slower by
-        `served.step_factor` where its threads take every core of the host."""
+        `served_steps` lines where the profile has them (none: the model's). A prefill worker
+        keeps the model: it runs the engine's weights alone on its cores, as profiled."""
         model = self.cost_model(size)
-        if self.served_steps:
-            steps = self.served_steps.get(size)
-            return ServedCostModel(model, steps) if steps and role != "prefill" else model
-        factor = self.served.step_factor
-        if self.size_unit != "threads" or size < self.devices_per_node or factor == 1.0:
-            return model
-        return model.scaled(factor)
+        steps = self.served_steps.get(size)
+        return ServedCostModel(model, steps) if steps and role != "prefill" else model
 
     def transfer_model(self, backend: str | None = None) -> TransferModel:
         if backend is None:
@@ -209,10 +187,10 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, data: dict) -> HardwareProfile:
         version = data.get("version")
-        if version not in READS:
+        if version != PROFILE_VERSION:
             raise ValueError(
-                f"profile version {version!r}: this pdserve reads {sorted(READS)} "
-                "(measure again: pdserve profile)"
+                f"profile version {version!r}: this pdserve reads version {PROFILE_VERSION} "
+                "only (measure again: pdserve profile)"
             )
         try:
             return cls(
@@ -220,10 +198,7 @@ class HardwareProfile:
                 device=data["device"],
                 model=ModelShape(**data["model"]),
                 size_unit=data["size_unit"],
-                models={
-                    int(k): StepCostModel.from_dict(m, READS[version])
-                    for k, m in data["models"].items()
-                },
+                models={int(k): StepCostModel.from_dict(m) for k, m in data["models"].items()},
                 transfer={k: TransferModel(**t) for k, t in data["transfer"].items()},
                 devices_per_node=int(data["devices_per_node"]),
                 memory_bytes_per_device=data.get("memory_bytes_per_device"),

@@ -224,13 +224,12 @@ class StepCostModel:
                 "knee_tokens": knee, "wake": [list(p) for p in self.wake]}  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: dict, optional: Sequence[str] = ()) -> StepCostModel:
-        """`optional`: coefficients read as 0 where absent (those a profile version lacked)."""
+    def from_dict(cls, data: dict) -> StepCostModel:
         coefficients = data["coefficients"]
-        missing = [f for f in FEATURES if f not in coefficients and f not in optional]
+        missing = [f for f in FEATURES if f not in coefficients]
         if missing:
             raise ValueError(f"cost model lacks coefficients {missing}")
-        values = [float(coefficients.get(f, 0.0)) for f in FEATURES]
+        values = [float(coefficients[f]) for f in FEATURES]
         knee = data.get("knee_tokens")
         wake = [tuple(p) for p in data.get("wake", [])]
         return cls(values, math.inf if knee is None else float(knee), prior=list(values),

@@ -12,14 +12,13 @@ The only perf module that loads torch (through the engine); the CLI imports it l
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -31,12 +30,7 @@ from pdserve.config import CacheConfig, EngineConfig
 from pdserve.costmodel.profile import HardwareProfile, ModelShape
 from pdserve.costmodel.step_cost import StepShape, fit_cost_model, phase_ratios
 from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
-from pdserve.perf.served import (
-    STEP_FACTOR_PROMPT,
-    STEP_FACTOR_REQUESTS,
-    STEP_FACTOR_TOKENS,
-    served_overhead,
-)
+from pdserve.perf.served import served_overhead
 from pdserve.perf.served_steps import measure_served_steps
 from pdserve.schema import check, knob, same_as
 
@@ -110,54 +104,21 @@ class ProfileConfig:
 @dataclass
 class Timings:
     """One thread count's measurements: `samples`, (shape, seconds) of every engine step over
-    the grid after one warm-up pass; `wake`, the curve of `StepCostModel.wake`; `tpot_s`,
-    the TPOT of the requests `ServedOverhead.step_factor` times served, run here."""
+    the grid after one warm-up pass; `wake`, the curve of `StepCostModel.wake`."""
 
     samples: list[tuple[StepShape, float]]
     wake: list[tuple[float, float]]
-    tpot_s: float
     probe: list[tuple[StepShape, float]]  # the samples of PROBE_GRID's entries
 
 
 def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
-    """Time the engine on the first `threads` cores: the grid, the wake curve, a TPOT."""
+    """Time the engine on the first `threads` cores: the grid, the wake curve."""
     entries: list[tuple[int, int]] = []
     with pinned_engine(cfg, threads) as engine:
         samples = time_grid(cfg, engine, entries)
-        wake, tpot_s = _time_wake(cfg, engine), _time_tpot(engine)
+        wake = _time_wake(cfg, engine)
     probe = [s for s, entry in zip(samples, entries, strict=True) if entry in PROBE_GRID]
-    return Timings(samples, wake, tpot_s, probe)
-
-
-@contextmanager
-def lone_prefill_timer(cfg: ProfileConfig) -> Iterator[Callable[[int], float]]:
-    """`time(n)`: one lone `n`-token prefill's step on a one-thread engine on the first core,
-    where a served 1p1d runs its prefill worker; `served.remote_prefill` times one beside
-    each served prompt, so drift cancels (AMD: 10, 100, 54 ms a step timed minutes apart; 52,
-    48 paired). This process is on that core only while it times: the workers get every core."""
-    from pdserve.sampling_params import SamplingParams
-    from pdserve.workers.cores import pin_threads
-
-    cores = sorted(os.sched_getaffinity(0))
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    rng, count = np.random.default_rng(3), itertools.count()
-    with pinned_engine(cfg, 1) as engine:
-        pin_threads(cores)
-        vocab = engine.model_config.vocab_size
-
-        def time_one(n: int) -> float:
-            prompt = rng.integers(0, vocab, size=n).tolist()
-            engine.add_request(f"prefill-{next(count)}", prompt, params)
-            pin_threads(cores[:1])
-            start = time.perf_counter()
-            engine.step()
-            elapsed = time.perf_counter() - start
-            pin_threads(cores)
-            while engine.has_unfinished_requests():  # none left: one token, one chunk
-                engine.step()
-            return elapsed
-
-        yield time_one
+    return Timings(samples, wake, probe)
 
 
 def time_probe(
@@ -260,27 +221,6 @@ def wake_extra(diffs: list[float]) -> float:
     return max(0.0, statistics.median(diffs))
 
 
-def _time_tpot(engine: Engine) -> float:
-    """`served.bench_tpot_s`'s requests (greedy, one at a time) on this engine: per request the mean
-    decode step (TPOT as `pdserve bench` takes it: the gaps after the first token), the
-    median over the requests."""
-    from pdserve.sampling_params import SamplingParams
-
-    rng = np.random.default_rng(2)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=STEP_FACTOR_TOKENS, temperature=0.0, ignore_eos=True)
-    tpots = []
-    for i in range(STEP_FACTOR_REQUESTS + 1):  # the first warms up
-        prompt = rng.integers(0, vocab, size=STEP_FACTOR_PROMPT).tolist()
-        engine.add_request(f"tpot-{i}", prompt, params)
-        engine.step()  # the prefill: its token is the first
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        tpots.append((time.perf_counter() - start) / (STEP_FACTOR_TOKENS - 1))
-    return statistics.median(tpots[1:])
-
-
 def model_shape(name: str) -> ModelShape:
     from pdserve.model.config import ModelConfig
     from pdserve.model.registry import resolve_model
@@ -335,10 +275,10 @@ def build_profile(
         )
     if cfg.kv_cache_bytes is None:
         cfg = replace(cfg, kv_cache_bytes=default_kv_cache_bytes())
-    models, timed = dict(base.models if base else {}), {}
+    models = dict(base.models if base else {})
     probes = dict(base.machine.get("probe", {}) if base else {})
     for threads in cfg.threads:
-        timings = timed[threads] = measure_steps(cfg, threads)
+        timings = measure_steps(cfg, threads)
         samples = timings.samples
         models[threads] = fit_cost_model(samples, KNEES)
         models[threads].wake = timings.wake
@@ -352,18 +292,14 @@ def build_profile(
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
             f"idle costs more by {wake}; the speed probe's shapes in the grid: prefill steps "
             f"x{prefill:.3f} and decode steps x{decode:.3f} the fit's")  # fmt: skip
-    every_core = timed.get(len(os.sched_getaffinity(0)))
-    lone_prefill = (lambda: lone_prefill_timer(cfg)) if 1 in models else None
     # A decode step of one request at context n, on one thread (the decode worker's start).
-    decode = lone_prefill and (lambda n: models[1].predict(StepShape(0, 1, 0.0, n)))
-    served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests,
-                             every_core.tpot_s if every_core else None, lone_prefill,
-                             decode)  # fmt: skip
+    one_thread = models.get(1)
+    decode = one_thread and (lambda n: one_thread.predict(StepShape(0, 1, 0.0, n)))
+    served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests, decode)
     log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
-        f"{served.token_s * 1e3:.1f} ms from its end per token, steps on every core "
-        f"x{served.step_factor:.2f}; a prefill worker's steps +{served.send_step_s * 1e3:.1f} ms "
-        f"+{served.send_token_s * 1e6:.1f} us per token, its first token "
-        f"{served.remote_token_s * 1e3:.1f} ms, the decode worker's start "
+        f"{served.token_s * 1e3:.1f} ms from its end per token, "
+        f"{served.token_cpu_s * 1e3:.2f} ms of CPU per streamed token; a prefill worker's "
+        f"first token {served.remote_token_s * 1e3:.1f} ms, the decode worker's start "
         f"{served.start_decode_s * 1e3:.1f} ms after it")  # fmt: skip
     served_steps = dict(base.served_steps if base else {})
     if cfg.served_requests:

@@ -35,9 +35,8 @@ from pdserve.perf.measure import (
 )
 
 Samples = list[tuple[StepShape, float]]
-# Served figures that are seconds of CPU or latency (step_factor is a ratio: kept).
-SERVED_SECONDS = ("request_s", "token_s", "send_step_s", "send_token_s", "remote_token_s",
-                  "token_cpu_s", "start_decode_s")  # fmt: skip
+# Served figures: seconds of CPU or latency, every one.
+SERVED_SECONDS = ("request_s", "token_s", "remote_token_s", "token_cpu_s", "start_decode_s")
 
 
 def relative_phases(

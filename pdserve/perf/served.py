@@ -1,7 +1,7 @@
 """What a served request costs beyond the engine's steps (`ServedOverhead`), measured by
 `pdserve profile` through real deployments started by the embedded launcher: a collocated
-one on every core (the serving stack's two legs and the step factor) and a 1p1d (a prefill
-worker's layer-wise sends and first-token hop). docs/simulator.md, "Profiles".
+one on every core (the serving stack's two legs and its CPU per token) and a 1p1d (a prefill
+worker's first-token hop and the decode worker's start). docs/simulator.md, "Profiles".
 
 Torch-free itself (the workers are processes); imported by perf/measure.py only.
 """
@@ -18,7 +18,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,18 +28,16 @@ from pdserve.costmodel.profile import ServedOverhead
 if TYPE_CHECKING:
     from pdserve.bench.tokens import TokenSource
 
-STEP_FACTOR_REQUESTS = 4  # `pdserve bench` requests timed for `ServedOverhead.step_factor`
-STEP_FACTOR_PROMPT = 128  # prompt tokens each
-STEP_FACTOR_TOKENS = 64  # new tokens each
-SEND_PROMPTS = (32, 256)  # prompt tokens of the lone remote prefills timed for the send cost
+TOKEN_CPU_REQUESTS = 4  # `pdserve bench` requests timed for `ServedOverhead.token_cpu_s`
+TOKEN_CPU_PROMPT = 128  # prompt tokens each
+TOKEN_CPU_TOKENS = 64  # new tokens each
+REMOTE_PROMPTS = (32, 256)  # prompt tokens of the lone remote prefills sent through a 1p1d
 
 
 def served_overhead(
     model: str,
     kv_cache_bytes: int | None,
     num_requests: int,
-    offline_tpot_s: float | None,
-    lone_prefill: Callable[[], AbstractContextManager[Callable[[int], float]]] | None = None,
     one_thread_decode: Callable[[int], float] | None = None,
 ) -> ServedOverhead:
     """Medians over `served_requests` short prompts sent one at a time to a collocated
@@ -48,13 +45,8 @@ def served_overhead(
     TTFT breakdown (router/timing.py): `token_s` is its first_token part (step end ->
     router), `request_s` the rest of the client's TTFT beyond the worker's prefill step.
     Then `token_cpu_s`, the router's and the bench client's CPU per streamed token over a
-    `pdserve bench` run there at batch 1, and `step_factor`: that run's TPOT, less the
-    token's CPU (the simulator adds it per token), over the same requests' TPOT on the engine
-    alone (`offline_tpot_s`, every core's; 1 without it). Not over the model's step: that
-    ratio carried the fit's error at that one shape into every step (0.83 on 2026-12-02,
-    where served and offline steps matched). Then, with two cores or more, a prefill
-    worker's costs (`remote_prefill`) over a one-thread engine's, timed by what
-    `lone_prefill()` yields (None: not measured), and the decode worker's start against
+    `pdserve bench` run there at batch 1. Then, with two cores or more, a prefill worker's
+    first-token hop (`remote_prefill`) and the decode worker's start against
     `one_thread_decode(context)`, its model's step for one request (None: 0)."""
     from pdserve.bench.tokens import TokenSource
     from pdserve.cluster.deployments import pipeline_for
@@ -74,16 +66,13 @@ def served_overhead(
                 tokens.append(parts["first_token"])
                 requests.append(client_ttft_s - parts["prefill"] - parts["first_token"])
         router = next(p.popen.pid for p in cluster.processes if p.name == "router")
-        tpot_s, token_cpu_s = bench_tpot_s(url, model, router) if offline_tpot_s else (None, 0.0)
-    factor = (tpot_s - token_cpu_s) / offline_tpot_s if tpot_s and offline_tpot_s else 1.0
+        token_cpu_s = bench_token_cpu_s(url, model, router)
     remote, token_s = {}, statistics.median(tokens)
-    if lone_prefill and len(os.sched_getaffinity(0)) >= 2:
+    if len(os.sched_getaffinity(0)) >= 2:
         # D's first step, then its token's hop back
         decode = one_thread_decode and (lambda n: one_thread_decode(n) + token_s)
-        with lone_prefill() as time_alone:
-            remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, time_alone,
-                                    source, rng, decode)  # fmt: skip
-    return ServedOverhead(max(0.0, statistics.median(requests)), token_s, factor,
+        remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, source, rng, decode)
+    return ServedOverhead(max(0.0, statistics.median(requests)), token_s,
                           token_cpu_s=token_cpu_s, **remote)  # fmt: skip
 
 
@@ -91,68 +80,52 @@ def remote_prefill(
     model: str,
     kv_cache_bytes: int | None,
     num_requests: int,
-    time_alone: Callable[[int], float],
     source: TokenSource,
     rng: np.random.Generator,
     decode_token_s: Callable[[int], float] | None = None,
 ) -> dict[str, float]:
-    """Through a served 1p1d (a worker per core), lone prompts of each of SEND_PROMPTS'
-    lengths, `num_requests` each (at least 2): the prefill worker's steps (the router's prefill
-    part) over a one-thread engine alone's, `time_alone(length)` timed just before each, as
-    a line through the two lengths' medians (`send_step_s`, `send_token_s`), and its first
-    token's hop (`remote_token_s`). Not over the cost model's steps, whose error at these two
-    lengths would count as send cost (one profile read 446 us per token that way, others
-    34-86). Then the hand-off: from the router's first token to the decode worker's, less
-    `decode_token_s(context)` (its first step and that token's hop back), is how long the
-    decode worker took to start (`start_decode_s`; 0 without `decode_token_s`)."""
+    """Through a served 1p1d (a worker per core), lone prompts of each of REMOTE_PROMPTS'
+    lengths, `num_requests` each (at least 2): the prefill worker's first token's hop
+    (`remote_token_s`). Then the hand-off: from the router's first token to the decode
+    worker's, less `decode_token_s(context)` (its first step and that token's hop back), is
+    how long the decode worker took to start (`start_decode_s`; 0 without
+    `decode_token_s`). The prefill worker's steps are its cost model's: it keeps the
+    weights of the engine the profile times (cpu_linear.py), so none of its time is priced
+    apart."""
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
 
-    extra: dict[int, list[float]] = {n: [] for n in SEND_PROMPTS}
     hops, starts = [], []
     with Cluster(pipeline_for("1p1d", model, kv_cache_bytes), log_level="WARNING") as url:
         for i in range(max(2, num_requests) + 1):
-            for n in SEND_PROMPTS:
-                alone_s = time_alone(n)  # beside it: a machine's drift cancels in the pair
+            for n in REMOTE_PROMPTS:
                 _, parts = first_token(url, model, source.random_ids(rng, n), max_tokens=2)
                 if i:  # the first round warms the path and the engine up
-                    extra[n].append(parts["prefill"] - alone_s)
                     hops.append(parts["first_token"])
                     if decode_token_s and "handover" in parts:
                         # prefill_end -> kv_landed -> D's token, less prefill_end -> P's
                         handoff_s = parts["transfer"] + parts["handover"] - parts["first_token"]
                         starts.append(handoff_s - decode_token_s(n + 1))
-    step_s, token_s = send_cost({n: statistics.median(e) for n, e in extra.items()})
-    return {"send_step_s": step_s, "send_token_s": token_s,
-            "remote_token_s": statistics.median(hops),
+    return {"remote_token_s": statistics.median(hops),
             "start_decode_s": max(0.0, statistics.median(starts)) if starts else 0.0}  # fmt: skip
 
 
-def send_cost(extra_s: dict[int, float]) -> tuple[float, float]:
-    """(per step, per token) seconds: the line through two prompt lengths' extra step time,
-    neither part below 0 (a shorter prompt measured slower is noise, not a negative cost)."""
-    (n0, e0), (n1, e1) = sorted(extra_s.items())
-    per_token = max(0.0, (e1 - e0) / (n1 - n0))
-    return max(0.0, e0 - per_token * n0), per_token
-
-
-def bench_tpot_s(url: str, model: str, router_pid: int) -> tuple[float | None, float]:
-    """Median TPOT of `STEP_FACTOR_REQUESTS` greedy requests sent one at a time by `pdserve
-    bench` in its own process: the client whose figures `pdserve simulate` predicts, and
-    whose CPU (with the router's) the worker's threads share its cores with; and that CPU,
-    the router's and the client's, per streamed token (0 where /proc cannot tell)."""
+def bench_token_cpu_s(url: str, model: str, router_pid: int) -> float:
+    """The CPU, the router's and the client's, per streamed token (0 where /proc cannot tell)
+    of `TOKEN_CPU_REQUESTS` greedy requests sent one at a time by `pdserve bench` in its own
+    process: the client whose figures `pdserve simulate` predicts, and whose CPU (with the
+    router's) the worker's threads share its cores with."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         router_s = cpu_s(router_pid)
-        run_bench(url, model, STEP_FACTOR_REQUESTS, str(STEP_FACTOR_PROMPT),
-                  str(STEP_FACTOR_TOKENS), "--max-concurrency", "1",
+        run_bench(url, model, TOKEN_CPU_REQUESTS, str(TOKEN_CPU_PROMPT),
+                  str(TOKEN_CPU_TOKENS), "--max-concurrency", "1",
                   "--output", str(out))  # fmt: skip
         router_s = cpu_s(router_pid) - router_s
         document = json.loads(out.read_text())
-    tpot_ms = document["summary"]["tpot_ms"]["p50"]
     num_tokens = sum(r["output_len"] for r in document["records"])
     token_cpu_s = (router_s + document["client_cpu_s"]) / num_tokens if num_tokens else 0.0
-    return (tpot_ms / 1e3 if tpot_ms else None), max(0.0, token_cpu_s)
+    return max(0.0, token_cpu_s)
 
 
 def run_bench(

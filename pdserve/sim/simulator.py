@@ -116,8 +116,8 @@ class Simulation:
         return SimWorker(
             worker_id, role, size, self.profile.served_cost_model(size, role), num_blocks,
             cfg.block_size, cfg.scheduler, max_model_len, cfg.enable_prefix_caching,
-            self.profile.model.name, (self.served.send_step_s, self.served.send_token_s),
-            self.served.token_cpu_s, cfg.heartbeat_interval_s / STATS_PER_HEARTBEAT,
+            self.profile.model.name, self.served.token_cpu_s,
+            cfg.heartbeat_interval_s / STATS_PER_HEARTBEAT,
         )  # fmt: skip
 
     # ---- the loop --------------------------------------------------------------------

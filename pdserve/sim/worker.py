@@ -39,14 +39,11 @@ class SimWorker:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         model_id: str = "",
-        send_cost: tuple[float, float] = (0.0, 0.0),
         token_cpu_s: float = 0.0,
         stats_every_s: float = 0.0,
     ) -> None:
         self.worker_id, self.role, self.size = worker_id, role, size
         self.cost_model = cost_model
-        # A prefill worker's steps also run its layer-wise KV sends: (per step, per token) s.
-        self.send_cost = send_cost
         # The serving stack's CPU per streamed token, taken from a step when no core is free.
         self.token_cpu_s = token_cpu_s
         self.kv = KVCacheManager(num_blocks, block_size, model_id, enable_prefix_caching)
@@ -120,8 +117,6 @@ class SimWorker:
                 sampled[r.request_id] = 1 + (seed + 7919 * len(r.output_token_ids)) % 30011
         shape = StepShape.of(out.scheduled)
         duration_s = self.cost_model.predict(shape) + self.cost_model.wake_s(now - self.idle_since)
-        if self.role == "prefill" and shape.prefill_tokens:
-            duration_s += self.send_cost[0] + self.send_cost[1] * shape.prefill_tokens
         if contended:
             duration_s += self.token_cpu_s * len(sampled)
         self.step = Step(out, sampled, shape, duration_s)

@@ -3,7 +3,12 @@ import json
 import pytest
 
 from pdserve.costmodel.analytic import MODELS, analytic_profile, model_shape
-from pdserve.costmodel.profile import load_profile
+from pdserve.costmodel.profile import (
+    PROFILE_VERSION,
+    HardwareProfile,
+    ServedOverhead,
+    load_profile,
+)
 
 
 def test_profile_round_trips_through_json(tmp_path):
@@ -55,19 +60,15 @@ def test_bad_input_is_refused_with_what_is_wrong(tmp_path):
         load_profile(tmp_path / "bad.json")
 
 
-def test_a_version_2_profile_reads_without_what_version_3_added(tmp_path):
-    """Version 2 had no per-row prefill coefficient, wake curve or prefill worker's costs:
-    it reads with them 0, predicting as it did; a version-3 file lacking one is refused."""
-    data = analytic_profile(MODELS["llama-3-8b"], "H100-SXM").to_dict() | {"version": 2}
-    for model in data["models"].values():
-        del model["coefficients"]["prefill_sequences"], model["wake"]
-    data["served"] = {"request_s": 0.002, "token_s": 0.001, "step_factor": 1.0}
-    (tmp_path / "v2.json").write_text(json.dumps(data))
-    loaded = load_profile(tmp_path / "v2.json")
-    model = loaded.cost_model(1)
-    assert model.coefficients[-1] == 0.0 and model.wake == [] and model.wake_s(10.0) == 0.0
-    assert loaded.served.send_step_s == loaded.served.remote_token_s == 0.0
-    assert loaded.served.token_cpu_s == loaded.served.start_decode_s == 0.0  # 4's and 6's
-    (tmp_path / "v3.json").write_text(json.dumps(data | {"version": 3}))
-    with pytest.raises(ValueError, match=r"lacks coefficients \['prefill_sequences'\]"):
-        load_profile(tmp_path / "v3.json")
+def test_a_profile_of_an_older_format_is_refused_naming_its_version(tmp_path):
+    """Version 6 priced a prefill worker's extra step time and a served step factor, which
+    the serving stack no longer has: read with them dropped, its workers would be priced
+    otherwise than measured."""
+    data = analytic_profile(MODELS["llama-3-8b"], "H100-SXM").to_dict()
+    assert data["version"] == PROFILE_VERSION == 7
+    assert HardwareProfile.from_dict(data).served == ServedOverhead()
+    (tmp_path / "v6.json").write_text(json.dumps(data | {"version": 6}))
+    with pytest.raises(ValueError, match=r"profile version 6: this pdserve reads version 7 only"):
+        load_profile(tmp_path / "v6.json")
+    for removed in ("step_factor", "send_step_s", "send_token_s"):
+        assert removed not in data["served"]

@@ -15,18 +15,16 @@ from pdserve.perf.measure import (
     PROBE_GRID,
     ProfileConfig,
     build_profile,
-    lone_prefill_timer,
     measure_steps,
     timing_env,
     wake_extra,
 )
-from pdserve.perf.served import SEND_PROMPTS
 
 
 @pytest.mark.slow
 def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     cores = len(os.sched_getaffinity(0))
-    threads = (1, cores) if cores > 1 else (1,)  # every core's: the served step factor's model
+    threads = (1, cores) if cores > 1 else (1,)  # and every core's: a size of served steps
     cfg = ProfileConfig(str(tiny_served_model), threads, kv_cache_bytes=1 << 20, decode_steps=4,
                         repeats=1, grid=((16, 1), (200, 1), (32, 4), *PROBE_GRID),
                         served_requests=3, wake_pauses=(0.01, 0.02))  # fmt: skip
@@ -37,14 +35,6 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     assert {s.prefill_tokens for s, _ in timings.probe} == {0, 128, 320, 256}
     assert all(sample in samples for sample in timings.probe)
     assert [p for p, _ in timings.wake] == [0.01, 0.02] and all(x >= 0 for _, x in timings.wake)
-    assert 0 < timings.tpot_s < 1
-    # what a served prefill worker's steps are compared with, one beside each; this process
-    # is on the first core only while it times (the workers it starts meanwhile get all)
-    every = os.sched_getaffinity(0)
-    with lone_prefill_timer(cfg) as time_alone:
-        assert os.sched_getaffinity(0) == every
-        assert all(0 < time_alone(n) < 5 for n in SEND_PROMPTS)
-        assert os.sched_getaffinity(0) == every
     assert any(s.prefill_tokens == 200 for s, _ in samples)
     assert any(s.decode_requests == 4 and not s.prefill_tokens for s, _ in samples)
     profile = build_profile(cfg, log=lambda line: None)
@@ -62,12 +52,9 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
                for k in ("prefill", "decode"))  # fmt: skip
     # Through a real router and worker: both legs take time, and far less than a second.
     assert 0 < loaded.served.request_s < 1 and 0 < loaded.served.token_s < 1
-    if cores > 1:  # served gaps over offline ones, both in seconds: not 1e3 off (a tiny
-        # model's millisecond steps swing far from 1 while anything else runs: 0.22 once)
-        assert loaded.served.step_factor != 1.0 and 0.02 < loaded.served.step_factor < 50
-        # a served 1p1d ran: its prefill worker's first token came back, in well under 1 s
+    if cores > 1:  # a served 1p1d ran: its prefill worker's first token came back, in well
+        # under 1 s
         assert 0 < loaded.served.remote_token_s < 1
-        assert loaded.served.send_step_s < 1 and loaded.served.send_token_s < 0.01
         # its decode worker started after the router's first token: a hop, not a second
         assert 0 <= loaded.served.start_decode_s < 1
         # the router and the client spent CPU on each streamed token: some, far below a step

@@ -28,7 +28,7 @@ def cpu_profile(models: dict[int, StepCostModel], name: str = "m", **machine) ->
         kind="measured", device="cpu: x", model=model_shape("llama-3-8b"), size_unit="threads",
         models=models, transfer={}, devices_per_node=here["cores"], kv_cache_bytes=1 << 20,
         machine=here | machine,
-        served=ServedOverhead(request_s=0.004, token_s=0.001, step_factor=1.1, token_cpu_s=0.002),
+        served=ServedOverhead(request_s=0.004, token_s=0.001, token_cpu_s=0.002),
     )  # fmt: skip
 
 
@@ -66,7 +66,6 @@ def test_rescaled_profile_scales_each_thread_count_and_the_served_seconds():
     assert out.cost_model(2).predict(DECODE) == pytest.approx(0.8 * 0.024)
     for key in SERVED_SECONDS:  # seconds of one process: the one-thread ratio
         assert getattr(out.served, key) == pytest.approx(1.25 * getattr(profile.served, key))
-    assert out.served.step_factor == 1.1  # a ratio of two speeds: kept
     assert out.machine["rescaled"]["ratios"] == {"1": 1.25, "2": 0.8}
     assert (
         out.machine["cpu"] == profile.machine["cpu"] and profile.models[1].coefficients[0] == 0.01

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.costmodel.analytic import MODELS, analytic_profile
-from pdserve.costmodel.profile import HardwareProfile, ServedOverhead, load_profile
+from pdserve.costmodel.profile import load_profile
 from pdserve.costmodel.step_cost import (
     FEATURES,
     ServedCostModel,
@@ -97,12 +97,11 @@ def test_the_simulator_prices_served_workers_with_the_lines():
     assert served.predict(StepShape()) == 0.0
 
     profile = analytic_profile(MODELS["llama-3-8b"], "H100-SXM")
-    profile.served = ServedOverhead(step_factor=1.5)
     profile.served_steps = {1: steps}
     assert isinstance(profile.served_cost_model(1), ServedCostModel)
-    # a prefill worker's served extra is its send cost; a size without lines keeps the model
+    # a prefill worker steps as the engine it keeps the weights of; a size without lines too
     assert profile.served_cost_model(1, "prefill") is profile.cost_model(1)
-    assert profile.served_cost_model(2) is profile.cost_model(2)  # step_factor not applied
+    assert profile.served_cost_model(2) is profile.cost_model(2)
 
 
 def test_served_steps_round_trip_and_rescale(tmp_path):
@@ -119,21 +118,6 @@ def test_served_steps_round_trip_and_rescale(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"served_steps.prefill_factor must be > 0"):
         load_profile(tmp_path / "bad.json")
-
-
-def test_a_version_4_profile_keeps_the_step_factor():
-    data = analytic_profile(MODELS["llama-3-8b"], "H100-SXM").to_dict() | {"version": 4}
-    del data["served_steps"]
-    data["served"]["step_factor"] = 1.5
-    data["devices_per_node"] = 1
-    profile = HardwareProfile.from_dict(data)
-    assert profile.served_steps == {}
-    data["size_unit"] = "threads"
-    profile = HardwareProfile.from_dict(data)
-    shape = StepShape(decode_requests=1)
-    assert profile.served_cost_model(1).predict(shape) == pytest.approx(
-        1.5 * profile.cost_model(1).predict(shape)
-    )
 
 
 def test_the_load_is_sized_from_the_model():
