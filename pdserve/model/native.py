@@ -52,13 +52,13 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _AVX512 = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma", "-mf16c",
            "-mprefer-vector-width=512"]  # fmt: skip
 ISA_FLAGS = {
-    "amx": [*_AVX512, "-mamx-tile", "-mamx-bf16", "-mavx512bf16"],
+    "amx": [*_AVX512, "-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mavx512vnni"],
     "avx512": _AVX512,
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
 _AVX512_CPU = ("avx512f", "avx512vl", "avx512bw", "avx512dq", "f16c")
 CPU_FLAGS = {
-    "amx": (*_AVX512_CPU, "amx_tile", "amx_bf16", "avx512_bf16"),
+    "amx": (*_AVX512_CPU, "amx_tile", "amx_bf16", "avx512_bf16", "avx512_vnni"),
     "avx512": _AVX512_CPU,
     "avx2": ("avx2", "fma", "f16c"),
 }

@@ -146,6 +146,24 @@ def test_int8_rows_of_a_batch_equal_each_row_alone(lib, qtype, monkeypatch):
         assert torch.equal(linear(x[:m]), alone[:m])
 
 
+def test_vnni_build_equals_the_avx512_one(monkeypatch):
+    """The amx variant's integer sums take AVX512_VNNI's vpdpwssd / vpdpbusd where the avx512
+    variant adds madd's products: the same integers, so bit-identical results (random Q8_0
+    bytes include -128, the one quant whose magnitude needs all 8 unsigned bits)."""
+    from pdserve.model import native
+
+    vnni, plain = native.load("amx"), native.load("avx512")
+    if vnni is None or plain is None:
+        pytest.skip("needs the amx and avx512 native kernels")
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", QUANT_GEMV_M_MAX)
+    rng = np.random.default_rng(13)
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(13)) * 4
+    for qtype in INT8:
+        data = random_tensor(qtype, 19, 512, rng)
+        weight = [QuantTensor(data, int(qtype), 19, 512)]
+        assert torch.equal(QuantLinear(vnni, weight)(x), QuantLinear(plain, weight)(x)), qtype
+
+
 def test_int8_up_to_int8_m_max_rows_by_default(lib):
     rng = np.random.default_rng(2)
     data = random_tensor(Q.Q4_K, 4, 256, rng)

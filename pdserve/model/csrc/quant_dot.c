@@ -14,7 +14,9 @@
  * min or an offset is one multiply by the bsums), the 32-value form Q8_0, whose own scale
  * changes every 32 values. Every |x - q d| <= d / 2, so a weight row's dot product moves by
  * at most sum |w_i| d / 2 over each block (tests/model/test_quant_linear.py). The code is
- * AVX2 (`maddubs`, `madd`), with 512-bit forms of the K-quant kernels in the AVX-512 builds. */
+ * AVX2 (`maddubs`, `madd`), with 512-bit forms of the K-quant kernels in the AVX-512 builds;
+ * the amx build (every AMX CPU has AVX512_VNNI) fuses madd and its add into `vpdpwssd`, and
+ * Q8_0's maddubs + madd into `vpdpbusd` (~15% less time from 4 rows up, none at 1). */
 #include "kernels.h"
 
 enum { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -84,6 +86,16 @@ static inline float fp16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* acc + a . b in 16-bit pairs (madd), as one vpdpwssd where the build has AVX512_VNNI (the
+ * amx variant): the same integers, wrapping alike, so results are bit-identical either way. */
+#ifdef __AVX512VNNI__
+#define madd_acc512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
+#define madd_acc256(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#else
+#define madd_acc512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+#define madd_acc256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
+
 static inline __m256i ld(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
 static inline float hsum_ps(__m256 v) {
@@ -105,13 +117,16 @@ static inline float hsum_ps(__m256 v) {
 ROWS_INLINE void dot_q8_0(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
     __m256 acc[ROWS_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t j = 0; j < nb; j++, b += 34) {
         __m256i w = ld(b + 2), aw = _mm256_sign_epi8(w, w);
         float d = fp16(b);
         for (int r = 0; r < R; r++) {
-            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(ld(x[r].q32 + 32 * j), w));
-            __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            __m256i sx = _mm256_sign_epi8(ld(x[r].q32 + 32 * j), w);
+#ifdef __AVX512VNNI__ /* |w| <= 128, |x| <= 127: maddubs never saturates, so this is exact too */
+            __m256 s = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
+#else
+            __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+#endif
             acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * x[r].d32[j]), acc[r]);
         }
     }
@@ -148,8 +163,8 @@ ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
             __m256i shi = _mm256_set1_epi16((short)((sc >> (16 * c + 8)) & 0xff));
             for (int r = 0; r < R; r++) {
                 const int8_t *xq = x[r].q256 + 256 * j + 64 * c;
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ld(xq)), slo));
-                isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ld(xq + 32)), shi));
+                isum[r] = madd_acc256(isum[r], _mm256_maddubs_epi16(lo, ld(xq)), slo);
+                isum[r] = madd_acc256(isum[r], _mm256_maddubs_epi16(hi, ld(xq + 32)), shi);
             }
         }
         /* each min twice against the 16 bsums: min_k (bsum_2k + bsum_2k+1) in lane k */
@@ -193,7 +208,7 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
                 __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));
                 for (int r = 0; r < R; r++) {
                     __m256i p = _mm256_maddubs_epi16(q[k], ld(x[r].q256 + 256 * j + 32 * g));
-                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, s));
+                    isum[r] = madd_acc256(isum[r], p, s);
                 }
             }
         }
@@ -238,7 +253,7 @@ ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
             __m512i s = _mm512_permutexvar_epi16(pick[c], scv);
             for (int r = 0; r < R; r++) {
                 __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r].q256 + 256 * j + 64 * c));
-                isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p, s));
+                isum[r] = madd_acc512(isum[r], p, s);
             }
         }
         /* each min twice against the 16 bsums: min_k (bsum_2k + bsum_2k+1) in lane k */
@@ -282,8 +297,8 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
                 const int8_t *xq = x[r].q256 + 256 * j + 128 * h;
                 __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xq));
                 __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xq + 64));
-                isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p01, s01));
-                isum[r] = _mm512_add_epi32(isum[r], _mm512_madd_epi16(p23, s23));
+                isum[r] = madd_acc512(isum[r], p01, s01);
+                isum[r] = madd_acc512(isum[r], p23, s23);
             }
         }
         float d = fp16(b + 208);
