@@ -1,6 +1,6 @@
-"""A GGUF read in place (model/gguf_weights.py): batch-1 decode ms/token against the bound the
-machine's read bandwidth sets (weight bytes / bandwidth), 512-token prefill, and the process's
-peak RSS and PSS, through `LLM` as a user runs it.
+"""A GGUF read in place (model/gguf_weights.py): decode ms/step (batch 1, or `--batch` sequences
+together) against the bound the machine's read bandwidth sets (weight bytes / bandwidth),
+512-token prefill, and the process's peak RSS and PSS, through `LLM` as a user runs it.
 
 The read bandwidth is measured in the same run, between the decode rounds (a numpy sum over a
 2 GiB array), so drift on a shared machine hits both alike. Each step's CPU time on the
@@ -49,6 +49,7 @@ def main() -> None:
         help="alternate each round between int8 activations (the default) and fp32 ones",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     args = parser.parse_args()
 
     from pdserve.llm import LLM
@@ -75,11 +76,13 @@ def main() -> None:
         bandwidths.append(read_bandwidth(array))
         for mode, m_max in modes.items():
             quant_linear.INT8_M_MAX = m_max
+            prompts = [[1, 2, 3, 4 + r, 5 + i] for i in range(args.batch)]
             stamps = [
-                (time.perf_counter(), time.thread_time())
-                for _ in llm.stream([[1, 2, 3, 4 + r]], greedy)
+                (time.perf_counter(), time.thread_time()) for _ in llm.stream(prompts, greedy)
             ]
-            steps = np.diff(np.array(stamps), axis=0)[1:]  # after the first token: decodes only
+            # a step yields one token of each sequence; its last one ends the step
+            ends = np.array(stamps)[args.batch - 1 :: args.batch]
+            steps = np.diff(ends, axis=0)  # after the first token: decode steps only
             gaps[mode] += list(steps[:, 0])
             cpu_gaps[mode] += list(steps[:, 1])
     quant_linear.INT8_M_MAX = modes["int8"]
@@ -94,10 +97,10 @@ def main() -> None:
     for mode, mode_gaps in gaps.items():
         ms = statistics.median(mode_gaps) * 1e3
         cpu_ms = statistics.median(cpu_gaps[mode]) * 1e3
-        print(f"decode batch 1, {mode} activations: {ms:.1f} ms/token median of "
+        print(f"decode batch {args.batch}, {mode} activations: {ms:.1f} ms/step median of "
               f"{len(mode_gaps)} (CPU {cpu_ms:.1f} ms on this thread; "
               f"{step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read "
-              f"{bw:.1f} GB/s (bound {bound_ms:.1f} ms/token, "
+              f"{bw:.1f} GB/s (bound {bound_ms:.1f} ms/step, "
               f"ratio {ms / bound_ms:.2f})")  # fmt: skip
     print(f"prefill {args.prefill} tokens: {prefill_s:.2f} s")
     print(f"peak RSS {proc_kb('VmHWM') / 2**20:.2f} GiB; now RSS "
