@@ -14,21 +14,27 @@ where the kernel has it, else with nftables at each end's ingress (some kernels 
 sch_netem: delay and jitter then raise, loss still works). Only addresses of the namespaces
 made here are ever used. `Hosts` is a context manager: leaving it, normally or by an
 exception, kills what still runs in the namespaces and deletes them, the bridge and the loss
-tables; a crashed run's leftovers under the same prefix are removed on entry.
+tables; a crashed run's leftovers under the same prefix are removed on entry. One `Hosts` at
+a time per machine (a file lock): a second waits for the first to leave.
 
 Needs root and iproute2 (`ip`, `tc`); `available()` says whether they are there.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from typing import IO
 
 SUBNET = "10.77.0"  # a private /24 that exists only on the bridge made here
+LOCK_DIR = "/run/lock" if os.path.isdir("/run/lock") else tempfile.gettempdir()
+LOCK_PATH = os.path.join(LOCK_DIR, "pdserve-netns.lock")
 # Inside `ip netns exec` (which already gives the command a mount namespace of its own, with
 # mounts not propagated back), a fresh tmpfs on /dev/shm: the host's segments are not seen.
 _PRIVATE_SHM = 'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$@"'
@@ -78,6 +84,26 @@ def bits_per_s(rate: str) -> int:
     raise ValueError(f"rate {rate!r}: a number with kbit, mbit or gbit")
 
 
+def _hold_machine_lock(timeout_s: float) -> IO[bytes]:
+    """One `Hosts` at a time on a machine: every one uses the same subnet (10.77.0.0/24 on its
+    bridge), and its clean-up on entry would delete the namespaces of a live run under the
+    same prefix (the test suite beside a benchmark). The lock is a file's flock, released by
+    the kernel when its holder exits, so a crashed run never blocks the next."""
+    lock = open(LOCK_PATH, "wb")  # held until __exit__
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                lock.close()
+                raise TimeoutError(
+                    f"namespace hosts: another run held {LOCK_PATH} for {timeout_s:.0f} s"
+                ) from None
+            time.sleep(0.2)
+
+
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, check=check, timeout=30)
 
@@ -89,12 +115,21 @@ class Hosts:
     `hosts.remove(name)`. `loss_by` says what drops the packets of a lossy link: "netem" or
     "nftables" ("" until a loss is set)."""
 
-    def __init__(self, names: list[str], prefix: str = "pds", shm_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        prefix: str = "pds",
+        shm_bytes: int = 1 << 30,
+        lock_timeout_s: float = 900.0,
+    ) -> None:
+        """`lock_timeout_s`: how long to wait for another run's hosts to go (one at a time
+        per machine), then TimeoutError."""
         if len(names) > 200 or len(set(names)) != len(names):
             raise ValueError("host names must be distinct, at most 200")
         if len(prefix) > 8 or not prefix.isalnum():
             raise ValueError("prefix: at most 8 letters or digits (interface names are short)")
         self.names, self.prefix, self.shm_bytes = list(names), prefix, shm_bytes
+        self.lock_timeout_s = lock_timeout_s
         self.bridge = f"{prefix}br"
         self.gateway = f"{SUBNET}.1"  # the root namespace's address on the bridge
         self._index = {name: i for i, name in enumerate(names)}
@@ -118,8 +153,9 @@ class Hosts:
         return ["ip", "netns", "exec", self.namespace(name), "sh", "-c", shm, "sh"]
 
     def __enter__(self) -> Hosts:
-        self.cleanup()  # a crashed run's leftovers under this prefix
+        self._lock = _hold_machine_lock(self.lock_timeout_s)
         try:
+            self.cleanup()  # a crashed run's leftovers under this prefix
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
@@ -127,11 +163,15 @@ class Hosts:
                 self._add(name)
         except BaseException:
             self.cleanup()
+            self._lock.close()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.cleanup()
+        try:
+            self.cleanup()
+        finally:
+            self._lock.close()
 
     def _add(self, name: str) -> None:
         ns, veth, peer = self.namespace(name), self._veth(name), f"{self._veth(name)}p"

@@ -128,3 +128,15 @@ def test_link_qdisc_puts_loss_in_netem_only_where_the_kernel_has_it():
     ]  # fmt: skip
     assert lossy.qdisc(netem=False)[0] == "tbf"
     assert Link().qdisc() == ["pfifo"]
+
+
+def test_one_set_of_hosts_at_a_time_the_next_waits_for_it():
+    """Every Hosts uses the same subnet, and a second one's clean-up would delete a live
+    run's namespaces: the second waits (here, past its timeout) until the first leaves."""
+    with Hosts(["a"], prefix="pdtk"):
+        with pytest.raises(TimeoutError, match="another run"):
+            Hosts(["b"], prefix="pdtj", lock_timeout_s=0.3).__enter__()
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert "pdtk-a" in names and "pdtj" not in names
+    with Hosts(["b"], prefix="pdtj", lock_timeout_s=0.3) as hosts:
+        assert hosts.ip("b") == "10.77.0.2"
