@@ -125,12 +125,15 @@ def stream_after_first(url: str, model: str, fault) -> tuple[str, float]:  # noq
 
 
 @pytest.fixture
-def split(tiny_served_model):
+def split(tiny_served_model, request):
     """A 1P1D cluster across two hosts, unsupervised (a host the test removed stays gone),
-    with the reference text of LONG_PROMPT from the unshaped link."""
+    with the reference text of LONG_PROMPT from the unshaped link; the transfer backend is
+    the test's indirect parameter (auto: tcp between the hosts)."""
     model = str(tiny_served_model)
     small = WorkerGroup(kv_cache_bytes=KV_BYTES, threads=1, long_prefill_token_threshold=64)
-    pipeline = Pipeline(model=model, port=free_port(), prefill=small, decode=small)
+    store = KVTransferConfig(backend=getattr(request, "param", "auto"))
+    pipeline = Pipeline(model=model, port=free_port(), prefill=small, decode=small,
+                        kv_transfer=store)  # fmt: skip
     with Hosts(["prefill-0", "decode-0"], prefix="pdtf") as hosts:
         cluster = Cluster(pipeline, "WARNING", restart=None, placements=placements(hosts))
         with cluster as url:
@@ -141,6 +144,7 @@ def split(tiny_served_model):
             yield hosts, url, model, reference
 
 
+@pytest.mark.parametrize("split", BACKENDS, indirect=True)
 def test_a_link_cut_mid_transfer_is_detected_and_the_request_finishes(split):
     hosts, url, model, reference = split
     text, after_s = stream_after_first(url, model, lambda: hosts.set_link("decode-0", up=False))
@@ -152,6 +156,7 @@ def test_a_link_cut_mid_transfer_is_detected_and_the_request_finishes(split):
     blocks_back(url, {"prefill-0", "decode-0"})
 
 
+@pytest.mark.parametrize("split", BACKENDS, indirect=True)
 def test_a_decode_host_that_disappears_leaks_no_prefill_blocks(split):
     hosts, url, model, reference = split
     text, after_s = stream_after_first(url, model, lambda: hosts.remove("decode-0"))
