@@ -14,8 +14,10 @@ submitted to Mooncake in chunks (at most ``WINDOW_CHUNKS`` in flight, so a revok
 stops soon), a ``data`` notice per write once Mooncake reports it applied (its TCP protocol
 v2 acknowledges a write after the receiver copied it; the notice's crc32 is checked over the
 receiver's own memory), then ``lease_end``. A chunk that makes no progress for
-``STALL_TIMEOUT_S`` leaves the write in doubt: the writer closes its connection without
-``lease_end``, so the receiver keeps the blocks fenced (a late chunk may still land).
+``STALL_TIMEOUT_S`` leaves the write in doubt (a late chunk may still land): the request
+fails but its lease stays, so the receiver keeps the blocks fenced, until Mooncake reports
+those chunks completed or failed (checked before each later write on the connection); then
+the writer sends the ``lease_end``.
 """
 
 from __future__ import annotations
@@ -185,6 +187,10 @@ def mooncake_peer(conn: PeerConnection, info: PeerInfo) -> MooncakePeer:
 class InDoubt(TransferError):
     """A submitted chunk neither completed nor failed in time: it may still land."""
 
+    def __init__(self, message: str, in_flight: collections.deque[int]) -> None:
+        super().__init__(message)
+        self.in_flight = in_flight  # the chunks not yet completed or failed
+
 
 class MooncakeWriter(BlockWriter):
     """Writes through ``ctx.mooncake`` into the receiver's reserved blocks under a lease per
@@ -198,22 +204,24 @@ class MooncakeWriter(BlockWriter):
         super().__init__(ctx)
         self.peer: MooncakePeer = ctx.mooncake
         self.checksum = True if ctx.checksum is None else ctx.checksum  # bytes cross a network
+        self._in_doubt: dict[str, collections.deque[int]] = {}  # request -> unresolved chunks
 
     def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
         writes = [[layer, dst, n] for layer in layers for _, dst, n in runs]
+        self._settle()
         if not writes:
             return
-        conn = self.ctx.conn
-        granted = set(conn.request_lease(request_id, writes, LEASE_TIMEOUT_S))
+        granted = set(self.ctx.conn.request_lease(request_id, writes, LEASE_TIMEOUT_S))
         try:
             self._write_granted(request_id, layers, runs, granted)
-        except InDoubt:
-            conn.close()  # no lease_end: the receiver keeps the blocks fenced
+        except InDoubt as e:
+            self._in_doubt[request_id] = e.in_flight  # no lease_end until they resolve
+            self._tell(request_id, lease_end=False, abort=True)
             raise
         except (TransferError, OSError):
-            self._end_lease(request_id, abort=True)
+            self._tell(request_id, lease_end=True, abort=True)
             raise
-        self._end_lease(request_id, abort=False)
+        self._tell(request_id, lease_end=True, abort=False)
 
     def _write_granted(
         self, request_id: str, layers: list[int], runs: list[Run], granted: set[int]
@@ -229,9 +237,25 @@ class MooncakeWriter(BlockWriter):
                     )
                 self._write_run(request_id, layer, src_start, dst_start, num_blocks)
 
-    def _end_lease(self, request_id: str, abort: bool) -> None:
+    def finish(self, request_id: str, num_frames: int, meta: dict[str, Any] | None) -> None:
+        self._settle()
+        super().finish(request_id, num_frames, meta)
+
+    def _settle(self) -> None:
+        """End the leases of in-doubt writes whose chunks have all completed or failed
+        since: no byte of theirs can land any more."""
+        engine = self.peer.endpoint.engine
+        for request_id, in_flight in list(self._in_doubt.items()):
+            while in_flight and engine.transfer_check_status(in_flight[0]) in (1, -1):
+                in_flight.popleft()
+            if not in_flight:
+                del self._in_doubt[request_id]
+                self._tell(request_id, lease_end=True, abort=False)
+
+    def _tell(self, request_id: str, lease_end: bool, abort: bool) -> None:
         try:
-            self.ctx.conn.send({"type": wire.LEASE_END, "request_id": request_id})
+            if lease_end:
+                self.ctx.conn.send({"type": wire.LEASE_END, "request_id": request_id})
             if abort:  # the receiver fails the reservation now, not at its deadline
                 self.ctx.conn.send({"type": wire.ABORT, "request_id": request_id})
         except OSError:
@@ -286,7 +310,8 @@ class MooncakeWriter(BlockWriter):
                 deadline = time.monotonic() + STALL_TIMEOUT_S
             elif status == -2 or time.monotonic() > deadline:
                 raise InDoubt(
-                    f"mooncake write to {self.peer.session} stalled for {STALL_TIMEOUT_S:.0f} s"
+                    f"mooncake write to {self.peer.session} stalled for {STALL_TIMEOUT_S} s",
+                    in_flight,
                 )
             else:
                 time.sleep(POLL_S)

@@ -5,8 +5,10 @@ frees the reservation and is counted under its own label."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -19,7 +21,7 @@ from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.kvcache.manager import KVCacheManager
 from pdserve.request import Request
 from pdserve.sampling_params import SamplingParams
-from pdserve.transfer import make_receiver, make_sender, wire
+from pdserve.transfer import make_receiver, make_sender, mooncake, wire
 from pdserve.transfer.base import TransferStatus
 from pdserve.transfer.layout import KVLayout
 from pdserve.transfer.mooncake import Endpoint, run_offset
@@ -160,3 +162,55 @@ def test_a_failed_mooncake_send_is_counted_under_its_own_label() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+class StalledEngine:
+    """A Mooncake engine whose writes are accepted, then neither complete nor fail, until
+    ``resolved``: then they complete, and later writes go to the real engine."""
+
+    STALLED = 1  # a batch id; real ones are addresses
+
+    def __init__(self) -> None:
+        self.real, self.resolved = None, False
+
+    def transfer_submit_write(self, *args) -> int:
+        return self.real.transfer_submit_write(*args) if self.resolved else self.STALLED
+
+    def transfer_check_status(self, batch_id: int) -> int:
+        if batch_id == self.STALLED:
+            return 1 if self.resolved else 0
+        return self.real.transfer_check_status(batch_id)
+
+
+def test_a_stalled_write_keeps_its_blocks_fenced_until_it_resolves(monkeypatch) -> None:
+    """A chunk that neither completes nor fails may still land: the sender fails the request
+    but keeps its lease, so the receiver fences the blocks rather than hand them to another
+    request (docs/transfer.md, "Fencing"); once the chunk resolves, the next write on the
+    connection ends the lease and the blocks are free."""
+    monkeypatch.setattr(mooncake, "STALL_TIMEOUT_S", 0.2)
+    engine = StalledEngine()
+
+    def stalled(ctx):
+        engine.real = ctx.mooncake.endpoint.engine
+        peer = dataclasses.replace(ctx.mooncake, endpoint=SimpleNamespace(engine=engine))
+        return mooncake.MooncakeWriter(dataclasses.replace(ctx, mooncake=peer))
+
+    p = Pair("mooncake", tx_opts={"make_writer": stalled})
+    try:
+        p.rx.expect("r", [0, 1])
+        p.tx.send(p.peer, "r", [0], [0, 1], [0, 1], last=True)
+        assert_status(wait_finished(p.tx, ["r"]), "r", TransferStatus.FAILED, "stalled")
+        assert_status(wait_finished(p.rx, ["r"]), "r", TransferStatus.FAILED, "aborted")
+        assert p.rx.release("r") is False  # the lease never ended: a write may still land
+        assert p.rx.stats()["num_fenced"] == 1 and p.rx.pop_unfenced() == []
+        engine.resolved = True
+        p.rx.expect("next", [5])
+        p.tx.send(p.peer, "next", [0], [5], [5], last=True)
+        assert_status(wait_finished(p.tx, ["next"]), "next", TransferStatus.DONE)
+        deadline = time.monotonic() + 5
+        while (unfenced := p.rx.pop_unfenced()) == []:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert unfenced == ["r"]
+    finally:
+        p.close()
