@@ -30,7 +30,8 @@ QUANT_GEMV_M_MAX = 16
 # int8 (per 256 or 32 values) with integer dot products (csrc/quant_dot.c), as llama.cpp
 # does; other types dequantize to fp32 (docs/cpu-kernels.md). The integer kernels unpack each
 # weight block once for 4 input rows: 8192x2048, one thread, 16 rows took 1.8-2.1x less time
-# than the fp32 kernel for Q4_K, 2.1-2.5x for Q6_K, and Q8_0 0.95x (AVX-512) to 1.24x (AVX2).
+# than the fp32 kernel for Q4_K, 2.3-2.5x for Q6_K, and Q8_0 0.96x (AVX-512 without VNNI) to
+# 1.25x (AVX2).
 # A row's result is the same in any batch up to here. 0: never.
 INT8_M_MAX = QUANT_GEMV_M_MAX
 # fp32 floats of one dequantized tile on the GEMM path (16 MiB).
