@@ -263,19 +263,21 @@ int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, i
 }
 
 /* Bytes ahead of the row being read that each row's loop prefetches (whole rows: the row
- * that far ahead in the thread's order, through the row map). A decode step streams every
+ * that far ahead, in the first part's row size, in the thread's order, through the row map). A decode step streams every
  * weight from memory once, and on these VMs the hardware prefetcher leaves the integer dot
  * products waiting on it: 8192x2048, one thread, weights streamed from DRAM, Q4_K/Q6_K/Q8_0
  * took 1.4-1.7x less time with it (docs/cpu-kernels.md). */
 #define PF_BYTES 4096
 
-/* The address of row j of the fused weight (rows of `parts` one after another). */
-static inline const uint8_t *qrow(const pd_qpart *parts, int64_t j, int64_t K, int64_t *p_out) {
+/* The address of row j of the fused weight (rows of `parts` one after another, part p's
+ * `row_bytes[p]` bytes each), and its part in *p_out. */
+static inline const uint8_t *qrow(const pd_qpart *parts, const int64_t *row_bytes, int64_t j,
+                                  int64_t *p_out) {
     int64_t p = 0, r = j;
     while (r >= parts[p].rows) r -= parts[p++].rows;
     if (parts[p].rowmap) r = parts[p].rowmap[r];
     *p_out = p;
-    return (const uint8_t *)parts[p].w + r * pd_quant_row_bytes(parts[p].type, K);
+    return (const uint8_t *)parts[p].w + r * row_bytes[p];
 }
 
 /* y[m, j] (row stride ldy) = x[m] . W[j] for the rows W of `parts` [P] one after another;
@@ -285,18 +287,20 @@ static inline const uint8_t *qrow(const pd_qpart *parts, int64_t j, int64_t K, i
  * each x row quantized to int8 once instead. */
 int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
                     float *y, int64_t ldy, int64_t int8_m_max) {
-    int64_t N = 0, int8 = 0;
+    if (P < 1) return -1;
+    int64_t N = 0, int8 = 0, row_bytes[P], dots[P];
     for (int64_t p = 0; p < P; p++) {
-        if (pd_quant_row_bytes(parts[p].type, K) < 0) return -1;
+        if ((row_bytes[p] = pd_quant_row_bytes(parts[p].type, K)) < 0) return -1;
         N += parts[p].rows;
-        int8 |= pd_q8_dot_type(parts[p].type, K);
+        int8 |= dots[p] = M <= int8_m_max && pd_q8_dot_type(parts[p].type, K);
     }
     int64_t xqb = pd_q8_row_bytes(K);
     uint8_t *xq = NULL;
-    if (int8 && M <= int8_m_max) {
+    if (int8) {
         if (!(xq = aligned_alloc(64, M * xqb))) return -1;
         for (int64_t m = 0; m < M; m++) pd_q8_quantize(x + m * K, K, xq + m * xqb);
     }
+    int64_t dist = (PF_BYTES + row_bytes[0] - 1) / row_bytes[0]; /* rows ahead to prefetch */
     int failed = 0;
 #pragma omp parallel PAR_IF(N * K)
     {
@@ -308,16 +312,13 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < N; j++) {
             if (!buf) continue;
-            int64_t p;
-            const uint8_t *row = qrow(parts, j, K, &p);
-            int64_t rb = pd_quant_row_bytes(parts[p].type, K), ahead = j + (PF_BYTES + rb - 1) / rb;
+            int64_t p, pa, ahead = j + dist;
+            const uint8_t *row = qrow(parts, row_bytes, j, &p);
             if (ahead < N) {
-                int64_t pa;
-                const char *next = (const char *)qrow(parts, ahead, K, &pa);
-                int64_t nb = pd_quant_row_bytes(parts[pa].type, K);
-                for (int64_t o = 0; o < nb; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+                const char *next = (const char *)qrow(parts, row_bytes, ahead, &pa);
+                for (int64_t o = 0; o < row_bytes[pa]; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
             }
-            if (xq && pd_q8_dot_type(parts[p].type, K)) {
+            if (dots[p]) {
                 pd_q8_dot(parts[p].type, row, xq, xqb, M, K, y + j, ldy);
                 continue;
             }
