@@ -4,6 +4,7 @@ layers: no two import each other, through any chain of imports."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,17 @@ def test_cycles_finds_one_through_a_function_level_import():
     }
     assert cycles(package_graph(modules)) == [["a", "b", "c"]]
     assert cycles(package_graph({"pdserve.a.x": {"pdserve.b.y"}, "pdserve.b.y": set()})) == []
+
+
+def test_architecture_lists_the_layers_that_hold():
+    """docs/ARCHITECTURE.md's package map is true: every package is on one line, and imports
+    only packages on lower lines."""
+    text = (Path(__file__).parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("## Packages", 1)[1].split("```", 2)[1]
+    rows = [line.split("  ", 1)[0].split(", ") for line in block.strip().splitlines()]
+    layer = {name: -i for i, row in enumerate(rows) for name in row}  # the bottom row is 0
+    graph = package_graph(import_graph(module_names()))
+    del graph["pdserve"]  # the root __init__, above everything
+    assert sorted(layer) == sorted(graph)
+    upward = [f"{a} -> {b}" for a in graph for b in graph[a] if layer[b] >= layer[a]]
+    assert not upward
