@@ -89,7 +89,7 @@ def test_up_help_lists_the_config_fields_with_their_defaults():
     out = pdserve("up", "--help")
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
-    for flag in ("--transfer {auto,shm,tcp}", "--transfer-mode {layerwise,full}",
+    for flag in ("--transfer {auto,shm,tcp,mooncake}", "--transfer-mode {layerwise,full}",
                  "--routing {round_robin,shortest_queue,prefix_cache}", "--kv-host-bytes",
                  "--threads", "--no-prefix-caching", "--block-size BLOCK_SIZE"):  # fmt: skip
         assert flag in text, flag
@@ -105,7 +105,7 @@ def test_up_help_lists_the_config_fields_with_their_defaults():
         ("collocated: {num: 1}\nkv_transfer: {mode: ful}\n", [], "kv_transfer.mode must be "
          "one of ('layerwise', 'full'), got 'ful' (did you mean 'full'?)"),
         ("collocated: {num: 1}\n", ["--transfer", "shn"], "invalid choice 'shn' (choose from "
-         "auto, shm, tcp) (did you mean 'shm'?)"),
+         "auto, shm, tcp, mooncake) (did you mean 'shm'?)"),
         ("collocated: {num: 1}\n", ["--thred", "1"], "(did you mean '--threads'?)"),
         ("collocated: {num: 1}\n", ["--port", "99999"], "port must be <= 65535, got 99999"),
     ],

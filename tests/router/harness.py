@@ -138,14 +138,14 @@ class FakeWorker:
                     messages.Stats(
                         self.worker_id,
                         self.role,
-                        0,
-                        running,
-                        60,
-                        64,
-                        0,
-                        7,
-                        9,
-                        3,
+                        num_waiting=0,
+                        num_running=running,
+                        num_free_blocks=60,
+                        num_total_blocks=64,
+                        num_queued_prefill_tokens=0,
+                        kv_bytes_sent=7,
+                        kv_bytes_received=9,
+                        kv_blocks_skipped=3,
                         **self.cache_stats,
                     )
                 )
