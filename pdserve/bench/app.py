@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from pdserve.bench.arrivals import KINDS, ArrivalSpec
-from pdserve.bench.client import ENDPOINTS, ClientConfig
+from pdserve.bench.client import ENDPOINTS, ClientConfig, wait_until_ready
 from pdserve.bench.metrics import SLO
 from pdserve.bench.runner import RunConfig, RunResult, run_benchmark
 from pdserve.bench.search import find_goodput, parse_scales, slo_scale_sweep
@@ -41,6 +41,9 @@ class BenchConfig:
     ignore_eos: bool = knob(True, "ask the server to generate past EOS")
     temperature: float = knob(0.0, "sampling temperature sent (0: greedy)", ge=0, le=2)
     request_timeout_s: float = knob(600.0, "one request, send to last token", gt=0)
+    ready_timeout_s: float = knob(
+        600.0, "wait up to this for GET /health to answer 200 before sending (0: no wait)", ge=0
+    )
 
     preset: str | None = knob(None, "a workload's length shapes", choices=tuple(PRESETS))
     input_len: str | None = knob(None, "N | uniform:LO:HI | lognormal:MEAN:SIGMA[:MAX]")
@@ -156,6 +159,8 @@ def execute(
         plan.run if url is None else replace(plan.run, client=replace(plan.run.client, url=url))
     )
     served = run is None
+    if served:
+        wait_until_ready(run_cfg.client)
     run = run or (lambda cfg: run_benchmark(plan.sessions, cfg, plan.tokens))
     document: dict[str, object] = {"config": plan.config}
     if plan.search is None:

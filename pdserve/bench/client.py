@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -32,6 +35,7 @@ class ClientConfig:
     ignore_eos: bool = True
     temperature: float = 0.0
     request_timeout_s: float = 600.0
+    ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -154,3 +158,37 @@ async def _exchange(
             stream.last = now
             stream.chunks += 1
             stream.pieces.append(text)
+
+
+def wait_until_ready(cfg: ClientConfig, poll_s: float = 0.5) -> None:
+    """Return once the server's GET /health answers 200 (pdserve, vLLM, SGLang and llama-server
+    answer 503 while their workers or model load), so that a run started beside `pdserve up`
+    does not count start-up refusals. A server without /health (404) counts as ready; a
+    refused key, or no 200 within `ready_timeout_s`, is an error naming the flag."""
+    if cfg.ready_timeout_s <= 0:
+        return
+    root = cfg.endpoint_url
+    for suffix in ENDPOINTS.values():
+        root = root.removesuffix(suffix)
+    url, headers = f"{root}/health", {}
+    if cfg.api_key:
+        headers["Authorization"] = f"Bearer {cfg.api_key}"
+    deadline, last, told = time.monotonic() + cfg.ready_timeout_s, "no answer", False
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5):
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return
+            if exc.code in (401, 403):
+                raise ValueError(f"--api-key: GET {url} answered {exc.code}") from None
+            last = f"{exc.code}: {exc.read(300).decode(errors='replace')}"
+        except (urllib.error.URLError, OSError) as exc:
+            last = str(getattr(exc, "reason", exc))
+        if time.monotonic() >= deadline:
+            raise ValueError(f"--ready-timeout-s {cfg.ready_timeout_s:g}: {url} not ready ({last})")
+        if not told:
+            print(f"pdserve bench: waiting for {url} ({last})", file=sys.stderr, flush=True)
+            told = True
+        time.sleep(poll_s)

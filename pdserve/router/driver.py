@@ -20,7 +20,8 @@ a hung kernel) still looks alive. A worker silent past `first_token_timeout_s` (
 first Tokens) or `token_timeout_s` (between Tokens) counts as lost for the request, and is not
 picked again for it (it may be frozen for every request).
 At most `max_recoveries` re-drives; then the last failure is the client's error (502), and
-"no healthy worker of a role" is a 503 at once.
+"no healthy worker of a role" is a 503 at once for a new request; a re-drive waits for one
+within `admission_timeout_s`.
 
 Invariants: nothing reaches P before D has reserved room (admission lives at D); every worker
 that may still hold work for the attempt is in `outstanding` (or `senders`: a P whose KV is
@@ -164,6 +165,11 @@ class RequestDriver:
             roles = self._servable_roles()
             role = next((r for r in _GENERATE_ROLES if r in roles), None)
             if role is None:
+                if self.num_recoveries and time.monotonic() < deadline:
+                    # A re-drive waits for a worker (a restart, a heartbeat held up by the
+                    # failure) within the admission timeout rather than lose its stream.
+                    await asyncio.sleep(0.05)
+                    continue
                 if self.plane.healthy_roles():
                     raise unavailable("every healthy worker missed a deadline for this request")
                 raise unavailable("no healthy worker can serve the request")

@@ -189,7 +189,8 @@ def test_compare_bad_deployment_and_unreachable_server(tokenizer_dir, tmp_path, 
     assert "unknown deployment '9z9'" in capsys.readouterr().err
 
     out = tmp_path / "down.json"
-    args = bench(tokenizer_dir, "http://127.0.0.1:9", "--num-requests", "3", "--output", str(out))
-    assert main(args) == 0  # every request failed, and the result says so
+    args = bench(tokenizer_dir, "http://127.0.0.1:9", "--num-requests", "3", "--output", str(out),
+                 "--ready-timeout-s", "0")  # fmt: skip
+    assert main(args) == 0  # not waited for: every request failed, and the result says so
     summary = json.loads(out.read_text())["summary"]
     assert summary["num_failed"] == 3 and summary["slo_attainment"] == 0.0

@@ -117,7 +117,9 @@ def stream_after_first(url: str, model: str, fault) -> tuple[str, float]:  # noq
         for line in r.iter_lines():
             if not line.startswith(b"data: {"):
                 continue
-            text += json.loads(line[6:])["choices"][0]["text"]
+            chunk = json.loads(line[6:])
+            assert "choices" in chunk, chunk  # an error event: what went wrong
+            text += chunk["choices"][0]["text"]
             if faulted_at is None:
                 fault()
                 faulted_at = time.monotonic()
