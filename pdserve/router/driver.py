@@ -165,12 +165,15 @@ class RequestDriver:
             roles = self._servable_roles()
             role = next((r for r in _GENERATE_ROLES if r in roles), None)
             if role is None:
-                if self.num_recoveries and time.monotonic() < deadline:
-                    # A re-drive waits for a worker (a restart, a heartbeat held up by the
-                    # failure) within the admission timeout rather than lose its stream.
+                healthy = self.plane.healthy_roles()
+                if self.num_recoveries and not healthy and time.monotonic() < deadline:
+                    # A re-drive with no healthy worker at all waits for one (a restart, a
+                    # heartbeat held up by the failure) within the admission timeout rather
+                    # than lose its stream; workers that missed this request's deadlines
+                    # stay healthy, and waiting would not bring them back.
                     await asyncio.sleep(0.05)
                     continue
-                if self.plane.healthy_roles():
+                if healthy:
                     raise unavailable("every healthy worker missed a deadline for this request")
                 raise unavailable("no healthy worker can serve the request")
             self._new_attempt()
