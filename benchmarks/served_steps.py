@@ -5,19 +5,34 @@ profile's `token_cpu_s` per streamed token. docs/simulator.md, "Served steps".
 
     PDSERVE_STEP_TRACE=/tmp/steps pdserve bench compare ... --deployment collocated=collocated
     .venv/bin/python benchmarks/served_steps.py /tmp/steps --profile profile.json
+
+`--pairs`: a 1P1D prefill worker's step (core 0) against the engine's own lone prefill on the
+same core, a one-thread engine in this process timed just before each served prompt of the
+same length; the median of the pairs' ratios, in wall and in thread CPU time (the stepping
+thread's: a loaded VM's waits for a core left out). The first pair warms up.
+
+    .venv/bin/python benchmarks/served_steps.py --pairs [--tokens 32] [--rounds 9]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
+
+from pdserve import envs
 from pdserve.costmodel.profile import load_profile
 from pdserve.costmodel.step_cost import StepShape
 from pdserve.workers.step_report import read_trace
 
 IDLE_S = 1.0  # longer than any gap between a busy worker's steps
+KV_CACHE_BYTES = 1 << 30
 
 
 def kind(shape: StepShape, idle_s: float) -> str:
@@ -28,16 +43,72 @@ def kind(shape: StepShape, idle_s: float) -> str:
     return f"decode batch {shape.decode_requests if shape.decode_requests < 4 else '4+'}"
 
 
+def pairs(model: str, tokens: int, rounds: int) -> int:
+    from pdserve.cluster.deployments import pipeline_for
+    from pdserve.cluster.launcher import Cluster
+    from pdserve.perf.machine import cpu_name
+    from pdserve.perf.measure import ProfileConfig, pinned_engine, timing_env
+    from pdserve.perf.served import first_token
+    from pdserve.sampling_params import SamplingParams
+    from pdserve.workers.cores import pin_threads
+
+    timing_env()  # before torch loads: the lone engine waits for work as a worker does
+    cfg = ProfileConfig(model=model, threads=(1,), kv_cache_bytes=KV_CACHE_BYTES)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng, cores, lone = np.random.default_rng(0), sorted(os.sched_getaffinity(0)), []
+    with tempfile.TemporaryDirectory() as tmp, envs.step_trace(Path(tmp)):
+        with pinned_engine(cfg, 1) as engine:
+            pin_threads(cores)  # the cluster and the client on every core; the steps on core 0
+            vocab = engine.model_config.vocab_size
+            with Cluster(pipeline_for("1p1d", model, KV_CACHE_BYTES), log_level="WARNING") as url:
+                for i in range(rounds + 1):
+                    engine.add_request(f"p{i}", rng.integers(200, vocab, tokens).tolist(), params)
+                    pin_threads(cores[:1])
+                    wall, cpu = time.perf_counter(), time.thread_time()
+                    engine.step()
+                    lone.append((time.perf_counter() - wall, time.thread_time() - cpu))
+                    pin_threads(cores)
+                    while engine.has_unfinished_requests():
+                        engine.step()
+                    time.sleep(0.1)  # the lone engine's threads asleep before the prompt
+                    first_token(url, model, rng.integers(200, vocab, tokens).tolist(), 2)
+        rows = [json.loads(line) for path in Path(tmp).glob("prefill*.steps.jsonl")
+                for line in path.read_text().splitlines()]  # fmt: skip
+    served = [(r["seconds"], r["cpu_seconds"]) for r in rows
+              if r["prefill_tokens"] == tokens and not r["decode_requests"]]  # fmt: skip
+    lone, served = lone[1:], served[len(served) - rounds :]  # the first pair warms up
+    print(f"{cpu_name()}, load {os.getloadavg()[0]:.2f}, {tokens}-token prompts, "
+          f"{envs.cpu_isa()} kernels, ms, medians of {rounds} pairs")  # fmt: skip
+    for i, what in enumerate(("wall", "thread CPU")):
+        ratio = statistics.median(s[i] / a[i] for a, s in zip(lone, served, strict=True))
+        print(f"{what:>10}: prefill worker {statistics.median(s[i] for s in served) * 1e3:7.1f}"
+              f"  lone engine {statistics.median(a[i] for a in lone) * 1e3:7.1f}"
+              f"  ratio {ratio:.3f}")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", help="the PDSERVE_STEP_TRACE folder")
-    parser.add_argument("--profile", required=True)
+    parser.add_argument("trace", nargs="?", help="the PDSERVE_STEP_TRACE folder")
+    parser.add_argument("--profile")
+    parser.add_argument("--pairs", action="store_true", help="a 1P1D prefill step against "
+                        "the engine's lone prefill on the same core")  # fmt: skip
+    parser.add_argument("--model", default="smollm2-135m", help="--pairs: the model")
+    parser.add_argument("--tokens", type=int, default=32, help="--pairs: prompt length")
+    parser.add_argument("--rounds", type=int, default=9, help="--pairs: pairs counted")
     args = parser.parse_args()
-    profile = load_profile(args.profile)
+    if args.pairs:
+        return pairs(args.model, args.tokens, args.rounds)
+    if not args.trace or not args.profile:
+        parser.error("a trace folder and --profile, or --pairs")
+    return against_profile(args.trace, load_profile(args.profile))
+
+
+def against_profile(trace: str, profile) -> int:
     token_cpu_s = profile.served.token_cpu_s
     print(f"{'worker/threads':18} {'kind':22} {'steps':>6} {'measured ms':>12} {'predicted':>10} "
           f"{'ratio':>6} {'+cpu':>6}")  # fmt: skip
-    for path in sorted(Path(args.trace).glob("*.steps.jsonl")):
+    for path in sorted(Path(trace).glob("*.steps.jsonl")):
         by_kind: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
         last_end = None
         # a worker id is its role's name and an index (cluster/launcher.py)

@@ -45,19 +45,22 @@ class StepLog:
 
 class StepTrace:
     """Appends one JSON line per step to `<folder>/<worker_id>.steps.jsonl`: the step's
-    `StepShape` fields, `threads`, `start` (Unix seconds) and `seconds`. Line-buffered, so a
-    worker that dies keeps every step it finished; a restarted worker appends."""
+    `StepShape` fields, `threads`, `start` (Unix seconds), `seconds` and `cpu_seconds` (the
+    stepping thread's CPU time: wall time less waits for a core, on one thread). Line-buffered,
+    so a worker that dies keeps every step it finished; a restarted worker appends."""
 
     def __init__(self, folder: Path, worker_id: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"{worker_id}.steps.jsonl"
         self._file = self.path.open("a", buffering=1)
 
-    def record(self, shape: StepShape, threads: int, start: float, seconds: float) -> None:
+    def record(
+        self, shape: StepShape, threads: int, start: float, seconds: float, cpu_seconds: float
+    ) -> None:
         if shape.is_empty:
             return
         row = {**asdict(shape), "threads": threads, "start": round(start, 6),
-               "seconds": round(seconds, 6)}  # fmt: skip
+               "seconds": round(seconds, 6), "cpu_seconds": round(cpu_seconds, 6)}  # fmt: skip
         self._file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
@@ -70,5 +73,6 @@ def read_trace(path: str | Path) -> list[tuple[StepShape, int, float, float]]:
     for line in Path(path).read_text().splitlines():
         row = json.loads(line)
         threads, start, seconds = row.pop("threads"), row.pop("start"), row.pop("seconds")
+        row.pop("cpu_seconds", None)
         steps.append((StepShape(**row), threads, start, seconds))
     return steps

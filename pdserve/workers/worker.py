@@ -282,7 +282,7 @@ class Worker:
 
     def _step(self) -> None:
         wid = self.spec.worker_id
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         outputs = self.engine.step()
         now = time.perf_counter()
         if self.steps is not None:
@@ -290,7 +290,7 @@ class Worker:
         if self.trace is not None:
             seconds = now - started  # its start in Unix time, read only while tracing:
             self.trace.record(self.engine.last_shape, self.cores.threads, time.time() - seconds,
-                              seconds)  # fmt: skip
+                              seconds, time.thread_time() - cpu)  # fmt: skip
         for out in outputs:
             if out.error is not None:
                 self.send(m.Failed(wid, out.request_id, out.error))

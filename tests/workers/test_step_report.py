@@ -17,12 +17,12 @@ from tests.workers.conftest import WorkerProcess
 
 def test_a_trace_keeps_each_step_and_skips_empty_ones(tmp_path):
     trace = StepTrace(tmp_path / "steps", "w0")
-    trace.record(StepShape(12, 0, 78.0, 0, 1), 2, 1000.5, 0.25)
-    trace.record(StepShape(), 2, 1001.0, 0.001)  # nothing admitted: no sample
-    trace.record(StepShape(0, 3, 0.0, 40), 1, 1001.5, 0.02)
+    trace.record(StepShape(12, 0, 78.0, 0, 1), 2, 1000.5, 0.25, 0.2)
+    trace.record(StepShape(), 2, 1001.0, 0.001, 0.001)  # nothing admitted: no sample
+    trace.record(StepShape(0, 3, 0.0, 40), 1, 1001.5, 0.02, 0.02)
     trace.close()
     again = StepTrace(tmp_path / "steps", "w0")  # a restarted worker appends
-    again.record(StepShape(0, 1, 0.0, 9), 1, 1002.0, 0.01)
+    again.record(StepShape(0, 1, 0.0, 9), 1, 1002.0, 0.01, 0.01)
     again.close()
     steps = read_trace(tmp_path / "steps" / "w0.steps.jsonl")
     assert steps == [
@@ -53,4 +53,7 @@ def test_a_served_workers_trace_matches_its_step_reports(tiny_model_dir, tmp_pat
         assert seconds == pytest.approx(row[6], abs=1e-5)
         assert start > 0
     assert all(a[2] < b[2] for a, b in zip(traced, traced[1:]))  # in the order they ran
-    json.loads((tmp_path / "w.steps.jsonl").read_text().splitlines()[0])  # one JSON per line
+    lines = (tmp_path / "w.steps.jsonl").read_text().splitlines()
+    for line, (_, _, _, seconds) in zip(lines, traced, strict=True):  # one JSON per line
+        cpu_s = json.loads(line)["cpu_seconds"]  # the stepping thread's CPU time
+        assert 0 < cpu_s <= seconds + 2e-3
