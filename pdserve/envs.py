@@ -25,8 +25,8 @@ C_COMPILER = "CC"  # the compiler for the native kernels (gcc)
 # duration) to `<folder>/<worker id>.steps.jsonl` (workers/step_report.py, `StepTrace`), for
 # comparing served steps with a profile (`benchmarks/served_steps.py`). Unset: no trace.
 STEP_TRACE = "PDSERVE_STEP_TRACE"
-# Where this process runs, for the transfer channel: peers with equal ids use shm. Default:
-# hostname + boot id; Ray placement sets it to the Ray node (pdserve/cluster/ray_actors.py).
+# Where this process runs, for the transfer channel: shm only between peers with equal ids
+# (and then only where the receiver's segment is seen). Default: hostname + boot id.
 HOST_ID = "PDSERVE_HOST_ID"
 # Bytes the launcher's memory plan takes as this host's available memory instead of
 # MemAvailable and the cgroup limit (cluster/memory_plan.py), e.g. "16GiB" to leave the rest
@@ -93,11 +93,6 @@ def cache_dir() -> Path:
 
 def host_id() -> str | None:
     return os.environ.get(HOST_ID) or None
-
-
-def set_host_id(value: str) -> None:
-    """For this process, before any transfer endpoint starts (a Ray actor: its node)."""
-    os.environ[HOST_ID] = value
 
 
 def memory_available_bytes() -> int | None:

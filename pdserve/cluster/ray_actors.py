@@ -43,9 +43,10 @@ def _fetch_keys(secret_refs: list) -> dict[str, Any]:
 
 class WorkerActor:
     def __init__(self, spec_json: str, router: Any, log_level: str) -> None:
+        # Transfer `auto` picks shm where the receiver's segment is the very file this process
+        # sees (transfer/peer.py), not by Ray node: two nodes of one machine share /dev/shm,
+        # while a node in a container or namespace with its own /dev/shm does not.
         self.node_id, self.node_ip = _node()
-        # Transfer `auto`: shm only with peers on this Ray node (wire.host_identity()).
-        envs.set_host_id(f"ray-node/{self.node_id}")
         spec = WorkerSpec.from_json(spec_json)
         logging.basicConfig(
             level=log_level.upper(),

@@ -190,8 +190,8 @@ def str_field(header: dict[str, Any], name: str) -> str:
 @functools.cache
 def host_identity() -> str:
     """Hostname + kernel boot id: equal on both ends only when they share a machine (and
-    so can share /dev/shm). The boot id tells apart hosts that reuse a hostname. A placement
-    that knows better (the Ray node) sets `envs.HOST_ID` instead."""
+    so can share /dev/shm). The boot id tells apart hosts that reuse a hostname. `PDSERVE_HOST_ID`
+    overrides it (`envs.HOST_ID`)."""
     if envs.host_id():
         return envs.host_id()
     try:
