@@ -177,6 +177,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pd_q8_quantize.argtypes = [_ptr, _i64, _ptr]
     lib.pd_q8_quantize.restype = None
     lib.pd_quant_linear.restype = ctypes.c_int
+    if hasattr(lib, "pd_quant_linear_amx"):
+        lib.pd_quant_linear_amx.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64]
+        lib.pd_quant_linear_amx.restype = ctypes.c_int
     return lib
 
 

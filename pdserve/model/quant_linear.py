@@ -36,6 +36,11 @@ QUANT_GEMV_M_MAX = 16
 INT8_M_MAX = QUANT_GEMV_M_MAX
 # fp32 floats of one dequantized tile on the GEMM path (16 MiB).
 TILE_FLOATS = 1 << 22
+# Above QUANT_GEMV_M_MAX rows, on the amx kernels, weights of block types (Q4_0 ... Q6_K)
+# take AMX bf16 tiles (csrc/quant_amx.c: x and the dequantized weights rounded to bf16, within
+# the int8 path's bound); F32/F16/BF16 weights, and the other kernel variants, keep the fp32
+# dequantize-and-GEMM path (docs/cpu-kernels.md). False: never.
+AMX_TILES = True
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,27 @@ class QuantLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    @property
+    def amx_tiles(self) -> bool:
+        """Whether calls above QUANT_GEMV_M_MAX rows take AMX bf16 tiles (csrc/quant_amx.c)."""
+        return (
+            AMX_TILES
+            and hasattr(self.lib, "pd_quant_linear_amx")
+            and self.in_features % 32 == 0
+            and all(BLOCKS[p.qtype][0] > 1 for p in self.parts)
+        )
+
+    def _dequantize_then_matmul(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y = x W^T a tile of weight rows at a time, dequantized to fp32 (PyTorch's GEMM)."""
+        col = 0
+        for part in self.parts:
+            tile = max(16, TILE_FLOATS // part.cols)
+            for first in range(0, part.rows, tile):
+                count = min(tile, part.rows - first)
+                w = part.dequantize_rows(self.lib, first, count)
+                y[:, col + first : col + first + count] = x @ w.T
+            col += part.rows
+
     def as_c(self) -> native.PdWeight:
         """This linear as a `pd_decode_layers` weight (valid while the module lives)."""
         return native.PdWeight(ctypes.addressof(self._linear_c), native.PD_GGUF)
@@ -110,23 +136,22 @@ class QuantLinear(nn.Module):
         x = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.out_features)
+        n, out = len(self.parts), self.out_features
         if m <= QUANT_GEMV_M_MAX:
-            n, out = len(self.parts), self.out_features
             rc = self.lib.pd_quant_linear(
                 x.data_ptr(), m, self.in_features, self._parts_c, n, y.data_ptr(), out,
                 INT8_M_MAX,
             )  # fmt: skip
             if rc != 0:
                 raise MemoryError("the quantized GEMV could not allocate its row buffer")
+        elif self.amx_tiles:
+            rc = self.lib.pd_quant_linear_amx(
+                x.data_ptr(), m, self.in_features, self._parts_c, n, y.data_ptr(), out
+            )
+            if rc != 0:
+                raise MemoryError("the AMX quantized GEMM could not allocate its buffers")
         else:
-            col = 0
-            for part in self.parts:
-                tile = max(16, TILE_FLOATS // part.cols)
-                for first in range(0, part.rows, tile):
-                    count = min(tile, part.rows - first)
-                    w = part.dequantize_rows(self.lib, first, count)
-                    y[:, col + first : col + first + count] = x @ w.T
-                col += part.rows
+            self._dequantize_then_matmul(x, y)
         if self.bias is not None:
             y += self.bias
         return y.to(dtype).view(*lead, self.out_features)

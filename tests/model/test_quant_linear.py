@@ -56,6 +56,7 @@ INT8 = {Q.Q8_0: 32, Q.Q4_K: 256, Q.Q6_K: 256}
 @pytest.mark.parametrize("m", [1, 3, 5, QUANT_GEMV_M_MAX + 7])
 def test_linear_matches_dequantize_then_matmul(lib, qtype, m, monkeypatch):
     """The fp32 kernels (every type; the int8 ones with int8 activations switched off)."""
+    monkeypatch.setattr(quant_linear, "AMX_TILES", False)
     if qtype in INT8:
         monkeypatch.setattr(quant_linear, "INT8_M_MAX", 0)
     rng = np.random.default_rng(int(qtype) * 100 + m)
@@ -164,7 +165,7 @@ def test_vnni_build_equals_the_avx512_one(monkeypatch):
         assert torch.equal(QuantLinear(vnni, weight)(x), QuantLinear(plain, weight)(x)), qtype
 
 
-def test_int8_up_to_int8_m_max_rows_by_default(lib):
+def test_int8_up_to_int8_m_max_rows_by_default(lib, monkeypatch):
     rng = np.random.default_rng(2)
     data = random_tensor(Q.Q4_K, 4, 256, rng)
     w = reference(data, Q.Q4_K, 4, 256)
@@ -173,7 +174,10 @@ def test_int8_up_to_int8_m_max_rows_by_default(lib):
     x = torch.randn(m + 1, 256, generator=torch.Generator().manual_seed(2))
     exact, scale = int8_reference(w, x[:m], 256)
     assert np.all(np.abs(linear(x[:m]).numpy() - exact) <= 1e-6 * scale)
+    with_amx = linear.amx_tiles
+    monkeypatch.setattr(quant_linear, "AMX_TILES", False)
     torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4)  # one more: fp32
+    assert with_amx == hasattr(lib, "pd_quant_linear_amx")  # ... or AMX tiles (below)
 
 
 @pytest.mark.parametrize("m", [1, QUANT_GEMV_M_MAX + 1])
@@ -181,6 +185,7 @@ def test_fused_parts_row_map_and_bias(lib, m, monkeypatch):
     """Q4_K and Q6_K parts (as in a Q4_K_M file) side by side, one read through a row map
     (the fp32 kernels)."""
     monkeypatch.setattr(quant_linear, "INT8_M_MAX", 0)
+    monkeypatch.setattr(quant_linear, "AMX_TILES", False)
     rng = np.random.default_rng(7)
     a, b = random_tensor(Q.Q4_K, 8, 256, rng), random_tensor(Q.Q6_K, 5, 256, rng)
     rowmap = torch.tensor([3, 1, 0, 7, 2, 6, 5, 4])
@@ -232,3 +237,82 @@ def test_wrong_byte_shape_is_refused():
     data = np.zeros((4, 100), np.uint8)
     with pytest.raises(ValueError, match="do not hold"):
         QuantTensor(data, int(Q.Q4_K), 4, 256, "blk.0.attn_q.weight")
+
+
+def amx_lib(lib):
+    if not hasattr(lib, "pd_quant_linear_amx"):
+        pytest.skip(f"the {lib.isa} kernels have no AMX tiles")
+    return lib
+
+
+def bf16_bound(w: torch.Tensor, x: torch.Tensor) -> np.ndarray:
+    """max |y_amx - y_fp32| per output: x and w each rounded to bf16 (2^-9 of the value at
+    most), exact products, fp32 sums: |x w| (2^-8 + 2^-18) per product."""
+    product = np.abs(x.numpy().astype(np.float64)) @ np.abs(w.numpy().astype(np.float64)).T
+    return product * (2.0**-8 + 2.0**-18)
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if BLOCKS[t][0] > 1], ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [QUANT_GEMV_M_MAX + 1, 33, 70])
+def test_amx_tiles_within_the_int8_bound(lib, qtype, m):
+    """Above QUANT_GEMV_M_MAX rows every block type takes AMX bf16 tiles (csrc/quant_amx.c):
+    within bf16's bound of the fp32 matmul, which is inside the int8 activations' bound (per
+    32 values, the tighter of the two int8 blocks); odd row and column counts."""
+    lib = amx_lib(lib)
+    rng = np.random.default_rng(int(qtype) * 1000 + m)
+    rows, cols = 37, 768
+    data = random_tensor(qtype, rows, cols, rng)
+    w = reference(data, qtype, rows, cols)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)) * 3
+    linear = QuantLinear(lib, [QuantTensor(data, int(qtype), rows, cols, "w")])
+    assert linear.amx_tiles
+    err = np.abs(linear(x).numpy() - (x @ w.T).numpy())
+    _, scale = int8_reference(w, x, 32)  # fp32 sums: measured 3e-8 of the scale
+    assert np.all(err <= bf16_bound(w, x) + 1e-6 * scale)
+    assert np.all(bf16_bound(w, x) <= rounding_bound(w, x, 32))
+    assert np.all(err <= rounding_bound(w, x, 32) + 1e-6 * scale)
+    assert err.max() > 0  # bf16 did round
+
+
+@pytest.mark.parametrize("qtype", list(INT8), ids=lambda q: q.name)
+def test_a_row_differs_across_the_16_row_threshold_within_the_bounds(lib, qtype):
+    """The same rows through the int8 kernel (16 rows) and AMX tiles (41): each is within
+    its bound of the fp32 matmul, so they differ by at most the two bounds together."""
+    lib = amx_lib(lib)
+    rng = np.random.default_rng(int(qtype) + 5)
+    data = random_tensor(qtype, 29, 512, rng)
+    w = reference(data, qtype, 29, 512)
+    linear = QuantLinear(lib, [QuantTensor(data, int(qtype), 29, 512, "w")])
+    x = torch.randn(41, 512, generator=torch.Generator().manual_seed(41)) * 2
+    small, large = linear(x[:QUANT_GEMV_M_MAX]), linear(x)[:QUANT_GEMV_M_MAX]
+    x16 = x[:QUANT_GEMV_M_MAX]
+    _, scale = int8_reference(w, x16, INT8[qtype])
+    bound = rounding_bound(w, x16, INT8[qtype]) + bf16_bound(w, x16) + 2e-6 * scale
+    assert np.all(np.abs((small - large).numpy()) <= bound)
+
+
+def test_amx_fused_parts_row_map_and_bias(lib):
+    """A fused Q4_K (row map) | Q6_K | Q4_0 linear on AMX tiles with a bias; an F16 part
+    sends the whole linear to the fp32 path."""
+    lib = amx_lib(lib)
+    rng = np.random.default_rng(17)
+    k, m = 512, 45
+    shapes = ((Q.Q4_K, 40), (Q.Q6_K, 5), (Q.Q4_0, 3))
+    a, b, c = (random_tensor(t, n, k, rng) for t, n in shapes)
+    rowmap = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    parts = [QuantTensor(a, int(Q.Q4_K), 40, k, "a", rowmap)]
+    parts += [QuantTensor(b, int(Q.Q6_K), 5, k), QuantTensor(c, int(Q.Q4_0), 3, k)]
+    bias = torch.randn(48)
+    linear = QuantLinear(lib, parts, bias)
+    assert linear.amx_tiles
+    w = torch.cat([reference(a, Q.Q4_K, 40, k)[rowmap], reference(b, Q.Q6_K, 5, k),
+                   reference(c, Q.Q4_0, 3, k)])  # fmt: skip
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    _, scale = int8_reference(w, x, 32)
+    err = np.abs((linear(x) - bias).numpy() - (x @ w.T).numpy())
+    assert np.all(err <= bf16_bound(w, x) + 1e-6 * scale)
+    f16 = random_tensor(Q.F16, 6, k, rng)
+    mixed = QuantLinear(lib, [*parts, QuantTensor(f16, int(Q.F16), 6, k)])
+    assert not mixed.amx_tiles
+    wf = torch.cat([w, reference(f16, Q.F16, 6, k)])
+    torch.testing.assert_close(mixed(x), x @ wf.T, rtol=1e-5, atol=1e-4 * wf.abs().max())

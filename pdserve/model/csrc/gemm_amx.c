@@ -55,13 +55,16 @@ int64_t pd_amx_m_min(void) { return AMX_M_MIN; }
 /* Palette 1, all eight tiles 16 rows of 64 bytes. Loaded at the start of each thread's
  * share of a call (another library, e.g. oneDNN's bf16 kernels, may have configured the
  * tiles differently on the same thread), released at its end. */
-static void tiles_configure(void) {
+void pd_amx_tiles_configure(void) {
     struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
         uint8_t rows[16];
     } __attribute__((packed, aligned(64))) cfg = {.palette = 1};
     for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = TILE_ROWS;
+    /* GCC does not count ldtilecfg as reading cfg: without this the stores above are dropped
+     * once the function is not inlined (tiles unconfigured: the first tile op faults) */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
@@ -214,7 +217,7 @@ int pd_linear_panels_amx(const float *x, const void *wp, int64_t codec, const fl
         int64_t bt_bytes = 3 * B_TILE * 2, acc_bytes = ROW_TILES * TILE_ROWS * PANEL * 4;
         uint8_t *scratch = grown(&tile_buf, &tile_cap, bt_bytes + 3 * 1024 + acc_bytes);
         failed = !scratch;
-        if (scratch) tiles_configure();
+        if (scratch) pd_amx_tiles_configure();
         for (int64_t t0 = 0; t0 < Mp; t0 += ROW_TILES * TILE_ROWS) {
             int64_t rows = Mp - t0 < ROW_TILES * TILE_ROWS ? Mp - t0 : ROW_TILES * TILE_ROWS;
 #pragma omp for schedule(dynamic)

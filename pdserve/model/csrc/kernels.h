@@ -207,6 +207,26 @@ typedef struct {
 } pd_qlinear;
 int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
                     float *y, int64_t ldy, int64_t int8_m_max);
+int64_t pd_quant_row_bytes(int64_t type, int64_t K);
+int pd_quant_row_f32(int64_t type, const void *row, float *out, int64_t K);
+int pd_quant_block_type(int64_t type);
+/* The address of row j of a fused weight (rows of `parts` one after another, part p's
+ * `row_bytes[p]` bytes each), and its part in *p_out. */
+static inline const uint8_t *pd_qrow(const pd_qpart *parts, const int64_t *row_bytes, int64_t j,
+                                     int64_t *p_out) {
+    int64_t p = 0, r = j;
+    while (r >= parts[p].rows) r -= parts[p++].rows;
+    if (parts[p].rowmap) r = parts[p].rowmap[r];
+    *p_out = p;
+    return (const uint8_t *)parts[p].w + r * row_bytes[p];
+}
+#ifdef __AMX_BF16__
+/* gemm_amx.c: palette 1, eight 16x64-byte tiles, on the calling thread. */
+void pd_amx_tiles_configure(void);
+/* quant_amx.c: many rows against GGUF block weights on AMX bf16 tiles. */
+int pd_quant_linear_amx(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
+                        float *y, int64_t ldy);
+#endif
 /* quant_dot.c: GGUF weight rows against int8-quantized activation rows. */
 int pd_q8_dot_type(int64_t type, int64_t K);
 int64_t pd_q8_row_bytes(int64_t K);

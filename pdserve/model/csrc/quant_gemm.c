@@ -240,6 +240,22 @@ static float dequant_row_dot(int64_t type, const uint8_t *row, float *buf, int64
 /* Whether dequant_row_dot can take for `type` (the block types; not F32/F16/BF16). */
 static inline int fuses(int64_t type) { return type != T_F32 && type != T_F16 && type != T_BF16; }
 
+/* Row `row` of a `type` weight to fp32 (quant_amx.c's tiles start from it); 0, or -1 for a
+ * type not handled. */
+int pd_quant_row_f32(int64_t type, const void *row, float *out, int64_t K) {
+    if (pd_quant_row_bytes(type, K) < 0) return -1;
+    dequant_row(type, (const uint8_t *)row, out, K);
+    return 0;
+}
+
+/* Whether `type` is a block type (each value rounded to bf16 loses at most what int8
+ * activations do: quant_amx.c). */
+int pd_quant_block_type(int64_t type) {
+    int64_t qk, bytes;
+    block_shape(type, &qk, &bytes);
+    return qk > 1;
+}
+
 /* Bytes of one K-value row of `type`, or -1 when the type is not handled or K is not a
  * whole number of its blocks. */
 int64_t pd_quant_row_bytes(int64_t type, int64_t K) {
@@ -269,16 +285,6 @@ int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, i
  * took 1.4-1.7x less time with it (docs/cpu-kernels.md). */
 #define PF_BYTES 4096
 
-/* The address of row j of the fused weight (rows of `parts` one after another, part p's
- * `row_bytes[p]` bytes each), and its part in *p_out. */
-static inline const uint8_t *qrow(const pd_qpart *parts, const int64_t *row_bytes, int64_t j,
-                                  int64_t *p_out) {
-    int64_t p = 0, r = j;
-    while (r >= parts[p].rows) r -= parts[p++].rows;
-    if (parts[p].rowmap) r = parts[p].rowmap[r];
-    *p_out = p;
-    return (const uint8_t *)parts[p].w + r * row_bytes[p];
-}
 
 /* y[m, j] (row stride ldy) = x[m] . W[j] for the rows W of `parts` [P] one after another;
  * x [M, K] contiguous. All output rows of all parts are split across the threads in one
@@ -313,9 +319,9 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
         for (int64_t j = 0; j < N; j++) {
             if (!buf) continue;
             int64_t p, pa, ahead = j + dist;
-            const uint8_t *row = qrow(parts, row_bytes, j, &p);
+            const uint8_t *row = pd_qrow(parts, row_bytes, j, &p);
             if (ahead < N) {
-                const char *next = (const char *)qrow(parts, row_bytes, ahead, &pa);
+                const char *next = (const char *)pd_qrow(parts, row_bytes, ahead, &pa);
                 for (int64_t o = 0; o < row_bytes[pa]; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
             }
             if (dots[p]) {
