@@ -4,10 +4,15 @@ GGUF files and known model names are first converted into such a directory by
 `registry.resolve_model` (once, cached); a directory made for a GGUF whose matrices are read in
 place from the file (K-quants and the other types of gguf_convert.reads_in_place) holds no
 weights, and its model is built by gguf_weights.py.
+
+A Hugging Face checkpoint of bf16 or fp16 matrices run with fp32 activations on the CPU is read
+in place from its mapped files (safetensors_weights.py, where `reads_in_place` states the rule);
+other checkpoints (fp32 ones, and any run on CUDA or in another dtype) load as fp32 tensors here.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -15,10 +20,18 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pdserve.config import DTYPES
+from pdserve.model import native
 from pdserve.model.config import ModelConfig
 from pdserve.model.gguf_weights import load_gguf_model, weights_source
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.rope import cos_sin_table
+from pdserve.model.safetensors_weights import (
+    load_safetensors_model,
+    map_checkpoint,
+    reads_in_place,
+)
+
+log = logging.getLogger(__name__)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -86,6 +99,17 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> 
         if dtype != "float32":
             raise ValueError(f"{gguf_path}: quantized GGUF weights run with dtype float32")
         return load_gguf_model(gguf_path, cfg, device)
+    if torch.device(device).type == "cpu" and dtype == "float32":
+        entries = map_checkpoint(model_dir)
+        if reads_in_place(entries):
+            lib = native.load()
+            if lib is not None:
+                return load_safetensors_model(entries, cfg, lib, model_dir)
+            log.warning(
+                "%s: the native CPU kernels cannot run here (docs/cpu-kernels.md), so its "
+                "bf16/fp16 weights are converted to fp32 in memory instead of read in place",
+                model_dir,
+            )
     state = to_model_state_dict(read_safetensors(model_dir), cfg)
     with torch.device("meta"):  # no memory for weights that are about to be replaced
         model = LlamaForCausalLM(cfg)

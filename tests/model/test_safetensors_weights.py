@@ -1,0 +1,229 @@
+"""A bf16/fp16 Hugging Face checkpoint is read in place (safetensors_weights.py): its logits and
+greedy tokens equal transformers' run in fp32 on the same values, its mapped pages are shared
+between processes, and loading it holds no fp32 copy."""
+
+import json
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pdserve.model import native
+from pdserve.model.loader import load_model
+from pdserve.model.quant_linear import QuantLinear
+from pdserve.model.safetensors_weights import in_place_bytes, map_checkpoint
+from tests.model.test_families import (
+    FAMILIES,
+    PROMPTS,
+    generate,
+    hf_generate,
+    hf_logits,
+    make_family,
+)
+from tests.model.test_gguf_weights import mapping
+from tests.model.test_llama import our_logits
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="needs the native CPU kernels")
+BF16, F16 = 30, 1
+
+
+def save_as(fp32_dir, out_dir, dtype: torch.dtype, **save_kwargs):
+    """transformers' save_pretrained of the fp32 model `fp32_dir` cast to `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=dtype)
+    model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)
+    return out_dir
+
+
+def weight_types(model) -> set[int]:
+    return {p.qtype for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
+
+
+@pytest.fixture(scope="module", params=[f for f in FAMILIES if f != "llama2"])
+def bf16_family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    fp32_dir = make_family(root / "fp32", request.param)
+    return request.param, save_as(fp32_dir, root / "bf16", torch.bfloat16)
+
+
+def test_bf16_checkpoint_is_read_in_place_as_transformers_runs_it(bf16_family):
+    """transformers widens the same bf16 values to fp32; the kernels do too, so the logits
+    differ only by summation order and every greedy token is the same."""
+    name, model_dir = bf16_family
+    assert {e.dtype for e in map_checkpoint(model_dir).values()} == {"BF16"}
+    model = load_model(model_dir)
+    assert weight_types(model) == {BF16}
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    ids = PROMPTS[0]
+    torch.testing.assert_close(
+        our_logits(model, ids), hf_logits(model_dir, ids), atol=1e-4, rtol=1e-4
+    )
+    expected = [hf_generate(model_dir, p) for p in PROMPTS]
+    tokens, engine = generate(model_dir, "native")
+    assert engine.runner.model.layers.one_call  # the one-call decode step on mapped weights
+    assert tokens == expected
+    assert generate(model_dir, "torch")[0] == expected
+
+
+def test_qwen2_biases_on_every_kernel_variant(lib, tmp_path):
+    """Q/K/V biases beside mapped bf16 weights in the one-call decode step, per ISA build."""
+    model_dir = save_as(make_family(tmp_path / "fp32", "qwen2"), tmp_path / "bf16", torch.bfloat16)
+    tokens, engine = generate(model_dir, "native")
+    assert engine.runner.kernels.isa == lib.isa and engine.runner.model.layers.one_call
+    assert tokens == [hf_generate(model_dir, p) for p in PROMPTS]
+
+
+def test_f16_and_sharded_checkpoints(tmp_path):
+    fp32_dir = make_family(tmp_path / "fp32", "llama3-untied")
+    f16_dir = save_as(fp32_dir, tmp_path / "f16", torch.float16)
+    sharded = save_as(fp32_dir, tmp_path / "sharded", torch.float16, max_shard_size="40KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    assert (sharded / "model.safetensors.index.json").is_file()
+    ids = PROMPTS[0]
+    whole, shards = load_model(f16_dir), load_model(sharded)
+    assert weight_types(whole) == weight_types(shards) == {F16}
+    torch.testing.assert_close(
+        our_logits(whole, ids), hf_logits(f16_dir, ids), atol=1e-4, rtol=1e-4
+    )
+    assert torch.equal(our_logits(shards, ids), our_logits(whole, ids))
+
+
+def test_fp32_checkpoint_loads_as_fp32_tensors(tiny_model_dir):
+    """The rule: fp32 checkpoints keep the fp32 path (nn.Linear, panels, oneDNN)."""
+    model = load_model(tiny_model_dir)
+    assert not weight_types(model) and isinstance(model.lm_head, torch.nn.Linear)
+    assert in_place_bytes(tiny_model_dir) == 0
+
+
+def test_bf16_runs_in_another_dtype_load_as_before(bf16_family):
+    name, model_dir = bf16_family
+    model = load_model(model_dir, dtype="bfloat16")
+    assert not weight_types(model) and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def rewrite(model_dir, change):
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_missing_and_unused_tensors_are_named(bf16_family, tmp_path):
+    name, model_dir = bf16_family
+    missing = save_as(model_dir, tmp_path / "missing", torch.bfloat16)
+    rewrite(missing, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks the tensor 'model\.layers\.1\.mlp\.down_proj"):
+        load_model(missing)
+    extra = save_as(model_dir, tmp_path / "extra", torch.bfloat16)
+    rewrite(
+        extra, lambda t: t.update({"model.layers.9.extra.weight": torch.zeros(2, 2).bfloat16()})
+    )
+    with pytest.raises(ValueError, match=r"does not use: \['model\.layers\.9\.extra\.weight'\]"):
+        load_model(extra)
+
+
+def header_file(path, header: dict, data: bytes = b"") -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+@pytest.mark.parametrize(
+    "header, data",
+    [
+        ({"w": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 32]}}, b"\0" * 16),
+        ({"w": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 16]}}, b"\0" * 32),
+        ({"w": {"dtype": "BF16", "shape": [4], "data_offsets": [8, 0]}}, b"\0" * 8),
+        ({"w": {"dtype": "BF16", "shape": [4]}}, b"\0" * 8),
+        ({"w": [1, 2]}, b""),
+        ([1, 2], b""),
+    ],
+    ids=["past-end", "wrong-size", "reversed", "no-offsets", "not-an-object", "list-header"],
+)
+def test_hostile_headers_are_refused_by_file(tmp_path, header, data):
+    header_file(tmp_path / "model.safetensors", header, data)
+    with pytest.raises(ValueError, match="corrupt weights file .*model.safetensors"):
+        map_checkpoint(tmp_path)
+
+
+def test_header_length_past_the_file_is_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(ValueError, match="corrupt weights file"):
+        map_checkpoint(tmp_path)
+
+
+# Loads the model, runs every matrix once, prints its peak RSS growth over the loading
+# (kB, VmHWM - VmRSS before) and waits for a line on stdin.
+LOADER = """
+import sys, torch
+from tests.model.test_llama import our_logits
+from pdserve.model.loader import load_model
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0])
+before = status("VmRSS")
+model = load_model(sys.argv[1])
+our_logits(model, list(range(1, 9)))
+print(status("VmHWM") - before, flush=True)
+sys.stdin.readline()
+"""
+
+
+def big_checkpoint(model_dir, layers: int) -> int:
+    """A random bf16 Llama of ~32 MiB a layer, written without transformers; its file size."""
+    config = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=1024,
+        intermediate_size=4096, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=512, max_position_embeddings=64, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+    )  # fmt: skip
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (512, 1024), "lm_head.weight": (512, 1024),
+              "model.norm.weight": (1024,)}  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for x in "qkvo":
+            shapes[p + f"self_attn.{x}_proj.weight"] = (1024, 1024)
+        shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (4096, 1024)
+        shapes[p + "mlp.down_proj.weight"] = (1024, 4096)
+        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (
+            1024,
+        )
+    tensors = {k: (0.02 * torch.randn(s, generator=gen)).bfloat16() for k, s in shapes.items()}
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    return (model_dir / "model.safetensors").stat().st_size
+
+
+def test_loading_holds_no_fp32_copy_and_two_processes_share_the_pages(tmp_path):
+    """Peak RSS of loading a ~200 MB bf16 checkpoint (and running it) grows by about the
+    file's size, whose pages two processes share."""
+    model_dir = tmp_path / "big"
+    size_kb = big_checkpoint(model_dir, layers=6) // 1024
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOADER, str(model_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    try:
+        growth_kb = [int(p.stdout.readline()) for p in procs]
+        time.sleep(0.1)
+        usage = [mapping(p.pid, (model_dir / "model.safetensors").resolve()) for p in procs]
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=60)
+    for growth, u in zip(growth_kb, usage):
+        # The mapped file, plus torch's first use of the meta device (~75 MB of operator
+        # registrations, in every loading path) and the activations: an fp32 copy would add
+        # twice the file.
+        assert growth < size_kb + 128 * 1024
+        assert u["Rss"] > 0.95 * size_kb  # each maps the whole file...
+        assert u["Pss"] < 0.6 * u["Rss"]  # ...and owns about half of it: the pages are shared
