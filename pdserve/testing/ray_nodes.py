@@ -107,9 +107,8 @@ class RayNodes:
         command = [*prefix, str(_ray_bin()), "start", "--block", "--disable-usage-stats",
                    f"--num-cpus={self.num_cpus}", f"--resources={json.dumps(resources)}",
                    f"--object-store-memory={self.object_store_bytes}", *args]  # fmt: skip
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
         proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self._procs.append((proc, log))
         deadline = time.monotonic() + self.start_timeout_s
