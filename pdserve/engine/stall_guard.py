@@ -26,19 +26,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Of the budget, what a step's estimate may take: under half, because a request whose KV
-# lands from a prefill worker waits for the step in flight and then its own, both capped,
-# for its second token (at 0.75 those first gaps took 1.11-1.33 s under a 1 s budget while
-# every running stream's stayed within 0.95 s).
-HEADROOM = 0.45
+from pdserve.planner.targets import MIN_STALL_CHUNK_TOKENS, STALL_HEADROOM
+
+# Of the budget, what a step's estimate may take, and the least chunk a capped step takes
+# (a decode step alone over budget is not the prefill's stall): the planner sizes the decode
+# group by the same two (planner/targets.py).
+HEADROOM = STALL_HEADROOM
+MIN_CHUNK_TOKENS = MIN_STALL_CHUNK_TOKENS
 DEVIATIONS = 2.0  # mean deviations of a prompt token's time added to its mean
 # The first chunk beside decodes on a worker that never measured a prefill (its decodes all
 # came by KV transfer): small, so the step that measures the rate stalls them little.
 PROBE_TOKENS = 32
-# The least chunk a capped step takes, whatever the estimate: a prompt must progress, and
-# below this a step's fixed cost dominates (a decode step alone over budget is not the
-# prefill's stall).
-MIN_CHUNK_TOKENS = 16
 # A step with fewer prefill tokens says little about the per-token rate (fixed costs).
 MIN_MEASURED_TOKENS = 16
 SMOOTHING = 0.25  # weight of the newest step in the averages (RFC 6298: 1/8 and 1/4)

@@ -11,16 +11,17 @@ per worker. A worker never heard from (no Ready) is taken to hold the whole pool
 sent nothing; each worker gets a first SetCores after its Ready even when it already runs
 on its target (the planner, not the launcher, owns the layout).
 
-Hysteresis: giving cores to a parked worker (a request waits for them) and growing a
-decode group (its inter-token latency is at stake) happen at once; every other change (a
-merge back, a shrink of the decode group) only once the same counts were wanted for
-`hold_s()`: `hold_gaps` times the mean of the last `NUM_GAPS` gaps between the pool's remote
-requests (`on_remote`), at least `dwell_s`, at most `hold_max_s` (the most, too, before
-`MIN_GAPS` gaps: no rate yet). A change that parks a worker (the merge back) also
-waits `hold_s()` after the last remote request, which a plan may never have seen busy (its
-prefill ended between two plans). So a steady stream of remote requests holds one split
-however idle the prefill worker is between them, and only a lull long for that stream's own
-rate merges.
+Hysteresis: giving cores to a parked worker (a request waits for them), growing a decode
+group (its inter-token latency is at stake) and giving a decode group the cores its decodes
+need within the stall budget (`Demand.stall_threads`; a merge back too) happen at once;
+every other change (a merge back, a shrink of the decode group) only once the same counts
+were wanted for `hold_s()`: `hold_gaps` times the mean of the last `NUM_GAPS` gaps between
+the pool's remote requests (`on_remote`), at least `dwell_s`, at most `hold_max_s` (the
+most, too, before `MIN_GAPS` gaps: no rate yet). A change that parks a worker (the merge
+back) also waits `hold_s()` after the last remote request, which a plan may never have seen
+busy (its prefill ended between two plans). So a steady stream of remote requests holds one
+split however idle the prefill worker is between them, and only a lull long for that
+stream's own rate merges.
 """
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ class Demand:
     role: str
     busy: bool
     need_threads: int = 0
+    # Fewer threads take its step with a guarded local chunk past the stall budget
+    # (decision.stall_need; 0: none applies): a change towards them is not held back.
+    stall_threads: int = 0
+
+
+def stall_floors(demands: Sequence[Demand]) -> dict[str, int]:
+    """Busy decode workers' `stall_threads`, for `CoreGroups.want()`."""
+    return {
+        d.worker_id: d.stall_threads
+        for d in demands
+        if d.busy and d.role != "prefill" and d.stall_threads
+    }
 
 
 def plan_counts(pool_size: int, demands: Sequence[Demand]) -> dict[str, int]:
@@ -183,8 +196,15 @@ class CoreGroups:
 
     # ---- planning -----------------------------------------------------------------------
 
-    def want(self, counts: dict[str, int], roles: dict[str, str], now: float) -> bool:
-        """Move towards `counts` (plan_counts); True when they became the target now."""
+    def want(
+        self,
+        counts: dict[str, int],
+        roles: dict[str, str],
+        now: float,
+        floors: dict[str, int] | None = None,
+    ) -> bool:
+        """Move towards `counts` (plan_counts); True when they became the target now.
+        `floors`: decode workers' threads within the stall budget (`stall_floors()`)."""
         if counts == self.counts:
             self._proposal = None
             return False
@@ -194,7 +214,13 @@ class CoreGroups:
         decode_grows = same and any(
             roles[w] != "prefill" and n > old.get(w, 0) for w, n in counts.items()
         )
-        if not (grant or decode_grows) and old:
+        # Short of what its decodes need within the stall budget: every step of the hold
+        # would freeze its streams (a held split's one core under a 1B batch), so at once.
+        stalled = any(
+            old.get(w, 0) < floor and counts.get(w, 0) > old.get(w, 0)
+            for w, floor in (floors or {}).items()
+        )
+        if not (grant or decode_grows or stalled) and old:
             if self._proposal is None or self._proposal[0] != counts:
                 self._proposal = (counts, now)
             since = self._proposal[1]

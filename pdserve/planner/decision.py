@@ -10,6 +10,8 @@ that will decode it (local). A pure function of what the router knows and the co
     no usable cost model yet               -> uncached prompt <= fallback_prompt_tokens ?
                                               local fallback_short : remote fallback_long
     local meets the ITL and TTFT budgets   -> local   fits_slo      (collocated's behaviour)
+    decodes run, and no split of the host  -> local   stall_split   (in its SLO chunk when
+      holds the stall budget (below)                                priced, else stall-bounded)
     remote meets both                      -> remote  itl_interference (local breaks the ITL)
                                                       | stall_budget (... the stall budget)
                                                       | ttft        (local breaks the TTFT)
@@ -23,6 +25,13 @@ that will decode it (local). A pure function of what the router knows and the co
 The stall budget (`slo_max_gap_s`, set or derived: targets.py) bounds the longest step a
 running decode sees, as the ITL target does: the tighter of the two is the step budget, and
 with nothing decoding it does not apply (no stream to stall).
+
+No split holds it (`Situation.split_breaks_stall`, from `decode_need()`): the decode group's
+step with the worker's least guarded chunk fits STALL_HEADROOM of the budget only on every
+core of the host (a 1B model's batch on one core of two). A remote prefill would take a
+core from those decodes, so it is not a candidate: the prompt prefills locally, beside the
+decodes on every core, in chunks the worker's StallGuard caps; the core plan (cores.py)
+keeps the pool with the decode group for the same reason.
 
 Stall-bounded (`_beside_decodes`): a fallback to local beside running decodes whose full
 chunks break the ITL, with no SLO-sized chunk priced, goes in the largest chunks whose step
@@ -67,6 +76,7 @@ from pdserve.planner.pricing import (
     predict,
     predict_slo_chunk,
 )
+from pdserve.planner.targets import MIN_STALL_CHUNK_TOKENS, STALL_HEADROOM
 
 # Without an ITL target a local prefill breaks no budget: the operator asked for nothing a
 # collocated worker cannot give, so local (every core, no transfer) decides unless the TTFT
@@ -126,11 +136,28 @@ def decide(
         return _as(remote, "fallback_long")
     if stall_bound:  # which budget the ITL predictions were held to, for /v1/status
         p = dataclasses.replace(p, stall_budget_s=p.itl_budget_s)
+    return _priced(s, model, local, remote, p, gap_s is not None, stall_bound)
+
+
+def _priced(
+    s: Situation,
+    model: OnlineCostModel,
+    local: Decision,
+    remote: Decision,
+    p: Prediction,
+    stall_applies: bool,
+    stall_bound: bool,
+) -> Decision:
+    """The rows from `fits_slo` on (the module docstring), once both paths are priced."""
     chunk = p.slo_chunk.chunk_tokens if p.slo_chunk else 0
     chunked = dataclasses.replace(local, prefill_chunk_tokens=chunk)
     budgets = p.budgets
     if p.local.meets(budgets):
         return _as(local, "fits_slo", p)
+    if stall_applies and s.split_breaks_stall:  # a split would freeze the running streams
+        if chunked.prefill_chunk_tokens:
+            return _as(chunked, "stall_split", p)
+        return _beside_decodes(s, model, local, "stall_split", p)
     if p.remote.meets(budgets):
         broken = "stall_budget" if stall_bound else "itl_interference"
         return _as(remote, "ttft" if p.local.itl_s <= budgets.itl_s else broken, p)
@@ -142,7 +169,7 @@ def decide(
         nearest = min(others, key=lambda c: c.excess(budgets))
         queued = p.queue_remote_s > TTFT_BUDGET_FACTOR * nearest.ttft_s
         free = s.decode_free_tokens
-        starves = free is not None and free - local_tokens < s.decode_reserve_tokens
+        starves = free is not None and free - local.num_prefill_tokens < s.decode_reserve_tokens
         if queued or starves:  # a backlog's requests must not stall the running decodes
             if chunked.prefill_chunk_tokens:
                 return _as(chunked, "remote_backlog", p)
@@ -173,26 +200,72 @@ def _beside_decodes(
     return _as(local, reason, p)
 
 
+@dataclass(frozen=True)
+class DecodeNeed:
+    """The threads a decode group needs for its running decodes (`decode_need()`)."""
+
+    pool: int
+    threads: int  # within both budgets (0: no usable model; `pool` when none does)
+    stall_threads: int = 0  # within the stall budget alone (0: none applies or no model)
+
+    @property
+    def split(self) -> int:
+        """The decode group's share while a prefill worker on its host runs: its need, an even
+        split before the model is usable, and a core left for the prefill worker."""
+        return min(max(1, self.threads or self.pool // 2), self.pool - 1)
+
+    @property
+    def split_breaks_stall(self) -> bool:
+        """Only every core of the host holds the stall budget: no split does."""
+        return 1 < self.pool <= self.stall_threads
+
+
 def decode_need(
     model: OnlineCostModel,
     pool: int,
     num_decodes: int,
     context_tokens: int,
     slo_itl_s: float | None,
-) -> int:
+    stall_budget_s: float | None = None,
+) -> DecodeNeed:
     """The fewest threads whose decode step of these decodes stays within ITL_HEADROOM of the
-    ITL budget (0: no usable model; `pool` when none does). The headroom leaves room for the
-    requests the batch admits before the planner looks again."""
+    ITL budget and, with a stall budget, within its share (`stall_need()`). The headroom
+    leaves room for the requests the batch admits before the planner looks again."""
     if num_decodes <= 0:
-        return 1
+        return DecodeNeed(pool, 1)
     shape = StepShape(0, num_decodes, 0, context_tokens)
     unloaded = model.step_s("decode", pool, shape)
     if unloaded is None:
-        return 0
+        return DecodeNeed(pool, 0)
     budget = ITL_HEADROOM * (slo_itl_s if slo_itl_s is not None else ITL_BUDGET_FACTOR * unloaded)
+    stall = stall_need(model, pool, num_decodes, context_tokens, stall_budget_s)
+    return DecodeNeed(pool, max(_fewest(model, pool, shape, budget), stall), stall)
+
+
+def stall_need(
+    model: OnlineCostModel,
+    pool: int,
+    num_decodes: int,
+    context_tokens: int,
+    stall_budget_s: float | None,
+) -> int:
+    """The fewest threads whose step of these decodes with the decode worker's least guarded
+    chunk (MIN_STALL_CHUNK_TOKENS) stays within STALL_HEADROOM of the stall budget: the share
+    its StallGuard holds a step to (engine/stall_guard.py), so a local prefill beside the
+    decodes, and a remote request's first gap (the step in flight, then its own), stay
+    within the budget. 0: no budget or no decodes; `pool` when none does."""
+    if stall_budget_s is None or num_decodes <= 0:
+        return 0
+    n = MIN_STALL_CHUNK_TOKENS
+    shape = StepShape(n, num_decodes, n * (n + 1) / 2, context_tokens)
+    return _fewest(model, pool, shape, STALL_HEADROOM * stall_budget_s)
+
+
+def _fewest(model: OnlineCostModel, pool: int, shape: StepShape, budget_s: float) -> int:
+    """The fewest threads of the pool whose decode-worker step of `shape` fits `budget_s`."""
     for threads in range(1, pool + 1):
         step = model.step_s("decode", threads, shape)
-        if step is not None and step <= budget:
+        if step is not None and step <= budget_s:
             return threads
     return pool
 

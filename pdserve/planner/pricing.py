@@ -46,6 +46,8 @@ class Situation:
     has_prefill: bool = True
     decode_free_tokens: int | None = None  # free KV on the decode worker (None: unknown)
     decode_reserve_tokens: int = 0  # free KV its running decodes need to keep growing
+    # No split of the decode worker's host holds the stall budget (decision.DecodeNeed).
+    split_breaks_stall: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,22 @@ from pdserve import messages
 from pdserve.costmodel.profile import load_profile
 from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.config import AdaptiveConfig
-from pdserve.planner.cores import CoreGroups, Demand, check_deployment, plan_counts, pools_of
-from pdserve.planner.decision import REMOTE, Decision, Situation, decide, decode_need
+from pdserve.planner.cores import (
+    CoreGroups,
+    Demand,
+    check_deployment,
+    plan_counts,
+    pools_of,
+    stall_floors,
+)
+from pdserve.planner.decision import (
+    REMOTE,
+    Decision,
+    DecodeNeed,
+    Situation,
+    decide,
+    decode_need,
+)
 from pdserve.planner.model import OnlineCostModel
 from pdserve.planner.roles import RoleSplit, RoleView
 from pdserve.planner.targets import describe, enforced_gap_s, max_gap_s, stall_budget_on
@@ -162,12 +176,14 @@ class Planner:
         block_size = d.ready.block_size if d.ready else route.block_size
         decode_threads = max(1, groups.threads(d.worker_id))
         split, prefill_threads, parked, busy = decode_threads, pool, False, False
+        breaks_stall = False
         if prefill is not None:
             p_groups = self.groups[prefill.worker_id]
             parked = not p_groups.runs(prefill.worker_id)  # or being parked
             prefill_threads = p_groups.threads(prefill.worker_id) or len(p_groups.pool)
             if p_groups is groups:  # one host: a remote prefill splits the pool
-                split = min(max(1, self._decode_need(d, pool) or pool // 2), pool - 1)
+                need = self._decode_need(d, pool)
+                split, breaks_stall = need.split, need.split_breaks_stall
                 prefill_threads = pool - split
                 # A held split (cores.py's hold) keeps the decode group small while idle.
                 busy = not parked or self._busy(self.plane.workers[prefill.worker_id])
@@ -196,6 +212,7 @@ class Planner:
             else None,
             # A block each: what the running decodes take next as they grow.
             decode_reserve_tokens=max(decode.num_running, decode.num_active_requests) * block_size,
+            split_breaks_stall=breaks_stall,
         )
 
     async def cores_granted(self, worker_id: str, timeout_s: float) -> bool:
@@ -240,7 +257,8 @@ class Planner:
             ids = list(groups.current)
             demands = [self._demand(self.plane.workers[w], len(groups.pool)) for w in ids]
             roles = {w: self.plane.workers[w].role for w in ids}
-            if groups.want(plan_counts(len(groups.pool), demands), roles, now):
+            counts = plan_counts(len(groups.pool), demands)
+            if groups.want(counts, roles, now, stall_floors(demands)):
                 log.info("core groups: %s", groups.counts)
             self._send(groups)
             self._release(groups)  # a park given up before it was sent: no CoresSet comes
@@ -264,15 +282,18 @@ class Planner:
         return self._wanted[w.worker_id] > 0 or (work and self.plane.is_healthy(w.worker_id))
 
     def _demand(self, w: WorkerState, pool: int) -> Demand:
-        need = self._decode_need(w, pool) if w.role != "prefill" else 0
-        return Demand(w.worker_id, w.role, self._busy(w), need)
+        if w.role == "prefill":
+            return Demand(w.worker_id, w.role, self._busy(w))
+        need = self._decode_need(w, pool)
+        return Demand(w.worker_id, w.role, self._busy(w), need.threads, need.stall_threads)
 
-    def _decode_need(self, w: WorkerState, pool: int) -> int:
+    def _decode_need(self, w: WorkerState, pool: int) -> DecodeNeed:
         s = w.stats
         if s is None or w.ready is None:  # its block size is in its Ready
-            return 1
+            return DecodeNeed(pool, 1)
         context = (s.num_total_blocks - s.num_free_blocks) * w.ready.block_size
-        return decode_need(self.model, pool, s.num_running, context, self._slo_itl_s)
+        budget = max_gap_s(self.config, self.model, pool)
+        return decode_need(self.model, pool, s.num_running, context, self._slo_itl_s, budget)
 
     @property
     def _slo_itl_s(self) -> float | None:

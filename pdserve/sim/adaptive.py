@@ -21,8 +21,8 @@ import dataclasses
 from pdserve.costmodel.profile import HardwareProfile
 from pdserve.costmodel.step_cost import StepShape
 from pdserve.planner.config import AdaptiveConfig
-from pdserve.planner.cores import CoreGrant, CoreGroups, Demand, plan_counts
-from pdserve.planner.decision import LOCAL, Situation, decide, decode_need
+from pdserve.planner.cores import CoreGrant, CoreGroups, Demand, plan_counts, stall_floors
+from pdserve.planner.decision import LOCAL, DecodeNeed, Situation, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
 from pdserve.planner.targets import max_gap_s, stall_budget_on
 from pdserve.sim.deployment import Deployment, SimConfig
@@ -103,7 +103,7 @@ class AdaptiveSimulation(Simulation):
         prefill = self.by_role["prefill"][0]
         pool = len(self.pool)
         d, p = decode.load(flight.block_hashes), prefill.load(flight.block_hashes)
-        split = min(max(1, self._decode_need(decode) or pool // 2), pool - 1)
+        need = self._decode_need(decode)
         # A held split (cores.py's hold) keeps the decode group small while the prefill idles.
         prefill_busy = self._busy(prefill) or self.groups.threads(prefill.worker_id) > 0
         return Situation(
@@ -115,8 +115,8 @@ class AdaptiveSimulation(Simulation):
             decode_context_tokens=(d.num_total_blocks - d.num_free_blocks) * self.config.block_size,
             decode_queue_tokens=d.num_queued_prefill_tokens,
             decode_threads_local=max(1, decode.size) if prefill_busy else pool,
-            decode_threads_split=split,
-            prefill_threads=pool - split,
+            decode_threads_split=need.split,
+            prefill_threads=pool - need.split,
             prefill_queue_tokens=p.num_queued_prefill_tokens,
             prefill_parked=self.groups.threads(prefill.worker_id) == 0,
             switch_s=0.0,
@@ -125,6 +125,7 @@ class AdaptiveSimulation(Simulation):
             decode_free_tokens=d.num_free_blocks * self.config.block_size,
             decode_reserve_tokens=max(d.num_running, d.num_active_requests)
             * self.config.block_size,
+            split_breaks_stall=need.split_breaks_stall,
         )
 
     # ---- cores -----------------------------------------------------------------------
@@ -132,23 +133,24 @@ class AdaptiveSimulation(Simulation):
     def _busy(self, w: SimWorker) -> bool:
         return w.scheduler.has_unfinished() or w.num_active_requests > 0
 
-    def _decode_need(self, w: SimWorker) -> int:
+    def _decode_need(self, w: SimWorker) -> DecodeNeed:
         load = w.load()
         context = (load.num_total_blocks - load.num_free_blocks) * self.config.block_size
-        return decode_need(self.model, len(self.pool), load.num_running, context, self._slo_itl_s)
+        pool = len(self.pool)
+        budget = max_gap_s(self.adaptive, self.model, pool)
+        return decode_need(self.model, pool, load.num_running, context, self._slo_itl_s, budget)
+
+    def _demand(self, w: SimWorker) -> Demand:
+        if w.role != "decode":
+            return Demand(w.worker_id, w.role, self._busy(w))
+        need = self._decode_need(w)
+        return Demand(w.worker_id, w.role, self._busy(w), need.threads, need.stall_threads)
 
     def _replan(self) -> None:
-        demands = [
-            Demand(
-                w.worker_id,
-                w.role,
-                self._busy(w),
-                self._decode_need(w) if w.role == "decode" else 0,
-            )
-            for w in self.workers
-        ]
+        demands = [self._demand(w) for w in self.workers]
         roles = {w.worker_id: w.role for w in self.workers}
-        self.groups.want(plan_counts(len(self.pool), demands), roles, self.now)
+        counts = plan_counts(len(self.pool), demands)
+        self.groups.want(counts, roles, self.now, stall_floors(demands))
         self._send_cores()
 
     def _send_cores(self) -> None:

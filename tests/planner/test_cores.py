@@ -15,6 +15,7 @@ from pdserve.planner.cores import (
     check_deployment,
     layout,
     plan_counts,
+    stall_floors,
 )
 from pdserve.router.config import WorkerEndpoint
 
@@ -105,7 +106,10 @@ def test_running_workers_never_share_a_cpu_under_random_demand(seed):
         now += rng.uniform(0.01, 0.2)
         busy = {w for w in ROLES if rng.random() < 0.5}
         need = {w: rng.randint(0, 8) for w in ("d1", "d2")}
-        groups.want(plan_counts(8, demands(busy, need)), ROLES, now)
+        wanted = demands(busy, need)
+        wanted = [Demand(d.worker_id, d.role, d.busy, d.need_threads, rng.randint(0, 8))
+                  for d in wanted]  # fmt: skip
+        groups.want(plan_counts(8, wanted), ROLES, now, stall_floors(wanted))
         host.send(now)
         host.advance(now)
     # demand settles: the target is reached, with every cpu in use by exactly one worker
@@ -375,3 +379,27 @@ def test_the_step_runs_remote_requests_merge_only_after_its_two_long_lulls():
     lulls = [t - max(a for a in STEP_RUN_REMOTE_S if a <= t) for t in merges]
     # none remote from 9.6 s to 33.9 s and from 121.9 s to 150.3 s (phase 2 began at 120)
     assert len(changes) == 5 and all(lull >= 14.0 for lull in lulls), (changes, lulls)
+
+
+def test_a_held_split_merges_at_once_for_a_batch_no_split_holds_within_the_stall_budget():
+    # Two cores, a split held after a remote request (the hold: 30 s, no rate yet). The
+    # decodes' batch needs both cores for the stall budget (a 1B batch, decision.stall_need):
+    # the merge is made at once, not after the hold; a batch one core holds waits it.
+    roles = {"p0": "prefill", "d1": "decode"}
+    for stall_threads, merged_at in ((2, 1.0), (1, None)):
+        groups = CoreGroups((0, 1), ["p0", "d1"], dwell_s=2.0, hold_gaps=10.0, hold_max_s=30.0)
+        groups.on_ready("p0", (0, 1), 0, restarted=True)
+        groups.on_ready("d1", (0, 1), 2, restarted=True)
+        assert groups.want({"p0": 1, "d1": 1}, roles, 0.0)  # a remote request's grant
+        groups.on_remote(0.0)
+        wanted = [Demand("p0", "prefill", False), Demand("d1", "decode", True, 2, stall_threads)]
+        counts = plan_counts(2, wanted)
+        assert counts == {"p0": 0, "d1": 2}
+        floors = stall_floors(wanted)
+        merged = [t for t in (1.0, 5.0, 20.0) if groups.want(counts, roles, t, floors)]
+        assert merged[:1] == ([merged_at] if merged_at else []), merged
+    # a busy prefill worker (its prefill in flight) keeps its core: it is not parked mid-way
+    busy = [Demand("p0", "prefill", True), Demand("d1", "decode", True, 2, 2)]
+    assert plan_counts(2, busy) == {"p0": 1, "d1": 1}
+    assert stall_floors(busy) == {"d1": 2}
+    assert stall_floors([Demand("d1", "decode", False, 2, 2)]) == {}  # nothing decoding

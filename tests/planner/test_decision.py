@@ -9,7 +9,8 @@ import math
 import pytest
 
 from pdserve.costmodel.step_cost import StepShape
-from pdserve.planner.decision import decide
+from pdserve.planner.config import AdaptiveConfig
+from pdserve.planner.decision import DecodeNeed, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
 from pdserve.planner.pricing import (
     ITL_HEADROOM,
@@ -23,7 +24,8 @@ from pdserve.planner.pricing import (
     predict,
     prefill_s,
 )
-from tests.planner.conftest import rows
+from pdserve.planner.targets import MIN_STALL_CHUNK_TOKENS, STALL_HEADROOM, max_gap_s
+from tests.planner.conftest import ONE_B, SMOLLM, rows, two_cores
 
 BUSY = Situation(
     num_prompt_tokens=4096,
@@ -340,3 +342,56 @@ def test_the_measured_link_decides_whether_a_long_prompt_goes_remote(bytes_per_s
     wire_s = 4096 * 9216.0 / bytes_per_s
     remote_prefill_s = d.predictions["ttft_remote_s"]  # no queue, no core switch
     assert d.predictions["transfer_s"] == pytest.approx(max(0.0, wire_s - remote_prefill_s))
+
+
+def two_core_situation(need: DecodeNeed, num_decodes: int = 3) -> Situation:
+    """A 1,024-token prompt arriving at a decode worker with every core of two, its prefill
+    worker parked: the README's 1B cell on two cores."""
+    return Situation(
+        num_prompt_tokens=1024, num_cached_decode_tokens=0, num_cached_prefill_tokens=0,
+        pool_size=2, num_decodes=num_decodes, decode_context_tokens=num_decodes * 1100,
+        decode_queue_tokens=0, decode_threads_local=2, decode_threads_split=need.split,
+        prefill_threads=2 - need.split, prefill_queue_tokens=0, prefill_parked=True,
+        switch_s=0.01, kv_bytes_per_token=32768.0, chunk_tokens=512,
+        split_breaks_stall=need.split_breaks_stall,
+    )  # fmt: skip
+
+
+def test_no_split_takes_a_1b_batch_past_the_stall_budget():
+    model = OnlineCostModel(min_samples=20, profile=two_cores(ONE_B))
+    budget = max_gap_s(AdaptiveConfig(enabled=True), model, 2)  # told no targets
+    assert budget == pytest.approx(1.8)  # 10 x one decode's 0.18 s on two threads
+    shape = StepShape(MIN_STALL_CHUNK_TOKENS, 3, 136, 3300)  # three decodes, the least chunk
+    assert model.step_s("decode", 1, shape) > STALL_HEADROOM * budget  # 1.26 s > 0.81 s
+    assert model.step_s("decode", 2, shape) <= STALL_HEADROOM * budget  # 0.58 s
+    need = decode_need(model, 2, 3, 3300, None, budget)
+    assert (need.threads, need.stall_threads, need.split_breaks_stall) == (2, 2, True)
+    situation = two_core_situation(need)
+    d = decide(situation, model, None, None, 256, budget, True)
+    assert (d.kind, d.reason) == (LOCAL, "stall_split")
+    assert d.prefill_chunk_tokens is not None and d.prefill_chunk_tokens < 512
+    # its chunk's step, on both cores beside the three decodes, within the step budget
+    assert d.predictions["itl_slo_chunk_s"] <= ITL_HEADROOM * budget
+    # without the rule the same request went remote: the three decodes on one core, 1.1 s
+    # steps whose every guarded local chunk or landing KV took a gap past the budget
+    old = decide(dataclasses.replace(situation, split_breaks_stall=False), model, None, None,
+                 256, budget, True)  # fmt: skip
+    assert old.kind == REMOTE
+    assert old.predictions["itl_remote_s"] >= model.step_s("decode", 1, StepShape(0, 3, 0, 3300))
+    # one decode fits one core with a chunk beside it (0.56 s): the split holds
+    one = decode_need(model, 2, 1, 1100, None, budget)
+    assert (one.stall_threads, one.split, one.split_breaks_stall) == (1, 1, False)
+
+
+def test_at_smollm_step_times_the_split_happens_as_before():
+    model = OnlineCostModel(min_samples=20, profile=two_cores(SMOLLM))
+    budget = max_gap_s(AdaptiveConfig(enabled=True), model, 2)
+    assert budget == 1.0  # the floor: ten 8 ms steps are well under it
+    need = decode_need(model, 2, 3, 3300, None, budget)
+    assert need.stall_threads == 1 and not need.split_breaks_stall
+    assert need == dataclasses.replace(decode_need(model, 2, 3, 3300, None), stall_threads=1)
+    assert need.split == 1
+    d = decide(two_core_situation(need), model, None, None, 256, budget, True)
+    assert d.reason != "stall_split"
+    # no stall budget (off): nothing to size for
+    assert decode_need(model, 2, 3, 3300, None, None).stall_threads == 0

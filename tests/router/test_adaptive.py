@@ -4,16 +4,19 @@ is never sent work, and every request finishes while cores and roles move under 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import requests
 
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.decision import LOCAL, Decision
 from pdserve.router import adaptive_planner as planner_module
+from tests.planner.conftest import ONE_B, SMOLLM, two_cores
 from tests.router.conftest import OUTPUT_TEXT
 from tests.router.harness import Cluster
 
@@ -220,3 +223,44 @@ def test_the_prefill_workers_send_seconds_reach_the_planners_link(tokenizer_dir,
         c.wait_until(lambda: link()["num_samples"] == 1)
         time.sleep(0.2)  # four more intervals of the same totals
         assert link() == {"bandwidth_bytes_per_s": None, "latency_s": None, "num_samples": 1}
+
+
+@pytest.mark.parametrize(
+    ("shape", "slo_itl_ms", "reason"),
+    [(ONE_B, None, "stall_split"), (SMOLLM, 100.0, "itl_interference")],
+    ids=["1b", "smollm"],
+)
+def test_a_split_is_made_only_where_the_decodes_step_holds_the_stall_budget(
+    tokenizer_dir, script, tmp_path, shape, slo_itl_ms, reason
+):
+    # Two cores, the planner's model seeded at these step times (no StepReports from fake
+    # workers), three decodes running. A 1B batch takes 1.1 s a step on one core: no split
+    # holds the derived 1.8 s stall budget, so the long prompt prefills on the decode worker
+    # beside them in chunks and the prefill worker is never given a core. SmolLM2's 8 ms
+    # steps split as before: the prompt goes remote under an ITL target local breaks.
+    path = tmp_path / "profile.json"
+    two_cores(shape).save(path)
+    adaptive = dataclasses.replace(ADAPTIVE, profile=str(path), slo_itl_ms=slo_itl_ms)
+    pool = (0, 1)
+    per_worker = {
+        "p0": {"cpus": pool, "threads": 0, "core_switch_s": 0.05},
+        "d1": {"cpus": pool, "threads": 2, "core_switch_s": 0.05, "step_s": 0.1},
+    }
+    roles = {"p0": "prefill", "d1": "decode"}
+    with Cluster(tokenizer_dir, script, roles, per_worker, cpus=pool, adaptive=adaptive) as c:
+        plane = c.app_state.plane
+        with ThreadPoolExecutor(4) as executor:
+            running = [executor.submit(post, c, "Hi", 20) for _ in range(3)]
+            c.wait_until(lambda: (s := plane.workers["d1"].stats) and s.num_running >= 3)
+            assert post(c, LONG, 5).json()["choices"][0]["text"] == OUTPUT_TEXT[:5]
+            assert all(f.result().status_code == 200 for f in running)
+        kind = "local" if reason == "stall_split" else "remote"
+        assert decisions(c)[f'kind="{kind}",reason="{reason}"'] == 1.0
+        split = [m.threads for m in c.workers["p0"].received if type(m).__name__ == "SetCores"]
+        if reason == "stall_split":
+            assert kinds_for(c, "p0") == [] and set(split) == {0}  # never given a core
+            generates = [m for m in c.workers["d1"].received if type(m).__name__ == "Generate"]
+            assert generates[-1].prefill_chunk_tokens is not None  # chunked, and guarded:
+            assert generates[-1].stall_budget_s == pytest.approx(1.8)
+        else:
+            assert kinds_for(c, "p0") == ["Prefill"] and max(split) == 1

@@ -81,7 +81,9 @@ def test_with_no_targets_running_streams_are_not_frozen_past_the_derived_stall_b
     # A 1B model's shape on 4 threads: 50 ms a step, a 128-token chunk 2.6 s. Collocated,
     # each chunk of the long prompts freezes the two streams for 2.6 s; the adaptive
     # deployment, told no numbers, holds them within its derived budget (1 s: 10 x 50 ms is
-    # under the floor): each long prompt goes remote or in chunks the budget prices.
+    # under the floor): each long prompt goes remote or in chunks the budget prices. Here no
+    # split holds it (on 3 threads the decodes with a 16-token chunk take 0.48 s, over 45%
+    # of it), so the decodes keep the 4 cores and the prompts prefill beside them in chunks.
     slow = HardwareProfile(
         kind="measured", device="test", model=MODEL, size_unit="threads",
         models={POOL: StepCostModel([0.05, 0.02, 5e-4, 0, 0, 0, 0])},
@@ -97,8 +99,7 @@ def test_with_no_targets_running_streams_are_not_frozen_past_the_derived_stall_b
     streams = ("s0-0", "s1-0")
     assert min(collocated[k].max_gap_s for k in streams) > 2.5
     assert max(adaptive[k].max_gap_s for k in streams) <= 1.0, sim.decisions
-    protected = sim.decisions[("remote", "stall_budget")] + sim.decisions[("local", "slo_chunk")]
-    assert protected == 3, sim.decisions
+    assert sim.decisions[("local", "stall_split")] == 3, sim.decisions
     assert all(r.output_len for r in adaptive.values()) and len(adaptive) == len(work)
 
 
