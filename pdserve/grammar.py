@@ -7,7 +7,7 @@ validates it here (a grammar llguidance rejects is a 400 before any worker hears
 engine compiles it against the model's tokenizer (`pdserve/engine/grammar.py`). Both sides use
 the same library, so what the router accepts the worker can run.
 
-Why llguidance over xgrammar (`benchmarks/grammar_mask_cost.py`, docs/structured-outputs.md):
+Why llguidance over xgrammar (`benchmarks/openai_features.py mask`, docs/structured-outputs.md):
 xgrammar's mask is faster per token (7-12 us against 19-29 us at a 49,152 vocabulary), but
 both are under 0.2% of a decode step here, and xgrammar imports torch (the router could not
 validate with it) and pulls triton (a 286 MB wheel) into a CPU install.

@@ -42,7 +42,7 @@ import numpy as np
 from pdserve.schema import check, knob
 
 # Seconds per constrained row and step: catch-up, mask fill, masking a 49,152-entry row and
-# accept, 54-81 us a row at batch 32 (SmolLM2-135M, `benchmarks/grammar_overhead.py`, a
+# accept, 54-81 us a row at batch 32 (SmolLM2-135M, `benchmarks/openai_features.py grammar`, a
 # 2-core Xeon VM under load).
 GRAMMAR_ROW_S = 60e-6
 FEATURES = ("step", "prefill_tokens", "decode_requests", "tokens_over_knee", "pairs", "context",
