@@ -298,6 +298,12 @@ class Stats:
     pss_bytes: int = 0
     weight_bytes: int = 0
     kv_pool_bytes: int = 0
+    # A decode worker's StallGuard (engine/stall_guard.py): the stall budget and the cap in
+    # prefill tokens a step of its last capped prefill, and the steps whose prefill reached
+    # their cap (cumulative); None before any prefill was capped.
+    stall_budget_s: float | None = None
+    stall_cap_tokens: int | None = None
+    num_stall_capped_steps: int = 0
 
 
 @dataclass

@@ -56,11 +56,28 @@ class StallGuard:
     def __init__(self) -> None:
         self._rates: dict[int, _Rates] = {}
         self.threads = 1  # the threads the next step runs on (the engine sets it)
+        # What the worker reports (Stats, `fields()`): the budget and cap of the last cap
+        # asked, and the steps whose prefill tokens reached the least cap given for them.
+        self.budget_s: float | None = None
+        self.cap_tokens: int | None = None
+        self.num_capped_steps = 0
+        self._step_cap: int | None = None  # the least cap given since the last step
+
+    def fields(self) -> dict[str, float | int | None]:
+        """The guard in the worker's Stats (`/v1/status`, `pdserve_stall_capped_steps_total`)."""
+        return {
+            "stall_budget_s": self.budget_s,
+            "stall_cap_tokens": self.cap_tokens,
+            "num_stall_capped_steps": self.num_capped_steps,
+        }
 
     def observe(
         self, threads: int, num_prefill_tokens: int, num_decodes: int, seconds: float
     ) -> None:
         """A finished step: its thread count, its prefill tokens and decodes, its seconds."""
+        if self._step_cap is not None and num_prefill_tokens >= self._step_cap:
+            self.num_capped_steps += 1
+        self._step_cap = None
         rates = self._rates.setdefault(threads, _Rates())
         if num_prefill_tokens == 0:
             if num_decodes:
@@ -81,6 +98,12 @@ class StallGuard:
     def cap(self, budget_s: float) -> int:
         """The most prefill tokens of a step beside running decodes on `threads` within
         HEADROOM of `budget_s`: at least MIN_CHUNK_TOKENS, PROBE_TOKENS before any rate."""
+        tokens = self._cap(budget_s)
+        self.budget_s, self.cap_tokens = budget_s, tokens
+        self._step_cap = tokens if self._step_cap is None else min(self._step_cap, tokens)
+        return tokens
+
+    def _cap(self, budget_s: float) -> int:
         decode_s = self._scaled("decode_s", self.threads)
         token_s = self._scaled("token_s", self.threads)
         if token_s is None or token_s <= 0:

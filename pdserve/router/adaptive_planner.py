@@ -384,7 +384,23 @@ class Planner:
             "recent_decisions": list(self.recent),
             "model": self.model.state(),
             "targets": describe(self.config, self.model, [g.pool for g in groups]),
+            "decode_needs": self._needs(),
         }
+
+    def _needs(self) -> dict[str, dict[str, Any]]:
+        """Per decode worker, the threads its running decodes need (`decode_need()`): within
+        both budgets, within the stall budget alone, and whether no split of its host holds
+        that (then no remote prefill splits it: `stall_split`)."""
+        out = {}
+        for w in self.plane.workers.values():
+            if w.role != "prefill" and w.worker_id in self.groups:
+                need = self._decode_need(w, len(self.groups[w.worker_id].pool))
+                out[w.worker_id] = {
+                    "threads": need.threads,
+                    "stall_threads": need.stall_threads,
+                    "split_breaks_stall": need.split_breaks_stall,
+                }
+        return out
 
 
 def _summary(values: Any) -> dict[str, float] | None:

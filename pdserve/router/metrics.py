@@ -276,6 +276,9 @@ _PER_WORKER = (
     ("gauge", "pdserve_worker_weight_bytes",
      "Bytes of the worker's weights, every copy it keeps.", "weight_bytes"),
     ("gauge", "pdserve_worker_kv_pool_bytes", "Bytes of the worker's KV pool.", "kv_pool_bytes"),
+    ("counter", "pdserve_stall_capped_steps_total",
+     "Steps whose prefill tokens reached the decode worker's stall-budget cap (StallGuard).",
+     "num_stall_capped_steps"),
 )  # fmt: skip
 # Counters split by one more label: (name, help, row key pattern, label, its values)
 _PER_WORKER_SPLIT = (

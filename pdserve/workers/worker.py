@@ -346,7 +346,7 @@ class Worker:
             num_cached_prompt_tokens=cache["cached_prompt_tokens"],
             num_computed_prompt_tokens=cache["computed_prompt_tokens"],
             num_pinned_blocks=cache["num_pinned_blocks"], **self.engine.role.transfer_stats(),
-            **self.memory.fields(),
+            **self.memory.fields(), **self.engine.scheduler.stall_guard.fields(),
         )  # fmt: skip
 
     def close(self) -> None:

@@ -81,3 +81,21 @@ def test_a_thread_count_not_seen_yet_is_priced_from_the_nearest_scaled():
     assert guard.cap(1.0) < on_two / 1.9
     steady(guard, 1, 0.04, 0.012)  # then its own steps decide
     assert guard.cap(1.0) == pytest.approx((HEADROOM - 0.04) / 0.012, abs=1.5)
+
+
+def test_the_worker_reports_its_budget_its_cap_and_the_steps_the_cap_bound():
+    guard = StallGuard()
+    assert guard.fields() == {
+        "stall_budget_s": None, "stall_cap_tokens": None, "num_stall_capped_steps": 0,
+    }  # fmt: skip
+    steady(guard, 1, 0.05, 0.01)  # unbudgeted steps: nothing capped
+    assert guard.num_capped_steps == 0
+    cap = guard.cap(1.0)  # 40 tokens
+    guard.cap(2.0)  # a second request in the step: the least cap is the step's
+    guard.observe(1, cap, 4, 0.45)  # the step took all the cap allowed
+    guard.cap(1.0)
+    guard.observe(1, cap - 10, 4, 0.35)  # a prompt's last, shorter chunk: not bound by it
+    guard.observe(1, cap, 4, 0.45)  # no cap asked for this step
+    assert guard.fields() == {
+        "stall_budget_s": 1.0, "stall_cap_tokens": cap, "num_stall_capped_steps": 1,
+    }  # fmt: skip

@@ -264,3 +264,17 @@ def test_a_split_is_made_only_where_the_decodes_step_holds_the_stall_budget(
             assert generates[-1].stall_budget_s == pytest.approx(1.8)
         else:
             assert kinds_for(c, "p0") == ["Prefill"] and max(split) == 1
+
+
+def test_status_and_metrics_show_the_decode_workers_guard_and_need(tokenizer_dir, script):
+    guard = {"stall_budget_s": 1.8, "stall_cap_tokens": 40, "num_stall_capped_steps": 3}
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
+                 d1={"cache_stats": guard}) as c:  # fmt: skip
+        c.wait_until(lambda: c.app_state.plane.workers["d1"].stats is not None)
+        status = requests.get(f"{c.url}/v1/status", timeout=10).json()
+        row = next(w for w in status["workers"] if w["worker"] == "d1")
+        assert {k: row[k] for k in guard} == guard
+        need = status["planner"]["decode_needs"]["d1"]  # nothing decoding: one thread
+        assert need == {"threads": 1, "stall_threads": 0, "split_breaks_stall": False}
+        text = requests.get(f"{c.url}/metrics", timeout=10).text
+        assert 'pdserve_stall_capped_steps_total{worker="d1"} 3.0' in text
