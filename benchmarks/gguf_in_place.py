@@ -1,6 +1,7 @@
 """A GGUF read in place (model/gguf_weights.py): decode ms/step (batch 1, or `--batch` sequences
 together) against the bound the machine's read bandwidth sets (weight bytes / bandwidth),
-512-token prefill, and the process's peak RSS and PSS, through `LLM` as a user runs it.
+prefill (`--prefill` tokens; with `--compare` AMX tiles against the fp32 GEMM path too,
+interleaved), and the process's peak RSS and PSS, through `LLM` as a user runs it.
 
 The read bandwidth is measured in the same run, between the decode rounds (a numpy sum over a
 2 GiB array), so drift on a shared machine hits both alike. Each step's CPU time on the
@@ -38,6 +39,32 @@ def proc_kb(field: str, path: str = "/proc/self/status") -> int:
     return 0
 
 
+def time_prefill(llm, tokens: int, rounds: int, compare: bool) -> dict[str, float]:
+    """Best seconds of a `tokens`-token prompt's prefill (one output token) per many-row path:
+    AMX bf16 tiles (csrc/quant_amx.c, where the kernels have them) and, with `compare`, the
+    fp32 dequantize-and-GEMM path, interleaved round by round; distinct prompts per round."""
+    from pdserve.model import native, quant_linear
+    from pdserve.sampling_params import SamplingParams
+
+    amx = hasattr(native.load(), "pd_quant_linear_amx")
+    modes = {"AMX tiles": True} if amx else {}
+    if compare or not amx:
+        modes["fp32 GEMM"] = False
+    once = SamplingParams(temperature=0, max_tokens=1)
+    best: dict[str, float] = {}
+    try:
+        for r in range(rounds):
+            for i, (mode, tiles) in enumerate(modes.items()):
+                quant_linear.AMX_TILES = tiles
+                prompt = [(7 * t + 13 * (r * len(modes) + i)) % 40000 + 100 for t in range(tokens)]
+                t0 = time.perf_counter()
+                llm.generate([prompt], once)
+                best[mode] = min(best.get(mode, np.inf), time.perf_counter() - t0)
+    finally:
+        quant_linear.AMX_TILES = True
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("gguf", type=Path)
@@ -46,7 +73,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument(
         "--compare", action="store_true",
-        help="alternate each round between int8 activations (the default) and fp32 ones",
+        help="alternate each round between int8 activations (the default) and fp32 ones, and "
+        "prefill between AMX tiles (the default on AMX) and the fp32 GEMM",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
@@ -87,10 +115,7 @@ def main() -> None:
             cpu_gaps[mode] += list(steps[:, 1])
     quant_linear.INT8_M_MAX = modes["int8"]
     del array
-    prompt = [(7 * i) % 40000 + 100 for i in range(args.prefill)]
-    t0 = time.perf_counter()
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
-    prefill_s = time.perf_counter() - t0
+    prefill_s = time_prefill(llm, args.prefill, args.rounds, args.compare)
     bw = statistics.median(bandwidths)
     print(f"load {load_s:.1f} s; weights read a step {step_bytes / 1e6:.0f} MB")
     bound_ms = step_bytes / bw / 1e6
@@ -102,7 +127,11 @@ def main() -> None:
               f"{step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read "
               f"{bw:.1f} GB/s (bound {bound_ms:.1f} ms/step, "
               f"ratio {ms / bound_ms:.2f})")  # fmt: skip
-    print(f"prefill {args.prefill} tokens: {prefill_s:.2f} s")
+    for mode, seconds in prefill_s.items():
+        print(f"prefill {args.prefill} tokens, {mode}: {seconds:.2f} s (best of {args.rounds})")
+    if len(prefill_s) == 2:
+        ratio = prefill_s["fp32 GEMM"] / prefill_s["AMX tiles"]
+        print(f"prefill fp32 GEMM / AMX tiles: {ratio:.2f}x")
     print(f"peak RSS {proc_kb('VmHWM') / 2**20:.2f} GiB; now RSS "
           f"{proc_kb('Rss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB, "
           f"PSS {proc_kb('Pss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB")  # fmt: skip
