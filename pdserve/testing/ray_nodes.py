@@ -15,18 +15,21 @@ finds Ray's processes by name across the machine, whatever namespace or cluster 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import IO
 
-from pdserve.testing.netns import Hosts
+from pdserve.testing import netns
+from pdserve.testing.netns import Hosts, Link
 
 STARTED = "Ray runtime started"  # what `ray start` prints once its node is up
 STOP_GRACE_S = 5.0
@@ -34,15 +37,14 @@ STOP_GRACE_S = 5.0
 
 def available() -> str:
     """Why a Ray cluster across namespace hosts cannot start here, or "" when it can."""
-    if shutil.which("ray") is None and not _ray_bin().exists():
-        return "needs Ray (pip install 'pdserve[ray]')"
-    return ""
+    why = netns.available()
+    if not why and not _ray_bin().exists():
+        why = f"needs Ray's `ray` beside {sys.executable} (pip install 'pdserve[ray]')"
+    return why
 
 
 def _ray_bin() -> Path:
     """The `ray` script of the Python running this (a virtualenv's, even when not on PATH)."""
-    import sys
-
     return Path(sys.executable).with_name("ray")
 
 
@@ -85,12 +87,17 @@ class RayNodes:
             gateway = self.hosts.gateway
             port = _free_port(gateway)
             self.address = f"{gateway}:{port}"
-            self._start([], "head", ["--head", f"--node-ip-address={gateway}", f"--port={port}",
-                                     f"--temp-dir={self.temp_dir}", "--include-dashboard=false"],
-                        self.head_resources)  # fmt: skip
+            head = [
+                "--head",
+                f"--node-ip-address={gateway}",
+                f"--port={port}",
+                f"--temp-dir={self.temp_dir}",
+                "--include-dashboard=false",
+            ]
+            self._start([], "head", head, self.head_resources)
             for name in self.names:
                 args = [f"--address={self.address}", f"--node-ip-address={self.hosts.ip(name)}"]
-                self._start(self.hosts.prefix_of(name), name, args, {self.resource(name): 1})
+                self._start(self._inside(name), name, args, {self.resource(name): 1})
         except BaseException:
             self.stop()
             raise
@@ -99,14 +106,32 @@ class RayNodes:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _inside(self, name: str) -> list[str]:
+        """The prefix that runs a command on host `name` with the temp dir its own: a folder
+        of it bound over it in the host's mount namespace. Ray's nodes on separate machines
+        never share it; sharing it, each node's log monitor would also forward the others'
+        workers' logs, under its own address."""
+        own = os.path.join(self.temp_dir, "nodes", name)
+        os.makedirs(own)
+        bind = 'mount --bind "$0" "$1" && shift && exec "$@"'
+        return [*self.hosts.prefix_of(name), "sh", "-c", bind, own, self.temp_dir]
+
     def _start(
         self, prefix: list[str], name: str, args: list[str], resources: dict[str, float]
     ) -> None:
         """One node, up (its `ray start` said so) within `start_timeout_s`."""
         log = open(os.path.join(self.temp_dir, f"start-{name}.log"), "w+b")
-        command = [*prefix, str(_ray_bin()), "start", "--block", "--disable-usage-stats",
-                   f"--num-cpus={self.num_cpus}", f"--resources={json.dumps(resources)}",
-                   f"--object-store-memory={self.object_store_bytes}", *args]  # fmt: skip
+        command = [
+            *prefix,
+            str(_ray_bin()),
+            "start",
+            "--block",
+            "--disable-usage-stats",
+            f"--num-cpus={self.num_cpus}",
+            f"--resources={json.dumps(resources)}",
+            f"--object-store-memory={self.object_store_bytes}",
+            *args,
+        ]
         proc = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -160,3 +185,29 @@ def _signal_all(pids: set[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`sudo python -m pdserve.testing.ray_nodes prefill decode --rate 1gbit`: the hosts and
+    their Ray nodes, up until Ctrl-C or SIGTERM, then all stopped and removed."""
+    parser = argparse.ArgumentParser(prog="python -m pdserve.testing.ray_nodes")
+    parser.add_argument("names", nargs="+", help="one namespace host and Ray node per name")
+    parser.add_argument("--rate", help="each host's link, each way (tc: 1gbit, 100mbit)")
+    parser.add_argument("--num-cpus", type=int, default=1, help="CPUs each node offers")
+    args = parser.parse_args(argv)
+    if why := available():
+        parser.error(why)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # leave through the clean-up
+        signal.signal(sig, lambda *_: sys.exit(0))
+    with Hosts(args.names) as hosts, RayNodes(hosts, num_cpus=args.num_cpus) as nodes:
+        for name in hosts.names:
+            if args.rate:
+                hosts.shape(name, Link(rate=args.rate))
+            print(f"host {name}: {hosts.ip(name)}, Ray resource {nodes.resource(name)}")
+        print(f"Ray head: {nodes.address} (pdserve up --ray {nodes.address}); Ctrl-C stops")
+        sys.stdout.flush()
+        signal.pause()
+
+
+if __name__ == "__main__":
+    main()

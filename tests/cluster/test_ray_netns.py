@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 from pdserve.cluster.config import Pipeline  # noqa: E402
 from pdserve.cluster.launcher import free_port  # noqa: E402
 from pdserve.cluster.ray import RayCluster  # noqa: E402
-from pdserve.testing import netns, ray_nodes  # noqa: E402
+from pdserve.testing import ray_nodes  # noqa: E402
 from pdserve.testing.netns import Hosts  # noqa: E402
 from pdserve.testing.ray_nodes import RayNodes  # noqa: E402
 from pdserve.transfer import KVTransferConfig  # noqa: E402
@@ -25,7 +25,7 @@ from tests.cluster.test_cluster import complete_all  # noqa: E402
 from tests.cluster.test_hosts import counted  # noqa: E402
 from tests.cluster.test_ray import wait_for  # noqa: E402
 
-WHY_NOT = netns.available() or ray_nodes.available()
+WHY_NOT = ray_nodes.available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "available")]
 HEAD = {"host_head": 1}
 
@@ -43,8 +43,8 @@ def cluster_hosts():
 
 
 def start(model, **pipeline) -> RayCluster:
-    return RayCluster(Pipeline(model=str(model), port=free_port(), placement="ray", **pipeline),
-                      log_level="WARNING")  # fmt: skip
+    pipeline = Pipeline(model=str(model), port=free_port(), placement="ray", **pipeline)
+    return RayCluster(pipeline, log_level="WARNING")
 
 
 def test_1p1d_on_two_namespace_nodes_uses_tcp_and_equals_collocated(
