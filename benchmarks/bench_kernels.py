@@ -13,7 +13,9 @@ gguf`). Columns interleave. Run on an idle machine.
 
 `--weights in-place` times instead an 8192x2048 GGUF matrix read in place (`QuantLinear`, the
 1B models' gate/up shape) per block type, with fp32 activations and, for the types that have
-them, int8 ones (quant_linear.INT8_M_MAX): `hot` calls one matrix again and again (its 5-18 MB
+them, int8 ones (quant_linear.INT8_M_MAX); above 16 rows the fp32 dequantize-and-GEMM path
+against AMX bf16 tiles (the amx kernels) or, without AMX, the int8 kernel taken past 16 rows
+(`--rows 32 128 512`): `hot` calls one matrix again and again (its 5-18 MB
 stay in the L2/L3 caches), `streamed` cycles through copies larger than the caches, as a decode
 step streams each weight from memory once. At `--threads 1` the times are the calling thread's
 CPU time (the kernels run on it), which leaves out what other processes' load preempts; with
@@ -97,15 +99,18 @@ def in_place_times(lib, qtype: str, m: int, repeats: int, stream_bytes: int) -> 
     base = random_matrix((n, k), t, np.random.default_rng(0)).reshape(n, -1)
     copies = [np.roll(base, i, axis=0) for i in range(max(2, stream_bytes // base.nbytes))]
     linears = [QuantLinear(lib, [QuantTensor(c, int(t), n, k, qtype)]) for c in copies]
-    modes = {"fp32": 0}
-    if lib.pd_q8_dot_type(int(t), k):
-        modes["int8"] = max(m, quant_linear.INT8_M_MAX)
-    x, default, best = torch.randn(m, k), quant_linear.INT8_M_MAX, {}
+    modes = many_row_modes(lib, m) if m > quant_linear.QUANT_GEMV_M_MAX else {"fp32": {}}
+    if m <= quant_linear.QUANT_GEMV_M_MAX and lib.pd_q8_dot_type(int(t), k):
+        modes["int8"] = {"INT8_M_MAX": max(m, quant_linear.INT8_M_MAX)}
+    x, best = torch.randn(m, k), {}
+    modes["fp32"] = {"INT8_M_MAX": 0, "AMX_TILES": False, **modes["fp32"]}
+    default = {name: getattr(quant_linear, name) for v in modes.values() for name in v}
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     try:
         for _ in range(3):
-            for mode, m_max in modes.items():
-                quant_linear.INT8_M_MAX = m_max
+            for mode, settings in modes.items():
+                for name, value in {**default, **settings}.items():
+                    setattr(quant_linear, name, value)
                 linears[0](x)
                 hot = []
                 for _ in range(max(1, repeats // 3)):
@@ -120,25 +125,37 @@ def in_place_times(lib, qtype: str, m: int, repeats: int, stream_bytes: int) -> 
                 for key, s in (((mode, "hot"), hot), ((mode, "streamed"), streamed)):
                     best[key] = min(best.get(key, s), s)
     finally:
-        quant_linear.INT8_M_MAX = default
+        for name, value in default.items():
+            setattr(quant_linear, name, value)
     return best, base.nbytes
 
 
+def many_row_modes(lib, m: int) -> dict[str, dict]:
+    """Above QUANT_GEMV_M_MAX rows: the fp32 dequantize-and-GEMM path against AMX bf16 tiles
+    (the amx kernels) or, elsewhere, the int8 kernel taken past its row limit."""
+    if hasattr(lib, "pd_quant_linear_amx"):
+        return {"fp32": {}, "amx": {"AMX_TILES": True}}
+    return {"fp32": {}, "int8": {"QUANT_GEMV_M_MAX": m, "INT8_M_MAX": m}}
+
+
 def bench_in_place(libs, rows: list[int], repeats: int, stream_mb: int, types: list[str]) -> None:
-    print("| type 8192x2048 | rows | native | fp32 act. hot | fp32 streamed | int8 act. hot "
-          "| int8 streamed | fp32 / int8 streamed |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| type 8192x2048 | rows | native | fp32 hot | fp32 streamed | path | hot "
+          "| streamed | fp32 / path streamed | path GFLOP/s hot |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for qtype in types:
         for m in rows:
             for lib in libs:
                 t, nbytes = in_place_times(lib, qtype, m, repeats, stream_mb << 20)
+                path = next((mode for mode, _ in t if mode != "fp32"), None)
                 cells = [f"{t[key] * 1e3:.2f} ms, {nbytes / t[key] / 1e9:.1f} GB/s"
                          if key in t else "-" for key in
-                         [("fp32", "hot"), ("fp32", "streamed"), ("int8", "hot"),
-                          ("int8", "streamed")]]  # fmt: skip
-                ratio = t[("fp32", "streamed")] / t[("int8", "streamed")] if len(t) > 2 else None
-                print(f"| {qtype} | {m} | {lib.isa} | {' | '.join(cells)} | "
-                      f"{f'{ratio:.2f}x' if ratio else '-'} |")  # fmt: skip
+                         [("fp32", "hot"), ("fp32", "streamed"), (path, "hot"),
+                          (path, "streamed")]]  # fmt: skip
+                ratio = t[("fp32", "streamed")] / t[(path, "streamed")] if path else None
+                flops = 2 * m * 8192 * 2048 / t[(path, "hot")] / 1e9 if path else None
+                print(f"| {qtype} | {m} | {lib.isa} | {' | '.join(cells[:2])} | {path or '-'} | "
+                      f"{' | '.join(cells[2:])} | {f'{ratio:.2f}x' if ratio else '-'} | "
+                      f"{f'{flops:.0f}' if flops else '-'} |")  # fmt: skip
 
 
 def attention_times(lib, b: int, context: int, repeats: int) -> tuple[float, float]:
