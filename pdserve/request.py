@@ -40,7 +40,7 @@ class Request:
 
     Token arithmetic (block_size 4, prompt of 6, 2 generated, 7 computed):
 
-        all_token_ids      p p p p | p p o o
+        tokens             p p p p | p p o o
         num_computed_tokens ------------- 7   (KV cached for the first 7 tokens)
         block_ids          [b0,      b1]      (ceil(num_tokens_with_kv / block_size) blocks)
 
@@ -109,12 +109,8 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_slice(self, start: int, end: int) -> list[int]:
-        """`all_token_ids[start:end]` without concatenating the whole sequence."""
+        """Prompt and output tokens `[start:end]` without concatenating the whole sequence."""
         num_prompt = len(self.prompt_token_ids)
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]

@@ -80,7 +80,3 @@ class SamplingParams:
             or bool(self.logit_bias)
             or self.min_tokens > 0
         )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

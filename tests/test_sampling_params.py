@@ -5,8 +5,7 @@ from pdserve.sampling_params import SamplingParams
 
 def test_defaults_and_normalisation():
     p = SamplingParams(stop="x", stop_token_ids=[3])
-    assert p.stop == ("x",) and p.stop_token_ids == (3,) and not p.greedy
-    assert SamplingParams(temperature=0).greedy
+    assert p.stop == ("x",) and p.stop_token_ids == (3,) and p.temperature == 1.0
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,6 @@ try:
 except ImportError:  # optional: pdserve does not depend on it
     _trace = None
 
-TTFT_PARTS = ("queued", "waiting", "prefill", "first_token")
-DECODE_PARTS = ("transfer", "handover")
 PREFILL_STAMPS = {"prefill_start", "prefill_end"}
 
 

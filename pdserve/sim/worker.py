@@ -52,8 +52,6 @@ class SimWorker:
         )
         self.step: Step | None = None
         self.num_active_requests = 0  # routed here and not yet done, as the router counts
-        self.busy_s = 0.0
-        self.num_steps = 0
         self.num_preemptions = 0
         self.steps: list[tuple[StepShape, float]] | None = None  # recorded when a list
         self.idle_since = float("-inf")  # when its last step ended: idle since the start
@@ -120,8 +118,6 @@ class SimWorker:
         if contended:
             duration_s += self.token_cpu_s * len(sampled)
         self.step = Step(out, sampled, shape, duration_s)
-        self.busy_s += self.step.duration_s
-        self.num_steps += 1
         self.num_preemptions += len(out.preempted)
         if self.steps is not None:
             self.steps.append((shape, self.step.duration_s))
