@@ -8,7 +8,10 @@ as in the router, where the prefill workers' sends measure it.
 
 Modelled: a SetCores applies at the worker's next step boundary (a worker mid-step finishes
 the step first) and is acknowledged at once; a parked worker runs no step; a thread count
-the profile has no model for is priced as the planner prices it (the nearest one, scaled).
+the profile has no model for is priced as the planner prices it (the nearest one, scaled);
+a local prefill carries the stall budget the router sends (`enforced_gap_s()`) and the
+decode worker's own StallGuard (engine/stall_guard.py, in its scheduler) caps its chunks
+beside running decodes from the simulated steps' times, as the worker measures its own.
 Not modelled: StepReport (the profile is the truth, so there is nothing to learn) and the
 P:D split across workers (one of each here).
 """
@@ -24,7 +27,7 @@ from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import CoreGrant, CoreGroups, Demand, plan_counts, stall_floors
 from pdserve.planner.decision import LOCAL, DecodeNeed, Situation, decide, decode_need
 from pdserve.planner.model import OnlineCostModel
-from pdserve.planner.targets import max_gap_s, stall_budget_on
+from pdserve.planner.targets import enforced_gap_s, max_gap_s, stall_budget_on
 from pdserve.sim.deployment import Deployment, SimConfig
 from pdserve.sim.simulator import Simulation, _Flight
 from pdserve.sim.worker import SimWorker
@@ -92,6 +95,7 @@ class AdaptiveSimulation(Simulation):
             self._charge(flight, decode)
             flight.decode, flight.decode_worker = self._request(flight), decode
             flight.decode.prefill_chunk_tokens = decision.prefill_chunk_tokens
+            flight.decode.stall_budget_s = enforced_gap_s(self.adaptive, self.model, len(self.pool))
             decode.add(flight.decode)
         else:
             self.groups.on_remote(self.now)
@@ -173,6 +177,7 @@ class AdaptiveSimulation(Simulation):
 
     def _run_on(self, worker: SimWorker, threads: int) -> None:
         worker.size = threads
+        worker.scheduler.stall_guard.threads = max(1, threads)
         worker.cost_model = _Priced(self.model, worker.role, threads)  # type: ignore[assignment]
 
     # ---- the loop's hooks ------------------------------------------------------------
@@ -184,8 +189,23 @@ class AdaptiveSimulation(Simulation):
             super()._kick(worker)
 
     def _step_done(self, worker: SimWorker) -> None:
+        step = worker.step
+        if step is not None:  # the worker measures its own steps (the engine's observe())
+            shape = step.shape
+            worker.scheduler.stall_guard.observe(
+                max(1, worker.size), shape.prefill_tokens, shape.decode_requests, step.duration_s
+            )
         super()._step_done(worker)
         self._replan()
+
+    def summary(self) -> dict[str, object]:
+        """What `pdserve simulate` prints of the planner: its decisions by kind and reason,
+        and the decode worker's stall guard (its budget, last cap, steps the cap bound)."""
+        decode = self.by_role["decode"][0].scheduler.stall_guard
+        return {
+            "decisions": {f"{k}/{r}": n for (k, r), n in sorted(self.decisions.items())},
+            **decode.fields(),
+        }
 
     def _landed(self, payload: tuple[SimWorker, _Flight]) -> None:
         super()._landed(payload)

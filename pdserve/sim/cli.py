@@ -108,9 +108,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     # again and again (a 12,000-request trace replay: 59.8 s with it walking them, 58.4 without).
     gc.freeze()
     started = time.perf_counter()
+    planner: dict[str, object] = {}  # an adaptive deployment's decisions and stall guard
     try:
         document, result = execute(
-            plan, run=lambda run: simulate_plan(replace(plan, run=run), profile, deployment, config)
+            plan,
+            run=lambda run: simulate_plan(
+                replace(plan, run=run), profile, deployment, config, planner
+            ),
         )
     finally:
         gc.unfreeze()  # an in-process caller (a test) gets its collector back as it was
@@ -118,6 +122,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     document["profile"] = args.profile
     print(f"{'deployment':<40}{deployment.describe()} ({profile.device}, {profile.model.name})")
     report(args, document, result.records, plan.slo)
+    for name, value in planner.items():
+        print(f"{'planner ' + name:<40}{value}")
     print(f"{'simulated in (s)':<40}{wall_s:.2f}")
     return 0
 

@@ -12,10 +12,15 @@ from pdserve.sim.simulator import Simulation
 
 
 def simulate_plan(
-    plan: BenchPlan, profile: HardwareProfile, deployment: Deployment, config: SimConfig
+    plan: BenchPlan,
+    profile: HardwareProfile,
+    deployment: Deployment,
+    config: SimConfig,
+    planner: dict[str, object] | None = None,
 ) -> RunResult:
     """An adaptive deployment's planner aims at the plan's SLOs (TTFT, p99 ITL, max gap;
-    without a max gap it derives its stall budget as the router's planner does)."""
+    without a max gap it derives its stall budget as the router's planner does); `planner`
+    gets its decisions and the decode worker's stall guard (`AdaptiveSimulation.summary`)."""
     if plan.run.max_concurrency is not None:
         raise ValueError("the simulator does not model --max-concurrency")
     if deployment.adaptive:
@@ -28,6 +33,9 @@ def simulate_plan(
         simulation: Simulation = AdaptiveSimulation(profile, deployment, config, slo)
     else:
         simulation = Simulation(profile, deployment, config)
-    return simulation.run(
+    result = simulation.run(
         plan.sessions, plan.run.arrival, plan.run.seed, plan.run.think_time_s, plan.run.duration_s
     )
+    if planner is not None and isinstance(simulation, AdaptiveSimulation):
+        planner.update(simulation.summary())
+    return result
