@@ -121,6 +121,10 @@ function renderPlanner(planner, workers) {
     ` · role switches ${planner.num_role_switches} · prefill asked ` +
     `${Math.round(planner.prefill_demand_tokens_per_s)} tokens/s`;
   renderTargets(planner.targets);
+  document.getElementById("planner-targets").textContent += workers
+    .filter((w) => w.stall_cap_tokens != null)
+    .map((w) => ` · ${w.worker} guard: cap ${w.stall_cap_tokens} tokens a step, ` +
+      `${w.num_stall_capped_steps} steps capped`).join("");
   const roles = Object.fromEntries(workers.map((w) => [w.worker, w.role]));
   const groups = document.querySelector("#core-groups tbody");
   groups.replaceChildren();
