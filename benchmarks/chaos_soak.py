@@ -19,7 +19,6 @@ import fcntl
 import json
 import os
 import random
-import re
 import signal
 import sys
 import threading
@@ -33,6 +32,7 @@ import aiohttp
 
 from pdserve.bench.client import ClientConfig, send_request
 from pdserve.bench.metrics import OK, RequestRecord, latency_stats_ms
+from pdserve.bench.router_stats import kv_blocks, metrics_text
 from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 from pdserve.cluster.supervisor import RestartPolicy
@@ -145,15 +145,6 @@ class Chaos(threading.Thread):
                 self.events.append((round(time.monotonic() - t0, 1), f"SIGCONT {name}"))
 
 
-def kv_blocks(url: str) -> dict[str, tuple[int, int]]:
-    """(free, total) KV blocks of each worker, from the router's /metrics."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    free = dict(re.findall(r'pdserve_kv_blocks_free\{worker="([^"]+)"\} (\d+)', text))
-    total = dict(re.findall(r'pdserve_kv_blocks_total\{worker="([^"]+)"\} (\d+)', text))
-    return {w: (int(free[w]), int(total[w])) for w in free}
-
-
 def wait_whole(url: str, timeout_s: float) -> dict[str, tuple[int, int]]:
     """Every worker healthy and every block free, or the last blocks seen at the timeout."""
     deadline, blocks = time.monotonic() + timeout_s, {}
@@ -161,7 +152,7 @@ def wait_whole(url: str, timeout_s: float) -> dict[str, tuple[int, int]]:
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as resp:
                 healthy = all(w["healthy"] for w in json.loads(resp.read())["workers"].values())
-            blocks = kv_blocks(url)
+            blocks = kv_blocks(metrics_text(url))
             if healthy and set(blocks) == set(WORKERS):
                 if all(free == total for free, total in blocks.values()):
                     return blocks

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 import threading
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pdserve.bench.router_stats import leaked_blocks, metrics_text, samples  # noqa: E402
+from pdserve.bench.router_stats import post_completion as post  # noqa: E402
 from pdserve.cluster.config import Pipeline, WorkerGroup  # noqa: E402
 from pdserve.cluster.launcher import Cluster, Placement, free_port  # noqa: E402
 from pdserve.testing.netns import Hosts, Link, available, bits_per_s  # noqa: E402
@@ -41,44 +42,6 @@ COUNTERS = (
     "pdserve_rejections_retried_total",
     "pdserve_kv_transfer_fallbacks_total",
 )
-
-
-def post(url: str, body: dict, timeout_s: float) -> dict:
-    req = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read())
-
-
-def metrics(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        return resp.read().decode()
-
-
-def samples(text: str, name: str) -> dict[str, float]:
-    return {
-        labels: float(value)
-        for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
-    }
-
-
-def blocks(text: str) -> dict[str, tuple[int, int]]:
-    free = dict(re.findall(r'pdserve_kv_blocks_free\{worker="([^"]+)"\} (\d+)', text))
-    total = dict(re.findall(r'pdserve_kv_blocks_total\{worker="([^"]+)"\} (\d+)', text))
-    return {w: (int(free[w]), int(total[w])) for w in free}
-
-
-def leaked_blocks(url: str, timeout_s: float = 60.0) -> dict[str, int]:
-    """Blocks each worker still holds once every request is over: polled until none is, or
-    for `timeout_s`."""
-    deadline, left = time.monotonic() + timeout_s, {}
-    while time.monotonic() < deadline:
-        left = {w: t - f for w, (f, t) in blocks(metrics(url)).items() if f != t}
-        if not left:
-            break
-        time.sleep(0.5)
-    return left
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -156,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
             for name in names:
                 hosts.shape(name, Link())
             leaked = leaked_blocks(url)
-            text = metrics(url)
+            text = metrics_text(url)
     hung = [r for r in results if r["status"] != "ok" and r["status"].startswith("error")]
     seconds = sorted(r["seconds"] for r in results)
     return {

@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdserve.bench.router_stats import post_completion  # noqa: E402
 from pdserve.cluster.config import Pipeline, WorkerGroup  # noqa: E402
 from pdserve.cluster.launcher import Cluster, Placement, free_port  # noqa: E402
 from pdserve.testing.netns import Hosts, Link, available, bits_per_s  # noqa: E402
@@ -95,13 +96,6 @@ def measure(hosts: Hosts, rate: str, layout: dict, repeats: int, backend: str) -
         receiver.wait()
 
 
-def post(url: str, body: dict) -> dict:
-    headers = {"Content-Type": "application/json", "X-PDServe-Timing": "1"}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read())
-
-
 def kv_sent(url: str) -> tuple[float, float]:
     """The prefill worker's KV bytes sent and its sender's seconds writing them (its last
     Stats, at most a heartbeat old: callers wait one out first)."""
@@ -121,7 +115,7 @@ def served(url: str, model: str, tokens: int, repeats: int, rng: random.Random) 
         prompt = [rng.randrange(200, 20000) for _ in range(tokens)]
         body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0,
                 "ignore_eos": True}  # fmt: skip
-        parts.append(post(url, body)["pdserve_timing"]["ttft_parts_s"])
+        parts.append(post_completion(url, body, 600, timing=True)["pdserve_timing"]["ttft_parts_s"])
     bytes_after, send_s_after = kv_sent(url)
     num_bytes = (bytes_after - bytes_before) / repeats
     sender_bps = 8 * (bytes_after - bytes_before) / max(1e-9, send_s_after - send_s_before)
