@@ -80,6 +80,13 @@ class DeviceConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = knob("smollm2-135m", "known name, .gguf file or HF directory")
+    # The GGUF loading rule (model/gguf_convert.py): a file of F32/Q4_0/Q4_1/Q8_0 matrices
+    # whose fp32 copy is at most this is converted to fp32 (lossless compact panels, tokens
+    # as transformers'); every other file is read in place from its mapping (one copy a host).
+    gguf_fp32_max_bytes: int = knob(
+        2**30, "convert GGUF files of Q4_0/Q4_1/Q8_0 up to this fp32 size (0: none); "
+        "larger ones and other types are read in place", ge=0, parse=parse_bytes,
+    )  # fmt: skip
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()

@@ -48,7 +48,7 @@ class LLM:
         from pdserve.model.tokenizer import Tokenizer
 
         config = from_flat(EngineConfig, {"model": model, **engine})
-        model_dir = resolve_model(config.model)
+        model_dir = resolve_model(config.model, None, config.gguf_fp32_max_bytes)
         self.tokenizer = Tokenizer(model_dir)
         self.engine = Engine(config, model_dir)
         self._ids = itertools.count()

@@ -27,7 +27,7 @@ def resolve_tokenizer_file(name_or_path: str) -> Path:
     from pdserve.model.registry import resolve_model
 
     try:
-        resolved = Path(resolve_model(name_or_path)) / "tokenizer.json"
+        resolved = Path(resolve_model(name_or_path, gguf_fp32_max_bytes=None)) / "tokenizer.json"
     except Exception as exc:  # the registry's own errors are not ours to classify
         raise ValueError(f"--tokenizer {name_or_path!r}: {exc}") from exc
     if resolved.is_file():

@@ -79,12 +79,13 @@ class WorkerGroup:
             return "bfloat16" if has_fast_bf16() else pipeline_dtype
         return self.dtype or pipeline_dtype
 
-    def engine_config(self, model: str, dtype: str, kvstore: KVStoreConfig) -> EngineConfig:
-        """The EngineConfig of each worker of this role (`dtype`: the pipeline's)."""
+    def engine_config(self, p: Pipeline, kvstore: KVStoreConfig) -> EngineConfig:
+        """The EngineConfig of each worker of this role in pipeline `p` (its model, dtype)."""
         names = [f.name for f in dataclasses.fields(self)
                  if f.name not in _PLACEMENT_FIELDS and f.name != "dtype"]  # fmt: skip
         values = {n: getattr(self, n) for n in names}
-        engine = from_flat(EngineConfig, {**values, "model": model, "dtype": self.dtype_of(dtype)})
+        model = {"model": p.model, "gguf_fp32_max_bytes": p.gguf_fp32_max_bytes}
+        engine = from_flat(EngineConfig, {**values, **model, "dtype": self.dtype_of(p.dtype)})
         return dataclasses.replace(engine, kvstore=kvstore)
 
 
@@ -94,6 +95,7 @@ _PLACEMENT_FIELDS = ("num", "cpus", "ray_num_cpus", "ray_num_gpus", "ray_resourc
 @dataclass(frozen=True)
 class Pipeline:
     model: str = same_as(EngineConfig, "model")
+    gguf_fp32_max_bytes: int = same_as(EngineConfig, "gguf_fp32_max_bytes")
     prefill: WorkerGroup | None = None
     decode: WorkerGroup | None = None
     collocated: WorkerGroup | None = None

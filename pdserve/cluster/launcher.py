@@ -80,12 +80,12 @@ def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerS
         # Every worker may run on the whole pool; the planner sends each its share on Ready.
         pool = p.adaptive_cpus()
         role = dataclasses.replace(p.workers or WorkerGroup(), threads=len(pool))
-        engine = role.engine_config(p.model, p.dtype, kv_pool)
+        engine = role.engine_config(p, kv_pool)
         roles = ["prefill"] + ["decode"] * (p.adaptive.workers - 1)
         layout = [(f"worker-{i}", name, engine, pool) for i, name in enumerate(roles)]
     else:
         layout = [
-            (f"{name}-{i}", name, r.engine_config(p.model, p.dtype, kv_pool), r.cpus_of(i))
+            (f"{name}-{i}", name, r.engine_config(p, kv_pool), r.cpus_of(i))
             for name, r in p.roles for i in range(r.num)
         ]  # fmt: skip
     return [
@@ -158,7 +158,8 @@ class Cluster:
         from pdserve.model.registry import resolve_model
 
         check_memory(p, worker_specs(p, router_address=""), self.report)
-        resolve_model(p.model)  # convert once here, not in every worker at the same time
+        # Convert once here, not in every worker at the same time.
+        resolve_model(p.model, None, p.gguf_fp32_max_bytes)
         secret = secrets.token_bytes(32)
         router_host = self.placements.get("router", Placement()).host
         router_address = f"tcp://{router_host}:{free_port(router_host)}"

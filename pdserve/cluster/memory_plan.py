@@ -155,20 +155,19 @@ def plan_memory(
     return MemoryPlan(workers, shared, convert, available_bytes)
 
 
-def needs_conversion(model: str) -> bool:
-    """Whether resolving `model` converts a GGUF file first (no valid cached conversion)."""
+def needs_conversion(model: str, gguf_fp32_max_bytes: int) -> bool:
+    """Whether resolving `model` converts a GGUF file first (no valid cached conversion of
+    the kind the loading rule picks)."""
     from pdserve.model import registry
 
     try:
-        if model in registry.KNOWN_MODELS:
-            gguf, key = registry.known_gguf_path(model), model
-        elif (path := Path(model).expanduser()).is_file():
-            gguf, key = path, registry.gguf_cache_key(path)
-        else:
+        source = registry.gguf_source(model, registry.default_cache_dir())
+        if source is None:
             return False
+        in_place = registry.wants_in_place(source[0], gguf_fp32_max_bytes)
     except ValueError:
         return False
-    return not registry.is_valid_cache(registry.default_cache_dir() / key, gguf)
+    return not registry.is_valid_cache(source[1], source[0], in_place)
 
 
 def check_memory(
@@ -177,9 +176,10 @@ def check_memory(
     """Report the plan of `pipeline` (its workers' `specs`); one that does not fit raises
     MemoryPlanError (`memory_check: enforce`) or is reported as a warning (`warn`). None
     when not checked: `off`, or a model that cannot be read (resolving it says why)."""
-    if pipeline.memory_check == "off" or (ckpt := read_checkpoint(pipeline.model)) is None:
+    knob = pipeline.gguf_fp32_max_bytes
+    if pipeline.memory_check == "off" or (ckpt := read_checkpoint(pipeline.model, knob)) is None:
         return None
-    conversion = needs_conversion(pipeline.model)
+    conversion = needs_conversion(pipeline.model, knob)
     plan = plan_memory(ckpt, specs, host_available_bytes(), conversion)
     for line in plan.lines():
         report(f"memory: {line}")

@@ -78,7 +78,8 @@ class RayCluster(Cluster):
         ray = self._connect()  # first: an unreachable cluster fails before any conversion
         from pdserve.model.registry import resolve_model
 
-        resolve_model(p.model)  # converted here once; nodes sharing the cache dir reuse it
+        # Converted here once; nodes sharing the cache dir reuse it.
+        resolve_model(p.model, None, p.gguf_fp32_max_bytes)
         keys = {"secret": secrets.token_bytes(32), "api_key": p.api_key,
                 "admin_key": self.admin_key}  # fmt: skip
         self._secret_refs = [ray.put(keys)]

@@ -73,7 +73,9 @@ class Engine:
         from pdserve.model.registry import resolve_model
 
         self.config = config
-        self.model_dir = Path(model_dir) if model_dir else resolve_model(config.model)
+        self.model_dir = Path(model_dir) if model_dir else None
+        if self.model_dir is None:
+            self.model_dir = resolve_model(config.model, None, config.gguf_fp32_max_bytes)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.runner = ModelRunner(
             self.model_dir, self.model_config, config.cache, config.device, config.seed,

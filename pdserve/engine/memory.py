@@ -11,8 +11,8 @@ A worker holds, at the peak of its start (when workers starting together coincid
 
 The weights are held one of two ways (`weights_held()`, `WeightHolding`):
 
-- a GGUF with any matrix outside the panel types (K-quants, Q5, F16, BF16: see
-  gguf_convert.reads_in_place) is read in place from the memory-mapped file
+- a GGUF the loading rule reads in place (gguf_convert.reads_in_place: any matrix outside
+  the panel types, or an fp32 copy over `gguf_fp32_max_bytes`) is read from the mapped file
   (model/gguf_weights.py): its tensor bytes are `shared_bytes`, one page-cache copy counted
   once per host however many workers map it; a worker's own part is its rope tables, norms
   and the kernels' fp32 tile (`in_place_private_bytes()`);
@@ -91,10 +91,13 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int]]:
     return [*out, (head, cfg.vocab_size * h)]
 
 
-def read_checkpoint(model: str) -> Checkpoint | None:
+def read_checkpoint(
+    model: str, gguf_fp32_max_bytes: int = EngineConfig.gguf_fp32_max_bytes
+) -> Checkpoint | None:
     """The checkpoint facts of a known model name, a GGUF file (its metadata and tensor list
-    only: nothing is converted or loaded) or an HF directory; None for a model that cannot
-    be read (resolving it later says why)."""
+    only: nothing is converted or loaded; read in place or not by the loading rule and its
+    knob) or an HF directory; None for a model that cannot be read (resolving it later says
+    why)."""
     from pdserve.model.registry import KNOWN_MODELS, known_gguf_path
 
     try:
@@ -102,7 +105,7 @@ def read_checkpoint(model: str) -> Checkpoint | None:
         if path.is_dir():
             config, types, in_place_bytes = ModelConfig.from_dir(path), {}, 0
         elif path.is_file() and path.suffix == ".gguf":
-            config, types, in_place_bytes = _gguf_facts(path)
+            config, types, in_place_bytes = _gguf_facts(path, gguf_fp32_max_bytes)
         else:
             return None
     except ValueError:
@@ -111,7 +114,7 @@ def read_checkpoint(model: str) -> Checkpoint | None:
     return Checkpoint(config, linears, in_place_bytes if path.is_file() else 0)
 
 
-def _gguf_facts(path: Path) -> tuple[ModelConfig, dict[str, str], int]:
+def _gguf_facts(path: Path, fp32_max_bytes: int) -> tuple[ModelConfig, dict[str, str], int]:
     """A GGUF file's model config (as its conversion writes it), each tensor's type, and its
     tensor bytes if the loader reads them in place (else 0)."""
     from gguf import GGML_QUANT_SIZES
@@ -122,7 +125,7 @@ def _gguf_facts(path: Path) -> tuple[ModelConfig, dict[str, str], int]:
     metadata, tensors = read_header(path)
     config = ModelConfig.from_hf(build_config(metadata, tensors, path))
     types = {t.name: t.tensor_type.name for t in tensors}
-    if not reads_in_place(tensors):
+    if not reads_in_place(tensors, fp32_max_bytes):
         return config, types, 0
     in_place = 0
     for t in tensors:

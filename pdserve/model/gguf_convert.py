@@ -1,9 +1,15 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face model directory.
+"""Convert a GGUF file (llama, qwen2, qwen3, phi3) into a Hugging Face model directory.
 
-A file holding K-quants, Q5_0/Q5_1, F16 or BF16 matrices gets a directory without weights: its
-model reads the GGUF's blocks in place (gguf_weights.py), and the directory holds the config,
-the tokenizer and a marker naming the file. Files of F32/Q4_0/Q4_1/Q8_0 matrices only are
-converted to fp32 as below, which the compact panels re-encode losslessly (panel_codec.py).
+Which files are read in place, and which converted to fp32 (`reads_in_place`, the loading
+rule): a file is read in place from its mapped blocks (gguf_weights.py) unless every matrix is
+F32/Q4_0/Q4_1/Q8_0 and its fp32 copy is at most `gguf_fp32_max_bytes` (EngineConfig; 1 GiB by
+default). Such a small file is converted to fp32 as below: the compact panels re-encode those
+types losslessly (panel_codec.py), decode runs as one native call a step with fp32 activations,
+and the tokens are transformers' own; the price, a private fp32 copy and packed panels in every
+worker (~2x the fp32 bytes at its start, engine/memory.py), is small against any host at that
+size (SmolLM2-135M Q4_1: 0.54 GB fp32). Past it, a file is read in place: one page-cache copy
+per host, no fp32 copy on disk or in memory (a Llama 3.2 1B Q8_0 worker: 8.17 GiB converted).
+A directory read in place holds the config, the tokenizer and a marker naming the file.
 
 The engine loads one format (HF config + safetensors + tokenizer files), so GGUF support is a
 one-time conversion rather than a second loader. The config is built here, from the metadata
@@ -18,7 +24,7 @@ interrupted conversion never leaves a half-written model behind.
 from __future__ import annotations
 
 import json
-import logging
+import math
 import os
 import shutil
 import tempfile
@@ -29,6 +35,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from pdserve.config import EngineConfig
+
 # llama.cpp's architecture name -> the Hugging Face class of the same weights (Mistral's GGUFs
 # are "llama"). Only llama's Q/K rows are permuted by llama.cpp's converter.
 HF_ARCHITECTURES = {
@@ -38,7 +46,6 @@ HF_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
-log = logging.getLogger(__name__)
 SOURCE_MARKER = "pdserve_source.json"
 # Bump when the output format changes, so caches written by an older converter are redone.
 CONVERTER_VERSION = 2
@@ -58,8 +65,8 @@ BLOCKS: dict[int, tuple[int, int]] = {
     13: (256, 176),  # Q5_K
     14: (256, 210),  # Q6_K
 }
-# Types whose files keep the fp32 conversion below: the compact panels rebuild
-# them losslessly (panel_codec.py) and run fused decode steps on them (docs/cpu-kernels.md).
+# Types a small file may be converted in (the loading rule, module docstring): the compact
+# panels rebuild them losslessly (panel_codec.py).
 PANEL_TYPES = frozenset({0, 2, 3, 8})  # F32, Q4_0, Q4_1, Q8_0
 
 
@@ -83,32 +90,35 @@ def check_types(tensors: list[Any], path: Path) -> None:
             )
 
 
-def reads_in_place(tensors: list[Any]) -> bool:
-    """Whether a file's weights are served from the file itself: any matrix type outside
-    PANEL_TYPES (K-quants, Q5_0/Q5_1, F16, BF16). Files of panel types only keep the
-    converted path, which runs them losslessly in their compact panels."""
-    return any(int(t.tensor_type) not in PANEL_TYPES for t in tensors)
+def reads_in_place(tensors: list[Any], fp32_max_bytes: int) -> bool:
+    """The loading rule (module docstring): whether a file's weights are read in place from
+    the file, rather than converted to fp32. Any matrix type outside PANEL_TYPES (K-quants,
+    Q5_0/Q5_1, F16, BF16), or an fp32 copy over `fp32_max_bytes`, means in place."""
+    if any(int(t.tensor_type) not in PANEL_TYPES for t in tensors):
+        return True
+    return fp32_bytes(tensors) > fp32_max_bytes
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Convert `gguf_path` into an HF-format directory at `out_dir` (replaced if present).
+def fp32_bytes(tensors: list[Any]) -> int:
+    """The bytes of every tensor of a file as fp32 (what its conversion writes)."""
+    return 4 * sum(math.prod(int(n) for n in t.shape) for t in tensors)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, in_place: bool | None = None) -> Path:
+    """Convert `gguf_path` into an HF-format directory at `out_dir` (replaced if present):
+    with no weights if `in_place` (gguf_weights.py reads the file), else with fp32 ones;
+    None: as the loading rule says at the knob's default.
 
     Raises ValueError naming the file for a corrupt, truncated or non-GGUF file, an unsupported
-    architecture, or tensors that do not fit the architecture.
+    architecture, tensors that do not fit the architecture, or (in place) a type the kernels
+    do not read.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
     metadata = _read_metadata(reader, gguf_path)
     config = build_config(metadata, reader.tensors, gguf_path)
-    # gguf_weights.py reads llama's tensor layout in place; other families convert to fp32.
-    in_place = reads_in_place(reader.tensors)
-    if in_place and config["model_type"] != "llama":
-        log.warning(
-            "%s: %s weights are dequantized to fp32 (only llama files are read in place)",
-            gguf_path.name,
-            config["model_type"],
-        )
-        in_place = False
+    if in_place is None:
+        in_place = reads_in_place(reader.tensors, EngineConfig.gguf_fp32_max_bytes)
     if in_place:
         check_types(reader.tensors, gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

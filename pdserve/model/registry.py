@@ -7,10 +7,13 @@ Three kinds of input:
 - a path to a `.gguf` file: converted the same way, cached under its file name and size;
 - a path to an HF directory (config.json + *.safetensors): used as it is.
 
-A cached conversion carries a marker with the source's size and mtime, so replacing the source
-file triggers a fresh conversion, and checking a warm cache costs a stat and a small JSON read.
-Converters in several processes (P and D workers starting together) serialize on a lock file, so
-the model is converted once.
+"Converted" follows the loading rule (gguf_convert.reads_in_place, the `gguf_fp32_max_bytes`
+knob): a directory to read the file in place (config, tokenizer, a marker), or fp32 weights.
+A cached conversion carries a marker with the source's size and mtime and which of the two it
+is, so replacing the source file, or a knob that picks the other way, triggers a fresh
+conversion, and checking a warm cache costs a stat and a small JSON read. Converters in several
+processes (P and D workers starting together) serialize on a lock file, so the model is
+converted once.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve import envs
-from pdserve.model.gguf_convert import SOURCE_MARKER, convert_gguf, source_fingerprint
+from pdserve.config import EngineConfig
+from pdserve.model.gguf_convert import (
+    SOURCE_MARKER,
+    convert_gguf,
+    reads_in_place,
+    source_fingerprint,
+)
 
 
 @dataclass(frozen=True)
@@ -46,20 +55,27 @@ def default_cache_dir() -> Path:
     return envs.cache_dir()
 
 
-def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
+def resolve_model(
+    name_or_path: str,
+    cache_dir: Path | None = None,
+    gguf_fp32_max_bytes: int | None = EngineConfig.gguf_fp32_max_bytes,
+) -> Path:
     """An HF-format model directory for a known name, a `.gguf` file or an HF directory.
+    `gguf_fp32_max_bytes`: the loading rule's knob (EngineConfig); None takes a valid cached
+    conversion of either kind (a caller that needs only the tokenizer), else the default.
 
     Raises ValueError with the fix when the name is unknown, the path is missing, the package
     holding a known model is not installed, or a directory is not an HF model.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if name_or_path in KNOWN_MODELS:
-        return _cached_conversion(known_gguf_path(name_or_path), root / name_or_path)
+    if (source := gguf_source(name_or_path, root)) is not None:
+        gguf_path, model_dir = source
+        if gguf_fp32_max_bytes is None:
+            if is_valid_cache(model_dir, gguf_path):
+                return model_dir
+            gguf_fp32_max_bytes = EngineConfig.gguf_fp32_max_bytes
+        return _cached_conversion(gguf_path, model_dir, gguf_fp32_max_bytes)
     path = Path(name_or_path).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model file {path} is not a .gguf file")
-        return _cached_conversion(path, root / gguf_cache_key(path))
     if path.is_dir():
         return check_hf_dir(path)
     if path.suffix == ".gguf" or os.sep in name_or_path:
@@ -68,6 +84,26 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
     raise ValueError(
         f"unknown model {name_or_path!r}: not a known name ({known}) nor an existing path"
     )
+
+
+def gguf_source(name_or_path: str, root: Path) -> tuple[Path, Path] | None:
+    """(the GGUF file, its cache directory under `root`) of a known name or a `.gguf` path;
+    None for anything else (a directory, a missing path)."""
+    if name_or_path in KNOWN_MODELS:
+        return known_gguf_path(name_or_path), root / name_or_path
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        return None
+    if path.suffix != ".gguf":
+        raise ValueError(f"model file {path} is not a .gguf file")
+    return path, root / gguf_cache_key(path)
+
+
+def wants_in_place(gguf_path: Path, gguf_fp32_max_bytes: int) -> bool:
+    """The loading rule (gguf_convert.reads_in_place) for a file, from its header alone."""
+    from pdserve.model.gguf_header import read_header
+
+    return reads_in_place(read_header(gguf_path)[1], gguf_fp32_max_bytes)
 
 
 def known_gguf_path(name: str) -> Path:
@@ -103,8 +139,9 @@ def check_hf_dir(path: Path) -> Path:
     return path.resolve()
 
 
-def is_valid_cache(model_dir: Path, gguf_path: Path) -> bool:
-    """Whether `model_dir` is a complete conversion of the current `gguf_path`."""
+def is_valid_cache(model_dir: Path, gguf_path: Path, in_place: bool | None = None) -> bool:
+    """Whether `model_dir` is a complete conversion of the current `gguf_path`, read in place
+    or converted to fp32 as `in_place` says (None: either)."""
     marker = model_dir / SOURCE_MARKER
     tokenizers = (model_dir / name for name in ("tokenizer.json", "tokenizer.model"))
     if not (marker.is_file() and (model_dir / "config.json").is_file()):
@@ -116,21 +153,25 @@ def is_valid_cache(model_dir: Path, gguf_path: Path) -> bool:
     except (OSError, ValueError):
         return False
     # A model read in place from the GGUF (gguf_weights.py) has no weights in the directory.
-    if recorded.get("weights") != "in_place" and not any(model_dir.glob("*.safetensors")):
+    recorded_in_place = recorded.get("weights") == "in_place"
+    if in_place is not None and recorded_in_place != in_place:
+        return False
+    if not recorded_in_place and not any(model_dir.glob("*.safetensors")):
         return False
     fingerprint = source_fingerprint(gguf_path)
     return {k: recorded.get(k) for k in fingerprint} == fingerprint
 
 
-def _cached_conversion(gguf_path: Path, model_dir: Path) -> Path:
+def _cached_conversion(gguf_path: Path, model_dir: Path, gguf_fp32_max_bytes: int) -> Path:
     """Return the cached conversion of `gguf_path`, converting under a lock if needed."""
-    if is_valid_cache(model_dir, gguf_path):
+    in_place = wants_in_place(gguf_path, gguf_fp32_max_bytes)
+    if is_valid_cache(model_dir, gguf_path, in_place):
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     lock_path = model_dir.with_name(f".{model_dir.name}.lock")
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # Another process may have finished the conversion while we waited for the lock.
-        if not is_valid_cache(model_dir, gguf_path):
-            convert_gguf(gguf_path, model_dir)
+        if not is_valid_cache(model_dir, gguf_path, in_place):
+            convert_gguf(gguf_path, model_dir, in_place)
     return model_dir

@@ -33,6 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 
 Q = GGMLQuantizationType
 WEIGHT_STD = 0.02  # the dequantized weights' standard deviation (HF's initializer_range)
+NORM_STD = 0.1  # the norm weights' spread around 1
 DEFAULT_TOKENIZER_MODEL = "smollm2-135m"
 
 
@@ -48,7 +49,9 @@ class Shape:
     rope_theta: float
     context_length: int
     tie_word_embeddings: bool
-    architecture: str = "llama"  # llama.cpp's name; "qwen2" has Q/K/V biases, "qwen3" Q/K norms
+    # llama.cpp's name; "qwen2" has Q/K/V biases, "qwen3" Q/K norms, "phi3" fused matrices
+    # (attn_qkv, and ffn_up holding gate and up)
+    architecture: str = "llama"
     rms_norm_eps: float = 1e-5
     llama3_rope_factor: float | None = None  # Llama 3.1+ rope scaling (rope_freqs.weight)
     key_length: int | None = None  # head_dim where it is not hidden_size / num_heads (Qwen3)
@@ -69,6 +72,7 @@ SHAPES: dict[str, Shape] = {
     "llama-8b": Shape(4096, 32, 32, 8, 14336, 500000.0, 131072, False, llama3_rope_factor=8.0),
     "qwen2.5-1.5b": Shape(1536, 28, 12, 2, 8960, 1e6, 32768, True, "qwen2", 1e-6),
     "qwen3-0.6b": Shape(1024, 28, 16, 8, 3072, 1e6, 40960, True, "qwen3", 1e-6, key_length=128),
+    "phi3-mini": Shape(3072, 32, 32, 32, 8192, 10000.0, 4096, False, "phi3"),
     # For tests: K-quant rows (256 values) fit every matrix; two layers, GQA, seconds to write.
     "tiny": Shape(256, 2, 4, 2, 512, 10000.0, 2048, True),
 }
@@ -149,8 +153,11 @@ def tensor_specs(shape: Shape, file_type: str, rope_freqs: bool = False) -> list
     for i in range(s.num_layers):
         b = f"blk.{i}."
         specs.append(vector(b + "attn_norm.weight", s.hidden_size))
+        if s.architecture == "phi3":  # [q; k; v] rows in one matrix
+            specs.append(matrix(b + "attn_qkv.weight", q_size + 2 * kv_size, s.hidden_size, i))
         for part, rows in (("q", q_size), ("k", kv_size), ("v", kv_size)):
-            specs.append(matrix(f"{b}attn_{part}.weight", rows, s.hidden_size, i))
+            if s.architecture != "phi3":
+                specs.append(matrix(f"{b}attn_{part}.weight", rows, s.hidden_size, i))
             if s.qkv_bias:
                 specs.append(vector(f"{b}attn_{part}.bias", rows))
         specs.append(matrix(b + "attn_output.weight", s.hidden_size, q_size, i))
@@ -158,13 +165,21 @@ def tensor_specs(shape: Shape, file_type: str, rope_freqs: bool = False) -> list
             specs.append(vector(b + "attn_q_norm.weight", s.head_dim))
             specs.append(vector(b + "attn_k_norm.weight", s.head_dim))
         specs.append(vector(b + "ffn_norm.weight", s.hidden_size))
-        specs.append(matrix(b + "ffn_gate.weight", s.intermediate_size, s.hidden_size, i))
-        specs.append(matrix(b + "ffn_up.weight", s.intermediate_size, s.hidden_size, i))
-        specs.append(matrix(b + "ffn_down.weight", s.hidden_size, s.intermediate_size, i))
+        specs += _ffn_specs(s, b, i, matrix)
     specs.append(vector("output_norm.weight", s.hidden_size))
     if not s.tie_word_embeddings:
         specs.append(matrix("output.weight", vocab, s.hidden_size))
     return specs
+
+
+def _ffn_specs(s: Shape, b: str, i: int, matrix: Any) -> list[TensorSpec]:
+    """A layer's gate, up and down matrices: Phi-3's ffn_up holds [gate; up] rows."""
+    ffn, h = s.intermediate_size, s.hidden_size
+    if s.architecture == "phi3":
+        gate_up = [matrix(b + "ffn_up.weight", 2 * ffn, h, i)]
+    else:
+        gate_up = [matrix(b + "ffn_gate.weight", ffn, h, i), matrix(b + "ffn_up.weight", ffn, h, i)]
+    return [*gate_up, matrix(b + "ffn_down.weight", h, ffn, i)]
 
 
 def file_bytes(shape: Shape, file_type: str) -> int:
@@ -241,8 +256,8 @@ def _tensor_data(specs: list[TensorSpec], s: Shape, rng: np.random.Generator) ->
     for spec in specs:
         if spec.name == "rope_freqs.weight":
             yield _llama3_rope_factors(s).view(np.uint8)
-        elif spec.name.endswith("norm.weight"):
-            yield np.ones(spec.shape, np.float32).view(np.uint8)
+        elif spec.name.endswith("norm.weight"):  # about 1, so a norm loaded wrong shows
+            yield (1 + rng.standard_normal(spec.shape, np.float32) * NORM_STD).view(np.uint8)
         elif len(spec.shape) == 1:  # a bias
             yield (rng.standard_normal(spec.shape, np.float32) * WEIGHT_STD).view(np.uint8)
         else:

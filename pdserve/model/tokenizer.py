@@ -170,7 +170,7 @@ class IncrementalDetokenizer:
 
 def load_tokenizer(name_or_path: str, cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer of a known model name, `.gguf` file or HF directory."""
-    return Tokenizer(resolve_model(name_or_path, cache_dir))
+    return Tokenizer(resolve_model(name_or_path, cache_dir, gguf_fp32_max_bytes=None))
 
 
 def _load_hf_tokenizer(model_dir: Path) -> Any:

@@ -225,7 +225,7 @@ def model_shape(name: str) -> ModelShape:
     from pdserve.model.config import ModelConfig
     from pdserve.model.registry import resolve_model
 
-    cfg = ModelConfig.from_dir(resolve_model(name))
+    cfg = ModelConfig.from_dir(resolve_model(name, gguf_fp32_max_bytes=None))
     return ModelShape(
         name, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
         cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, weight_bytes_per_param=4.0,

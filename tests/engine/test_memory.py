@@ -52,6 +52,9 @@ def test_a_gguf_is_read_without_converting_it(tmp_path):
     # Q8_0 alone stays on the converted fp32 path: nothing shared.
     q8 = read_checkpoint(str(write_synthetic_gguf(tmp_path / "q8.gguf", "tiny", "q8_0")))
     assert q8.in_place_bytes == 0 and weights_held(q8, "decode", "native", False).shared_bytes == 0
+    # The loading rule's knob (gguf_fp32_max_bytes) reads it in place when it is past it.
+    q8_in_place = read_checkpoint(str(tmp_path / "q8.gguf"), gguf_fp32_max_bytes=0)
+    assert q8_in_place.in_place_bytes == file_bytes(shape, "q8_0")
 
 
 def _ckpt(source: str | None) -> Checkpoint:

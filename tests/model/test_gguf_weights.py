@@ -1,10 +1,12 @@
-"""A GGUF model read in place (gguf_weights.py) equals the same file converted to fp32, refuses
-types it does not run by name, and its mapped pages are shared between processes."""
+"""A GGUF model read in place (gguf_weights.py) equals the same file converted to fp32, for
+every family and type the kernels read, refuses types it does not run by name, and its mapped
+pages are shared between processes; the loading rule picks which files are read in place."""
 
 import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,11 +14,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from pdserve.model import gguf_convert, quant_linear
+from pdserve.config import EngineConfig
+from pdserve.model import gguf_convert, native, quant_linear
 from pdserve.model.gguf_weights import load_gguf_model, weights_source
 from pdserve.model.loader import load_model
 from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear
-from pdserve.model.registry import resolve_model
+from pdserve.model.registry import known_gguf_path, resolve_model, wants_in_place
 from pdserve.model.synthetic import SHAPES, tensor_specs, write_synthetic_gguf
 from tests.model.test_llama import our_logits
 
@@ -50,8 +53,10 @@ def test_resolved_directory_holds_no_weights(q4_k_m, tmp_path, monkeypatch):
 
 
 def test_in_place_model_matches_fp32_conversion(lib, q4_k_m, fp32_dir, monkeypatch):
-    """With fp32 activations (int8 off) the kernels are the conversion up to summation order."""
+    """With fp32 activations (int8 and AMX tiles off) the kernels are the conversion up to
+    summation order."""
     monkeypatch.setattr(quant_linear, "INT8_M_MAX", 0)
+    monkeypatch.setattr(quant_linear, "AMX_TILES", False)
     reference = load_model(fp32_dir)
     model = load_gguf_model(q4_k_m, reference.config)
     types = {p.qtype for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
@@ -80,13 +85,104 @@ def test_int8_activations_stay_near_the_fp32_conversion(lib, q4_k_m, fp32_dir, m
     assert torch.all(chosen >= theirs.max(-1).values - 2 * diff.max(-1).values)
 
 
-@pytest.mark.parametrize("file_type", ["q8_0", "q4_1", "q4_k_m", "q5_k_m", "q6_k", "f16"])
-def test_panel_types_keep_the_converted_path(file_type):
-    """Files of Q4_0/Q4_1/Q8_0/F32 only (the default model) stay on the lossless compact
-    panels; llama.cpp's Q4_1 files hold a Q6_K output matrix, so they are read in place."""
-    specs = tensor_specs(SHAPES["tiny"], file_type)
-    tensors = [SimpleNamespace(tensor_type=s.qtype) for s in specs]
-    assert gguf_convert.reads_in_place(tensors) == (file_type != "q8_0")
+TINY = SHAPES["tiny"]
+# A tiny file of each family read in place, and a type its matrices are in.
+FAMILY_FILES = {
+    "llama-q8_0": (TINY, "q8_0"),
+    "llama-q4_0": (TINY, "q4_0"),
+    "llama-q4_1": (TINY, "q4_1"),
+    "qwen2-q8_0": (replace(TINY, architecture="qwen2"), "q8_0"),
+    "qwen3-q4_k_m": (replace(TINY, architecture="qwen3", key_length=128), "q4_k_m"),
+    "phi3-q4_0": (replace(TINY, architecture="phi3", tie_word_embeddings=False), "q4_0"),
+}
+
+
+def greedy(model, ids: list[int], num_tokens: int = 4) -> list[int]:
+    ids = list(ids)
+    for _ in range(num_tokens):
+        ids.append(int(our_logits(model, ids)[-1].argmax()))
+    return ids[-num_tokens:]
+
+
+def fp32_conversion(path, out_dir):
+    """The file's fp32 conversion, weights and config only (no tokenizer: seconds saved)."""
+    reader = gguf_convert._open_reader(path)
+    metadata = gguf_convert._read_metadata(reader, path)
+    config = gguf_convert.build_config(metadata, reader.tensors, path)
+    out_dir.mkdir()
+    gguf_convert._write_weights(reader, config, path, out_dir)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+@pytest.mark.parametrize("name", FAMILY_FILES)
+def test_family_read_in_place_matches_its_fp32_conversion(name, tmp_path, monkeypatch):
+    """Llama's permuted Q/K rows, Qwen2's biases, Qwen3's Q/K norms, Phi-3's fused QKV and
+    gate|up, in Q8_0/Q4_0/Q4_1 (and the Q6_K output of llama.cpp's Q4 files) or K-quants:
+    with fp32 activations the logits are the conversion's up to summation order, and so are
+    the greedy tokens. (This machine's kernels; the ISA variants are tested above.)"""
+    if native.load() is None:
+        pytest.skip("GGUF weights read in place need the native CPU kernels")
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", 0)
+    shape, file_type = FAMILY_FILES[name]
+    path = write_synthetic_gguf(tmp_path / f"{name}.gguf", shape, file_type)
+    reference = load_model(fp32_conversion(path, tmp_path / "fp32"))
+    assert not any(isinstance(m, QuantLinear) for m in reference.modules())
+    model = load_gguf_model(path, reference.config)
+    down = next(s for s in tensor_specs(shape, file_type) if s.name == "blk.1.ffn_down.weight")
+    assert {p.qtype for p in model.layers[1].mlp.down_proj.parts} == {int(down.qtype)}
+    ids = [(i * 7919) % 49152 for i in range(1, 10)]
+    ours, theirs = our_logits(model, ids), our_logits(reference, ids)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert greedy(model, ids) == greedy(reference, ids)
+
+
+def test_family_tensors_are_views_of_the_mapped_file(tmp_path):
+    """Phi-3's fused matrices are read where they lie (no weight byte copied), through the
+    directory the registry makes for a file read in place."""
+    if native.load() is None:
+        pytest.skip("GGUF weights read in place need the native CPU kernels")
+    shape, file_type = FAMILY_FILES["phi3-q4_0"]
+    path = write_synthetic_gguf(tmp_path / "phi3.gguf", shape, file_type)
+    model_dir = gguf_convert.convert_gguf(path, tmp_path / "phi3", in_place=True)
+    assert weights_source(model_dir) == path.resolve()
+    model = load_model(model_dir)
+    mapped = model.gguf_reader.data
+    start, end = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+    parts = [p for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts]
+    assert {p.name for p in model.layers[0].self_attn.qkv_proj.parts} == {"blk.0.attn_qkv.weight"}
+    assert all(start <= p.ptr and p.ptr + p.nbytes <= end for p in parts)
+
+
+def specs_of(shape: str, file_type: str) -> list[SimpleNamespace]:
+    specs = tensor_specs(SHAPES[shape], file_type)
+    return [SimpleNamespace(tensor_type=s.qtype, shape=s.shape) for s in specs]
+
+
+def test_loading_rule_converts_only_small_files_of_panel_types():
+    """Q4_0/Q4_1/Q8_0/F32 files whose fp32 copy is at most the knob are converted (the default
+    model among them); past it, and any other type at any size, are read in place."""
+    knob = EngineConfig.gguf_fp32_max_bytes
+    assert not gguf_convert.reads_in_place(specs_of("tiny", "q8_0"), knob)
+    assert gguf_convert.reads_in_place(specs_of("tiny", "q8_0"), 0)
+    assert gguf_convert.reads_in_place(specs_of("tiny", "q4_k_m"), 2**62)
+    assert gguf_convert.reads_in_place(specs_of("tiny", "q4_1"), knob)  # its Q6_K output
+    for file_type in ("q8_0", "q4_0", "f32"):  # 4.9 GB as fp32
+        assert gguf_convert.reads_in_place(specs_of("llama-1b", file_type), knob)
+    assert not wants_in_place(known_gguf_path("smollm2-135m"), knob)  # 0.54 GB as fp32
+
+
+def test_knob_picks_the_kind_of_cached_conversion(tmp_path):
+    """The cache holds the kind the knob picks; a caller wanting the tokenizer takes either."""
+    path = write_synthetic_gguf(tmp_path / "tiny.gguf", "tiny", "q8_0")
+    cache = tmp_path / "cache"
+    converted = resolve_model(str(path), cache)
+    assert weights_source(converted) is None and list(converted.glob("*.safetensors"))
+    assert resolve_model(str(path), cache, gguf_fp32_max_bytes=None) == converted
+    in_place = resolve_model(str(path), cache, gguf_fp32_max_bytes=0)
+    assert in_place == converted and weights_source(in_place) == path.resolve()
+    assert not list(in_place.glob("*.safetensors"))
+    assert weights_source(resolve_model(str(path), cache, gguf_fp32_max_bytes=None)) is not None
 
 
 def test_unsupported_type_is_refused_by_name(tmp_path):
@@ -99,7 +195,7 @@ def test_unsupported_type_is_refused_by_name(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     tensors = GGUFReader(path).tensors
-    assert gguf_convert.reads_in_place(tensors)  # never widened to fp32 either
+    assert gguf_convert.reads_in_place(tensors, 2**62)  # never widened to fp32 either
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight has type Q2_K"):
         gguf_convert.check_types(tensors, path)
 

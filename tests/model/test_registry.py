@@ -27,9 +27,9 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     calls: list[Path] = []
     real_convert = registry.convert_gguf
 
-    def counting_convert(gguf_path: Path, out_dir: Path) -> Path:
+    def counting_convert(gguf_path: Path, out_dir: Path, in_place: bool) -> Path:
         calls.append(out_dir)
-        return real_convert(gguf_path, out_dir)
+        return real_convert(gguf_path, out_dir, in_place)
 
     monkeypatch.setattr(registry, "convert_gguf", counting_convert)
     return calls
