@@ -5,9 +5,11 @@ GGUF file, so the page cache holds the only copy of the weights, shared by every
 host that maps the same file. The native kernel `pd_quant_linear` (csrc/quant_gemm.c)
 dequantizes each weight row into a per-thread fp32 buffer and multiplies every input row with
 it, or (Q4_K, Q6_K, Q8_0, up to `INT8_M_MAX` rows) takes integer dot products with the input
-rows quantized to int8 (csrc/quant_dot.c); above `QUANT_GEMV_M_MAX` input rows (prefill
-chunks) a tile of rows is dequantized once into a bounded fp32 buffer and multiplied by
-PyTorch's GEMM, which is compute-bound there.
+rows quantized to int8 (csrc/quant_dot.c). Above `QUANT_GEMV_M_MAX` input rows (prefill
+chunks, decode batches over 16): on AMX CPUs the block types take AMX bf16 tiles
+(csrc/quant_amx.c); without AMX, linears of int8 types take int8 activations up to
+`INT8_MANY_M_MAX` rows; the rest dequantize a tile of weight rows once into a bounded fp32
+buffer for PyTorch's fp32 GEMM.
 `QuantEmbedding` dequantizes only the rows it looks up.
 """
 
@@ -23,8 +25,8 @@ from torch import nn
 from pdserve.model import native
 from pdserve.model.gguf_convert import BLOCKS
 
-# Up to this many input rows the fused dequantize-and-multiply kernel runs; above it a tile
-# of weight rows is dequantized once and multiplied by PyTorch's GEMM.
+# Up to this many input rows the fused dequantize-and-multiply kernel runs; above it AMX tiles,
+# the int8 kernel (INT8_MANY_M_MAX) or a tile of weight rows dequantized for PyTorch's GEMM.
 QUANT_GEMV_M_MAX = 16
 # Up to this many input rows, Q4_K, Q6_K and Q8_0 weights take each input row quantized to
 # int8 (per 256 or 32 values) with integer dot products (csrc/quant_dot.c), as llama.cpp
@@ -34,6 +36,11 @@ QUANT_GEMV_M_MAX = 16
 # 1.25x (AVX2).
 # A row's result is the same in any batch up to here. 0: never.
 INT8_M_MAX = QUANT_GEMV_M_MAX
+# Without AMX tiles, linears whose parts all have integer dot products (Q4_K, Q6_K, Q8_0) take
+# int8 activations up to this many rows (csrc/quant_gemm.c passes 64 rows at a time): single
+# thread, 8192x2048, the int8 kernel (~90-120 GFLOP/s) took 1.2-2.6x less time than the fp32
+# GEMM path at 32-64 rows, 1.2-1.8x more at 128-512 (docs/cpu-kernels.md). 0: never.
+INT8_MANY_M_MAX = 64
 # fp32 floats of one dequantized tile on the GEMM path (16 MiB).
 TILE_FLOATS = 1 << 22
 # Above QUANT_GEMV_M_MAX rows, on the amx kernels, weights of block types (Q4_0 ... Q6_K)
@@ -116,6 +123,16 @@ class QuantLinear(nn.Module):
             and all(BLOCKS[p.qtype][0] > 1 for p in self.parts)
         )
 
+    @property
+    def int8_many_rows(self) -> bool:
+        """Whether calls of QUANT_GEMV_M_MAX to INT8_MANY_M_MAX rows take int8 activations:
+        without AMX tiles, every part with an integer dot product, int8 switched on."""
+        return (
+            INT8_M_MAX > 0
+            and not self.amx_tiles
+            and all(self.lib.pd_q8_dot_type(p.qtype, p.cols) for p in self.parts)
+        )
+
     def _dequantize_then_matmul(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y = x W^T a tile of weight rows at a time, dequantized to fp32 (PyTorch's GEMM)."""
         col = 0
@@ -137,10 +154,11 @@ class QuantLinear(nn.Module):
         m = x.shape[0]
         y = torch.empty(m, self.out_features)
         n, out = len(self.parts), self.out_features
-        if m <= QUANT_GEMV_M_MAX:
+        if m <= QUANT_GEMV_M_MAX or (m <= INT8_MANY_M_MAX and self.int8_many_rows):
+            int8_m_max = INT8_M_MAX if m <= QUANT_GEMV_M_MAX else m
             rc = self.lib.pd_quant_linear(
                 x.data_ptr(), m, self.in_features, self._parts_c, n, y.data_ptr(), out,
-                INT8_M_MAX,
+                int8_m_max,
             )  # fmt: skip
             if rc != 0:
                 raise MemoryError("the quantized GEMV could not allocate its row buffer")

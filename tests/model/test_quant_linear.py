@@ -174,10 +174,11 @@ def test_int8_up_to_int8_m_max_rows_by_default(lib, monkeypatch):
     x = torch.randn(m + 1, 256, generator=torch.Generator().manual_seed(2))
     exact, scale = int8_reference(w, x[:m], 256)
     assert np.all(np.abs(linear(x[:m]).numpy() - exact) <= 1e-6 * scale)
-    with_amx = linear.amx_tiles
+    # one more: AMX tiles, or int8 up to INT8_MANY_M_MAX rows (tests below), else fp32
+    assert linear.amx_tiles == hasattr(lib, "pd_quant_linear_amx") != linear.int8_many_rows
     monkeypatch.setattr(quant_linear, "AMX_TILES", False)
-    torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4)  # one more: fp32
-    assert with_amx == hasattr(lib, "pd_quant_linear_amx")  # ... or AMX tiles (below)
+    monkeypatch.setattr(quant_linear, "INT8_MANY_M_MAX", 0)
+    torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, QUANT_GEMV_M_MAX + 1])
@@ -316,3 +317,24 @@ def test_amx_fused_parts_row_map_and_bias(lib):
     assert not mixed.amx_tiles
     wf = torch.cat([w, reference(f16, Q.F16, 6, k)])
     torch.testing.assert_close(mixed(x), x @ wf.T, rtol=1e-5, atol=1e-4 * wf.abs().max())
+
+
+@pytest.mark.parametrize("qtype", list(INT8), ids=lambda q: q.name)
+def test_int8_many_rows_without_amx(lib, qtype):
+    """Without AMX tiles, 17 to INT8_MANY_M_MAX rows of an int8 type take int8 activations
+    (64 at a time): each row as it is alone; above that, the fp32 GEMM path."""
+    if hasattr(lib, "pd_quant_linear_amx"):
+        pytest.skip("the amx kernels take AMX tiles above 16 rows")
+    rng = np.random.default_rng(int(qtype) + 9)
+    data = random_tensor(qtype, 23, 512, rng)
+    w = reference(data, qtype, 23, 512)
+    linear = QuantLinear(lib, [QuantTensor(data, int(qtype), 23, 512, "w")])
+    assert linear.int8_many_rows
+    m = quant_linear.INT8_MANY_M_MAX
+    x = torch.randn(m + 1, 512, generator=torch.Generator().manual_seed(8)) * 2
+    many = linear(x[:m])
+    alone = torch.cat([linear(x[i : i + 1]) for i in (0, 17, 63, m - 1)])
+    assert torch.equal(many[[0, 17, 63, m - 1]], alone)
+    exact, scale = int8_reference(w, x[:m], INT8[qtype])
+    assert np.all(np.abs(many.numpy() - exact) <= 1e-6 * scale)
+    torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4 * w.abs().max())

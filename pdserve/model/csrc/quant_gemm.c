@@ -286,6 +286,13 @@ int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, i
 #define PF_BYTES 4096
 
 
+/* Rows of int8 activations per pass over the weights when more than this many take them
+ * (QUANT_GEMV_M_MAX raised past 16, the kernels without AMX): K = 2048 takes ~4.6 KB a
+ * quantized row, so 64 of them (~300 KB) stay in L2 while every weight row passes them. */
+#ifndef Q8_M_BLOCK
+#define Q8_M_BLOCK 64
+#endif
+
 /* y[m, j] (row stride ldy) = x[m] . W[j] for the rows W of `parts` [P] one after another;
  * x [M, K] contiguous. All output rows of all parts are split across the threads in one
  * parallel region; each thread dequantizes its rows once and takes every x row against each.
@@ -294,6 +301,13 @@ int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, i
 int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
                     float *y, int64_t ldy, int64_t int8_m_max) {
     if (P < 1) return -1;
+    if (M > Q8_M_BLOCK && M <= int8_m_max) { /* many rows: a block's int8 rows stay in L2 */
+        for (int64_t m = 0; m < M; m += Q8_M_BLOCK)
+            if (pd_quant_linear(x + m * K, M - m < Q8_M_BLOCK ? M - m : Q8_M_BLOCK, K, parts, P,
+                                y + m * ldy, ldy, int8_m_max))
+                return -1;
+        return 0;
+    }
     int64_t N = 0, int8 = 0, row_bytes[P], dots[P];
     for (int64_t p = 0; p < P; p++) {
         if ((row_bytes[p] = pd_quant_row_bytes(parts[p].type, K)) < 0) return -1;
