@@ -18,6 +18,7 @@ The header is parsed here, not through `safetensors.safe_open(framework="numpy")
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +86,7 @@ def _entry(info: dict[str, Any], mapped: np.ndarray, start: int) -> Entry:
         raise ValueError(f"bytes [{begin}, {end}) of shape {list(shape)} lie outside the file")
     if dtype in KERNEL_TYPES:
         itemsize = KERNEL_TYPES[dtype][1].itemsize
-        if end - begin != itemsize * int(np.prod(shape, dtype=np.int64)):
+        if end - begin != itemsize * math.prod(shape):
             raise ValueError(f"{end - begin} bytes do not hold a {dtype} {list(shape)}")
     return Entry(dtype, shape, mapped[start + begin : start + end])
 

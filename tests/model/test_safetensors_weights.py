@@ -139,10 +139,19 @@ def header_file(path, header: dict, data: bytes = b"") -> None:
         ({"w": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 16]}}, b"\0" * 32),
         ({"w": {"dtype": "BF16", "shape": [4], "data_offsets": [8, 0]}}, b"\0" * 8),
         ({"w": {"dtype": "BF16", "shape": [4]}}, b"\0" * 8),
+        ({"w": {"dtype": "BF16", "shape": [2**32, 2**32], "data_offsets": [0, 0]}}, b""),
         ({"w": [1, 2]}, b""),
         ([1, 2], b""),
     ],
-    ids=["past-end", "wrong-size", "reversed", "no-offsets", "not-an-object", "list-header"],
+    ids=[
+        "past-end",
+        "wrong-size",
+        "reversed",
+        "no-offsets",
+        "overflow",
+        "not-an-object",
+        "list-header",
+    ],
 )
 def test_hostile_headers_are_refused_by_file(tmp_path, header, data):
     header_file(tmp_path / "model.safetensors", header, data)
@@ -199,6 +208,7 @@ def big_checkpoint(model_dir, layers: int) -> int:
     return (model_dir / "model.safetensors").stat().st_size
 
 
+@pytest.mark.slow  # writes a 200 MB checkpoint; two processes load it
 def test_loading_holds_no_fp32_copy_and_two_processes_share_the_pages(tmp_path):
     """Peak RSS of loading a ~200 MB bf16 checkpoint (and running it) grows by about the
     file's size, whose pages two processes share."""
