@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.model import native
 from pdserve.model.loader import load_model
-from pdserve.model.quant_linear import QuantLinear
+from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear
 from pdserve.model.safetensors_weights import in_place_bytes, map_checkpoint
 from tests.model.test_families import (
     FAMILIES,
@@ -59,10 +59,11 @@ def test_bf16_checkpoint_is_read_in_place_as_transformers_runs_it(bf16_family):
     model = load_model(model_dir)
     assert weight_types(model) == {BF16}
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    ids = PROMPTS[0]
-    torch.testing.assert_close(
-        our_logits(model, ids), hf_logits(model_dir, ids), atol=1e-4, rtol=1e-4
-    )
+    long_prompt = [(i * 37) % 250 + 3 for i in range(QUANT_GEMV_M_MAX + 7)]  # widened tiles
+    for ids in (PROMPTS[0], long_prompt):
+        ours, theirs = our_logits(model, ids), hf_logits(model_dir, ids)
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
     expected = [hf_generate(model_dir, p) for p in PROMPTS]
     tokens, engine = generate(model_dir, "native")
     assert engine.runner.model.layers.one_call  # the one-call decode step on mapped weights
