@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -43,37 +44,53 @@ def kind(shape: StepShape, idle_s: float) -> str:
     return f"decode batch {shape.decode_requests if shape.decode_requests < 4 else '4+'}"
 
 
+def lone_engine(model: str, conn) -> None:
+    """A one-thread engine on the first core in a process of its own, as a worker runs (no
+    thread of the benchmark's waits beside it): its vocabulary size once ready, then for each
+    prompt length received one prefill step timed, (wall, thread CPU seconds); None ends it."""
+    from pdserve.perf.measure import ProfileConfig, pinned_engine, timing_env
+    from pdserve.sampling_params import SamplingParams
+
+    timing_env()  # before torch loads: it waits for work as a worker does
+    cfg = ProfileConfig(model=model, threads=(1,), kv_cache_bytes=KV_CACHE_BYTES)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    with pinned_engine(cfg, 1) as engine:
+        conn.send(engine.model_config.vocab_size)  # ready
+        while (tokens := conn.recv()) is not None:
+            prompt = rng.integers(200, engine.model_config.vocab_size, tokens).tolist()
+            engine.add_request(f"p{time.monotonic_ns()}", prompt, params)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            engine.step()
+            conn.send((time.perf_counter() - wall, time.thread_time() - cpu))
+            while engine.has_unfinished_requests():
+                engine.step()
+
+
 def pairs(model: str, tokens: int, rounds: int) -> int:
     from pdserve.cluster.deployments import pipeline_for
     from pdserve.cluster.launcher import Cluster
     from pdserve.perf.machine import cpu_name
-    from pdserve.perf.measure import ProfileConfig, pinned_engine, timing_env
     from pdserve.perf.served import first_token
-    from pdserve.sampling_params import SamplingParams
-    from pdserve.workers.cores import pin_threads
 
-    timing_env()  # before torch loads: the lone engine waits for work as a worker does
-    cfg = ProfileConfig(model=model, threads=(1,), kv_cache_bytes=KV_CACHE_BYTES)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    rng, cores, lone = np.random.default_rng(0), sorted(os.sched_getaffinity(0)), []
-    with tempfile.TemporaryDirectory() as tmp, envs.step_trace(Path(tmp)):
-        with pinned_engine(cfg, 1) as engine:
-            pin_threads(cores)  # the cluster and the client on every core; the steps on core 0
-            vocab = engine.model_config.vocab_size
+    conn, child = multiprocessing.get_context("spawn").Pipe()
+    engine = multiprocessing.get_context("spawn").Process(target=lone_engine, args=(model, child))
+    engine.start()
+    vocab, rng, lone = conn.recv(), np.random.default_rng(0), []
+    try:
+        with tempfile.TemporaryDirectory() as tmp, envs.step_trace(Path(tmp)):
             with Cluster(pipeline_for("1p1d", model, KV_CACHE_BYTES), log_level="WARNING") as url:
-                for i in range(rounds + 1):
-                    engine.add_request(f"p{i}", rng.integers(200, vocab, tokens).tolist(), params)
-                    pin_threads(cores[:1])
-                    wall, cpu = time.perf_counter(), time.thread_time()
-                    engine.step()
-                    lone.append((time.perf_counter() - wall, time.thread_time() - cpu))
-                    pin_threads(cores)
-                    while engine.has_unfinished_requests():
-                        engine.step()
-                    time.sleep(0.1)  # the lone engine's threads asleep before the prompt
+                for _ in range(rounds + 1):  # each side's step after 0.1 s of quiet
+                    time.sleep(0.1)
+                    conn.send(tokens)
+                    lone.append(conn.recv())
+                    time.sleep(0.1)
                     first_token(url, model, rng.integers(200, vocab, tokens).tolist(), 2)
-        rows = [json.loads(line) for path in Path(tmp).glob("prefill*.steps.jsonl")
-                for line in path.read_text().splitlines()]  # fmt: skip
+            rows = [json.loads(line) for path in Path(tmp).glob("prefill*.steps.jsonl")
+                    for line in path.read_text().splitlines()]  # fmt: skip
+    finally:
+        conn.send(None)
+        engine.join()
     served = [(r["seconds"], r["cpu_seconds"]) for r in rows
               if r["prefill_tokens"] == tokens and not r["decode_requests"]]  # fmt: skip
     lone, served = lone[1:], served[len(served) - rounds :]  # the first pair warms up
