@@ -74,7 +74,9 @@ def plan_counts(pool_size: int, demands: Sequence[Demand]) -> dict[str, int]:
     """Threads per worker (0: parked). Nothing busy: the first decode worker takes every core
     (collocated's layout); one busy worker takes every core; busy decode and prefill workers
     split: decode workers get their `need_threads` (an even split without an estimate), the
-    prefill workers the rest, each busy worker at least one."""
+    prefill workers the rest, each busy worker at least one, except where the decode workers'
+    `stall_threads` leave no core: then those first, and the prefill workers the rest, if
+    any (id order; a parked one's prompts wait in its queue rather than freeze the decodes)."""
     counts = {d.worker_id: 0 for d in demands}
     ordered = sorted(demands, key=lambda d: (d.role == "prefill", d.worker_id))
     busy = [d for d in ordered if d.busy][:pool_size]  # more busy workers than cores: id order
@@ -90,11 +92,15 @@ def plan_counts(pool_size: int, demands: Sequence[Demand]) -> dict[str, int]:
         return counts
     even = max(1, pool_size // len(busy))
     needs = [max(1, d.need_threads) if d.need_threads else even for d in decode]
-    room = pool_size - len(prefill)
+    floors = min(pool_size, sum(min(d.stall_threads, pool_size) for d in decode))
+    room = max(pool_size - len(prefill), floors)
     decode_counts = _share(min(room, sum(needs)), needs) if sum(needs) > room else needs
     counts.update(zip([d.worker_id for d in decode], decode_counts, strict=True))
     rest = pool_size - sum(decode_counts)
-    prefill_counts = _share(rest, [1] * len(prefill))
+    if rest >= len(prefill):
+        prefill_counts = _share(rest, [1] * len(prefill))
+    else:  # the decodes' stall budget took the cores: the first prefill workers get one
+        prefill_counts = [1] * rest + [0] * (len(prefill) - rest)
     counts.update(zip([d.worker_id for d in prefill], prefill_counts, strict=True))
     return counts
 

@@ -398,8 +398,14 @@ def test_a_held_split_merges_at_once_for_a_batch_no_split_holds_within_the_stall
         floors = stall_floors(wanted)
         merged = [t for t in (1.0, 5.0, 20.0) if groups.want(counts, roles, t, floors)]
         assert merged[:1] == ([merged_at] if merged_at else []), merged
-    # a busy prefill worker (its prefill in flight) keeps its core: it is not parked mid-way
+    # a busy prefill worker is parked too: its prompts wait in its queue (TTFT) rather than
+    # take a core from decodes whose steps would then pass the budget; with a core to spare
+    # it keeps one, and without stall threads every busy worker keeps one as before
     busy = [Demand("p0", "prefill", True), Demand("d1", "decode", True, 2, 2)]
-    assert plan_counts(2, busy) == {"p0": 1, "d1": 1}
+    assert plan_counts(2, busy) == {"p0": 0, "d1": 2}
     assert stall_floors(busy) == {"d1": 2}
+    assert plan_counts(3, busy) == {"p0": 1, "d1": 2}
+    assert plan_counts(2, [busy[0], Demand("d1", "decode", True, 2)]) == {"p0": 1, "d1": 1}
+    two = [*busy, Demand("p9", "prefill", True)]
+    assert plan_counts(3, two) == {"p0": 1, "d1": 2, "p9": 0}
     assert stall_floors([Demand("d1", "decode", False, 2, 2)]) == {}  # nothing decoding
