@@ -6,8 +6,9 @@ place from the file (K-quants and the other types of gguf_convert.reads_in_place
 weights, and its model is built by gguf_weights.py.
 
 A Hugging Face checkpoint of bf16 or fp16 matrices run with fp32 activations on the CPU is read
-in place from its mapped files (safetensors_weights.py, where `reads_in_place` states the rule);
-other checkpoints (fp32 ones, and any run on CUDA or in another dtype) load as fp32 tensors here.
+in place from its mapped files (safetensors_weights.py; the rule is
+safetensors_header.reads_in_place); other checkpoints (fp32 ones, and any run on CUDA or in
+another dtype) load as fp32 tensors here.
 """
 
 from __future__ import annotations
@@ -25,11 +26,8 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.gguf_weights import load_gguf_model, weights_source
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.rope import cos_sin_table
-from pdserve.model.safetensors_weights import (
-    load_safetensors_model,
-    map_checkpoint,
-    reads_in_place,
-)
+from pdserve.model.safetensors_header import map_checkpoint, reads_in_place
+from pdserve.model.safetensors_weights import load_safetensors_model
 
 log = logging.getLogger(__name__)
 

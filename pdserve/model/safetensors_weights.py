@@ -9,104 +9,24 @@ the GGUF path uses, so the same kernels serve it (fp32 arithmetic on the checkpo
 only the norms and biases (a few KB a layer) are copied, to fp32. Loading allocates no fp32
 weight at any point, and the page cache holds one copy of the weights per host, shared by every
 worker that maps the same files. Q/K rows are in Hugging Face's order already (no row map).
-
-The header is parsed here, not through `safetensors.safe_open(framework="numpy")`, because its
-`get_tensor` copies: reading a 200 MB fp32 tensor raised the process's RSS by 381 MB
-(safetensors 0.8.0).
+The files are parsed and mapped by safetensors_header.py.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.quant_linear import QuantEmbedding, QuantLinear, QuantTensor
 from pdserve.model.rope import cos_sin_table
+from pdserve.model.safetensors_header import KERNEL_TYPES, Entry
 
-# safetensors dtype -> (ggml type id the kernels read, torch dtype of the values).
-KERNEL_TYPES = {"F32": (0, torch.float32), "F16": (1, torch.float16), "BF16": (30, torch.bfloat16)}
-# The format caps a header at 100 MB; a longer one is no safetensors header.
-MAX_HEADER_BYTES = 100_000_000
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a mapped file: its safetensors dtype name, shape and bytes (a read-only
-    uint8 view of the file's mapping, which it keeps open)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: np.ndarray
-
-
-def map_checkpoint(model_dir: Path) -> dict[str, Entry]:
-    """Every tensor of the directory's *.safetensors files (one file or the shards of one
-    checkpoint), each a view of its file's read-only mapping; ValueError naming the file."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
-    entries: dict[str, Entry] = {}
-    for path in files:
-        for name, entry in map_file(path).items():
-            if name in entries:
-                raise ValueError(f"{path}: tensor {name} is also in another weights file")
-            entries[name] = entry
-    return entries
-
-
-def map_file(path: Path) -> dict[str, Entry]:
-    """One .safetensors file's tensors as views of its read-only mapping."""
-    try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if not 0 < header_len <= MAX_HEADER_BYTES:
-                raise ValueError(f"header length {header_len}")
-            header = json.loads(f.read(header_len))
-        mapped = np.memmap(path, np.uint8, mode="r")
-        header.pop("__metadata__", None)
-        return {name: _entry(info, mapped, 8 + header_len) for name, info in sorted(header.items())}
-    except (OSError, ValueError, struct.error, AttributeError, KeyError, TypeError) as e:
-        raise ValueError(f"corrupt weights file {path}: {e}") from None
-
-
-def _entry(info: dict[str, Any], mapped: np.ndarray, start: int) -> Entry:
-    begin, end = (int(x) for x in info["data_offsets"])
-    shape = tuple(int(x) for x in info["shape"])
-    dtype = str(info["dtype"])
-    if not 0 <= begin <= end <= mapped.size - start or min(shape, default=1) < 0:
-        raise ValueError(f"bytes [{begin}, {end}) of shape {list(shape)} lie outside the file")
-    if dtype in KERNEL_TYPES:
-        itemsize = KERNEL_TYPES[dtype][1].itemsize
-        if end - begin != itemsize * math.prod(shape):
-            raise ValueError(f"{end - begin} bytes do not hold a {dtype} {list(shape)}")
-    return Entry(dtype, shape, mapped[start + begin : start + end])
-
-
-def reads_in_place(entries: dict[str, Entry]) -> bool:
-    """The rule: a checkpoint whose matrices are all of a type the kernels read (BF16, F16,
-    F32) and not all F32 is read in place. An fp32 checkpoint loads as fp32 tensors (the
-    panel kernels and oneDNN run it; the tiny models tests compare to transformers are fp32);
-    one of other types (F64, FP8, ...) is converted to fp32 by loader.py."""
-    types = {e.dtype for e in entries.values() if len(e.shape) == 2}
-    return bool(types) and types <= KERNEL_TYPES.keys() and types != {"F32"}
-
-
-def in_place_bytes(model_dir: Path) -> int:
-    """The bytes of the matrices a worker of `model_dir` maps in place (0: none: it loads the
-    checkpoint as fp32), for memory estimates; headers are read, no weight."""
-    entries = map_checkpoint(model_dir)
-    if not reads_in_place(entries):
-        return 0
-    return sum(e.data.nbytes for e in entries.values() if len(e.shape) == 2)
+# safetensors dtype -> torch's, for the vectors copied to fp32.
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 class _Weights:
@@ -128,8 +48,8 @@ class _Weights:
             raise ValueError(f"{self.model_dir}: tensor {name} is a {entry.dtype} "
                              f"{list(entry.shape)}, not a BF16, F16 or F32 matrix")  # fmt: skip
         rows, cols = entry.shape
-        qtype, dtype = KERNEL_TYPES[entry.dtype]
-        data = entry.data.reshape(rows, cols * dtype.itemsize)
+        qtype, itemsize = KERNEL_TYPES[entry.dtype]
+        data = entry.data.reshape(rows, cols * itemsize)
         return QuantTensor(data, qtype, rows, cols, name)
 
     def vector(self, name: str) -> torch.Tensor:
@@ -138,7 +58,7 @@ class _Weights:
         if len(entry.shape) != 1 or entry.dtype not in KERNEL_TYPES:
             raise ValueError(f"{self.model_dir}: tensor {name} is a {entry.dtype} "
                              f"{list(entry.shape)}, not a BF16, F16 or F32 vector")  # fmt: skip
-        raw = torch.frombuffer(bytearray(entry.data), dtype=KERNEL_TYPES[entry.dtype][1])
+        raw = torch.frombuffer(bytearray(entry.data), dtype=TORCH_DTYPES[entry.dtype])
         return raw.float()
 
     def fused(self, prefix: str, fused: str, parts: list[str]) -> list[QuantTensor]:
