@@ -11,6 +11,15 @@ Building llama-server: BENCHMARKS.md, "Served speed".
 
     .venv/bin/python benchmarks/served_speed.py --rounds 3 [--variant spin5k:GOMP_SPINCOUNT=5000]
     .venv/bin/python benchmarks/served_speed.py --llama-server /tmp/llamacpp/build/bin/llama-server
+
+`--cold-start` measures instead the seconds from launching each server to its first answered
+chat request (`pdserve up --prefill 1 --decode 1 --kv-cache-bytes B`, and with
+`--llama-server`, `llama-server -t T -c CTX` on the same `--gguf`), alternating round by
+round, and pdserve's memory once answered: the PSS of every process it started, against the
+file's size and the KV pools. `--drop-caches` (root) empties the page cache before each launch.
+
+    .venv/bin/python benchmarks/served_speed.py --cold-start --gguf F --llama-server BIN \
+        [--drop-caches]
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from pdserve.model.registry import known_gguf_path
 
 MODEL = "smollm2-135m"
 # figure -> (label, issue target for pdserve's advantage, whether larger is better)
+COLD_START_LIMIT_S = 600
 FIGURES = {
     "served_tpot_ms": ("TPOT ms at batch 1", 1.3, False),
     "tok_s_at_32": ("output tok/s at 32 concurrent", 2.5, True),
@@ -144,6 +154,107 @@ def measure_llamacpp(args: argparse.Namespace) -> dict[str, float]:
         return served_figures(url, args)
 
 
+def first_answer_s(cmd: list[str], url: str, model: str, log_name: str, after=None) -> dict:
+    """Launch `cmd`, send one chat request until it is answered; the seconds from launch to the
+    answer, and what `after(pid)` returns then; the server is stopped on return."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}],
+                       "max_tokens": 8, "temperature": 0}).encode()  # fmt: skip
+    request = urllib.request.Request(f"{url}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    log_path = Path(tempfile.gettempdir()) / f"cold-start-{log_name}.log"
+    with open(log_path, "w") as log:
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None and time.monotonic() - start < COLD_START_LIMIT_S:
+                try:
+                    with urllib.request.urlopen(request, timeout=COLD_START_LIMIT_S):
+                        row = {"cold_start_s": time.monotonic() - start}
+                        return row | (after(proc.pid) if after else {})
+                except (urllib.error.URLError, OSError):
+                    time.sleep(0.2)  # not listening, or no worker ready (503) yet
+            raise RuntimeError(f"{cmd[0]}: no answer (see {log_path})")
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+def process_tree(pid: int) -> list[int]:
+    pids, todo = [], [pid]
+    while todo:
+        pids.append(todo.pop())
+        for task in Path(f"/proc/{pids[-1]}/task").glob("*"):
+            todo += [int(c) for c in (task / "children").read_text().split()]
+    return pids
+
+
+def pss_bytes(pid: int) -> int:
+    """The process's proportional set size (a page shared by n processes counts 1/n)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
+
+
+def pdserve_memory(args: argparse.Namespace, pid: int) -> dict[str, float]:
+    """The PSS of every pdserve process (launcher, router, workers) over the file's size
+    and the two workers' KV pools: the claim is at most 1.3 x the file plus the pools."""
+    pss = sum(pss_bytes(p) for p in process_tree(pid))
+    pools = 2 * args.kv_cache_bytes
+    return {"pss_gib": pss / 2**30, "over_file": (pss - pools) / Path(args.model).stat().st_size}
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def cold_start_rounds(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    """Each round launches every server once, alternating which goes first."""
+    port = free_port()
+    pdserve = [str(Path(sys.executable).with_name("pdserve")), "up", "--model", args.model,
+               "--prefill", "1", "--decode", "1", "--kv-cache-bytes", str(args.kv_cache_bytes),
+               "--threads", str(args.threads), "--port", str(port)]  # fmt: skip
+    servers = {"pdserve": lambda: first_answer_s(
+        pdserve, f"http://127.0.0.1:{port}", args.model, "pdserve",
+        lambda pid: pdserve_memory(args, pid))}  # fmt: skip
+    if args.llama_server:
+        llama = [args.llama_server, "-m", args.model, "-t", str(args.threads), "-c",
+                 str(args.ctx_size), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        servers["llama.cpp"] = lambda: first_answer_s(
+            llama, f"http://127.0.0.1:{port}", args.model, "llama-server"
+        )
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+    for r in range(args.rounds):
+        for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
+            if args.drop_caches:
+                drop_page_cache()
+            rows[name].append(servers[name]() | {"load_avg": os.getloadavg()[0]})
+            print(f"round {r} {name}: {json.dumps(rows[name][-1])}", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_cold_start(rows: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
+    cache = "dropped before each launch" if args.drop_caches else "warm"
+    print(f"{args.model}: {args.rounds} rounds, page cache {cache}; medians")
+    med = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+           for n, runs in rows.items()}  # fmt: skip
+    for name, figures in med.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+    if "llama.cpp" in med:
+        ratio = med["pdserve"]["cold_start_s"] / med["llama.cpp"]["cold_start_s"]
+        print(f"pdserve's cold start over llama.cpp's: {ratio:.2f}x (target: at most 2x)")
+
+
+def add_cold_start_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--cold-start", action="store_true",
+                    help="launch to first answer, 1P1D (docstring); needs --gguf")  # fmt: skip
+    ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
+    ap.add_argument("--ctx-size", type=int, default=4096, help="llama-server's -c")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="empty the page cache before each launch (root)")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", action="append", default=[],
@@ -158,8 +269,17 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=32, help="0: skip the concurrent run")
     ap.add_argument("--long-input-len", type=int, default=512, help="0: skip the TTFT run")
     ap.add_argument("--json", help="write every round's rows here")
+    add_cold_start_args(ap)
     args = ap.parse_args()
     args.model = str(args.gguf) if args.gguf else MODEL
+    if args.cold_start:
+        if not args.gguf:
+            ap.error("--cold-start: --gguf names the file both servers start on")
+        rows = cold_start_rounds(args)
+        print_cold_start(rows, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     servers = {}
     for spec in args.variant or ["pdserve:"]:
         name, _, rest = spec.partition(":")
