@@ -11,8 +11,8 @@
  * |x| (2^-8 + 2^-18) < max|x| / 254 (tests/model/test_quant_linear.py holds both bounds).
  *
  * Layout: y^T = W x^T, so the weights are the A operand in their own row order: a panel of
- * PANEL_ROWS weight rows is dequantized once per call into a per-thread bf16 buffer
- * [PANEL_ROWS][K], and an A tile is 16 of its rows by 32 k read with the row stride (no
+ * panel_rows(K) weight rows (PANEL_BYTES of bf16, 32 to 128 rows) is dequantized once per
+ * call into a per-thread bf16 buffer [rows][K], and an A tile is 16 of its rows by 32 k read with the row stride (no
  * transpose). x becomes the B operand once per call: [Mp / 16][K / 32] tiles of 16 k pairs by
  * 16 rows (VNNI pairs, 1 KB each, Mp = M rounded up to 32 with zero rows). Each (32 weight
  * rows, 32 x rows) block takes 2 A + 2 B tiles per 32 k into 4 C tiles held over all of K,
@@ -23,9 +23,15 @@
 #ifdef __AMX_BF16__
 
 #define KB 32 /* k per tile row (32 bf16) */
-#ifndef PANEL_ROWS
-#define PANEL_ROWS 128 /* weight rows dequantized per panel (a multiple of 32) */
+#ifndef PANEL_BYTES
+#define PANEL_BYTES (512 << 10) /* bf16 bytes of weight rows dequantized per panel */
 #endif
+
+/* Weight rows per panel: PANEL_BYTES of bf16 rows, 32 to 128 (a multiple of 32). */
+static int64_t panel_rows(int64_t K) {
+    int64_t rows = PANEL_BYTES / (K * 2) / 32 * 32;
+    return rows < 32 ? 32 : rows > 128 ? 128 : rows;
+}
 
 static __thread void *x_buf, *w_buf;
 static __thread int64_t x_cap, w_cap;
@@ -55,10 +61,10 @@ static void pack_x_row(const float *x, int64_t m, int64_t K, uint16_t *xs) {
     }
 }
 
-/* Weight rows [j0, j0 + PANEL_ROWS) as bf16 [PANEL_ROWS][K] (rows past N zero); f32: K floats. */
-static void fill_panel(const pd_qpart *parts, const int64_t *row_bytes, int64_t j0, int64_t N,
-                       int64_t K, float *f32, uint16_t *panel) {
-    for (int64_t r = 0; r < PANEL_ROWS; r++) {
+/* Weight rows [j0, j0 + pr) as bf16 [pr][K] (rows past N zero); f32: K floats. */
+static void fill_panel(const pd_qpart *parts, const int64_t *row_bytes, int64_t j0, int64_t pr,
+                       int64_t N, int64_t K, float *f32, uint16_t *panel) {
+    for (int64_t r = 0; r < pr; r++) {
         uint16_t *dst = panel + r * K;
         if (j0 + r >= N) {
             memset(dst, 0, K * 2);
@@ -124,7 +130,7 @@ int pd_quant_linear_amx(const float *x, int64_t M, int64_t K, const pd_qpart *pa
         if ((row_bytes[p] = pd_quant_row_bytes(parts[p].type, K)) < 0) return -1;
         N += parts[p].rows;
     }
-    int64_t Mp = (M + 31) / 32 * 32, panels = (N + PANEL_ROWS - 1) / PANEL_ROWS;
+    int64_t Mp = (M + 31) / 32 * 32, pr = panel_rows(K), panels = (N + pr - 1) / pr;
     uint16_t *xs = grown(&x_buf, &x_cap, Mp * K * 2);
     if (!xs) return -1;
     int failed = 0;
@@ -132,18 +138,18 @@ int pd_quant_linear_amx(const float *x, int64_t M, int64_t K, const pd_qpart *pa
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < Mp; m++) pack_x_row(m < M ? x + m * K : NULL, m, K, xs);
-        uint8_t *scratch = grown(&w_buf, &w_cap, PANEL_ROWS * K * 2 + K * 4 + 4096);
+        uint8_t *scratch = grown(&w_buf, &w_cap, pr * K * 2 + K * 4 + 4096);
         failed = !scratch;
         if (scratch) pd_amx_tiles_configure();
         uint16_t *panel = (uint16_t *)scratch;
-        float *f32 = (float *)(scratch + PANEL_ROWS * K * 2), *c = f32 + K;
+        float *f32 = (float *)(scratch + pr * K * 2), *c = f32 + K;
 #pragma omp for schedule(dynamic)
         for (int64_t q = 0; q < panels; q++) {
             if (!scratch) continue;
-            int64_t j0 = q * PANEL_ROWS;
-            fill_panel(parts, row_bytes, j0, N, K, f32, panel);
+            int64_t j0 = q * pr;
+            fill_panel(parts, row_bytes, j0, pr, N, K, f32, panel);
             for (int64_t m0 = 0; m0 < Mp; m0 += 32)
-                for (int64_t s = 0; s < PANEL_ROWS && j0 + s < N; s += 32) {
+                for (int64_t s = 0; s < pr && j0 + s < N; s += 32) {
                     block(panel + s * K, xs, m0, K);
                     store_block(y, ldy, M, N, m0, j0 + s, c);
                 }
