@@ -90,6 +90,7 @@ class Engine:
         )
         self.budget = KVBudget(config.cache, self.kv, self.runner)  # token dropping
         self.max_model_len = self._max_model_len()
+        self.runner.model.keep_rope_positions(self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.role: Role = CollocatedRole()
         self.offload = self._build_offload()

@@ -132,3 +132,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def keep_rope_positions(self, num_positions: int) -> None:
+        """Keep the rope tables' first `num_positions` rows (the engine's max_model_len: no
+        position reaches it), freeing the rest: a table for the whole context of a Llama 3
+        checkpoint (131072 positions, head_dim 128) is 128 MiB a worker."""
+        if num_positions < self.rope_cos.shape[0]:
+            self.rope_cos = self.rope_cos[:num_positions].clone()
+            self.rope_sin = self.rope_sin[:num_positions].clone()

@@ -210,3 +210,15 @@ def test_resumed_seeded_request_continues_the_same_sample(tiny_model_dir):
     while engine.has_unfinished_requests():
         engine.step()
     assert resumed.output_token_ids == full[4:]
+
+
+def test_rope_tables_end_at_max_model_len(tiny_model_dir):
+    """A KV pool shorter than the model's context caps max_model_len; the rope tables keep
+    only the positions below it, and the last of them computes as with the whole table."""
+    whole = make_engine(tiny_model_dir)
+    short = make_engine(tiny_model_dir, num_blocks=16)  # 64 tokens
+    assert short.max_model_len == 64 < whole.runner.model.rope_cos.shape[0]
+    assert short.runner.model.rope_cos.shape[0] == short.runner.model.rope_sin.shape[0] == 64
+    prompt = prompts(1, seed=3, lo=50, hi=51)[0]
+    params = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)
+    assert run(short, [prompt], params) == run(whole, [prompt], params)  # positions 0-61
