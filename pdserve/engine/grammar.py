@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
@@ -136,6 +135,8 @@ class Grammars:
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
+            import llguidance.hf  # imports transformers: 1.5-4 s of a worker's start if eager
+
             from pdserve.model.tokenizer import Tokenizer
 
             tokenizer = Tokenizer(self._model_dir)
