@@ -26,7 +26,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.gguf_weights import load_gguf_model, weights_source
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.rope import cos_sin_table
-from pdserve.model.safetensors_header import map_checkpoint, reads_in_place
+from pdserve.model.safetensors_header import checkpoint_files, map_checkpoint, reads_in_place
 from pdserve.model.safetensors_weights import load_safetensors_model
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
+    for path in checkpoint_files(model_dir):
         try:
             tensors.update(load_file(path))
         except (SafetensorError, OSError) as e:

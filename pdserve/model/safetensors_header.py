@@ -24,6 +24,8 @@ import numpy as np
 KERNEL_TYPES = {"F32": (0, 4), "F16": (1, 2), "BF16": (30, 2)}
 # The format caps a header at 100 MB; a longer one is no safetensors header.
 MAX_HEADER_BYTES = 100_000_000
+# A sharded checkpoint's map of tensor names to the files holding them (transformers writes it).
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,34 @@ class Entry:
     data: np.ndarray
 
 
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's .safetensors files: the shards its `model.safetensors.index.json` names
+    (a repository may ship another format's file beside them, as Mistral's
+    `consolidated.safetensors`), else every *.safetensors file of the directory."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if not index.is_file():
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors weights in {model_dir}")
+        return files
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"corrupt weights index {index}: {e}") from None
+    for name in sorted(names):
+        if not isinstance(name, str) or Path(name).name != name:
+            raise ValueError(f"{index} names {name!r}, not a file of {model_dir}")
+        if not (model_dir / name).is_file():
+            raise ValueError(f"{index} names {name}, which {model_dir} lacks")
+    return [model_dir / name for name in sorted(names)]
+
+
 def map_checkpoint(model_dir: Path) -> dict[str, Entry]:
-    """Every tensor of the directory's *.safetensors files (one file or the shards of one
-    checkpoint), each a view of its file's read-only mapping; ValueError naming the file."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir}")
+    """Every tensor of the checkpoint's .safetensors files (`checkpoint_files`), each a view of
+    its file's read-only mapping; ValueError naming the file."""
     entries: dict[str, Entry] = {}
-    for path in files:
+    for path in checkpoint_files(model_dir):
         for name, entry in map_file(path).items():
             if name in entries:
                 raise ValueError(f"{path}: tensor {name} is also in another weights file")

@@ -82,3 +82,38 @@ def test_header_length_past_the_file_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
     with pytest.raises(ValueError, match="corrupt weights file"):
         map_checkpoint(tmp_path)
+
+
+def write_sharded(model_dir, weight_map: dict[str, str]) -> None:
+    for name, file in weight_map.items():
+        save_file({name: torch.zeros(2, 2).bfloat16()}, model_dir / file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_the_index_names_the_shards(tmp_path):
+    """Another format's file beside the shards (Mistral's consolidated.safetensors) is not
+    part of the checkpoint."""
+    write_sharded(tmp_path, {"a": "model-00001-of-00002.safetensors",
+                             "b": "model-00002-of-00002.safetensors"})  # fmt: skip
+    save_file({"layers.0.wq": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
+    assert sorted(map_checkpoint(tmp_path)) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "weight_map, message",
+    [
+        ({"a": "../model.safetensors"}, "names '../model.safetensors', not a file of"),
+        ({"a": "model-00002-of-00002.safetensors"}, "names model-00002-of-00002.safetensors, "
+         "which .* lacks"),
+    ],
+    ids=["outside", "missing"],
+)  # fmt: skip
+def test_a_bad_index_is_refused_by_name(tmp_path, weight_map, message):
+    write_sharded(tmp_path, {"a": "model-00001-of-00002.safetensors"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match=message):
+        map_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ValueError, match="corrupt weights index"):
+        map_checkpoint(tmp_path)
