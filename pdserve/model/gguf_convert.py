@@ -8,7 +8,8 @@ types losslessly (panel_codec.py), decode runs as one native call a step with fp
 and the tokens are transformers' own; the price, a private fp32 copy and packed panels in every
 worker (~2x the fp32 bytes at its start, engine/memory.py), is small against any host at that
 size (SmolLM2-135M Q4_1: 0.54 GB fp32). Past it, a file is read in place: one page-cache copy
-per host, no fp32 copy on disk or in memory (a Llama 3.2 1B Q8_0 worker: 8.17 GiB converted).
+per host, no fp32 copy on disk or in memory (a Llama 3.2 1B Q8_0 worker: 1.7 GiB against 6.4
+converted, docs/observability.md).
 A directory read in place holds the config, the tokenizer and a marker naming the file.
 
 The engine loads one format (HF config + safetensors + tokenizer files), so GGUF support is a
