@@ -74,13 +74,17 @@ class FileTensors:
 
 def load_gguf_model(gguf_path: Path, cfg: ModelConfig, device: str = "cpu") -> LlamaForCausalLM:
     """The model of `cfg` with its weights read from `gguf_path` in place (CPU, fp32 math)."""
+    # A file of Q4_0/Q4_1/Q8_0/F32 matrices can be converted to fp32 instead, which runs anywhere.
+    convert = "or a Q4_0/Q4_1/Q8_0 file converted to fp32 with --gguf-fp32-max-bytes past its size"
     if torch.device(device).type != "cpu":
-        raise ValueError(f"{gguf_path}: quantized GGUF weights run on the CPU, not on {device}")
+        raise ValueError(
+            f"{gguf_path}: GGUF weights read in place run on the CPU, not on {device} ({convert})"
+        )
     lib = native.load()
     if lib is None:
         raise ValueError(
-            f"{gguf_path}: quantized GGUF weights need the native CPU kernels (a C compiler "
-            "and an AVX2 CPU); see docs/cpu-kernels.md"
+            f"{gguf_path}: GGUF weights read in place need the native CPU kernels (a C compiler "
+            f"and an AVX2 CPU; see docs/cpu-kernels.md), {convert}"
         )
     reader = map_tensors(gguf_path)
     check_types(reader.tensors, gguf_path)
