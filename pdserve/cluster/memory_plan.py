@@ -85,11 +85,12 @@ class MemoryPlan:
                 "a larger host (`memory_check: warn` or `--memory-check off` to try anyway)"
             )
         largest = max(self.workers, key=lambda w: w.memory.total)
+        shared = f", shared weights {gib(self.shared_bytes)}" if self.shared_bytes else ""
         return (
             f"{len(self.workers)} workers need ~{gib(self.total_bytes)} "
             f"({largest.worker_id}: {gib(largest.memory.total)}, of which weights "
-            f"{gib(largest.memory.weights)} and KV pool {gib(largest.memory.kv_pool)}), this "
-            f"host has {gib(self.available_bytes)} available: use fewer workers, a smaller "
+            f"{gib(largest.memory.weights)} and KV pool {gib(largest.memory.kv_pool)}{shared}), "
+            f"this host has {gib(self.available_bytes)} available: use fewer workers, a smaller "
             "kv_cache_bytes or a smaller model or quant (`--memory-check warn` or `off` to "
             "start anyway)"
         )

@@ -97,4 +97,6 @@ def test_weights_read_in_place_count_once_per_host(tmp_path):
         ckpt.in_place_bytes + plan.router_bytes
     )
     assert "shared weights (once per host)" in "\n".join(plan.lines())
+    tight = plan_memory(ckpt, worker_specs(p, ""), 1 << 20)
+    assert f"shared weights {ckpt.in_place_bytes / 2**30:.2f} GiB), this host" in tight.refusal()
     assert plan.convert_bytes < 1 << 30  # no fp32 weights are written for it
