@@ -137,6 +137,23 @@ def test_family_read_in_place_matches_its_fp32_conversion(name, tmp_path, monkey
     assert greedy(model, ids) == greedy(reference, ids)
 
 
+@pytest.mark.parametrize("name", ["qwen2-q8_0", "qwen3-q4_k_m", "phi3-q4_0"])
+def test_family_in_place_engine_generates_the_conversions_tokens(name, tmp_path, monkeypatch):
+    """Served: the engine's native one-call decode step (two requests a step) on the file
+    read in place gives the greedy tokens of its fp32 conversion (int8 activations off)."""
+    from tests.model.test_families import generate
+
+    if native.load() is None:
+        pytest.skip("GGUF weights read in place need the native CPU kernels")
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", 0)
+    shape, file_type = FAMILY_FILES[name]
+    path = write_synthetic_gguf(tmp_path / f"{name}.gguf", shape, file_type)
+    in_place_dir = gguf_convert.convert_gguf(path, tmp_path / "in_place", in_place=True)
+    ours, engine = generate(in_place_dir, "native")
+    assert engine.runner.model.layers.one_call
+    assert ours == generate(fp32_conversion(path, tmp_path / "fp32"), "native")[0]
+
+
 def test_family_tensors_are_views_of_the_mapped_file(tmp_path):
     """Phi-3's fused matrices are read where they lie (no weight byte copied), through the
     directory the registry makes for a file read in place."""
