@@ -103,15 +103,22 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The loaders build this on the meta device and put the checkpoint's weights in: no
+        # initializer (nn.Embedding's normal_ on meta imports torch._dynamo: ~2 s a worker).
+        empty = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=empty)
         self.layers = LayerStack(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = cos_sin_table(
-            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
-        )
+        shape = (cfg.max_position_embeddings, cfg.head_dim)
+        if torch.empty(0).is_meta:  # a loader's skeleton: it computes the tables on the CPU
+            cos, sin = torch.empty(shape), torch.empty(shape)  # (arange on meta: ~2 s)
+        else:
+            cos, sin = cos_sin_table(
+                cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+            )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
