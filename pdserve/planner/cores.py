@@ -37,6 +37,11 @@ from urllib.parse import urlparse
 # the newest by 0.25) reads a clump of arrivals as a rate twice the true one.
 NUM_GAPS = 16
 MIN_GAPS = 4  # fewer: the rate is not known (the first remote requests of a load)
+# The longest a busy prefill worker is kept parked for the decodes' stall budget: then its
+# queued prompts get a core until they are done, whatever the decodes need. A stream's gap
+# is bounded by the budget, a queued prompt's wait by this (without it, decodes arriving
+# locally could keep the pool from a remote prompt until its first-token timeout).
+MAX_STALL_PARK_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Demand:
     # Fewer threads take its step with a guarded local chunk past the stall budget
     # (decision.stall_need; 0: none applies): a change towards them is not held back.
     stall_threads: int = 0
+    parked_s: float = 0.0  # busy while parked this long (`CoreGroups.parked_s`)
 
 
 def stall_floors(demands: Sequence[Demand]) -> dict[str, int]:
@@ -92,7 +98,10 @@ def plan_counts(pool_size: int, demands: Sequence[Demand]) -> dict[str, int]:
         return counts
     even = max(1, pool_size // len(busy))
     needs = [max(1, d.need_threads) if d.need_threads else even for d in decode]
-    floors = min(pool_size, sum(min(d.stall_threads, pool_size) for d in decode))
+    # Prefill workers parked past MAX_STALL_PARK_S come first and keep a core.
+    prefill.sort(key=lambda d: d.parked_s < MAX_STALL_PARK_S)
+    starved = sum(d.parked_s >= MAX_STALL_PARK_S for d in prefill)
+    floors = min(pool_size - starved, sum(min(d.stall_threads, pool_size) for d in decode))
     room = max(pool_size - len(prefill), floors)
     decode_counts = _share(min(room, sum(needs)), needs) if sum(needs) > room else needs
     counts.update(zip([d.worker_id for d in decode], decode_counts, strict=True))
@@ -160,6 +169,7 @@ class CoreGroups:
         self.num_switches = 0
         # Acknowledged a SetCores since its Ready: the planner, not the launcher, set its cores.
         self.confirmed: set[str] = set()
+        self._busy_parked: dict[str, float] = {}  # worker -> since when busy while parked
 
     # ---- what the workers said -----------------------------------------------------------
 
@@ -201,6 +211,21 @@ class CoreGroups:
         return max(self.dwell_s, min(self.hold_max_s, self.hold_gaps * self.mean_gap_s))
 
     # ---- planning -----------------------------------------------------------------------
+
+    def parked_s(self, worker_id: str, busy: bool, now: float) -> float:
+        """How long `worker_id` has been busy and parked (0: not busy). A worker given cores
+        within MAX_STALL_PARK_S starts from 0 when parked again; one given them for its wait
+        keeps counting while busy, so it keeps them until its queue is done."""
+        since = self._busy_parked.get(worker_id)
+        if not busy:
+            self._busy_parked.pop(worker_id, None)
+            return 0.0
+        if self.counts.get(worker_id, 0) == 0:
+            since = self._busy_parked.setdefault(worker_id, now)
+        elif since is not None and now - since < MAX_STALL_PARK_S:
+            del self._busy_parked[worker_id]  # given cores before it waited long
+            return 0.0
+        return 0.0 if since is None else now - since
 
     def want(
         self,

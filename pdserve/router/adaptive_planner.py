@@ -285,7 +285,9 @@ class Planner:
 
     def _demand(self, w: WorkerState, pool: int) -> Demand:
         if w.role == "prefill":
-            return Demand(w.worker_id, w.role, self._busy(w))
+            busy = self._busy(w)
+            parked_s = self.groups[w.worker_id].parked_s(w.worker_id, busy, self.clock())
+            return Demand(w.worker_id, w.role, busy, parked_s=parked_s)
         need = self._decode_need(w, pool)
         return Demand(w.worker_id, w.role, self._busy(w), need.threads, need.stall_threads)
 

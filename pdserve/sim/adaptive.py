@@ -149,7 +149,9 @@ class AdaptiveSimulation(Simulation):
 
     def _demand(self, w: SimWorker) -> Demand:
         if w.role != "decode":
-            return Demand(w.worker_id, w.role, self._busy(w))
+            busy = self._busy(w)
+            parked_s = self.groups.parked_s(w.worker_id, busy, self.now)
+            return Demand(w.worker_id, w.role, busy, parked_s=parked_s)
         need = self._decode_need(w)
         return Demand(w.worker_id, w.role, self._busy(w), need.threads, need.stall_threads)
 

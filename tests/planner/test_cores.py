@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.planner.config import AdaptiveConfig
 from pdserve.planner.cores import (
+    MAX_STALL_PARK_S,
     CoreGrant,
     CoreGroups,
     Demand,
@@ -409,3 +410,26 @@ def test_a_held_split_merges_at_once_for_a_batch_no_split_holds_within_the_stall
     two = [*busy, Demand("p9", "prefill", True)]
     assert plan_counts(3, two) == {"p0": 1, "d1": 2, "p9": 0}
     assert stall_floors([Demand("d1", "decode", False, 2, 2)]) == {}  # nothing decoding
+
+
+def test_a_prefill_worker_parked_for_the_stall_budget_gets_a_core_after_its_longest_wait():
+    # Decodes that need both cores keep the pool while they run; a prompt queued on the
+    # prefill worker waits, but at most MAX_STALL_PARK_S: then it gets a core until its
+    # queue is done, however many decodes arrive meanwhile.
+    roles = {"p0": "prefill", "d1": "decode"}
+    groups = CoreGroups((0, 1), ["p0", "d1"], dwell_s=2.0, hold_gaps=10.0, hold_max_s=30.0)
+    groups.on_ready("p0", (0, 1), 0, restarted=True)
+    groups.on_ready("d1", (0, 1), 2, restarted=True)
+    decode = Demand("d1", "decode", True, 2, 2)
+    assert groups.want({"p0": 0, "d1": 2}, roles, 0.0)
+    counts = []
+    for t in range(0, 60, 5):
+        prefill = Demand("p0", "prefill", True, parked_s=groups.parked_s("p0", True, t))
+        wanted = plan_counts(2, [prefill, decode])
+        groups.want(wanted, roles, t, stall_floors([prefill, decode]))
+        counts.append((t, groups.counts["p0"]))
+    first = next(t for t, n in counts if n)
+    assert first == MAX_STALL_PARK_S and all(n == 1 for t, n in counts if t >= first), counts
+    # its queue done, it counts from 0 again: busy with its core, it has waited for nothing
+    assert groups.parked_s("p0", False, 60.0) == 0.0
+    assert groups.parked_s("p0", True, 62.0) == 0.0
