@@ -28,6 +28,8 @@ STEP_TRACE = "PDSERVE_STEP_TRACE"
 # Where this process runs, for the transfer channel: shm only between peers with equal ids
 # (and then only where the receiver's segment is seen). Default: hostname + boot id.
 HOST_ID = "PDSERVE_HOST_ID"
+# Ray's own: the cluster `ray.init(address="auto")` joins (set inside a Ray job).
+RAY_ADDRESS = "RAY_ADDRESS"
 # Bytes the launcher's memory plan takes as this host's available memory instead of
 # MemAvailable and the cgroup limit (cluster/memory_plan.py), e.g. "16GiB" to leave the rest
 # to other services.
@@ -93,6 +95,10 @@ def cache_dir() -> Path:
 
 def host_id() -> str | None:
     return os.environ.get(HOST_ID) or None
+
+
+def ray_address() -> str | None:
+    return os.environ.get(RAY_ADDRESS) or None
 
 
 def memory_available_bytes() -> int | None:

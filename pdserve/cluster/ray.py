@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from pdserve import envs
 from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import (
     Cluster,
@@ -108,6 +109,8 @@ class RayCluster(Cluster):
             _probe(address, p.ray_timeout_s)
         if ray.is_initialized():  # this process is connected already (a notebook, tests)
             return ray
+        if address == "auto" and not envs.ray_address():
+            _check_auto(*_local_clusters(ray), p.ray_timeout_s)
         outcome: dict[str, Any] = {}
 
         def init() -> None:
@@ -296,6 +299,40 @@ def _probe(address: str, timeout_s: float) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:
         raise ClusterError(f"cannot reach Ray at {address}: {exc}") from None
+
+
+def _local_clusters(ray: Any) -> tuple[str, str | None, set[str]]:
+    """(Ray's address file, the address in it or None, the GCS addresses of the raylets
+    running on this host): what `ray.init(address="auto")` chooses from (Ray's internals, of
+    the pinned version)."""
+    from ray._common.utils import get_ray_address_file
+    from ray._private.services import find_bootstrap_address, find_gcs_addresses
+
+    return get_ray_address_file(None), find_bootstrap_address(None), set(find_gcs_addresses())
+
+
+def _check_auto(
+    address_file: str, recorded: str | None, running: set[str], timeout_s: float
+) -> None:
+    """`auto` joins the cluster in Ray's address file, which the last `ray start` on this
+    host wrote and any cluster's stop removes, whoever wrote it; without the file, Ray takes
+    any cluster whose raylet runs here. So right after another cluster on this host stopped,
+    `auto` may join a cluster chosen by chance, or one that is gone: refused here, naming
+    what was found."""
+    if recorded is None and len(running) > 1:
+        raise ClusterError(
+            f"ray_address auto: {address_file} is absent (a Ray cluster's stop removes it) and "
+            f"this host runs {len(running)} Ray clusters ({', '.join(sorted(running))}); "
+            "Ray would join one by chance: give the head's host:port"
+        )
+    if recorded is not None:
+        try:
+            _probe(recorded, timeout_s)
+        except ClusterError as exc:
+            raise ClusterError(
+                f"ray_address auto: {address_file} names {recorded}, {exc}; a cluster that "
+                "stopped without `ray stop` leaves it: give the head's host:port"
+            ) from None
 
 
 def _first_line(exc: BaseException) -> str:

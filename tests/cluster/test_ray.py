@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 import urllib.error
 from pathlib import Path
@@ -20,7 +21,7 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install '
 
 from pdserve.cluster.config import Pipeline  # noqa: E402
 from pdserve.cluster.launcher import ClusterError, free_port  # noqa: E402
-from pdserve.cluster.ray import RayCluster  # noqa: E402
+from pdserve.cluster.ray import RayCluster, _check_auto  # noqa: E402
 from pdserve.transfer import KVTransferConfig  # noqa: E402
 from tests.cluster.conftest import get_text, post, role  # noqa: E402
 from tests.cluster.test_cluster import complete_all  # noqa: E402
@@ -227,6 +228,23 @@ def test_unreachable_address_errors_within_the_bound(tiny_served_model):
     with pytest.raises(ClusterError, match=f"cannot reach Ray at 127.0.0.1:{port}"):
         cluster.start()
     assert time.monotonic() - t < 10
+
+
+def test_auto_refuses_a_cluster_chosen_by_chance():
+    """Ray's address file gone (another cluster's stop removed it) and two clusters on the
+    host: `auto` would join either; a file naming a stopped cluster: it would wait for it."""
+    two = {"10.0.0.1:6379", "10.0.0.2:6379"}
+    with pytest.raises(ClusterError, match="absent .* runs 2 Ray clusters"):
+        _check_auto("/tmp/ray/ray_current_cluster", None, two, 1.0)
+    _check_auto("/tmp/ray/ray_current_cluster", None, {"10.0.0.1:6379"}, 1.0)  # the only one
+    gone = f"127.0.0.1:{free_port()}"
+    t = time.monotonic()
+    with pytest.raises(ClusterError, match=f"names {gone}, cannot reach"):
+        _check_auto("/tmp/ray/ray_current_cluster", gone, two, 1.0)
+    assert time.monotonic() - t < 5
+    with socket.create_server(("127.0.0.1", 0)) as live:
+        recorded = f"127.0.0.1:{live.getsockname()[1]}"
+        _check_auto("/tmp/ray/ray_current_cluster", recorded, two, 1.0)  # Ray joins that one
 
 
 @pytest.mark.skipif(not HAS_STATE_API, reason="Ray's state API needs ray[default]")
