@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -48,10 +49,20 @@ def _ray_bin() -> Path:
     return Path(sys.executable).with_name("ray")
 
 
-def _free_port(ip: str) -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+def _head_port(ip: str) -> int:
+    """A free port for the head's GCS below the kernel's ephemeral range (32768 up) and above
+    Ray's worker ports (10002-19999). A port found free in the ephemeral range can go, before
+    the GCS binds it, to a server of another Ray cluster starting beside this one, which
+    also takes its ports from there: this cluster's nodes then reach the other cluster (seen
+    once: a node here failed with the other cluster's authentication error)."""
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind((ip, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port for a Ray head on {ip} in 20000-32767")
 
 
 class RayNodes:
@@ -85,7 +96,7 @@ class RayNodes:
         self.temp_dir = tempfile.mkdtemp(prefix="pdsray-")
         try:
             gateway = self.hosts.gateway
-            port = _free_port(gateway)
+            port = _head_port(gateway)
             self.address = f"{gateway}:{port}"
             head = [
                 "--head",
@@ -121,8 +132,14 @@ class RayNodes:
     ) -> None:
         """One node, up (its `ray start` said so) within `start_timeout_s`."""
         log = open(os.path.join(self.temp_dir, f"start-{name}.log"), "w+b")
+        # One authentication mode for every node: unset, `ray start --head` turns token
+        # authentication on where ~/.ray/auth_token exists (a new local ray.init() writes it)
+        # and `ray start --address` does not, so the head refuses its nodes. Hosts on a
+        # private bridge need no token.
         command = [
             *prefix,
+            "env",
+            "RAY_AUTH_MODE=disabled",
             str(_ray_bin()),
             "start",
             "--block",

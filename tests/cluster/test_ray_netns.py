@@ -9,6 +9,8 @@ process of the cluster and deletes the namespaces."""
 
 from __future__ import annotations
 
+import secrets
+
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'pdserve[ray]'")
@@ -31,15 +33,21 @@ HEAD = {"host_head": 1}
 
 
 @pytest.fixture(scope="module")
-def cluster_hosts():
-    with Hosts(["prefill", "decode"], prefix="pdray") as hosts:
-        with RayNodes(hosts, head_resources=HEAD) as nodes:
-            ray.init(address=nodes.address, logging_level="WARNING")
-            try:
-                yield hosts, nodes
-            finally:
-                ray.shutdown()
-        assert not nodes.pids(), "Ray processes outlived the cluster"
+def cluster_hosts(tmp_path_factory):
+    # A token where Ray looks for one, as a new local ray.init() leaves in ~/.ray: a head
+    # then turns token authentication on unless told, and a node joining it did not.
+    token = tmp_path_factory.mktemp("ray") / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+        with Hosts(["prefill", "decode"], prefix="pdray") as hosts:
+            with RayNodes(hosts, head_resources=HEAD) as nodes:
+                ray.init(address=nodes.address, logging_level="WARNING")
+                try:
+                    yield hosts, nodes
+                finally:
+                    ray.shutdown()
+            assert not nodes.pids(), "Ray processes outlived the cluster"
 
 
 def start(model, **pipeline) -> RayCluster:
