@@ -52,9 +52,9 @@ def _ray_bin() -> Path:
 def _head_port(ip: str) -> int:
     """A free port for the head's GCS below the kernel's ephemeral range (32768 up) and above
     Ray's worker ports (10002-19999). A port found free in the ephemeral range can go, before
-    the GCS binds it, to a server of another Ray cluster starting beside this one, which
-    also takes its ports from there: this cluster's nodes then reach the other cluster (seen
-    once: a node here failed with the other cluster's authentication error)."""
+    the GCS binds it, to any socket the kernel numbers (Ray's own servers of another cluster
+    among them), and a node that dials it reaches that instead; below the range only an
+    explicit bind takes it."""
     for port in random.sample(range(20000, 32768), 200):
         with socket.socket() as s:
             try:
