@@ -103,7 +103,9 @@ def read_checkpoint(
     try:
         path = known_gguf_path(model) if model in KNOWN_MODELS else Path(model).expanduser()
         if path.is_dir():
-            config, types, in_place_bytes = ModelConfig.from_dir(path), {}, 0
+            from pdserve.model.safetensors_header import in_place_bytes as mapped_bytes
+
+            config, types, in_place_bytes = ModelConfig.from_dir(path), {}, mapped_bytes(path)
         elif path.is_file() and path.suffix == ".gguf":
             config, types, in_place_bytes = _gguf_facts(path, gguf_fp32_max_bytes)
         else:
@@ -111,7 +113,7 @@ def read_checkpoint(
     except ValueError:
         return None
     linears = tuple((n, types.get(name)) for name, n in linear_shapes(config))
-    return Checkpoint(config, linears, in_place_bytes if path.is_file() else 0)
+    return Checkpoint(config, linears, in_place_bytes)
 
 
 def _gguf_facts(path: Path, fp32_max_bytes: int) -> tuple[ModelConfig, dict[str, str], int]:

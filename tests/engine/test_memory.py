@@ -57,6 +57,24 @@ def test_a_gguf_is_read_without_converting_it(tmp_path):
     assert q8_in_place.in_place_bytes == file_bytes(shape, "q8_0")
 
 
+
+def test_a_bf16_hf_checkpoint_is_mapped_not_copied(tmp_path):
+    """A bf16 HF directory is read in place (safetensors_header.reads_in_place): its matrices
+    count once per host, as a GGUF's do; an fp32 one stays a private copy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    fp32_dir = make_tiny_llama(tmp_path / "fp32")
+    assert read_checkpoint(str(fp32_dir)).in_place_bytes == 0
+    model = AutoModelForCausalLM.from_pretrained(fp32_dir, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    ckpt = read_checkpoint(str(tmp_path / "bf16"))
+    matrices = sum(p.numel() * 2 for p in model.parameters() if p.dim() == 2)
+    assert ckpt.in_place_bytes == matrices
+    holding = weights_held(ckpt, "decode", "native", amx=False)
+    assert holding.shared_bytes == matrices
+    assert holding.private_bytes == in_place_private_bytes(ckpt.config)
+
 def _ckpt(source: str | None) -> Checkpoint:
     cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
