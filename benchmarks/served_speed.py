@@ -12,6 +12,10 @@ Building llama-server: BENCHMARKS.md, "Served speed".
     .venv/bin/python benchmarks/served_speed.py --rounds 3 [--variant spin5k:GOMP_SPINCOUNT=5000]
     .venv/bin/python benchmarks/served_speed.py --llama-server /tmp/llamacpp/build/bin/llama-server
 
+With `--gguf`, each round also measures this machine's read bandwidth (`--threads` threads
+summing 1 GiB) and prints batch-1 TPOT against the bound it sets: the bytes a decode step reads
+(every matrix of the file; the embedding only as a tied output head) over that bandwidth.
+
 `--cold-start` measures instead the seconds from launching each server to its first answered
 chat request (`pdserve up --prefill 1 --decode 1 --kv-cache-bytes B`, and with
 `--llama-server`, `llama-server -t T -c CTX` on the same `--gguf`), alternating round by
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -234,6 +239,40 @@ def cold_start_rounds(args: argparse.Namespace) -> dict[str, list[dict[str, floa
     return rows
 
 
+def step_bytes(gguf: Path) -> int:
+    """The bytes of weights a decode step reads: every matrix, the token embedding only where it
+    is also the output head (a lookup reads a few rows)."""
+    from gguf import GGML_QUANT_SIZES
+
+    from pdserve.model.gguf_header import read_header
+
+    _, tensors = read_header(gguf)
+    names = {t.name for t in tensors}
+    total = 0
+    for t in tensors:
+        if len(t.shape) < 2 or (t.name == "token_embd.weight" and "output.weight" in names):
+            continue
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        total += int(math.prod(t.shape)) // block * type_size
+    return total
+
+
+def read_gbs(threads: int) -> float:
+    """GB/s `threads` threads read at (the median of 5 sums over 1 GiB, in a child process so
+    the benchmark's own torch threads stay idle)."""
+    code = (
+        "import statistics, time, torch\n"
+        f"torch.set_num_threads({threads})\n"
+        "x = torch.ones(256 * 2**20); x.sum()\n"
+        "ts = []\n"
+        "for _ in range(5):\n"
+        "    t = time.perf_counter(); x.sum(); ts.append(time.perf_counter() - t)\n"
+        "print(x.numel() * 4 / statistics.median(ts) / 1e9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
 def print_cold_start(rows: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
     cache = "dropped before each launch" if args.drop_caches else "warm"
     print(f"{args.model}: {args.rounds} rounds, page cache {cache}; medians")
@@ -244,6 +283,33 @@ def print_cold_start(rows: dict[str, list[dict[str, float]]], args: argparse.Nam
     if "llama.cpp" in med:
         ratio = med["pdserve"]["cold_start_s"] / med["llama.cpp"]["cold_start_s"]
         print(f"pdserve's cold start over llama.cpp's: {ratio:.2f}x (target: at most 2x)")
+
+
+def print_speed(
+    rows: dict[str, list[dict[str, float]]], bandwidth: list[float], args: argparse.Namespace
+) -> None:
+    med = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+           for n, runs in rows.items()}  # fmt: skip
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}; medians over {args.rounds} rounds")
+    for name, figures in med.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+    if bandwidth:
+        gbs = statistics.median(bandwidth)
+        bound_ms = step_bytes(args.gguf) / gbs / 1e6
+        print(f"read bandwidth {gbs:.1f} GB/s ({args.threads} threads): batch-1 bound "
+              f"{bound_ms:.2f} ms a token")  # fmt: skip
+        for name, figures in med.items():
+            if "served_tpot_ms" in figures:
+                print(f"{name}: TPOT {figures['served_tpot_ms'] / bound_ms:.2f}x the bound")
+    if args.llama_server:
+        ours = med[next(iter(rows))]
+        print("| figure | pdserve | llama.cpp | pdserve's advantage | target |")
+        print("|---" * 5 + "|")
+        for key, (label, target, higher) in FIGURES.items():
+            if key in ours:
+                a, b = ours[key], med["llama.cpp"][key]
+                ratio = a / b if higher else b / a
+                print(f"| {label} | {a:.4g} | {b:.4g} | {ratio:.2f}x | {target}x |")
 
 
 def add_cold_start_args(ap: argparse.ArgumentParser) -> None:
@@ -291,24 +357,14 @@ def main() -> None:
         args.gguf = args.gguf or known_gguf_path(MODEL)
         servers["llama.cpp"] = measure_llamacpp
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
+    bandwidth = []
     for r in range(args.rounds):
+        if args.gguf:
+            bandwidth.append(read_gbs(args.threads))
         for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
             rows[name].append(servers[name](args))
             print(f"round {r} {name}: {json.dumps(rows[name][-1])}", file=sys.stderr, flush=True)
-    med = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-           for n, runs in rows.items()}  # fmt: skip
-    print(f"load average at the end: {os.getloadavg()[0]:.2f}; medians over {args.rounds} rounds")
-    for name, figures in med.items():
-        print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
-    if args.llama_server:
-        ours = med[next(iter(servers))]
-        print("| figure | pdserve | llama.cpp | pdserve's advantage | target |")
-        print("|---" * 5 + "|")
-        for key, (label, target, higher) in FIGURES.items():
-            if key in ours:
-                a, b = ours[key], med["llama.cpp"][key]
-                ratio = a / b if higher else b / a
-                print(f"| {label} | {a:.4g} | {b:.4g} | {ratio:.2f}x | {target}x |")
+    print_speed(rows, bandwidth, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
