@@ -57,7 +57,6 @@ def test_a_gguf_is_read_without_converting_it(tmp_path):
     assert q8_in_place.in_place_bytes == file_bytes(shape, "q8_0")
 
 
-
 def test_a_bf16_hf_checkpoint_is_mapped_not_copied(tmp_path):
     """A bf16 HF directory is read in place (safetensors_header.reads_in_place): its matrices
     count once per host, as a GGUF's do; an fp32 one stays a private copy."""
@@ -74,6 +73,7 @@ def test_a_bf16_hf_checkpoint_is_mapped_not_copied(tmp_path):
     holding = weights_held(ckpt, "decode", "native", amx=False)
     assert holding.shared_bytes == matrices
     assert holding.private_bytes == in_place_private_bytes(ckpt.config)
+
 
 def _ckpt(source: str | None) -> Checkpoint:
     cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
