@@ -245,6 +245,15 @@ def mapping(pid: int, path) -> dict[str, int]:
     return totals
 
 
+def two_processes(code: str, path) -> list[subprocess.Popen]:
+    """Two Python processes running `code` with `path` as their argument, pipes on stdin/out."""
+    cmd = [sys.executable, "-c", code, str(path)]
+    return [
+        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+
+
 def test_two_processes_share_the_mapped_weights(tmp_path):
     q4_k_m = tmp_path / "weights.gguf"  # 4 MiB of Q4_K blocks
     writer = GGUFWriter(q4_k_m, "llama")
@@ -254,15 +263,7 @@ def test_two_processes_share_the_mapped_weights(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", READER, str(q4_k_m)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
+    procs = two_processes(READER, q4_k_m)
     try:
         assert all(p.stdout.readline().strip() == "True" for p in procs)
         time.sleep(0.1)

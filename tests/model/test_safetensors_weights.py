@@ -3,8 +3,6 @@ greedy tokens equal transformers' run in fp32 on the same values, its mapped pag
 between processes, and loading it holds no fp32 copy."""
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -23,7 +21,7 @@ from tests.model.test_families import (
     hf_logits,
     make_family,
 )
-from tests.model.test_gguf_weights import mapping
+from tests.model.test_gguf_weights import mapping, two_processes
 from tests.model.test_llama import our_logits
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="needs the native CPU kernels")
@@ -176,15 +174,7 @@ def test_loading_holds_no_fp32_copy_and_two_processes_share_the_pages(tmp_path):
     file's size, whose pages two processes share."""
     model_dir = tmp_path / "big"
     size_kb = big_checkpoint(model_dir, layers=6) // 1024
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", LOADER, str(model_dir)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
+    procs = two_processes(LOADER, model_dir)
     try:
         growth_kb = [int(p.stdout.readline()) for p in procs]
         time.sleep(0.1)
