@@ -38,7 +38,8 @@ from pdserve.config import EngineConfig
 from pdserve.model.config import ModelConfig
 
 GiB = 2**30
-BASE_RSS_BYTES = 330 * 2**20  # a worker bar its model: Python, torch, oneDNN, zmq (344 MiB seen)
+BASE_RSS_BYTES = 260 * 2**20  # a worker bar its model: Python, torch, oneDNN, zmq (238 MiB seen;
+# a first grammar request imports transformers: ~20 MiB more)
 LOADED_FACTOR = 1.22  # RSS of the loaded model over its fp32 bytes (1.21 at 135M, 1.22 at 1B)
 PACKING_TRANSIENT_FACTOR = 0.55  # packing's freed buffers at the peak, x the fp32 bytes
 ACTIVATION_FACTOR = 72  # step RSS growth in bytes per (batched token x hidden unit)
