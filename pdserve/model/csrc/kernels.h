@@ -28,6 +28,22 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Q6_K [ql128, qh64, int8 sc16, d]: half h of a block's four 32-value groups, each 6-bit value
+ * (0..63) in a byte: group k's low nibbles from ql + 64 h + 32 (k & 1), shifted by 4 (k >> 1),
+ * and two bits from qh + 32 h shifted by 2 k. Shared by the int8 dot (quant_dot.c) and the
+ * store to fp32 (quant_gemm.c). */
+static inline __attribute__((always_inline)) void q6_k_half(const uint8_t *b, int h, __m256i q[4]) {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+    __m256i hh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(hh, 2), m2));
+}
+
 #ifdef __AVX512F__
 #define VW 16
 typedef __m512 vf;

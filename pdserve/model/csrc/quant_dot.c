@@ -183,26 +183,18 @@ ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
 
 /* Q6_K [ql128, qh64, int8 sc16, d]: value = d sc_i (q - 32) over sub-block i of 16, q the
  * low nibble of ql (or its high one) with two bits of qh above it; 32 values at 32 g (half
- * h = g / 4, k = g % 4) read ql + 64 h + 32 (k & 1) shifted by 4 (k >> 1), qh + 32 h shifted
- * by 2 k. The -32 is one integer multiply by the bsums. */
+ * h = g / 4, k = g % 4) as q6_k_half (kernels.h) assembles them. The -32 is one integer
+ * multiply by the bsums. */
 ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
     __m256 acc[ROWS_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
     for (int64_t j = 0; j < nb; j++, b += 210) {
-        const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
         __m256i isum[ROWS_MAX];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
-            __m256i l0 = ld(ql + 64 * h), l1 = ld(ql + 64 * h + 32), hh = ld(qh + 32 * h);
-            __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m2)),
-                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(hh, 2), m2)),
-            };
+            __m256i q[4];
+            q6_k_half(b, h, q);
             for (int k = 0; k < 4; k++) {
                 int g = 4 * h + k;
                 __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * g + 1]), _mm_set1_epi16(sc[2 * g]));

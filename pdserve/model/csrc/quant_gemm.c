@@ -190,25 +190,16 @@ static inline __attribute__((always_inline)) void row_q6_k(const uint8_t *b, flo
 }
 
 /* Q6_K to fp32 in the buffer (no dot product): each 32-value group's 6-bit values assembled
- * 32 at a time in byte ops (as quant_dot.c does), then widened VW at a time; ~2x fewer ops
+ * 32 at a time in byte ops (q6_k_half, as quant_dot.c), then widened VW at a time; ~2x fewer ops
  * than row_q6_k's per-lane assembly, which AMX tiles' panels (quant_amx.c) wait on. */
 static inline __attribute__((always_inline)) void row_q6_k_store(const uint8_t *b, float *out, int64_t nb) {
-    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
     uint8_t q[128] __attribute__((aligned(32)));
     for (int64_t j = 0; j < nb; j++, b += 210, out += 256) {
         const int8_t *sc = (const int8_t *)(b + 192);
         float d = h2f(b + 208);
         for (int h = 0; h < 2; h++) { /* values 128 h + 32 k: group k of half h */
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-            __m256i hh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            __m256i g[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m2)),
-                _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(hh, 2), m2)),
-            };
+            __m256i g[4];
+            q6_k_half(b, h, g);
             for (int k = 0; k < 4; k++) _mm256_store_si256((__m256i *)(q + 32 * k), g[k]);
             for (int i = 0; i < 128; i += VW) {
                 float ds = d * sc[(128 * h + i) / 16]; /* 16 values a scale */
