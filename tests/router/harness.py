@@ -303,7 +303,10 @@ class Cluster:
         self.call(self._setup())
         if self._start_workers:
             self.start_workers()
-            self.wait_until(lambda: self.app_state.plane.health()[0])
+            # Every worker, not only one per role: a test that reads a worker's state (its
+            # epoch, its role) must not race that worker's first Ready.
+            plane = self.app_state.plane
+            self.wait_until(lambda: all(plane.is_healthy(w) for w in self.workers))
         return self
 
     def __exit__(self, *exc: Any) -> None:
