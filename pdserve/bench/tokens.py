@@ -14,13 +14,14 @@ import numpy as np
 
 
 def resolve_tokenizer_file(name_or_path: str) -> Path:
-    """Find ``tokenizer.json`` for a directory, a file, or a model name from the registry.
+    """Find ``tokenizer.json`` for a directory, a file, a ``.gguf`` or a model name from the
+    registry (which also reads a GGUF's own tokenizer).
 
     The registry (``pdserve.model.registry``) is imported only for a model name, so a
     tokenizer directory needs nothing beyond ``tokenizers``.
     """
     path = Path(name_or_path).expanduser()
-    if path.is_file():
+    if path.is_file() and path.suffix != ".gguf":
         return path
     if (path / "tokenizer.json").is_file():
         return path / "tokenizer.json"
