@@ -8,7 +8,7 @@ the client did not ask for; vLLM ignores extra fields with a line in its own log
 client never sees. `parse_request()` in pdserve/router/protocol.py consults `check_fields()`
 before parsing anything else and answers its refusal as the 400; the implemented fields are
 parsed there and in the modules it calls (structured.py, tools.py, scope.py), whose own
-refusals stay theirs (`_OFF_VALUES`, structured.py's `_REFUSED`).
+refusals stay theirs (structured.py's `_REFUSED`).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ FIELDS: dict[str, Field] = {
     "frequency_penalty": _implemented(BOTH, "pdserve/model/penalties.py"),
     "logit_bias": _implemented(BOTH, "pdserve/model/penalties.py"),
     "logprobs": _implemented(BOTH, "chat: a boolean; completions: the number of alternatives"),
-    "n": _implemented(BOTH, "protocol.py (_OFF_VALUES: 1 only)"),
+    "n": _implemented(BOTH, "choices.py: one shared prefill"),
     "response_format": _implemented(BOTH, "structured.py: a grammar"),
     "user": _metadata(BOTH, str, "an end-user id for the provider's abuse checks; none here"),
     # ---- OpenAI, chat only ----------------------------------------------------------------
@@ -93,8 +93,8 @@ FIELDS: dict[str, Field] = {
     "function_call": _refused(CHAT, "deprecated: use tool_choice"),
     # ---- OpenAI, completions only ---------------------------------------------------------
     "prompt": _implemented(COMPLETIONS, "text or token ids, one prompt per request"),
-    "best_of": _implemented(COMPLETIONS, "protocol.py (_OFF_VALUES: 1 only)"),
-    "suffix": _implemented(COMPLETIONS, "protocol.py (_OFF_VALUES: empty only)"),
+    "best_of": _implemented(COMPLETIONS, "choices.py: the n likeliest samples"),
+    "suffix": _refused(COMPLETIONS, "no text after the completion", ""),
     # ---- vLLM extensions --------------------------------------------------------------------
     "echo": _implemented(BOTH, "completions: the prompt before the completion (echo.py)"),
     "top_k": _implemented(BOTH, "SamplingParams"),
@@ -150,7 +150,7 @@ def check_fields(body: dict[str, Any], chat: bool, max_messages: int) -> FieldEr
         if spec is None or spec.where not in (endpoint, BOTH):
             return FieldError(_param(name), _unknown(name, endpoint, spec))
         if spec.how == REFUSED and not _is_accepted(value, spec.accepted):
-            return FieldError(name, f"{name}={_show(value)} is not supported here ({spec.why})")
+            return FieldError(name, f"{name}={show(value)} is not supported here ({spec.why})")
         if spec.how == METADATA and value is not None and not isinstance(value, spec.kind):
             return FieldError(name, f"{name} must be {_kind_name(spec.kind)}")
     messages = body.get("messages")
@@ -168,10 +168,10 @@ def check_fields(body: dict[str, Any], chat: bool, max_messages: int) -> FieldEr
 def _unknown(name: str, endpoint: str, spec: Field | None) -> str:
     path = _PATHS[endpoint]
     if spec is not None:
-        return f"{_show(name)} is a field of {_PATHS[spec.where]}, not of {path}"
+        return f"{show(name)} is a field of {_PATHS[spec.where]}, not of {path}"
     known = [n for n, f in FIELDS.items() if f.where in (endpoint, BOTH)]
     hint = suggest(name, known) if len(name) <= 64 else ""  # difflib is quadratic
-    return f"unknown field {_show(name)} in a {path} body{hint}"
+    return f"unknown field {show(name)} in a {path} body{hint}"
 
 
 def _is_accepted(value: Any, accepted: tuple[Any, ...]) -> bool:
@@ -187,6 +187,7 @@ def _param(name: str) -> str:
     return name if len(name) <= 64 else name[:64]
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
+    """A value for an error message, cut short: the client sent it and may have sent a lot."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"

@@ -19,7 +19,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.fields import check_fields
+from pdserve.router.fields import check_fields, show
 from pdserve.router.sampling_fields import (
     parse_echo,
     parse_logit_bias,
@@ -87,15 +87,10 @@ class ApiRequest:
     echo: bool = False  # completions: the prompt before the completion (router/echo.py)
 
 
-# Fields we do not implement: accepted only at their "off" value, else a 400 naming them
-# (silently ignoring e.g. logprobs would return a response the client did not ask for).
-_OFF_VALUES: dict[str, tuple[Any, ...]] = {"suffix": (None, "")}
-
-
 def check_model(model: Any, served_model: str) -> None:
     """The OpenAI error for a request naming a model this server does not serve."""
     if model != served_model:
-        message = f"The model {_show(model)} does not exist; this server serves `{served_model}`"
+        message = f"The model {show(model)} does not exist; this server serves `{served_model}`"
         raise ApiError(404, message, param="model", code="model_not_found")
 
 
@@ -158,10 +153,6 @@ def parse_request(
     served_model = config.model
     model = _field(body, "model", str, served_model)
     check_model(model, served_model)
-    for name, allowed in _OFF_VALUES.items():
-        value = body.get(name)
-        if not any(value == ok and type(value) is type(ok) for ok in allowed):
-            raise ApiError(400, f"{name}={_show(value)} is not supported here", param=name)
     stream = _field(body, "stream", bool, False) or False
     stream_options = _field(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
@@ -361,16 +352,10 @@ def _field(body: dict[str, Any], name: str, kind: type, default: Any, prefix: st
     if not ok:
         kind_name = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
         expected = kind_name.get(kind, "an object")
-        raise ApiError(400, f"{where} must be {expected}, got {_show(value)}", param=where)
+        raise ApiError(400, f"{where} must be {expected}, got {show(value)}", param=where)
     if _is_int(value) and not INT64_MIN <= value <= INT64_MAX:
-        raise ApiError(400, f"{where} must fit in 64 bits, got {_show(value)}", param=where)
+        raise ApiError(400, f"{where} must fit in 64 bits, got {show(value)}", param=where)
     return float(value) if kind is float else value
-
-
-def _show(value: Any) -> str:
-    """A value for an error message, cut short: the client sent it and may have sent a lot."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"
 
 
 def _is_int(value: Any) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.router.fields import show
 from pdserve.router.structured import FieldError
 
 _MAX_INT_DIGITS = 20  # as protocol.py: longer literals are no token id
@@ -39,9 +40,9 @@ def parse_logit_bias(body: dict[str, Any], limit: int) -> list[list[Any]]:
     pairs = []
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= _MAX_INT_DIGITS):
-            raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {_show(key)}")
+            raise FieldError("logit_bias", f"logit_bias keys must be token ids, got {show(key)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            message = f"logit_bias values must be numbers, got {_show(value)}"
+            message = f"logit_bias values must be numbers, got {show(value)}"
             raise FieldError("logit_bias", message)
         pairs.append([int(key), float(value)])
     return pairs
@@ -87,10 +88,5 @@ def _typed(body: dict[str, Any], name: str, kind: type) -> Any:
         return None
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         expected = {bool: "a boolean", int: "an integer", dict: "an object"}[kind]
-        raise FieldError(name, f"{name} must be {expected}, got {_show(value)}")
+        raise FieldError(name, f"{name} must be {expected}, got {show(value)}")
     return value
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"
