@@ -33,8 +33,7 @@ from typing import Any
 from pdserve.transfer import wire
 from pdserve.transfer.layout import KVLayout, block_bytes_view
 from pdserve.transfer.peer import (
-    LEASE_TIMEOUT_S,
-    BlockWriter,
+    LeasedWriter,
     PeerConnection,
     PeerInfo,
     Run,
@@ -192,7 +191,7 @@ class InDoubt(TransferError):
         self.in_flight = in_flight  # the chunks not yet completed or failed
 
 
-class MooncakeWriter(BlockWriter):
+class MooncakeWriter(LeasedWriter):
     """Writes through ``ctx.mooncake`` into the receiver's reserved blocks under a lease per
     send; the module docstring tells the protocol."""
 
@@ -207,35 +206,20 @@ class MooncakeWriter(BlockWriter):
         self._in_doubt: dict[str, collections.deque[int]] = {}  # request -> unresolved chunks
 
     def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
-        writes = [[layer, dst, n] for layer in layers for _, dst, n in runs]
         self._settle()
-        if not writes:
+        if not (layers and runs):
             return
-        granted = set(self.ctx.conn.request_lease(request_id, writes, LEASE_TIMEOUT_S))
+        granted = self.lease(request_id, layers, runs)
         try:
-            self._write_granted(request_id, layers, runs, granted)
+            self.write_granted(request_id, layers, runs, granted)
         except InDoubt as e:
             self._in_doubt[request_id] = e.in_flight  # no lease_end until they resolve
-            self._tell(request_id, lease_end=False, abort=True)
+            self.tell(request_id, lease_end=False, abort=True)
             raise
         except (TransferError, OSError):
-            self._tell(request_id, lease_end=True, abort=True)
+            self.tell(request_id, lease_end=True, abort=True)
             raise
-        self._tell(request_id, lease_end=True, abort=False)
-
-    def _write_granted(
-        self, request_id: str, layers: list[int], runs: list[Run], granted: set[int]
-    ) -> None:
-        for layer in layers:
-            for src_start, dst_start, num_blocks in runs:
-                if self.ctx.stopped(request_id):
-                    return
-                if not granted.issuperset(range(dst_start, dst_start + num_blocks)):
-                    raise TransferError(
-                        f"refusing mooncake write to blocks {dst_start}.."
-                        f"{dst_start + num_blocks - 1} of {request_id!r}: not granted"
-                    )
-                self._write_run(request_id, layer, src_start, dst_start, num_blocks)
+        self.tell(request_id, lease_end=True)
 
     def finish(self, request_id: str, num_frames: int, meta: dict[str, Any] | None) -> None:
         self._settle()
@@ -250,18 +234,9 @@ class MooncakeWriter(BlockWriter):
                 in_flight.popleft()
             if not in_flight:
                 del self._in_doubt[request_id]
-                self._tell(request_id, lease_end=True, abort=False)
+                self.tell(request_id, lease_end=True)
 
-    def _tell(self, request_id: str, lease_end: bool, abort: bool) -> None:
-        try:
-            if lease_end:
-                self.ctx.conn.send({"type": wire.LEASE_END, "request_id": request_id})
-            if abort:  # the receiver fails the reservation now, not at its deadline
-                self.ctx.conn.send({"type": wire.ABORT, "request_id": request_id})
-        except OSError:
-            pass  # connection gone: the receiver sees the drop
-
-    def _write_run(
+    def write_run(
         self, request_id: str, layer: int, src_start: int, dst_start: int, n: int
     ) -> None:
         ctx, peer = self.ctx, self.peer

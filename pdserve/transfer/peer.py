@@ -310,9 +310,52 @@ class TcpWriter(BlockWriter):
         self.ctx.account(request_id, 0, 1, len(payload))
 
 
-class ShmWriter(BlockWriter):
-    """Writes into ``ctx.remote_kv``, the receiver's pool mapped here, under a lease per send
-    (receiver.py): only granted blocks, in chunks, stopping once the request ended."""
+class LeasedWriter(BlockWriter):
+    """A data path that writes the receiver's memory itself (shm, mooncake): each send asks
+    for a lease on its (layer, run) writes (receiver.py), then writes only granted blocks,
+    run by run, stopping once the request ended."""
+
+    @abstractmethod
+    def write_run(
+        self, request_id: str, layer: int, src_start: int, dst_start: int, n: int
+    ) -> None:
+        """Copy one granted run of ``layer`` and send its ``data`` notice; returns early,
+        without a notice, once ``ctx.stopped(request_id)``."""
+
+    def lease(self, request_id: str, layers: list[int], runs: list[Run]) -> set[int]:
+        """The block ids the receiver granted for these writes, or TransferError."""
+        writes = [[layer, dst, n] for layer in layers for _, dst, n in runs]
+        return set(self.ctx.conn.request_lease(request_id, writes, LEASE_TIMEOUT_S))
+
+    def write_granted(
+        self, request_id: str, layers: list[int], runs: list[Run], granted: set[int]
+    ) -> None:
+        for layer in layers:
+            for src_start, dst_start, num_blocks in runs:
+                if self.ctx.stopped(request_id):
+                    return
+                if not granted.issuperset(range(dst_start, dst_start + num_blocks)):
+                    end = dst_start + num_blocks - 1
+                    raise TransferError(
+                        f"refusing {self.name} write to blocks {dst_start}..{end} of request "
+                        f"{request_id!r}: not in the receiver's grant"
+                    )
+                self.write_run(request_id, layer, src_start, dst_start, num_blocks)
+
+    def tell(self, request_id: str, lease_end: bool, abort: bool = False) -> None:
+        """End the lease and/or abort the request at the receiver (which fails the
+        reservation now, not at its deadline)."""
+        try:
+            if lease_end:
+                self.ctx.conn.send({"type": wire.LEASE_END, "request_id": request_id})
+            if abort:
+                self.ctx.conn.send({"type": wire.ABORT, "request_id": request_id})
+        except OSError:
+            pass  # connection gone: the receiver ends the lease when it sees the drop
+
+
+class ShmWriter(LeasedWriter):
+    """Writes into ``ctx.remote_kv``, the receiver's pool mapped here, in chunks."""
 
     name = "shm"
 
@@ -324,30 +367,17 @@ class ShmWriter(BlockWriter):
         self.checksum = bool(ctx.checksum)
 
     def write(self, request_id: str, layers: list[int], runs: list[Run]) -> None:
-        writes = [[layer, dst, n] for layer in layers for _, dst, n in runs]
-        if not writes:
+        if not (layers and runs):
             return
-        conn = self.ctx.conn
-        granted = set(conn.request_lease(request_id, writes, LEASE_TIMEOUT_S))
+        granted = self.lease(request_id, layers, runs)
         try:
-            for layer in layers:
-                for src_start, dst_start, num_blocks in runs:
-                    if self.ctx.stopped(request_id):
-                        return
-                    if not granted.issuperset(range(dst_start, dst_start + num_blocks)):
-                        end = dst_start + num_blocks - 1
-                        raise TransferError(
-                            f"refusing shm write to blocks {dst_start}..{end} of request "
-                            f"{request_id!r}: not in the receiver's grant"
-                        )
-                    self._copy(request_id, layer, src_start, dst_start, num_blocks)
+            self.write_granted(request_id, layers, runs, granted)
         finally:
-            try:
-                conn.send({"type": wire.LEASE_END, "request_id": request_id})
-            except OSError:
-                pass  # connection gone: the receiver ends the lease when it sees the drop
+            self.tell(request_id, lease_end=True)
 
-    def _copy(self, request_id: str, layer: int, src_start: int, dst_start: int, n: int) -> None:
+    def write_run(
+        self, request_id: str, layer: int, src_start: int, dst_start: int, n: int
+    ) -> None:
         ctx = self.ctx
         src = block_bytes_view(ctx.kv, layer, src_start, n)
         dst = block_bytes_view(self.remote_kv, layer, dst_start, n)
