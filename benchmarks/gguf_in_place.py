@@ -1,7 +1,9 @@
 """A GGUF read in place (model/gguf_weights.py): decode ms/step (batch 1, or `--batch` sequences
 together) against the bound the machine's read bandwidth sets (weight bytes / bandwidth),
 prefill (`--prefill` tokens; with `--compare` AMX tiles against the fp32 GEMM path too,
-interleaved), and the process's peak RSS and PSS, through `LLM` as a user runs it.
+interleaved), and the process's peak RSS and PSS, through `LLM` as a user runs it. With
+`--vs-converted`, the same file converted to fp32 panels (the loading rule's other side,
+model/gguf_convert.py) decodes in the same rounds.
 
 The read bandwidth is measured in the same run, between the decode rounds (a numpy sum over a
 2 GiB array), so drift on a shared machine hits both alike. Each step's CPU time on the
@@ -10,6 +12,7 @@ thread, so the CPU time leaves out the time other processes' load preempts it.
 
     pdserve synth --shape llama-1b --type q4_k_m --output /tmp/llama-1b.q4_k_m.gguf
     .venv/bin/python benchmarks/gguf_in_place.py /tmp/llama-1b.q4_k_m.gguf [--compare]
+    .venv/bin/python benchmarks/gguf_in_place.py /tmp/llama-1b.q8_0.gguf --vs-converted --prefill 0
 """
 
 from __future__ import annotations
@@ -67,67 +70,89 @@ def time_prefill(llm, tokens: int, rounds: int, compare: bool) -> dict[str, tupl
     return best
 
 
+def decode_modes(llm, args: argparse.Namespace) -> dict[str, tuple]:
+    """name -> (model, quant_linear.INT8_M_MAX) of each decode timed round by round: int8
+    activations; with `--compare` fp32 ones; with `--vs-converted` the same file converted to
+    fp32 panels (`gguf_fp32_max_bytes` past its size, model/gguf_convert.py)."""
+    from pdserve.llm import LLM
+    from pdserve.model import quant_linear
+
+    modes = {"int8": (llm, quant_linear.INT8_M_MAX)}
+    if args.compare:
+        modes["fp32"] = (llm, 0)
+    if args.vs_converted:
+        converted = LLM(str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads,
+                        gguf_fp32_max_bytes=1 << 62)  # fmt: skip
+        modes["converted"] = (converted, quant_linear.INT8_M_MAX)
+    return modes
+
+
+def time_decode(modes: dict[str, tuple], args: argparse.Namespace) -> tuple[dict, list[float]]:
+    """Each mode's decode steps, (wall, calling thread's CPU) seconds, and the numpy read
+    bandwidth measured before each round."""
+    from pdserve.model import quant_linear
+    from pdserve.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    array = np.ones(2**29, np.float32)  # 2 GiB
+    steps, bandwidths = {mode: [] for mode in modes}, []
+    default = quant_linear.INT8_M_MAX
+    try:
+        for r in range(args.rounds):
+            bandwidths.append(read_bandwidth(array))
+            for mode, (llm, m_max) in modes.items():
+                quant_linear.INT8_M_MAX = m_max
+                prompts = [[1, 2, 3, 4 + r, 5 + i] for i in range(args.batch)]
+                stamps = [
+                    (time.perf_counter(), time.thread_time()) for _ in llm.stream(prompts, greedy)
+                ]
+                # a step yields one token of each sequence; its last one ends the step
+                ends = np.array(stamps)[args.batch - 1 :: args.batch]
+                steps[mode] += np.diff(ends, axis=0).tolist()  # after the first token: decode
+    finally:
+        quant_linear.INT8_M_MAX = default
+    return steps, bandwidths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("gguf", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens a round")
-    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--prefill", type=int, default=512, help="0: no prefill timed")
     parser.add_argument(
         "--compare", action="store_true",
         help="alternate each round between int8 activations (the default) and fp32 ones, and "
         "prefill between AMX tiles (the default on AMX) and the fp32 GEMM",
     )  # fmt: skip
+    parser.add_argument("--vs-converted", action="store_true",
+                        help="also decode the file converted to fp32 panels")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     args = parser.parse_args()
 
     from pdserve.llm import LLM
-    from pdserve.model import quant_linear
     from pdserve.model.quant_linear import QuantEmbedding, QuantLinear
-    from pdserve.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads)
+    llm = LLM(str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads,
+              gguf_fp32_max_bytes=0)  # fmt: skip
     load_s = time.perf_counter() - t0
     modules = list(llm.engine.runner.model.modules())
     if not any(isinstance(m, QuantEmbedding) for m in modules):
-        raise SystemExit(f"{args.gguf} is not read in place (its types keep the fp32 path)")
+        raise SystemExit(f"{args.gguf}: no block type read in place (its types keep fp32)")
     # Bytes a decode step reads: every layer's matrices and the output head (not the table).
     step_bytes = sum(m.nbytes for m in modules if isinstance(m, QuantLinear))
-    greedy = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    array = np.ones(2**29, np.float32)  # 2 GiB
-    modes = {"int8": quant_linear.INT8_M_MAX}
-    if args.compare:
-        modes["fp32"] = 0
-    gaps, bandwidths = {mode: [] for mode in modes}, []
-    cpu_gaps = {mode: [] for mode in modes}
-    for r in range(args.rounds):
-        bandwidths.append(read_bandwidth(array))
-        for mode, m_max in modes.items():
-            quant_linear.INT8_M_MAX = m_max
-            prompts = [[1, 2, 3, 4 + r, 5 + i] for i in range(args.batch)]
-            stamps = [
-                (time.perf_counter(), time.thread_time()) for _ in llm.stream(prompts, greedy)
-            ]
-            # a step yields one token of each sequence; its last one ends the step
-            ends = np.array(stamps)[args.batch - 1 :: args.batch]
-            steps = np.diff(ends, axis=0)  # after the first token: decode steps only
-            gaps[mode] += list(steps[:, 0])
-            cpu_gaps[mode] += list(steps[:, 1])
-    quant_linear.INT8_M_MAX = modes["int8"]
-    del array
-    prefill_s = time_prefill(llm, args.prefill, args.rounds, args.compare)
+    steps, bandwidths = time_decode(decode_modes(llm, args), args)
+    prefill_s = time_prefill(llm, args.prefill, args.rounds, args.compare) if args.prefill else {}
     bw = statistics.median(bandwidths)
     print(f"load {load_s:.1f} s; weights read a step {step_bytes / 1e6:.0f} MB")
     bound_ms = step_bytes / bw / 1e6
-    for mode, mode_gaps in gaps.items():
-        ms = statistics.median(mode_gaps) * 1e3
-        cpu_ms = statistics.median(cpu_gaps[mode]) * 1e3
-        print(f"decode batch {args.batch}, {mode} activations: {ms:.1f} ms/step median of "
-              f"{len(mode_gaps)} (CPU {cpu_ms:.1f} ms on this thread; "
-              f"{step_bytes / ms / 1e6:.1f} GB/s of weights); numpy read "
-              f"{bw:.1f} GB/s (bound {bound_ms:.1f} ms/step, "
+    for mode, mode_steps in steps.items():
+        ms, cpu_ms = (statistics.median(s[i] for s in mode_steps) * 1e3 for i in (0, 1))
+        print(f"decode batch {args.batch}, {mode}: {ms:.1f} ms/step median of {len(mode_steps)} "
+              f"(CPU {cpu_ms:.1f} ms on this thread; {step_bytes / ms / 1e6:.1f} GB/s of the "
+              f"in-place weights); numpy read {bw:.1f} GB/s (bound {bound_ms:.1f} ms/step, "
               f"ratio {ms / bound_ms:.2f})")  # fmt: skip
     for mode, (wall, cpu) in prefill_s.items():
         print(f"prefill {args.prefill} tokens, {mode}: {wall:.2f} s (CPU {cpu:.2f} s on this "
