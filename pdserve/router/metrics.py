@@ -314,34 +314,24 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
     for name, help_text, key, label, values in _PER_WORKER_SPLIT:
         samples = [([w["worker"], v], w.get(key.format(v), 0)) for w in workers for v in values]
         families.append(_family("counter", name, help_text, ["worker", label], samples))
+
+    def per_key(key: str) -> list[tuple[list[str], Any]]:
+        """A row's {label: value} field as (worker, label) samples."""
+        return [
+            ([w["worker"], label], value)
+            for w in workers
+            for label, value in sorted(w.get(key, {}).items())
+        ]
+
     # Prefix-cache counters per tier (L1 the worker's pool, L2 host DRAM, L3 disk, L4 Redis;
     # engine/cache_stats.py): hit rate = hits_total / lookups_total, both in blocks.
-
     def per_tier(key: str) -> list[tuple[list[str], float]]:
-        return [
-            ([w["worker"], tier], counts.get(key, 0))
-            for w in workers
-            for tier, counts in sorted(w.get("kv_tiers", {}).items())
-        ]
+        return [(labels, counts.get(key, 0)) for labels, counts in per_key("kv_tiers")]
 
     tier_bytes = [
         ([*labels, d], n) for d in ("read", "written") for labels, n in per_tier(f"bytes_{d}")
     ]
-    moved = [
-        ([w["worker"], *path.split("->", 1)], num_bytes)
-        for w in workers
-        for path, num_bytes in sorted(w.get("kv_moved_bytes", {}).items())
-    ]
-    failures = [
-        ([w["worker"], reason], n)
-        for w in workers
-        for reason, n in sorted(w.get("kv_transfer_failures", {}).items())
-    ]
-    fallbacks = [
-        ([w["worker"], reason], n)
-        for w in workers
-        for reason, n in sorted(w.get("kv_transfer_fallbacks", {}).items())
-    ]
+    moved = [([worker, *path.split("->", 1)], n) for (worker, path), n in per_key("kv_moved_bytes")]
     return [
         *families,
         _family("counter", "pdserve_kv_cache_lookups_total",
@@ -354,11 +344,11 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
                 "pool).", ["worker", "tier", "direction"], tier_bytes),
         _family("counter", "pdserve_kv_transfer_failures_total",
                 "KV transfers a worker saw fail, by reason (its request was re-driven).",
-                ["worker", "reason"], failures),
+                ["worker", "reason"], per_key("kv_transfer_failures")),
         _family("counter", "pdserve_kv_transfer_fallbacks_total",
                 "KV connections a prefill worker moved to a slower path, by reason (shm_to_tcp: "
                 "the receiver's shared memory could not be mapped).", ["worker", "reason"],
-                fallbacks),
+                per_key("kv_transfer_fallbacks")),
         _family("counter", "pdserve_kv_tier_moved_bytes_total",
                 "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
                 ["worker", "src", "dst"], moved),
