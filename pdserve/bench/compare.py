@@ -113,10 +113,7 @@ def run_compare(
             "p99_itl_ms": summary["itl_ms"]["p99"],
             "max_gap_ms": summary["max_gap_ms"],
             "cache_hit_rate": summary.get("prefix_cache_hit_rate"),
-            "slo_ttft_ms": plan.slo.ttft_ms,
-            "slo_tpot_ms": plan.slo.tpot_ms,
-            "slo_itl_ms": plan.slo.itl_ms,
-            "slo_max_gap_ms": plan.slo.max_gap_ms,
+            **plan.slo.result_fields(),
             "summary": summary,
             "records": document["records"],  # per request, as `pdserve bench --output` keeps
         }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -86,6 +86,10 @@ class SLO:
     # Per request: its longest gap between chunks (a stall budget). The p99 of ~100 gaps is
     # the second-largest, so one 5 s freeze passes an ITL target of 100 ms; this catches it.
     max_gap_ms: float | None = None
+
+    def result_fields(self) -> dict[str, float | None]:
+        """The targets as a result file names them: slo_ttft_ms, slo_tpot_ms, ..."""
+        return {f"slo_{f.name}": getattr(self, f.name) for f in fields(self)}
 
     def scaled(self, factor: float) -> SLO:
         """Every target times ``factor`` (DistServe's SLO-scale axis)."""
@@ -173,10 +177,7 @@ def summarize(
         "itl_ms": latency_stats_ms(gap for r in done for gap in r.itl_s),
         "e2e_ms": latency_stats_ms(r.e2e_s for r in done if r.e2e_s is not None),
         "max_gap_ms": longest_freeze_ms(done),
-        "slo_ttft_ms": slo.ttft_ms,
-        "slo_tpot_ms": slo.tpot_ms,
-        "slo_itl_ms": slo.itl_ms,
-        "slo_max_gap_ms": slo.max_gap_ms,
+        **slo.result_fields(),
         "slo_attainment": attainment(records, slo),
         "goodput": goodput(records, slo, duration),
     }

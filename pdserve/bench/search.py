@@ -83,10 +83,7 @@ def slo_scale_sweep(
     return [
         {
             "scale": scale,
-            "slo_ttft_ms": scaled.ttft_ms,
-            "slo_tpot_ms": scaled.tpot_ms,
-            "slo_itl_ms": scaled.itl_ms,
-            "slo_max_gap_ms": scaled.max_gap_ms,
+            **scaled.result_fields(),
             "attainment": attainment(records, scaled),
             "goodput": goodput(records, scaled, duration_s),
         }
