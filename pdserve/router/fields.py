@@ -22,6 +22,7 @@ from pdserve.schema import suggest
 IMPLEMENTED, METADATA, REFUSED = "implemented", "metadata", "refused"
 CHAT, COMPLETIONS, BOTH = "chat", "completions", "both"
 _PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -191,3 +192,29 @@ def show(value: Any) -> str:
     """A value for an error message, cut short: the client sent it and may have sent a lot."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"
+
+
+def typed(
+    body: dict[str, Any], name: str, kind: type, default: Any = None, prefix: str = ""
+) -> Any:
+    """`body[name]` checked against `kind` (null means the default), or a FieldError naming
+    it. A float field takes ints; no field takes a bool unless it is one (JSON true is not
+    the number 1); no integer beyond 64 bits passes (msgpack cannot carry it to a worker)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float:
+        ok = is_int(value) or isinstance(value, float)
+    where = f"{prefix}{name}"
+    if not ok:
+        kind_name = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+        expected = kind_name.get(kind, "an object")
+        raise FieldError(where, f"{where} must be {expected}, got {show(value)}")
+    if is_int(value) and not INT64_MIN <= value <= INT64_MAX:
+        raise FieldError(where, f"{where} must fit in 64 bits, got {show(value)}")
+    return float(value) if kind is float else value
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

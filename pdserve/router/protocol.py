@@ -19,7 +19,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.fields import check_fields, show
+from pdserve.router.fields import INT64_MAX, INT64_MIN, check_fields, is_int, show, typed
 from pdserve.router.sampling_fields import (
     parse_echo,
     parse_logit_bias,
@@ -31,7 +31,6 @@ from pdserve.router.tools import ToolSpec, parse_tools
 from pdserve.router.tools import attach as attach_tools
 from pdserve.sampling_params import SamplingParams
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_JSON_DEPTH = 16  # an OpenAI body nests 5 deep (messages[i].content[j].text)
 _MAX_INT_DIGITS = 20  # longer integer literals are parsed as an out-of-range stand-in
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a lone surrogate enters JSON
@@ -146,41 +145,47 @@ def parse_request(
     body: Any, chat: bool, config: RouterConfig, chat_template: str | None = None
 ) -> ApiRequest:
     """`chat_template` (the served model's) picks the family's tool-call format."""
+    try:
+        return _parse_request(body, chat, config, chat_template)
+    except FieldError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+
+
+def _parse_request(
+    body: Any, chat: bool, config: RouterConfig, chat_template: str | None
+) -> ApiRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     if (refusal := check_fields(body, chat, config.max_messages)) is not None:
         raise ApiError(400, str(refusal), param=refusal.param)
     served_model = config.model
-    model = _field(body, "model", str, served_model)
+    model = typed(body, "model", str, served_model)
     check_model(model, served_model)
-    stream = _field(body, "stream", bool, False) or False
-    stream_options = _field(body, "stream_options", dict, None)
+    stream = typed(body, "stream", bool, False) or False
+    stream_options = typed(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream")
-    include_usage = _field(stream_options or {}, "include_usage", bool, False, "stream_options.")
+    include_usage = typed(stream_options or {}, "include_usage", bool, False, "stream_options.")
     messages = parse_messages(body) if chat else None
     prompt = None if chat else _parse_prompt(body)
-    max_tokens = _field(body, "max_completion_tokens", int, None) if chat else None
+    max_tokens = typed(body, "max_completion_tokens", int, None) if chat else None
     if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", int, None)
+        max_tokens = typed(body, "max_tokens", int, None)
     if max_tokens is not None and max_tokens > config.max_tokens_limit:
         limit = config.max_tokens_limit
         raise ApiError(400, f"max_tokens must be <= {limit}, got {max_tokens}", param="max_tokens")
     sampling = _parse_sampling(body, config)
-    try:
-        sampling["logprobs"] = parse_logprobs(body, chat, config.max_logprobs)
-        sampling["logit_bias"] = parse_logit_bias(body, config.max_logit_bias)
-        n, best_of = parse_samples(body, chat, stream, config.max_n)
-        echo = parse_echo(body, chat, max_tokens)
-        sampling["prompt_logprobs"] = sampling["logprobs"] if echo else None
-        sampling.update(parse_structured(body))
-        tools = parse_tools(body) if chat else None
-        if tools is not None:
-            tools = attach_tools(tools, chat_template, sampling)
-        if tools is not None and tools.parses and (n > 1 or best_of is not None):
-            raise FieldError("n", "n > 1 and best_of are not supported with tools")
-    except FieldError as exc:
-        raise ApiError(400, str(exc), param=exc.param) from None
+    sampling["logprobs"] = parse_logprobs(body, chat, config.max_logprobs)
+    sampling["logit_bias"] = parse_logit_bias(body, config.max_logit_bias)
+    n, best_of = parse_samples(body, chat, stream, config.max_n)
+    echo = parse_echo(body, chat, max_tokens)
+    sampling["prompt_logprobs"] = sampling["logprobs"] if echo else None
+    sampling.update(parse_structured(body))
+    tools = parse_tools(body) if chat else None
+    if tools is not None:
+        tools = attach_tools(tools, chat_template, sampling)
+    if tools is not None and tools.parses and (n > 1 or best_of is not None):
+        raise FieldError("n", "n > 1 and best_of are not supported with tools")
     if not chat and body.get("tools"):
         raise ApiError(400, "tools are supported on /v1/chat/completions only", param="tools")
     return ApiRequest(chat, model, prompt, messages, max_tokens, sampling, stream, include_usage,
@@ -251,9 +256,9 @@ def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any
         ("temperature", float), ("top_p", float), ("top_k", int), ("min_tokens", int),
         ("presence_penalty", float), ("frequency_penalty", float), ("repetition_penalty", float),
     )  # fmt: skip
-    kwargs = {n: v for n, kind in fields if (v := _field(body, n, kind, None)) is not None}
-    kwargs["seed"] = _field(body, "seed", int, None)
-    kwargs["ignore_eos"] = _field(body, "ignore_eos", bool, False) or False
+    kwargs = {n: v for n, kind in fields if (v := typed(body, n, kind, None)) is not None}
+    kwargs["seed"] = typed(body, "seed", int, None)
+    kwargs["ignore_eos"] = typed(body, "ignore_eos", bool, False) or False
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -267,7 +272,7 @@ def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any
         raise ApiError(400, f"stop strings hold at most {config.max_stop_len} chars", param="stop")
     kwargs["stop"] = stop
     ids = body.get("stop_token_ids") or []
-    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) and 0 <= t <= INT64_MAX for t in ids):
         message = "stop_token_ids must be a list of non-negative token ids"
         raise ApiError(400, message, param="stop_token_ids")
     if len(ids) > config.max_num_stop:
@@ -304,7 +309,7 @@ def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         return prompt
     message = "prompt must be a non-empty string or a non-empty list of token ids"
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -337,26 +342,3 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             message = {**message, "content": "".join(texts)}
         out.append(message)
     return out
-
-
-def _field(body: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:
-    """`body[name]` checked against `kind` (null means the default). A float field takes
-    ints; no field takes a bool unless it is one (JSON true is not the number 1)."""
-    value = body.get(name)
-    if value is None:
-        return default
-    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if kind is float:
-        ok = _is_int(value) or isinstance(value, float)
-    where = f"{prefix}{name}"
-    if not ok:
-        kind_name = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
-        expected = kind_name.get(kind, "an object")
-        raise ApiError(400, f"{where} must be {expected}, got {show(value)}", param=where)
-    if _is_int(value) and not INT64_MIN <= value <= INT64_MAX:
-        raise ApiError(400, f"{where} must fit in 64 bits, got {show(value)}", param=where)
-    return float(value) if kind is float else value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.router.fields import show
+from pdserve.router.fields import show, typed
 from pdserve.router.structured import FieldError
 
 _MAX_INT_DIGITS = 20  # as protocol.py: longer literals are no token id
@@ -19,13 +19,13 @@ def parse_logprobs(body: dict[str, Any], chat: bool, limit: int) -> int | None:
     Chat: `logprobs: bool` and `top_logprobs: int`; completions: `logprobs: int`."""
     name = "top_logprobs" if chat else "logprobs"
     if chat:
-        wanted = _typed(body, "logprobs", bool) or False
-        num_top = _typed(body, "top_logprobs", int)
+        wanted = typed(body, "logprobs", bool) or False
+        num_top = typed(body, "top_logprobs", int)
         if num_top is not None and not wanted:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         num_top = (num_top or 0) if wanted else None
     else:
-        num_top = _typed(body, "logprobs", int)
+        num_top = typed(body, "logprobs", int)
     if num_top is not None and not 0 <= num_top <= limit:
         raise FieldError(name, f"{name} must be in [0, {limit}], got {num_top}")
     return num_top
@@ -34,7 +34,7 @@ def parse_logprobs(body: dict[str, Any], chat: bool, limit: int) -> int | None:
 def parse_logit_bias(body: dict[str, Any], limit: int) -> list[list[Any]]:
     """OpenAI's {"token id": bias} as [id, bias] pairs; SamplingParams checks the biases'
     range, protocol.check_token_ids the ids against the vocabulary."""
-    bias = _typed(body, "logit_bias", dict) or {}
+    bias = typed(body, "logit_bias", dict) or {}
     if len(bias) > limit:
         raise FieldError("logit_bias", f"logit_bias holds at most {limit} token ids")
     pairs = []
@@ -54,11 +54,11 @@ def parse_samples(
     """(n, best_of): `n` choices returned, of `best_of` sampled (None: n). `best_of` is
     completions' alone, at least n, and cannot be streamed when it exceeds n (vLLM's rule:
     the n best are known only at the end)."""
-    n = _typed(body, "n", int)
+    n = typed(body, "n", int)
     n = 1 if n is None else n
     if not 1 <= n <= limit:
         raise FieldError("n", f"n must be in [1, {limit}], got {n}")
-    best_of = _typed(body, "best_of", int)
+    best_of = typed(body, "best_of", int)
     if best_of is None or best_of == 1 and n == 1:
         return n, None
     if chat:
@@ -74,19 +74,9 @@ def parse_echo(body: dict[str, Any], chat: bool, max_tokens: int | None) -> bool
     """Completions' `echo` (router/echo.py): a boolean, false on chat (vLLM's chat echo
     repeats the last message, another feature). `max_tokens: 0` (score the prompt, generate
     nothing) needs it."""
-    echo = _typed(body, "echo", bool) or False
+    echo = typed(body, "echo", bool) or False
     if echo and chat:
         raise FieldError("echo", "echo is supported on /v1/completions only")
     if max_tokens == 0 and not echo:
         raise FieldError("max_tokens", "max_tokens must be >= 1 (0 only with echo: true)")
     return echo
-
-
-def _typed(body: dict[str, Any], name: str, kind: type) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        expected = {bool: "a boolean", int: "an integer", dict: "an object"}[kind]
-        raise FieldError(name, f"{name} must be {expected}, got {show(value)}")
-    return value
