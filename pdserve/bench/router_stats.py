@@ -1,5 +1,5 @@
 """What a running deployment's router answers over plain HTTP, for the scripts that check a run
-left nothing behind (benchmarks/chaos_soak.py, netns_faults.py, netns_link_rate.py): one
+left nothing behind (benchmarks/chaos_soak.py and netns.py): one
 completion posted, a metric's samples and each worker's KV blocks from `/metrics`, and the
 blocks still held once every request is over."""
 
