@@ -180,6 +180,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "pd_quant_linear_amx"):
         lib.pd_quant_linear_amx.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64]
         lib.pd_quant_linear_amx.restype = ctypes.c_int
+        lib.pd_quant_amx_type.argtypes = [_i64]
+        lib.pd_quant_amx_type.restype = ctypes.c_int
     return lib
 
 

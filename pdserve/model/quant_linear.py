@@ -6,8 +6,8 @@ host that maps the same file. The native kernel `pd_quant_linear` (csrc/quant_ge
 dequantizes each weight row into a per-thread fp32 buffer and multiplies every input row with
 it, or (Q4_K, Q6_K, Q8_0, up to `INT8_M_MAX` rows) takes integer dot products with the input
 rows quantized to int8 (csrc/quant_dot.c). Above `QUANT_GEMV_M_MAX` input rows (prefill
-chunks, decode batches over 16): on AMX CPUs the block types take AMX bf16 tiles
-(csrc/quant_amx.c); without AMX, linears of int8 types take int8 activations up to
+chunks, decode batches over 16): on AMX CPUs the block types, BF16 and F16 take AMX bf16
+tiles (csrc/quant_amx.c); without AMX, linears of int8 types take int8 activations up to
 `INT8_MANY_M_MAX` rows; the rest dequantize a tile of weight rows once into a bounded fp32
 buffer for PyTorch's fp32 GEMM.
 `QuantEmbedding` dequantizes only the rows it looks up.
@@ -43,10 +43,10 @@ INT8_M_MAX = QUANT_GEMV_M_MAX
 INT8_MANY_M_MAX = 64
 # fp32 floats of one dequantized tile on the GEMM path (16 MiB).
 TILE_FLOATS = 1 << 22
-# Above QUANT_GEMV_M_MAX rows, on the amx kernels, weights of block types (Q4_0 ... Q6_K)
-# take AMX bf16 tiles (csrc/quant_amx.c: x and the dequantized weights rounded to bf16, within
-# the int8 path's bound); F32/F16/BF16 weights, and the other kernel variants, keep the fp32
-# dequantize-and-GEMM path (docs/cpu-kernels.md). False: never.
+# Above QUANT_GEMV_M_MAX rows, on the amx kernels, weights of block types (Q4_0 ... Q6_K),
+# BF16 and F16 take AMX bf16 tiles (csrc/quant_amx.c: x and the dequantized weights rounded to
+# bf16, within the int8 path's bound; BF16 weights as they are); F32 weights, and the other
+# kernel variants, keep the fp32 dequantize-and-GEMM path (docs/cpu-kernels.md). False: never.
 AMX_TILES = True
 
 
@@ -119,8 +119,7 @@ class QuantLinear(nn.Module):
         return (
             AMX_TILES
             and hasattr(self.lib, "pd_quant_linear_amx")
-            and self.in_features % 32 == 0
-            and all(BLOCKS[p.qtype][0] > 1 for p in self.parts)
+            and all(self.lib.pd_quant_amx_type(p.qtype) for p in self.parts)
         )
 
     @property

@@ -293,7 +293,7 @@ def test_a_row_differs_across_the_16_row_threshold_within_the_bounds(lib, qtype)
 
 
 def test_amx_fused_parts_row_map_and_bias(lib):
-    """A fused Q4_K (row map) | Q6_K | Q4_0 linear on AMX tiles with a bias; an F16 part
+    """A fused Q4_K (row map) | Q6_K | Q4_0 linear on AMX tiles with a bias; an F32 part
     sends the whole linear to the fp32 path."""
     lib = amx_lib(lib)
     rng = np.random.default_rng(17)
@@ -312,10 +312,10 @@ def test_amx_fused_parts_row_map_and_bias(lib):
     _, scale = int8_reference(w, x, 32)
     err = np.abs((linear(x) - bias).numpy() - (x @ w.T).numpy())
     assert np.all(err <= bf16_bound(w, x) + 1e-6 * scale)
-    f16 = random_tensor(Q.F16, 6, k, rng)
-    mixed = QuantLinear(lib, [*parts, QuantTensor(f16, int(Q.F16), 6, k)])
+    f32 = random_tensor(Q.F32, 6, k, rng)
+    mixed = QuantLinear(lib, [*parts, QuantTensor(f32, int(Q.F32), 6, k)])
     assert not mixed.amx_tiles
-    wf = torch.cat([w, reference(f16, Q.F16, 6, k)])
+    wf = torch.cat([w, reference(f32, Q.F32, 6, k)])
     torch.testing.assert_close(mixed(x), x @ wf.T, rtol=1e-5, atol=1e-4 * wf.abs().max())
 
 

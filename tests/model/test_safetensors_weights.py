@@ -5,13 +5,14 @@ between processes, and loading it holds no fp32 copy."""
 import json
 import time
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.model import native
+from pdserve.model import native, quant_linear
 from pdserve.model.loader import load_model
-from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear
+from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear, QuantTensor
 from pdserve.model.safetensors_header import in_place_bytes, map_checkpoint
 from tests.model.test_families import (
     FAMILIES,
@@ -48,19 +49,30 @@ def bf16_family(request, tmp_path_factory):
     return request.param, save_as(fp32_dir, root / "bf16", torch.bfloat16)
 
 
-def test_bf16_checkpoint_is_read_in_place_as_transformers_runs_it(bf16_family):
+def test_bf16_checkpoint_is_read_in_place_as_transformers_runs_it(bf16_family, monkeypatch):
     """transformers widens the same bf16 values to fp32; the kernels do too, so the logits
-    differ only by summation order and every greedy token is the same."""
+    differ only by summation order and every greedy token is the same. A prompt above
+    QUANT_GEMV_M_MAX rows takes AMX tiles on the amx kernels, whose bf16 activations move the
+    logits by about 2^-8 of their norm (measured 0.3-0.5% over the families); without the
+    tiles it keeps the widened fp32 path."""
     name, model_dir = bf16_family
     assert {e.dtype for e in map_checkpoint(model_dir).values()} == {"BF16"}
     model = load_model(model_dir)
     assert weight_types(model) == {BF16}
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    long_prompt = [(i * 37) % 250 + 3 for i in range(QUANT_GEMV_M_MAX + 7)]  # widened tiles
-    for ids in (PROMPTS[0], long_prompt):
-        ours, theirs = our_logits(model, ids), hf_logits(model_dir, ids)
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
-        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    ours, theirs = our_logits(model, PROMPTS[0]), hf_logits(model_dir, PROMPTS[0])
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    long_prompt = [(i * 37) % 250 + 3 for i in range(QUANT_GEMV_M_MAX + 7)]
+    theirs = hf_logits(model_dir, long_prompt)
+    tiles, on_tiles = our_logits(model, long_prompt), model.lm_head.amx_tiles
+    if on_tiles:
+        assert (tiles - theirs).norm() <= 2**-6 * theirs.norm()
+    monkeypatch.setattr(quant_linear, "AMX_TILES", False)
+    widened = our_logits(model, long_prompt)
+    torch.testing.assert_close(widened, theirs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(widened.argmax(-1), theirs.argmax(-1))
+    assert on_tiles or torch.equal(tiles, widened)
     expected = [hf_generate(model_dir, p) for p in PROMPTS]
     tokens, engine = generate(model_dir, "native")
     assert engine.runner.model.layers.one_call  # the one-call decode step on mapped weights
@@ -74,6 +86,59 @@ def test_qwen2_biases_on_every_kernel_variant(lib, tmp_path):
     tokens, engine = generate(model_dir, "native")
     assert engine.runner.kernels.isa == lib.isa and engine.runner.model.layers.one_call
     assert tokens == [hf_generate(model_dir, p) for p in PROMPTS]
+
+
+def as_part(w: torch.Tensor, name: str = "w") -> QuantTensor:
+    """A bf16/fp16 [N, K] tensor as a mapped checkpoint's matrix: its bytes, [N, 2K] uint8."""
+    qtype = BF16 if w.dtype == torch.bfloat16 else F16
+    data = w.view(torch.int16).numpy().view(np.uint8).reshape(w.shape[0], -1)
+    return QuantTensor(data, qtype, *w.shape, name)
+
+
+def amx_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """max |y - x w^T| per output on AMX tiles: x rounded to bf16 (at most 2^-8 of the value:
+    bf16 keeps 8 significant bits), a bf16 weight as it is, an fp16 one rounded as x; exact
+    products; fp32 sums (at most K 2^-24 of sum |x w|)."""
+    roundings = 1 if w.dtype == torch.bfloat16 else 2
+    product = x.abs().double() @ w.abs().double().T
+    return product * ((1 + 2.0**-8) ** roundings - 1 + x.shape[1] * 2.0**-24)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("m, n, k", [(QUANT_GEMV_M_MAX + 1, 37, 768), (33, 50, 100), (70, 129, 7)])
+def test_many_rows_on_amx_tiles_within_the_bf16_bound(lib, dtype, m, n, k):
+    """Above QUANT_GEMV_M_MAX rows, on the amx kernels, bf16/fp16 matrices take AMX bf16 tiles
+    (csrc/quant_amx.c), within `amx_bound` of torch's matmul of the same weights widened; odd
+    K and N (the tiles are zero past them). The other kernel variants keep the fp32 path."""
+    gen = torch.Generator().manual_seed(m * n + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = 3 * torch.randn(m, k, generator=gen)
+    linear = QuantLinear(lib, [as_part(w)])
+    y, reference = linear(x), x @ w.float().T
+    if not hasattr(lib, "pd_quant_linear_amx"):
+        assert not linear.amx_tiles
+        torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-4)
+        return
+    assert linear.amx_tiles
+    err = (y.double() - (x.double() @ w.double().T)).abs()
+    assert torch.all(err <= amx_bound(x, w))
+    assert (y - reference).abs().max() > 0  # x did round to bf16
+
+
+def test_fused_bf16_and_f16_parts_on_amx_tiles(lib):
+    """A fused linear of a bf16 and an fp16 part with a bias (Q/K/V of a Qwen2) on AMX tiles:
+    each part's columns within its own bound."""
+    if not hasattr(lib, "pd_quant_linear_amx"):
+        pytest.skip(f"the {lib.isa} kernels have no AMX tiles")
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(40, 96, generator=gen).bfloat16()
+    b = torch.randn(9, 96, generator=gen).half()
+    bias, x = torch.randn(49, generator=gen), torch.randn(45, 96, generator=gen)
+    linear = QuantLinear(lib, [as_part(a, "a"), as_part(b, "b")], bias)
+    assert linear.amx_tiles
+    y = (linear(x) - bias).double()
+    for w, cols in ((a, slice(0, 40)), (b, slice(40, 49))):
+        assert torch.all((y[:, cols] - x.double() @ w.double().T).abs() <= amx_bound(x, w))
 
 
 def test_f16_and_sharded_checkpoints(tmp_path):
