@@ -63,9 +63,7 @@ WAKE_MIN_SLOWER = 7
 # it. A probe timed once after the grid read the machine at one moment instead: on an AMD
 # EPYC its prefill and decode steps ran 9% and 5% over the fit, the next probes 6% under
 # that, so every rescaled profile of it ran ~6% fast (docs/simulator.md, "Profiles").
-# A profile whose baseline lacks `shapes` was probed with LEGACY_PROBE_GRID.
 PROBE_GRID = ((128, 1), (320, 1), (64, 4))
-LEGACY_PROBE_GRID = ((128, 1), (256, 1), (64, 8))
 PROBE_REPEATS = 3
 
 

@@ -6,9 +6,9 @@ took 1.66 s while the profile ran and 1.94-2.48 s an hour later, and every one-t
 the accuracy table then read 11-26% low. A probe re-times a few of the grid's shapes on each
 of the profile's thread counts (a minute, not half an hour) against the same shapes as the
 profile's grid timed them (`machine["probe"]`: measured over fitted, by phase), and
-multiplies that thread count's coefficients by the ratio. Older profiles hold a probe
-timed once after the grid instead (`probe_grid`); one without any compares with its
-model's predictions, which carries the fit's error at the probe's shapes into every step.
+multiplies that thread count's coefficients by the ratio. A profile without a probe compares
+with its model's predictions, which carries the fit's error at the probe's shapes into every
+step.
 The serving stack's figures (CPU time of one Python process) scale by the one-thread ratio.
 
 Only the speed moves: the shape the grid fitted (a token against a row against a context
@@ -26,13 +26,7 @@ from dataclasses import asdict, replace
 from pdserve.costmodel.profile import HardwareProfile, ServedOverhead
 from pdserve.costmodel.step_cost import StepCostModel, StepShape, phase_ratios
 from pdserve.perf.machine import check_same_machine
-from pdserve.perf.measure import (
-    LEGACY_PROBE_GRID,
-    PROBE_GRID,
-    ProfileConfig,
-    time_probe,
-    timing_env,
-)
+from pdserve.perf.measure import PROBE_GRID, ProfileConfig, time_probe, timing_env
 
 Samples = list[tuple[StepShape, float]]
 # Served figures: seconds of CPU or latency, every one.
@@ -59,12 +53,11 @@ def speed_ratio(
 
 
 def probe_grid(baseline: Mapping | None) -> tuple[tuple[int, int], ...]:
-    """The entries a profile's probe `baseline` was taken on: its `shapes`; LEGACY_PROBE_GRID
-    for a baseline from before they were recorded; PROBE_GRID without a baseline."""
+    """The entries a profile's probe `baseline` was taken on (its `shapes`); PROBE_GRID
+    without a baseline."""
     if not baseline:
         return PROBE_GRID
-    shapes = baseline.get("shapes")
-    return tuple((int(p), int(n)) for p, n in shapes) if shapes else LEGACY_PROBE_GRID
+    return tuple((int(p), int(n)) for p, n in baseline.get("shapes", PROBE_GRID))
 
 
 def probe_ratios(

@@ -11,7 +11,6 @@ from pdserve.costmodel.profile import HardwareProfile, ServedOverhead
 from pdserve.costmodel.step_cost import FEATURES, StepCostModel, StepShape, fit_cost_model
 from pdserve.perf.machine import cpu_name
 from pdserve.perf.measure import (
-    LEGACY_PROBE_GRID,
     PROBE_GRID,
     ProfileConfig,
     pinned_engine,
@@ -77,7 +76,6 @@ def test_rescaled_profile_scales_each_thread_count_and_the_served_seconds():
 def test_a_probe_times_the_shapes_its_baseline_was_taken_on():
     assert probe_grid({"prefill": 1.0, "decode": 1.0, "shapes": [[80, 1], [64, 16]]}) == (
         (80, 1), (64, 16))  # fmt: skip
-    assert probe_grid({"prefill": 1.0, "decode": 1.0}) == LEGACY_PROBE_GRID  # timed apart
     assert probe_grid(None) == PROBE_GRID  # no baseline: against the model, today's shapes
 
 
