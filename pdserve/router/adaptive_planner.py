@@ -200,7 +200,12 @@ class Planner:
             num_decodes=max(decode.num_running, decode.num_active_requests),
             decode_context_tokens=(decode.num_total_blocks - decode.num_free_blocks) * block_size,
             decode_queue_tokens=decode.num_queued_prefill_tokens,
-            decode_threads_local=decode_threads if busy else pool,
+            # Its share once the split a busy prefill worker asks for is made, not the
+            # threads it holds until it acknowledges the shrink (none where no split holds
+            # the stall budget: the plan keeps the pool with the decodes).
+            decode_threads_local=(decode_threads if breaks_stall else min(decode_threads, split))
+            if busy
+            else pool,
             decode_threads_split=split,
             prefill_threads=prefill_threads,
             prefill_queue_tokens=prefill.num_queued_prefill_tokens if prefill else 0,

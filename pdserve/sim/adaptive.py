@@ -110,6 +110,9 @@ class AdaptiveSimulation(Simulation):
         need = self._decode_need(decode, max(d.num_running, d.num_active_requests))
         # A held split (cores.py's hold) keeps the decode group small while the prefill idles.
         prefill_busy = self._busy(prefill) or self.groups.threads(prefill.worker_id) > 0
+        local_threads = max(1, decode.size)
+        if not need.split_breaks_stall:
+            local_threads = min(local_threads, need.split)
         return Situation(
             num_prompt_tokens=len(flight.prompt_ids),
             num_cached_decode_tokens=d.num_cached_blocks * self.config.block_size,
@@ -118,7 +121,9 @@ class AdaptiveSimulation(Simulation):
             num_decodes=max(d.num_running, d.num_active_requests),
             decode_context_tokens=(d.num_total_blocks - d.num_free_blocks) * self.config.block_size,
             decode_queue_tokens=d.num_queued_prefill_tokens,
-            decode_threads_local=max(1, decode.size) if prefill_busy else pool,
+            # Its share once the split is made (a SetCores waits for its step boundary), as
+            # the router's planner prices it.
+            decode_threads_local=local_threads if prefill_busy else pool,
             decode_threads_split=need.split,
             prefill_threads=pool - need.split,
             prefill_queue_tokens=p.num_queued_prefill_tokens,

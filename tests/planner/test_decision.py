@@ -395,3 +395,20 @@ def test_at_smollm_step_times_the_split_happens_as_before():
     assert d.reason != "stall_split"
     # no stall budget (off): nothing to size for
     assert decode_need(model, 2, 3, 3300, None, None).stall_threads == 0
+
+
+def test_a_prompt_queued_behind_the_prefill_worker_prefills_locally_when_that_is_sooner(model):
+    """Both meet the budgets; remote waits behind the prefill worker's queue: the earlier
+    first token decides. With no queue, remote stays the answer where it meets both."""
+    free = decide(case(num_prompt_tokens=1024), model, 10.0, 0.02, 256)
+    assert (free.kind, free.reason) == (REMOTE, "itl_interference"), free.predictions
+    queued = decide(case(num_prompt_tokens=1024, prefill_queue_tokens=8192), model, 10.0, 0.02, 256)
+    p = queued.predictions
+    assert (queued.kind, queued.reason) == (LOCAL, "prefill_queue"), p
+    assert p["ttft_slo_chunk_s"] < p["ttft_remote_s"] <= 10.0
+    assert queued.prefill_chunk_tokens == p["slo_chunk_tokens"]
+    # a queue on both sides, the decode worker's longer: remote, as before
+    both = case(num_prompt_tokens=1024, prefill_queue_tokens=512, decode_queue_tokens=2048)
+    later = decide(both, model, 10.0, 0.02, 256)
+    assert later.kind == REMOTE, later.predictions
+    assert later.predictions["ttft_slo_chunk_s"] >= later.predictions["ttft_remote_s"]
