@@ -217,31 +217,18 @@ def stalls(records: list, run_s: float, min_gap_s: float) -> list[dict[str, Any]
     return sorted(out, key=lambda g: -g["gap_s"])
 
 
-def _ms(stats: dict, key: str) -> str:
-    value = stats.get(key)
-    return f"{value:.0f}" if isinstance(value, (int, float)) else "-"
+# What is printed of each phase (the JSON of `--output` keeps every field and sample).
+SHOWN = ("phase", "num_sent", "num_finished", "num_rejected", "num_failed", "num_stalled",
+         "max_gap_s", "ttft_ms", "tpot_ms", "num_core_group_changes", "num_role_changes",
+         "num_flip_backs", "num_core_switches_acked", "first_overlap_s", "change_times_s",
+         "min_undone_after_s", "decisions")  # fmt: skip
 
 
-def print_table(rows: list[dict], after: dict, interval_s: float) -> None:
-    print(f"{'phase':<14}{'sent':>5}{'done':>5}{'rej':>5}{'fail':>5}{'stalled':>8}{'max gap s':>10}"
-          f"{'TTFT p50/p90 ms':>17}{'TPOT p50/p90 ms':>17}{'core chg':>9}{'role chg':>9}"
-          f"{'settle (int.)':>14}{'from start':>11}{'flip-back':>10}{'acked':>6}")  # fmt: skip
+def print_phases(rows: list[dict], after: dict, interval_s: float) -> None:
     for r in rows:
-        gap = f"{r['max_gap_s']:.3f}" if r["max_gap_s"] is not None else "-"
-        ttft = f"{_ms(r['ttft_ms'], 'p50')}/{_ms(r['ttft_ms'], 'p90')}"
-        tpot = f"{_ms(r['tpot_ms'], 'p50')}/{_ms(r['tpot_ms'], 'p90')}"
-        settle = f"{r.get('settle_s', 0) / interval_s:.1f}"
-        from_start = f"{r.get('settle_from_start_s', 0) / interval_s:.1f}"
-        print(f"{r['phase']:<14}{r['num_sent']:>5}{r['num_finished']:>5}{r['num_rejected']:>5}"
-              f"{r['num_failed']:>5}{r['num_stalled']:>8}"
-              f"{gap:>10}{ttft:>17}{tpot:>17}{r.get('num_core_group_changes', 0):>9}"
-              f"{r.get('num_role_changes', 0):>9}{settle:>14}{from_start:>11}"
-              f"{r.get('num_flip_backs', 0):>10}"
-              f"{r.get('num_core_switches_acked', 0):>6}")  # fmt: skip
-    for r in rows:
-        print(f"{r['phase']}: first request at {r['first_request_s']} s, overlapping at "
-              f"{r['first_overlap_s']} s, changes at {r.get('change_times_s')} s, shortest "
-              f"undone {r.get('min_undone_after_s')} s, {r.get('decisions')}")  # fmt: skip
+        settle = {f"{k}_intervals": round(r.get(f"{k}_s", 0) / interval_s, 2)
+                  for k in ("settle", "settle_from_start")}  # fmt: skip
+        print(json.dumps({k: r.get(k) for k in SHOWN} | settle))
     print(f"after the load: changes at {after.get('change_times_s')} s after its end")
 
 
@@ -276,7 +263,7 @@ def main() -> None:
     Path(args.output).write_text(json.dumps({
         "config": vars(args), "phases": rows, "after_load": after, "samples": poller.samples,
     }, indent=1))  # fmt: skip
-    print_table(rows, after, args.interval_s)
+    print_phases(rows, after, args.interval_s)
 
 
 if __name__ == "__main__":

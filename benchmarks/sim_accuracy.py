@@ -1,7 +1,7 @@
 """The simulator against measurements: this machine's, a paper's, and a trace's wall time.
 
     .venv/bin/python benchmarks/sim_accuracy.py [--profile cpu.json] [--num-requests 30]
-        [--load 0.5 | --rates chat=0.3,...] [--no-rescale] [--measured-dir DIR]
+        [--load 0.5 | --rates chat=0.3,...] [--no-rescale]
     .venv/bin/python benchmarks/sim_accuracy.py --mode published
     .venv/bin/python benchmarks/sim_accuracy.py --mode trace-replay [--trace FILE.jsonl]
 
@@ -12,7 +12,7 @@ compare` on the real deployment and `pdserve simulate` with the same flags and s
 sessions and send times). A speed probe (`pdserve profile --rescale`) runs around each
 deployment; each is simulated with the profile rescaled by the mean of the probes on either
 side ("probed") and as measured. The rate is `--load` x the capacity the profile predicts for
-the slowest deployment. `--measured-dir` re-prices a run's measurements with another profile.
+the slowest deployment.
 Needs a quiet machine (docs/simulator.md, "Accuracy").
 
 `published`: DistServe (OSDI'24), Figure 1: OPT-13B on one A100-80GB, Poisson arrivals, input
@@ -194,8 +194,6 @@ def main() -> int:
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="JSON with every row")
-    parser.add_argument("--measured-dir", help="a former run's directory: compare against its "
-                        "measured results (and probes) instead of running again")  # fmt: skip
     args = parser.parse_args()
     if args.mode == "published":
         return published(args.num_requests or 400)
@@ -208,42 +206,35 @@ def main() -> int:
 def served(args: argparse.Namespace) -> int:
     rates = dict(item.split("=") for item in args.rates.split(",")) if args.rates else {}
     tmp = Path(tempfile.mkdtemp(prefix="sim_accuracy_"))
-    runs = Path(args.measured_dir or tmp)
     profile = Path(args.profile or tmp / "profile.json")
     if not args.profile:
         threads = ",".join(str(t) for t in sorted({1, CORES}))
         pdserve("profile", "--threads", threads, "--output", str(profile))
     names = args.deployments.split(",")
-    probing = not (args.no_rescale or args.measured_dir)
+    probing = not args.no_rescale
     rows = []
     for workload in args.workloads.split(","):
         common = [*WORKLOADS[workload], "--num-requests", str(args.num_requests), "--seed",
                   str(args.seed), "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9",
                   "--no-progress"]  # fmt: skip
-        probes = [runs / f"{workload}-probe{i}.json" for i in range(len(names) + 1)]
+        probes = [tmp / f"{workload}-probe{i}.json" for i in range(len(names) + 1)]
         if probing:
             pdserve("profile", "--rescale", str(profile), "--output", str(probes[0]))
-        if args.measured_dir:  # the rate those runs had
-            first_run = runs / f"{workload}-{names[0]}-measured.json"
-            rates[workload] = str(json.loads(first_run.read_text())["config"]["rate"])
-        elif workload not in rates:
+        if workload not in rates:
             first = profile if args.no_rescale else probes[0]
             rates[workload] = f"{args.load * capacity(common, first, names, tmp):.4g}"
             print(f"{workload}: rate {rates[workload]} sessions/s", flush=True)
         common += ["--rate", rates[workload]]
         for i, name in enumerate(names):
-            measured_file = runs / f"{workload}-{name}-measured.json"
-            if not args.measured_dir:
-                spec = f"--deployment={name}={DEPLOYMENTS[name][0]}"
-                pdserve("bench", "compare", *common, spec, "--output", str(measured_file))
-                if probing:
-                    pdserve("profile", "--rescale", str(profile), "--output", str(probes[i + 1]))
+            measured_file = tmp / f"{workload}-{name}-measured.json"
+            spec = f"--deployment={name}={DEPLOYMENTS[name][0]}"
+            pdserve("bench", "compare", *common, spec, "--output", str(measured_file))
+            if probing:
+                pdserve("profile", "--rescale", str(profile), "--output", str(probes[i + 1]))
             measured = json.loads(measured_file.read_text())["compare"][name]["summary"]
             raw = simulate(common, profile, name, tmp / f"{workload}-{name}-profile.json")
             predicted = raw
-            if not args.no_rescale:
-                if not all(p.exists() for p in probes[i : i + 2]):
-                    sys.exit(f"{runs} has no probes for {workload}: pass --no-rescale")
+            if probing:
                 near = mean_probe(profile, probes[i : i + 2], tmp / f"{workload}-{name}-probe.json")
                 predicted = simulate(common, near, name, tmp / f"{workload}-{name}-predicted.json")
             for key, q in METRICS:
