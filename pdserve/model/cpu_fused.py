@@ -9,7 +9,8 @@ parameters of the layer it replaces and is only used where every kernel applies:
 the CPU with full-precision KV (an 8-bit cache keeps the PyTorch layer, which quantizes on
 write). A step of decodes only goes further: `FusedLayerStack` runs all layers in one
 native call (at batch 32, a ctypes call and its argument building per layer cost ~5% of
-the step), on panel weights or GGUF weights read in place (`QuantLinear`).
+the step), on panel weights or GGUF weights read in place (`QuantLinear`, each linear on the
+kernel its `forward` takes for that many rows, up to `native_m_max`).
 tests/model/test_cpu_fused.py holds both equal to the reference layers.
 """
 
@@ -25,7 +26,7 @@ from pdserve.model import native, quant_linear
 from pdserve.model.attention import AttentionMetadata, attend
 from pdserve.model.kv_cache import LayerCache
 from pdserve.model.llama import DecoderLayer, LayerStack
-from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear
+from pdserve.model.quant_linear import QuantLinear
 
 
 class FusedDecoderLayer(nn.Module):
@@ -81,9 +82,12 @@ class FusedLayerStack(LayerStack):
             _native_weight(m) is not None and (m.bias is None or i % 4 == 0)
             for i, m in enumerate(linears)
         )
-        # GGUF weights take the row-wise kernel only up to QUANT_GEMV_M_MAX rows.
-        quant = any(isinstance(m, QuantLinear) for m in linears)
-        self.max_rows = QUANT_GEMV_M_MAX if quant else native.PANEL_M_MAX
+        # Up to this many rows every linear's kernel runs in C: panels to PANEL_M_MAX, GGUF
+        # weights to where QuantLinear.forward leaves them to PyTorch's GEMM.
+        self.max_rows = min(
+            (m.native_m_max if isinstance(m, QuantLinear) else native.PANEL_M_MAX for m in linears),
+            default=native.PANEL_M_MAX,
+        )
         self._layers_c = None  # the C side's pd_layer[L], built for one set of caches
         self._caches_key: tuple[int, ...] = ()
 
@@ -109,7 +113,8 @@ class FusedLayerStack(LayerStack):
                 meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
                 tables.data_ptr(), lens.data_ptr(), None if scores is None else scores.data_ptr(),
                 tables.shape[1], hidden, h, kvh, d, inter, caches[0].block_size,
-                first.input_layernorm.eps, quant_linear.INT8_M_MAX,
+                first.input_layernorm.eps, quant_linear.QUANT_GEMV_M_MAX,
+                quant_linear.int8_rows(m),
             )  # fmt: skip
             if rc != 0:
                 raise MemoryError("a decode-layer kernel could not allocate its scratch buffer")

@@ -161,7 +161,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pd_decode_layer_scratch.argtypes = [_i64] * 6
     lib.pd_decode_layer_scratch.restype = _i64
     lib.pd_decode_layers.argtypes = [_ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 7 + [_i64] * 7
-    lib.pd_decode_layers.argtypes += [_f32, _i64]
+    lib.pd_decode_layers.argtypes += [_f32, _i64, _i64]
     lib.pd_decode_layers.restype = ctypes.c_int
     lib.pd_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.pd_argmax_rows.restype = None
@@ -225,8 +225,9 @@ class PdQuantPart(ctypes.Structure):
                 ("rowmap", ctypes.c_void_p)]  # fmt: skip
 
 
-# The codec of a `PdWeight` that is no panel but a `PdQuantLinear` (GGUF weights read in place).
-PD_GGUF = 3
+# The codecs of a `PdWeight` that is no panel but a `PdQuantLinear` (GGUF weights read in place):
+# above QUANT_GEMV_M_MAX rows, int8 activations or (PD_GGUF_AMX) AMX bf16 tiles.
+PD_GGUF, PD_GGUF_AMX = 3, 4
 
 
 class PdQuantLinear(ctypes.Structure):

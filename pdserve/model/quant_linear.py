@@ -50,6 +50,12 @@ TILE_FLOATS = 1 << 22
 AMX_TILES = True
 
 
+def int8_rows(m: int) -> int:
+    """The `int8_m_max` of `pd_quant_linear` in a call of `m` rows: INT8_M_MAX up to
+    QUANT_GEMV_M_MAX rows, above it `m` (called only where int8 activations apply)."""
+    return INT8_M_MAX if m <= QUANT_GEMV_M_MAX else m
+
+
 @dataclass(frozen=True)
 class QuantTensor:
     """A [rows, cols] weight as `data` (uint8 [rows, row bytes], typically a view of a
@@ -143,9 +149,19 @@ class QuantLinear(nn.Module):
                 y[:, col + first : col + first + count] = x @ w.T
             col += part.rows
 
+    @property
+    def native_m_max(self) -> int:
+        """The most rows up to which every call takes a native kernel (and `pd_decode_layers`
+        the same one): INT8_MANY_M_MAX where calls above QUANT_GEMV_M_MAX take AMX tiles or
+        int8 activations, QUANT_GEMV_M_MAX where they dequantize for PyTorch's GEMM."""
+        many = self.amx_tiles or self.int8_many_rows
+        return max(INT8_MANY_M_MAX, QUANT_GEMV_M_MAX) if many else QUANT_GEMV_M_MAX
+
     def as_c(self) -> native.PdWeight:
-        """This linear as a `pd_decode_layers` weight (valid while the module lives)."""
-        return native.PdWeight(ctypes.addressof(self._linear_c), native.PD_GGUF)
+        """This linear as a `pd_decode_layers` weight (valid while the module lives): its
+        codec names the kernel `forward` takes above QUANT_GEMV_M_MAX rows."""
+        codec = native.PD_GGUF_AMX if self.amx_tiles else native.PD_GGUF
+        return native.PdWeight(ctypes.addressof(self._linear_c), codec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, dtype = x.shape[:-1], x.dtype
@@ -154,10 +170,9 @@ class QuantLinear(nn.Module):
         y = torch.empty(m, self.out_features)
         n, out = len(self.parts), self.out_features
         if m <= QUANT_GEMV_M_MAX or (m <= INT8_MANY_M_MAX and self.int8_many_rows):
-            int8_m_max = INT8_M_MAX if m <= QUANT_GEMV_M_MAX else m
             rc = self.lib.pd_quant_linear(
                 x.data_ptr(), m, self.in_features, self._parts_c, n, y.data_ptr(), out,
-                int8_m_max,
+                int8_rows(m),
             )  # fmt: skip
             if rc != 0:
                 raise MemoryError("the quantized GEMV could not allocate its row buffer")

@@ -8,7 +8,8 @@ import torch
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
 from pdserve.engine.engine import Engine
 from pdserve.model import quant_linear
-from pdserve.model.cpu_fused import FusedDecoderLayer, fuse_layers
+from pdserve.model.cpu_fused import FusedDecoderLayer, FusedLayerStack, _linears, fuse_layers
+from pdserve.model.llama import LayerStack
 from pdserve.model.loader import load_model
 from tests.engine.test_engine import make_engine, prompts, run
 from tests.model.test_llama import our_logits
@@ -81,42 +82,62 @@ def test_one_call_stack_with_a_layer_hook_equals_without(tiny_model_dir):
     assert seen == list(range(len(stack)))
 
 
-@pytest.fixture(scope="module")
-def q4_k_m_dir(tmp_path_factory):
-    """The tiny shape as a Q4_K_M GGUF, resolved to a directory whose model reads it in place."""
+@pytest.fixture(scope="module", params=["q4_k_m", "q8_0"])
+def gguf_dir(request, tmp_path_factory):
+    """The tiny shape as a GGUF (Q4_K_M: Q4_K and Q6_K matrices; Q8_0), resolved to a directory
+    whose model reads it in place (Q8_0 too: no fp32 copy allowed)."""
     from pdserve.model.registry import resolve_model
     from pdserve.model.synthetic import write_synthetic_gguf
 
     root = tmp_path_factory.mktemp("gguf")
-    path = write_synthetic_gguf(root / "tiny.q4_k_m.gguf", "tiny")
+    path = write_synthetic_gguf(root / f"tiny.{request.param}.gguf", "tiny", request.param)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PDSERVE_CACHE_DIR", str(root / "cache"))
-        return resolve_model(str(path))
+        return resolve_model(str(path), gguf_fp32_max_bytes=0)
 
 
-@pytest.mark.parametrize("int8_m_max", [0, quant_linear.QUANT_GEMV_M_MAX])
-def test_gguf_weights_in_place_take_the_one_call_and_equal_the_layers(
-    q4_k_m_dir, int8_m_max, monkeypatch
-):
-    """Decode steps of GGUF weights read in place run all layers in one native call (pd_quant_linear
-    inside pd_decode_layers) with the same tokens as a call per layer; batches past
-    QUANT_GEMV_M_MAX rows take the layers one by one."""
-    monkeypatch.setattr(quant_linear, "INT8_M_MAX", int8_m_max)
-    cache = CacheConfig(block_size=4, kv_cache_bytes=4 << 20)
+def check_each_decode_step(stack: FusedLayerStack) -> list[int]:
+    """Has every decode-only step of `stack` run layer by layer too (on a copy of its input,
+    before the step itself rewrites the same cache slots) and the outputs compared; returns
+    the rows of each step that took the one native call."""
+    forward, real, rows = stack.forward, stack.lib, []
 
-    def gguf_engine() -> Engine:
-        return Engine(EngineConfig(model="tiny", cache=cache), model_dir=q4_k_m_dir)
+    def both(x, cos, sin, caches, meta, on_layer_done=None):
+        if meta.prefills:
+            return forward(x, cos, sin, caches, meta, on_layer_done)
+        want = LayerStack.forward(stack, x.clone(), cos, sin, caches, meta)
+        got = forward(x, cos, sin, caches, meta, on_layer_done)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return got
 
-    fast, slow = gguf_engine(), gguf_engine()
-    stack = fast.runner.model.layers
-    assert stack.one_call and stack.max_rows == quant_linear.QUANT_GEMV_M_MAX
-    slow.runner.model.layers.one_call = False
-    real, rows = stack.lib, []  # rows of each one-call step
+    stack.forward = both
     stack.lib = SimpleNamespace(
         pd_decode_layer_scratch=real.pd_decode_layer_scratch,
         pd_decode_layers=lambda *a: rows.append(a[2]) or real.pd_decode_layers(*a),
     )
-    for n in (1, 2, 5, 20):
-        batch = prompts(n, seed=n, lo=3, hi=30)
-        assert run(fast, batch) == run(slow, batch)
-    assert {1, 2, 5} <= set(rows) and max(rows) <= quant_linear.QUANT_GEMV_M_MAX
+    return rows
+
+
+@pytest.mark.parametrize("int8_m_max", [0, quant_linear.QUANT_GEMV_M_MAX])
+def test_gguf_weights_in_place_take_the_one_call_and_equal_the_layers(
+    gguf_dir, int8_m_max, monkeypatch
+):
+    """Decode steps of GGUF weights read in place run all layers in one native call, each
+    linear on the kernel QuantLinear.forward takes for that many rows (fp32 or int8 row-wise
+    up to QUANT_GEMV_M_MAX; above it int8 activations, or AMX tiles on the amx kernels, up to
+    INT8_MANY_M_MAX), and equal the layers called one by one; batches where a linear would
+    take PyTorch's GEMM take the layers one by one."""
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", int8_m_max)
+    cache = CacheConfig(block_size=4, kv_cache_bytes=8 << 20)
+    eng = Engine(EngineConfig(model="tiny", cache=cache), model_dir=gguf_dir)
+    stack = eng.runner.model.layers
+    linears = [m for layer in stack for m in _linears(layer)]
+    many = all(m.amx_tiles or m.int8_many_rows for m in linears)
+    assert many == (int8_m_max > 0 or stack.lib.isa == "amx")
+    max_rows = quant_linear.INT8_MANY_M_MAX if many else quant_linear.QUANT_GEMV_M_MAX
+    assert stack.one_call and stack.max_rows == max_rows
+    rows = check_each_decode_step(stack)
+    for n in (1, 5, 17, 32, 64):
+        assert run(eng, prompts(n, seed=n, lo=3, hi=30))
+    assert {1, 5} <= set(rows) and max(rows) <= max_rows
+    assert {17, 32, 64} <= set(rows) if many else max(rows) <= quant_linear.QUANT_GEMV_M_MAX

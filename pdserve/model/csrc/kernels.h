@@ -141,8 +141,9 @@ static inline vi vbytes(const int8_t *q) { return _mm256_cvtepi8_epi32(_mm_loadl
 
 /* The packed weight formats (gemm.c): fp32 panels, or the lossless compact blocks of 32 k.
  * PD_GGUF is no panel format: a pd_weight of that codec points to a pd_qlinear, GGUF weights
- * read in place (quant_gemm.c), which pd_decode_layers hands to pd_quant_linear. */
-enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2, PD_GGUF = 3 };
+ * read in place (quant_gemm.c), which pd_decode_layers hands to pd_quant_linear; PD_GGUF_AMX
+ * the same, above QUANT_GEMV_M_MAX rows on AMX bf16 tiles (quant_amx.c). */
+enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2, PD_GGUF = 3, PD_GGUF_AMX = 4 };
 #define QBLOCK 32
 #define Q4A_BLOCK (24 * PANEL)
 #define Q8S_BLOCK (36 * PANEL)
