@@ -17,7 +17,13 @@ from pathlib import Path
 
 from pdserve import envs
 from pdserve.cluster.config import Pipeline
-from pdserve.engine.memory import Checkpoint, WorkerMemory, estimate_worker, read_checkpoint
+from pdserve.engine.memory import (
+    Checkpoint,
+    WorkerMemory,
+    estimate_worker,
+    meminfo_available_bytes,
+    read_checkpoint,
+)
 from pdserve.model.cpu_flags import cpu_flags
 from pdserve.workers.spec import WorkerSpec
 
@@ -106,7 +112,7 @@ def host_available_bytes() -> int:
     `PDSERVE_MEMORY_AVAILABLE` replaces it."""
     if (override := envs.memory_available_bytes()) is not None:
         return override
-    available = _meminfo_available()
+    available = meminfo_available_bytes()
     for limit_file, usage_file in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
         (f"{CGROUP_V1}/memory.limit_in_bytes", f"{CGROUP_V1}/memory.usage_in_bytes"),
@@ -115,14 +121,6 @@ def host_available_bytes() -> int:
         if limit is not None and usage is not None:
             available = min(available, max(0, limit - usage))
     return available
-
-
-def _meminfo_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
 def _read_int(path: str) -> int | None:

@@ -37,7 +37,6 @@ from pathlib import Path
 from pdserve.config import EngineConfig
 from pdserve.model.config import ModelConfig
 
-GiB = 2**30
 BASE_RSS_BYTES = 260 * 2**20  # a worker bar its model: Python, torch, oneDNN, zmq (238 MiB seen;
 # a first grammar request imports transformers: ~20 MiB more)
 LOADED_FACTOR = 1.22  # RSS of the loaded model over its fp32 bytes (1.21 at 135M, 1.22 at 1B)
@@ -187,6 +186,15 @@ def kv_pool_bytes(engine: EngineConfig, available_bytes: int) -> int:
         DEFAULT_CUDA_KV_FRACTION if on_cuda else DEFAULT_CPU_KV_FRACTION
     )
     return int(available_bytes * fraction)
+
+
+def meminfo_available_bytes() -> int:
+    """/proc/meminfo's MemAvailable: what the host can give without swapping."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
 def activation_bytes(cfg: ModelConfig, engine: EngineConfig) -> int:

@@ -15,7 +15,11 @@ import torch
 
 from pdserve.config import CacheConfig, DeviceConfig
 from pdserve.engine.grammar import Grammars
-from pdserve.engine.memory import DEFAULT_CPU_KV_FRACTION, DEFAULT_CUDA_KV_FRACTION
+from pdserve.engine.memory import (
+    DEFAULT_CPU_KV_FRACTION,
+    DEFAULT_CUDA_KV_FRACTION,
+    meminfo_available_bytes,
+)
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.kvcache.dropping import over_budget
 from pdserve.model import native
@@ -53,11 +57,7 @@ def kv_block_bytes(
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+    return meminfo_available_bytes()
 
 
 def num_kv_blocks(cfg: ModelConfig, cache: CacheConfig, device: torch.device, dtype) -> int:

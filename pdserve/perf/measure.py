@@ -29,6 +29,7 @@ from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.costmodel.profile import HardwareProfile, ModelShape
 from pdserve.costmodel.step_cost import StepShape, fit_cost_model, phase_ratios
+from pdserve.engine.memory import DEFAULT_CPU_KV_FRACTION, meminfo_available_bytes
 from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
 from pdserve.perf.served import served_overhead
 from pdserve.perf.served_steps import measure_served_steps
@@ -233,11 +234,7 @@ def model_shape(name: str) -> ModelShape:
 
 def default_kv_cache_bytes() -> int:
     """What a CPU worker gets without --kv-cache-bytes (model_runner's default share)."""
-    import torch
-
-    from pdserve.engine.model_runner import DEFAULT_CPU_KV_FRACTION, available_memory_bytes
-
-    return int(available_memory_bytes(torch.device("cpu")) * DEFAULT_CPU_KV_FRACTION)
+    return int(meminfo_available_bytes() * DEFAULT_CPU_KV_FRACTION)
 
 
 def timing_env() -> dict[str, str] | None:
