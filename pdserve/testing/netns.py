@@ -29,6 +29,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO
 
@@ -102,6 +103,14 @@ def _hold_machine_lock(timeout_s: float) -> IO[bytes]:
                     f"namespace hosts: another run held {LOCK_PATH} for {timeout_s:.0f} s"
                 ) from None
             time.sleep(0.2)
+
+
+def signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -266,11 +275,7 @@ class Hosts:
             pids = self.pids(name)
             if not pids:
                 break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_all(pids, signal.SIGKILL)
             time.sleep(0.1)
         _run("ip", "link", "del", self._veth(name), check=False)
         _run("ip", "netns", "del", self.namespace(name), check=False)

@@ -182,7 +182,7 @@ class RayNodes:
         """SIGTERM to every process of this cluster, SIGKILL to what remains after a grace;
         the temp dir removed."""
         for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, STOP_GRACE_S)):
-            _signal_all(self.pids(), sig)
+            netns.signal_all(self.pids(), sig)
             deadline = time.monotonic() + wait_s
             while self.pids() and time.monotonic() < deadline:
                 for proc, _ in self._procs:
@@ -194,14 +194,6 @@ class RayNodes:
         self._procs = []
         if self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def _signal_all(pids: set[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def main(argv: list[str] | None = None) -> None:
