@@ -1,8 +1,7 @@
-"""The simulator against measurements: this machine's, a paper's, and a trace's wall time.
+"""The simulator against measurements: this machine's, and a trace's wall time.
 
     .venv/bin/python benchmarks/sim_accuracy.py [--profile cpu.json] [--num-requests 30]
         [--load 0.5 | --rates chat=0.3,...] [--no-rescale]
-    .venv/bin/python benchmarks/sim_accuracy.py --mode published
     .venv/bin/python benchmarks/sim_accuracy.py --mode trace-replay [--trace FILE.jsonl]
 
 `served` (the default): predicted against measured p50/p90 TTFT and TPOT. `pdserve profile`
@@ -12,15 +11,7 @@ compare` on the real deployment and `pdserve simulate` with the same flags and s
 sessions and send times). A speed probe (`pdserve profile --rescale`) runs around each
 deployment; each is simulated with the profile rescaled by the mean of the probes on either
 side ("probed") and as measured. The rate is `--load` x the capacity the profile predicts for
-the slowest deployment.
-Needs a quiet machine (docs/simulator.md, "Accuracy").
-
-`published`: DistServe (OSDI'24), Figure 1: OPT-13B on one A100-80GB, Poisson arrivals, input
-512 / output 64, SLOs P90 TTFT 0.4 s and P90 TPOT 0.04 s. The paper (and its authors' blog
-post, "Throughput is Not All You Need", Hao AI Lab, March 2024) gives collocated ~2.3 req/s
-against the TTFT target and ~1.6 against TPOT, a prefill-only GPU ~5.6, a decode-only GPU ~10,
-so 2P1D 3.3 req/s per GPU (2.1x); predicted with the analytic A100-80GB profile, pdserve's
-scheduler and the same SLO rule, beside the paper's.
+the slowest deployment. Needs a quiet machine (docs/simulator.md, "Accuracy").
 
 `trace-replay`: how fast `pdserve simulate` replays a one-hour, 12,000-request trace at full
 length (llama-3-8b on H100-SXM, 4p4d). `--trace` replays a file as it is (the public Mooncake
@@ -59,8 +50,6 @@ DEPLOYMENTS = {
            ["--deployment", "2c", "--routing", "shortest_queue"]),
 }  # fmt: skip
 METRICS = [("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90")]
-PAPER = {"collocated": 1.6, "coll. TTFT": 2.3, "coll. TPOT": 1.6, "prefill-only": 5.6,
-         "decode-only": 10.0, "2p1d": 10.0}  # fmt: skip
 TRACE_SECONDS, TRACE_INPUT, TRACE_OUTPUT = 3600.0, 2000.0, 300.0  # new tokens a turn (means)
 
 
@@ -93,48 +82,6 @@ def mean_probe(base: Path, probes: list[Path], output: Path) -> Path:
     mean = {int(k): sum(r[k] for r in ratios) / len(ratios) for k in ratios[0]}
     rescaled(load_profile(base), mean).save(output)
     return output
-
-
-def published(num_requests: int) -> int:
-    from dataclasses import replace
-
-    from pdserve.bench.arrivals import ArrivalSpec
-    from pdserve.bench.metrics import SLO, attainment
-    from pdserve.bench.search import find_goodput
-    from pdserve.bench.workloads import Session, Turn
-    from pdserve.config import SchedulerConfig
-    from pdserve.costmodel.analytic import analytic_profile, model_shape
-    from pdserve.sim.deployment import Deployment, SimConfig
-    from pdserve.sim.simulator import Simulation
-
-    profile = analytic_profile(model_shape("opt-13b"), "A100-80GB", sizes=(1,))
-    config = SimConfig(scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192,
-                                                 long_prefill_token_threshold=8192),
-                       transfer_backend="nvlink")  # fmt: skip
-    work = [Session(f"s{i}", [Turn(list(range(i * 600, i * 600 + 512)), 64)])
-            for i in range(num_requests)]  # fmt: skip
-    slo = SLO(400.0, 40.0)
-    runs = {
-        "collocated": (Deployment(num_collocated=1), slo, 1),
-        # Collocated against one target at a time: which of the two limits it.
-        "coll. TTFT": (Deployment(num_collocated=1), SLO(400.0, None), 1),
-        "coll. TPOT": (Deployment(num_collocated=1), SLO(None, 40.0), 1),
-        # Each phase alone: the other side over-provisioned, only this phase's SLO checked.
-        "prefill-only": (Deployment(num_prefill=1, num_decode=4), SLO(400.0, None), 1),
-        "decode-only": (Deployment(num_prefill=4, num_decode=1), SLO(None, 40.0), 1),
-        "2p1d": (Deployment(num_prefill=2, num_decode=1), slo, 3),
-    }
-    print(f"{'layout':<14}{'paper req/s':>12}{'predicted':>11}{'ratio':>8}{'per GPU':>9}")
-    for name, (deployment, run_slo, gpus) in runs.items():
-
-        def probe(rate: float, deployment=deployment, run_slo=run_slo) -> float:
-            result = Simulation(profile, deployment, replace(config)).run(
-                work, ArrivalSpec("poisson", rate))  # fmt: skip
-            return attainment(result.records, run_slo)
-
-        g = find_goodput(probe, 0.9, 1.0, 10).best_rate
-        print(f"{name:<14}{PAPER[name]:>12.1f}{g:>11.2f}{g / PAPER[name]:>8.2f}{g / gpus:>9.2f}")
-    return 0
 
 
 def synthetic_trace(path: Path, num_requests: int, seed: int) -> None:
@@ -178,11 +125,10 @@ def trace_replay(trace: str | None, num_requests: int, seed: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("served", "published", "trace-replay"),
+    parser.add_argument("--mode", choices=("served", "trace-replay"),
                         default="served")  # fmt: skip
     parser.add_argument("--profile", help="an existing profile (default: measure one)")
-    parser.add_argument("--num-requests", type=int, help="served 60, published 400, "
-                        "trace-replay 12000")  # fmt: skip
+    parser.add_argument("--num-requests", type=int, help="served 60, trace-replay 12000")
     parser.add_argument("--trace", help="trace-replay: a Mooncake-format JSONL trace "
                         "(default: generate one)")  # fmt: skip
     parser.add_argument("--load", type=float, default=0.5, help="rate as a fraction of the "
@@ -195,8 +141,6 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="JSON with every row")
     args = parser.parse_args()
-    if args.mode == "published":
-        return published(args.num_requests or 400)
     if args.mode == "trace-replay":
         return trace_replay(args.trace, args.num_requests or 12000, args.seed)
     args.num_requests = args.num_requests or 60
