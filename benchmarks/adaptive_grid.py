@@ -1,11 +1,12 @@
 """Adaptive disaggregation against collocated and static 1P1D on the same cores.
 
 Per input length, collocated's capacity is measured first (every request sent at once), then
-`pdserve bench compare` runs the three deployments at `--fractions` of it (SLOs: 5x
-collocated's unloaded p50 TTFT and TPOT). Then the interference cell: mixed-length prompts over
-long decodes with a stall budget (p99 ITL), where `adaptive-slo` is the adaptive deployment
-told the targets (`adaptive.slo_ttft_ms`, `adaptive.slo_itl_ms`). Its targets come from
-collocated's unloaded p50 of prompts at the cell's 2,048-token cap; docs/adaptive.md.
+`pdserve bench compare` runs the three deployments at `--fractions` of it and prints their
+goodput against collocated's (SLOs: 5x collocated's unloaded p50 TTFT and TPOT). Then the
+interference cell: mixed-length prompts over long decodes with a stall budget (p99 ITL), where
+`adaptive-slo` is the adaptive deployment told the targets (`adaptive.slo_ttft_ms`,
+`adaptive.slo_itl_ms`). Its targets come from collocated's unloaded p50 of prompts at the
+cell's 2,048-token cap; docs/adaptive.md. Every cell's rows go to `--output`.
 
     .venv/bin/python benchmarks/adaptive_grid.py --output grid.json
     .venv/bin/python benchmarks/adaptive_grid.py --lengths 128 --fractions 0.5
@@ -120,26 +121,6 @@ def main() -> None:
             "rows": rows,
         }
     Path(args.output).write_text(json.dumps(results, indent=1))
-    print_table(results)
-
-
-def print_table(results: dict) -> None:
-    names = "  ".join(f"{d.split('=')[0]:>18}" for d in DEPLOYMENTS)
-    print(f"{'input':>6} {'load':>5} {'rate':>7}  {names}")
-    cells = [*results["cells"]]
-    if results["interference"]:
-        cells.append({"input_len": "mixed", **results["interference"]})
-    if results["interference"]:
-        slo = results["interference"]["slo_ms"]
-        print(f"interference SLOs: TTFT {slo['ttft']:.1f} ms, TPOT {slo['tpot']:.1f} ms, "
-              f"p99 ITL {slo['p99_itl']:.1f} ms")  # fmt: skip
-    for cell in cells:
-        base = cell["rows"]["collocated"]["goodput"]
-        line = f"{cell['input_len']:>6} {cell['fraction']:>5.0%} {cell['rate_rps']:>7.3f}  "
-        for name, row in cell["rows"].items():
-            g = row["goodput"]
-            line += f"  {name} {g:.3f} ({g / base if base else float('nan'):.2f}x)"
-        print(line)
 
 
 if __name__ == "__main__":
