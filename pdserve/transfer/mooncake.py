@@ -1,23 +1,14 @@
 """The mooncake backend: Mooncake's Transfer Engine (PyPI `mooncake-transfer-engine-non-cuda`,
 its TCP transport; RDMA where a NIC exists) moves the block bytes, pdserve's authenticated
-connection carries everything else (docs/transfer.md, "The mooncake backend").
+connection carries everything else; docs/transfer.md, "The mooncake backend", tells the
+protocol (a lease per send as shm's, a ``data`` notice with a crc32 per run, ``lease_end``).
 
 Mooncake authenticates nothing: any host that reaches an engine's ports may read or write
-the memory registered with it. So nothing is registered for long. The receiver registers the
-byte ranges of a lease when it grants it and unregisters them once the request holds no
-lease (``MooncakeTarget``); Mooncake's server refuses a write outside registered memory. The
-sender registers nothing (the TCP transport reads the source where it lies), so none of the
-prefill worker's pool is exposed.
-
-Per ``send``, as shm (``peer.ShmWriter``): a lease for the (layer, run) writes, each write
-submitted to Mooncake in chunks (at most ``WINDOW_CHUNKS`` in flight, so a revoked writer
-stops soon), a ``data`` notice per write once Mooncake reports it applied (its TCP protocol
-v2 acknowledges a write after the receiver copied it; the notice's crc32 is checked over the
-receiver's own memory), then ``lease_end``. A chunk that makes no progress for
-``STALL_TIMEOUT_S`` leaves the write in doubt (a late chunk may still land): the request
-fails but its lease stays, so the receiver keeps the blocks fenced, until Mooncake reports
-those chunks completed or failed (checked before each later write on the connection); then
-the writer sends the ``lease_end``.
+the memory registered with it. So the receiver registers only the ranges of a lease it
+granted, until the request holds no lease (``MooncakeTarget``), and the sender registers
+nothing. A chunk that makes no progress for ``STALL_TIMEOUT_S`` leaves its write in doubt (it
+may still land): the request fails but keeps its lease, so the blocks stay fenced, until
+Mooncake reports those chunks completed or failed.
 """
 
 from __future__ import annotations
@@ -192,8 +183,8 @@ class InDoubt(TransferError):
 
 
 class MooncakeWriter(LeasedWriter):
-    """Writes through ``ctx.mooncake`` into the receiver's reserved blocks under a lease per
-    send; the module docstring tells the protocol."""
+    """Writes through ``ctx.mooncake`` into the receiver's granted blocks, in chunks (at most
+    ``WINDOW_CHUNKS`` in flight, so a revoked writer stops soon)."""
 
     name = "mooncake"
 
