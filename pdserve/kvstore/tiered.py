@@ -33,7 +33,7 @@ class TieredStore:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self.tiers = list(tiers)
         for i, tier in enumerate(self.tiers[:-1]):
-            tier.on_evict = partial(self._write_down, i + 1)
+            tier.on_evict = partial(self._move, i, i + 1)  # write-down
         self._lock = threading.Lock()
         self._moved_bytes: Counter[str] = Counter()  # "host->disk" -> bytes
         self._tier_errors = [0] * len(self.tiers)
@@ -127,16 +127,18 @@ class TieredStore:
         # tiers[0] first; a tier that refuses (too big, full, down) passes it further down
         return any(self._call(i, "put", False, block_hash, payload) for i in range(len(self.tiers)))
 
-    def _write_down(self, dst: int, block_hash: int, payload: bytes) -> None:
-        """on_evict of tiers[dst - 1]: runs in whichever thread made that tier evict."""
+    def _move(self, src: int, dst: int, block_hash: int, payload: bytes) -> None:
+        """Copy a block of tiers[src] into tiers[dst], counted once stored. As a write-down
+        (on_evict) it runs in whichever thread made tiers[src] evict."""
         if self._call(dst, "put", False, block_hash, payload):
-            self._count_moved(dst - 1, dst, len(payload))
+            with self._lock:
+                self._moved_bytes[f"{self.tiers[src].name}->{self.tiers[dst].name}"] += len(payload)
 
     def _promote(self, src: int, block_hash: int, payload: bytes) -> None:
         if self._writer is not None:
             self._enqueue(src, block_hash, payload)
-        elif self._call(0, "put", False, block_hash, payload):
-            self._count_moved(src, 0, len(payload))
+        else:
+            self._move(src, 0, block_hash, payload)
 
     def _enqueue(self, src: int | None, block_hash: int, payload: bytes) -> bool:
         with self._lock:
@@ -155,18 +157,14 @@ class TieredStore:
             try:
                 if src is None:
                     self._store(block_hash, payload)
-                elif self._call(0, "put", False, block_hash, payload):
-                    self._count_moved(src, 0, len(payload))
+                else:
+                    self._move(src, 0, block_hash, payload)
             finally:
                 with self._lock:
                     if self._pending.get(block_hash) is payload:  # not re-queued since
                         del self._pending[block_hash]
                     self._num_inflight -= 1
                     self._idle.notify_all()
-
-    def _count_moved(self, src: int, dst: int, num_bytes: int) -> None:
-        with self._lock:
-            self._moved_bytes[f"{self.tiers[src].name}->{self.tiers[dst].name}"] += num_bytes
 
     def _call(self, i: int, method: str, default, *args):
         """tiers[i].method(*args), or `default` if it raises: a broken tier is a miss."""
