@@ -27,7 +27,7 @@ _ANY_JSON_OBJECT = {"type": "object"}
 # JSON as `json.dumps` writes it (", " and ": ", no other whitespace): the form models learn,
 # and a model free to add whitespace can spend its whole token budget on it (a sampled model
 # did, in runs of tabs). A schema's own "x-guidance" options override these.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -56,10 +56,10 @@ def _checked(kind: str, text: str) -> str:
     try:
         if kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                _ANY_JSON_OBJECT, defaults=_JSON_OPTIONS
+                _ANY_JSON_OBJECT, defaults=JSON_OPTIONS
             )
         elif kind == "json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         else:
             grammar = llguidance.grammar_from(kind, text)  # "grammar": Lark or llama.cpp's GBNF
     except ValueError as exc:

@@ -25,13 +25,12 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve.grammar import JSON_OPTIONS
 from pdserve.router.structured import FieldError, compile_constraint
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-# llguidance's JSON options inside a tool grammar: JSON as json.dumps writes it.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _INJECTED_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
@@ -135,7 +134,7 @@ def attach(spec: ToolSpec, chat_template: str | None, sampling: dict[str, Any]) 
     chosen = [f for f in functions if spec.choice == "required" or f["name"] == spec.name]
     key = "parameters" if spec.format == "llama3_json" else "arguments"
     schema = {
-        "x-guidance": _JSON_OPTIONS,
+        "x-guidance": JSON_OPTIONS,  # inside a tool grammar too
         "anyOf": [
             {
                 "type": "object",
