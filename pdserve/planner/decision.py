@@ -12,9 +12,11 @@ that will decode it (local). A pure function of what the router knows and the co
     local meets the ITL and TTFT budgets   -> local   fits_slo      (collocated's behaviour)
     decodes run, and no split of the host  -> local   stall_split   (in its SLO chunk when
       holds the stall budget (below)                                priced, else stall-bounded)
-    remote meets both, but only behind the -> local   prefill_queue (in its SLO chunk)
-      prefill worker's queue, and local in
-      SLO-sized chunks meets both sooner
+    remote meets both, but behind a queue  -> local   prefill_queue (in its SLO chunk)
+      (the prefill worker's, or the decode
+      worker's that its split slows), and
+      local in SLO-sized chunks meets both
+      sooner
     remote meets both                      -> remote  itl_interference (local breaks the ITL)
                                                       | stall_budget (... the stall budget)
                                                       | ttft        (local breaks the TTFT)
@@ -163,7 +165,7 @@ def _priced(
             return _as(chunked, "stall_split", p)
         return _beside_decodes(s, model, local, "stall_split", p)
     if p.remote.meets(budgets):
-        if _sooner_than_queued_remote(p, budgets):
+        if _sooner_than_queued_remote(p, budgets, stall_bound):
             return _as(chunked, "prefill_queue", p)
         broken = "stall_budget" if stall_bound else "itl_interference"
         return _as(remote, "ttft" if p.local.itl_s <= budgets.itl_s else broken, p)
@@ -187,16 +189,24 @@ def _priced(
     return _as(local if best.path == LOCAL else remote, "least_violation", p)
 
 
-def _sooner_than_queued_remote(p: Prediction, budgets: Budgets) -> bool:
-    """Remote meets both budgets only behind the prefill worker's queue, and local in
-    SLO-sized chunks meets them too with an earlier first token. Prompts queued on one
-    prefill worker prefill together on its share of the cores while the decode worker, which
-    could take one of them in its own steps, prefills none: a burst of three 1,024-token
-    prompts on a 1B model's two cores gave the last two 10.1 s to their first token, both
-    remote, where the decode worker's SLO-sized chunks were priced at 4.4 s."""
+def _sooner_than_queued_remote(p: Prediction, budgets: Budgets, stall_bound: bool) -> bool:
+    """Remote meets both budgets, but waits behind the prefill worker's queue or, under the
+    stall budget, slows the prompts queued on the decode worker (its split leaves them the
+    decode group's share), and local in SLO-sized chunks meets both too with an earlier
+    first token, counting that slowdown against remote. Prompts sent to one prefill worker
+    prefill together on its share of the cores while the decode worker holds the rest: a
+    burst of three 1,024-token prompts on a 1B model's two cores gave the last two 10.1 s
+    to their first token, both remote, where collocated's took 5.9 s.
+
+    The slowdown counts only under the stall budget: there the decode worker's StallGuard
+    sizes a local prompt's chunks from its own steps on whatever threads it has, so a split
+    made for a later prompt shrinks them; an SLO-sized chunk for an ITL target is fixed
+    when sent, and on the split share a chunk priced for the pool breaks that target."""
     c = p.slo_chunk
-    queued = p.queue_remote_s > 0
-    return queued and c is not None and c.meets(budgets) and c.ttft_s < p.remote.ttft_s
+    delay_s = p.split_delay_s if stall_bound else 0.0
+    if c is None or not c.meets(budgets) or p.queue_remote_s + delay_s <= 0:
+        return False
+    return c.ttft_s < p.remote.ttft_s + delay_s
 
 
 def _beside_decodes(

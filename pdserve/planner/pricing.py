@@ -93,6 +93,9 @@ class Prediction:
     ttft_budget_s: float
     stall_budget_s: float | None = None  # the step budget, when the stall budget is it
     stall_chunk: Candidate | None = None  # a fallback beside decodes, `_beside_decodes`
+    # What a remote prefill's split adds to the prompts queued on the decode worker: they
+    # prefill on its split share instead of local's threads (0: no queue, or no split).
+    split_delay_s: float = 0.0
 
     @property
     def budgets(self) -> Budgets:
@@ -113,6 +116,7 @@ class Prediction:
                     out[f"{c.path}_tokens"] = float(c.chunk_tokens)
                 out[f"ttft_{c.path}_s"], out[f"itl_{c.path}_s"] = c.ttft_s, c.itl_s
         out["transfer_s"], out["queue_remote_s"] = self.transfer_s, self.queue_remote_s
+        out["split_delay_s"] = self.split_delay_s
         out["itl_budget_s"], out["ttft_budget_s"] = self.itl_budget_s, self.ttft_budget_s
         if self.stall_budget_s is not None:
             out["stall_budget_s"] = self.stall_budget_s
@@ -162,6 +166,7 @@ def predict(
         cached_remote = s.num_cached_prefill_tokens
         own_remote = prefill("prefill", s.prefill_threads, remote_tokens, cached_remote, False)
         split = _priced(model.step_s("decode", s.decode_threads_split, StepShape(0, b, 0, ctx)))
+        queue_split = queue("decode", s.decode_threads_split, s.decode_queue_tokens, True)
     except _Unpriced:
         return None
     if not unloaded > 0:  # a fit that prices a decode step at nothing cannot set a budget
@@ -181,6 +186,7 @@ def predict(
         slo_chunk=slo_chunk,
         transfer_s=transfer,
         queue_remote_s=queue_remote,
+        split_delay_s=max(0.0, queue_split - queue_local),
         itl_budget_s=slo_itl_s if slo_itl_s is not None else math.inf,
         ttft_budget_s=slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * collocated,
     )

@@ -95,13 +95,17 @@ class AdaptiveRequest:
     async def cores(self, deadline: float, *worker_ids: str) -> None:
         """Return once every worker of `worker_ids` runs steps; one given none in time is
         lost for the request (it is re-driven)."""
-        for worker_id in worker_ids if self.planner else ():
-            if not await self.planner.cores_granted(worker_id, deadline - time.monotonic()):
-                raise Lost(
-                    f"worker {worker_id} was given no cores within the admission timeout",
-                    worker_id,
-                    "no_cores",
-                )
+        try:
+            for worker_id in worker_ids if self.planner else ():
+                if not await self.planner.cores_granted(worker_id, deadline - time.monotonic()):
+                    raise Lost(
+                        f"worker {worker_id} was given no cores within the admission timeout",
+                        worker_id,
+                        "no_cores",
+                    )
+        finally:  # the caller sends at once: its charge counts the prompt from here
+            if self.planner:
+                self.planner.dispatched(self.key)
 
     def on_landed(self, timing: RequestTiming) -> None:
         """A remote request's KV landed: its exposed transfer time is a planner sample."""

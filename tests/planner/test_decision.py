@@ -412,3 +412,24 @@ def test_a_prompt_queued_behind_the_prefill_worker_prefills_locally_when_that_is
     later = decide(both, model, 10.0, 0.02, 256)
     assert later.kind == REMOTE, later.predictions
     assert later.predictions["ttft_slo_chunk_s"] >= later.predictions["ttft_remote_s"]
+
+
+def test_under_the_stall_budget_a_split_that_slows_the_decode_workers_queue_counts_against_remote():
+    """The README's 1B cell on two cores: a prompt arrives while another prefills on the
+    decode worker. Remote would split the pool, and the prompt queued there would finish on
+    one core: that slowdown (`split_delay_s`) is weighed against remote's earlier token."""
+    model = OnlineCostModel(min_samples=20, profile=two_cores(ONE_B))
+    budget = max_gap_s(AdaptiveConfig(enabled=True), model, 2)
+    situation = two_core_situation(decode_need(model, 2, 1, 1100, None, budget), num_decodes=1)
+    alone = decide(situation, model, None, None, 256, budget, True)
+    assert (alone.kind, alone.reason, alone.predictions["split_delay_s"]) == (
+        REMOTE, "stall_budget", 0.0,
+    )  # fmt: skip
+    behind = dataclasses.replace(situation, decode_queue_tokens=1024)
+    d = decide(behind, model, None, None, 256, budget, True)
+    p = d.predictions
+    assert (d.kind, d.reason) == (LOCAL, "prefill_queue"), p
+    assert p["ttft_remote_s"] < p["ttft_slo_chunk_s"] < p["ttft_remote_s"] + p["split_delay_s"]
+    # an ITL target fixes the chunk when sent, so a later split is not priced away: remote
+    itl = decide(behind, model, None, budget, 256)
+    assert itl.kind == REMOTE, itl.predictions

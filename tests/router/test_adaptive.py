@@ -278,3 +278,29 @@ def test_status_and_metrics_show_the_decode_workers_guard_and_need(tokenizer_dir
         assert need == {"threads": 1, "stall_threads": 0, "split_breaks_stall": False}
         text = requests.get(f"{c.url}/metrics", timeout=10).text
         assert 'pdserve_stall_capped_steps_total{worker="d1"} 3.0' in text
+
+
+def test_a_remote_prompt_not_sent_yet_is_in_the_prefill_queue(tokenizer_dir, script, monkeypatch):
+    # The second of two prompts decided remote while the first waits for the prefill
+    # worker's cores (d1 gives them up at its next step boundary) is priced behind it.
+    real, queued = planner_module.decide, []
+
+    def record(situation, *args):
+        if situation.num_decodes:
+            queued.append(situation.prefill_queue_tokens)
+        return real(situation, *args)
+
+    monkeypatch.setattr(planner_module, "decide", record)
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
+                 d1={"step_s": 0.4}) as c:  # fmt: skip
+        plane, planner = c.app_state.plane, c.app_state.plane.planner
+        with ThreadPoolExecutor(3) as pool:
+            running = pool.submit(post, c, "Hi", 8)  # occupies d1, 0.4 s a step
+            c.wait_until(lambda: (s := plane.workers["d1"].stats) and s.num_running >= 1)
+            first = pool.submit(post, c, LONG, 2)
+            c.wait_until(lambda: len(queued) == 1)
+            second = pool.submit(post, c, LONG, 2)
+            assert all(f.result().status_code == 200 for f in (running, first, second))
+        assert queued[0] == 0 and queued[1] >= 200, queued  # the first's 200 tokens
+        assert kinds_for(c, "p0") == ["Prefill", "Prefill"]
+        assert planner._undispatched == {}  # both sent: the router's charge counted them
