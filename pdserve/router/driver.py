@@ -99,7 +99,7 @@ class RequestDriver:
                 return
             except Lost as lost:
                 self._abort_attempt()
-                self.fallbacks.redriven(lost.worker_id, lost.reason)
+                self.fallbacks.redrives.labels(lost.worker_id, lost.reason).inc()
                 self.num_recoveries += 1
                 if self.num_recoveries > self.config.max_recoveries:
                     raise bad_gateway(str(lost)) from None
@@ -279,7 +279,7 @@ class RequestDriver:
         self._excluded.add(reply.worker_id)
         if time.monotonic() >= deadline:
             raise unavailable(f"no worker had room within the admission timeout ({reply.reason})")
-        self.fallbacks.rejection_retried(reply.worker_id)
+        self.fallbacks.rejections_retried.labels(reply.worker_id).inc()
 
     async def _next(
         self, deadline: float | None = None, watch: str = "", first_token: bool = True

@@ -50,9 +50,6 @@ class FallbackMetrics:
             registry=registry,
         )
 
-    def redriven(self, worker_id: str, reason: str) -> None:
-        self.redrives.labels(worker_id, reason).inc()
-
     def served_whole(self, plane: Any, worker_id: str, num_streamed: int) -> None:
         """A request's attempt runs whole on `worker_id` (Generate): a fallback when the
         deployment (`plane`, the router's ControlPlane) has prefill and decode workers."""
@@ -65,6 +62,3 @@ class FallbackMetrics:
         else:
             reason = "no_decode" if role == "prefill" else "no_prefill"
         self.local_prefills.labels(worker_id, reason).inc()
-
-    def rejection_retried(self, worker_id: str) -> None:
-        self.rejections_retried.labels(worker_id).inc()
