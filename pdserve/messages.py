@@ -298,6 +298,9 @@ class Stats:
     pss_bytes: int = 0
     weight_bytes: int = 0
     kv_pool_bytes: int = 0
+    # Matrices the loader widened to fp32 as a fallback, by reason (dtype_F64: a type the
+    # in-place kernels cannot read; no_native_kernels: the whole checkpoint): set at load.
+    weights_widened: dict[str, int] = field(default_factory=dict)
     # A decode worker's StallGuard (engine/stall_guard.py): the stall budget and the cap in
     # prefill tokens a step of its last capped prefill, and the steps whose prefill reached
     # their cap (cumulative); None before any prefill was capped.

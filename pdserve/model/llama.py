@@ -121,6 +121,9 @@ class LlamaForCausalLM(nn.Module):
             )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Matrices a loader widened to fp32 as a fallback (the in-place kernels could not read
+        # them): name -> reason, counted in the worker's Stats (`weights_widened`).
+        self.widened_weights: dict[str, str] = {}
 
     def forward(
         self,

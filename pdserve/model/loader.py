@@ -94,6 +94,7 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> 
         if dtype != "float32":
             raise ValueError(f"{gguf_path}: quantized GGUF weights run with dtype float32")
         return load_gguf_model(gguf_path, cfg, device)
+    widened: dict[str, str] = {}  # the fallback: a checkpoint read in place, widened here
     if torch.device(device).type == "cpu" and dtype == "float32":
         entries = map_checkpoint(model_dir)
         if reads_in_place(entries):
@@ -105,10 +106,12 @@ def load_model(model_dir: Path, device: str = "cpu", dtype: str = "float32") -> 
                 "bf16/fp16 weights are converted to fp32 in memory instead of read in place",
                 model_dir,
             )
+            widened = {n: "no_native_kernels" for n, e in entries.items() if len(e.shape) == 2}
     state = to_model_state_dict(read_safetensors(model_dir), cfg)
     with torch.device("meta"):  # no memory for weights that are about to be replaced
         model = LlamaForCausalLM(cfg)
     model.load_state_dict(state, assign=True, strict=False)
+    model.widened_weights = widened
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope_cos, model.rope_sin = cos_sin_table(

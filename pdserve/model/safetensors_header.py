@@ -22,6 +22,9 @@ import numpy as np
 
 # safetensors dtype -> (ggml type id the kernels read, bytes a value).
 KERNEL_TYPES = {"F32": (0, 4), "F16": (1, 2), "BF16": (30, 2)}
+# Float types the kernels cannot read -> bytes a value: a matrix of one of them in a checkpoint
+# read in place is widened to fp32 at load (safetensors_weights.py counts and logs it).
+WIDENED_TYPES = {"F64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 # The format caps a header at 100 MB; a longer one is no safetensors header.
 MAX_HEADER_BYTES = 100_000_000
 # A sharded checkpoint's map of tensor names to the files holding them (transformers writes it).
@@ -94,26 +97,29 @@ def _entry(info: dict[str, Any], mapped: np.ndarray, start: int) -> Entry:
     dtype = str(info["dtype"])
     if not 0 <= begin <= end <= mapped.size - start or min(shape, default=1) < 0:
         raise ValueError(f"bytes [{begin}, {end}) of shape {list(shape)} lie outside the file")
-    if dtype in KERNEL_TYPES:
-        itemsize = KERNEL_TYPES[dtype][1]
+    if dtype in KERNEL_TYPES or dtype in WIDENED_TYPES:
+        itemsize = KERNEL_TYPES[dtype][1] if dtype in KERNEL_TYPES else WIDENED_TYPES[dtype]
         if end - begin != itemsize * math.prod(shape):
             raise ValueError(f"{end - begin} bytes do not hold a {dtype} {list(shape)}")
     return Entry(dtype, shape, mapped[start + begin : start + end])
 
 
 def reads_in_place(entries: dict[str, Entry]) -> bool:
-    """The rule: a checkpoint whose matrices are all of a type the kernels read (BF16, F16,
-    F32) and not all F32 is read in place. An fp32 checkpoint loads as fp32 tensors (the
-    panel kernels and oneDNN run it; the tiny models tests compare to transformers are fp32);
-    one of other types (F64, FP8, ...) is converted to fp32 by loader.py."""
+    """The rule: a checkpoint with BF16 or F16 matrices, all others of a type the kernels read
+    (F32) or one widened to fp32 at load (WIDENED_TYPES), is read in place. An fp32 checkpoint
+    loads as fp32 tensors (the panel kernels and oneDNN run it; the tiny models tests compare
+    to transformers are fp32), as does one of other types (I8, ...), by loader.py."""
     types = {e.dtype for e in entries.values() if len(e.shape) == 2}
-    return bool(types) and types <= KERNEL_TYPES.keys() and types != {"F32"}
+    return bool(types & {"BF16", "F16"}) and types <= KERNEL_TYPES.keys() | WIDENED_TYPES.keys()
 
 
 def in_place_bytes(model_dir: Path) -> int:
     """The bytes of the matrices a worker of `model_dir` maps in place (0: none: it loads the
-    checkpoint as fp32), for memory estimates; headers are read, no weight."""
+    checkpoint as fp32), for memory estimates; headers are read, no weight. A widened matrix
+    (WIDENED_TYPES) is each worker's own fp32 copy, not counted here."""
     entries = map_checkpoint(model_dir)
     if not reads_in_place(entries):
         return 0
-    return sum(e.data.nbytes for e in entries.values() if len(e.shape) == 2)
+    return sum(
+        e.data.nbytes for e in entries.values() if len(e.shape) == 2 and e.dtype in KERNEL_TYPES
+    )

@@ -10,23 +10,36 @@ only the norms and biases (a few KB a layer) are copied, to fp32. Loading alloca
 weight at any point, and the page cache holds one copy of the weights per host, shared by every
 worker that maps the same files. Q/K rows are in Hugging Face's order already (no row map).
 The files are parsed and mapped by safetensors_header.py.
+
+The fallback: a matrix of a float type the kernels cannot read (F64, FP8:
+safetensors_header.WIDENED_TYPES) is widened to an fp32 copy of the worker's own. Each such
+matrix is logged at load, named with its type, and counted in the model's `widened_weights`
+(the worker's Stats `weights_widened`: /v1/status and `pdserve_weights_widened_total`).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.quant_linear import QuantEmbedding, QuantLinear, QuantTensor
 from pdserve.model.rope import cos_sin_table
-from pdserve.model.safetensors_header import KERNEL_TYPES, Entry
+from pdserve.model.safetensors_header import KERNEL_TYPES, WIDENED_TYPES, Entry
 
-# safetensors dtype -> torch's, for the vectors copied to fp32.
-TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+log = logging.getLogger(__name__)
+
+# safetensors dtype -> torch's, for the tensors copied to fp32.
+TORCH_DTYPES = {
+    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+F32 = KERNEL_TYPES["F32"][0]
 
 
 class _Weights:
@@ -35,6 +48,7 @@ class _Weights:
 
     def __init__(self, entries: dict[str, Entry], model_dir: Path) -> None:
         self.entries, self.model_dir = dict(entries), model_dir
+        self.widened: dict[str, str] = {}  # matrix name -> why it was widened to fp32
 
     def take(self, name: str) -> Entry:
         try:
@@ -43,11 +57,16 @@ class _Weights:
             raise ValueError(f"checkpoint in {self.model_dir} lacks the tensor {name!r}") from None
 
     def matrix(self, name: str) -> QuantTensor:
+        """A matrix as a view of its mapped bytes, or (WIDENED_TYPES) an fp32 copy, counted."""
         entry = self.take(name)
-        if len(entry.shape) != 2 or entry.dtype not in KERNEL_TYPES:
+        if len(entry.shape) != 2 or entry.dtype not in TORCH_DTYPES:
             raise ValueError(f"{self.model_dir}: tensor {name} is a {entry.dtype} "
                              f"{list(entry.shape)}, not a BF16, F16 or F32 matrix")  # fmt: skip
         rows, cols = entry.shape
+        if entry.dtype in WIDENED_TYPES:
+            self.widened[name] = f"dtype_{entry.dtype}"
+            data = _widened(entry).numpy().view(np.uint8).reshape(rows, cols * 4)
+            return QuantTensor(data, F32, rows, cols, name)
         qtype, itemsize = KERNEL_TYPES[entry.dtype]
         data = entry.data.reshape(rows, cols * itemsize)
         return QuantTensor(data, qtype, rows, cols, name)
@@ -55,17 +74,25 @@ class _Weights:
     def vector(self, name: str) -> torch.Tensor:
         """A norm's or bias's values, copied to fp32."""
         entry = self.take(name)
-        if len(entry.shape) != 1 or entry.dtype not in KERNEL_TYPES:
+        if len(entry.shape) != 1 or entry.dtype not in TORCH_DTYPES:
             raise ValueError(f"{self.model_dir}: tensor {name} is a {entry.dtype} "
                              f"{list(entry.shape)}, not a BF16, F16 or F32 vector")  # fmt: skip
-        raw = torch.frombuffer(bytearray(entry.data), dtype=TORCH_DTYPES[entry.dtype])
-        return raw.float()
+        return _widened(entry)
 
     def fused(self, prefix: str, fused: str, parts: list[str]) -> list[QuantTensor]:
         """Phi-3 ships qkv_proj and gate_up_proj fused; the others separate."""
         if prefix + fused in self.entries:
             return [self.matrix(prefix + fused)]
         return [self.matrix(prefix + part) for part in parts]
+
+    def log_widened(self) -> None:
+        """One line at load naming every widened matrix and why (none: nothing logged)."""
+        if self.widened:
+            log.warning(
+                "%s: %d matrices widened to fp32, each worker's own copy (the in-place kernels "
+                "read BF16, F16 and F32): %s", self.model_dir, len(self.widened),
+                ", ".join(f"{name} ({why})" for name, why in self.widened.items()),
+            )  # fmt: skip
 
     def check_all_taken(self) -> None:
         leftover = [k for k in self.entries if not k.endswith("rotary_emb.inv_freq")]
@@ -90,6 +117,8 @@ def load_safetensors_model(
     weights.entries.pop("lm_head.weight", None)  # a tied checkpoint may carry a copy
     model.lm_head = QuantLinear(lib, [head])
     weights.check_all_taken()
+    weights.log_widened()
+    model.widened_weights = weights.widened
     model.rope_cos, model.rope_sin = cos_sin_table(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
     )
@@ -117,6 +146,12 @@ def _load_layer(w: _Weights, prefix: str, layer: torch.nn.Module, cfg: ModelConf
     if cfg.qk_norm:
         attn.q_norm.weight = _param(w.vector(prefix + "self_attn.q_norm.weight"))
         attn.k_norm.weight = _param(w.vector(prefix + "self_attn.k_norm.weight"))
+
+
+def _widened(entry: Entry) -> torch.Tensor:
+    """A tensor's values copied to fp32."""
+    raw = torch.frombuffer(bytearray(entry.data), dtype=TORCH_DTYPES[entry.dtype])
+    return raw.float().reshape(entry.shape)
 
 
 def _param(t: torch.Tensor) -> torch.nn.Parameter:

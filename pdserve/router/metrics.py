@@ -349,6 +349,10 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
                 "KV connections a prefill worker moved to a slower path, by reason (shm_to_tcp: "
                 "the receiver's shared memory could not be mapped).", ["worker", "reason"],
                 per_key("kv_transfer_fallbacks")),
+        _family("counter", "pdserve_weights_widened_total",
+                "Matrices a worker's loader widened to fp32 as a fallback, by reason (dtype_F64: "
+                "a type the in-place kernels cannot read; no_native_kernels).",
+                ["worker", "reason"], per_key("weights_widened")),
         _family("counter", "pdserve_kv_tier_moved_bytes_total",
                 "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
                 ["worker", "src", "dst"], moved),

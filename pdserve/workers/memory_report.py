@@ -9,6 +9,8 @@ the workers' PSS add up to what the host gives them; RSS counts shared pages in 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,11 +81,12 @@ class MemoryReport:
 
     def __init__(self, model: nn.Module, kv_cache: torch.Tensor) -> None:
         self.weight_bytes = held_weight_bytes(model)
+        self.weights_widened = dict(Counter(getattr(model, "widened_weights", {}).values()))
         self.kv_pool_bytes = kv_cache.numel() * kv_cache.element_size()
         self._rss_pss = process_memory()
         self._read_at = time.monotonic()
 
-    def fields(self) -> dict[str, int]:
+    def fields(self) -> dict[str, Any]:
         now = time.monotonic()
         if now - self._read_at >= REFRESH_S:
             self._rss_pss, self._read_at = process_memory(), now
@@ -93,4 +96,5 @@ class MemoryReport:
             "pss_bytes": pss,
             "weight_bytes": self.weight_bytes,
             "kv_pool_bytes": self.kv_pool_bytes,
+            "weights_widened": self.weights_widened,
         }

@@ -36,7 +36,11 @@ def test_rule_keeps_fp32_and_other_types_off_the_kernels(tmp_path):
     assert not reads_in_place(map_checkpoint(tmp_path))  # fp32 matrices: the fp32 path
     save_file({"v": torch.randn(2, 4).double()}, tmp_path / "b.safetensors")
     save_file({"x": torch.randn(2, 4).bfloat16()}, tmp_path / "c.safetensors")
-    assert not reads_in_place(map_checkpoint(tmp_path))  # an F64 matrix: converted to fp32
+    # An F64 matrix beside a BF16 one: read in place, the F64 one widened (not mapped).
+    assert reads_in_place(map_checkpoint(tmp_path))
+    assert in_place_bytes(tmp_path) == 2 * 4 * 4 + 2 * 4 * 2  # the F32 and BF16 matrices
+    save_file({"i": torch.ones(2, 4, dtype=torch.int8)}, tmp_path / "d.safetensors")
+    assert not reads_in_place(map_checkpoint(tmp_path))  # an I8 matrix: loader.py's fp32 path
 
 
 def test_a_tensor_in_two_shards_is_refused(tmp_path):

@@ -3,6 +3,7 @@ greedy tokens equal transformers' run in fp32 on the same values, its mapped pag
 between processes, and loading it holds no fp32 copy."""
 
 import json
+import logging
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from pdserve.model import native, quant_linear
 from pdserve.model.loader import load_model
 from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear, QuantTensor
 from pdserve.model.safetensors_header import in_place_bytes, map_checkpoint
+from pdserve.workers.memory_report import MemoryReport
 from tests.model.test_families import (
     FAMILIES,
     PROMPTS,
@@ -26,7 +28,7 @@ from tests.model.test_gguf_weights import mapping, two_processes
 from tests.model.test_llama import our_logits
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="needs the native CPU kernels")
-BF16, F16 = 30, 1
+BF16, F16, F32 = 30, 1, 0
 
 
 def save_as(fp32_dir, out_dir, dtype: torch.dtype, **save_kwargs):
@@ -188,6 +190,40 @@ def test_missing_and_unused_tensors_are_named(bf16_family, tmp_path):
     )
     with pytest.raises(ValueError, match=r"does not use: \['model\.layers\.9\.extra\.weight'\]"):
         load_model(extra)
+
+
+def test_a_matrix_the_kernels_cannot_read_is_widened_and_counted(tmp_path, caplog):
+    """An F64 matrix in a bf16 checkpoint (safetensors_header.WIDENED_TYPES) becomes an fp32
+    copy of the worker's own while the rest stays mapped: logged at load naming it and why,
+    counted in the worker's Stats (`weights_widened`)."""
+    fp32_dir = make_family(tmp_path / "fp32", "llama3-untied")
+    model_dir = save_as(fp32_dir, tmp_path / "bf16", torch.bfloat16)
+    name = "model.layers.1.mlp.down_proj.weight"
+    rewrite(model_dir, lambda t: t.update({name: t[name].double()}))
+    with caplog.at_level(logging.WARNING, logger="pdserve.model.safetensors_weights"):
+        model = load_model(model_dir)
+    assert model.widened_weights == {name: "dtype_F64"}
+    assert "1 matrices widened to fp32" in caplog.text and f"{name} (dtype_F64)" in caplog.text
+    assert weight_types(model) == {BF16, F32}
+    assert model.layers[1].mlp.down_proj.parts[0].qtype == F32
+    assert MemoryReport(model, torch.zeros(1)).fields()["weights_widened"] == {"dtype_F64": 1}
+    ids = PROMPTS[0]
+    torch.testing.assert_close(
+        our_logits(model, ids), hf_logits(model_dir, ids), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_without_native_kernels_every_matrix_is_widened_and_counted(bf16_family, monkeypatch):
+    """Where the native kernels cannot run, loader.py converts the whole bf16 checkpoint to
+    fp32: every matrix counted as widened (no_native_kernels)."""
+    name, model_dir = bf16_family
+    monkeypatch.setattr(native, "load", lambda *args: None)
+    model = load_model(model_dir)
+    matrices = [k for k, e in map_checkpoint(model_dir).items() if len(e.shape) == 2]
+    assert model.widened_weights == dict.fromkeys(matrices, "no_native_kernels")
+    widened = MemoryReport(model, torch.zeros(1)).fields()["weights_widened"]
+    assert widened == {"no_native_kernels": len(matrices)}
+    assert not weight_types(model)
 
 
 # Loads the model, runs every matrix once, prints its peak RSS growth over the loading

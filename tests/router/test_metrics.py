@@ -13,6 +13,7 @@ ROW = {
     "kv_blocks_skipped": 3, "active_requests": 2, "unacked_releases": 0,
     "kv_tiers": {"L1": {"lookups": 10, "hits": 4, "bytes_read": 5, "bytes_written": 6}},
     "kv_moved_bytes": {"L2->L3": 300}, "kv_transfer_fallbacks": {"shm_to_tcp": 2},
+    "weights_widened": {"dtype_F64": 3},
 }  # fmt: skip
 
 
@@ -66,6 +67,8 @@ def test_worker_rows_are_escaped_typed_and_exact():
     assert got["pdserve_kv_tier_moved_bytes_total", moved] == 300
     fallback = frozenset({worker, ("reason", "shm_to_tcp")})
     assert got["pdserve_kv_transfer_fallbacks_total", fallback] == 2
+    widened = frozenset({worker, ("reason", "dtype_F64")})
+    assert got["pdserve_weights_widened_total", widened] == 3
     assert got["pdserve_worker_prompt_tokens_total", frozenset({worker, ("source", "cached")})] == 0
 
 
