@@ -42,8 +42,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.cluster.config import Pipeline, WorkerGroup
-from pdserve.cluster.launcher import Cluster, free_port
+from pdserve.cluster.launcher import free_port
 from pdserve.model.registry import known_gguf_path
 
 MODEL = "smollm2-135m"
@@ -105,86 +104,74 @@ def served_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
     return row
 
 
-def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import served_speed as s; print(s.offline_tpot_ms({args.model!r}, {args.threads}, "
-            f"{args.input_len}, {args.output_len}, {args.requests}))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True, env={**os.environ, **variant})  # fmt: skip
-    row = {"offline_tpot_ms": float(out.stdout.strip().splitlines()[-1])}
-    pipeline = Pipeline(
-        model=args.model, collocated=WorkerGroup(threads=args.threads), port=free_port()
-    )
-    saved = dict(os.environ)
-    os.environ.update(variant)  # the launcher hands its environment to the workers
-    try:
-        with Cluster(pipeline, log_level="WARNING") as url:
-            row.update(served_figures(url, args))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    row["served_over_offline"] = row["served_tpot_ms"] / row["offline_tpot_ms"]
-    return row
+def pdserve_up(args: argparse.Namespace, port: int, *layout: str) -> list[str]:
+    """`pdserve up` of `--model` on `port`: `layout` its workers, `--threads` each."""
+    return [str(Path(sys.executable).with_name("pdserve")), "up", "--model", args.model,
+            "--threads", str(args.threads), "--port", str(port), *layout]  # fmt: skip
 
 
 @contextmanager
-def llama_server(args: argparse.Namespace):
-    """A running llama-server (its URL), a slot per concurrent request; stopped on exit."""
-    slots = max(args.concurrent, 1)
-    longest = max(args.input_len + args.output_len, args.long_input_len + 4) + 1
-    port, slot_ctx = free_port(), -(-longest // 256) * 256
-    cmd = [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
-           "-np", str(slots), "-c", str(slots * slot_ctx), "-t", str(args.threads),
-           "-tb", str(args.threads), "--cont-batching"]  # fmt: skip
+def serving(cmd: list[str], port: int, model: str, env: dict[str, str] | None = None):
+    """`cmd` launched and sent one chat request until it answers: yields (seconds from the
+    launch to that answer, its pid); the server is stopped on exit."""
     url = f"http://127.0.0.1:{port}"
-    with open(Path(tempfile.gettempdir()) / f"llama-server-{port}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            for _ in range(240):  # not listening yet, or 503 while the model loads
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=5):
-                        break
-                except (urllib.error.URLError, OSError):
-                    time.sleep(0.5)
-            else:
-                raise RuntimeError(f"llama-server not healthy (see {log.name})")
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(30)
-
-
-def measure_llamacpp(args: argparse.Namespace) -> dict[str, float]:
-    with llama_server(args) as url:
-        return served_figures(url, args)
-
-
-def first_answer_s(cmd: list[str], url: str, model: str, log_name: str, after=None) -> dict:
-    """Launch `cmd`, send one chat request until it is answered; the seconds from launch to the
-    answer, and what `after(pid)` returns then; the server is stopped on return."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}],
                        "max_tokens": 8, "temperature": 0}).encode()  # fmt: skip
     request = urllib.request.Request(f"{url}/v1/chat/completions", body,
                                      {"Content-Type": "application/json"})  # fmt: skip
-    log_path = Path(tempfile.gettempdir()) / f"cold-start-{log_name}.log"
+    log_path = Path(tempfile.gettempdir()) / f"served-speed-{Path(cmd[0]).name}-{port}.log"
     with open(log_path, "w") as log:
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             while proc.poll() is None and time.monotonic() - start < COLD_START_LIMIT_S:
                 try:
                     with urllib.request.urlopen(request, timeout=COLD_START_LIMIT_S):
-                        row = {"cold_start_s": time.monotonic() - start}
-                        return row | (after(proc.pid) if after else {})
+                        break
                 except (urllib.error.URLError, OSError):
                     time.sleep(0.2)  # not listening, or no worker ready (503) yet
-            raise RuntimeError(f"{cmd[0]}: no answer (see {log_path})")
+            else:
+                raise RuntimeError(f"{cmd[0]}: no answer (see {log_path})")
+            yield time.monotonic() - start, proc.pid
         finally:
             proc.terminate()
             proc.wait(60)
 
 
+def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
+    """Offline TPOT in a fresh process, then `pdserve up --collocated 1` driven by the client,
+    both with the variant's environment."""
+    env = {**os.environ, **variant}
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import served_speed as s; print(s.offline_tpot_ms({args.model!r}, {args.threads}, "
+            f"{args.input_len}, {args.output_len}, {args.requests}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, env=env)  # fmt: skip
+    row = {"offline_tpot_ms": float(out.stdout.strip().splitlines()[-1])}
+    port = free_port()
+    with serving(pdserve_up(args, port, "--collocated", "1"), port, args.model, env):
+        row.update(served_figures(f"http://127.0.0.1:{port}", args))
+    row["served_over_offline"] = row["served_tpot_ms"] / row["offline_tpot_ms"]
+    return row
+
+
+def llama_server(args: argparse.Namespace, port: int, *flags: str) -> list[str]:
+    return [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-t", str(args.threads), *flags]  # fmt: skip
+
+
+def measure_llamacpp(args: argparse.Namespace) -> dict[str, float]:
+    """llama-server on the same GGUF, a slot per concurrent request, driven by the client."""
+    slots, port = max(args.concurrent, 1), free_port()
+    longest = max(args.input_len + args.output_len, args.long_input_len + 4) + 1
+    cmd = llama_server(args, port, "-np", str(slots), "-c", str(slots * -(-longest // 256) * 256),
+                       "-tb", str(args.threads), "--cont-batching")  # fmt: skip
+    with serving(cmd, port, args.model):
+        return served_figures(f"http://127.0.0.1:{port}", args)
+
+
 def process_tree(pid: int) -> list[int]:
+
     pids, todo = [], [pid]
     while todo:
         pids.append(todo.pop())
@@ -214,21 +201,20 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def cold_start(cmd: list[str], port: int, args: argparse.Namespace, memory: bool) -> dict:
+    with serving(cmd, port, args.model) as (seconds, pid):
+        return {"cold_start_s": seconds} | (pdserve_memory(args, pid) if memory else {})
+
+
 def cold_start_rounds(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     """Each round launches every server once, alternating which goes first."""
     port = free_port()
-    pdserve = [str(Path(sys.executable).with_name("pdserve")), "up", "--model", args.model,
-               "--prefill", "1", "--decode", "1", "--kv-cache-bytes", str(args.kv_cache_bytes),
-               "--threads", str(args.threads), "--port", str(port)]  # fmt: skip
-    servers = {"pdserve": lambda: first_answer_s(
-        pdserve, f"http://127.0.0.1:{port}", args.model, "pdserve",
-        lambda pid: pdserve_memory(args, pid))}  # fmt: skip
+    pdserve = pdserve_up(args, port, "--prefill", "1", "--decode", "1", "--kv-cache-bytes",
+                         str(args.kv_cache_bytes))  # fmt: skip
+    servers = {"pdserve": lambda: cold_start(pdserve, port, args, memory=True)}
     if args.llama_server:
-        llama = [args.llama_server, "-m", args.model, "-t", str(args.threads), "-c",
-                 str(args.ctx_size), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-        servers["llama.cpp"] = lambda: first_answer_s(
-            llama, f"http://127.0.0.1:{port}", args.model, "llama-server"
-        )
+        llama = llama_server(args, port, "-c", str(args.ctx_size))
+        servers["llama.cpp"] = lambda: cold_start(llama, port, args, memory=False)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     for r in range(args.rounds):
         for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
