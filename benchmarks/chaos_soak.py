@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import fcntl
 import json
 import os
 import random
@@ -37,8 +36,8 @@ from pdserve.cluster.config import Pipeline, WorkerGroup
 from pdserve.cluster.launcher import Cluster, free_port
 from pdserve.cluster.supervisor import RestartPolicy
 from pdserve.kvstore.config import KVStoreConfig
+from pdserve.transfer.shm import SHM_DIR, sweep_orphans
 
-SHM_DIR = "/dev/shm"
 WORKERS = ("prefill-0", "decode-0", "decode-1")
 
 
@@ -162,26 +161,6 @@ def wait_whole(url: str, timeout_s: float) -> dict[str, tuple[int, int]]:
     return blocks
 
 
-def orphan_pools(before: set[str]) -> list[str]:
-    """KV pool files made since `before` that no live process holds (its creator's flock)."""
-    left = []
-    for name in sorted(set(os.listdir(SHM_DIR)) - before):
-        if not name.startswith("pdserve-kv-"):
-            continue
-        try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            left.append(name)
-        except OSError:
-            pass  # held: another live process's pool
-        finally:
-            os.close(fd)
-    return left
-
-
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -271,7 +250,8 @@ def main() -> int:
         cluster.check_alive()  # the supervisor did not give up
     pids = cluster.supervisor.pids if cluster.supervisor else []
     time.sleep(1)
-    left = orphan_pools(shm_before)
+    # Pools no live process holds (their creator's flock), made by this run, removed.
+    left = [name for name in sweep_orphans() if name not in shm_before]
     summary = summarize(results, refs, pool, blocks, pids, left, chaos.events, args)
     text = json.dumps(summary, indent=2)
     print(text)
