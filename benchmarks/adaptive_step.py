@@ -8,7 +8,7 @@ requests stalled (a gap over `--stall-s`), TTFT and TPOT p50/p90, the split's ch
 settle time (the split's last change in the phase, in planner intervals, from the phase's
 first request sent while another is in flight, and from its start) and flip-backs (a change
 returning the split to what it was two changes before). Role changes need three or more
-workers (`--cpus`). The JSON keeps every status sample.
+workers (`--cpus`). The JSON keeps every stall and status sample.
 
     .venv/bin/python benchmarks/adaptive_step.py --slo-itl-ms 60 --output step.json
     .venv/bin/python benchmarks/adaptive_step.py --workers 3 --cpus 0-3
@@ -162,7 +162,8 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
     for i, (document, result) in enumerate(results):
         summary = document["summary"]
         start, end = i * args.phase_seconds, (i + 1) * args.phase_seconds
-        gaps = [r.max_gap_s for r in result.records if r.max_gap_s is not None]
+        gaps = stalls(result.records, runs_s[i], 0.0)
+        long_gaps = [g for g in gaps if g["gap_s"] > args.stall_s]
         first = runs_s[i] + min((r.send_s for r in result.records), default=0.0)
         overlap = first_overlap(result.records, runs_s[i], spans) or first
         changes = phase_changes(poller.samples, start, end, overlap)
@@ -173,8 +174,10 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
             "num_rejected": sum(r.status == REJECTED for r in result.records),
             "num_failed": sum(r.status not in (OK, REJECTED) for r in result.records),
             "errors": sorted({r.error for r in result.records if r.error})[:5],
-            "max_gap_s": max(gaps, default=None),
-            "num_stalled": sum(g > args.stall_s for g in gaps),
+            "max_gap_s": max((g["gap_s"] for g in gaps), default=None),
+            "max_gap_end_s": max(gaps, key=lambda g: g["gap_s"])["end_s"] - start if gaps else None,
+            "num_stalled": len({g["request"] for g in long_gaps}),
+            "stalls": long_gaps,
             "first_request_s": round(first - start, 3),
             "first_overlap_s": round(overlap - start, 3),
             "settle_from_first_request_s": max(0.0, changes["settle_from_start_s"] + start - first)
@@ -196,6 +199,22 @@ def first_overlap(records: list, run_s: float, spans: list[tuple[float, float]])
         if any(a < sent < b for a, b in spans):
             return sent
     return None
+
+
+def stalls(records: list, run_s: float, min_gap_s: float) -> list[dict[str, Any]]:
+    """Every gap over `min_gap_s` between two tokens of a finished request: its length, the
+    request, and when it ended (s after the benchmark's start, as the split's change times),
+    longest first."""
+    out = []
+    for r in records:
+        if not r.ok or r.ttft_s is None:
+            continue
+        t = run_s + r.send_s + r.ttft_s
+        for g in r.itl_s:
+            t += g
+            if g > min_gap_s:
+                out.append({"gap_s": round(g, 3), "end_s": round(t, 3), "request": r.request_id})
+    return sorted(out, key=lambda g: -g["gap_s"])
 
 
 # What is printed of each phase (the JSON of `--output` keeps every field and sample).
