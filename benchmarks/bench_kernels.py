@@ -12,14 +12,14 @@ widest this CPU runs), `--vs` a second one in the same run (`--isa amx --vs avx5
 gguf`). Columns interleave. Run on an idle machine.
 
 `--weights in-place` times instead an 8192x2048 GGUF matrix read in place (`QuantLinear`, the
-1B models' gate/up shape) per block type, with fp32 activations and, for the types that have
-them, int8 ones (quant_linear.INT8_M_MAX); above 16 rows the fp32 dequantize-and-GEMM path
-against AMX bf16 tiles (the amx kernels) or, without AMX, the int8 kernel taken past 16 rows
-(`--rows 32 128 512`): `hot` calls one matrix again and again (its 5-18 MB
-stay in the L2/L3 caches), `streamed` cycles through copies larger than the caches, as a decode
-step streams each weight from memory once. At `--threads 1` the times are the calling thread's
-CPU time (the kernels run on it), which leaves out what other processes' load preempts; with
-more threads, wall time.
+1B models' gate/up shape) per block type (`--types BF16 F16`: a Hugging Face checkpoint's),
+with fp32 activations and, for the types that have them, int8 ones (quant_linear.INT8_M_MAX);
+above 16 rows the fp32 dequantize-and-GEMM path against AMX bf16 tiles (the amx kernels) or,
+without AMX, the int8 kernel taken past 16 rows (`--rows 32 128 512`): `hot` calls one matrix
+again and again (its 5-18 MB stay in the L2/L3 caches), `streamed` cycles through copies
+larger than the caches, as a decode step streams each weight from memory once. At
+`--threads 1` the times are the calling thread's CPU time (the kernels run on it), which
+leaves out what other processes' load preempts; with more threads, wall time.
 """
 
 from __future__ import annotations
@@ -193,7 +193,8 @@ def main() -> None:
     ap.add_argument("--isa", choices=["auto", *native.ISA_FLAGS], default=None)
     ap.add_argument("--weights", choices=["fp32", "gguf", "in-place"], default="fp32")
     ap.add_argument("--stream-mb", type=int, default=768, help="in-place: bytes of copies")
-    ap.add_argument("--types", nargs="+", choices=IN_PLACE_TYPES, default=IN_PLACE_TYPES)
+    types = [*IN_PLACE_TYPES, "BF16", "F16"]  # those two: Hugging Face checkpoints' matrices
+    ap.add_argument("--types", nargs="+", choices=types, default=IN_PLACE_TYPES)
     ap.add_argument("--vs", choices=list(native.ISA_FLAGS), help="a second native variant")
     args = ap.parse_args()
     if args.threads:
