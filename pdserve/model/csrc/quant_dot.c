@@ -10,6 +10,8 @@
  *   q256 int8 [K]    per 256 values: d = max|x| / 127, q = round-to-nearest-even(x * 127/max)
  *   q32  int8 [K]    the same per 32 values
  *   d256 f32 [K/256], d32 f32 [K/32], bsum int16 [K/16] (sum of each 16 q256 values)
+ *   q4k  int8 [K]    q256 with each 128 values' 32-value quarters in the order 0, 2, 1, 3:
+ *                    the order in which 64 bytes of Q4_K nibbles hold their values (below)
  * The 256-value form serves the K-quants (their scales multiply integer sub-block sums; a
  * min or an offset is one multiply by the bsums), the 32-value form Q8_0, whose own scale
  * changes every 32 values. Every |x - q d| <= d / 2, so a weight row's dot product moves by
@@ -30,13 +32,14 @@ int pd_q8_dot_type(int64_t type, int64_t K) {
 }
 
 int64_t pd_q8_row_bytes(int64_t K) {
-    return 2 * up64(K) + up64(K / 256 * 4) + up64(K / 32 * 4) + up64(K / 16 * 2);
+    return 3 * up64(K) + up64(K / 256 * 4) + up64(K / 32 * 4) + up64(K / 16 * 2);
 }
 
 typedef struct {
     int8_t *q256, *q32;
     float *d256, *d32;
     int16_t *bsum;
+    int8_t *q4k;
 } q8row;
 
 static q8row q8_parts(void *base, int64_t K) {
@@ -46,7 +49,8 @@ static q8row q8_parts(void *base, int64_t K) {
     r.q32 = (int8_t *)p, p += up64(K);
     r.d256 = (float *)p, p += up64(K / 256 * 4);
     r.d32 = (float *)p, p += up64(K / 32 * 4);
-    r.bsum = (int16_t *)p;
+    r.bsum = (int16_t *)p, p += up64(K / 16 * 2);
+    r.q4k = (int8_t *)p;
     return r;
 }
 
@@ -78,6 +82,9 @@ void pd_q8_quantize(const float *x, int64_t K, void *out) {
         for (int i = 0; i < 16; i++) sum += r.q256[16 * s + i];
         r.bsum[s] = (int16_t)sum;
     }
+    static const int quarter[4] = {0, 2, 1, 3};
+    for (int64_t i = 0; i < K; i += 32)
+        memcpy(r.q4k + i, r.q256 + (i & ~127) + 32 * quarter[(i >> 5) & 3], 32);
 }
 
 static inline float fp16(const uint8_t *p) {
@@ -97,6 +104,21 @@ static inline float fp16(const uint8_t *p) {
 #endif
 
 static inline __m256i ld(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* Bytes ahead of the block being read that the kernels prefetch, the lines of one block per
+ * block: a decode step streams every weight from memory once, and a prefetch spread over the
+ * arithmetic keeps the loads in flight while it runs, where a whole row's lines asked for at
+ * once stall it on the fill buffers (K-quant rows of 2048 values streamed from DRAM, 2
+ * threads: ~15% less time than a row prefetched ahead; docs/cpu-kernels.md). A prefetch never
+ * faults, so the lines past a tensor's end cost nothing but the read. */
+#define DOT_PF_BYTES 4096
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *b, int block_bytes) {
+    const char *p = (const char *)b + DOT_PF_BYTES; /* gcc drops a loop of prefetches */
+    _mm_prefetch(p, _MM_HINT_T0);
+    if (block_bytes > 64) _mm_prefetch(p + 64, _MM_HINT_T0);
+    if (block_bytes > 128) _mm_prefetch(p + 128, _MM_HINT_T0);
+    if (block_bytes > 192) _mm_prefetch(p + 192, _MM_HINT_T0);
+}
 
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -118,6 +140,7 @@ ROWS_INLINE void dot_q8_0(const uint8_t *b, const q8row *x, int R, int64_t nb, f
     __m256 acc[ROWS_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; j++, b += 34) {
+        prefetch_ahead(b, 34);
         __m256i w = ld(b + 2), aw = _mm256_sign_epi8(w, w);
         float d = fp16(b);
         for (int r = 0; r < R; r++) {
@@ -151,6 +174,7 @@ ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
     for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int64_t j = 0; j < nb; j++, b += 144) {
+        prefetch_ahead(b, 144);
         const uint8_t *qs = b + 16;
         uint64_t sc, mn;
         scales_mins_k4(b + 4, &sc, &mn);
@@ -189,6 +213,7 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
     __m256 acc[ROWS_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; j++, b += 210) {
+        prefetch_ahead(b, 210);
         const int8_t *sc = (const int8_t *)(b + 192);
         __m256i isum[ROWS_MAX];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
@@ -224,28 +249,50 @@ static inline __m512i lanes_of(int first, int count) { /* index `first + i / cou
     return _mm512_cvtepu8_epi16(ld(idx));
 }
 
+/* Sums of 4 u8 x s8 products in 32-bit lanes: vpdpbusd, or maddubs (|u| <= 63, |s| <= 127:
+ * no pair saturates) and madd by ones; the same integers either way. */
+static inline __m512i dot4_u8s8(__m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#endif
+}
+
+/* Q4_K, 128 values a step: 64 bytes of qs (chunks 2p, 2p + 1) hold sub-blocks 4p and 4p + 2 in
+ * their low nibbles, 4p + 1 and 4p + 3 in their high ones, which q4k's order matches. Each
+ * half's sums of 4 (at most 4 * 15 * 127) packed to 16 bits (packs interleaves the two per
+ * 128-bit lane: sub-blocks 4p | 4p + 1 in lanes 0-1, 4p + 2 | 4p + 3 in lanes 2-3) and
+ * multiplied by their scales in one madd: a multiply per 8 products where maddubs took one
+ * per 2. */
 ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
     __m512 acc[ROWS_MAX];
     __m256 mins[ROWS_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps(), mins[r] = _mm256_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(15);
-    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    __m512i pick[4];
-    for (int c = 0; c < 4; c++) pick[c] = lanes_of(2 * c, 16);
+    __m512i pick[2];
+    for (int p = 0; p < 2; p++) {
+        uint16_t idx[32];
+        for (int i = 0; i < 32; i++) idx[i] = (uint16_t)(4 * p + (i / 8 >= 2 ? 2 : 0) + (i % 8) / 4);
+        pick[p] = _mm512_loadu_si512(idx);
+    }
     for (int64_t j = 0; j < nb; j++, b += 144) {
+        prefetch_ahead(b, 144);
         const uint8_t *qs = b + 16;
         uint64_t sc, mn;
         scales_mins_k4(b + 4, &sc, &mn);
         __m512i scv = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
         __m512i isum[ROWS_MAX];
         for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) { /* low nibbles in the low half, high in the high one */
-            __m512i q = _mm512_broadcast_i64x4(ld(qs + 32 * c));
-            q = _mm512_and_si512(_mm512_srlv_epi16(q, shift), m4);
-            __m512i s = _mm512_permutexvar_epi16(pick[c], scv);
+        for (int p = 0; p < 2; p++) {
+            __m512i q = _mm512_loadu_si512(qs + 64 * p);
+            __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+            __m512i s = _mm512_permutexvar_epi16(pick[p], scv);
             for (int r = 0; r < R; r++) {
-                __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512(x[r].q256 + 256 * j + 64 * c));
-                isum[r] = madd_acc512(isum[r], p, s);
+                const int8_t *xq = x[r].q4k + 256 * j + 128 * p;
+                __m512i a = dot4_u8s8(lo, _mm512_loadu_si512(xq));
+                __m512i h = dot4_u8s8(hi, _mm512_loadu_si512(xq + 64));
+                isum[r] = madd_acc512(isum[r], _mm512_packs_epi32(a, h), s);
             }
         }
         /* each min twice against the 16 bsums: min_k (bsum_2k + bsum_2k+1) in lane k */
@@ -272,6 +319,7 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
     __m512i pick[4];
     for (int i = 0; i < 4; i++) pick[i] = lanes_of(4 * i, 8);
     for (int64_t j = 0; j < nb; j++, b += 210) {
+        prefetch_ahead(b, 210);
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));

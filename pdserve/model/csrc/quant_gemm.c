@@ -357,13 +357,13 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
             if (!buf) continue;
             int64_t p, pa, ahead = j + dist;
             const uint8_t *row = pd_qrow(parts, row_bytes, j, &p);
+            if (dots[p]) { /* the integer kernels prefetch as they go (quant_dot.c) */
+                pd_q8_dot(parts[p].type, row, xq, xqb, M, K, y + j, ldy);
+                continue;
+            }
             if (ahead < N) {
                 const char *next = (const char *)pd_qrow(parts, row_bytes, ahead, &pa);
                 for (int64_t o = 0; o < row_bytes[pa]; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-            }
-            if (dots[p]) {
-                pd_q8_dot(parts[p].type, row, xq, xqb, M, K, y + j, ldy);
-                continue;
             }
             if (M == 1 && fuses(parts[p].type)) { /* one input row: nothing stored */
                 y[j] = dequant_row_dot(parts[p].type, row, buf, K, x);
