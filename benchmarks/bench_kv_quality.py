@@ -45,6 +45,12 @@ HELD_OUT = Path("/usr/share/common-licenses/GPL-3")
 ROW_NAMES = {"fp8": "E4M3", "int8": "int8"}
 
 
+def chat_prompts(llm: LLM, num_prompts: int) -> list[list[int]]:
+    chat = llm.tokenizer.apply_chat_template
+    return [chat([{"role": "user", "content": f"Explain {t} in detail."}])
+            for t in TOPICS[:num_prompts]]  # fmt: skip
+
+
 def agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
 
@@ -102,9 +108,7 @@ def forced_perplexity(llm: LLM, ids: list[int], budget: int | None, n: int) -> f
 
 def dropping(args: argparse.Namespace) -> list[dict]:
     llm = LLM("smollm2-135m", kv_cache_bytes=512 << 20, kv_sink_tokens=16, kv_recent_tokens=32)
-    chat = llm.tokenizer.apply_chat_template
-    prompts = [chat([{"role": "user", "content": f"Explain {t} in detail."}])
-               for t in TOPICS[: args.num_prompts]]  # fmt: skip
+    prompts = chat_prompts(llm, args.num_prompts)
     held_out = llm.tokenizer.encode(HELD_OUT.read_text())
     seq_len = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens
     rows, reference = [], None
@@ -145,13 +149,9 @@ def main() -> None:
         return
     results: dict = {}
     outputs: dict[str, list[list[int]]] = {}
-    ref_llm = None
     for dtype in ("auto", *args.kv_dtypes):
         llm = LLM("smollm2-135m", kv_cache_dtype=dtype, kv_cache_bytes=512 << 20)
-        ref_llm = ref_llm or llm
-        chat = llm.tokenizer.apply_chat_template
-        prompts = [chat([{"role": "user", "content": f"Explain {t} in detail."}])
-                   for t in TOPICS[: args.num_prompts]]  # fmt: skip
+        prompts = chat_prompts(llm, args.num_prompts)
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
         outputs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
         ids = llm.tokenizer.encode(HELD_OUT.read_text())[:2048]
