@@ -241,13 +241,9 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
 }
 
 #else
-/* The AVX-512 build: the same integer steps 64 values at a time (two Q4_K sub-blocks, or four
- * Q6_K ones, a vector); each 16-bit lane's scale picked from the block's scales by a permute. */
-static inline __m512i lanes_of(int first, int count) { /* index `first + i / count` per lane */
-    uint8_t idx[32];
-    for (int i = 0; i < 32; i++) idx[i] = (uint8_t)(first + i / count);
-    return _mm512_cvtepu8_epi16(ld(idx));
-}
+/* The AVX-512 build: the same integer steps 64 values a vector, two vectors at once: their sums
+ * of 4 products packed to 16 bits, each 16-bit lane's scale picked from the block's scales by
+ * a permute. */
 
 /* Sums of 4 u8 x s8 products in 32-bit lanes: vpdpbusd, or maddubs (|u| <= 63, |s| <= 127:
  * no pair saturates) and madd by ones; the same integers either way. */
@@ -309,6 +305,8 @@ ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) - hsum_ps(mins[r]);
 }
 
+/* Q6_K, 128 values (half h) a step: the sums of 4 of groups 0-1 and 2-3 (at most 4 * 63 * 127)
+ * packed, so 128-bit lane k holds sub-blocks 8h + k and 8h + 4 + k. */
 ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
     __m512 acc[ROWS_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -316,8 +314,12 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
     /* high bits to bits 4-5: groups k = 0 | 1 shift qh left by 4 | 2, k = 2 | 3 right by 0 | 2 */
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    __m512i pick[4];
-    for (int i = 0; i < 4; i++) pick[i] = lanes_of(4 * i, 8);
+    __m512i pick[2];
+    for (int h = 0; h < 2; h++) {
+        uint16_t idx[32];
+        for (int i = 0; i < 32; i++) idx[i] = (uint16_t)(8 * h + i / 8 + 4 * ((i % 8) / 4));
+        pick[h] = _mm512_loadu_si512(idx);
+    }
     for (int64_t j = 0; j < nb; j++, b += 210) {
         prefetch_ahead(b, 210);
         const uint8_t *ql = b, *qh = b + 128;
@@ -328,17 +330,16 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
         for (int r = 0; r < R; r++) isum[r] = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
             __m512i l = _mm512_loadu_si512(ql + 64 * h), hh = _mm512_broadcast_i64x4(ld(qh + 32 * h));
-            __m512i q01 = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hh, left), m2));
-            __m512i q23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                          _mm512_and_si512(_mm512_srlv_epi16(hh, right), m2));
-            __m512i s01 = _mm512_permutexvar_epi16(pick[2 * h], scv);
-            __m512i s23 = _mm512_permutexvar_epi16(pick[2 * h + 1], scv);
+            /* (low nibbles & 15) | (high bits & 0x30): a bitwise select on m4 (0xCA) */
+            __m512i q01 = _mm512_ternarylogic_epi32(m4, l, _mm512_and_si512(_mm512_sllv_epi16(hh, left), m2), 0xCA);
+            __m512i q23 = _mm512_ternarylogic_epi32(m4, _mm512_srli_epi16(l, 4),
+                                                    _mm512_and_si512(_mm512_srlv_epi16(hh, right), m2), 0xCA);
+            __m512i s = _mm512_permutexvar_epi16(pick[h], scv);
             for (int r = 0; r < R; r++) {
                 const int8_t *xq = x[r].q256 + 256 * j + 128 * h;
-                __m512i p01 = _mm512_maddubs_epi16(q01, _mm512_loadu_si512(xq));
-                __m512i p23 = _mm512_maddubs_epi16(q23, _mm512_loadu_si512(xq + 64));
-                isum[r] = madd_acc512(isum[r], p01, s01);
-                isum[r] = madd_acc512(isum[r], p23, s23);
+                __m512i a = dot4_u8s8(q01, _mm512_loadu_si512(xq));
+                __m512i c = dot4_u8s8(q23, _mm512_loadu_si512(xq + 64));
+                isum[r] = madd_acc512(isum[r], _mm512_packs_epi32(a, c), s);
             }
         }
         float d = fp16(b + 208);
