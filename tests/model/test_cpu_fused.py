@@ -82,18 +82,23 @@ def test_one_call_stack_with_a_layer_hook_equals_without(tiny_model_dir):
     assert seen == list(range(len(stack)))
 
 
-@pytest.fixture(scope="module", params=["q4_k_m", "q8_0"])
-def gguf_dir(request, tmp_path_factory):
-    """The tiny shape as a GGUF (Q4_K_M: Q4_K and Q6_K matrices; Q8_0), resolved to a directory
-    whose model reads it in place (Q8_0 too: no fp32 copy allowed)."""
+@pytest.fixture(scope="module", params=["q4_k_m", "q8_0", "qwen2-bf16"])
+def in_place_dir(request, tmp_path_factory):
+    """A model directory whose matrices are read in place: the tiny shape as a GGUF (Q4_K_M:
+    Q4_K and Q6_K matrices; Q8_0, no fp32 copy allowed), or a bf16 Qwen2 checkpoint (Q/K/V
+    biases); and whether every matrix has int8 dot products."""
     from pdserve.model.registry import resolve_model
     from pdserve.model.synthetic import write_synthetic_gguf
+    from tests.model.test_families import make_family
+    from tests.model.test_safetensors_weights import save_as
 
-    root = tmp_path_factory.mktemp("gguf")
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen2-bf16":
+        return save_as(make_family(root / "fp32", "qwen2"), root / "bf16", torch.bfloat16), False
     path = write_synthetic_gguf(root / f"tiny.{request.param}.gguf", "tiny", request.param)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PDSERVE_CACHE_DIR", str(root / "cache"))
-        return resolve_model(str(path), gguf_fp32_max_bytes=0)
+        return resolve_model(str(path), gguf_fp32_max_bytes=0), True
 
 
 def check_each_decode_step(stack: FusedLayerStack) -> list[int]:
@@ -119,21 +124,22 @@ def check_each_decode_step(stack: FusedLayerStack) -> list[int]:
 
 
 @pytest.mark.parametrize("int8_m_max", [0, quant_linear.QUANT_GEMV_M_MAX])
-def test_gguf_weights_in_place_take_the_one_call_and_equal_the_layers(
-    gguf_dir, int8_m_max, monkeypatch
+def test_weights_in_place_take_the_one_call_and_equal_the_layers(
+    in_place_dir, int8_m_max, monkeypatch
 ):
-    """Decode steps of GGUF weights read in place run all layers in one native call, each
+    """Decode steps of weights read in place (QuantLinear) run all layers in one native call, each
     linear on the kernel QuantLinear.forward takes for that many rows (fp32 or int8 row-wise
     up to QUANT_GEMV_M_MAX; above it int8 activations, or AMX tiles on the amx kernels, up to
     INT8_MANY_M_MAX), and equal the layers called one by one; batches where a linear would
     take PyTorch's GEMM take the layers one by one."""
     monkeypatch.setattr(quant_linear, "INT8_M_MAX", int8_m_max)
     cache = CacheConfig(block_size=4, kv_cache_bytes=8 << 20)
-    eng = Engine(EngineConfig(model="tiny", cache=cache), model_dir=gguf_dir)
+    model_dir, int8_types = in_place_dir
+    eng = Engine(EngineConfig(model="tiny", cache=cache), model_dir=model_dir)
     stack = eng.runner.model.layers
     linears = [m for layer in stack for m in _linears(layer)]
     many = all(m.amx_tiles or m.int8_many_rows for m in linears)
-    assert many == (int8_m_max > 0 or stack.lib.isa == "amx")
+    assert many == (stack.lib.isa == "amx" or (int8_types and int8_m_max > 0))
     max_rows = quant_linear.INT8_MANY_M_MAX if many else quant_linear.QUANT_GEMV_M_MAX
     assert stack.one_call and stack.max_rows == max_rows
     rows = check_each_decode_step(stack)
