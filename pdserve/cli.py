@@ -125,10 +125,13 @@ SUBCOMMANDS = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="pdserve", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    log_help = "DEBUG, INFO, WARNING (default), ERROR; before or after the subcommand"
+    parser.add_argument("--log-level", default="WARNING", help=log_help)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineArgumentParser)
     for add_parser in SUBCOMMANDS:
         add_parser(sub)
+    for subparser in sub.choices.values():  # `pdserve up --log-level INFO` as well
+        subparser.add_argument("--log-level", default=argparse.SUPPRESS, help=log_help)
     return parser
 
 

@@ -137,3 +137,17 @@ def test_up_collocated_starts_and_answers_once(tiny_served_model):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize(
+    "argv, level",
+    [
+        (["status", "http://x"], "WARNING"),
+        (["--log-level", "ERROR", "status", "http://x"], "ERROR"),
+        (["status", "http://x", "--log-level", "DEBUG"], "DEBUG"),  # as vLLM/SGLang users type it
+    ],
+)
+def test_log_level_is_taken_before_or_after_the_subcommand(argv, level):
+    from pdserve.cli import build_parser
+
+    assert build_parser().parse_args(argv).log_level == level
