@@ -61,6 +61,9 @@ class Checkpoint:
     # A GGUF whose matrices the loader reads in place from the mapped file
     # (gguf_convert.reads_in_place): the file's tensor bytes, else 0.
     in_place_bytes: int = 0
+    # An HF checkpoint read in place: the fp32 bytes of its matrices widened at load
+    # (safetensors_header.widened_bytes), each worker's own.
+    widened_bytes: int = 0
 
     @property
     def num_params(self) -> int:
@@ -102,10 +105,13 @@ def read_checkpoint(
 
     try:
         path = known_gguf_path(model) if model in KNOWN_MODELS else Path(model).expanduser()
+        widened = 0
         if path.is_dir():
             from pdserve.model.safetensors_header import in_place_bytes as mapped_bytes
+            from pdserve.model.safetensors_header import widened_bytes
 
             config, types, in_place_bytes = ModelConfig.from_dir(path), {}, mapped_bytes(path)
+            widened = widened_bytes(path)
         elif path.is_file() and path.suffix == ".gguf":
             config, types, in_place_bytes = _gguf_facts(path, gguf_fp32_max_bytes)
         else:
@@ -113,7 +119,7 @@ def read_checkpoint(
     except ValueError:
         return None
     linears = tuple((n, types.get(name)) for name, n in linear_shapes(config))
-    return Checkpoint(config, linears, in_place_bytes)
+    return Checkpoint(config, linears, in_place_bytes, widened)
 
 
 def _gguf_facts(path: Path, fp32_max_bytes: int) -> tuple[ModelConfig, dict[str, str], int]:
@@ -150,7 +156,8 @@ def weights_held(ckpt: Checkpoint, kernels: str, cpu_kernels: str, amx: bool) ->
     linear kernels the worker prepares) makes beside it (module docstring). `amx`: the AMX
     kernels run, whose compact panels are the only copy in every role."""
     if ckpt.in_place_bytes:
-        return WeightHolding(in_place_private_bytes(ckpt.config), ckpt.in_place_bytes)
+        private = in_place_private_bytes(ckpt.config) + ckpt.widened_bytes
+        return WeightHolding(private, ckpt.in_place_bytes)
     fp32 = ckpt.fp32_bytes
     if cpu_kernels == "torch":
         return WeightHolding(int(fp32 * LOADED_FACTOR))

@@ -123,3 +123,16 @@ def in_place_bytes(model_dir: Path) -> int:
     return sum(
         e.data.nbytes for e in entries.values() if len(e.shape) == 2 and e.dtype in KERNEL_TYPES
     )
+
+
+def widened_bytes(model_dir: Path) -> int:
+    """The fp32 bytes of the matrices a worker of `model_dir` widens at load (WIDENED_TYPES in
+    a checkpoint read in place: each worker's own copy), for memory estimates."""
+    entries = map_checkpoint(model_dir)
+    if not reads_in_place(entries):
+        return 0
+    return sum(
+        4 * math.prod(e.shape)
+        for e in entries.values()
+        if len(e.shape) == 2 and e.dtype in WIDENED_TYPES
+    )

@@ -61,6 +61,7 @@ def test_a_bf16_hf_checkpoint_is_mapped_not_copied(tmp_path):
     """A bf16 HF directory is read in place (safetensors_header.reads_in_place): its matrices
     count once per host, as a GGUF's do; an fp32 one stays a private copy."""
     import torch
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     fp32_dir = make_tiny_llama(tmp_path / "fp32")
@@ -73,6 +74,15 @@ def test_a_bf16_hf_checkpoint_is_mapped_not_copied(tmp_path):
     holding = weights_held(ckpt, "decode", "native", amx=False)
     assert holding.shared_bytes == matrices
     assert holding.private_bytes == in_place_private_bytes(ckpt.config)
+    # A matrix widened to fp32 at load (an F64 one) is each worker's own, not shared.
+    path, name = tmp_path / "bf16" / "model.safetensors", "model.layers.0.mlp.down_proj.weight"
+    tensors = load_file(path)
+    tensors[name] = tensors[name].double()
+    save_file(tensors, path, metadata={"format": "pt"})
+    ckpt, n = read_checkpoint(str(tmp_path / "bf16")), tensors[name].numel()
+    assert ckpt.widened_bytes == 4 * n and ckpt.in_place_bytes == matrices - 2 * n
+    holding = weights_held(ckpt, "decode", "native", amx=False)
+    assert holding.private_bytes == in_place_private_bytes(ckpt.config) + 4 * n
 
 
 def _ckpt(source: str | None) -> Checkpoint:
