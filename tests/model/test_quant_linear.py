@@ -132,6 +132,21 @@ def test_int8_dot_matches_integer_reference(lib, qtype, m, monkeypatch):
     assert err.max() > 0  # int8 activations did run
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_int8_q8_0_odd_block_count(lib, m, monkeypatch):
+    """The AVX-512 Q8_0 kernel takes two blocks a vector; a row of an odd number of blocks
+    ends with one block on its own (25 here)."""
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", QUANT_GEMV_M_MAX)
+    rng = np.random.default_rng(25 + m)
+    rows, cols = 9, 25 * 32
+    data = random_tensor(Q.Q8_0, rows, cols, rng)
+    w = reference(data, Q.Q8_0, rows, cols)
+    x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)) * 3
+    y = QuantLinear(lib, [QuantTensor(data, int(Q.Q8_0), rows, cols, "w")])(x).numpy()
+    exact, scale = int8_reference(w, x, 32)
+    assert np.all(np.abs(y - exact) <= 1e-6 * scale)
+
+
 @pytest.mark.parametrize("qtype", list(INT8), ids=lambda q: q.name)
 def test_int8_rows_of_a_batch_equal_each_row_alone(lib, qtype, monkeypatch):
     """The integer kernels take up to 4 activation rows per pass over a weight row, each with

@@ -105,6 +105,12 @@ static inline float fp16(const uint8_t *p) {
 
 static inline __m256i ld(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+static inline int u16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
 /* Bytes ahead of the block being read that the kernels prefetch, the lines of one block per
  * block: a decode step streams every weight from memory once, and a prefetch spread over the
  * arithmetic keeps the loads in flight while it runs, where a whole row's lines asked for at
@@ -245,7 +251,7 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
  * of 4 products packed to 16 bits, each 16-bit lane's scale picked from the block's scales by
  * a permute. */
 
-/* Sums of 4 u8 x s8 products in 32-bit lanes: vpdpbusd, or maddubs (|u| <= 63, |s| <= 127:
+/* Sums of 4 u8 x s8 products in 32-bit lanes: vpdpbusd, or maddubs (|u| <= 128, |s| <= 127:
  * no pair saturates) and madd by ones; the same integers either way. */
 static inline __m512i dot4_u8s8(__m512i u, __m512i s) {
 #ifdef __AVX512VNNI__
@@ -351,12 +357,46 @@ ROWS_INLINE void dot_q6_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
+
+/* Q8_0, two blocks a vector: |w| against x negated where w < 0 (no 512-bit sign_epi8), each
+ * block's 8 lanes of sums of 4 times its own d * dx; an odd last block as the AVX2 kernel. */
+ROWS_INLINE void dot_q8_0_512(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
+    __m512 acc[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    int64_t j = 0;
+    for (; j + 2 <= nb; j += 2, b += 68) {
+        prefetch_ahead(b, 68);
+        __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(ld(b + 2)), ld(b + 36), 1);
+        __m512i aw = _mm512_abs_epi8(w);
+        __mmask64 neg = _mm512_movepi8_mask(w);
+        __m128 d = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(u16(b)), u16(b + 34), 1));
+        for (int r = 0; r < R; r++) {
+            __m512i xq = _mm512_loadu_si512(x[r].q32 + 32 * j);
+            __m512i sx = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+            __m128 s = _mm_mul_ps(d, _mm_castpd_ps(_mm_load_sd((const double *)(x[r].d32 + j))));
+            __m512 sv = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(s));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot4_u8s8(aw, sx)), sv, acc[r]);
+        }
+    }
+    float tail[ROWS_MAX] = {0};
+    if (j < nb) {
+        q8row last[ROWS_MAX];
+        for (int r = 0; r < R; r++) last[r] = x[r], last[r].q32 += 32 * j, last[r].d32 += j;
+        dot_q8_0(b, last, R, 1, tail);
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r];
+}
 #endif
 
 ROWS_INLINE void q8_dot_n(int64_t type, const uint8_t *row, const q8row *x, int R, int64_t K,
                           float *out) {
     switch (type) {
+#ifdef __AVX512BW__
+    case Q8_0: dot_q8_0_512(row, x, R, K / 32, out); return;
+#else
     case Q8_0: dot_q8_0(row, x, R, K / 32, out); return;
+#endif
     case Q4_K: dot_q4_k(row, x, R, K / 256, out); return;
     case Q6_K: dot_q6_k(row, x, R, K / 256, out); return;
     }
