@@ -16,9 +16,9 @@
  * min or an offset is one multiply by the bsums), the 32-value form Q8_0, whose own scale
  * changes every 32 values. Every |x - q d| <= d / 2, so a weight row's dot product moves by
  * at most sum |w_i| d / 2 over each block (tests/model/test_quant_linear.py). The code is
- * AVX2 (`maddubs`, `madd`), with 512-bit forms of the K-quant kernels in the AVX-512 builds;
- * the amx build (every AMX CPU has AVX512_VNNI) fuses madd and its add into `vpdpwssd`, and
- * Q8_0's maddubs + madd into `vpdpbusd` (~15% less time from 4 rows up, none at 1). */
+ * AVX2 (`maddubs`, `madd`), with 512-bit forms of the kernels in the AVX-512 builds; the amx
+ * build (every AMX CPU has AVX512_VNNI) fuses madd and its add into `vpdpwssd`, and maddubs +
+ * madd by ones into `vpdpbusd`: the same integers, so bit-identical to the avx512 build. */
 #include "kernels.h"
 
 enum { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
