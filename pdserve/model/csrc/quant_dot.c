@@ -300,12 +300,14 @@ ROWS_INLINE void dot_q4_k(const uint8_t *b, const q8row *x, int R, int64_t nb, f
         /* each min twice against the 16 bsums: min_k (bsum_2k + bsum_2k+1) in lane k */
         __m128i mn8 = _mm_cvtsi64_si128((long long)mn);
         __m256i mnv = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
-        float d = fp16(b), dmin = fp16(b + 2);
+        uint32_t dpair; /* d and dmin converted together, each times dx in one multiply */
+        memcpy(&dpair, b, 4);
+        __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dpair));
         for (int r = 0; r < R; r++) {
             __m256i msum = _mm256_madd_epi16(mnv, ld(x[r].bsum + 16 * j));
-            float dx = x[r].d256[j];
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(d * dx), acc[r]);
-            mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_set1_ps(dmin * dx), mins[r]);
+            __m128 s = _mm_mul_ps(dd, _mm_set1_ps(x[r].d256[j]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_broadcastss_ps(s), acc[r]);
+            mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_broadcastss_ps(_mm_movehdup_ps(s)), mins[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]) - hsum_ps(mins[r]);
