@@ -310,8 +310,8 @@ int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, i
 
 
 /* Rows of int8 activations per pass over the weights when more than this many take them
- * (QUANT_GEMV_M_MAX raised past 16, the kernels without AMX): K = 2048 takes ~4.6 KB a
- * quantized row, so 64 of them (~300 KB) stay in L2 while every weight row passes them. */
+ * (QUANT_GEMV_M_MAX raised past 16, the kernels without AMX): K = 2048 takes ~6.7 KB a
+ * quantized row, so 64 of them (~430 KB) stay in L2 while every weight row passes them. */
 #ifndef Q8_M_BLOCK
 #define Q8_M_BLOCK 64
 #endif
