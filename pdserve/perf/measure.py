@@ -92,12 +92,25 @@ class ProfileConfig:
         "and no served steps are measured", ge=0,
     )  # fmt: skip
     grid: tuple[tuple[int, int], ...] = knob(tuple(GRID), cli=False)
+    long_prompt_lens: tuple[int, ...] = knob(
+        (), "comma-separated prompt lengths past the grid's 2,048, one request each, timed with "
+        "the grid: a workload of longer prompts reaches contexts whose attention the fit would "
+        "otherwise extrapolate (an 8,192-token prompt's chunks attend 16x the pairs of a "
+        "2,048-token one's)", parse=thread_counts,
+    )  # fmt: skip
     wake_pauses: tuple[float, ...] = knob(WAKE_PAUSES, cli=False)
 
     def __post_init__(self) -> None:
         check(self)
         if not self.threads or min(self.threads) < 1:
             raise ValueError(f"threads must be positive integers, got {self.threads}")
+        if self.long_prompt_lens and min(self.long_prompt_lens) < 1:
+            raise ValueError(f"long_prompt_lens must be positive, got {self.long_prompt_lens}")
+
+    @property
+    def timed_grid(self) -> tuple[tuple[int, int], ...]:
+        """The grid with the long prompts, one request each."""
+        return (*self.grid, *((n, 1) for n in self.long_prompt_lens))
 
 
 @dataclass
@@ -114,7 +127,7 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
     """Time the engine on the first `threads` cores: the grid, the wake curve."""
     entries: list[tuple[int, int]] = []
     with pinned_engine(cfg, threads) as engine:
-        samples = time_grid(cfg, engine, entries)
+        samples = time_grid(replace(cfg, grid=cfg.timed_grid), engine, entries)
         wake = _time_wake(cfg, engine)
     probe = [s for s, entry in zip(samples, entries, strict=True) if entry in PROBE_GRID]
     return Timings(samples, wake, probe)

@@ -1,6 +1,7 @@
 """`pdserve profile` end to end on a tiny random model: real engine steps in, a profile
 whose cost model predicts them out."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -114,3 +115,31 @@ def test_a_wake_point_counts_only_when_every_pair_was_slower_after_the_pause():
     # Jitter larger than any effect: signs at random, and the median is not a cost.
     assert wake_extra([0.015, -0.010, 0.012, -0.004, 0.009, 0.014, -0.012]) == 0.0
     assert wake_extra([-0.002] * 7) == 0.0
+
+
+def test_long_prompts_are_timed_past_the_grid_one_request_each(tmp_path):
+    """`--long-prompt-lens`: a 1,200-token prompt prefills in 512-token chunks after prior
+    context (the attention pairs a long-prompt workload reaches), then decodes at that
+    context; the grid's own entries are timed as before."""
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path, max_position_embeddings=2048)
+    cfg = ProfileConfig(str(model), (1,), kv_cache_bytes=1 << 22, decode_steps=2,
+                        repeats=1, grid=PROBE_GRID, long_prompt_lens=(1200,),
+                        wake_pauses=(0.01,))  # fmt: skip
+    assert cfg.timed_grid == (*PROBE_GRID, (1200, 1))
+    samples = measure_steps(cfg, 1).samples
+    chunks = [s for s, _ in samples if s.prefill_tokens and s.prefill_attention_pairs > 512 * 512]
+    assert chunks and all(s.prefill_tokens <= 512 for s in chunks)
+    assert any(s.decode_requests == 1 and s.decode_context_tokens >= 1200 for s, _ in samples)
+
+
+def test_long_prompt_lens_flag_and_bad_lengths():
+    from pdserve.perf.cli import add_profile_parser
+
+    parser = argparse.ArgumentParser()
+    add_profile_parser(parser.add_subparsers())
+    args = parser.parse_args(["profile", "--output", "p.json", "--long-prompt-lens", "4096,8192"])
+    assert args.long_prompt_lens == (4096, 8192)
+    with pytest.raises(ValueError, match="long_prompt_lens must be positive"):
+        ProfileConfig(long_prompt_lens=(0,))
