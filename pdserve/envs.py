@@ -19,7 +19,7 @@ ADMIN_KEY = "PDSERVE_ADMIN_KEY"  # the cache warm-up key (`pdserve up`, `pdserve
 REDIS_PASSWORD = "PDSERVE_REDIS_PASSWORD"
 CACHE_DIR = "PDSERVE_CACHE_DIR"  # converted models and built kernels (~/.cache/pdserve/models)
 NATIVE_KERNELS = "PDSERVE_NATIVE_KERNELS"  # "0": never build or load the C kernels
-CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest), avx2, avx512, amx
+CPU_ISA = "PDSERVE_CPU_ISA"  # the C kernels' variant: auto (the widest) or a native.ISA_FLAGS key
 C_COMPILER = "CC"  # the compiler for the native kernels (gcc)
 # A folder: each worker appends every engine step it runs (its shape, threads, start and
 # duration) to `<folder>/<worker id>.steps.jsonl` (workers/step_report.py, `StepTrace`), for

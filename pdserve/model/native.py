@@ -13,9 +13,10 @@ or flags gives a new file; a concurrent build by another process is harmless: ea
 temporary file and renames it). It is linked against the OpenMP runtime PyTorch already
 loaded, so both share one thread pool and `torch.set_num_threads`.
 
-The sources build in three variants (`ISA_FLAGS`), AVX2, AVX-512 and AMX (AVX-512 plus AMX
-bf16 tiles for GEMMs of 16 rows or more on compact panels), the widest this CPU runs chosen
-at load time, or the one PDSERVE_CPU_ISA names (auto|avx2|avx512|amx); the variant sets the
+The sources build in five variants (`ISA_FLAGS`), AVX2, AVX-512, each with or without VNNI's
+integer dot products, and AMX (AVX-512 plus AMX bf16 tiles for GEMMs of 16 rows or more on
+compact panels), the widest this CPU runs chosen at load time, or the one PDSERVE_CPU_ISA
+names (auto|avx2|avx2vnni|avx512|avx512vnni|amx); the variant sets the
 panel width weights are packed in (docs/cpu-kernels.md). Where a variant cannot be built
 the next narrower one is tried; without a compiler, AVX2/FMA or a CPU device, `load()`
 returns None and callers keep the PyTorch paths.
@@ -49,18 +50,27 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Widest first: `auto` takes the first one the CPU runs. The AVX-512 set is Skylake-SP's
 # (every AVX-512 server CPU has it); gcc would otherwise keep auto-vectorized loops 256-bit.
 # `amx` is the AVX-512 build plus the AMX bf16 GEMM of compact panels (csrc/gemm_amx.c).
+# The `*vnni` builds take the int8 GGUF kernels' integer sums in VNNI's vpdpbusd / vpdpwssd
+# (csrc/quant_dot.c; bit-identical to maddubs + madd): AVX512_VNNI on Cascade Lake, Ice Lake
+# and Zen 4/5 (every AMX CPU has it), AVX-VNNI on AVX2 CPUs from Alder Lake and Zen 5.
 _AVX512 = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma", "-mf16c",
            "-mprefer-vector-width=512"]  # fmt: skip
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
     "amx": [*_AVX512, "-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mavx512vnni"],
+    "avx512vnni": [*_AVX512, "-mavx512vnni"],
     "avx512": _AVX512,
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx2vnni": [*_AVX2, "-mavxvnni"],
+    "avx2": _AVX2,
 }
 _AVX512_CPU = ("avx512f", "avx512vl", "avx512bw", "avx512dq", "f16c")
+_AVX2_CPU = ("avx2", "fma", "f16c")
 CPU_FLAGS = {
     "amx": (*_AVX512_CPU, "amx_tile", "amx_bf16", "avx512_bf16", "avx512_vnni"),
+    "avx512vnni": (*_AVX512_CPU, "avx512_vnni"),
     "avx512": _AVX512_CPU,
-    "avx2": ("avx2", "fma", "f16c"),
+    "avx2vnni": (*_AVX2_CPU, "avx_vnni"),
+    "avx2": _AVX2_CPU,
 }
 # Up to this many rows (decode batches) the panel kernel runs the linears; above it (prefill
 # chunks) oneDNN's blocked GEMM, where a worker keeps both weight copies, except where the

@@ -1,5 +1,8 @@
 """The C kernels against their PyTorch references (skipped where they cannot be built)."""
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,6 +95,17 @@ def test_build_is_cached(tmp_path, isa):
     assert isa in first.name
 
 
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump")
+@pytest.mark.parametrize("isa", list(native.ISA_FLAGS))
+def test_vnni_instructions_only_in_the_vnni_builds(isa):
+    """The VNNI variants (and amx) take their int8 sums in vpdpbusd, the others never emit it
+    (a variant whose flags lost VNNI would pass every equality test and be silently slower)."""
+    disassembly = subprocess.run(
+        ["objdump", "-d", str(native.build(isa))], capture_output=True, text=True
+    ).stdout
+    assert ("vpdpbusd" in disassembly) == (isa == "amx" or isa.endswith("vnni"))
+
+
 def test_variant_choice(lib, monkeypatch):
     """auto takes the widest variant this CPU runs; a forced one is taken as named; a
     misspelt one is an error naming the variable."""
@@ -99,7 +113,7 @@ def test_variant_choice(lib, monkeypatch):
     monkeypatch.setenv(envs.CPU_ISA, "auto")
     assert native.load().isa == widest
     monkeypatch.setenv(envs.CPU_ISA, lib.isa)
-    widths = {"avx2": 24, "avx512": 48, "amx": 48}
+    widths = {"avx2": 24, "avx2vnni": 24, "avx512": 48, "avx512vnni": 48, "amx": 48}
     assert native.load() is lib and lib.panel_width == widths[lib.isa]
     monkeypatch.setenv(envs.CPU_ISA, "sse2")
     with pytest.raises(ValueError, match=envs.CPU_ISA):

@@ -162,21 +162,26 @@ def test_int8_rows_of_a_batch_equal_each_row_alone(lib, qtype, monkeypatch):
         assert torch.equal(linear(x[:m]), alone[:m])
 
 
-def test_vnni_build_equals_the_avx512_one(monkeypatch):
-    """The amx variant's integer sums take AVX512_VNNI's vpdpwssd / vpdpbusd where the avx512
-    variant adds madd's products: the same integers, so bit-identical results (random Q8_0
-    bytes include -128, the one quant whose magnitude needs all 8 unsigned bits)."""
+@pytest.mark.parametrize(
+    "with_vnni,without", [("amx", "avx512"), ("avx512vnni", "avx512"), ("avx2vnni", "avx2")]
+)
+def test_vnni_build_equals_the_one_without(with_vnni, without, monkeypatch):
+    """The VNNI variants' integer sums take vpdpwssd / vpdpbusd (AVX512_VNNI, or AVX-VNNI on
+    AVX2) where the others add madd's products: the same integers, so bit-identical results
+    (random Q8_0 bytes include -128, the one quant whose magnitude needs all 8 unsigned bits;
+    17 Q8_0 blocks a row, so the 512-bit kernel's odd last block is in too)."""
     from pdserve.model import native
 
-    vnni, plain = native.load("amx"), native.load("avx512")
+    vnni, plain = native.load(with_vnni), native.load(without)
     if vnni is None or plain is None:
-        pytest.skip("needs the amx and avx512 native kernels")
+        pytest.skip(f"needs the {with_vnni} and {without} native kernels")
     monkeypatch.setattr(quant_linear, "INT8_M_MAX", QUANT_GEMV_M_MAX)
     rng = np.random.default_rng(13)
-    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(13)) * 4
     for qtype in INT8:
-        data = random_tensor(qtype, 19, 512, rng)
-        weight = [QuantTensor(data, int(qtype), 19, 512)]
+        k = 544 if qtype == Q.Q8_0 else 512
+        x = torch.randn(7, k, generator=torch.Generator().manual_seed(13)) * 4
+        data = random_tensor(qtype, 19, k, rng)
+        weight = [QuantTensor(data, int(qtype), 19, k)]
         assert torch.equal(QuantLinear(vnni, weight)(x), QuantLinear(plain, weight)(x)), qtype
 
 

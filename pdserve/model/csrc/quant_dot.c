@@ -16,9 +16,10 @@
  * min or an offset is one multiply by the bsums), the 32-value form Q8_0, whose own scale
  * changes every 32 values. Every |x - q d| <= d / 2, so a weight row's dot product moves by
  * at most sum |w_i| d / 2 over each block (tests/model/test_quant_linear.py). The code is
- * AVX2 (`maddubs`, `madd`), with 512-bit forms of the kernels in the AVX-512 builds; the amx
- * build (every AMX CPU has AVX512_VNNI) fuses madd and its add into `vpdpwssd`, and maddubs +
- * madd by ones into `vpdpbusd`: the same integers, so bit-identical to the avx512 build. */
+ * AVX2 (`maddubs`, `madd`), with 512-bit forms of the kernels in the AVX-512 builds; the VNNI
+ * builds (avx512vnni and amx: AVX512_VNNI; avx2vnni: AVX-VNNI, the same instructions
+ * VEX-encoded, 256-bit only) fuse madd and its add into `vpdpwssd`, and maddubs + madd by ones
+ * into `vpdpbusd`: the same integers, so bit-identical to the builds without VNNI. */
 #include "kernels.h"
 
 enum { Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
@@ -93,14 +94,21 @@ static inline float fp16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* acc + a . b in 16-bit pairs (madd), as one vpdpwssd where the build has AVX512_VNNI (the
- * amx variant): the same integers, wrapping alike, so results are bit-identical either way. */
-#ifdef __AVX512VNNI__
+/* acc + a . b in 16-bit pairs (madd), as one vpdpwssd where the build has VNNI: the same
+ * integers, wrapping alike, so results are bit-identical either way. dot4_256(u, s): sums of
+ * 4 u8 x s8 products in 32-bit lanes, vpdpbusd, or maddubs (exact where no pair of products
+ * passes 16 bits: |u| <= 128, |s| <= 127) and madd by ones. */
+#if defined(__AVX512VNNI__)
 #define madd_acc512(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #define madd_acc256(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#define dot4_256(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#elif defined(__AVXVNNI__)
+#define madd_acc256(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#define dot4_256(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
 #else
 #define madd_acc512(acc, a, b) _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
 #define madd_acc256(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#define dot4_256(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 #endif
 
 static inline __m256i ld(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -151,11 +159,7 @@ ROWS_INLINE void dot_q8_0(const uint8_t *b, const q8row *x, int R, int64_t nb, f
         float d = fp16(b);
         for (int r = 0; r < R; r++) {
             __m256i sx = _mm256_sign_epi8(ld(x[r].q32 + 32 * j), w);
-#ifdef __AVX512VNNI__ /* |w| <= 128, |x| <= 127: maddubs never saturates, so this is exact too */
-            __m256 s = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
-#else
-            __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
-#endif
+            __m256 s = _mm256_cvtepi32_ps(dot4_256(aw, sx)); /* |w| <= 128, |x| <= 127 */
             acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * x[r].d32[j]), acc[r]);
         }
     }
