@@ -1,18 +1,9 @@
-"""KV quality on the real default model: 8-bit KV (fp8, int8), or token dropping at budgets,
-against full-precision KV.
-
-    .venv/bin/python benchmarks/bench_kv_quality.py [--num-prompts 50] [--kv-dtypes fp8 int8]
-    .venv/bin/python benchmarks/bench_kv_quality.py --drop-budgets 96 128 160
-
-- Greedy agreement: chat prompts, `--new-tokens` each (EOS ignored): the share of positions
-  with the same token as with full KV, and of identical outputs.
-- Perplexity of a held-out text (Debian's GPL-3 text). 8-bit KV: scored in 64-token chunks
-  that read earlier chunks through the quantized cache. Dropping: the first 64 tokens are the
-  prompt, the next `--score-tokens` are fed one by one (teacher forcing: the sampler is
-  replaced, here only, by one that records the true token's log-probability), so every token
-  is predicted from the dropped cache as in decode.
-- KV bytes per token (8-bit), or KV held per sequence (dropping); transfer time follows the
-  bytes (benchmarks/transfer_ttft.py).
+"""KV quality on the real default model against full-precision KV (BENCHMARKS.md, "KV
+compression and token dropping"): 8-bit KV (fp8, int8), or with `--drop-budgets` token
+dropping at those budgets. Per setting, one JSON line: greedy agreement on chat prompts
+(`--new-tokens` each, EOS ignored) and identical outputs, the perplexity of a held-out text
+(8-bit: in 64-token chunks read back through the quantized cache; dropping: teacher-forced
+token by token through the dropped cache), and the KV bytes per token or held per sequence.
 """
 
 from __future__ import annotations
@@ -42,7 +33,7 @@ TOPICS = (
     "the Silk Road;batteries;honey;glaciers;chess;the speed of light"
 ).split(";")
 HELD_OUT = Path("/usr/share/common-licenses/GPL-3")
-ROW_NAMES = {"fp8": "E4M3", "int8": "int8"}
+KV_TOKEN_BYTES = 46080  # SmolLM2-135M, fp32 K+V
 
 
 def chat_prompts(llm: LLM, num_prompts: int) -> list[list[int]]:
@@ -51,8 +42,18 @@ def chat_prompts(llm: LLM, num_prompts: int) -> list[list[int]]:
             for t in TOPICS[:num_prompts]]  # fmt: skip
 
 
-def agreement(a: list[int], b: list[int]) -> float:
-    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+def greedy(llm: LLM, args: argparse.Namespace, budget: int | None = None) -> list[list[int]]:
+    params = SamplingParams(
+        max_tokens=args.new_tokens, temperature=0, ignore_eos=True, kv_budget_tokens=budget
+    )
+    return [o.token_ids for o in llm.generate(chat_prompts(llm, args.num_prompts), params)]
+
+
+def agreement(reference: list[list[int]], outs: list[list[int]]) -> dict[str, object]:
+    """The share of positions with the reference's token, and the outputs equal to it."""
+    shares = [sum(x == y for x, y in zip(a, b)) / max(len(a), 1) for a, b in zip(reference, outs)]
+    same = sum(a == b for a, b in zip(reference, outs))
+    return {"greedy_agreement": sum(shares) / len(shares), "identical": f"{same}/{len(outs)}"}
 
 
 def perplexity(llm: LLM, kv_cache_dtype: str, ids: list[int], chunk: int = 64) -> float:
@@ -108,78 +109,54 @@ def forced_perplexity(llm: LLM, ids: list[int], budget: int | None, n: int) -> f
 
 def dropping(args: argparse.Namespace) -> list[dict]:
     llm = LLM("smollm2-135m", kv_cache_bytes=512 << 20, kv_sink_tokens=16, kv_recent_tokens=32)
-    prompts = chat_prompts(llm, args.num_prompts)
     held_out = llm.tokenizer.encode(HELD_OUT.read_text())
+    prompts = chat_prompts(llm, args.num_prompts)
     seq_len = sum(len(p) for p in prompts) / len(prompts) + args.new_tokens
     rows, reference = [], None
-    print("| KV budget | KV held per sequence | greedy agreement | identical | perplexity |")
-    print("|---|---|---|---|---|")
     for budget in [None, *args.drop_budgets]:
-        params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True,
-                                kv_budget_tokens=budget)  # fmt: skip
-        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        outs = greedy(llm, args, budget)
         reference = reference or outs
         held = min(seq_len, budget) if budget else seq_len
-        ppl = forced_perplexity(llm, held_out, budget, args.score_tokens)
-        same = sum(a == b for a, b in zip(reference, outs))
-        row = {"budget": budget or "none", "kv_bytes_held": held * 46080,
-               "kv_share": held / seq_len, "perplexity": ppl, "identical": f"{same}/{len(outs)}",
-               "agreement": sum(map(agreement, reference, outs)) / len(outs)}  # fmt: skip
-        rows.append(row)
-        print(f"| {row['budget']} | {held * 46080 / 1e6:.1f} MB ({row['kv_share']:.0%}) "
-              f"| {row['agreement']:.1%} | {row['identical']} | {row['perplexity']:.3f} |",
-              flush=True)  # fmt: skip
+        row = {"budget": budget, "kv_bytes_held": held * KV_TOKEN_BYTES, "kv_share": held / seq_len}
+        row["perplexity"] = forced_perplexity(llm, held_out, budget, args.score_tokens)
+        rows.append(row | agreement(reference, outs))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def eight_bit(args: argparse.Namespace) -> list[dict]:
+    rows, reference = [], None
+    for dtype in ("auto", *args.kv_dtypes):
+        llm = LLM("smollm2-135m", kv_cache_dtype=dtype, kv_cache_bytes=512 << 20)
+        outs = greedy(llm, args)
+        reference = reference or outs
+        ids = llm.tokenizer.encode(HELD_OUT.read_text())[:2048]
+        row_bytes = row_size(64, dtype) * storage_dtype(dtype, torch.float32).itemsize
+        row = {"kv_dtype": dtype, "kv_bytes_per_token": 30 * 2 * 3 * row_bytes}
+        row["perplexity"] = perplexity(llm, dtype, ids)
+        rows.append(row | agreement(reference, outs))
+        fp32 = rows[0]
+        rows[-1]["bytes_of_fp32"] = row["kv_bytes_per_token"] / fp32["kv_bytes_per_token"]
+        rows[-1]["perplexity_change"] = row["perplexity"] / fp32["perplexity"] - 1
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--kv-dtypes", nargs="+", default=list(QUANTIZED), choices=list(QUANTIZED))
-    ap.add_argument("--drop-budgets", type=int, nargs="*", default=[],
-                    help="token dropping at these KV budgets instead of 8-bit KV")  # fmt: skip
+    ap.add_argument(
+        "--drop-budgets",
+        type=int,
+        nargs="*",
+        default=[],
+        help="token dropping at these KV budgets instead of 8-bit KV",
+    )
     ap.add_argument("--score-tokens", type=int, default=384)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.drop_budgets:
-        rows = dropping(args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return
-    results: dict = {}
-    outputs: dict[str, list[list[int]]] = {}
-    for dtype in ("auto", *args.kv_dtypes):
-        llm = LLM("smollm2-135m", kv_cache_dtype=dtype, kv_cache_bytes=512 << 20)
-        prompts = chat_prompts(llm, args.num_prompts)
-        params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-        outputs[dtype] = [o.token_ids for o in llm.generate(prompts, params)]
-        ids = llm.tokenizer.encode(HELD_OUT.read_text())[:2048]
-        row_bytes = storage_dtype(dtype, torch.float32).itemsize
-        results[dtype] = {
-            "perplexity": perplexity(llm, dtype, ids),
-            "kv_bytes_per_token": 30 * 2 * 3 * row_size(64, dtype) * row_bytes,
-        }
-        print(dtype, json.dumps(results[dtype]), flush=True)
-    for dtype in args.kv_dtypes:
-        agree = [agreement(a, b) for a, b in zip(outputs["auto"], outputs[dtype])]
-        exact = sum(a == b for a, b in zip(outputs["auto"], outputs[dtype]))
-        results[dtype]["greedy_agreement"] = sum(agree) / len(agree)
-        results[dtype]["identical_outputs"] = f"{exact}/{len(agree)}"
-    a = results["auto"]
-    print("\n| KV dtype | bytes/token | perplexity | greedy agreement | identical outputs |")
-    print("|---|---|---|---|---|")
-    print(f"| fp32 | {a['kv_bytes_per_token']} | {a['perplexity']:.3f} | 100% | - |")
-    for dtype in args.kv_dtypes:
-        f = results[dtype]
-        print(
-            f"| {dtype} ({ROW_NAMES[dtype]} + per-token scale) | {f['kv_bytes_per_token']} "
-            f"({f['kv_bytes_per_token'] / a['kv_bytes_per_token']:.1%}) "
-            f"| {f['perplexity']:.3f} ({f['perplexity'] / a['perplexity'] - 1:+.2%}) "
-            f"| {f['greedy_agreement']:.1%} | {f['identical_outputs']} |"
-        )
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    (dropping if args.drop_budgets else eight_bit)(args)
 
 
 if __name__ == "__main__":
