@@ -1,16 +1,14 @@
-"""Time the KV transfer adds to a disaggregated request's first token, real model: a prefill
-and a decode engine (one process, SmolLM2-135M) hand one prompt's KV over; measured from the
-prefill's last layer to the receiver reporting the KV landed. `full` sends after the prefill,
-`layerwise` each layer as it finishes. `--budgets`: a prompt over its decode worker's KV
-budget sends only the kept blocks, once, after the last layer (docs/token-dropping.md).
-
-    .venv/bin/python benchmarks/transfer_ttft.py [--tokens 256 1024 2048 4096] [--repeats 3]
-    .venv/bin/python benchmarks/transfer_ttft.py --tokens 1024 --budgets 128 256 512 --caps 1Gbit
+"""Time the KV transfer adds to a disaggregated request's first token (BENCHMARKS.md, "Hosts and
+links"): a prefill and a decode engine of the default model in one process hand one prompt's KV
+over, from the prefill's last layer to the receiver reporting the KV landed; `full` sends after
+the prefill, `layerwise` each layer as it finishes, `--budgets` only a dropped prompt's kept
+blocks, once (docs/token-dropping.md). One JSON line per case, `of_full` its share of `full`.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import threading
@@ -124,45 +122,34 @@ class Setup:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     ap.add_argument("--backends", nargs="+", default=["shm", "tcp"])
     ap.add_argument("--caps", nargs="+", default=["-", "100Gbit", "10Gbit", "1Gbit"],
                     help='tcp sender caps ("-": none)')  # fmt: skip
     ap.add_argument("--budgets", type=int, nargs="*", default=[], help="KV budgets (tokens)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     prompts = {n: torch.randint(1000, 40000, (n,), generator=gen).tolist() for n in args.tokens}
     cases = [(None, "full"), (None, "layerwise")] + [(b, "layerwise") for b in args.budgets]
-    rows = []
     for backend in args.backends:
         setup = Setup(backend, max(args.tokens))
         try:
-            for cap in args.caps if backend == "tcp" else ["-"]:
-                for n, prompt in prompts.items():
-                    for budget, mode in cases:
-                        runs = [setup.run(prompt, mode, None if cap == "-" else cap, budget)
-                                for _ in range(args.repeats)]  # fmt: skip
-                        row = {"backend": backend, "cap": cap, "tokens": n, "mode": mode,
-                               "budget": budget or "none"}  # fmt: skip
-                        row.update({k: statistics.median(r[k] for r in runs) for k in runs[0]})
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+            for cap, (n, prompt) in itertools.product(
+                args.caps if backend == "tcp" else ["-"], prompts.items()
+            ):
+                full_ms = None
+                for budget, mode in cases:
+                    runs = [setup.run(prompt, mode, None if cap == "-" else cap, budget)
+                            for _ in range(args.repeats)]  # fmt: skip
+                    row = {"backend": backend, "cap": cap, "tokens": n, "mode": mode,
+                           "budget": budget}  # fmt: skip
+                    row |= {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                    full_ms = full_ms or row["ms"]
+                    print(json.dumps(row | {"of_full": row["ms"] / full_ms}), flush=True)
         finally:
             setup.close()
-    print("\n| backend | cap | tokens | mode | KV budget | blocks | MB sent | added ms | vs full |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        full = next(f for f in rows if f["mode"] == "full" and all(
-            f[k] == r[k] for k in ("backend", "cap", "tokens")))  # fmt: skip
-        share = r["ms"] / full["ms"] if full["ms"] > 0 else 0.0
-        print(f"| {r['backend']} | {r['cap']} | {r['tokens']} | {r['mode']} | {r['budget']} "
-              f"| {r['blocks']:.0f} | {r['mb']:.1f} | {r['ms']:.1f} | {share:.0%} |")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
