@@ -1,23 +1,13 @@
-"""The simulator against measurements: this machine's, and a trace's wall time.
+"""The simulator against measurements: this machine's, and a trace's wall time (BENCHMARKS.md,
+"Simulator and planner"; docs/simulator.md, "Accuracy").
 
-    .venv/bin/python benchmarks/sim_accuracy.py [--profile cpu.json] [--num-requests 30]
-        [--load 0.5 | --rates chat=0.3,...] [--no-rescale]
-    .venv/bin/python benchmarks/sim_accuracy.py --mode trace-replay [--trace FILE.jsonl]
-
-`served` (the default): predicted against measured p50/p90 TTFT and TPOT. `pdserve profile`
-(unless `--profile`), then per workload (chat, summarization, multi-turn) and deployment
-(collocated on every core, 1p1d and two collocated workers one core each): `pdserve bench
-compare` on the real deployment and `pdserve simulate` with the same flags and seed (the same
-sessions and send times). A speed probe (`pdserve profile --rescale`) runs around each
-deployment; each is simulated with the profile rescaled by the mean of the probes on either
-side ("probed") and as measured. The rate is `--load` x the capacity the profile predicts for
-the slowest deployment. Needs a quiet machine (docs/simulator.md, "Accuracy").
-
-`trace-replay`: how fast `pdserve simulate` replays a one-hour, 12,000-request trace at full
-length (llama-3-8b on H100-SXM, 4p4d). `--trace` replays a file as it is (the public Mooncake
-conversation trace has this size); without it a Mooncake-format trace is generated (turns
-extending the previous turn's hash ids, Poisson arrivals, lognormal lengths): its size, not
-the real trace's statistics.
+`served` (the default): per workload and deployment, `pdserve bench compare` on the real
+deployment and `pdserve simulate` with the same flags and seed, against `pdserve profile`'s
+profile (or `--profile`) as measured and rescaled by the speed probes (`pdserve profile
+--rescale`) on either side of the run ("probed"); one JSON line per cell, then the cells within
+15%. `trace-replay`: the seconds `pdserve simulate` takes for a one-hour, 12,000-request
+Mooncake-format trace (`--trace`, or one generated of that size: lognormal lengths, Poisson
+arrivals, turns extending the previous turn's hash ids).
 """
 
 from __future__ import annotations
@@ -188,12 +178,7 @@ def served(args: argparse.Namespace) -> int:
                              "rate": float(rates[workload]), "measured": m, "predicted": p,
                              "error": (p - m) / m, "predicted_profile": r,
                              "error_profile": (r - m) / m})  # fmt: skip
-    print(f"{'workload':<15}{'deployment':<12}{'metric':<13}{'measured':>10}{'predicted':>11}"
-          f"{'error':>9}{'unprobed':>10}{'error':>9}")  # fmt: skip
-    for r in rows:
-        print(f"{r['workload']:<15}{r['deployment']:<12}{r['metric']:<13}{r['measured']:>10.1f}"
-              f"{r['predicted']:>11.1f}{r['error']:>9.1%}{r['predicted_profile']:>10.1f}"
-              f"{r['error_profile']:>9.1%}")  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
     for key, label in (("error", "probed"), ("error_profile", "profile as measured")):
         print(f"within 15%, {label}: {sum(abs(r[key]) <= 0.15 for r in rows)}/{len(rows)}")
     if args.output:
