@@ -1,17 +1,10 @@
-"""A step change of load (chat -> summarization -> chat) against one adaptive deployment.
-
-Each phase is its own `pdserve bench` run (the presets' shapes, Poisson arrivals) started at
-its time, so requests in flight overlap the change as in service. A poller reads
-`/v1/status` every `--poll-s` (roles, core-group targets, switch counters, decisions).
-Printed per phase: requests sent / finished / rejected / failed, the longest token gap, the
-requests stalled (a gap over `--stall-s`), TTFT and TPOT p50/p90, the split's changes, the
-settle time (the split's last change in the phase, in planner intervals, from the phase's
-first request sent while another is in flight, and from its start) and flip-backs (a change
-returning the split to what it was two changes before). Role changes need three or more
-workers (`--cpus`). The JSON keeps every stall and status sample.
-
-    .venv/bin/python benchmarks/adaptive_step.py --slo-itl-ms 60 --output step.json
-    .venv/bin/python benchmarks/adaptive_step.py --workers 3 --cpus 0-3
+"""A step change of load (chat -> summarization -> chat) against one adaptive deployment
+(docs/adaptive.md): each phase a `pdserve bench` run of its preset started at its time, so
+requests in flight overlap the change, while `/v1/status` is polled every `--poll-s`. One JSON
+line per phase: requests sent / finished / rejected / failed, the longest token gap, requests
+stalled (a gap over `--stall-s`), TTFT and TPOT, the split's changes, its settle time in planner
+intervals (from the phase's first overlapping request) and flip-backs. `--output` keeps every
+stall and status sample.
 """
 
 from __future__ import annotations
@@ -233,7 +226,7 @@ def print_phases(rows: list[dict], after: dict, interval_s: float) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=EngineConfig.model)
     p.add_argument("--phase-seconds", type=float, default=120.0)
     p.add_argument("--chat-rate", type=float, default=1.0, help="chat requests/s")

@@ -1,25 +1,10 @@
-"""CPU kernels at the default model's shapes: the native panel GEMM against oneDNN (prepacked)
-and `F.linear`, and native paged decode attention against gather + SDPA.
-
-    .venv/bin/python benchmarks/bench_kernels.py [--threads 2] [--repeats 30] [--isa avx2]
-        [--weights gguf] [--vs avx512]
-    .venv/bin/python benchmarks/bench_kernels.py --weights in-place --threads 1 --rows 1 2
-
-SmolLM2-135M's linear shapes at decode (1..64 rows) and prefill (512) row counts, random fp32
-weights or (`--weights gguf`) weights on the GGUF's grids, stored as compact panels. Medians;
-GB/s counts fp32 weight bytes once per call. `--isa` picks the native variant (default: the
-widest this CPU runs), `--vs` a second one in the same run (`--isa amx --vs avx512 --weights
-gguf`). Columns interleave. Run on an idle machine.
-
-`--weights in-place` times instead an 8192x2048 GGUF matrix read in place (`QuantLinear`, the
-1B models' gate/up shape) per block type (`--types BF16 F16`: a Hugging Face checkpoint's),
-with fp32 activations and, for the types that have them, int8 ones (quant_linear.INT8_M_MAX);
-above 16 rows the fp32 dequantize-and-GEMM path against AMX bf16 tiles (the amx kernels) or,
-without AMX, the int8 kernel taken past 16 rows (`--rows 32 128 512`): `hot` calls one matrix
-again and again (its 5-18 MB stay in the L2/L3 caches), `streamed` cycles through copies
-larger than the caches, as a decode step streams each weight from memory once. At
-`--threads 1` the times are the calling thread's CPU time (the kernels run on it), which
-leaves out what other processes' load preempts; with more threads, wall time.
+"""CPU kernels at the default model's shapes (docs/cpu-kernels.md): the native panel GEMM against
+oneDNN (prepacked) and `F.linear` on random fp32 or (`--weights gguf`) GGUF-grid weights, and
+native paged decode attention against gather + SDPA; `--isa` picks the native variant and `--vs`
+a second one, columns interleaved. `--weights in-place`: an 8192x2048 GGUF matrix of each
+`--types` read in place, fp32 against int8 activations (or, above 16 rows, against AMX tiles or
+the int8 kernel), `hot` (cached) and `streamed` (copies past the caches); at `--threads 1` the
+calling thread's CPU time, else wall time. Medians; run on an idle machine.
 """
 
 from __future__ import annotations
@@ -185,7 +170,7 @@ def bench_attention(lib, batches: list[int], context: int, repeats: int) -> None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 512])

@@ -1,14 +1,9 @@
-"""Chaos soak (not in CI): a supervised 1P2D cluster with a local Redis tier serves a mixed
-workload with prefix reuse while workers, the router and Redis fail.
-
-    .venv/bin/python benchmarks/chaos_soak.py --minutes 20 --rate 0.6 --out chaos_soak.json
-
-A collocated reference run of the prompt pool (greedy) first; then `pdserve up`'s launcher
-(restarts with backoff) under an open loop at `--rate`, a random worker SIGKILLed every
-`--kill-every-s`, the router `--router-kills` times, Redis paused (SIGSTOP/SIGCONT)
+"""Chaos soak (not in CI; BENCHMARKS.md, "Failures"): a supervised 1P2D cluster with a local
+Redis tier serves prompts sharing prefixes, Poisson at `--rate`, while a random worker is
+SIGKILLed every `--kill-every-s`, the router `--router-kills` times and Redis paused
 `--redis-pauses` times. Exit status 0 only if every request ends in success or a clean error
-within `--request-bound-s`, every success equals the reference, every KV block is free once
-the cluster is whole, and no process or /dev/shm pool is left after stop.
+within `--request-bound-s`, every success equals a collocated reference run's, every KV block
+is free once the cluster is whole, and no process or /dev/shm pool is left after stop.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""A GGUF read in place (model/gguf_weights.py): decode ms/step (batch 1, or `--batch` sequences
-together) against the bound the machine's read bandwidth sets (weight bytes / bandwidth),
-prefill (`--prefill` tokens; with `--compare` AMX tiles against the fp32 GEMM path too,
-interleaved), and the process's peak RSS and PSS, through `LLM` as a user runs it. With
-`--vs-converted`, the same file converted to fp32 panels (the loading rule's other side,
-model/gguf_convert.py) decodes in the same rounds.
-
-The read bandwidth is measured in the same run, between the decode rounds (a numpy sum over a
-2 GiB array), so drift on a shared machine hits both alike. Each step's CPU time on the
-calling thread is printed beside its wall time: with `--threads 1` the kernels run on that
-thread, so the CPU time leaves out the time other processes' load preempts it.
-
-    pdserve synth --shape llama-1b --type q4_k_m --output /tmp/llama-1b.q4_k_m.gguf
-    .venv/bin/python benchmarks/gguf_in_place.py /tmp/llama-1b.q4_k_m.gguf [--compare]
-    .venv/bin/python benchmarks/gguf_in_place.py /tmp/llama-1b.q8_0.gguf --vs-converted --prefill 0
+"""A GGUF read in place through `LLM` (docs/cpu-kernels.md): decode ms a step (`--batch`
+sequences) against the bound the read bandwidth measured between rounds sets, prefill
+(`--compare`: AMX tiles against the fp32 GEMM, and int8 against fp32 decode activations,
+interleaved), with `--vs-converted` the same file converted to fp32 panels, and the peak RSS
+and PSS. Each step's CPU time on the calling thread beside its wall time (`--threads 1`: the
+kernels run there, so it leaves out other processes' preemption).
 """
 
 from __future__ import annotations

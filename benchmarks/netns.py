@@ -1,25 +1,10 @@
 """A prefill and a decode host in network namespaces of their own (pdserve/testing/netns.py), the
-router in the root namespace, and a shaped link between them. Needs root and iproute2
-(nftables too for `faults`' loss). The link has no delay: this kernel has no sch_netem.
-
-`link-rate`: KV bytes per second against the link's rate. A prefill-side sender and a
-decode-side receiver, one whole prompt's KV per send (SmolLM2-135M's fp32 KV for `--tokens`:
-2,048 tokens are 90 MiB), over each backend of `--transfer` (tcp by default: the hosts share
-no /dev/shm; mooncake: Mooncake's engine moves the bytes); per rate the median seconds from
-`send` to the receiver's acknowledgement. With `--served`, also a 1P1D cluster of the default
-model in the same namespaces: per rate the median exposed transfer (the TTFT breakdown's
-`transfer`: the prefill's last layer to the KV landing) and the share of the link's transfer
-time hidden behind the prefill, 1 - exposed / (the request's KV bytes at the bare sender's rate).
-
-`faults`: requests sent while both links drop `--loss-pct` of packets, the decode link is cut
-(`--cuts`) and slowed tenfold (`--slowdowns`). Every request must end within its bound with the
-text of a fault-free run, every KV block must come back, and the fallbacks must show on
-/metrics: exit status 1 otherwise. Prints one JSON document.
-
-    .venv/bin/python benchmarks/netns.py link-rate --rates none,10gbit,1gbit
-    .venv/bin/python benchmarks/netns.py link-rate --rates 1gbit --transfer tcp,mooncake
-    .venv/bin/python benchmarks/netns.py link-rate --rates 25gbit,10gbit,1gbit --served
-    .venv/bin/python benchmarks/netns.py faults --requests 12 --cuts 6:5,24:5
+router in the root namespace, a shaped link between them; needs root and iproute2, nftables for
+loss (docs/cluster.md, "Hosts as network namespaces"). `link-rate`: one prompt's KV sent bare
+over each `--transfer` backend per `--rates` rate, and with `--served` the exposed transfer of
+a 1P1D cluster's prompts there and the share of the link's time hidden behind the prefill.
+`faults`: requests under loss, decode-link cuts and slowdowns; exit status 1 unless every one
+ends within its bound with a fault-free run's text, no KV block leaks and the fallbacks count.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""What the OpenAI request features cost on the real model, each against the same work without it.
-
-    .venv/bin/python benchmarks/openai_features.py grammar [--batches 1,32] [--tokens 48]
-    .venv/bin/python benchmarks/openai_features.py mask [--rounds 7]
-    .venv/bin/python benchmarks/openai_features.py sampling [--batch 32] [--prompt-len 128]
-    .venv/bin/python benchmarks/openai_features.py prompt-logprobs [--prompt-len 512]
-
-- `grammar`: a JSON schema on decode steps at each batch size; the median step (TPOT) with and
-  without it, and the grammar's own time inside the constrained steps (catch-up, mask fill,
-  masking, accept) as a share of its step: on a shared machine the TPOT difference between
-  runs is noise, the in-step share is not.
-- `mask`: a grammar's token mask per token, llguidance against xgrammar, each walking the same
-  valid JSON document under the same schema (a library that is not installed is skipped).
-- `sampling`: penalties (repetition, presence, frequency, a 16-entry logit_bias, min_tokens) and
-  logprobs with 5 alternatives, the mean decode step of `--batch` requests against plain sampling.
-- `prompt-logprobs`: one fresh prompt's prefill (completions' `echo` with `logprobs`) with and
-  without 5 alternatives per prompt token.
-
-Every mode alternates its settings' order round by round (the machine drifts; alternation
-makes the ratios fair) and reports medians over the rounds after a warm-up.
+"""What the OpenAI request features cost on the real model, each against the same work without
+it, the settings' order alternating round by round, medians after a warm-up (BENCHMARKS.md,
+"OpenAI features"): `grammar` a JSON schema's share of each decode step, `mask` llguidance's and
+xgrammar's token mask per token over one JSON document, `sampling` penalties and logprobs on a
+batch's decode step, `prompt-logprobs` a prefill with and without 5 alternatives a token.
 """
 
 from __future__ import annotations
@@ -267,7 +252,7 @@ MODES = {"grammar": grammar, "mask": mask, "sampling": sampling,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=MODES)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=0, help="0: the engine's default")

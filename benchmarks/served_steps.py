@@ -1,17 +1,8 @@
-"""Served steps against a profile: each step a worker ran (a `PDSERVE_STEP_TRACE` folder) over
-what the profile's served cost model predicts for its shape, by worker and kind of step
-(decode by batch size; prefill after idle, back to back, or beside decodes). `+cpu` adds the
-profile's `token_cpu_s` per streamed token. docs/simulator.md, "Served steps".
-
-    PDSERVE_STEP_TRACE=/tmp/steps pdserve bench compare ... --deployment collocated=collocated
-    .venv/bin/python benchmarks/served_steps.py /tmp/steps --profile profile.json
-
-`--pairs`: a 1P1D prefill worker's step (core 0) against the engine's own lone prefill on the
-same core, a one-thread engine in this process timed just before each served prompt of the
-same length; the median of the pairs' ratios, in wall and in thread CPU time (the stepping
-thread's: a loaded VM's waits for a core left out). The first pair warms up.
-
-    .venv/bin/python benchmarks/served_steps.py --pairs [--tokens 32] [--rounds 9]
+"""Served steps against a profile (docs/simulator.md, "Served steps"): each step of a
+`PDSERVE_STEP_TRACE` folder over what the profile's served cost model predicts for its shape, by
+worker and kind of step (`+cpu` adds `token_cpu_s` per streamed token). `--pairs`: a 1P1D prefill
+worker's step against a lone one-thread engine's prefill on the same core, interleaved pairs
+after a warm-up, the median ratio in wall and in the stepping thread's CPU time.
 """
 
 from __future__ import annotations
