@@ -210,19 +210,8 @@ def stalls(records: list, run_s: float, min_gap_s: float) -> list[dict[str, Any]
     return sorted(out, key=lambda g: -g["gap_s"])
 
 
-# What is printed of each phase (the JSON of `--output` keeps every field and sample).
-SHOWN = ("phase", "num_sent", "num_finished", "num_rejected", "num_failed", "num_stalled",
-         "max_gap_s", "ttft_ms", "tpot_ms", "num_core_group_changes", "num_role_changes",
-         "num_flip_backs", "num_core_switches_acked", "first_overlap_s", "change_times_s",
-         "min_undone_after_s", "decisions")  # fmt: skip
-
-
-def print_phases(rows: list[dict], after: dict, interval_s: float) -> None:
-    for r in rows:
-        settle = {f"{k}_intervals": round(r.get(f"{k}_s", 0) / interval_s, 2)
-                  for k in ("settle", "settle_from_start")}  # fmt: skip
-        print(json.dumps({k: r.get(k) for k in SHOWN} | settle))
-    print(f"after the load: changes at {after.get('change_times_s')} s after its end")
+# Left out of the printed line (the JSON of `--output` keeps them).
+BULKY = ("stalls", "splits", "errors")
 
 
 def main() -> None:
@@ -256,7 +245,11 @@ def main() -> None:
     Path(args.output).write_text(json.dumps({
         "config": vars(args), "phases": rows, "after_load": after, "samples": poller.samples,
     }, indent=1))  # fmt: skip
-    print_phases(rows, after, args.interval_s)
+    for row in rows:
+        settle = round(row.get("settle_s", 0.0) / args.interval_s, 2)
+        shown = {k: v for k, v in row.items() if k not in BULKY}
+        print(json.dumps(shown | {"settle_intervals": settle}))
+    print(f"after the load: changes at {after.get('change_times_s')} s after its end")
 
 
 if __name__ == "__main__":
