@@ -1,29 +1,17 @@
 """Served speed: batch-1 TPOT, output tok/s at 32 concurrent, TTFT of 512-token prompts,
-against the engine's own offline TPOT, and (`--llama-server`) against llama.cpp.
+against the engine's own offline TPOT, and (`--llama-server`) against llama.cpp (BENCHMARKS.md,
+"Served speed" and "Models and quantized weights"; build_llama_server.sh builds the peer).
 
-Each round, for each `--variant` (environment variables for the worker and the offline
-engine, e.g. the OpenMP wait policy), the engine runs offline (`LLM.stream` in a fresh
-process, one request at a time), then a collocated deployment (`pdserve up --collocated 1
---threads T`) is driven by `pdserve bench` in its own process. With `--llama-server`,
-`llama-server` on the same Q4_1 GGUF (as many threads, a slot per concurrent request) is
-driven by the same client. Servers alternate round by round; the tables are medians.
-Building llama-server: BENCHMARKS.md, "Served speed".
-
-    .venv/bin/python benchmarks/served_speed.py --rounds 3 [--variant spin5k:GOMP_SPINCOUNT=5000]
-    .venv/bin/python benchmarks/served_speed.py --llama-server /tmp/llamacpp/build/bin/llama-server
-
-With `--gguf`, each round also measures this machine's read bandwidth (`--threads` threads
-summing 1 GiB) and prints batch-1 TPOT against the bound it sets: the bytes a decode step reads
-(every matrix of the file; the embedding only as a tied output head) over that bandwidth.
-
-`--cold-start` measures instead the seconds from launching each server to its first answered
-chat request (`pdserve up --prefill 1 --decode 1 --kv-cache-bytes B`, and with
-`--llama-server`, `llama-server -t T -c CTX` on the same `--gguf`), alternating round by
-round, and pdserve's memory once answered: the PSS of every process it started, against the
-file's size and the KV pools. `--drop-caches` (root) empties the page cache before each launch.
-
-    .venv/bin/python benchmarks/served_speed.py --cold-start --gguf F --llama-server BIN \
-        [--drop-caches]
+Each round, for each `--variant` (environment variables for the worker and the offline engine),
+the engine runs offline (`LLM.stream` in a fresh process, one request at a time), then `pdserve
+up --collocated 1 --threads T` is driven by `pdserve bench` in its own process, and
+`llama-server` on the same GGUF (a slot per concurrent request) by the same client; servers
+alternate round by round, medians printed. With `--gguf`, each round also measures the read
+bandwidth (`--threads` threads summing 1 GiB) and prints batch-1 TPOT against the bound it sets
+(the bytes a decode step reads over it). `--cold-start`: seconds from launching each server
+(`pdserve up` 1P1D, `llama-server -c CTX`) to its first answered chat request, alternating, and
+pdserve's PSS over all its processes against the file and the KV pools; `--drop-caches` (root)
+empties the page cache before each launch.
 """
 
 from __future__ import annotations
@@ -46,8 +34,8 @@ from pdserve.cluster.launcher import free_port
 from pdserve.model.registry import known_gguf_path
 
 MODEL = "smollm2-135m"
-# figure -> (label, issue target for pdserve's advantage, whether larger is better)
 COLD_START_LIMIT_S = 600
+# figure -> (label, issue target for pdserve's advantage, whether larger is better)
 FIGURES = {
     "served_tpot_ms": ("TPOT ms at batch 1", 1.3, False),
     "tok_s_at_32": ("output tok/s at 32 concurrent", 2.5, True),
