@@ -196,8 +196,15 @@ def deployments(args: argparse.Namespace, unloaded: Probe, tmp: Path) -> tuple[s
     targets = f"slo_ttft_ms: {SLO_MULTIPLIER * unloaded.ttft_ms:.1f}"
     if gap:
         targets += f", slo_max_gap_ms: {gap:.1f}"
-    config.write_text(f"adaptive: {{enabled: true, {targets}}}\n")
+    write_adaptive(config, args.model, targets)
     return (*DEPLOYMENTS[:2], f"adaptive={config}")
+
+
+def write_adaptive(path: Path, model: str | None, targets: str) -> None:
+    """An adaptive deployment's YAML (every core, as `adaptive`), told `targets`; a YAML
+    deployment takes its model from the file, not from compare's --model."""
+    text = f"adaptive: {{enabled: true, {targets}}}\n"
+    path.write_text(text if model is None else f"model: {json.dumps(model)}\n{text}")
 
 
 def cell_estimate_s(cell: Cell, unloaded: Probe) -> float:
@@ -319,8 +326,7 @@ def interference(args: argparse.Namespace) -> dict:
     itl_ms = args.itl_multiplier * calibration["slo_tpot_ms"] / SLO_MULTIPLIER
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "adaptive-slo.yaml"
-        config.write_text(f"adaptive: {{enabled: true, slo_ttft_ms: {ttft_ms:.1f}, "
-                          f"slo_itl_ms: {itl_ms:.1f}}}\n")  # fmt: skip
+        write_adaptive(config, args.model, f"slo_ttft_ms: {ttft_ms:.1f}, slo_itl_ms: {itl_ms:.1f}")
         rows = compare(
             [*shape, "--arrival", "poisson", "--rate", f"{rate:.4f}", "--num-requests",
              str(args.interference_requests), "--slo-ttft-ms", f"{ttft_ms:.1f}", "--slo-tpot-ms",
