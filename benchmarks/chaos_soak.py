@@ -52,51 +52,41 @@ def prompt_pool(args: argparse.Namespace) -> list[Item]:
                  rng.randint(8, args.max_output_len)) for i in range(args.num_prompts)]  # fmt: skip
 
 
-async def one(http, cfg: ClientConfig, item: Item, start: float) -> tuple[RequestRecord, str]:
-    record = RequestRecord("", len(item.prompt), item.max_tokens)
-    return record, await send_request(http, cfg, item.prompt, record, start)
-
-
-def client_config(url: str, args: argparse.Namespace) -> ClientConfig:
-    return ClientConfig(url=url, model=args.model, request_timeout_s=args.request_bound_s)
-
-
-async def reference(url: str, pool: list[Item], args: argparse.Namespace) -> list[str]:
-    cfg, start, sem = client_config(url, args), time.perf_counter(), asyncio.Semaphore(4)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-
-        async def run(item: Item) -> str:
-            async with sem:
-                record, text = await one(http, cfg, item, start)
-            if record.status != OK:
-                raise RuntimeError(f"reference request failed: {record.error}")
-            return text
-
-        return await asyncio.gather(*(run(item) for item in pool))
-
-
-async def load(url: str, pool: list[Item], args: argparse.Namespace) -> list[tuple]:
-    """Open loop at --rate (Poisson) for --minutes: (pool index, record, text) each."""
-    cfg, rng = client_config(url, args), random.Random(args.seed + 1)
-    results: list[tuple] = []
+async def send_at(url: str, items: list[Item], times: list[float], args, limit: int) -> list:
+    """Each item sent at its time (s after the start), at most `limit` at once: (record, text)."""
+    cfg = ClientConfig(url=url, model=args.model, request_timeout_s=args.request_bound_s)
+    sem = asyncio.Semaphore(limit)
     async with aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
     ) as http:
         start = time.perf_counter()
-        end, tasks = start + 60 * args.minutes, []
 
-        async def run(i: int) -> None:
-            record, text = await one(http, cfg, pool[i], start)
-            results.append((i, record, text))
+        async def run(item: Item, at: float) -> tuple[RequestRecord, str]:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            async with sem:
+                record = RequestRecord("", len(item.prompt), item.max_tokens)
+                return record, await send_request(http, cfg, item.prompt, record, start)
 
-        next_at = start
-        while next_at < end:
-            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-            # Uniform over the pool: whole prompts repeat, and prefixes are shared.
-            tasks.append(asyncio.create_task(run(rng.randrange(len(pool)))))
-            next_at += rng.expovariate(args.rate)
-        await asyncio.gather(*tasks)
-    return results
+        return await asyncio.gather(*(run(item, at) for item, at in zip(items, times)))
+
+
+def reference(url: str, pool: list[Item], args: argparse.Namespace) -> list[str]:
+    """The pool's greedy texts, 4 at a time."""
+    answers = asyncio.run(send_at(url, pool, [0.0] * len(pool), args, 4))
+    if failed := [r.error for r, _ in answers if r.status != OK]:
+        raise RuntimeError(f"reference request failed: {failed[0]}")
+    return [text for _, text in answers]
+
+
+def load(url: str, pool: list[Item], args: argparse.Namespace) -> list[tuple]:
+    """Open loop at --rate (Poisson) for --minutes, uniform over the pool (whole prompts repeat,
+    prefixes are shared): (pool index, record, text) each."""
+    rng, times = random.Random(args.seed + 1), [0.0]
+    while times[-1] + (gap := rng.expovariate(args.rate)) < 60 * args.minutes:
+        times.append(times[-1] + gap)
+    picks = [rng.randrange(len(pool)) for _ in times]
+    answers = asyncio.run(send_at(url, [pool[i] for i in picks], times, args, len(times)))
+    return [(i, record, text) for i, (record, text) in zip(picks, answers)]
 
 
 class Chaos(threading.Thread):
@@ -128,15 +118,11 @@ class Chaos(threading.Thread):
             if popen.poll() is not None:
                 self.events.append((round(time.monotonic() - t0, 1), f"{name} already down"))
                 continue
-            if action == "kill":
-                popen.send_signal(signal.SIGKILL)
-                self.events.append((round(time.monotonic() - t0, 1), f"SIGKILL {name}"))
-            else:
-                popen.send_signal(signal.SIGSTOP)
-                self.events.append((round(time.monotonic() - t0, 1), f"SIGSTOP {name}"))
-                self.stop.wait(self.args.redis_pause_s)
-                popen.send_signal(signal.SIGCONT)
-                self.events.append((round(time.monotonic() - t0, 1), f"SIGCONT {name}"))
+            for sig in [signal.SIGKILL] if action == "kill" else [signal.SIGSTOP, signal.SIGCONT]:
+                if sig == signal.SIGCONT:
+                    self.stop.wait(self.args.redis_pause_s)
+                popen.send_signal(sig)
+                self.events.append((round(time.monotonic() - t0, 1), f"{sig.name} {name}"))
 
 
 def wait_whole(url: str, timeout_s: float) -> dict[str, tuple[int, int]]:
@@ -225,7 +211,7 @@ def main() -> int:
         model=args.model, port=free_port(), collocated=WorkerGroup(**one_thread)
     )
     with Cluster(ref_pipeline, log_level="WARNING", restart=None) as url:
-        refs = asyncio.run(reference(url, pool, args))
+        refs = reference(url, pool, args)
     print(f"reference: {len(refs)} prompts in {time.monotonic() - t:.0f} s", flush=True)
 
     pipeline = Pipeline(
@@ -238,7 +224,7 @@ def main() -> int:
     with cluster as url:
         chaos = Chaos(cluster, args)
         chaos.start()
-        results = asyncio.run(load(url, pool, args))
+        results = load(url, pool, args)
         chaos.stop.set()
         chaos.join()
         blocks = wait_whole(url, 180)
