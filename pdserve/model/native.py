@@ -120,7 +120,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     `panel_width` (output columns per packed panel) as attributes."""
     isa = isa or envs.cpu_isa()
     if isa != "auto" and isa not in ISA_FLAGS:
-        raise ValueError(f"{envs.CPU_ISA}={isa!r}: expected auto, {' or '.join(ISA_FLAGS)}")
+        raise ValueError(f"{envs.CPU_ISA}={isa!r}: expected one of auto, {', '.join(ISA_FLAGS)}")
     return _load(isa)
 
 

@@ -120,6 +120,28 @@ def test_variant_choice(lib, monkeypatch):
         native.load()
 
 
+# /proc/cpuinfo flags (the ones the variants read) of CPUs without AMX, by the variant `auto`
+# gives them: AMD Zen 4 (AVX512_VNNI and AVX512_BF16), Intel Skylake-SP, Alder Lake, Zen 3.
+_AVX2, _AVX512 = {"avx2", "fma", "f16c"}, {"avx2", "fma", *native.CPU_FLAGS["avx512"]}
+CPU_WITHOUT_AMX = {
+    "avx512vnni": {*_AVX512, "avx512_vnni", "avx512_bf16"},
+    "avx512": _AVX512,
+    "avx2vnni": {*_AVX2, "avx_vnni"},
+    "avx2": _AVX2,
+}
+
+
+@pytest.mark.parametrize("isa", list(CPU_WITHOUT_AMX))
+def test_auto_picks_the_variant_of_each_cpu(monkeypatch, isa):
+    """auto on a CPU with the flags of one without AMX takes its widest variant: the VNNI build
+    where the CPU has VNNI (here a subset of this CPU's flags, so the variant runs)."""
+    flags = frozenset(CPU_WITHOUT_AMX[isa])
+    if not flags <= native.cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(flags - native.cpu_flags())}")
+    monkeypatch.setattr(native, "cpu_flags", lambda: flags)
+    assert native._load.__wrapped__("auto").isa == isa
+
+
 def test_auto_falls_back_to_a_narrower_variant(monkeypatch):
     """A variant that fails to build is skipped for the next narrower one; with no variant
     the CPU runs, the kernels are off (None: callers keep the PyTorch paths)."""
