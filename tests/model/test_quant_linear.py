@@ -243,6 +243,30 @@ def test_fused_parts_int8_with_row_map(lib, monkeypatch):
     torch.testing.assert_close(torch.from_numpy(y[:, 13:]), x @ wc.T, rtol=1e-5, atol=1e-4)
 
 
+def test_rows_claimed_in_chunks_across_parts(lib, monkeypatch):
+    """Threads claim weight rows in chunks of CLAIM_BYTES (64 KB: 113 rows of this Q4_K), so
+    450 rows take 4 chunks that straddle the parts and the row map; every row's result is
+    the same whichever thread claimed it, call after call."""
+    monkeypatch.setattr(quant_linear, "INT8_M_MAX", QUANT_GEMV_M_MAX)
+    rng = np.random.default_rng(13)
+    k = 1024
+    shapes = ((Q.Q4_K, 200), (Q.Q6_K, 150), (Q.Q4_0, 100))
+    a, b, c = (random_tensor(t, n, k, rng) for t, n in shapes)
+    rowmap = torch.from_numpy(rng.permutation(200))
+    parts = [QuantTensor(a, int(Q.Q4_K), 200, k, "a", rowmap)]
+    parts += [QuantTensor(b, int(Q.Q6_K), 150, k), QuantTensor(c, int(Q.Q4_0), 100, k)]
+    linear = QuantLinear(lib, parts)
+    wa = reference(a, Q.Q4_K, 200, k)[rowmap]
+    wb, wc = reference(b, Q.Q6_K, 150, k), reference(c, Q.Q4_0, 100, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6))
+    y = linear(x)
+    exact, scale = int8_reference(torch.cat([wa, wb]), x, 256)
+    assert np.all(np.abs(y[:, :350].numpy() - exact) <= 1e-6 * scale)
+    torch.testing.assert_close(y[:, 350:], x @ wc.T, rtol=1e-5, atol=1e-4)
+    for _ in range(20):
+        assert torch.equal(linear(x), y)
+
+
 def test_embedding_dequantizes_the_looked_up_rows(lib):
     rng = np.random.default_rng(3)
     data = random_tensor(Q.Q6_K, 11, 256, rng)

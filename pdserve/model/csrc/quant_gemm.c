@@ -316,6 +316,69 @@ int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, i
 #define Q8_M_BLOCK 64
 #endif
 
+/* Bytes of weight rows a thread claims at a time. Rows split statically wait at the region's
+ * end for the slowest thread, and on a host whose cores also run the router, the client and
+ * other processes, a preempted thread holds half the rows; claimed in chunks, the running
+ * thread takes them over and the region waits for one chunk at most (~4 us of reading). */
+#ifndef CLAIM_BYTES
+#define CLAIM_BYTES (64 << 10)
+#endif
+
+/* What every row of one pd_quant_linear call shares. */
+typedef struct {
+    const float *x;
+    const uint8_t *xq;
+    int64_t xqb, M, K;
+    const pd_qpart *flat;
+    const int64_t *row_bytes, *dots;
+    int64_t N, dist;
+    const int64_t *cols;
+    float *y;
+    int64_t ldy;
+} row_args;
+
+/* y[m, col(j)] = x[m] . W[j] for every m, W[j] the j-th weight row in memory order; buf holds
+ * K floats (the row dequantized). */
+static void row_product(const row_args *a, int64_t j, float *buf) {
+    int64_t p, pa, ahead = j + a->dist, col = a->cols ? a->cols[j] : j, M = a->M, K = a->K;
+    const float *x = a->x;
+    float *y = a->y;
+    int64_t ldy = a->ldy, type;
+    const uint8_t *row = pd_qrow(a->flat, a->row_bytes, j, &p);
+    type = a->flat[p].type;
+    if (a->dots[p]) { /* the integer kernels prefetch as they go (quant_dot.c) */
+        pd_q8_dot(type, row, a->xq, a->xqb, M, K, y + col, ldy);
+        return;
+    }
+    if (ahead < a->N) {
+        const char *next = (const char *)pd_qrow(a->flat, a->row_bytes, ahead, &pa);
+        for (int64_t o = 0; o < a->row_bytes[pa]; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
+    }
+    if (M == 1 && fuses(type)) { /* one input row: nothing stored */
+        y[col] = dequant_row_dot(type, row, buf, K, x);
+        return;
+    }
+    dequant_row(type, row, buf, K);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) { /* four x rows per pass over buf */
+        const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        int64_t k = 0;
+        for (; k + VW <= K; k += VW) {
+            vf wv = vload(buf + k);
+            a0 = vfmadd(wv, vload(x0 + k), a0);
+            a1 = vfmadd(wv, vload(x1 + k), a1);
+            a2 = vfmadd(wv, vload(x2 + k), a2);
+            a3 = vfmadd(wv, vload(x3 + k), a3);
+        }
+        float s[4] = {vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3)};
+        for (; k < K; k++)
+            for (int t = 0; t < 4; t++) s[t] += buf[k] * x[(m + t) * K + k];
+        for (int t = 0; t < 4; t++) y[(m + t) * ldy + col] = s[t];
+    }
+    for (; m < M; m++) y[m * ldy + col] = dot(buf, x + m * K, K);
+}
+
 /* The output column of each weight row in memory order (parts one after another), where a
  * part has a row map, else NULL (*failed set if it could not allocate). The rows are taken in
  * memory order and their results scattered: llama.cpp's Q/K order read through the map visits
@@ -369,6 +432,8 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
     }
     pd_qpart flat[P]; /* the parts without their row maps: rows in memory order */
     for (int64_t p = 0; p < P; p++) flat[p] = parts[p], flat[p].rowmap = NULL;
+    int64_t chunk = CLAIM_BYTES / row_bytes[0] > 0 ? CLAIM_BYTES / row_bytes[0] : 1;
+    row_args a = {x, xq, xqb, M, K, flat, row_bytes, dots, N, dist, cols, y, ldy};
 #pragma omp parallel PAR_IF(N * K)
     {
         float *buf = aligned_alloc(64, ((K * sizeof(float) + 63) / 64) * 64);
@@ -376,43 +441,10 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < N; j++) {
-            if (!buf) continue;
-            int64_t p, pa, ahead = j + dist, col = cols ? cols[j] : j;
-            const uint8_t *row = pd_qrow(flat, row_bytes, j, &p);
-            if (dots[p]) { /* the integer kernels prefetch as they go (quant_dot.c) */
-                pd_q8_dot(parts[p].type, row, xq, xqb, M, K, y + col, ldy);
-                continue;
-            }
-            if (ahead < N) {
-                const char *next = (const char *)pd_qrow(flat, row_bytes, ahead, &pa);
-                for (int64_t o = 0; o < row_bytes[pa]; o += 64) _mm_prefetch(next + o, _MM_HINT_T0);
-            }
-            if (M == 1 && fuses(parts[p].type)) { /* one input row: nothing stored */
-                y[col] = dequant_row_dot(parts[p].type, row, buf, K, x);
-                continue;
-            }
-            dequant_row(parts[p].type, row, buf, K);
-            int64_t m = 0;
-            for (; m + 4 <= M; m += 4) { /* four x rows per pass over buf */
-                const float *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-                vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-                int64_t k = 0;
-                for (; k + VW <= K; k += VW) {
-                    vf wv = vload(buf + k);
-                    a0 = vfmadd(wv, vload(x0 + k), a0);
-                    a1 = vfmadd(wv, vload(x1 + k), a1);
-                    a2 = vfmadd(wv, vload(x2 + k), a2);
-                    a3 = vfmadd(wv, vload(x3 + k), a3);
-                }
-                float s[4] = {vhsum(a0), vhsum(a1), vhsum(a2), vhsum(a3)};
-                for (; k < K; k++)
-                    for (int t = 0; t < 4; t++) s[t] += buf[k] * x[(m + t) * K + k];
-                for (int t = 0; t < 4; t++) y[(m + t) * ldy + col] = s[t];
-            }
-            for (; m < M; m++) y[m * ldy + col] = dot(buf, x + m * K, K);
-        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < (N + chunk - 1) / chunk; c++)
+            for (int64_t j = c * chunk; buf && j < N && j < (c + 1) * chunk; j++)
+                row_product(&a, j, buf);
         free(buf);
     }
     free(cols);
