@@ -221,8 +221,11 @@ def plan_cells(args: argparse.Namespace) -> tuple[list[Cell], dict[tuple[int, st
     probe_counts = per_length(args.capacity_requests, lengths)
     probes = load_probes(args.probes) if args.probes else {}
     cells = []
+    skipped = {tuple(item.split(":")) for item in args.skip.split(",") if item}
     for length in lengths:
         for output_len in [x for x in args.output_lens.split(",") if x]:
+            if (str(length), output_len) in skipped:
+                continue
             if (length, output_len) not in probes:
                 shape = shape_flags(args, length, output_len)
                 probes[length, output_len] = probe(
@@ -350,6 +353,7 @@ def parse_args() -> argparse.Namespace:
                    help="lognormal sigma of the input lengths about each; 0: fixed")  # fmt: skip
     p.add_argument("--output-lens", default="lognormal:64:0.5",
                    help="comma-separated output lengths (bench --output-len specs)")  # fmt: skip
+    p.add_argument("--skip", default="", help="ISL:OSL shapes left out, e.g. 8192:256")
     p.add_argument("--fractions", default="0.5,0.9", help="rates as fractions of capacity")
     p.add_argument("--num-requests", default="30", help="N, or per length: 512:12,2048:10")
     p.add_argument("--capacity-requests", default="16", help="N, or per length as above")
