@@ -143,3 +143,15 @@ def test_long_prompt_lens_flag_and_bad_lengths():
     assert args.long_prompt_lens == (4096, 8192)
     with pytest.raises(ValueError, match="long_prompt_lens must be positive"):
         ProfileConfig(long_prompt_lens=(0,))
+
+
+def test_max_entry_tokens_leaves_out_the_largest_entries_but_the_probes():
+    cfg = ProfileConfig(max_entry_tokens=4096, long_prompt_lens=(8192,))
+    assert (1024, 16) not in cfg.timed_grid and (256, 32) not in cfg.timed_grid
+    assert (512, 8) in cfg.timed_grid and (128, 32) in cfg.timed_grid
+    assert cfg.timed_grid[-1] == (8192, 1)  # a long prompt is not an entry the cap drops
+    assert all(entry in cfg.timed_grid for entry in PROBE_GRID)
+    tiny = ProfileConfig(max_entry_tokens=100)
+    assert all(entry in tiny.timed_grid for entry in PROBE_GRID)
+    assert (80, 1) in tiny.timed_grid and (128, 1) in tiny.timed_grid
+    assert (192, 1) not in tiny.timed_grid
