@@ -326,6 +326,7 @@ class Worker:
         signer = m.Signer(self.secret)  # its own session: its frames interleave with `out`'s
         try:
             while not self._stop_heartbeat.wait(self.spec.heartbeat_interval_s):
+                self.memory.refresh()  # here, not on the step loop (MemoryReport)
                 if self._stats is not None:
                     sock.send(signer.encode(self._stats))
         finally:

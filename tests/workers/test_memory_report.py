@@ -51,6 +51,27 @@ def test_process_memory_reads_smaps_rollup(tmp_path):
     assert rss >= pss > 0
 
 
+def test_fields_never_read_smaps_only_refresh_does(monkeypatch):
+    """The step loop builds Stats from fields(); the heartbeat thread calls refresh(), which
+    re-reads RSS/PSS once REFRESH_S has passed (a read took 2-13 ms on a 1B worker)."""
+    from pdserve.workers import memory_report
+
+    reads = []
+    monkeypatch.setattr(memory_report, "process_memory", lambda: reads.append(1) or (3, 2))
+    report = memory_report.MemoryReport(torch.nn.Linear(2, 2), torch.zeros(4))
+    assert len(reads) == 1
+    for _ in range(3):
+        assert report.fields()["rss_bytes"] == 3
+    report.refresh()  # REFRESH_S has not passed
+    assert len(reads) == 1
+    monkeypatch.setattr(memory_report, "process_memory", lambda: reads.append(1) or (5, 4))
+    report._read_at -= memory_report.REFRESH_S
+    report.fields()
+    assert len(reads) == 1
+    report.refresh()
+    assert len(reads) == 2 and report.fields()["pss_bytes"] == 4
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_held_weights_count_a_tied_tensor_once_and_packed_copies(tiny_model_dir, tmp_path, tied):
     from tests.conftest import make_tiny_llama
