@@ -28,7 +28,7 @@ import numpy as np
 from pdserve import envs
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.costmodel.profile import HardwareProfile, ModelShape
-from pdserve.costmodel.step_cost import StepShape, fit_cost_model, phase_ratios
+from pdserve.costmodel.step_cost import StepCostModel, StepShape, fit_cost_model, phase_ratios
 from pdserve.engine.memory import DEFAULT_CPU_KV_FRACTION, meminfo_available_bytes
 from pdserve.perf.machine import check_same_machine, cpu_name, shm_bandwidth, tcp_bandwidth
 from pdserve.perf.served import served_overhead
@@ -130,6 +130,7 @@ class Timings:
     samples: list[tuple[StepShape, float]]
     wake: list[tuple[float, float]]
     probe: list[tuple[StepShape, float]]  # the samples of PROBE_GRID's entries
+    entries: list[tuple[int, int]]  # each sample's grid entry
 
 
 def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
@@ -139,7 +140,16 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
         samples = time_grid(replace(cfg, grid=cfg.timed_grid), engine, entries)
         wake = _time_wake(cfg, engine)
     probe = [s for s, entry in zip(samples, entries, strict=True) if entry in PROBE_GRID]
-    return Timings(samples, wake, probe)
+    return Timings(samples, wake, probe, entries)
+
+
+def entry_ratios(model: StepCostModel, timings: Timings) -> str:
+    """Per grid entry, its steps' median measured over predicted: where the fit misses (one
+    disturbed entry, or a kernel whose cost per row changes with the step's size)."""
+    ratios: dict[tuple[int, int], list[float]] = {}
+    for (shape, seconds), entry in zip(timings.samples, timings.entries, strict=True):
+        ratios.setdefault(entry, []).append(seconds / model.predict(shape))
+    return ", ".join(f"{n}x{r} x{statistics.median(v):.2f}" for (n, r), v in ratios.items())
 
 
 def time_probe(
@@ -308,7 +318,8 @@ def build_profile(
         log(f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
             f"idle costs more by {wake}; the speed probe's shapes in the grid: prefill steps "
-            f"x{prefill:.3f} and decode steps x{decode:.3f} the fit's")  # fmt: skip
+            f"x{prefill:.3f} and decode steps x{decode:.3f} the fit's; measured over fitted "
+            f"per entry (prompt x requests): {entry_ratios(models[threads], timings)}")  # fmt: skip
     # A decode step of one request at context n, on one thread (the decode worker's start).
     one_thread = models.get(1)
     decode = one_thread and (lambda n: one_thread.predict(StepShape(0, 1, 0.0, n)))

@@ -11,11 +11,13 @@ from dataclasses import replace
 import pytest
 
 from pdserve.costmodel.profile import load_profile
+from pdserve.costmodel.step_cost import fit_cost_model
 from pdserve.envs import WORKER_SPINCOUNT
 from pdserve.perf.measure import (
     PROBE_GRID,
     ProfileConfig,
     build_profile,
+    entry_ratios,
     measure_steps,
     timing_env,
     wake_extra,
@@ -128,7 +130,17 @@ def test_long_prompts_are_timed_past_the_grid_one_request_each(tmp_path):
                         repeats=1, grid=PROBE_GRID, long_prompt_lens=(1200,),
                         wake_pauses=(0.01,))  # fmt: skip
     assert cfg.timed_grid == (*PROBE_GRID, (1200, 1))
-    samples = measure_steps(cfg, 1).samples
+    timings = measure_steps(cfg, 1)
+    samples = timings.samples
+    # the log's per-entry line: each entry's steps measured over the fit, the long prompt's too
+    line = entry_ratios(fit_cost_model(samples), timings)
+    assert [part.split(" x")[0] for part in line.split(", ")] == [
+        "128x1",
+        "320x1",
+        "64x4",
+        "1200x1",
+    ]
+    assert all(0.1 < float(part.split(" x")[1]) < 10 for part in line.split(", "))
     chunks = [s for s, _ in samples if s.prefill_tokens and s.prefill_attention_pairs > 512 * 512]
     assert chunks and all(s.prefill_tokens <= 512 for s in chunks)
     assert any(s.decode_requests == 1 and s.decode_context_tokens >= 1200 for s, _ in samples)
