@@ -8,6 +8,11 @@ a spec that is a URL is yielded as it is).
 SLOs must be equal across deployments for goodput to be comparable, so when none are given
 they are derived once, from the *first* deployment's unloaded latency (sequential requests):
 SLO = ``--slo-multiplier`` x its p50 TTFT / TPOT. Ratios in the table are against it as well.
+
+Every deployment first answers ``--warmup-requests`` unloaded requests that are not measured
+(as ``vllm bench serve --num-warmups``): a freshly started worker pays first-use costs (weight
+pages, kernel buffers, allocator growth) on its first requests, and in a cell of a few requests
+they would decide the result. Calibration requests count as warm-up.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ class CompareConfig:
         gt=0,
     )  # fmt: skip
     calibration_requests: int = knob(5, "unloaded requests the SLOs derive from", ge=1)
+    warmup_requests: int = knob(
+        1, "unloaded requests each deployment answers, not measured, before the workload", ge=0
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -85,7 +93,10 @@ def run_compare(
     rows: dict[str, dict[str, object]] = {}
     for name, spec in deployments.items():
         with launch(spec) as url:
-            if plan.slo.ttft_ms is None and plan.slo.tpot_ms is None:
+            calibrate = plan.slo.ttft_ms is None and plan.slo.tpot_ms is None
+            if not calibrate and compare.warmup_requests:
+                _unloaded(calibration_plan, url, compare.warmup_requests)
+            if calibrate:
                 ttft_ms, tpot_ms = _unloaded(calibration_plan, url, compare.calibration_requests)
                 itl_ms = plan.slo.itl_ms
                 if itl_multiplier and tpot_ms:

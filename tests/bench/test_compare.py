@@ -35,3 +35,14 @@ def test_compare_keeps_the_stall_budget_with_derived_slos(fake_server, tokenizer
     assert 20 <= row["max_gap_ms"] < 1000  # 20 ms between the fake server's tokens
     assert row["max_gap_ms"] == max(max(r["itl_s"]) for r in row["records"]) * 1000
     assert "max gap 1000 ms" in out.getvalue() and "max gap ms" in out.getvalue()
+
+
+def test_each_deployment_answers_its_warmups_before_the_workload(fake_server, tokenizer_dir):
+    argv = ["compare", "--url", fake_server.url, "--tokenizer", str(tokenizer_dir),
+            "--no-progress", "--num-requests", "3", "--input-len", "5", "--output-len", "4",
+            "--slo-ttft-ms", "1000", "--warmup-requests", "2"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    rows = run_compare({"a": fake_server.url, "b": fake_server.url}, args, contextlib.nullcontext,
+                       io.StringIO())  # fmt: skip
+    assert len(fake_server.bodies) == 2 * (2 + 3)  # each: 2 warm-ups, then the 3 measured
+    assert all(len(row["records"]) == 3 for row in rows.values())  # warm-ups are not measured
