@@ -113,8 +113,7 @@ class FusedLayerStack(LayerStack):
                 meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
                 tables.data_ptr(), lens.data_ptr(), None if scores is None else scores.data_ptr(),
                 tables.shape[1], hidden, h, kvh, d, inter, caches[0].block_size,
-                first.input_layernorm.eps, quant_linear.QUANT_GEMV_M_MAX,
-                quant_linear.int8_rows(m),
+                first.input_layernorm.eps, quant_linear.int8_rows(m),
             )  # fmt: skip
             if rc != 0:
                 raise MemoryError("a decode-layer kernel could not allocate its scratch buffer")
