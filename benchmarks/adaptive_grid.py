@@ -66,8 +66,17 @@ def simulate(flags: list[str], profile: str, deployment: str) -> dict:
     """The summary of `pdserve simulate` of the same workload on `deployment`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "simulate.json"
-        argv = ["simulate", "--no-progress", "--output", str(out), "--profile", profile,
-                "--deployment", deployment, *flags]  # fmt: skip
+        argv = [
+            "simulate",
+            "--no-progress",
+            "--output",
+            str(out),
+            "--profile",
+            profile,
+            "--deployment",
+            deployment,
+            *flags,
+        ]
         pdserve(argv)
         return json.loads(out.read_text())["summary"]
 
@@ -110,9 +119,17 @@ class Probe:
 
 def probe(shape: list[str], num_requests: int, output_len: float) -> Probe:
     """Capacity (every request at once) after compare's own unloaded calibration, one run."""
-    flags = [*shape, "--rate", "inf", "--num-requests", str(num_requests),
-             "--calibration-requests", str(CALIBRATION_REQUESTS),
-             "--slo-multiplier", str(SLO_MULTIPLIER)]  # fmt: skip
+    flags = [
+        *shape,
+        "--rate",
+        "inf",
+        "--num-requests",
+        str(num_requests),
+        "--calibration-requests",
+        str(CALIBRATION_REQUESTS),
+        "--slo-multiplier",
+        str(SLO_MULTIPLIER),
+    ]
     started = time.monotonic()
     row = compare(flags, ("collocated=collocated",))["collocated"]
     wall_s = time.monotonic() - started
@@ -144,9 +161,16 @@ def slo_flags(args: argparse.Namespace, unloaded: Probe) -> list[str]:
 def cell_flags(args: argparse.Namespace, cell: Cell, unloaded: Probe) -> list[str]:
     """The workload, arrivals and SLOs a cell's compare and its simulations share."""
     rate = cell.fraction * unloaded.capacity_rps
-    return [*shape_flags(args, cell.input_len, cell.output_len), "--arrival", "poisson",
-            "--rate", f"{rate:.4f}", "--num-requests", str(cell.num_requests),
-            *slo_flags(args, unloaded)]  # fmt: skip
+    return [
+        *shape_flags(args, cell.input_len, cell.output_len),
+        "--arrival",
+        "poisson",
+        "--rate",
+        f"{rate:.4f}",
+        "--num-requests",
+        str(cell.num_requests),
+        *slo_flags(args, unloaded),
+    ]
 
 
 def shape_flags(args: argparse.Namespace, input_len: int, output_len: str) -> list[str]:
@@ -158,9 +182,14 @@ def shape_flags(args: argparse.Namespace, input_len: int, output_len: str) -> li
 def row_of(summary: dict) -> dict:
     """What a cell reports per deployment, from a bench or simulate summary."""
     good = round(summary["slo_attainment"] * summary["num_requests"])
-    return {"good": good, "num_requests": summary["num_requests"], "goodput": summary["goodput"],
-            "p50_ttft_ms": summary["ttft_ms"]["p50"], "p90_ttft_ms": summary["ttft_ms"]["p90"],
-            "max_gap_ms": summary["max_gap_ms"]}  # fmt: skip
+    return {
+        "good": good,
+        "num_requests": summary["num_requests"],
+        "goodput": summary["goodput"],
+        "p50_ttft_ms": summary["ttft_ms"]["p50"],
+        "p90_ttft_ms": summary["ttft_ms"]["p90"],
+        "max_gap_ms": summary["max_gap_ms"],
+    }
 
 
 def run_cell(args: argparse.Namespace, cell: Cell, unloaded: Probe) -> dict:
@@ -169,11 +198,17 @@ def run_cell(args: argparse.Namespace, cell: Cell, unloaded: Probe) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         rows = compare(flags, deployments(args, unloaded, Path(tmp)))
     wall_s = time.monotonic() - started
-    result = {**asdict(cell), "capacity_rps": unloaded.capacity_rps,
-              "rate_rps": cell.fraction * unloaded.capacity_rps, "unloaded": asdict(unloaded),
-              "estimate_s": cell_estimate_s(cell, unloaded), "wall_s": wall_s, "flags": flags,
-              "real": {name: row_of(row["summary"]) for name, row in rows.items()},
-              "rows": rows}  # fmt: skip
+    result = {
+        **asdict(cell),
+        "capacity_rps": unloaded.capacity_rps,
+        "rate_rps": cell.fraction * unloaded.capacity_rps,
+        "unloaded": asdict(unloaded),
+        "estimate_s": cell_estimate_s(cell, unloaded),
+        "wall_s": wall_s,
+        "flags": flags,
+        "real": {name: row_of(row["summary"]) for name, row in rows.items()},
+        "rows": rows,
+    }
     if args.simulate:
         result["simulated"] = simulate_cell(flags, args.simulate)
     return result
@@ -277,8 +312,10 @@ def _error(simulated: float | None, real: float | None) -> str:
 
 def markdown(cells: list[dict]) -> str:
     """The real rows (goodput against collocated's), then the simulator's error per cell."""
-    head = ("| ISL | OSL | load | deployment | good | goodput req/s | vs collocated "
-            "| TTFT p50 ms | TTFT p90 ms | longest freeze ms |")  # fmt: skip
+    head = (
+        "| ISL | OSL | load | deployment | good | goodput req/s | vs collocated "
+        "| TTFT p50 ms | TTFT p90 ms | longest freeze ms |"
+    )
     lines = [head, "|" + " --- |" * 10]
     for cell in cells:
         base = cell["real"]["collocated"]["goodput"]
@@ -296,8 +333,11 @@ def markdown(cells: list[dict]) -> str:
 
 
 def simulated_markdown(cells: list[dict]) -> list[str]:
-    lines = ["| ISL | OSL | load | deployment | good real vs sim | goodput err | TTFT p50 err "
-             "| TTFT p90 err | longest freeze real/sim ms |", "|" + " --- |" * 9]  # fmt: skip
+    lines = [
+        "| ISL | OSL | load | deployment | good real vs sim | goodput err | TTFT p50 err "
+        "| TTFT p90 err | longest freeze real/sim ms |",
+        "|" + " --- |" * 9,
+    ]
     for cell in [c for c in cells if "simulated" in c]:
         for name, real in cell["real"].items():
             sim = cell["simulated"][name]
@@ -323,19 +363,32 @@ def interference(args: argparse.Namespace) -> dict:
     # adaptive-slo is told the same targets, as an operator would.
     tpot_ms = SLO_MULTIPLIER * unloaded.tpot_ms
     longest = [*model, *workload(str(INTERFERENCE_MAX_INPUT), "lognormal:128:0.3", seed=7)]
-    calibration = compare([*longest, "--num-requests", "1", "--calibration-requests", "3"],
-                          ("collocated=collocated",))["collocated"]  # fmt: skip
+    calibration = compare(
+        [*longest, "--num-requests", "1", "--calibration-requests", "3"], ("collocated=collocated",)
+    )["collocated"]
     ttft_ms = calibration["slo_ttft_ms"]
     itl_ms = args.itl_multiplier * calibration["slo_tpot_ms"] / SLO_MULTIPLIER
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "adaptive-slo.yaml"
         write_adaptive(config, args.model, f"slo_ttft_ms: {ttft_ms:.1f}, slo_itl_ms: {itl_ms:.1f}")
         rows = compare(
-            [*shape, "--arrival", "poisson", "--rate", f"{rate:.4f}", "--num-requests",
-             str(args.interference_requests), "--slo-ttft-ms", f"{ttft_ms:.1f}", "--slo-tpot-ms",
-             f"{tpot_ms:.1f}", "--slo-itl-ms", f"{itl_ms:.1f}"],
+            [
+                *shape,
+                "--arrival",
+                "poisson",
+                "--rate",
+                f"{rate:.4f}",
+                "--num-requests",
+                str(args.interference_requests),
+                "--slo-ttft-ms",
+                f"{ttft_ms:.1f}",
+                "--slo-tpot-ms",
+                f"{tpot_ms:.1f}",
+                "--slo-itl-ms",
+                f"{itl_ms:.1f}",
+            ],
             (*DEPLOYMENTS, f"adaptive-slo={config}"),
-        )  # fmt: skip
+        )
     return {
         "fraction": args.interference_fraction,
         "capacity_rps": unloaded.capacity_rps,
@@ -349,32 +402,61 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="every deployment's model (default: pdserve's)")
     p.add_argument("--lengths", default="128,512,2048", help="mean input lengths")
-    p.add_argument("--input-sigma", type=float, default=0.3,
-                   help="lognormal sigma of the input lengths about each; 0: fixed")  # fmt: skip
-    p.add_argument("--output-lens", default="lognormal:64:0.5",
-                   help="comma-separated output lengths (bench --output-len specs)")  # fmt: skip
+    p.add_argument(
+        "--input-sigma",
+        type=float,
+        default=0.3,
+        help="lognormal sigma of the input lengths about each; 0: fixed",
+    )
+    p.add_argument(
+        "--output-lens",
+        default="lognormal:64:0.5",
+        help="comma-separated output lengths (bench --output-len specs)",
+    )
     p.add_argument("--skip", default="", help="ISL:OSL shapes left out, e.g. 8192:256")
     p.add_argument("--fractions", default="0.5,0.9", help="rates as fractions of capacity")
     p.add_argument("--num-requests", default="30", help="N, or per length: 512:12,2048:10")
     p.add_argument("--capacity-requests", default="16", help="N, or per length as above")
-    p.add_argument("--slo-max-gap-multiplier", type=float, default=10.0,
-                   help="stall budget: this x the unloaded p50 TPOT; 0: none")  # fmt: skip
-    p.add_argument("--slo-tpot-multiplier", type=float, default=0.0,
-                   help="TPOT target: this x the unloaded p50 TPOT; 0: none")  # fmt: skip
+    p.add_argument(
+        "--slo-max-gap-multiplier",
+        type=float,
+        default=10.0,
+        help="stall budget: this x the unloaded p50 TPOT; 0: none",
+    )
+    p.add_argument(
+        "--slo-tpot-multiplier",
+        type=float,
+        default=0.0,
+        help="TPOT target: this x the unloaded p50 TPOT; 0: none",
+    )
     p.add_argument("--rounds", type=int, default=1, help="times the whole cell list runs")
     p.add_argument("--probes", metavar="JSON", help="reuse an earlier --output's probes")
-    p.add_argument("--estimate-only", action="store_true",
-                   help="probe and print the cells' estimated times, run no cell")  # fmt: skip
-    p.add_argument("--simulate", metavar="PROFILE",
-                   help="also replay each cell on pdserve simulate with this profile")  # fmt: skip
-    p.add_argument("--simulate-cells", metavar="JSON",
-                   help="with --simulate: an earlier --output's cells, simulated only")  # fmt: skip
+    p.add_argument(
+        "--estimate-only",
+        action="store_true",
+        help="probe and print the cells' estimated times, run no cell",
+    )
+    p.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="also replay each cell on pdserve simulate with this profile",
+    )
+    p.add_argument(
+        "--simulate-cells",
+        metavar="JSON",
+        help="with --simulate: an earlier --output's cells, simulated only",
+    )
     p.add_argument("--interference", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--itl-multiplier", type=float, default=2.0,
-                   help="p99 ITL SLO: this x the longest prompts' TPOT")  # fmt: skip
+    p.add_argument(
+        "--itl-multiplier",
+        type=float,
+        default=2.0,
+        help="p99 ITL SLO: this x the longest prompts' TPOT",
+    )
     p.add_argument("--interference-requests", type=int, default=30)
-    p.add_argument("--interference-fraction", type=float, default=0.7,
-                   help="the interference cell's load")  # fmt: skip
+    p.add_argument(
+        "--interference-fraction", type=float, default=0.7, help="the interference cell's load"
+    )
     p.add_argument("--output", default="adaptive_grid.json")
     return p.parse_args()
 
@@ -399,8 +481,9 @@ def main() -> None:
         return resimulate(args.simulate_cells, args.simulate, output)
     results: dict = {"cells": [], "interference": None}
     cells, probes = plan_cells(args)
-    results["probes"] = [{"input_len": n, "output_len": out, **asdict(p)}
-                         for (n, out), p in probes.items()]  # fmt: skip
+    results["probes"] = [
+        {"input_len": n, "output_len": out, **asdict(p)} for (n, out), p in probes.items()
+    ]
     output.write_text(json.dumps(results, indent=1))
     if args.estimate_only:
         return

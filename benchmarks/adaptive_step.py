@@ -44,10 +44,27 @@ def phase_plan(args: argparse.Namespace, index: int, url: str):
     rate = args.chat_rate if preset == "chat" else args.summarization_rate
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    flags = ["--url", url, "--model", args.model, "--tokenizer", args.model, "--preset", preset,
-             "--arrival", "poisson", "--rate", str(rate), "--duration-s", str(args.phase_seconds),
-             "--num-requests", str(int(3 * rate * args.phase_seconds) + 10),
-             "--seed", str(args.seed + index), "--no-progress"]  # fmt: skip
+    flags = [
+        "--url",
+        url,
+        "--model",
+        args.model,
+        "--tokenizer",
+        args.model,
+        "--preset",
+        preset,
+        "--arrival",
+        "poisson",
+        "--rate",
+        str(rate),
+        "--duration-s",
+        str(args.phase_seconds),
+        "--num-requests",
+        str(int(3 * rate * args.phase_seconds) + 10),
+        "--seed",
+        str(args.seed + index),
+        "--no-progress",
+    ]
     if args.max_output_len:
         output = PRESETS[preset][1].split(":")
         flags += ["--output-len", ":".join([*output[:3], str(args.max_output_len)])]
@@ -70,18 +87,23 @@ class Poller(threading.Thread):
             except (requests.RequestException, ValueError):
                 continue
             planner = status.get("planner") or {}
-            targets = {w: c["target_threads"] for g in planner.get("core_groups", [])
-                       for w, c in g["workers"].items()}  # fmt: skip
-            self.samples.append({
-                "t": time.monotonic() - self.t0,
-                "roles": {w["worker"]: w["role"] for w in status["workers"]},
-                "threads": {w["worker"]: w["threads"] for w in status["workers"]},
-                "targets": targets,
-                "hold_s": [g.get("hold_s") for g in planner.get("core_groups", [])],
-                "num_core_switches": planner.get("num_core_switches", 0),
-                "num_role_switches": planner.get("num_role_switches", 0),
-                "decisions": planner.get("decisions", {}),
-            })  # fmt: skip
+            targets = {
+                w: c["target_threads"]
+                for g in planner.get("core_groups", [])
+                for w, c in g["workers"].items()
+            }
+            self.samples.append(
+                {
+                    "t": time.monotonic() - self.t0,
+                    "roles": {w["worker"]: w["role"] for w in status["workers"]},
+                    "threads": {w["worker"]: w["threads"] for w in status["workers"]},
+                    "targets": targets,
+                    "hold_s": [g.get("hold_s") for g in planner.get("core_groups", [])],
+                    "num_core_switches": planner.get("num_core_switches", 0),
+                    "num_role_switches": planner.get("num_role_switches", 0),
+                    "decisions": planner.get("decisions", {}),
+                }
+            )
 
 
 def split_of(sample: dict[str, Any]) -> tuple:
@@ -110,8 +132,9 @@ def phase_changes(
         prev = s
     last = inside[-1]
     # A flip-back k undoes change k - 1, which stood from times[k - 2] to times[k - 1].
-    undone_after = [times[k - 1] - times[k - 2] for k in range(2, len(splits))
-                    if splits[k] == splits[k - 2]]  # fmt: skip
+    undone_after = [
+        times[k - 1] - times[k - 2] for k in range(2, len(splits)) if splits[k] == splits[k - 2]
+    ]
     decisions = {k: n - first["decisions"].get(k, 0) for k, n in last["decisions"].items()}
     return {
         "num_core_group_changes": num_core,
@@ -150,8 +173,11 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
     poller.stop.set()
     poller.join()
     rows = []
-    spans = [(runs_s[i] + r.send_s, runs_s[i] + r.send_s + (r.e2e_s or 0.0))
-             for i, (_, result) in enumerate(results) for r in result.records]  # fmt: skip
+    spans = [
+        (runs_s[i] + r.send_s, runs_s[i] + r.send_s + (r.e2e_s or 0.0))
+        for i, (_, result) in enumerate(results)
+        for r in result.records
+    ]
     for i, (document, result) in enumerate(results):
         summary = document["summary"]
         start, end = i * args.phase_seconds, (i + 1) * args.phase_seconds
@@ -160,26 +186,32 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
         first = runs_s[i] + min((r.send_s for r in result.records), default=0.0)
         overlap = first_overlap(result.records, runs_s[i], spans) or first
         changes = phase_changes(poller.samples, start, end, overlap)
-        rows.append({
-            "phase": PHASES[i],
-            "num_sent": len(result.records),
-            "num_finished": sum(r.status == OK for r in result.records),
-            "num_rejected": sum(r.status == REJECTED for r in result.records),
-            "num_failed": sum(r.status not in (OK, REJECTED) for r in result.records),
-            "errors": sorted({r.error for r in result.records if r.error})[:5],
-            "max_gap_s": max((g["gap_s"] for g in gaps), default=None),
-            "max_gap_end_s": max(gaps, key=lambda g: g["gap_s"])["end_s"] - start if gaps else None,
-            "num_stalled": len({g["request"] for g in long_gaps}),
-            "stalls": long_gaps,
-            "first_request_s": round(first - start, 3),
-            "first_overlap_s": round(overlap - start, 3),
-            "settle_from_first_request_s": max(0.0, changes["settle_from_start_s"] + start - first)
-            if changes.get("change_times_s")
-            else 0.0,
-            "ttft_ms": summary["ttft_ms"],
-            "tpot_ms": summary["tpot_ms"],
-            **changes,
-        })  # fmt: skip
+        rows.append(
+            {
+                "phase": PHASES[i],
+                "num_sent": len(result.records),
+                "num_finished": sum(r.status == OK for r in result.records),
+                "num_rejected": sum(r.status == REJECTED for r in result.records),
+                "num_failed": sum(r.status not in (OK, REJECTED) for r in result.records),
+                "errors": sorted({r.error for r in result.records if r.error})[:5],
+                "max_gap_s": max((g["gap_s"] for g in gaps), default=None),
+                "max_gap_end_s": max(gaps, key=lambda g: g["gap_s"])["end_s"] - start
+                if gaps
+                else None,
+                "num_stalled": len({g["request"] for g in long_gaps}),
+                "stalls": long_gaps,
+                "first_request_s": round(first - start, 3),
+                "first_overlap_s": round(overlap - start, 3),
+                "settle_from_first_request_s": max(
+                    0.0, changes["settle_from_start_s"] + start - first
+                )
+                if changes.get("change_times_s")
+                else 0.0,
+                "ttft_ms": summary["ttft_ms"],
+                "tpot_ms": summary["tpot_ms"],
+                **changes,
+            }
+        )
     end = len(PHASES) * args.phase_seconds
     after = phase_changes(poller.samples, end, float("inf"), end)
     return rows, after, poller
@@ -235,16 +267,28 @@ def main() -> None:
     args = p.parse_args()
     pipeline = pipeline_for("adaptive", args.model)
     adaptive = AdaptiveConfig(
-        enabled=True, workers=args.workers, slo_ttft_ms=args.slo_ttft_ms,
-        slo_itl_ms=args.slo_itl_ms, interval_s=args.interval_s, min_dwell_s=args.min_dwell_s,
-    )  # fmt: skip
+        enabled=True,
+        workers=args.workers,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
+        interval_s=args.interval_s,
+        min_dwell_s=args.min_dwell_s,
+    )
     workers = WorkerGroup(cpus=args.cpus) if args.cpus else pipeline.workers
     pipeline = dataclasses.replace(pipeline, adaptive=adaptive, workers=workers)
     with Cluster(pipeline, log_level=args.log_level) as url:
         rows, after, poller = run_phases(args, url)
-    Path(args.output).write_text(json.dumps({
-        "config": vars(args), "phases": rows, "after_load": after, "samples": poller.samples,
-    }, indent=1))  # fmt: skip
+    Path(args.output).write_text(
+        json.dumps(
+            {
+                "config": vars(args),
+                "phases": rows,
+                "after_load": after,
+                "samples": poller.samples,
+            },
+            indent=1,
+        )
+    )
     for row in rows:
         settle = round(row.get("settle_s", 0.0) / args.interval_s, 2)
         shown = {k: v for k, v in row.items() if k not in BULKY}

@@ -21,8 +21,13 @@ from pdserve.model import native
 from pdserve.model.attention import AttentionMetadata, attend, decode_tables
 from pdserve.model.kv_cache import LayerCache
 
-LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-           "lm_head": (49152, 576)}  # fmt: skip
+LINEARS = {
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
 
 
 def gguf_grid(w: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -42,8 +47,10 @@ def linear_times(libs, w: torch.Tensor, m: int, repeats: int) -> list[float]:
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     panels = [(lib, native.pack_panels(lib, w)) for lib in libs]
     calls = [lambda lib=lib, p=p: native.linear_panels(lib, x, p, None) for lib, p in panels]
-    calls += [lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-              lambda: F.linear(x, w)]  # fmt: skip
+    calls += [
+        lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+        lambda: F.linear(x, w),
+    ]
     rounds = [[timed(f, max(1, repeats // 3)) for f in calls] for _ in range(3)]
     return [min(r[i] for r in rounds) for i in range(len(calls))]
 
@@ -61,8 +68,10 @@ def bench_linears(libs, rows: list[int], repeats: int, weights: str) -> None:
         for m in rows:
             times = linear_times(libs, w, m, repeats)
             flops, weight_bytes = 2 * m * n * k, n * k * 4
-            cells = [f"{t * 1e6:.0f} us, {flops / t / 1e9:.0f} GF, "
-                     f"{weight_bytes / t / 1e9:.1f} GB/s" for t in times]  # fmt: skip
+            cells = [
+                f"{t * 1e6:.0f} us, {flops / t / 1e9:.0f} GF, {weight_bytes / t / 1e9:.1f} GB/s"
+                for t in times
+            ]
             ratio = times[len(libs)] / times[0]
             print(f"| {name} {n}x{k} | {m} | {' | '.join(cells)} | {ratio:.2f}x |")
 
@@ -124,23 +133,32 @@ def many_row_modes(lib, m: int) -> dict[str, dict]:
 
 
 def bench_in_place(libs, rows: list[int], repeats: int, stream_mb: int, types: list[str]) -> None:
-    print("| type 8192x2048 | rows | native | fp32 hot | fp32 streamed | path | hot "
-          "| streamed | fp32 / path streamed | path GFLOP/s hot |")  # fmt: skip
+    print(
+        "| type 8192x2048 | rows | native | fp32 hot | fp32 streamed | path | hot "
+        "| streamed | fp32 / path streamed | path GFLOP/s hot |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for qtype in types:
         for m in rows:
             for lib in libs:
                 t, nbytes = in_place_times(lib, qtype, m, repeats, stream_mb << 20)
                 path = next((mode for mode, _ in t if mode != "fp32"), None)
-                cells = [f"{t[key] * 1e3:.2f} ms, {nbytes / t[key] / 1e9:.1f} GB/s"
-                         if key in t else "-" for key in
-                         [("fp32", "hot"), ("fp32", "streamed"), (path, "hot"),
-                          (path, "streamed")]]  # fmt: skip
+                cells = [
+                    f"{t[key] * 1e3:.2f} ms, {nbytes / t[key] / 1e9:.1f} GB/s" if key in t else "-"
+                    for key in [
+                        ("fp32", "hot"),
+                        ("fp32", "streamed"),
+                        (path, "hot"),
+                        (path, "streamed"),
+                    ]
+                ]
                 ratio = t[("fp32", "streamed")] / t[(path, "streamed")] if path else None
                 flops = 2 * m * 8192 * 2048 / t[(path, "hot")] / 1e9 if path else None
-                print(f"| {qtype} | {m} | {lib.isa} | {' | '.join(cells[:2])} | {path or '-'} | "
-                      f"{' | '.join(cells[2:])} | {f'{ratio:.2f}x' if ratio else '-'} | "
-                      f"{f'{flops:.0f}' if flops else '-'} |")  # fmt: skip
+                print(
+                    f"| {qtype} | {m} | {lib.isa} | {' | '.join(cells[:2])} | {path or '-'} | "
+                    f"{' | '.join(cells[2:])} | {f'{ratio:.2f}x' if ratio else '-'} | "
+                    f"{f'{flops:.0f}' if flops else '-'} |"
+                )
 
 
 def attention_times(lib, b: int, context: int, repeats: int) -> tuple[float, float]:

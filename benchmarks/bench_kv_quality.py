@@ -38,8 +38,9 @@ KV_TOKEN_BYTES = 46080  # SmolLM2-135M, fp32 K+V
 
 def chat_prompts(llm: LLM, num_prompts: int) -> list[list[int]]:
     chat = llm.tokenizer.apply_chat_template
-    return [chat([{"role": "user", "content": f"Explain {t} in detail."}])
-            for t in TOPICS[:num_prompts]]  # fmt: skip
+    return [
+        chat([{"role": "user", "content": f"Explain {t} in detail."}]) for t in TOPICS[:num_prompts]
+    ]
 
 
 def greedy(llm: LLM, args: argparse.Namespace, budget: int | None = None) -> list[list[int]]:
@@ -99,8 +100,9 @@ def forced_perplexity(llm: LLM, ids: list[int], budget: int | None, n: int) -> f
 
     model_runner.sample = teacher
     try:
-        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
-                                kv_budget_tokens=budget)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=n, temperature=0, ignore_eos=True, kv_budget_tokens=budget
+        )
         llm.generate([ids[:64]], params)
     finally:
         model_runner.sample = real_sample

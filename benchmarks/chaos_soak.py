@@ -48,8 +48,13 @@ def prompt_pool(args: argparse.Namespace) -> list[Item]:
     rng = random.Random(args.seed)
     ids = lambda n: [rng.randrange(100, 30000) for _ in range(n)]  # noqa: E731
     prefixes = [ids(args.prefix_len) for _ in range(args.num_prefixes)]
-    return [Item(prefixes[i % args.num_prefixes] + ids(rng.randint(8, args.max_suffix_len)),
-                 rng.randint(8, args.max_output_len)) for i in range(args.num_prompts)]  # fmt: skip
+    return [
+        Item(
+            prefixes[i % args.num_prefixes] + ids(rng.randint(8, args.max_suffix_len)),
+            rng.randint(8, args.max_output_len),
+        )
+        for i in range(args.num_prompts)
+    ]
 
 
 async def send_at(url: str, items: list[Item], times: list[float], args, limit: int) -> list:
@@ -100,13 +105,18 @@ class Chaos(threading.Thread):
         self.stop = threading.Event()
         duration = 60 * args.minutes
         rng = random.Random(args.seed + 2)
-        plan = [(t, "kill", rng.choice(WORKERS))
-                for t in range(int(args.kill_every_s / 2), int(duration - 30),
-                               int(args.kill_every_s))]  # fmt: skip
-        plan += [(duration * (k + 1) / (args.router_kills + 1) + 15, "kill", "router")
-                 for k in range(args.router_kills)]  # fmt: skip
-        plan += [(duration * (k + 0.5) / max(1, args.redis_pauses) + 5, "pause", "redis")
-                 for k in range(args.redis_pauses)]  # fmt: skip
+        plan = [
+            (t, "kill", rng.choice(WORKERS))
+            for t in range(int(args.kill_every_s / 2), int(duration - 30), int(args.kill_every_s))
+        ]
+        plan += [
+            (duration * (k + 1) / (args.router_kills + 1) + 15, "kill", "router")
+            for k in range(args.router_kills)
+        ]
+        plan += [
+            (duration * (k + 0.5) / max(1, args.redis_pauses) + 5, "pause", "redis")
+            for k in range(args.redis_pauses)
+        ]
         self.plan = sorted(plan)
 
     def run(self) -> None:
@@ -215,9 +225,12 @@ def main() -> int:
     print(f"reference: {len(refs)} prompts in {time.monotonic() - t:.0f} s", flush=True)
 
     pipeline = Pipeline(
-        model=args.model, port=free_port(), prefill=WorkerGroup(**one_thread),
-        decode=WorkerGroup(num=2, **one_thread), kv_pool=KVStoreConfig(redis_url="local"),
-    )  # fmt: skip
+        model=args.model,
+        port=free_port(),
+        prefill=WorkerGroup(**one_thread),
+        decode=WorkerGroup(num=2, **one_thread),
+        kv_pool=KVStoreConfig(redis_url="local"),
+    )
     # A restart budget above what the schedule kills (about one worker a minute).
     policy = RestartPolicy(backoff_s=0.5, max_backoff_s=10.0, max_restarts=30, window_s=600.0)
     cluster = Cluster(pipeline, log_level="WARNING", restart=policy)

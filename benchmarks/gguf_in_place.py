@@ -72,8 +72,12 @@ def decode_modes(llm, args: argparse.Namespace) -> dict[str, tuple]:
     if args.compare:
         modes["fp32"] = (llm, 0)
     if args.vs_converted:
-        converted = LLM(str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads,
-                        gguf_fp32_max_bytes=1 << 62)  # fmt: skip
+        converted = LLM(
+            str(args.gguf),
+            kv_cache_bytes=256 * 2**20,
+            threads=args.threads,
+            gguf_fp32_max_bytes=1 << 62,
+        )
         modes["converted"] = (converted, quant_linear.INT8_M_MAX)
     return modes
 
@@ -112,12 +116,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens a round")
     parser.add_argument("--prefill", type=int, default=512, help="0: no prefill timed")
     parser.add_argument(
-        "--compare", action="store_true",
+        "--compare",
+        action="store_true",
         help="alternate each round between int8 activations (the default) and fp32 ones, and "
         "prefill between AMX tiles (the default on AMX) and the fp32 GEMM",
-    )  # fmt: skip
-    parser.add_argument("--vs-converted", action="store_true",
-                        help="also decode the file converted to fp32 panels")  # fmt: skip
+    )
+    parser.add_argument(
+        "--vs-converted", action="store_true", help="also decode the file converted to fp32 panels"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     args = parser.parse_args()
@@ -126,8 +132,9 @@ def main() -> None:
     from pdserve.model.quant_linear import QuantEmbedding, QuantLinear
 
     t0 = time.perf_counter()
-    llm = LLM(str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads,
-              gguf_fp32_max_bytes=0)  # fmt: skip
+    llm = LLM(
+        str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads, gguf_fp32_max_bytes=0
+    )
     load_s = time.perf_counter() - t0
     modules = list(llm.engine.runner.model.modules())
     if not any(isinstance(m, QuantEmbedding) for m in modules):
@@ -141,19 +148,25 @@ def main() -> None:
     bound_ms = step_bytes / bw / 1e6
     for mode, mode_steps in steps.items():
         ms, cpu_ms = (statistics.median(s[i] for s in mode_steps) * 1e3 for i in (0, 1))
-        print(f"decode batch {args.batch}, {mode}: {ms:.1f} ms/step median of {len(mode_steps)} "
-              f"(CPU {cpu_ms:.1f} ms on this thread; {step_bytes / ms / 1e6:.1f} GB/s of the "
-              f"in-place weights); numpy read {bw:.1f} GB/s (bound {bound_ms:.1f} ms/step, "
-              f"ratio {ms / bound_ms:.2f})")  # fmt: skip
+        print(
+            f"decode batch {args.batch}, {mode}: {ms:.1f} ms/step median of {len(mode_steps)} "
+            f"(CPU {cpu_ms:.1f} ms on this thread; {step_bytes / ms / 1e6:.1f} GB/s of the "
+            f"in-place weights); numpy read {bw:.1f} GB/s (bound {bound_ms:.1f} ms/step, "
+            f"ratio {ms / bound_ms:.2f})"
+        )
     for mode, (wall, cpu) in prefill_s.items():
-        print(f"prefill {args.prefill} tokens, {mode}: {wall:.2f} s (CPU {cpu:.2f} s on this "
-              f"thread; best of {args.rounds})")  # fmt: skip
+        print(
+            f"prefill {args.prefill} tokens, {mode}: {wall:.2f} s (CPU {cpu:.2f} s on this "
+            f"thread; best of {args.rounds})"
+        )
     if len(prefill_s) == 2:
         ratio = prefill_s["fp32 GEMM"][0] / prefill_s["AMX tiles"][0]
         print(f"prefill fp32 GEMM / AMX tiles: {ratio:.2f}x")
-    print(f"peak RSS {proc_kb('VmHWM') / 2**20:.2f} GiB; now RSS "
-          f"{proc_kb('Rss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB, "
-          f"PSS {proc_kb('Pss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB")  # fmt: skip
+    print(
+        f"peak RSS {proc_kb('VmHWM') / 2**20:.2f} GiB; now RSS "
+        f"{proc_kb('Rss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB, "
+        f"PSS {proc_kb('Pss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB"
+    )
 
 
 if __name__ == "__main__":

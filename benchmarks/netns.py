@@ -69,8 +69,13 @@ print(json.dumps(seconds))
 
 def cluster(hosts: Hosts, model: str, worker: WorkerGroup, backend: str = "tcp") -> Cluster:
     """A 1P1D cluster with each worker on its host and the router on the bridge."""
-    pipeline = Pipeline(model=model, port=free_port(), prefill=worker, decode=worker,
-                        kv_transfer=KVTransferConfig(backend=backend))  # fmt: skip
+    pipeline = Pipeline(
+        model=model,
+        port=free_port(),
+        prefill=worker,
+        decode=worker,
+        kv_transfer=KVTransferConfig(backend=backend),
+    )
     placed = {"router": Placement(hosts.gateway)}
     placed |= {n: Placement(hosts.ip(n), tuple(hosts.prefix_of(n))) for n in hosts.names}
     return Cluster(pipeline, "WARNING", placements=placed)
@@ -85,15 +90,36 @@ def measure(hosts: Hosts, layout: dict, repeats: int, backend: str) -> list[floa
     """Seconds of `repeats` bare sends of one prompt's KV, prefill host to decode host."""
     spec = json.dumps(layout)
     receiver = subprocess.Popen(
-        [*hosts.prefix_of(DECODE), sys.executable, "-c", RECEIVE.format(secret=SECRET),
-         hosts.ip(DECODE), spec, str(repeats), backend], stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            *hosts.prefix_of(DECODE),
+            sys.executable,
+            "-c",
+            RECEIVE.format(secret=SECRET),
+            hosts.ip(DECODE),
+            spec,
+            str(repeats),
+            backend,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         peer = receiver.stdout.readline()
         sent = subprocess.run(
-            [*hosts.prefix_of(PREFILL), sys.executable, "-c", SEND.format(secret=SECRET), peer,
-             spec, str(repeats), backend], capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            [
+                *hosts.prefix_of(PREFILL),
+                sys.executable,
+                "-c",
+                SEND.format(secret=SECRET),
+                peer,
+                spec,
+                str(repeats),
+                backend,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if sent.returncode:
             raise RuntimeError(sent.stderr[-2000:])
         return json.loads(sent.stdout.strip().splitlines()[-1])
@@ -119,8 +145,13 @@ def served(url: str, model: str, tokens: int, repeats: int, rng: random.Random) 
     parts, (bytes_before, send_s_before) = [], kv_sent(url)
     for _ in range(repeats):
         prompt = [rng.randrange(200, 20000) for _ in range(tokens)]
-        body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 2,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         parts.append(post_completion(url, body, 600, timing=True)["pdserve_timing"]["ttft_parts_s"])
     bytes_after, send_s_after = kv_sent(url)
     num_bytes = (bytes_after - bytes_before) / repeats
@@ -130,18 +161,29 @@ def served(url: str, model: str, tokens: int, repeats: int, rng: random.Random) 
 
 
 def link_rate(hosts: Hosts, args: argparse.Namespace) -> int:
-    layout = {"num_layers": 30, "num_blocks": args.tokens // 16, "block_size": 16,
-              "num_kv_heads": 3, "head_dim": 64}  # fmt: skip
+    layout = {
+        "num_layers": 30,
+        "num_blocks": args.tokens // 16,
+        "block_size": 16,
+        "num_kv_heads": 3,
+        "head_dim": 64,
+    }
     num_bytes = 30 * args.tokens * 3 * 64 * 2 * 4
     rows = []
     for rate, backend in itertools.product(args.rates.split(","), args.transfer.split(",")):
         shape_all(hosts, Link(rate=None if rate == "none" else rate))
         seconds = sorted(measure(hosts, layout, args.repeats, backend))
         median_s = seconds[len(seconds) // 2]
-        rows.append({"rate": rate, "transfer": backend, "kv_mib": round(num_bytes / 2**20, 1),
-                     "median_ms": round(median_s * 1000, 1),
-                     "kv_gbit_s": round(num_bytes * 8 / median_s / 1e9, 2),
-                     "all_ms": [round(s * 1000, 1) for s in seconds]})  # fmt: skip
+        rows.append(
+            {
+                "rate": rate,
+                "transfer": backend,
+                "kv_mib": round(num_bytes / 2**20, 1),
+                "median_ms": round(median_s * 1000, 1),
+                "kv_gbit_s": round(num_bytes * 8 / median_s / 1e9, 2),
+                "all_ms": [round(s * 1000, 1) for s in seconds],
+            }
+        )
         if rate != "none":
             rows[-1]["of_link"] = round(rows[-1]["kv_gbit_s"] * 1e9 / bits_per_s(rate), 2)
         print(json.dumps(rows[-1]), flush=True)
@@ -160,13 +202,16 @@ def served_backend(hosts: Hosts, rows: list[dict], args: argparse.Namespace, bac
             served(url, args.model, args.tokens, 1, rng)
             got = served(url, args.model, args.tokens, args.repeats, rng)
             wire_s = got["num_bytes"] * 8 / (row["kv_gbit_s"] * 1e9)
-            out = {"rate": row["rate"], "transfer": backend,
-                   "served_kv_mib": round(got["num_bytes"] / 2**20, 1),
-                   "prefill_ms": round(got["prefill"] * 1000, 1),
-                   "wire_ms": round(wire_s * 1000, 1),
-                   "exposed_ms": round(got["transfer"] * 1000, 1),
-                   "sender_gbit_s": round(got["sender_bps"] / 1e9, 2),
-                   "hidden": round(max(0.0, 1 - got["transfer"] / wire_s), 3)}  # fmt: skip
+            out = {
+                "rate": row["rate"],
+                "transfer": backend,
+                "served_kv_mib": round(got["num_bytes"] / 2**20, 1),
+                "prefill_ms": round(got["prefill"] * 1000, 1),
+                "wire_ms": round(wire_s * 1000, 1),
+                "exposed_ms": round(got["transfer"] * 1000, 1),
+                "sender_gbit_s": round(got["sender_bps"] / 1e9, 2),
+                "hidden": round(max(0.0, 1 - got["transfer"] / wire_s), 3),
+            }
             print(json.dumps(out), flush=True)
 
 
@@ -204,8 +249,12 @@ def send_all(url: str, bodies: list[dict], reference: list[str], args) -> list[d
             status = f"http {e.code}"
         except OSError as e:  # a timeout past the bound: hung
             status = f"error {type(e).__name__}"
-        results[i] = {"status": status, "seconds": round(time.monotonic() - t0, 2),
-                      "at_s": round(t0 - start, 2), "same_text": text == reference[i]}  # fmt: skip
+        results[i] = {
+            "status": status,
+            "seconds": round(time.monotonic() - t0, 2),
+            "at_s": round(t0 - start, 2),
+            "same_text": text == reference[i],
+        }
 
     with ThreadPoolExecutor(args.concurrency) as pool:
         list(pool.map(one, range(len(bodies))))
@@ -214,10 +263,16 @@ def send_all(url: str, bodies: list[dict], reference: list[str], args) -> list[d
 
 def faults(hosts: Hosts, args: argparse.Namespace) -> int:
     rng = random.Random(0)
-    bodies = [{"model": args.model, "max_tokens": args.max_tokens, "temperature": 0,
-               "ignore_eos": True, "prompt": [rng.randrange(200, 20000)
-                                              for _ in range(args.prompt_tokens)]}
-              for _ in range(args.requests)]  # fmt: skip
+    bodies = [
+        {
+            "model": args.model,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "prompt": [rng.randrange(200, 20000) for _ in range(args.prompt_tokens)],
+        }
+        for _ in range(args.requests)
+    ]
     with cluster(hosts, args.model, WorkerGroup(kv_cache_bytes=args.kv_bytes, threads=1)) as url:
         with ThreadPoolExecutor(args.concurrency) as pool:
             answers = pool.map(lambda b: post_completion(url, b, args.bound_s), bodies)
@@ -225,11 +280,19 @@ def faults(hosts: Hosts, args: argparse.Namespace) -> int:
         shape_all(hosts, Link(rate=args.rate, loss_pct=args.loss_pct))
         start, tenth = time.monotonic(), f"{bits_per_s(args.rate) // 10}bit"
         links = [
-            at_times(start, spans(args.cuts), lambda: hosts.set_link(DECODE, up=False),
-                     lambda: hosts.set_link(DECODE, up=True)),
-            at_times(start, spans(args.slowdowns), lambda: hosts.set_rate(DECODE, tenth),
-                     lambda: hosts.set_rate(DECODE, args.rate)),
-        ]  # fmt: skip
+            at_times(
+                start,
+                spans(args.cuts),
+                lambda: hosts.set_link(DECODE, up=False),
+                lambda: hosts.set_link(DECODE, up=True),
+            ),
+            at_times(
+                start,
+                spans(args.slowdowns),
+                lambda: hosts.set_rate(DECODE, tenth),
+                lambda: hosts.set_rate(DECODE, args.rate),
+            ),
+        ]
         results = send_all(url, bodies, reference, args)
         faulted_s = time.monotonic() - start
         for thread in links:

@@ -54,10 +54,15 @@ RECORD = {
 }
 SAMPLING = {
     "plain": {},
-    "penalties": dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
-                      logit_bias=tuple((t, -1.0) for t in range(100, 116)), min_tokens=8),
+    "penalties": dict(
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias=tuple((t, -1.0) for t in range(100, 116)),
+        min_tokens=8,
+    ),
     "logprobs": dict(logprobs=5),
-}  # fmt: skip
+}
 
 
 def load(args: argparse.Namespace) -> LLM:
@@ -122,9 +127,10 @@ def grammar(args: argparse.Namespace) -> None:
     prompt = llm.tokenizer.apply_chat_template(LIST_PROMPT)
     params = {
         "plain": SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True),
-        "grammar": SamplingParams(max_tokens=args.tokens, temperature=0.0,
-                                  grammar=grammar_of("json", LIST_SCHEMA)),
-    }  # fmt: skip
+        "grammar": SamplingParams(
+            max_tokens=args.tokens, temperature=0.0, grammar=grammar_of("json", LIST_SCHEMA)
+        ),
+    }
     clock = GrammarClock(llm)
     for batch in map(int, args.batches.split(",")):
         prompts = [prompt] * batch
@@ -138,9 +144,11 @@ def grammar(args: argparse.Namespace) -> None:
         tpot = {name: statistics.median(s for s, _ in st) * 1e3 for name, st in steps.items()}
         share = statistics.median(g / s for s, g in steps["grammar"]) * 100
         grammar_ms = statistics.median(g for _, g in steps["grammar"]) * 1e3
-        print(f"batch {batch:2d}: TPOT plain {tpot['plain']:.2f} ms, JSON schema "
-              f"{tpot['grammar']:.2f} ms; grammar work {grammar_ms:.3f} ms a step, {share:.2f}% "
-              f"of its step; steps timed {[len(st) for st in steps.values()]}")  # fmt: skip
+        print(
+            f"batch {batch:2d}: TPOT plain {tpot['plain']:.2f} ms, JSON schema "
+            f"{tpot['grammar']:.2f} ms; grammar work {grammar_ms:.3f} ms a step, {share:.2f}% "
+            f"of its step; steps timed {[len(st) for st in steps.values()]}"
+        )
 
 
 def llguidance_walk(hf_tokenizer, vocab_size: int):
@@ -200,16 +208,20 @@ def mask(args: argparse.Namespace) -> None:
     interleaved(list(walks), 1, walk)  # warm-up: lazy tables, first-use allocations
     print(f"vocabulary {tokenizer.vocab_size}, {len(tokens)} tokens a walk")
     for name, times in interleaved(list(walks), args.rounds, walk).items():
-        print(f"{name:10s} compile {walks[name][2] * 1e3:.1f} ms, mask + accept: median "
-              f"{statistics.median(times) * 1e6:7.1f} us/token (range "
-              f"{(max(times) - min(times)) * 1e6:.1f})")  # fmt: skip
+        print(
+            f"{name:10s} compile {walks[name][2] * 1e3:.1f} ms, mask + accept: median "
+            f"{statistics.median(times) * 1e6:7.1f} us/token (range "
+            f"{(max(times) - min(times)) * 1e6:.1f})"
+        )
 
 
 def sampling(args: argparse.Namespace) -> None:
     llm = load(args)
     rng, vocab = random.Random(0), llm.engine.model_config.vocab_size
-    prompts = [[rng.randrange(200, vocab) for _ in range(args.prompt_len or 128)]
-               for _ in range(args.batch)]  # fmt: skip
+    prompts = [
+        [rng.randrange(200, vocab) for _ in range(args.prompt_len or 128)]
+        for _ in range(args.batch)
+    ]
     base = dict(max_tokens=args.tokens, seed=1, temperature=0.8, top_p=0.95, ignore_eos=True)
     params = {name: SamplingParams(**base, **extra) for name, extra in SAMPLING.items()}
     run_steps(llm, prompts, params["plain"])  # fills the prefix cache
@@ -243,12 +255,13 @@ def prompt_logprobs(args: argparse.Namespace) -> None:
     interleaved(list(params), 1, prefill_ms)  # warm-up
     plain, scored = interleaved(list(params), args.rounds, prefill_ms).values()
     ratio = statistics.median(s / p for s, p in zip(scored, plain))
-    print(f"prompt {length} tokens: plain {statistics.median(plain):.1f} ms, prompt_logprobs=5 "
-          f"{statistics.median(scored):.1f} ms, x{ratio:.2f}")  # fmt: skip
+    print(
+        f"prompt {length} tokens: plain {statistics.median(plain):.1f} ms, prompt_logprobs=5 "
+        f"{statistics.median(scored):.1f} ms, x{ratio:.2f}"
+    )
 
 
-MODES = {"grammar": grammar, "mask": mask, "sampling": sampling,
-         "prompt-logprobs": prompt_logprobs}  # fmt: skip
+MODES = {"grammar": grammar, "mask": mask, "sampling": sampling, "prompt-logprobs": prompt_logprobs}
 
 
 def main() -> None:

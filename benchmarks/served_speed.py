@@ -67,8 +67,20 @@ def run_client(url: str, model: str, **flags) -> dict:
     """One `pdserve bench` run in its own process, as a real client; its summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        cmd = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
-               "--output", str(out), "--no-progress", "--seed", "1"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.bench",
+            "--url",
+            url,
+            "--model",
+            model,
+            "--output",
+            str(out),
+            "--no-progress",
+            "--seed",
+            "1",
+        ]
         for name, value in flags.items():
             cmd += [f"--{name.replace('_', '-')}", str(value)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -82,20 +94,40 @@ def served_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
     s = run_client(url, args.model, num_requests=args.requests, max_concurrency=1, **length)
     row = {"served_tpot_ms": s["tpot_ms"]["p50"]}
     if args.concurrent:
-        s = run_client(url, args.model, num_requests=2 * args.concurrent,
-                       max_concurrency=args.concurrent, **length)  # fmt: skip
+        s = run_client(
+            url,
+            args.model,
+            num_requests=2 * args.concurrent,
+            max_concurrency=args.concurrent,
+            **length,
+        )
         row["tok_s_at_32"] = s["output_tokens_per_s"]
     if args.long_input_len:
-        s = run_client(url, args.model, num_requests=args.requests, max_concurrency=1,
-                       input_len=args.long_input_len, output_len=4)  # fmt: skip
+        s = run_client(
+            url,
+            args.model,
+            num_requests=args.requests,
+            max_concurrency=1,
+            input_len=args.long_input_len,
+            output_len=4,
+        )
         row["ttft_long_ms"] = s["ttft_ms"]["p50"]
     return row
 
 
 def pdserve_up(args: argparse.Namespace, port: int, *layout: str) -> list[str]:
     """`pdserve up` of `--model` on `port`: `layout` its workers, `--threads` each."""
-    return [str(Path(sys.executable).with_name("pdserve")), "up", "--model", args.model,
-            "--threads", str(args.threads), "--port", str(port), *layout]  # fmt: skip
+    return [
+        str(Path(sys.executable).with_name("pdserve")),
+        "up",
+        "--model",
+        args.model,
+        "--threads",
+        str(args.threads),
+        "--port",
+        str(port),
+        *layout,
+    ]
 
 
 @contextmanager
@@ -103,10 +135,17 @@ def serving(cmd: list[str], port: int, model: str, env: dict[str, str] | None = 
     """`cmd` launched and sent one chat request until it answers: yields (seconds from the
     launch to that answer, its pid); the server is stopped on exit."""
     url = f"http://127.0.0.1:{port}"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}],
-                       "max_tokens": 8, "temperature": 0}).encode()  # fmt: skip
-    request = urllib.request.Request(f"{url}/v1/chat/completions", body,
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
     log_path = Path(tempfile.gettempdir()) / f"served-speed-{Path(cmd[0]).name}-{port}.log"
     with open(log_path, "w") as log:
         start = time.monotonic()
@@ -130,11 +169,14 @@ def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[s
     """Offline TPOT in a fresh process, then `pdserve up --collocated 1` driven by the client,
     both with the variant's environment."""
     env = {**os.environ, **variant}
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import served_speed as s; print(s.offline_tpot_ms({args.model!r}, {args.threads}, "
-            f"{args.input_len}, {args.output_len}, {args.requests}))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True, env=env)  # fmt: skip
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"import served_speed as s; print(s.offline_tpot_ms({args.model!r}, {args.threads}, "
+        f"{args.input_len}, {args.output_len}, {args.requests}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
+    )
     row = {"offline_tpot_ms": float(out.stdout.strip().splitlines()[-1])}
     port = free_port()
     with serving(pdserve_up(args, port, "--collocated", "1"), port, args.model, env):
@@ -144,16 +186,35 @@ def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[s
 
 
 def llama_server(args: argparse.Namespace, port: int, *flags: str) -> list[str]:
-    return [args.llama_server, "-m", str(args.gguf), "--host", "127.0.0.1", "--port", str(port),
-            "-t", str(args.threads), *flags]  # fmt: skip
+    return [
+        args.llama_server,
+        "-m",
+        str(args.gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(args.threads),
+        *flags,
+    ]
 
 
 def measure_llamacpp(args: argparse.Namespace) -> dict[str, float]:
     """llama-server on the same GGUF, a slot per concurrent request, driven by the client."""
     slots, port = max(args.concurrent, 1), free_port()
     longest = max(args.input_len + args.output_len, args.long_input_len + 4) + 1
-    cmd = llama_server(args, port, "-np", str(slots), "-c", str(slots * -(-longest // 256) * 256),
-                       "-tb", str(args.threads), "--cont-batching")  # fmt: skip
+    cmd = llama_server(
+        args,
+        port,
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * -(-longest // 256) * 256),
+        "-tb",
+        str(args.threads),
+        "--cont-batching",
+    )
     with serving(cmd, port, args.model):
         return served_figures(f"http://127.0.0.1:{port}", args)
 
@@ -197,8 +258,9 @@ def cold_start(cmd: list[str], port: int, args: argparse.Namespace, memory: bool
 def cold_start_rounds(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     """Each round launches every server once, alternating which goes first."""
     port = free_port()
-    pdserve = pdserve_up(args, port, "--prefill", "1", "--decode", "1", "--kv-cache-bytes",
-                         str(args.kv_cache_bytes))  # fmt: skip
+    pdserve = pdserve_up(
+        args, port, "--prefill", "1", "--decode", "1", "--kv-cache-bytes", str(args.kv_cache_bytes)
+    )
     servers = {"pdserve": lambda: cold_start(pdserve, port, args, memory=True)}
     if args.llama_server:
         llama = llama_server(args, port, "-c", str(args.ctx_size))
@@ -250,8 +312,9 @@ def read_gbs(threads: int) -> float:
 def print_cold_start(rows: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
     cache = "dropped before each launch" if args.drop_caches else "warm"
     print(f"{args.model}: {args.rounds} rounds, page cache {cache}; medians")
-    med = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-           for n, runs in rows.items()}  # fmt: skip
+    med = {
+        n: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for n, runs in rows.items()
+    }
     for name, figures in med.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
     if "llama.cpp" in med:
@@ -262,16 +325,19 @@ def print_cold_start(rows: dict[str, list[dict[str, float]]], args: argparse.Nam
 def print_speed(
     rows: dict[str, list[dict[str, float]]], bandwidth: list[float], args: argparse.Namespace
 ) -> None:
-    med = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-           for n, runs in rows.items()}  # fmt: skip
+    med = {
+        n: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for n, runs in rows.items()
+    }
     print(f"load average at the end: {os.getloadavg()[0]:.2f}; medians over {args.rounds} rounds")
     for name, figures in med.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
     if bandwidth:
         gbs = statistics.median(bandwidth)
         bound_ms = step_bytes(args.gguf) / gbs / 1e6
-        print(f"read bandwidth {gbs:.1f} GB/s ({args.threads} threads): batch-1 bound "
-              f"{bound_ms:.2f} ms a token")  # fmt: skip
+        print(
+            f"read bandwidth {gbs:.1f} GB/s ({args.threads} threads): batch-1 bound "
+            f"{bound_ms:.2f} ms a token"
+        )
         for name, figures in med.items():
             if "served_tpot_ms" in figures:
                 print(f"{name}: TPOT {figures['served_tpot_ms'] / bound_ms:.2f}x the bound")
@@ -287,18 +353,26 @@ def print_speed(
 
 
 def add_cold_start_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--cold-start", action="store_true",
-                    help="launch to first answer, 1P1D (docstring); needs --gguf")  # fmt: skip
+    ap.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="launch to first answer, 1P1D (docstring); needs --gguf",
+    )
     ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
     ap.add_argument("--ctx-size", type=int, default=4096, help="llama-server's -c")
-    ap.add_argument("--drop-caches", action="store_true",
-                    help="empty the page cache before each launch (root)")  # fmt: skip
+    ap.add_argument(
+        "--drop-caches", action="store_true", help="empty the page cache before each launch (root)"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", action="append", default=[],
-                    help="NAME:VAR=VALUE,... (repeatable; default: pdserve's own)")  # fmt: skip
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME:VAR=VALUE,... (repeatable; default: pdserve's own)",
+    )
     ap.add_argument("--llama-server", help="a llama-server binary to compare with")
     ap.add_argument("--gguf", type=Path, help=f"the model both serve (default: {MODEL}'s GGUF)")
     ap.add_argument("--rounds", type=int, default=3)

@@ -77,21 +77,31 @@ def pairs(model: str, tokens: int, rounds: int) -> int:
                     lone.append(conn.recv())
                     time.sleep(0.1)
                     first_token(url, model, rng.integers(200, vocab, tokens).tolist(), 2)
-            rows = [json.loads(line) for path in Path(tmp).glob("prefill*.steps.jsonl")
-                    for line in path.read_text().splitlines()]  # fmt: skip
+            rows = [
+                json.loads(line)
+                for path in Path(tmp).glob("prefill*.steps.jsonl")
+                for line in path.read_text().splitlines()
+            ]
     finally:
         conn.send(None)
         engine.join()
-    served = [(r["seconds"], r["cpu_seconds"]) for r in rows
-              if r["prefill_tokens"] == tokens and not r["decode_requests"]]  # fmt: skip
+    served = [
+        (r["seconds"], r["cpu_seconds"])
+        for r in rows
+        if r["prefill_tokens"] == tokens and not r["decode_requests"]
+    ]
     lone, served = lone[1:], served[len(served) - rounds :]  # the first pair warms up
-    print(f"{cpu_name()}, load {os.getloadavg()[0]:.2f}, {tokens}-token prompts, "
-          f"{envs.cpu_isa()} kernels, ms, medians of {rounds} pairs")  # fmt: skip
+    print(
+        f"{cpu_name()}, load {os.getloadavg()[0]:.2f}, {tokens}-token prompts, "
+        f"{envs.cpu_isa()} kernels, ms, medians of {rounds} pairs"
+    )
     for i, what in enumerate(("wall", "thread CPU")):
         ratio = statistics.median(s[i] / a[i] for a, s in zip(lone, served, strict=True))
-        print(f"{what:>10}: prefill worker {statistics.median(s[i] for s in served) * 1e3:7.1f}"
-              f"  lone engine {statistics.median(a[i] for a in lone) * 1e3:7.1f}"
-              f"  ratio {ratio:.3f}")  # fmt: skip
+        print(
+            f"{what:>10}: prefill worker {statistics.median(s[i] for s in served) * 1e3:7.1f}"
+            f"  lone engine {statistics.median(a[i] for a in lone) * 1e3:7.1f}"
+            f"  ratio {ratio:.3f}"
+        )
     return 0
 
 
@@ -99,8 +109,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", nargs="?", help="the PDSERVE_STEP_TRACE folder")
     parser.add_argument("--profile")
-    parser.add_argument("--pairs", action="store_true", help="a 1P1D prefill step against "
-                        "the engine's lone prefill on the same core")  # fmt: skip
+    parser.add_argument(
+        "--pairs",
+        action="store_true",
+        help="a 1P1D prefill step against the engine's lone prefill on the same core",
+    )
     parser.add_argument("--model", default="smollm2-135m", help="--pairs: the model")
     parser.add_argument("--tokens", type=int, default=32, help="--pairs: prompt length")
     parser.add_argument("--rounds", type=int, default=9, help="--pairs: pairs counted")
@@ -114,8 +127,10 @@ def main() -> int:
 
 def against_profile(trace: str, profile) -> int:
     token_cpu_s = profile.served.token_cpu_s
-    print(f"{'worker/threads':18} {'kind':22} {'steps':>6} {'measured ms':>12} {'predicted':>10} "
-          f"{'ratio':>6} {'+cpu':>6}")  # fmt: skip
+    print(
+        f"{'worker/threads':18} {'kind':22} {'steps':>6} {'measured ms':>12} {'predicted':>10} "
+        f"{'ratio':>6} {'+cpu':>6}"
+    )
     for path in sorted(Path(trace).glob("*.steps.jsonl")):
         by_kind: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
         last_end = None
@@ -132,10 +147,12 @@ def against_profile(trace: str, profile) -> int:
             worker = f"{path.name.removesuffix('.steps.jsonl')}/{threads}t"
             ratio = statistics.median(s / p for s, p, _ in rows)
             with_cpu = statistics.median(s / c for s, _, c in rows)
-            print(f"{worker:18} {name:22} {len(rows):6d} "
-                  f"{statistics.median(s for s, _, _ in rows) * 1e3:12.1f} "
-                  f"{statistics.median(p for _, p, _ in rows) * 1e3:10.1f} "
-                  f"{ratio:6.3f} {with_cpu:6.3f}")  # fmt: skip
+            print(
+                f"{worker:18} {name:22} {len(rows):6d} "
+                f"{statistics.median(s for s, _, _ in rows) * 1e3:12.1f} "
+                f"{statistics.median(p for _, p, _ in rows) * 1e3:10.1f} "
+                f"{ratio:6.3f} {with_cpu:6.3f}"
+            )
     return 0
 
 

@@ -29,16 +29,28 @@ CORES = len(os.sched_getaffinity(0))
 WORKLOADS = {
     "chat": ["--preset", "chat"],
     "summarization": ["--preset", "summarization"],
-    "multi-turn": ["--input-len", "lognormal:128:0.5", "--output-len", "lognormal:64:0.5",
-                   "--num-turns", "4", "--num-prefix-groups", "4", "--prefix-len", "256"],
-}  # fmt: skip
+    "multi-turn": [
+        "--input-len",
+        "lognormal:128:0.5",
+        "--output-len",
+        "lognormal:64:0.5",
+        "--num-turns",
+        "4",
+        "--num-prefix-groups",
+        "4",
+        "--prefix-len",
+        "256",
+    ],
+}
 # name -> (bench compare spec, simulate flags)
 DEPLOYMENTS = {
     "collocated": ("collocated", ["--deployment", "collocated", "--collocated-size", str(CORES)]),
     "1p1d": ("1p1d", ["--deployment", "1p1d"]),
-    "2c": (str(ROOT / "benchmarks/configs/2col-shortest_queue.yaml"),
-           ["--deployment", "2c", "--routing", "shortest_queue"]),
-}  # fmt: skip
+    "2c": (
+        str(ROOT / "benchmarks/configs/2col-shortest_queue.yaml"),
+        ["--deployment", "2c", "--routing", "shortest_queue"],
+    ),
+}
 METRICS = [("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90")]
 TRACE_SECONDS, TRACE_INPUT, TRACE_OUTPUT = 3600.0, 2000.0, 300.0  # new tokens a turn (means)
 
@@ -48,8 +60,15 @@ def pdserve(*argv: str) -> None:
 
 
 def simulate(common: list[str], profile: Path, name: str, output: Path) -> dict:
-    pdserve("simulate", *common, "--profile", str(profile), *DEPLOYMENTS[name][1],
-            "--output", str(output))  # fmt: skip
+    pdserve(
+        "simulate",
+        *common,
+        "--profile",
+        str(profile),
+        *DEPLOYMENTS[name][1],
+        "--output",
+        str(output),
+    )
     return json.loads(output.read_text())
 
 
@@ -91,8 +110,14 @@ def synthetic_trace(path: Path, num_requests: int, seed: int) -> None:
         next_hash += num_new
         sessions[index] = hash_ids
         output = int(max(1, rng.lognormal(math.log(TRACE_OUTPUT) - 0.32, 0.8)))
-        lines.append({"timestamp": int(t), "input_length": 512 * len(history) + new_len,
-                      "output_length": output, "hash_ids": hash_ids})  # fmt: skip
+        lines.append(
+            {
+                "timestamp": int(t),
+                "input_length": 512 * len(history) + new_len,
+                "output_length": output,
+                "hash_ids": hash_ids,
+            }
+        )
         if len(sessions) > 2000:
             sessions.pop(0)
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
@@ -104,27 +129,53 @@ def trace_replay(trace: str | None, num_requests: int, seed: int) -> int:
         if not trace:
             synthetic_trace(path, num_requests, seed)
         start = time.perf_counter()
-        pdserve("simulate", "--profile", "analytic:H100-SXM:llama-3-8b", "--trace", str(path),
-                "--num-requests", str(num_requests), "--deployment", "4p4d", "--max-num-seqs",
-                "256", "--max-num-batched-tokens", "8192", "--max-model-len", "131072",
-                "--routing", "prefix_cache", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "100",
-                "--no-progress")  # fmt: skip
+        pdserve(
+            "simulate",
+            "--profile",
+            "analytic:H100-SXM:llama-3-8b",
+            "--trace",
+            str(path),
+            "--num-requests",
+            str(num_requests),
+            "--deployment",
+            "4p4d",
+            "--max-num-seqs",
+            "256",
+            "--max-num-batched-tokens",
+            "8192",
+            "--max-model-len",
+            "131072",
+            "--routing",
+            "prefix_cache",
+            "--slo-ttft-ms",
+            "2000",
+            "--slo-tpot-ms",
+            "100",
+            "--no-progress",
+        )
         print(f"{'wall time incl. start-up (s)':<40}{time.perf_counter() - start:.1f}")
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("served", "trace-replay"),
-                        default="served")  # fmt: skip
+    parser.add_argument("--mode", choices=("served", "trace-replay"), default="served")
     parser.add_argument("--profile", help="an existing profile (default: measure one)")
     parser.add_argument("--num-requests", type=int, help="served 60, trace-replay 12000")
-    parser.add_argument("--trace", help="trace-replay: a Mooncake-format JSONL trace "
-                        "(default: generate one)")  # fmt: skip
-    parser.add_argument("--load", type=float, default=0.5, help="rate as a fraction of the "
-                        "slowest deployment's predicted capacity")  # fmt: skip
-    parser.add_argument("--rates", help="sessions/s per workload instead of --load, "
-                        "e.g. chat=0.3,summarization=0.1,multi-turn=0.3")  # fmt: skip
+    parser.add_argument(
+        "--trace", help="trace-replay: a Mooncake-format JSONL trace (default: generate one)"
+    )
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=0.5,
+        help="rate as a fraction of the slowest deployment's predicted capacity",
+    )
+    parser.add_argument(
+        "--rates",
+        help="sessions/s per workload instead of --load, "
+        "e.g. chat=0.3,summarization=0.1,multi-turn=0.3",
+    )
     parser.add_argument("--no-rescale", action="store_true", help="no speed probes")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
@@ -148,9 +199,18 @@ def served(args: argparse.Namespace) -> int:
     probing = not args.no_rescale
     rows = []
     for workload in args.workloads.split(","):
-        common = [*WORKLOADS[workload], "--num-requests", str(args.num_requests), "--seed",
-                  str(args.seed), "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9",
-                  "--no-progress"]  # fmt: skip
+        common = [
+            *WORKLOADS[workload],
+            "--num-requests",
+            str(args.num_requests),
+            "--seed",
+            str(args.seed),
+            "--slo-ttft-ms",
+            "1e9",
+            "--slo-tpot-ms",
+            "1e9",
+            "--no-progress",
+        ]
         probes = [tmp / f"{workload}-probe{i}.json" for i in range(len(names) + 1)]
         if probing:
             pdserve("profile", "--rescale", str(profile), "--output", str(probes[0]))
@@ -174,10 +234,19 @@ def served(args: argparse.Namespace) -> int:
             for key, q in METRICS:
                 m = measured[key][q]
                 p, r = predicted["summary"][key][q], raw["summary"][key][q]
-                rows.append({"workload": workload, "deployment": name, "metric": f"{q} {key}",
-                             "rate": float(rates[workload]), "measured": m, "predicted": p,
-                             "error": (p - m) / m, "predicted_profile": r,
-                             "error_profile": (r - m) / m})  # fmt: skip
+                rows.append(
+                    {
+                        "workload": workload,
+                        "deployment": name,
+                        "metric": f"{q} {key}",
+                        "rate": float(rates[workload]),
+                        "measured": m,
+                        "predicted": p,
+                        "error": (p - m) / m,
+                        "predicted_profile": r,
+                        "error_profile": (r - m) / m,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
     for key, label in (("error", "probed"), ("error_profile", "profile as measured")):
         print(f"within 15%, {label}: {sum(abs(r[key]) <= 0.15 for r in rows)}/{len(rows)}")

@@ -86,7 +86,7 @@ class Setup:
             cache=CacheConfig(
                 kv_cache_bytes=2 * max_tokens * KV_TOKEN_BYTES + (64 << 20),
                 enable_prefix_caching=False,
-            ),  # fmt: skip
+            ),
             scheduler=SchedulerConfig(max_num_batched_tokens=8192),
         )
         self.p = Engine(cfg, model_dir, "prefill")
@@ -103,8 +103,9 @@ class Setup:
     def run(self, prompt: list[int], mode: str, cap: str | None, budget: int | None) -> dict:
         if self.tx is not None:
             self.tx.close()
-        self.tx = make_sender(self.backend, self.p.runner.kv_cache, self.layout, SECRET,
-                              bandwidth_bps=cap)  # fmt: skip
+        self.tx = make_sender(
+            self.backend, self.p.runner.kv_cache, self.layout, SECRET, bandwidth_bps=cap
+        )
         self.p.switch_role(self.p.prefill_role(self.tx, mode))
         rid = f"r{time.monotonic_ns()}"
         params = SamplingParams(max_tokens=2, temperature=0, kv_budget_tokens=budget)
@@ -125,8 +126,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     ap.add_argument("--backends", nargs="+", default=["shm", "tcp"])
-    ap.add_argument("--caps", nargs="+", default=["-", "100Gbit", "10Gbit", "1Gbit"],
-                    help='tcp sender caps ("-": none)')  # fmt: skip
+    ap.add_argument(
+        "--caps",
+        nargs="+",
+        default=["-", "100Gbit", "10Gbit", "1Gbit"],
+        help='tcp sender caps ("-": none)',
+    )
     ap.add_argument("--budgets", type=int, nargs="*", default=[], help="KV budgets (tokens)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -141,10 +146,17 @@ def main() -> None:
             ):
                 full_ms = None
                 for budget, mode in cases:
-                    runs = [setup.run(prompt, mode, None if cap == "-" else cap, budget)
-                            for _ in range(args.repeats)]  # fmt: skip
-                    row = {"backend": backend, "cap": cap, "tokens": n, "mode": mode,
-                           "budget": budget}  # fmt: skip
+                    runs = [
+                        setup.run(prompt, mode, None if cap == "-" else cap, budget)
+                        for _ in range(args.repeats)
+                    ]
+                    row = {
+                        "backend": backend,
+                        "cap": cap,
+                        "tokens": n,
+                        "mode": mode,
+                        "budget": budget,
+                    }
                     row |= {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                     full_ms = full_ms or row["ms"]
                     print(json.dumps(row | {"of_full": row["ms"] / full_ms}), flush=True)

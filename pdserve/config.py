@@ -28,9 +28,10 @@ class CacheConfig:
     )
     enable_prefix_caching: bool = knob(True, "reuse cached prompt blocks", flag="prefix_caching")
     kv_cache_dtype: str = knob(
-        "auto", "KV storage: the model's dtype, or fp8 (E4M3) or int8 rows + per-token scales",
+        "auto",
+        "KV storage: the model's dtype, or fp8 (E4M3) or int8 rows + per-token scales",
         choices=KV_CACHE_DTYPES,
-    )  # fmt: skip
+    )
     # Token dropping: a request holding more KV than this frees its least-attended blocks,
     # keeping the first `kv_sink_tokens` and the last `kv_recent_tokens` (None: off).
     kv_budget_tokens: int | None = knob(None, "most KV tokens per request (token dropping)")
@@ -84,9 +85,12 @@ class EngineConfig:
     # whose fp32 copy is at most this is converted to fp32 (lossless compact panels, tokens
     # as transformers'); every other file is read in place from its mapping (one copy a host).
     gguf_fp32_max_bytes: int = knob(
-        2**30, "convert GGUF files of Q4_0/Q4_1/Q8_0 up to this fp32 size (0: none); "
-        "larger ones and other types are read in place", ge=0, parse=parse_bytes,
-    )  # fmt: skip
+        2**30,
+        "convert GGUF files of Q4_0/Q4_1/Q8_0 up to this fp32 size (0: none); "
+        "larger ones and other types are read in place",
+        ge=0,
+        parse=parse_bytes,
+    )
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     device: DeviceConfig = DeviceConfig()

@@ -134,8 +134,9 @@ def set_worker_thread_wait() -> None:
 
 def thread_wait() -> dict[str, str]:
     """This process's OpenMP wait-policy variables that are set (what libgomp reads)."""
-    return {name: os.environ[name] for name in (OMP_WAIT_POLICY, GOMP_SPINCOUNT)
-            if name in os.environ}  # fmt: skip
+    return {
+        name: os.environ[name] for name in (OMP_WAIT_POLICY, GOMP_SPINCOUNT) if name in os.environ
+    }
 
 
 def child_env(

@@ -110,8 +110,12 @@ def _check_meta(name: str, value: Any, meta: Mapping[str, Any]) -> None:
             raise ValueError(f"{name} must be {sign} {meta[key]}, got {value!r}")
 
 
-_BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"),
-           "le": (operator.le, "<="), "lt": (operator.lt, "<")}  # fmt: skip
+_BOUNDS = {
+    "ge": (operator.ge, ">="),
+    "gt": (operator.gt, ">"),
+    "le": (operator.le, "<="),
+    "lt": (operator.lt, "<"),
+}
 
 
 def from_dict(cls: type, data: Any, where: str | None = None, path: str = "") -> Any:
@@ -119,8 +123,9 @@ def from_dict(cls: type, data: Any, where: str | None = None, path: str = "") ->
     key's dotted path, after `where` (e.g. the file) when given."""
     lead = f"{where}: " if where else ""
     if not isinstance(data, Mapping):
-        raise ValueError(f"{lead}{path.rstrip('.') or 'the config'} must be a mapping, "
-                         f"got {data!r:.80}")  # fmt: skip
+        raise ValueError(
+            f"{lead}{path.rstrip('.') or 'the config'} must be a mapping, got {data!r:.80}"
+        )
     names = [f.name for f in fields(cls) if f.init]
     for key in data:
         if key not in names:
@@ -275,9 +280,10 @@ def add_flags(
         hidden = default in (None, MISSING, (), []) or flat.hint is bool
         shown = "" if hidden else f" (default: {default})"
         kwargs: dict[str, Any] = dict(
-            dest=dest_prefix + name, default=defaults.get(name, argparse.SUPPRESS),
+            dest=dest_prefix + name,
+            default=defaults.get(name, argparse.SUPPRESS),
             help=meta.get("help", "") + shown,
-        )  # fmt: skip
+        )
         if flat.hint is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["help"] += f" (default: {'on' if default else 'off'})"

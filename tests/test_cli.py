@@ -10,16 +10,36 @@ import pytest
 def pdserve(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pdserve.cli", *args],
-        capture_output=True, text=True, timeout=120, input=stdin,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        input=stdin,
+    )
 
 
 def test_generate_and_chat_on_a_tiny_model(tiny_served_model):
-    out = pdserve("generate", "--model", str(tiny_served_model), "--prompt", "hi",
-                  "--max-tokens", "5", "--kv-cache-bytes", "1MiB")  # fmt: skip
+    out = pdserve(
+        "generate",
+        "--model",
+        str(tiny_served_model),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "5",
+        "--kv-cache-bytes",
+        "1MiB",
+    )
     assert out.returncode == 0, out.stderr
-    chat = pdserve("chat", "--model", str(tiny_served_model), "--max-tokens", "4",
-                   "--kv-cache-bytes", "1MiB", stdin="hello\n\n")  # fmt: skip
+    chat = pdserve(
+        "chat",
+        "--model",
+        str(tiny_served_model),
+        "--max-tokens",
+        "4",
+        "--kv-cache-bytes",
+        "1MiB",
+        stdin="hello\n\n",
+    )
     assert chat.returncode == 0, chat.stderr
 
 
@@ -46,8 +66,15 @@ def test_corrupt_gguf_and_too_long_prompt(tiny_served_model, tmp_path):
     bad.write_bytes(b"GGUF" + b"\x00" * 10)
     out = pdserve("generate", "--model", str(bad), "--prompt", "hi")
     assert out.returncode == 2 and str(bad) in out.stderr and out.stderr.count("\n") == 1
-    long = pdserve("generate", "--model", str(tiny_served_model), "--prompt", "x" * 600,
-                   "--kv-cache-bytes", "1MiB")  # fmt: skip
+    long = pdserve(
+        "generate",
+        "--model",
+        str(tiny_served_model),
+        "--prompt",
+        "x" * 600,
+        "--kv-cache-bytes",
+        "1MiB",
+    )
     assert long.returncode == 2 and "context length" in long.stderr
 
 
@@ -64,8 +91,17 @@ def test_warmup_prints_per_worker_and_prompt(tmp_path):
         lines = out.stdout.splitlines()
         assert lines[0].startswith("p0 [0] 48/48 tokens cached, 48 pinned")
         assert lines[1].startswith("p0 [1] 0/8 tokens cached, 0 pinned") and len(lines) == 2
-        out = pdserve("warmup", "--url", c.url + "/v1", "--admin-key", "k", "--prompt", "x",
-                      "--chat", "--unpin")  # fmt: skip
+        out = pdserve(
+            "warmup",
+            "--url",
+            c.url + "/v1",
+            "--admin-key",
+            "k",
+            "--prompt",
+            "x",
+            "--chat",
+            "--unpin",
+        )
         assert out.returncode == 0 and out.stdout.startswith("p0 [0]"), out.stderr
         out = pdserve("warmup", "--url", c.url, "--prompt", "x")  # no admin key
         assert out.returncode == 2 and "HTTP 401" in out.stderr and out.stderr.count("\n") == 1
@@ -89,9 +125,15 @@ def test_up_help_lists_the_config_fields_with_their_defaults():
     out = pdserve("up", "--help")
     assert out.returncode == 0
     text = " ".join(out.stdout.split())
-    for flag in ("--transfer {auto,shm,tcp,mooncake}", "--transfer-mode {layerwise,full}",
-                 "--routing {round_robin,shortest_queue,prefix_cache}", "--kv-host-bytes",
-                 "--threads", "--no-prefix-caching", "--block-size BLOCK_SIZE"):  # fmt: skip
+    for flag in (
+        "--transfer {auto,shm,tcp,mooncake}",
+        "--transfer-mode {layerwise,full}",
+        "--routing {round_robin,shortest_queue,prefix_cache}",
+        "--kv-host-bytes",
+        "--threads",
+        "--no-prefix-caching",
+        "--block-size BLOCK_SIZE",
+    ):
         assert flag in text, flag
     assert "tokens per KV block (default: 16)" in text
 
@@ -100,16 +142,26 @@ def test_up_help_lists_the_config_fields_with_their_defaults():
     "yaml_text, argv, message",
     [
         ("prefil: {num: 1}\n", [], "unknown key 'prefil' in c.yaml (did you mean 'prefill'?)"),
-        ("collocated: {threds: 1}\n", [], "unknown key 'collocated.threds' in c.yaml (did you "
-         "mean 'collocated.threads'?)"),
-        ("collocated: {num: 1}\nkv_transfer: {mode: ful}\n", [], "kv_transfer.mode must be "
-         "one of ('layerwise', 'full'), got 'ful' (did you mean 'full'?)"),
-        ("collocated: {num: 1}\n", ["--transfer", "shn"], "invalid choice 'shn' (choose from "
-         "auto, shm, tcp, mooncake) (did you mean 'shm'?)"),
+        (
+            "collocated: {threds: 1}\n",
+            [],
+            "unknown key 'collocated.threds' in c.yaml (did you mean 'collocated.threads'?)",
+        ),
+        (
+            "collocated: {num: 1}\nkv_transfer: {mode: ful}\n",
+            [],
+            "kv_transfer.mode must be "
+            "one of ('layerwise', 'full'), got 'ful' (did you mean 'full'?)",
+        ),
+        (
+            "collocated: {num: 1}\n",
+            ["--transfer", "shn"],
+            "invalid choice 'shn' (choose from auto, shm, tcp, mooncake) (did you mean 'shm'?)",
+        ),
         ("collocated: {num: 1}\n", ["--thred", "1"], "(did you mean '--threads'?)"),
         ("collocated: {num: 1}\n", ["--port", "99999"], "port must be <= 65535, got 99999"),
     ],
-)  # fmt: skip
+)
 def test_up_bad_config_is_one_line_naming_the_closest_key(tmp_path, yaml_text, argv, message):
     (tmp_path / "c.yaml").write_text(yaml_text)
     out = pdserve("up", "--config", str(tmp_path / "c.yaml"), *argv)
@@ -121,11 +173,29 @@ def test_up_collocated_starts_and_answers_once(tiny_served_model):
     from pdserve.cluster.launcher import free_port
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--collocated", "1", "--model",
-         str(tiny_served_model), "--port", str(free_port()), "--kv-cache-bytes", "2MiB",
-         "--threads", "1", "--startup-timeout-s", "120", "--example-request"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--collocated",
+            "1",
+            "--model",
+            str(tiny_served_model),
+            "--port",
+            str(free_port()),
+            "--kv-cache-bytes",
+            "2MiB",
+            "--threads",
+            "1",
+            "--startup-timeout-s",
+            "120",
+            "--example-request",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         lines = [proc.stdout.readline() for _ in range(3)]
         assert "serving the OpenAI API" in lines[0], lines

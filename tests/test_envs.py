@@ -39,9 +39,12 @@ def test_secret_and_child_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     ("operator", "expected"),
-    [({}, envs.WORKER_SPINCOUNT), ({envs.OMP_WAIT_POLICY: "active"}, None),
-     ({envs.GOMP_SPINCOUNT: "5"}, "5")],
-)  # fmt: skip
+    [
+        ({}, envs.WORKER_SPINCOUNT),
+        ({envs.OMP_WAIT_POLICY: "active"}, None),
+        ({envs.GOMP_SPINCOUNT: "5"}, "5"),
+    ],
+)
 def test_worker_sets_the_spin_count_before_torch_loads(operator, expected):
     """The worker entry point applies pdserve's OpenMP spin count (libgomp reads it once, when
     torch loads it) unless the operator chose a wait policy."""
@@ -53,8 +56,13 @@ def test_worker_sets_the_spin_count_before_torch_loads(operator, expected):
     env = {
         k: v for k, v in os.environ.items() if k not in (envs.OMP_WAIT_POLICY, envs.GOMP_SPINCOUNT)
     }
-    out = subprocess.run([sys.executable, "-c", code], env={**env, **operator},
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, **operator},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.split() == ["False", str(expected)]
 
 

@@ -86,3 +86,11 @@ def test_no_function_over_the_complexity_limits():
     argv = [sys.executable, "-m", "ruff", "check", "--select", rules, *paths]
     result = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_formats_every_file():
+    """`ruff format` decides the layout of every Python file (the version pinned in
+    pyproject.toml's dev extra): no hand-packed lines, no `# fmt: skip`."""
+    argv = [sys.executable, "-m", "ruff", "format", "--check", "pdserve", "tests", "benchmarks"]
+    result = subprocess.run(argv, cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -71,7 +71,7 @@ def envelope(name, fields, session=b"s" * 8, seq=0, sent=None):
             kv_tiers={"L1": {"lookups": 3, "hits": 1}},
             kv_moved_bytes={"L1->L2": 64},
             num_cached_prompt_tokens=16,
-        ),  # fmt: skip
+        ),
         Shutdown(),
         Generate("warm-1", [1, 2, 3], {"max_tokens": 1}, pin=False),
         Generate("chunked", [1, 2, 3], {"max_tokens": 1}, prefill_chunk_tokens=32),
@@ -108,9 +108,12 @@ def test_frames_without_the_prefix_skip_fields_decode_to_zero():
     reserved = {"worker_id": "w0", "request_id": "r", "peer": {}, "block_ids": [3]}
     assert decode(envelope("Reserved", reserved), SECRET).num_cached_blocks == 0
     prefill = {
-        "request_id": "r", "prompt_token_ids": [1], "sampling": {}, "peer": {},
+        "request_id": "r",
+        "prompt_token_ids": [1],
+        "sampling": {},
+        "peer": {},
         "block_ids": [3],
-    }  # fmt: skip
+    }
     assert decode(envelope("Prefill", prefill), SECRET).num_cached_blocks == 0
 
 
@@ -154,9 +157,13 @@ def test_max_frame_bytes_holds_a_whole_context():
     big = ["\U0010ffff" * 256] * 16  # 16 x 256 characters of 4 UTF-8 bytes: the router's limit
     sampling = {"max_tokens": 1, "stop": big, "stop_token_ids": [2**32 - 1] * 16}
     prefill = Prefill(
-        "r" * 64, [2**32 - 1] * n, sampling, {"host": "h" * 255, "port": 65535},
-        [2**32 - 1] * n, num_cached_blocks=n,
-    )  # fmt: skip
+        "r" * 64,
+        [2**32 - 1] * n,
+        sampling,
+        {"host": "h" * 255, "port": 65535},
+        [2**32 - 1] * n,
+        num_cached_blocks=n,
+    )
     resumed = Generate("r" * 64, [2**32 - 1] * (n // 2), sampling, [2**32 - 1] * (n // 2))
     for message in (prefill, resumed):
         assert len(encode(message, SECRET)) <= max_frame_bytes(n)

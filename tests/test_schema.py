@@ -57,7 +57,7 @@ class Outer:
         (dict(inner={"size": 0}), r"inner.size must be >= 1, got 0"),
         (dict(inner={"kind": "fsat"}), r"one of \('fast', 'slow'\), got 'fsat' \(did you mean"),
     ],
-)  # fmt: skip
+)
 def test_check_names_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Outer(**kwargs)
@@ -81,7 +81,7 @@ def test_from_dict_round_trip_and_unknown_keys():
     with pytest.raises(ValueError, match=r"^o.yaml: inner.size must be >= 1, got 0$"):
         from_dict(Outer, {"inner": {"size": 0}}, "o.yaml")
     with pytest.raises(ValueError, match=r"^o.yaml: inner must be a mapping, got 3$"):
-        from_dict(Outer, {"inner": 3}, "o.yaml")  # fmt: skip
+        from_dict(Outer, {"inner": 3}, "o.yaml")
 
 
 def test_flat_view():
@@ -105,9 +105,11 @@ def test_with_fields_of_repeats_fields_defaults_and_checks():
     assert Group().size == 4
     names = ("block_size", "max_num_seqs", "cpu_kernels")
     role_defaults = {n: getattr(WorkerGroup(), n) for n in names}
-    assert role_defaults == {"block_size": CacheConfig().block_size,
-                             "max_num_seqs": SchedulerConfig().max_num_seqs,
-                             "cpu_kernels": DeviceConfig().cpu_kernels}  # fmt: skip
+    assert role_defaults == {
+        "block_size": CacheConfig().block_size,
+        "max_num_seqs": SchedulerConfig().max_num_seqs,
+        "cpu_kernels": DeviceConfig().cpu_kernels,
+    }
     # skipped: not DeviceConfig's dtype (Pipeline-wide); WorkerGroup declares its own override
     assert WorkerGroup.__dataclass_fields__["dtype"].default is None
     with pytest.raises(ValueError, match="max_num_batched_tokens must be > 0"):
@@ -117,8 +119,9 @@ def test_with_fields_of_repeats_fields_defaults_and_checks():
 def test_flags_from_fields():
     parser = OneLineArgumentParser(prog="t")
     add_flags(parser, Outer)
-    args = parser.parse_args(["--in-size", "7", "--no-switch", "--ratio", "0.25", "--ids", "3",
-                              "--ids", "4"])  # fmt: skip
+    args = parser.parse_args(
+        ["--in-size", "7", "--no-switch", "--ratio", "0.25", "--ids", "3", "--ids", "4"]
+    )
     assert flag_values(args, Outer) == {"in_size": 7, "on": False, "ratio": 0.25, "ids": [3, 4]}
     assert from_flat(Outer, flag_values(args, Outer)).ids == (3, 4)
     assert flag_values(parser.parse_args([]), Outer) == {}  # defaults stay the dataclass's
@@ -132,13 +135,18 @@ def test_flags_from_fields():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--in-kind", "slwo"], "t: error: argument --in-kind: invalid choice 'slwo' "
-                                "(choose from fast, slow) (did you mean 'slow'?)\n"),
-        (["--in-sizee", "1"], "t: error: unrecognized arguments: --in-sizee 1 "
-                              "(did you mean '--in-size'?)\n"),
+        (
+            ["--in-kind", "slwo"],
+            "t: error: argument --in-kind: invalid choice 'slwo' "
+            "(choose from fast, slow) (did you mean 'slow'?)\n",
+        ),
+        (
+            ["--in-sizee", "1"],
+            "t: error: unrecognized arguments: --in-sizee 1 (did you mean '--in-size'?)\n",
+        ),
         (["--in-size", "x"], "t: error: argument --in-size: invalid int value: 'x'\n"),
     ],
-)  # fmt: skip
+)
 def test_bad_flags_are_one_line_with_the_closest(capsys, argv, message):
     parser = OneLineArgumentParser(prog="t")
     add_flags(parser, Outer)
@@ -149,7 +157,11 @@ def test_bad_flags_are_one_line_with_the_closest(capsys, argv, message):
 
 def test_parse_bytes():
     assert [parse_bytes(t) for t in ("512MiB", "2GB", "1048576", "1.5KiB")] == [
-        512 * 2**20, 2 * 10**9, 2**20, 1536]  # fmt: skip
+        512 * 2**20,
+        2 * 10**9,
+        2**20,
+        1536,
+    ]
     with pytest.raises(argparse.ArgumentTypeError, match="not a size: 'lots'"):
         parse_bytes("lots")
 

@@ -133,9 +133,12 @@ def _sessions(cfg: BenchConfig, tokens: TokenSource, text_prompts: bool) -> list
         return load_trace(TraceConfig(*trace, cfg.num_requests, text_prompts, cfg.seed), tokens)
     input_len, output_len = PRESETS[cfg.preset] if cfg.preset else ("256", "128")
     workload = _part(
-        WorkloadConfig, cfg, input_len=cfg.input_len or input_len,
-        output_len=cfg.output_len or output_len, text_prompts=text_prompts,
-    )  # fmt: skip
+        WorkloadConfig,
+        cfg,
+        input_len=cfg.input_len or input_len,
+        output_len=cfg.output_len or output_len,
+        text_prompts=text_prompts,
+    )
     return build_sessions(workload, tokens)
 
 

@@ -112,6 +112,11 @@ def report(
 
         probes = [(p["rate"], p["attainment"]) for p in (search or {}).get("probes", [])]
         write_plots(
-            args.plot, records, slo.ttft_ms, slo.tpot_ms, probes,
-            document.get("slo_scale", []), args.goodput_target,
-        )  # fmt: skip
+            args.plot,
+            records,
+            slo.ttft_ms,
+            slo.tpot_ms,
+            probes,
+            document.get("slo_scale", []),
+            args.goodput_target,
+        )

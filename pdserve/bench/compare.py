@@ -37,16 +37,18 @@ class CompareConfig:
     """The flags `bench compare` adds to the workload's."""
 
     deployment: tuple[str, ...] = knob(
-        (), "NAME=SPEC, SPEC a server URL, collocated, NpMd (e.g. 1p1d), adaptive or a Pipeline "
+        (),
+        "NAME=SPEC, SPEC a server URL, collocated, NpMd (e.g. 1p1d), adaptive or a Pipeline "
         "YAML (default: collocated and 1p1d on the same cores)",
-    )  # fmt: skip
+    )
     slo_multiplier: float = knob(
         5.0, "default SLOs = this x the first deployment's unloaded p50", gt=0
     )
     slo_itl_multiplier: float | None = knob(
-        None, "p99 ITL SLO = this x the first deployment's unloaded p50 TPOT (a stall budget)",
+        None,
+        "p99 ITL SLO = this x the first deployment's unloaded p50 TPOT (a stall budget)",
         gt=0,
-    )  # fmt: skip
+    )
     calibration_requests: int = knob(5, "unloaded requests the SLOs derive from", ge=1)
     warmup_requests: int = knob(
         1, "unloaded requests each deployment answers, not measured, before the workload", ge=0
@@ -138,9 +140,14 @@ def _ratio(value: object, base: object) -> str:
     return f"{value / base:.2f}x"
 
 
-_COLUMNS = (("goodput", "goodput", 10), ("p50_ttft_ms", "p50 TTFT ms", 14),
-            ("p90_ttft_ms", "p90 TTFT ms", 14), ("p90_tpot_ms", "p90 TPOT ms", 14),
-            ("p99_itl_ms", "p99 ITL ms", 14), ("max_gap_ms", "max gap ms", 14))  # fmt: skip
+_COLUMNS = (
+    ("goodput", "goodput", 10),
+    ("p50_ttft_ms", "p50 TTFT ms", 14),
+    ("p90_ttft_ms", "p90 TTFT ms", 14),
+    ("p90_tpot_ms", "p90 TPOT ms", 14),
+    ("p99_itl_ms", "p99 ITL ms", 14),
+    ("max_gap_ms", "max gap ms", 14),
+)
 
 
 def format_table(rows: Mapping[str, Mapping[str, object]]) -> str:

@@ -114,8 +114,12 @@ def meets_slo(record: RequestRecord, slo: SLO) -> bool:
     """
     if not record.ok or record.ttft_s is None:
         return False
-    measured = ((slo.ttft_ms, record.ttft_s), (slo.tpot_ms, record.tpot_s),
-                (slo.itl_ms, record.p99_itl_s), (slo.max_gap_ms, record.max_gap_s))  # fmt: skip
+    measured = (
+        (slo.ttft_ms, record.ttft_s),
+        (slo.tpot_ms, record.tpot_s),
+        (slo.itl_ms, record.p99_itl_s),
+        (slo.max_gap_ms, record.max_gap_s),
+    )
     return all(ms is None or s is None or s * 1000.0 <= ms for ms, s in measured)
 
 

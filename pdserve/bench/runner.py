@@ -78,8 +78,13 @@ def _record(session: Session, index: int, **values: Any) -> RequestRecord:
     turn = session.turns[index]
     values.setdefault("input_len", len(turn.user_ids))
     request_id = f"{session.session_id}-{index}"
-    return RequestRecord(request_id, requested_output_len=turn.output_len,
-                         session_id=session.session_id, turn=index, **values)  # fmt: skip
+    return RequestRecord(
+        request_id,
+        requested_output_len=turn.output_len,
+        session_id=session.session_id,
+        turn=index,
+        **values,
+    )
 
 
 class _Run:

@@ -47,14 +47,18 @@ class WorkerGroup:
     # Under Ray placement (pdserve/cluster/ray.py), what each worker's actor asks of a node.
     ray_num_cpus: float | None = knob(None, "Ray CPUs per worker (default: threads, or 1)", ge=0)
     ray_num_gpus: float = knob(0.0, "Ray GPUs per worker", ge=0)
-    ray_resources: dict | None = knob(None, "custom Ray resources per worker, e.g. a node pool "
-                                      "{prefill_pool: 1}", cli=False)  # fmt: skip
+    ray_resources: dict | None = knob(
+        None, "custom Ray resources per worker, e.g. a node pool {prefill_pool: 1}", cli=False
+    )
     # Per-role precision, e.g. a bf16 prefill role feeding an fp32 decode role (the KV is
     # converted on the prefill side before the wire).
     dtype: str | None = knob(
-        None, "this role's dtype (default: the pipeline's); auto: bfloat16 where the CPU has "
-        "AMX or AVX512_BF16, else the pipeline's", choices=(*DTYPES, "auto"), cli=False,
-    )  # fmt: skip
+        None,
+        "this role's dtype (default: the pipeline's); auto: bfloat16 where the CPU has "
+        "AMX or AVX512_BF16, else the pipeline's",
+        choices=(*DTYPES, "auto"),
+        cli=False,
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -63,8 +67,11 @@ class WorkerGroup:
         nested = [isinstance(c, tuple) for c in cpus]
         if any(nested) and (not all(nested) or len(cpus) != self.num):
             raise ValueError(f"cpus must be one core list or {self.num} lists, got {self.cpus!r}")
-        bad = [(k, v) for k, v in (self.ray_resources or {}).items()
-               if not isinstance(k, str) or type(v) not in (int, float) or v < 0]  # fmt: skip
+        bad = [
+            (k, v)
+            for k, v in (self.ray_resources or {}).items()
+            if not isinstance(k, str) or type(v) not in (int, float) or v < 0
+        ]
         if bad:
             raise ValueError(f"ray_resources must map names to amounts >= 0, got {bad[0]}")
 
@@ -81,8 +88,11 @@ class WorkerGroup:
 
     def engine_config(self, p: Pipeline, kvstore: KVStoreConfig) -> EngineConfig:
         """The EngineConfig of each worker of this role in pipeline `p` (its model, dtype)."""
-        names = [f.name for f in dataclasses.fields(self)
-                 if f.name not in _PLACEMENT_FIELDS and f.name != "dtype"]  # fmt: skip
+        names = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in _PLACEMENT_FIELDS and f.name != "dtype"
+        ]
         values = {n: getattr(self, n) for n in names}
         model = {"model": p.model, "gguf_fp32_max_bytes": p.gguf_fp32_max_bytes}
         engine = from_flat(EngineConfig, {**values, **model, "dtype": self.dtype_of(p.dtype)})
@@ -106,22 +116,25 @@ class Pipeline:
     host: str = knob("127.0.0.1", "the API's address")
     port: int = knob(8000, "the API's port", ge=0, le=65535)
     api_key: str | None = knob(
-        None, f"bearer key for /v1, or several separated by commas, one per tenant (or "
-        f"${envs.API_KEY})", repr=False,
-    )  # fmt: skip
+        None,
+        f"bearer key for /v1, or several separated by commas, one per tenant (or ${envs.API_KEY})",
+        repr=False,
+    )
     cache_scope: str = same_as(RouterConfig, "cache_scope")
     admin_key: str | None = knob(
-        None, f"bearer key for /v1/cache/warmup (or ${envs.ADMIN_KEY}; default: a random one)",
+        None,
+        f"bearer key for /v1/cache/warmup (or ${envs.ADMIN_KEY}; default: a random one)",
         repr=False,
-    )  # fmt: skip
+    )
     dtype: str = same_as(DeviceConfig, "dtype")
     startup_timeout_s: float = knob(600.0, "wait this long for the workers", gt=0)
     # Before starting anything, each worker's weights + KV pool + activations against the
     # host's available memory (cluster/memory_plan.py): refuse a layout that cannot fit.
     memory_check: str = knob(
-        "enforce", "refuse (enforce), warn about or skip (off) a layout that does not fit "
-        "this host's memory", choices=MEMORY_CHECKS,
-    )  # fmt: skip
+        "enforce",
+        "refuse (enforce), warn about or skip (off) a layout that does not fit this host's memory",
+        choices=MEMORY_CHECKS,
+    )
     # Tiers below each worker's pool. `redis_url: local` has the launcher start a private
     # redis-server (Debian's package) for a one-host cluster.
     kv_pool: KVStoreConfig = knob(KVStoreConfig(), prefix="kv_")
@@ -166,16 +179,20 @@ class Pipeline:
     def _check_adaptive(self) -> None:
         for name in ROLES:
             if getattr(self, name) is not None:
-                raise ValueError(f"{name}: an adaptive pipeline's planner gives the roles "
-                                 "(the workers' settings go in `workers`)")  # fmt: skip
+                raise ValueError(
+                    f"{name}: an adaptive pipeline's planner gives the roles "
+                    "(the workers' settings go in `workers`)"
+                )
         w = self.workers or WorkerGroup()
         if w.num != 1:
             raise ValueError("workers.num: an adaptive pipeline has adaptive.workers workers")
         if w.threads is not None:
             raise ValueError("workers.threads: the planner sets an adaptive worker's threads")
         if any(isinstance(c, tuple) for c in w.cpus):
-            raise ValueError(f"workers.cpus must be one core list, the pool all adaptive "
-                             f"workers share, got {w.cpus!r}")  # fmt: skip
+            raise ValueError(
+                f"workers.cpus must be one core list, the pool all adaptive "
+                f"workers share, got {w.cpus!r}"
+            )
         self.adaptive_cpus()
 
     def adaptive_cpus(self) -> tuple[int, ...]:
@@ -185,8 +202,10 @@ class Pipeline:
         pool = cpus or tuple(sorted(os.sched_getaffinity(0)))
         if len(pool) < self.adaptive.workers:
             where = "workers.cpus" if cpus else "this machine's cores"
-            raise ValueError(f"adaptive.workers: {self.adaptive.workers} workers need a core "
-                             f"each, the pool ({where}) has {len(pool)}: {list(pool)}")  # fmt: skip
+            raise ValueError(
+                f"adaptive.workers: {self.adaptive.workers} workers need a core "
+                f"each, the pool ({where}) has {len(pool)}: {list(pool)}"
+            )
         return pool
 
     @property

@@ -33,8 +33,9 @@ def pipeline_for(spec: str, model: str, kv_cache_bytes: int | None = None) -> Pi
         return Pipeline(model=model, collocated=role, port=port)
     if spec == "adaptive":
         workers = WorkerGroup(cpus=tuple(cores), kv_cache_bytes=kv_cache_bytes)
-        return Pipeline(model=model, adaptive=AdaptiveConfig(enabled=True), workers=workers,
-                        port=port)  # fmt: skip
+        return Pipeline(
+            model=model, adaptive=AdaptiveConfig(enabled=True), workers=workers, port=port
+        )
     match = re.fullmatch(r"(\d+)p(\d+)d", spec)
     if match:
         num_p, num_d = int(match[1]), int(match[2])
@@ -43,8 +44,9 @@ def pipeline_for(spec: str, model: str, kv_cache_bytes: int | None = None) -> Pi
         one_each = [[c] for c in cores]
 
         def role(first: int, n: int) -> WorkerGroup:
-            return WorkerGroup(num=n, cpus=one_each[first : first + n], threads=1,
-                        kv_cache_bytes=kv_cache_bytes)  # fmt: skip
+            return WorkerGroup(
+                num=n, cpus=one_each[first : first + n], threads=1, kv_cache_bytes=kv_cache_bytes
+            )
 
         return Pipeline(model=model, prefill=role(0, num_p), decode=role(num_p, num_d), port=port)
     if spec.endswith((".yaml", ".yml")):

@@ -86,18 +86,24 @@ def worker_specs(p: Pipeline, router_address: str, kv_pool=None) -> list[WorkerS
     else:
         layout = [
             (f"{name}-{i}", name, r.engine_config(p, kv_pool), r.cpus_of(i))
-            for name, r in p.roles for i in range(r.num)
-        ]  # fmt: skip
+            for name, r in p.roles
+            for i in range(r.num)
+        ]
     return [
         WorkerSpec(
-            worker_id=worker_id, role=role, engine=engine, adaptive=p.adaptive.enabled,
-            ctrl_address=f"tcp://127.0.0.1:{free_port()}", router_address=router_address,
-            cpus=cpus, kv_transfer=p.kv_transfer,
+            worker_id=worker_id,
+            role=role,
+            engine=engine,
+            adaptive=p.adaptive.enabled,
+            ctrl_address=f"tcp://127.0.0.1:{free_port()}",
+            router_address=router_address,
+            cpus=cpus,
+            kv_transfer=p.kv_transfer,
             wire_kv_cache_dtype=p.decode.kv_cache_dtype if p.decode else "auto",
             wire_dtype=p.decode.dtype_of(p.dtype) if p.decode else None,
         )
         for worker_id, role, engine, cpus in layout
-    ]  # fmt: skip
+    ]
 
 
 def router_settings(
@@ -109,12 +115,25 @@ def router_settings(
     if specs:  # the planner prices a local prefill in the workers' own chunks
         adaptive["prefill_chunk_tokens"] = specs[0].engine.scheduler.long_prefill_token_threshold
     return {
-        "host": p.host, "port": p.port, "model": p.model, "ctrl_address": router_address,
-        "workers": [{"worker_id": s.worker_id, "role": s.role, "address": s.ctrl_address,
-                     "cpus": s.cpus if s.adaptive else ()} for s in specs],
-        "policy": p.routing, "load_balancer": p.load_balancer, "log_level": log_level,
-        "adaptive": adaptive, "cache_scope": p.cache_scope,
-    }  # fmt: skip
+        "host": p.host,
+        "port": p.port,
+        "model": p.model,
+        "ctrl_address": router_address,
+        "workers": [
+            {
+                "worker_id": s.worker_id,
+                "role": s.role,
+                "address": s.ctrl_address,
+                "cpus": s.cpus if s.adaptive else (),
+            }
+            for s in specs
+        ],
+        "policy": p.routing,
+        "load_balancer": p.load_balancer,
+        "log_level": log_level,
+        "adaptive": adaptive,
+        "cache_scope": p.cache_scope,
+    }
 
 
 class Cluster:
@@ -176,8 +195,11 @@ class Cluster:
             )
         router = router_settings(p, specs, router_address, self.log_level)
         # The keys go in the environment, like the secret: never on a command line.
-        self._spawn("router", ["pdserve.router.main", "--config-json", json.dumps(router)],
-                    envs.child_env(secret, p.api_key, self.admin_key))  # fmt: skip
+        self._spawn(
+            "router",
+            ["pdserve.router.main", "--config-json", json.dumps(router)],
+            envs.child_env(secret, p.api_key, self.admin_key),
+        )
         self._wait_healthy(p.startup_timeout_s)
         if p.warmup_prompts:
             self._warmup(list(p.warmup_prompts))
@@ -191,8 +213,9 @@ class Cluster:
         self._wait_healthy(self.pipeline.startup_timeout_s, every_worker=True)
         body = warmup_body(prompts, shared=self.pipeline.warmup_shared)
         try:
-            answer = send_warmup(self.url, body, self.admin_key,
-                                 timeout_s=self.pipeline.startup_timeout_s)  # fmt: skip
+            answer = send_warmup(
+                self.url, body, self.admin_key, timeout_s=self.pipeline.startup_timeout_s
+            )
         except WarmupError as exc:
             raise ClusterError(f"warm-up failed: {exc}") from None
         lines, num_errors = report_lines(answer, ordered(body))
@@ -207,8 +230,10 @@ class Cluster:
         goes in on stdin (`redis-server -`), so the password is on no command line."""
         binary = shutil.which("redis-server")
         if binary is None:
-            raise ClusterError("kv_pool.redis_url is 'local' but redis-server is not installed "
-                               "(apt-get install redis-server)")  # fmt: skip
+            raise ClusterError(
+                "kv_pool.redis_url is 'local' but redis-server is not installed "
+                "(apt-get install redis-server)"
+            )
         port, password = free_port(), secrets.token_hex(32)
         config = (
             f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\nmaxmemory 1gb\n'
@@ -217,9 +242,11 @@ class Cluster:
 
         def launch() -> subprocess.Popen:
             popen = subprocess.Popen(
-                [binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                [binary, "-"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
-            )  # fmt: skip
+            )
             popen.stdin.write(config.encode())
             popen.stdin.close()
             return popen

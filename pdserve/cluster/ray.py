@@ -50,8 +50,11 @@ def _import_ray() -> Any:
 def actor_options(role: WorkerGroup) -> dict[str, Any]:
     """What one worker of `role` asks of a Ray node."""
     num_cpus = role.ray_num_cpus if role.ray_num_cpus is not None else (role.threads or 1)
-    return {"num_cpus": num_cpus, "num_gpus": role.ray_num_gpus,
-            "resources": dict(role.ray_resources or {})}  # fmt: skip
+    return {
+        "num_cpus": num_cpus,
+        "num_gpus": role.ray_num_gpus,
+        "resources": dict(role.ray_resources or {}),
+    }
 
 
 class RayCluster(Cluster):
@@ -71,18 +74,25 @@ class RayCluster(Cluster):
     def start(self) -> None:
         p = self.pipeline
         if p.adaptive.enabled:
-            raise ClusterError("adaptive pipelines share one host's cores (adaptive.enabled); "
-                               "under Ray give roles their own workers")  # fmt: skip
+            raise ClusterError(
+                "adaptive pipelines share one host's cores (adaptive.enabled); "
+                "under Ray give roles their own workers"
+            )
         if p.kv_pool.redis_url == "local":
-            raise ClusterError("kv_pool.redis_url 'local' starts redis-server on this host only; "
-                               "under Ray give a redis:// URL every node reaches")  # fmt: skip
+            raise ClusterError(
+                "kv_pool.redis_url 'local' starts redis-server on this host only; "
+                "under Ray give a redis:// URL every node reaches"
+            )
         ray = self._connect()  # first: an unreachable cluster fails before any conversion
         from pdserve.model.registry import resolve_model
 
         # Converted here once; nodes sharing the cache dir reuse it.
         resolve_model(p.model, None, p.gguf_fp32_max_bytes)
-        keys = {"secret": secrets.token_bytes(32), "api_key": p.api_key,
-                "admin_key": self.admin_key}  # fmt: skip
+        keys = {
+            "secret": secrets.token_bytes(32),
+            "api_key": p.api_key,
+            "admin_key": self.admin_key,
+        }
         self._secret_refs = [ray.put(keys)]
         self._start_router()
         router_address = self._get(self.router.address.remote(), "place the router")
@@ -91,8 +101,9 @@ class RayCluster(Cluster):
             self._start_worker(spec)
         for spec in specs:
             self._await_worker(spec.worker_id)
-        port = self._get(self.router.start.remote(p.startup_timeout_s), "start the router",
-                         p.startup_timeout_s)  # fmt: skip
+        port = self._get(
+            self.router.start.remote(p.startup_timeout_s), "start the router", p.startup_timeout_s
+        )
         self.url = f"http://{p.host if p.host not in ('0.0.0.0', '::') else '127.0.0.1'}:{port}"
         self._wait_healthy(p.startup_timeout_s)
         if p.warmup_prompts:
@@ -116,8 +127,9 @@ class RayCluster(Cluster):
         def init() -> None:
             try:
                 # "local": a new instance even where /tmp/ray names a running (or dead) one
-                ray.init(address=address or "local", log_to_driver=True,
-                         logging_level=logging.WARNING)  # fmt: skip
+                ray.init(
+                    address=address or "local", log_to_driver=True, logging_level=logging.WARNING
+                )
             except Exception as exc:
                 outcome["error"] = exc
 
@@ -129,8 +141,10 @@ class RayCluster(Cluster):
             thread.start()
             thread.join(p.ray_timeout_s)
             if thread.is_alive():
-                raise ClusterError(f"could not connect to Ray at {where} within "
-                                   f"{p.ray_timeout_s:.0f} s (ray_timeout_s)")  # fmt: skip
+                raise ClusterError(
+                    f"could not connect to Ray at {where} within "
+                    f"{p.ray_timeout_s:.0f} s (ray_timeout_s)"
+                )
         if "error" in outcome:
             raise ClusterError(f"could not connect to Ray at {where}: {outcome['error']}")
         self._started_ray = True
@@ -149,9 +163,11 @@ class RayCluster(Cluster):
         # num_cpus=0: the router waits on sockets; a CPU reserved for it would leave a small
         # machine (`pdserve up --ray` on 2 cores) unable to place 1P1D.
         actor = ray.remote(RouterActor).options(
-            num_cpus=0, max_restarts=self.pipeline.ray_max_restarts, max_concurrency=8,
+            num_cpus=0,
+            max_restarts=self.pipeline.ray_max_restarts,
+            max_concurrency=8,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-        )  # fmt: skip
+        )
         self.router = actor.remote(
             json.dumps(config), self._secret_refs, self.log_level, self._name_prefix
         )
@@ -161,9 +177,11 @@ class RayCluster(Cluster):
         role = getattr(self.pipeline, spec.role)
         # Named, so that a restarted router finds its workers (RouterActor._recover()).
         actor = ray.remote(WorkerActor).options(
-            **actor_options(role), max_restarts=self.pipeline.ray_max_restarts,
-            max_concurrency=4, name=self._name_prefix + spec.worker_id,
-        )  # fmt: skip
+            **actor_options(role),
+            max_restarts=self.pipeline.ray_max_restarts,
+            max_concurrency=4,
+            name=self._name_prefix + spec.worker_id,
+        )
         self._specs[spec.worker_id] = spec
         index = int(spec.worker_id.rsplit("-", 1)[1])
         self._next_index[spec.role] = max(self._next_index.get(spec.role, 0), index + 1)
@@ -183,8 +201,11 @@ class RayCluster(Cluster):
                 f"Ray placed no actor for {worker_id} within {p.ray_timeout_s:.0f} s "
                 f"(ray_timeout_s): it asks {actor_options(role)}, the nodes offer {offers}"
             ) from None
-        found = self._get(actor.endpoint.remote(p.startup_timeout_s), f"start {worker_id}",
-                          p.startup_timeout_s + 5)  # fmt: skip
+        found = self._get(
+            actor.endpoint.remote(p.startup_timeout_s),
+            f"start {worker_id}",
+            p.startup_timeout_s + 5,
+        )
         log.info("%s on node %s at %s", worker_id, found["node_ip"], found["address"])
 
     def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
@@ -222,8 +243,9 @@ class RayCluster(Cluster):
         deadline = time.monotonic() + self.pipeline.startup_timeout_s
         while not self._is_healthy(worker_id):
             if time.monotonic() > deadline:
-                raise ClusterError(f"{worker_id} not healthy after "
-                                   f"{self.pipeline.startup_timeout_s:.0f} s")  # fmt: skip
+                raise ClusterError(
+                    f"{worker_id} not healthy after {self.pipeline.startup_timeout_s:.0f} s"
+                )
             time.sleep(0.2)
         return worker_id
 
@@ -248,8 +270,11 @@ class RayCluster(Cluster):
         deadline = time.monotonic() + drain_timeout_s
         while not self._get(self.router.retire.remote(worker_id), "retire a worker"):
             if time.monotonic() > deadline:
-                log.warning("%s not drained in %.0f s: its requests are re-driven", worker_id,
-                            drain_timeout_s)  # fmt: skip
+                log.warning(
+                    "%s not drained in %.0f s: its requests are re-driven",
+                    worker_id,
+                    drain_timeout_s,
+                )
                 break
             time.sleep(0.2)
         self._get(self.router.remove_worker.remote(worker_id), "remove a worker")
@@ -293,8 +318,9 @@ def _probe(address: str, timeout_s: float) -> None:
     listens at fails here at once, not after Ray's own retries."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        raise ClusterError(f"ray_address must be auto, host:port or ray://host:port, got "
-                           f"{address!r}")  # fmt: skip
+        raise ClusterError(
+            f"ray_address must be auto, host:port or ray://host:port, got {address!r}"
+        )
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:

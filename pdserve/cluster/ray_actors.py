@@ -142,15 +142,19 @@ class RouterActor:
             if not name.startswith(worker_prefix):
                 continue
             try:
-                found = ray.get(ray.get_actor(name).endpoint.remote(CALL_TIMEOUT_S),
-                                timeout=CALL_TIMEOUT_S + 5)  # fmt: skip
+                found = ray.get(
+                    ray.get_actor(name).endpoint.remote(CALL_TIMEOUT_S), timeout=CALL_TIMEOUT_S + 5
+                )
             except (ray.exceptions.RayError, ValueError) as exc:
                 # restarting (it registers itself once up) or gone
                 log.warning("router restarted: %s not found now: %s", name, exc)
                 continue
             worker_id = name.removeprefix(worker_prefix)
-            self._endpoints[worker_id] = {"worker_id": worker_id, "role": found["role"],
-                                          "address": found["address"]}  # fmt: skip
+            self._endpoints[worker_id] = {
+                "worker_id": worker_id,
+                "role": found["role"],
+                "address": found["address"],
+            }
         log.warning("router restarted: serving %s again", sorted(self._endpoints))
         self.start(RECOVER_TIMEOUT_S)
 
@@ -186,9 +190,14 @@ class RouterActor:
         keys = _fetch_keys(self._secret_refs)
         with self._lock:
             workers = list(self._endpoints.values())
-        data = {**self.config_data, "ctrl_address": self.ctrl_address, "workers": workers,
-                "secret": keys["secret"], "api_key": keys["api_key"],
-                "admin_key": keys["admin_key"]}  # fmt: skip
+        data = {
+            **self.config_data,
+            "ctrl_address": self.ctrl_address,
+            "workers": workers,
+            "secret": keys["secret"],
+            "api_key": keys["api_key"],
+            "admin_key": keys["admin_key"],
+        }
         config = from_dict(RouterConfig, data, "router config")
         started: dict[str, Any] = {}
         ready = threading.Event()

@@ -34,13 +34,25 @@ def add_up_parser(sub) -> None:
     every_worker = p.add_argument_group("every worker (per role: the config file)")
     add_flags(every_worker, WorkerGroup, "role.")
     p.add_argument("--pin-cpus", action="store_true", help="one core per worker, in order")
-    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                   help="run as Ray actors (placement: ray) on the cluster at ADDRESS, or on "
-                   "a new local Ray instance")  # fmt: skip
-    p.add_argument("--warmup-file", default=None, help="prompts to prefill and pin once up: "
-                   "one per line, or .jsonl (warmup_prompts)")  # fmt: skip
-    p.add_argument("--example-request", action="store_true", help="once up, send one chat "
-                   "request through the cluster and print it")  # fmt: skip
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run as Ray actors (placement: ray) on the cluster at ADDRESS, or on "
+        "a new local Ray instance",
+    )
+    p.add_argument(
+        "--warmup-file",
+        default=None,
+        help="prompts to prefill and pin once up: one per line, or .jsonl (warmup_prompts)",
+    )
+    p.add_argument(
+        "--example-request",
+        action="store_true",
+        help="once up, send one chat request through the cluster and print it",
+    )
     p.set_defaults(func=cmd_up)
 
 
@@ -154,15 +166,23 @@ def example_request(url: str, pipeline: Pipeline) -> None:
         "temperature": 0,
     }
     req = urllib.request.Request(
-        url + "/v1/chat/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json",
-                 **({"Authorization": f"Bearer {pipeline.api_key.split(',')[0]}"}
-                    if pipeline.api_key else {})},
-    )  # fmt: skip
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={
+            "Content-Type": "application/json",
+            **(
+                {"Authorization": f"Bearer {pipeline.api_key.split(',')[0]}"}
+                if pipeline.api_key
+                else {}
+            ),
+        },
+    )
     t = time.perf_counter()
     with urllib.request.urlopen(req, timeout=120) as resp:
         answer = json.loads(resp.read())
     print(f"$ curl {url}/v1/chat/completions -d '{json.dumps(body)}'")
-    print(f"-> {answer['choices'][0]['message']['content']!r} "
-          f"({answer['usage']['completion_tokens']} tokens, {time.perf_counter() - t:.2f} s)",
-          flush=True)  # fmt: skip
+    print(
+        f"-> {answer['choices'][0]['message']['content']!r} "
+        f"({answer['usage']['completion_tokens']} tokens, {time.perf_counter() - t:.2f} s)",
+        flush=True,
+    )

@@ -92,8 +92,9 @@ def device_spec(name: str) -> DeviceSpec:
 
 def model_shape(name: str) -> ModelShape:
     if name not in MODELS:
-        raise ValueError(f"unknown model {name!r} for an analytic profile; choose from "
-                         f"{', '.join(MODELS)}")  # fmt: skip
+        raise ValueError(
+            f"unknown model {name!r} for an analytic profile; choose from {', '.join(MODELS)}"
+        )
     return MODELS[name]
 
 

@@ -45,8 +45,15 @@ from pdserve.schema import check, knob
 # accept, 54-81 us a row at batch 32 (SmolLM2-135M, `benchmarks/openai_features.py grammar`, a
 # 2-core Xeon VM under load).
 GRAMMAR_ROW_S = 60e-6
-FEATURES = ("step", "prefill_tokens", "decode_requests", "tokens_over_knee", "pairs", "context",
-            "prefill_sequences")  # fmt: skip
+FEATURES = (
+    "step",
+    "prefill_tokens",
+    "decode_requests",
+    "tokens_over_knee",
+    "pairs",
+    "context",
+    "prefill_sequences",
+)
 
 
 @dataclass(slots=True)
@@ -166,8 +173,9 @@ class StepCostModel:
 
     def scaled(self, factor: float) -> StepCostModel:
         """The same model `factor` times slower (its wake curve, an idle cost, kept)."""
-        return StepCostModel([c * factor for c in self.coefficients], self.knee_tokens,
-                             wake=self.wake)  # fmt: skip
+        return StepCostModel(
+            [c * factor for c in self.coefficients], self.knee_tokens, wake=self.wake
+        )
 
     def wake_s(self, idle_s: float) -> float:
         """What a step costs more after `idle_s` seconds with nothing to run."""
@@ -220,8 +228,11 @@ class StepCostModel:
 
     def to_dict(self) -> dict[str, object]:
         knee = self.knee_tokens if math.isfinite(self.knee_tokens) else None
-        return {"coefficients": dict(zip(FEATURES, self.coefficients, strict=True)),
-                "knee_tokens": knee, "wake": [list(p) for p in self.wake]}  # fmt: skip
+        return {
+            "coefficients": dict(zip(FEATURES, self.coefficients, strict=True)),
+            "knee_tokens": knee,
+            "wake": [list(p) for p in self.wake],
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> StepCostModel:
@@ -232,8 +243,7 @@ class StepCostModel:
         values = [float(coefficients[f]) for f in FEATURES]
         knee = data.get("knee_tokens")
         wake = [tuple(p) for p in data.get("wake", [])]
-        return cls(values, math.inf if knee is None else float(knee), prior=list(values),
-                   wake=wake)  # fmt: skip
+        return cls(values, math.inf if knee is None else float(knee), prior=list(values), wake=wake)
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,12 @@ TIER_LEVELS = {"host": "L2", "disk": "L3", "redis": "L4"}
 
 def cache_stats(kv: KVCacheManager, offload: KVOffload | None) -> dict[str, Any]:
     c = kv.counters
-    l1 = {"lookups": c.l1_lookup_blocks, "hits": c.l1_hit_blocks, "bytes_read": 0,
-          "bytes_written": 0}  # fmt: skip
+    l1 = {
+        "lookups": c.l1_lookup_blocks,
+        "hits": c.l1_hit_blocks,
+        "bytes_read": 0,
+        "bytes_written": 0,
+    }
     tiers: dict[str, dict[str, int]] = {"L1": l1}
     moved: dict[str, int] = {}
     if offload is not None:

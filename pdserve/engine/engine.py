@@ -78,9 +78,14 @@ class Engine:
             self.model_dir = resolve_model(config.model, None, config.gguf_fp32_max_bytes)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.runner = ModelRunner(
-            self.model_dir, self.model_config, config.cache, config.device, config.seed,
-            allocate_kv, kernels,
-        )  # fmt: skip
+            self.model_dir,
+            self.model_config,
+            config.cache,
+            config.device,
+            config.seed,
+            allocate_kv,
+            kernels,
+        )
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.cache.block_size,
@@ -143,10 +148,15 @@ class Engine:
         another KV dtype."""
         runner = self.runner
         return PrefillRole(
-            sender, self.scheduler, self.kv, self.model_config.num_layers, mode,
+            sender,
+            self.scheduler,
+            self.kv,
+            self.model_config.num_layers,
+            mode,
             lambda request: runner.scores_of(request).tolist(),
-            wire.convert if wire is not None else None, send_timeout_s,
-        )  # fmt: skip
+            wire.convert if wire is not None else None,
+            send_timeout_s,
+        )
 
     def decode_role(
         self,
@@ -156,9 +166,13 @@ class Engine:
     ) -> DecodeRole:
         """The decode role on this engine's parts."""
         return DecodeRole(
-            receiver, self.scheduler, self.kv, self.runner.install_scores,
-            reserve_timeout_s, land_timeout_s,
-        )  # fmt: skip
+            receiver,
+            self.scheduler,
+            self.kv,
+            self.runner.install_scores,
+            reserve_timeout_s,
+            land_timeout_s,
+        )
 
     def wire_source(self, kv_cache_dtype: str, dtype: str | None = None) -> WireSource | None:
         """A shadow pool in the decode side's KV format (its `kv_cache_dtype` and model

@@ -78,8 +78,11 @@ class GrammarMasks:
             if not ok or state.matcher.is_stopped():
                 request.grammar_done = True
                 if not ok:  # sampled under this matcher's own mask: cannot happen
-                    log.warning("request %s: grammar refused its token: %s",
-                                request.request_id, state.matcher.get_error())  # fmt: skip
+                    log.warning(
+                        "request %s: grammar refused its token: %s",
+                        request.request_id,
+                        state.matcher.get_error(),
+                    )
 
 
 class Grammars:
@@ -117,8 +120,11 @@ class Grammars:
         tokens = _replayed_tokens(request)
         for token in tokens[state.num_consumed :]:
             if not state.matcher.consume_token(token):
-                log.warning("request %s: grammar refused a replayed token: %s",
-                            request.request_id, state.matcher.get_error())  # fmt: skip
+                log.warning(
+                    "request %s: grammar refused a replayed token: %s",
+                    request.request_id,
+                    state.matcher.get_error(),
+                )
         state.num_consumed = len(tokens)
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:

@@ -86,9 +86,15 @@ def linear_shapes(cfg: ModelConfig) -> list[tuple[str, int]]:
     layer is the embedding when tied."""
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     h, ffn = cfg.hidden_size, cfg.intermediate_size
-    layer = [("attn_q", q_size * h), ("attn_k", kv_size * h), ("attn_v", kv_size * h),
-             ("attn_output", h * q_size), ("ffn_gate", ffn * h), ("ffn_up", ffn * h),
-             ("ffn_down", h * ffn)]  # fmt: skip
+    layer = [
+        ("attn_q", q_size * h),
+        ("attn_k", kv_size * h),
+        ("attn_v", kv_size * h),
+        ("attn_output", h * q_size),
+        ("ffn_gate", ffn * h),
+        ("ffn_up", ffn * h),
+        ("ffn_down", h * ffn),
+    ]
     out = [(f"blk.{i}.{name}.weight", n) for i in range(cfg.num_layers) for name, n in layer]
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     return [*out, (head, cfg.vocab_size * h)]

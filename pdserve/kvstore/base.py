@@ -65,9 +65,13 @@ class EntryFormat:
     @classmethod
     def from_layout(cls, model_id: str, layout: KVLayout) -> EntryFormat:
         return cls(
-            model_id, layout.num_layers, layout.num_kv_heads, layout.block_size,
-            layout.head_dim, layout.dtype,
-        )  # fmt: skip
+            model_id,
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.block_size,
+            layout.head_dim,
+            layout.dtype,
+        )
 
     @property
     def descriptor(self) -> bytes:
@@ -227,8 +231,7 @@ class KVTier(ABC):
         return payload
 
     def stats(self) -> dict[str, int | float | str]:
-        return {"name": self.name, "capacity_bytes": self.capacity_bytes,
-                **self._stats.snapshot()}  # fmt: skip
+        return {"name": self.name, "capacity_bytes": self.capacity_bytes, **self._stats.snapshot()}
 
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release connections/handles; stored entries stay for other processes."""

@@ -22,9 +22,10 @@ class KVStoreConfig:
     disk_dir: str | None = knob(None, "L3: local disk tier directory (per-model subdirectory)")
     disk_bytes: int = knob(0, "L3 size", ge=0, parse=parse_bytes)
     redis_url: str | None = knob(
-        None, "L4: redis://host:port/db (capacity: Redis' maxmemory), or 'local'",
+        None,
+        "L4: redis://host:port/db (capacity: Redis' maxmemory), or 'local'",
         pattern=(r"local|redis://.*", "'local' or start with redis://"),
-    )  # fmt: skip
+    )
     redis_timeout_s: float = knob(0.25, "L4 request timeout", gt=0)
     redis_ttl_s: float | None = knob(None, "L4 entry lifetime (default: none)", gt=0)
     async_puts: bool = knob(True, "write to the tiers from a background thread")

@@ -145,8 +145,12 @@ class FileTier(KVTier):
     def stats(self) -> dict[str, int | float | str]:
         with self._lock:
             used, num_entries = self._used_bytes, len(self._index)
-        return {**super().stats(), "used_bytes": used, "num_entries": num_entries,
-                "directory": str(self.directory)}  # fmt: skip
+        return {
+            **super().stats(),
+            "used_bytes": used,
+            "num_entries": num_entries,
+            "directory": str(self.directory),
+        }
 
     def _record_locked(self, block_hash: int, size: int, mtime_ns: int) -> None:
         old = self._index.pop(block_hash, None)

@@ -146,8 +146,9 @@ class RedisTier(KVTier):
         except (redis.RedisError, OSError) as e:
             with self._lock:
                 if self._next_backoff_s == self.backoff_s:  # log the transition, not retries
-                    log.warning("redis tier %s down (%r); retrying in %.1fs", self.url, e,
-                                self.backoff_s)  # fmt: skip
+                    log.warning(
+                        "redis tier %s down (%r); retrying in %.1fs", self.url, e, self.backoff_s
+                    )
                 self._down_until = time.monotonic() + self._next_backoff_s
                 self._next_backoff_s = min(2 * self._next_backoff_s, self.max_backoff_s)
             self._stats.add(errors=1)

@@ -45,8 +45,9 @@ class TieredStore:
         self._queue: queue.Queue[tuple[int | None, int, bytes] | None] = queue.Queue(queue_size)
         self._writer: threading.Thread | None = None
         if async_puts:
-            self._writer = threading.Thread(target=self._write_loop, name="kvstore-writer",
-                                            daemon=True)  # fmt: skip
+            self._writer = threading.Thread(
+                target=self._write_loop, name="kvstore-writer", daemon=True
+            )
             self._writer.start()
 
     def put(self, block_hash: int, payload: Payload) -> bool:

@@ -140,7 +140,10 @@ def _context_len(hf: dict[str, Any], arch: str) -> int:
         log.warning(
             "%s: sliding_window %d < max_position_embeddings %d: context capped at %d tokens "
             "(pdserve attends in full; within the window that is the same attention)",
-            arch, int(window), context, int(window),
-        )  # fmt: skip
+            arch,
+            int(window),
+            context,
+            int(window),
+        )
         return int(window)
     return context

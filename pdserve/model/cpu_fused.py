@@ -107,14 +107,28 @@ class FusedLayerStack(LayerStack):
         spans = [(0, len(self))] if on_layer_done is None else [(i, 1) for i in range(len(self))]
         for start, count in spans:
             rc = self.lib.pd_decode_layers(
-                x.data_ptr(), scratch.data_ptr(), m,
-                ctypes.addressof(layers_c) + start * ctypes.sizeof(native.PdLayer), count,
-                cos.data_ptr(), sin.data_ptr(),
-                meta.slot_block_ids.data_ptr(), meta.slot_offsets.data_ptr(),
-                tables.data_ptr(), lens.data_ptr(), None if scores is None else scores.data_ptr(),
-                tables.shape[1], hidden, h, kvh, d, inter, caches[0].block_size,
-                first.input_layernorm.eps, quant_linear.int8_rows(m),
-            )  # fmt: skip
+                x.data_ptr(),
+                scratch.data_ptr(),
+                m,
+                ctypes.addressof(layers_c) + start * ctypes.sizeof(native.PdLayer),
+                count,
+                cos.data_ptr(),
+                sin.data_ptr(),
+                meta.slot_block_ids.data_ptr(),
+                meta.slot_offsets.data_ptr(),
+                tables.data_ptr(),
+                lens.data_ptr(),
+                None if scores is None else scores.data_ptr(),
+                tables.shape[1],
+                hidden,
+                h,
+                kvh,
+                d,
+                inter,
+                caches[0].block_size,
+                first.input_layernorm.eps,
+                quant_linear.int8_rows(m),
+            )
             if rc != 0:
                 raise MemoryError("a decode-layer kernel could not allocate its scratch buffer")
             if on_layer_done is not None:
@@ -157,8 +171,12 @@ def _norms(layer: nn.Module) -> tuple[nn.Module | None, ...]:
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
     """QKV, output, gate/up, down: the order of pd_layer.w."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)  # fmt: skip
+    return (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    )
 
 
 _local = threading.local()

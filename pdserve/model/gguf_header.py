@@ -24,8 +24,19 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 # Value types: struct format of the fixed-size ones; 8 is a string, 9 an array.
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 STRING, ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32  # of the tensor data, unless `general.alignment` says otherwise
 

@@ -60,12 +60,18 @@ def to_model_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
             raise ValueError(f"checkpoint lacks the tensor {name!r}") from None
 
     qkv = [f"self_attn.{x}_proj.weight" for x in "qkv"]
-    fused = {"self_attn.qkv_proj.weight": qkv,
-             "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"]}  # fmt: skip
+    fused = {
+        "self_attn.qkv_proj.weight": qkv,
+        "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    }
     if cfg.attention_bias:
         fused["self_attn.qkv_proj.bias"] = [name.replace("weight", "bias") for name in qkv]
-    kept = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
-            "post_attention_layernorm.weight")  # fmt: skip
+    kept = (
+        "self_attn.o_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    )
     if cfg.qk_norm:
         kept += ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
     for i in range(cfg.num_layers):

@@ -53,8 +53,15 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # The `*vnni` builds take the int8 GGUF kernels' integer sums in VNNI's vpdpbusd / vpdpwssd
 # (csrc/quant_dot.c; bit-identical to maddubs + madd): AVX512_VNNI on Cascade Lake, Ice Lake
 # and Zen 4/5 (every AMX CPU has it), AVX-VNNI on AVX2 CPUs from Alder Lake and Zen 5.
-_AVX512 = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mfma", "-mf16c",
-           "-mprefer-vector-width=512"]  # fmt: skip
+_AVX512 = [
+    "-mavx512f",
+    "-mavx512vl",
+    "-mavx512bw",
+    "-mavx512dq",
+    "-mfma",
+    "-mf16c",
+    "-mprefer-vector-width=512",
+]
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
     "amx": [*_AVX512, "-mamx-tile", "-mamx-bf16", "-mavx512bf16", "-mavx512vnni"],
@@ -231,8 +238,12 @@ class PdLayer(ctypes.Structure):
 class PdQuantPart(ctypes.Structure):
     """The C side's `pd_qpart`: one GGUF weight of a fused linear (quant_linear.py)."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
-                ("rowmap", ctypes.c_void_p)]  # fmt: skip
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("type", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("rowmap", ctypes.c_void_p),
+    ]
 
 
 # The codecs of a `PdWeight` that is no panel but a `PdQuantLinear` (GGUF weights read in place):
@@ -297,9 +308,15 @@ def linear_panels(
     y = torch.empty(m, weight.out_features, dtype=x.dtype)
     b = bias.data_ptr() if bias is not None else None
     rc = lib.pd_linear_panels(
-        x.data_ptr(), weight.data.data_ptr(), weight.codec, b, y.data_ptr(), m,
-        weight.out_features, k,
-    )  # fmt: skip
+        x.data_ptr(),
+        weight.data.data_ptr(),
+        weight.codec,
+        b,
+        y.data_ptr(),
+        m,
+        weight.out_features,
+        k,
+    )
     if rc != 0:
         raise MemoryError("the panel GEMM could not allocate its expansion buffer")
     return y

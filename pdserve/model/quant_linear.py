@@ -75,8 +75,10 @@ class QuantTensor:
     def __post_init__(self) -> None:
         values, nbytes = BLOCKS[self.qtype]
         if self.cols % values or self.data.shape != (self.rows, self.cols // values * nbytes):
-            raise ValueError(f"tensor {self.name}: {self.data.shape} bytes do not hold a "
-                             f"[{self.rows}, {self.cols}] weight of type {self.qtype}")  # fmt: skip
+            raise ValueError(
+                f"tensor {self.name}: {self.data.shape} bytes do not hold a "
+                f"[{self.rows}, {self.cols}] weight of type {self.qtype}"
+            )
         if not self.data.flags.c_contiguous:
             raise ValueError(f"tensor {self.name}: rows are not contiguous")
 
@@ -92,8 +94,7 @@ class QuantTensor:
         """Rows [first, first + count) in the kernels' order, as fp32 [count, cols]."""
         out = torch.empty(count, self.cols)
         rows = None if self.rowmap is None else self.rowmap[first : first + count].data_ptr()
-        rc = lib.pd_quant_rows(self.ptr, self.qtype, self.cols, rows, first, count,
-                               out.data_ptr())  # fmt: skip
+        rc = lib.pd_quant_rows(self.ptr, self.qtype, self.cols, rows, first, count, out.data_ptr())
         if rc != 0:
             raise ValueError(f"tensor {self.name}: type {self.qtype} not readable")
         return out
@@ -112,10 +113,14 @@ class QuantLinear(nn.Module):
         self.lib, self.parts, self.bias = lib, parts, bias
         self.in_features = parts[0].cols
         self.out_features = sum(p.rows for p in parts)
-        self._parts_c = (native.PdQuantPart * len(parts))(*(
-            native.PdQuantPart(p.ptr, p.qtype, p.rows, None if p.rowmap is None
-                               else p.rowmap.data_ptr()) for p in parts
-        ))  # fmt: skip
+        self._parts_c = (native.PdQuantPart * len(parts))(
+            *(
+                native.PdQuantPart(
+                    p.ptr, p.qtype, p.rows, None if p.rowmap is None else p.rowmap.data_ptr()
+                )
+                for p in parts
+            )
+        )
         self._linear_c = native.PdQuantLinear(self._parts_c, len(parts), self.gemv_m_max)
 
     @property
@@ -186,9 +191,15 @@ class QuantLinear(nn.Module):
         n, out = len(self.parts), self.out_features
         if m <= self.gemv_m_max or (m <= INT8_MANY_M_MAX and self.int8_many_rows):
             rc = self.lib.pd_quant_linear(
-                x.data_ptr(), m, self.in_features, self._parts_c, n, y.data_ptr(), out,
+                x.data_ptr(),
+                m,
+                self.in_features,
+                self._parts_c,
+                n,
+                y.data_ptr(),
+                out,
                 int8_rows(m),
-            )  # fmt: skip
+            )
             if rc != 0:
                 raise MemoryError("the quantized GEMV could not allocate its row buffer")
         elif self.amx_tiles:
@@ -217,8 +228,15 @@ class QuantEmbedding(nn.Module):
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         out = torch.empty(flat.numel(), self.embedding_dim)
-        rc = self.lib.pd_quant_rows(self.table.ptr, self.table.qtype, self.embedding_dim,
-                                    flat.data_ptr(), 0, flat.numel(), out.data_ptr())  # fmt: skip
+        rc = self.lib.pd_quant_rows(
+            self.table.ptr,
+            self.table.qtype,
+            self.embedding_dim,
+            flat.data_ptr(),
+            0,
+            flat.numel(),
+            out.data_ptr(),
+        )
         if rc != 0:
             raise ValueError(f"tensor {self.table.name}: type {self.table.qtype} not readable")
         return out.view(*ids.shape, self.embedding_dim)

@@ -36,9 +36,13 @@ log = logging.getLogger(__name__)
 
 # safetensors dtype -> torch's, for the tensors copied to fp32.
 TORCH_DTYPES = {
-    "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 F32 = KERNEL_TYPES["F32"][0]
 
 
@@ -60,8 +64,10 @@ class _Weights:
         """A matrix as a view of its mapped bytes, or (WIDENED_TYPES) an fp32 copy, counted."""
         entry = self.take(name)
         if len(entry.shape) != 2 or entry.dtype not in TORCH_DTYPES:
-            raise ValueError(f"{self.model_dir}: tensor {name} is a {entry.dtype} "
-                             f"{list(entry.shape)}, not a BF16, F16 or F32 matrix")  # fmt: skip
+            raise ValueError(
+                f"{self.model_dir}: tensor {name} is a {entry.dtype} "
+                f"{list(entry.shape)}, not a BF16, F16 or F32 matrix"
+            )
         rows, cols = entry.shape
         if entry.dtype in WIDENED_TYPES:
             self.widened[name] = f"dtype_{entry.dtype}"
@@ -75,8 +81,10 @@ class _Weights:
         """A norm's or bias's values, copied to fp32."""
         entry = self.take(name)
         if len(entry.shape) != 1 or entry.dtype not in TORCH_DTYPES:
-            raise ValueError(f"{self.model_dir}: tensor {name} is a {entry.dtype} "
-                             f"{list(entry.shape)}, not a BF16, F16 or F32 vector")  # fmt: skip
+            raise ValueError(
+                f"{self.model_dir}: tensor {name} is a {entry.dtype} "
+                f"{list(entry.shape)}, not a BF16, F16 or F32 vector"
+            )
         return _widened(entry)
 
     def fused(self, prefix: str, fused: str, parts: list[str]) -> list[QuantTensor]:
@@ -90,9 +98,11 @@ class _Weights:
         if self.widened:
             log.warning(
                 "%s: %d matrices widened to fp32, each worker's own copy (the in-place kernels "
-                "read BF16, F16 and F32): %s", self.model_dir, len(self.widened),
+                "read BF16, F16 and F32): %s",
+                self.model_dir,
+                len(self.widened),
                 ", ".join(f"{name} ({why})" for name, why in self.widened.items()),
-            )  # fmt: skip
+            )
 
     def check_all_taken(self) -> None:
         leftover = [k for k in self.entries if not k.endswith("rotary_emb.inv_freq")]

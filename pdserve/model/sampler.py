@@ -75,11 +75,17 @@ def sample(
         row = rows[i]
         if 0 < row.top_k < logits.shape[-1] or row.top_p < 1.0:
             scaled[j] = filter_logits(scaled[j], row.top_k, row.top_p)
-    uniforms = torch.cat([
-        torch.rand(1, dtype=torch.float64, generator=_generator(rows[i], fallback, logits.device),
-                   device=logits.device)
-        for i in drawn
-    ])  # fmt: skip
+    uniforms = torch.cat(
+        [
+            torch.rand(
+                1,
+                dtype=torch.float64,
+                generator=_generator(rows[i], fallback, logits.device),
+                device=logits.device,
+            )
+            for i in drawn
+        ]
+    )
     # Unnormalized probabilities, in place (inverse_cdf takes any positive total).
     probs = scaled.sub_(scaled.amax(-1, keepdim=True)).exp_()
     tokens[drawn] = inverse_cdf(probs, uniforms)

@@ -103,10 +103,14 @@ class Tokenizer:
 
         if self._special_re is not None:
             messages = [
-                {k: v if k == "role" or not isinstance(v, str) else self._special_re.sub(shield, v)
-                 for k, v in message.items()}
+                {
+                    k: v
+                    if k == "role" or not isinstance(v, str)
+                    else self._special_re.sub(shield, v)
+                    for k, v in message.items()
+                }
                 for message in messages
-            ]  # fmt: skip
+            ]
         try:
             text = self._tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=True

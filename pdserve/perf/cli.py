@@ -16,15 +16,19 @@ def add_profile_parser(subparsers: argparse._SubParsersAction) -> None:
     add_flags(parser, ProfileConfig)
     parser.add_argument("--output", required=True, help="profile JSON to write")
     parser.add_argument(
-        "--rescale", metavar="PROFILE", help="instead of the grid (half an hour on a slow "
+        "--rescale",
+        metavar="PROFILE",
+        help="instead of the grid (half an hour on a slow "
         "CPU), re-time a short probe per thread count of PROFILE, measured on this machine, "
         "and write it at this machine's speed now (its model, threads and KV size kept)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--update", metavar="PROFILE", help="measure --threads and the served figures again "
+        "--update",
+        metavar="PROFILE",
+        help="measure --threads and the served figures again "
         "and keep PROFILE's other thread counts (its model and KV size too): a thread count "
         "measured while something else ran, without the whole grid again",
-    )  # fmt: skip
+    )
     parser.set_defaults(func=cmd_profile)
 
 
@@ -51,6 +55,5 @@ def _rescale(path: str, output: str) -> int:
     ratios = probe_ratios(profile, log=lambda line: print(line, file=sys.stderr))
     rescaled(profile, ratios).save(output)
     speeds = ", ".join(f"threads {k}: x{v:.3f}" for k, v in ratios.items())
-    print(f"wrote {output}: {path} rescaled by a speed probe "
-          f"({speeds})")  # fmt: skip
+    print(f"wrote {output}: {path} rescaled by a speed probe ({speeds})")
     return 0

@@ -17,21 +17,27 @@ from pdserve.costmodel.step_cost import TransferModel
 
 def cpu_name() -> str:
     with open("/proc/cpuinfo") as cpuinfo:
-        return next((line.split(":", 1)[1].strip() for line in cpuinfo
-                     if line.startswith("model name")), platform.processor())  # fmt: skip
+        return next(
+            (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+            platform.processor(),
+        )
 
 
 def check_same_machine(profile: HardwareProfile) -> None:
     """ValueError unless `profile` was measured on this CPU with this many cores."""
     if profile.kind != "measured" or profile.size_unit != "threads":
-        raise ValueError(f"a {profile.kind} profile of {profile.device} is not this machine's: "
-                         "only a measured CPU profile rescales or updates")  # fmt: skip
+        raise ValueError(
+            f"a {profile.kind} profile of {profile.device} is not this machine's: "
+            "only a measured CPU profile rescales or updates"
+        )
     here = (cpu_name(), len(os.sched_getaffinity(0)))
     there = (profile.machine.get("cpu"), profile.machine.get("cores"))
     if here != there:
-        raise ValueError(f"the profile was measured on {there[0]!r} with {there[1]} cores, "
-                         f"this is {here[0]!r} with {here[1]}: profile this machine "
-                         "(pdserve profile)")  # fmt: skip
+        raise ValueError(
+            f"the profile was measured on {there[0]!r} with {there[1]} cores, "
+            f"this is {here[0]!r} with {here[1]}: profile this machine "
+            "(pdserve profile)"
+        )
 
 
 def tcp_bandwidth(num_bytes: int = 64 * 2**20) -> TransferModel:

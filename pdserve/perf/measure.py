@@ -43,8 +43,23 @@ if TYPE_CHECKING:
 # lengths between 32 and 512 that are not powers of two are where chat prompts lie: without
 # them the fit follows the many 512- and 2048-token steps the batches make, whose GEMMs run
 # more efficiently per token, and prices a 200-token prefill low.
-GRID = [(32, 1), (80, 1), (128, 1), (192, 1), (320, 1), (512, 1), (1024, 1), (2048, 1),
-        (64, 4), (256, 4), (64, 16), (512, 8), (128, 32), (256, 32), (1024, 16)]  # fmt: skip
+GRID = [
+    (32, 1),
+    (80, 1),
+    (128, 1),
+    (192, 1),
+    (320, 1),
+    (512, 1),
+    (1024, 1),
+    (2048, 1),
+    (64, 4),
+    (256, 4),
+    (64, 16),
+    (512, 8),
+    (128, 32),
+    (256, 32),
+    (1024, 16),
+]
 KNEES = (16, 32, 64, 128, 256)
 # The wake curve (`StepCostModel.wake`): a WAKE_PROMPT-token prefill timed after each pause
 # with nothing to run, against one right after the last request (paired, WAKE_REPEATS each).
@@ -80,32 +95,39 @@ class ProfileConfig:
     model: str = same_as(EngineConfig, "model")
     threads: tuple[int, ...] = knob(
         tuple(sorted({1, len(os.sched_getaffinity(0))})),
-        "comma-separated thread counts to profile (one cost model each)", parse=thread_counts,
-    )  # fmt: skip
+        "comma-separated thread counts to profile (one cost model each)",
+        parse=thread_counts,
+    )
     # None: the engine's default share of free memory
     kv_cache_bytes: int | None = same_as(CacheConfig, "kv_cache_bytes")
     decode_steps: int = knob(12, "tokens each grid request generates", ge=2)
     repeats: int = knob(2, "measured passes over the grid, after one warm-up pass", ge=1)
     served_requests: int = knob(
-        20, "requests sent one at a time through a served collocated deployment to time the "
+        20,
+        "requests sent one at a time through a served collocated deployment to time the "
         "serving stack (HTTP, router, worker hops); 0: none, the profile's figures are 0 "
-        "and no served steps are measured", ge=0,
-    )  # fmt: skip
+        "and no served steps are measured",
+        ge=0,
+    )
     grid: tuple[tuple[int, int], ...] = knob(tuple(GRID), cli=False)
     long_prompt_lens: tuple[int, ...] = knob(
-        (), "comma-separated prompt lengths past the grid's 2,048, one request each, timed with "
+        (),
+        "comma-separated prompt lengths past the grid's 2,048, one request each, timed with "
         "the grid: a workload of longer prompts reaches contexts whose attention the fit would "
         "otherwise extrapolate (an 8,192-token prompt's chunks attend 16x the pairs of a "
-        "2,048-token one's)", parse=thread_counts,
-    )  # fmt: skip
+        "2,048-token one's)",
+        parse=thread_counts,
+    )
     wake_pauses: tuple[float, ...] = knob(WAKE_PAUSES, cli=False)
 
     max_entry_tokens: int | None = knob(
-        None, "leave out grid entries of more prompt tokens than this (prompt length x "
+        None,
+        "leave out grid entries of more prompt tokens than this (prompt length x "
         "requests; the speed probe's are kept): (1024, 16) and (256, 32) hold 62%% of a pass's "
         "prompt tokens, for decode batches of 16-32 a workload of a few requests at a time "
-        "never runs; 4096 keeps (512, 8)'s 2,048-token steps and (128, 32)'s batch of 32", gt=0,
-    )  # fmt: skip
+        "never runs; 4096 keeps (512, 8)'s 2,048-token steps and (128, 32)'s batch of 32",
+        gt=0,
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -258,10 +280,18 @@ def model_shape(name: str) -> ModelShape:
 
     cfg = ModelConfig.from_dir(resolve_model(name, gguf_fp32_max_bytes=None))
     return ModelShape(
-        name, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-        cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, weight_bytes_per_param=4.0,
-        kv_bytes_per_element=4.0, tie_word_embeddings=cfg.tie_word_embeddings,
-    )  # fmt: skip
+        name,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+        weight_bytes_per_param=4.0,
+        kv_bytes_per_element=4.0,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
 
 
 def default_kv_cache_bytes() -> int:
@@ -310,33 +340,43 @@ def build_profile(
         models[threads] = fit_cost_model(samples, KNEES)
         models[threads].wake = timings.wake
         prefill, decode = phase_ratios(models[threads], timings.probe)
-        probes[str(threads)] = {"prefill": round(prefill, 4), "decode": round(decode, 4),
-                                "decode_steps": cfg.decode_steps,
-                                "shapes": [list(entry) for entry in PROBE_GRID]}  # fmt: skip
+        probes[str(threads)] = {
+            "prefill": round(prefill, 4),
+            "decode": round(decode, 4),
+            "decode_steps": cfg.decode_steps,
+            "shapes": [list(entry) for entry in PROBE_GRID],
+        }
         errors = [abs(models[threads].predict(s) / t - 1) for s, t in samples]
         wake = ", ".join(f"{p:g} s: {x * 1e3:.1f} ms" for p, x in timings.wake)
-        log(f"threads {threads}: {len(samples)} steps, fit error median "
+        log(
+            f"threads {threads}: {len(samples)} steps, fit error median "
             f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
             f"idle costs more by {wake}; the speed probe's shapes in the grid: prefill steps "
             f"x{prefill:.3f} and decode steps x{decode:.3f} the fit's; measured over fitted "
-            f"per entry (prompt x requests): {entry_ratios(models[threads], timings)}")  # fmt: skip
+            f"per entry (prompt x requests): {entry_ratios(models[threads], timings)}"
+        )
     # A decode step of one request at context n, on one thread (the decode worker's start).
     one_thread = models.get(1)
     decode = one_thread and (lambda n: one_thread.predict(StepShape(0, 1, 0.0, n)))
     served = served_overhead(cfg.model, cfg.kv_cache_bytes, cfg.served_requests, decode)
-    log(f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
+    log(
+        f"served: {served.request_s * 1e3:.1f} ms to the worker's step, "
         f"{served.token_s * 1e3:.1f} ms from its end per token, "
         f"{served.token_cpu_s * 1e3:.2f} ms of CPU per streamed token; a prefill worker's "
         f"first token {served.remote_token_s * 1e3:.1f} ms, the decode worker's start "
-        f"{served.start_decode_s * 1e3:.1f} ms after it")  # fmt: skip
+        f"{served.start_decode_s * 1e3:.1f} ms after it"
+    )
     served_steps = dict(base.served_steps if base else {})
     if cfg.served_requests:
         measured = {threads: models[threads] for threads in cfg.threads}
-        served_steps |= measure_served_steps(cfg.model, cfg.kv_cache_bytes, measured,
-                                             served.token_cpu_s, log)  # fmt: skip
+        served_steps |= measure_served_steps(
+            cfg.model, cfg.kv_cache_bytes, measured, served.token_cpu_s, log
+        )
     cpu = cpu_name()
-    kept = base and {"threads": sorted(set(models) - set(cfg.threads)),
-                     "measured_at": base.machine.get("measured_at")}  # fmt: skip
+    kept = base and {
+        "threads": sorted(set(models) - set(cfg.threads)),
+        "measured_at": base.machine.get("measured_at"),
+    }
     return HardwareProfile(
         kind="measured",
         device=f"cpu: {cpu}",
@@ -359,5 +399,5 @@ def build_profile(
             "probe": probes,
             # --update: the thread counts kept from the base profile, and when it was measured
             **({"kept": kept} if kept else {}),
-        },  # fmt: skip
+        },
     )

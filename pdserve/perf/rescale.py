@@ -74,15 +74,18 @@ def probe_ratios(
     for threads in sorted(profile.models):
         baseline = baselines.get(str(threads))
         steps = decode_steps or (baseline or {}).get("decode_steps") or ProfileConfig.decode_steps
-        cfg = ProfileConfig(model=profile.model.name, threads=(threads,), decode_steps=steps,
-                            kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None)  # fmt: skip
+        cfg = ProfileConfig(
+            model=profile.model.name,
+            threads=(threads,),
+            decode_steps=steps,
+            kv_cache_bytes=int(profile.kv_cache_bytes or 0) or None,
+        )
         samples = time_probe(cfg, threads, probe_grid(baseline))
         model = profile.cost_model(threads)
         prefill, decode = relative_phases(model, samples, baseline)
         ratios[threads] = (prefill * decode) ** 0.5
         than = "the profile's own probe" if baseline else "its model's predictions (no probe)"
-        log(f"threads {threads}: prefill steps x{prefill:.3f}, decode steps x{decode:.3f} "
-            f"{than}")  # fmt: skip
+        log(f"threads {threads}: prefill steps x{prefill:.3f}, decode steps x{decode:.3f} {than}")
     return ratios
 
 
@@ -93,8 +96,10 @@ def rescaled(profile: HardwareProfile, ratios: dict[int, float]) -> HardwareProf
     served_ratio = ratios[min(ratios)]
     served = asdict(profile.served)
     served.update({k: served[k] * served_ratio for k in SERVED_SECONDS})
-    record = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "ratios": {str(k): round(v, 4) for k, v in ratios.items()}}  # fmt: skip
+    record = {
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "ratios": {str(k): round(v, 4) for k, v in ratios.items()},
+    }
     return replace(
         profile,
         models={size: model.scaled(ratios[size]) for size, model in profile.models.items()},

@@ -72,8 +72,9 @@ def served_overhead(
         # D's first step, then its token's hop back
         decode = one_thread_decode and (lambda n: one_thread_decode(n) + token_s)
         remote = remote_prefill(model, kv_cache_bytes, num_requests // 2, source, rng, decode)
-    return ServedOverhead(max(0.0, statistics.median(requests)), token_s,
-                          token_cpu_s=token_cpu_s, **remote)  # fmt: skip
+    return ServedOverhead(
+        max(0.0, statistics.median(requests)), token_s, token_cpu_s=token_cpu_s, **remote
+    )
 
 
 def remote_prefill(
@@ -106,8 +107,10 @@ def remote_prefill(
                         # prefill_end -> kv_landed -> D's token, less prefill_end -> P's
                         handoff_s = parts["transfer"] + parts["handover"] - parts["first_token"]
                         starts.append(handoff_s - decode_token_s(n + 1))
-    return {"remote_token_s": statistics.median(hops),
-            "start_decode_s": max(0.0, statistics.median(starts)) if starts else 0.0}  # fmt: skip
+    return {
+        "remote_token_s": statistics.median(hops),
+        "start_decode_s": max(0.0, statistics.median(starts)) if starts else 0.0,
+    }
 
 
 def bench_token_cpu_s(url: str, model: str, router_pid: int) -> float:
@@ -118,9 +121,17 @@ def bench_token_cpu_s(url: str, model: str, router_pid: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         router_s = cpu_s(router_pid)
-        run_bench(url, model, TOKEN_CPU_REQUESTS, str(TOKEN_CPU_PROMPT),
-                  str(TOKEN_CPU_TOKENS), "--max-concurrency", "1",
-                  "--output", str(out))  # fmt: skip
+        run_bench(
+            url,
+            model,
+            TOKEN_CPU_REQUESTS,
+            str(TOKEN_CPU_PROMPT),
+            str(TOKEN_CPU_TOKENS),
+            "--max-concurrency",
+            "1",
+            "--output",
+            str(out),
+        )
         router_s = cpu_s(router_pid) - router_s
         document = json.loads(out.read_text())
     num_tokens = sum(r["output_len"] for r in document["records"])
@@ -133,9 +144,25 @@ def run_bench(
 ) -> None:
     """`pdserve bench` in its own process (the client `pdserve simulate` predicts), its
     output discarded; `flags`: its arrival and the rest."""
-    argv = [sys.executable, "-m", "pdserve.bench", "--url", url, "--model", model,
-            "--tokenizer", model, "--num-requests", str(num_requests), "--input-len", input_len,
-            "--output-len", output_len, "--no-progress", *flags]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.bench",
+        "--url",
+        url,
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--num-requests",
+        str(num_requests),
+        "--input-len",
+        input_len,
+        "--output-len",
+        output_len,
+        "--no-progress",
+        *flags,
+    ]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
 
 
@@ -153,12 +180,19 @@ def first_token(
     url: str, model: str, prompt: list[int], max_tokens: int = 1
 ) -> tuple[float, dict[str, float]]:
     """(the client's TTFT, the router's TTFT parts) of one streamed greedy completion."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     request = urllib.request.Request(
-        url + "/v1/completions", json.dumps(body).encode(),
+        url + "/v1/completions",
+        json.dumps(body).encode(),
         {"Content-Type": "application/json", "X-PDServe-Timing": "1"},
-    )  # fmt: skip
+    )
     start = time.perf_counter()
     ttft_s, parts = None, None
     try:

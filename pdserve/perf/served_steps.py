@@ -63,23 +63,44 @@ def measure_served_steps(
         role = WorkerGroup(
             num=len(groups), cpus=groups, threads=size, kv_cache_bytes=kv_cache_bytes
         )
-        pipeline = Pipeline(model=model, collocated=role, routing="shortest_queue",
-                            port=free_port())  # fmt: skip
+        pipeline = Pipeline(
+            model=model, collocated=role, routing="shortest_queue", port=free_port()
+        )
         rate = SERVED_LOAD * len(groups) / request_s(models[size])
         with tempfile.TemporaryDirectory() as tmp, envs.step_trace(Path(tmp)):
             with Cluster(pipeline, log_level="WARNING") as url:
                 # as the accuracy runs send: one at a time to warm up, then Poisson at `rate`
-                run_bench(url, model, WARMUP_REQUESTS, LOAD_INPUT, LOAD_OUTPUT,
-                          "--max-concurrency", "1", "--seed", str(WARMUP_REQUESTS))  # fmt: skip
+                run_bench(
+                    url,
+                    model,
+                    WARMUP_REQUESTS,
+                    LOAD_INPUT,
+                    LOAD_OUTPUT,
+                    "--max-concurrency",
+                    "1",
+                    "--seed",
+                    str(WARMUP_REQUESTS),
+                )
                 start = time.time()
-                run_bench(url, model, SERVED_LOAD_REQUESTS, LOAD_INPUT, LOAD_OUTPUT,
-                          "--rate", f"{rate:.6f}", "--seed", str(SERVED_LOAD_REQUESTS))  # fmt: skip
+                run_bench(
+                    url,
+                    model,
+                    SERVED_LOAD_REQUESTS,
+                    LOAD_INPUT,
+                    LOAD_OUTPUT,
+                    "--rate",
+                    f"{rate:.6f}",
+                    "--seed",
+                    str(SERVED_LOAD_REQUESTS),
+                )
             traces = [read_trace(p) for p in sorted(Path(tmp).glob("*.steps.jsonl"))]
         lines[size] = fit_served_steps(models[size], traces, len(cores), token_cpu_s, start)
         s = lines[size]
-        log(f"served steps, {len(groups)} x {size} threads at {rate:.3f} req/s: prefill "
+        log(
+            f"served steps, {len(groups)} x {size} threads at {rate:.3f} req/s: prefill "
             f"{s.prefill_s * 1e3:.1f} ms + x{s.prefill_factor:.3f}, decode "
-            f"{s.decode_s * 1e3:.1f} ms + x{s.decode_factor:.3f} the model's")  # fmt: skip
+            f"{s.decode_s * 1e3:.1f} ms + x{s.decode_factor:.3f} the model's"
+        )
     return lines
 
 
@@ -110,8 +131,11 @@ def fit_served_steps(
             idle_s, last_end = start - last_end, start + seconds
             if start < since:
                 continue
-            others = (n for i, (starts, ends, n) in enumerate(busy)
-                      if i != index and _busy_at(starts, ends, start))  # fmt: skip
+            others = (
+                n
+                for i, (starts, ends, n) in enumerate(busy)
+                if i != index and _busy_at(starts, ends, start)
+            )
             taken = threads + sum(others)
             sampled = shape.decode_requests + shape.num_prefill_sequences
             extra = model.wake_s(idle_s) + (token_cpu_s * sampled if taken >= cores else 0.0)

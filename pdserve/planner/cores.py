@@ -321,15 +321,18 @@ class CoreGroups:
         return {
             "pool": list(self.pool),
             "workers": {
-                w: {"cpus": list(c.cpus) if c else None, "threads": c.threads if c else None,
+                w: {
+                    "cpus": list(c.cpus) if c else None,
+                    "threads": c.threads if c else None,
                     "pending": list(self.pending[w][0].cpus) if w in self.pending else None,
-                    "target_threads": self.counts.get(w)}
+                    "target_threads": self.counts.get(w),
+                }
                 for w, c in sorted(self.current.items())
             },
             "num_switches": self.num_switches,
             "hold_s": self.hold_s(),
             "mean_remote_gap_s": self.mean_gap_s,
-        }  # fmt: skip
+        }
 
 
 def pools_of(endpoints: Any) -> dict[tuple[str, tuple[int, ...]], list[str]]:

@@ -175,20 +175,29 @@ class OnlineCostModel:
         """The fit state for /v1/status: per (role, threads) the samples and coefficients."""
         return {
             "models": [
-                {"role": role, "threads": threads, "num_samples": f.model.num_samples,
-                 "seeded": f.seeded, "usable": self._usable((role, threads)),
-                 "coefficients": dict(zip(FEATURES, f.model.coefficients, strict=True))}
+                {
+                    "role": role,
+                    "threads": threads,
+                    "num_samples": f.model.num_samples,
+                    "seeded": f.seeded,
+                    "usable": self._usable((role, threads)),
+                    "coefficients": dict(zip(FEATURES, f.model.coefficients, strict=True)),
+                }
                 for (role, threads), f in sorted(self._fits.items())
             ],
-            "transfer": None if self.transfer is None else {
+            "transfer": None
+            if self.transfer is None
+            else {
                 "bandwidth_bytes_per_s": self.transfer.bandwidth_bytes_per_s,
                 "latency_s": self.transfer.latency_s,
-                "num_samples": len(self._transfer_samples)},
+                "num_samples": len(self._transfer_samples),
+            },
             "link": {  # None: no profile, and the sends measured so far are too few
                 "bandwidth_bytes_per_s": self.link and self.link.bandwidth_bytes_per_s,
                 "latency_s": self.link and self.link.latency_s,
-                "num_samples": len(self._link_samples)},
-        }  # fmt: skip
+                "num_samples": len(self._link_samples),
+            },
+        }
 
 
 def _kind(role: str) -> str:

@@ -268,8 +268,9 @@ def prefill_s(
         return 0.0, 0.0
 
     def step(n: int, done: float) -> float | None:
-        return model.step_s(role, threads, StepShape(n, num_decodes, n * (done + (n + 1) / 2),
-                                                     context_tokens))  # fmt: skip
+        return model.step_s(
+            role, threads, StepShape(n, num_decodes, n * (done + (n + 1) / 2), context_tokens)
+        )
 
     num_full, rest = divmod(num_tokens, chunk_tokens)
     total = longest = 0.0

@@ -90,9 +90,10 @@ class RoleSplit:
 
     def _idlest(self, views: Sequence[RoleView], now: float) -> str | None:
         eligible = [
-            v for v in views
+            v
+            for v in views
             if now - self.last_switch.get(v.worker_id, float("-inf")) >= self.min_dwell_s
-        ]  # fmt: skip
+        ]
         if not eligible:
             return None
         return min(eligible, key=lambda v: (v.num_active, v.worker_id)).worker_id

@@ -153,9 +153,14 @@ class Planner:
         situation = self._situation(route, decode, prefill)
         max_gap = max_gap_s(self.config, self.model, situation.pool_size)
         decision = decide(
-            situation, self.model, slo_ttft, slo_itl, self.config.fallback_prompt_tokens, max_gap,
+            situation,
+            self.model,
+            slo_ttft,
+            slo_itl,
+            self.config.fallback_prompt_tokens,
+            max_gap,
             stall_budget_on(self.config),
-        )  # fmt: skip
+        )
         decision = dataclasses.replace(
             decision, decode_id=decode.worker_id, prefill_id=prefill.worker_id if prefill else ""
         )
@@ -347,11 +352,17 @@ class Planner:
             occupancy = (
                 1 - s.num_free_blocks / s.num_total_blocks if s and s.num_total_blocks else 0.0
             )
-            views.append(RoleView(
-                w.worker_id, w.role, self.plane.is_healthy(w.worker_id) and not w.switching_to,
-                w.switching_to is not None, occupancy, w.active_requests,
-                self._prefill_capacity(w.worker_id),
-            ))  # fmt: skip
+            views.append(
+                RoleView(
+                    w.worker_id,
+                    w.role,
+                    self.plane.is_healthy(w.worker_id) and not w.switching_to,
+                    w.switching_to is not None,
+                    occupancy,
+                    w.active_requests,
+                    self._prefill_capacity(w.worker_id),
+                )
+            )
         choice = self.roles.choose(now, views, self.roles.demand_tokens_per_s(now))
         if choice is None:
             return

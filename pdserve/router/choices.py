@@ -196,8 +196,14 @@ async def _stream(
     async def write(index: int, delta: Delta) -> None:
         choice_ctx = formatters[index]
         logprobs = choice_ctx.format_logprobs(delta.logprobs or [])
-        body = responses.body(ctx, delta.text, delta.finish_reason, stream=True,
-                              first=index not in started, logprobs=logprobs)  # fmt: skip
+        body = responses.body(
+            ctx,
+            delta.text,
+            delta.finish_reason,
+            stream=True,
+            first=index not in started,
+            logprobs=logprobs,
+        )
         started.add(index)
         body["choices"][0]["index"] = index
         await response.write(responses.sse(body))
@@ -211,8 +217,9 @@ async def _stream(
         await response.write(responses.sse(exc.body()))
         error = exc
     if api.include_usage and error is None:
-        await response.write(responses.sse(responses.body(ctx, None, stream=True,
-                                                          usage=usage(choices))))  # fmt: skip
+        await response.write(
+            responses.sse(responses.body(ctx, None, stream=True, usage=usage(choices)))
+        )
     await response.write(responses.SSE_DONE)
     await response.write_eof()
     return response, error

@@ -136,9 +136,13 @@ def _record(state: RouterState, key: str, drivers: list[RequestDriver], status: 
     export_span(key, timing, status)
     if status == "success":
         state.metrics.record_finished(
-            timing.ttft_s, time.monotonic() - timing.arrival, len(drivers[0].prompt_token_ids),
-            sum(d.num_output_tokens for d in drivers), timing.itl_s, timing.parts(),
-        )  # fmt: skip
+            timing.ttft_s,
+            time.monotonic() - timing.arrival,
+            len(drivers[0].prompt_token_ids),
+            sum(d.num_output_tokens for d in drivers),
+            timing.itl_s,
+            timing.parts(),
+        )
 
 
 async def _whole(
@@ -149,8 +153,14 @@ async def _whole(
         text.append(delta.text)
         finish_reason = delta.finish_reason
         entries += delta.logprobs or []
-    body = responses.body(ctx, "".join(text), finish_reason, stream=False, usage=_usage(driver),
-                          logprobs=ctx.format_logprobs(entries))  # fmt: skip
+    body = responses.body(
+        ctx,
+        "".join(text),
+        finish_reason,
+        stream=False,
+        usage=_usage(driver),
+        logprobs=ctx.format_logprobs(entries),
+    )
     if api.tools is not None and api.tools.parses:
         rewrite_body(body, api.tools, request.app[STATE].metrics.tool_call_parse_failures.inc)
     if _wants_timing(request):

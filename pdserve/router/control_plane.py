@@ -329,8 +329,11 @@ class ControlPlane:
             if message.role != worker.endpoint.role:
                 log.warning(
                     "worker %s announced role %s, configured as %s; using %s",
-                    worker_id, message.role, worker.endpoint.role, message.role,
-                )  # fmt: skip
+                    worker_id,
+                    message.role,
+                    worker.endpoint.role,
+                    message.role,
+                )
             worker.ready, worker.stats = message, None
             worker.cached_hashes.clear()
             worker.epoch += 1
@@ -356,10 +359,20 @@ class ControlPlane:
             s = w.stats or messages.Stats(w.worker_id, w.role, 0, 0, num_blocks, 0, 0)
             num_cached = len(list(itertools.takewhile(w.cached_hashes.__contains__, block_hashes)))
             queued = s.num_queued_prefill_tokens + w.sent_prefill_tokens
-            out.append(WorkerLoad(
-                w.worker_id, w.role, self._routable(w), s.num_waiting, s.num_running,
-                s.num_free_blocks, s.num_total_blocks, queued, w.active_requests, num_cached,
-            ))  # fmt: skip
+            out.append(
+                WorkerLoad(
+                    w.worker_id,
+                    w.role,
+                    self._routable(w),
+                    s.num_waiting,
+                    s.num_running,
+                    s.num_free_blocks,
+                    s.num_total_blocks,
+                    queued,
+                    w.active_requests,
+                    num_cached,
+                )
+            )
         return out
 
     def _routable(self, worker: WorkerState) -> bool:

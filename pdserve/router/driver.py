@@ -105,8 +105,11 @@ class RequestDriver:
                     raise bad_gateway(str(lost)) from None
                 log.warning(
                     "request %s: %s; re-driving it after %d tokens (recovery %d)",
-                    self.key, lost, self.num_output_tokens, self.num_recoveries,
-                )  # fmt: skip
+                    self.key,
+                    lost,
+                    self.num_output_tokens,
+                    self.num_recoveries,
+                )
                 self._transition("recovering")
 
     def close(self, status: str) -> None:
@@ -181,11 +184,14 @@ class RequestDriver:
             worker_id = self._claim(worker_id) if chosen else await self._pick(role, deadline)
             await self.adaptive.cores(deadline, worker_id)
             generate = messages.Generate(
-                self.request_id, self.prompt_token_ids, self.sampling, done,
+                self.request_id,
+                self.prompt_token_ids,
+                self.sampling,
+                done,
                 prefill_chunk_tokens=self.adaptive.prefill_chunk_tokens(worker_id),
                 cache_salt=self.cache_salt,
                 stall_budget_s=self.adaptive.stall_budget_s(worker_id),
-            )  # fmt: skip
+            )
             self.timing.on_dispatch()  # before the send: the worker may start at once
             self._send(worker_id, generate)
             self._charge_prefill(worker_id, len(done))

@@ -38,9 +38,28 @@ from pdserve.router.fallbacks import FallbackMetrics
 disable_created_metrics()
 
 _LATENCY_BUCKETS_S = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -121,12 +140,18 @@ class RouterMetrics:
         """The exposition text; `workers` rows hold worker, healthy and Stats fields."""
         scraped = [
             *worker_families(workers),
-            _family("gauge", "pdserve_pending_requests", "Requests in flight.", [],
-                    [([], num_pending)]),
-            _family("counter", "pdserve_requests_total", "Finished HTTP requests by status.",
-                    ["status"], [([s], n) for s, n in sorted(self.requests.items())]),
+            _family(
+                "gauge", "pdserve_pending_requests", "Requests in flight.", [], [([], num_pending)]
+            ),
+            _family(
+                "counter",
+                "pdserve_requests_total",
+                "Finished HTTP requests by status.",
+                ["status"],
+                [([s], n) for s, n in sorted(self.requests.items())],
+            ),
             self.itl.family(),
-        ]  # fmt: skip
+        ]
         text = generate_latest(SimpleNamespace(collect=lambda: scraped))
         return (text + generate_latest(self.registry)).decode()
 
@@ -137,25 +162,33 @@ class AdaptiveMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         counter = functools.partial(Counter, registry=registry)
         self.decisions = counter(
-            "pdserve_adaptive_decisions", "Where requests prefilled (local: on the decode "
-            "worker; remote: on a prefill worker), by the planner's reason.", ["kind", "reason"],
-        )  # fmt: skip
+            "pdserve_adaptive_decisions",
+            "Where requests prefilled (local: on the decode "
+            "worker; remote: on a prefill worker), by the planner's reason.",
+            ["kind", "reason"],
+        )
         self.core_switches = counter(
             "pdserve_adaptive_core_switches", "Core-group changes a worker applied (CoresSet)."
         )
         self.role_switches = counter(
-            "pdserve_adaptive_role_switches", "Role changes the planner asked, by new role.",
+            "pdserve_adaptive_role_switches",
+            "Role changes the planner asked, by new role.",
             ["role", "reason"],
-        )  # fmt: skip
+        )
         self.core_switch_seconds = Histogram(
-            "pdserve_adaptive_core_switch_seconds", "A core-group change: on the worker "
+            "pdserve_adaptive_core_switch_seconds",
+            "A core-group change: on the worker "
             "(SetCores received to applied) and at the router (SetCores sent to CoresSet).",
-            ["side"], buckets=_LATENCY_BUCKETS_S, registry=registry,
-        )  # fmt: skip
+            ["side"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
         self.cores = Gauge(
-            "pdserve_adaptive_worker_cores", "Cores a worker runs steps on (0: parked).",
-            ["worker"], registry=registry,
-        )  # fmt: skip
+            "pdserve_adaptive_worker_cores",
+            "Cores a worker runs steps on (0: parked).",
+            ["worker"],
+            registry=registry,
+        )
 
     def decision(self, kind: str, reason: str) -> None:
         self.decisions.labels(kind, reason).inc()
@@ -259,35 +292,68 @@ _PER_WORKER = (
     ("gauge", "pdserve_running_requests", "Requests running.", "num_running"),
     ("gauge", "pdserve_kv_blocks_free", "Free KV blocks.", "num_free_blocks"),
     ("gauge", "pdserve_kv_blocks_total", "KV blocks.", "num_total_blocks"),
-    ("gauge", "pdserve_router_active_requests",
-     "Requests the router has on the worker now (its own count, not the worker's).",
-     "active_requests"),
-    ("gauge", "pdserve_unacked_releases",
-     "Aborts sent to the worker and not yet acknowledged (Released).", "unacked_releases"),
-    ("counter", "pdserve_kv_transfer_skipped_blocks_total",
-     "Prompt KV blocks a decode worker already held (prefix cache), so not transferred.",
-     "kv_blocks_skipped"),
-    ("gauge", "pdserve_kv_blocks_pinned", "KV blocks pinned by cache warm-up.",
-     "num_pinned_blocks"),
+    (
+        "gauge",
+        "pdserve_router_active_requests",
+        "Requests the router has on the worker now (its own count, not the worker's).",
+        "active_requests",
+    ),
+    (
+        "gauge",
+        "pdserve_unacked_releases",
+        "Aborts sent to the worker and not yet acknowledged (Released).",
+        "unacked_releases",
+    ),
+    (
+        "counter",
+        "pdserve_kv_transfer_skipped_blocks_total",
+        "Prompt KV blocks a decode worker already held (prefix cache), so not transferred.",
+        "kv_blocks_skipped",
+    ),
+    (
+        "gauge",
+        "pdserve_kv_blocks_pinned",
+        "KV blocks pinned by cache warm-up.",
+        "num_pinned_blocks",
+    ),
     ("gauge", "pdserve_worker_rss_bytes", "Resident memory of the worker process.", "rss_bytes"),
-    ("gauge", "pdserve_worker_pss_bytes",
-     "The worker's proportional set size: shared pages divided among their processes.",
-     "pss_bytes"),
-    ("gauge", "pdserve_worker_weight_bytes",
-     "Bytes of the worker's weights, every copy it keeps.", "weight_bytes"),
+    (
+        "gauge",
+        "pdserve_worker_pss_bytes",
+        "The worker's proportional set size: shared pages divided among their processes.",
+        "pss_bytes",
+    ),
+    (
+        "gauge",
+        "pdserve_worker_weight_bytes",
+        "Bytes of the worker's weights, every copy it keeps.",
+        "weight_bytes",
+    ),
     ("gauge", "pdserve_worker_kv_pool_bytes", "Bytes of the worker's KV pool.", "kv_pool_bytes"),
-    ("counter", "pdserve_stall_capped_steps_total",
-     "Steps whose prefill tokens reached the decode worker's stall-budget cap (StallGuard).",
-     "num_stall_capped_steps"),
-)  # fmt: skip
+    (
+        "counter",
+        "pdserve_stall_capped_steps_total",
+        "Steps whose prefill tokens reached the decode worker's stall-budget cap (StallGuard).",
+        "num_stall_capped_steps",
+    ),
+)
 # Counters split by one more label: (name, help, row key pattern, label, its values)
 _PER_WORKER_SPLIT = (
-    ("pdserve_kv_transfer_bytes_total", "KV cache bytes sent/received by the worker.",
-     "kv_bytes_{}", "direction", ("sent", "received")),
-    ("pdserve_worker_prompt_tokens_total",
-     "Prompt tokens a worker prefilled, served from its cache (any tier) or computed.",
-     "num_{}_prompt_tokens", "source", ("cached", "computed")),
-)  # fmt: skip
+    (
+        "pdserve_kv_transfer_bytes_total",
+        "KV cache bytes sent/received by the worker.",
+        "kv_bytes_{}",
+        "direction",
+        ("sent", "received"),
+    ),
+    (
+        "pdserve_worker_prompt_tokens_total",
+        "Prompt tokens a worker prefilled, served from its cache (any tier) or computed.",
+        "num_{}_prompt_tokens",
+        "source",
+        ("cached", "computed"),
+    ),
+)
 
 
 def _family(kind: str, name: str, help_text: str, labels: list[str], samples: Iterable) -> Metric:
@@ -300,17 +366,32 @@ def _family(kind: str, name: str, help_text: str, labels: list[str], samples: It
 
 def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
     info = [
-        ([w["worker"], w.get("role", ""), ",".join(map(str, w.get("cpus", []))),
-          str(w.get("threads", 0))], 1)
+        (
+            [
+                w["worker"],
+                w.get("role", ""),
+                ",".join(map(str, w.get("cpus", []))),
+                str(w.get("threads", 0)),
+            ],
+            1,
+        )
         for w in workers
-    ]  # fmt: skip
+    ]
     families = [
-        _family("gauge", "pdserve_worker_info", "A worker's role, cores and torch threads.",
-                ["worker", "role", "cpus", "threads"], info),
-        *(_family(kind, name, help_text, ["worker"],
-                  [([w["worker"]], w.get(key, 0)) for w in workers])
-          for kind, name, help_text, key in _PER_WORKER),
-    ]  # fmt: skip
+        _family(
+            "gauge",
+            "pdserve_worker_info",
+            "A worker's role, cores and torch threads.",
+            ["worker", "role", "cpus", "threads"],
+            info,
+        ),
+        *(
+            _family(
+                kind, name, help_text, ["worker"], [([w["worker"]], w.get(key, 0)) for w in workers]
+            )
+            for kind, name, help_text, key in _PER_WORKER
+        ),
+    ]
     for name, help_text, key, label, values in _PER_WORKER_SPLIT:
         samples = [([w["worker"], v], w.get(key.format(v), 0)) for w in workers for v in values]
         families.append(_family("counter", name, help_text, ["worker", label], samples))
@@ -334,26 +415,55 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
     moved = [([worker, *path.split("->", 1)], n) for (worker, path), n in per_key("kv_moved_bytes")]
     return [
         *families,
-        _family("counter", "pdserve_kv_cache_lookups_total",
-                "Prompt blocks looked up in the tier (L2 and below: what the tiers above missed).",
-                ["worker", "tier"], per_tier("lookups")),
-        _family("counter", "pdserve_kv_cache_hits_total", "Prompt blocks found in the tier.",
-                ["worker", "tier"], per_tier("hits")),
-        _family("counter", "pdserve_kv_tier_bytes_total",
-                "Bytes read from / written to the tier (L1: copied down from / loaded into the "
-                "pool).", ["worker", "tier", "direction"], tier_bytes),
-        _family("counter", "pdserve_kv_transfer_failures_total",
-                "KV transfers a worker saw fail, by reason (its request was re-driven).",
-                ["worker", "reason"], per_key("kv_transfer_failures")),
-        _family("counter", "pdserve_kv_transfer_fallbacks_total",
-                "KV connections a prefill worker moved to a slower path, by reason (shm_to_tcp: "
-                "the receiver's shared memory could not be mapped).", ["worker", "reason"],
-                per_key("kv_transfer_fallbacks")),
-        _family("counter", "pdserve_weights_widened_total",
-                "Matrices a worker's loader widened to fp32 as a fallback, by reason (dtype_F64: "
-                "a type the in-place kernels cannot read; no_native_kernels).",
-                ["worker", "reason"], per_key("weights_widened")),
-        _family("counter", "pdserve_kv_tier_moved_bytes_total",
-                "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
-                ["worker", "src", "dst"], moved),
-    ]  # fmt: skip
+        _family(
+            "counter",
+            "pdserve_kv_cache_lookups_total",
+            "Prompt blocks looked up in the tier (L2 and below: what the tiers above missed).",
+            ["worker", "tier"],
+            per_tier("lookups"),
+        ),
+        _family(
+            "counter",
+            "pdserve_kv_cache_hits_total",
+            "Prompt blocks found in the tier.",
+            ["worker", "tier"],
+            per_tier("hits"),
+        ),
+        _family(
+            "counter",
+            "pdserve_kv_tier_bytes_total",
+            "Bytes read from / written to the tier (L1: copied down from / loaded into the pool).",
+            ["worker", "tier", "direction"],
+            tier_bytes,
+        ),
+        _family(
+            "counter",
+            "pdserve_kv_transfer_failures_total",
+            "KV transfers a worker saw fail, by reason (its request was re-driven).",
+            ["worker", "reason"],
+            per_key("kv_transfer_failures"),
+        ),
+        _family(
+            "counter",
+            "pdserve_kv_transfer_fallbacks_total",
+            "KV connections a prefill worker moved to a slower path, by reason (shm_to_tcp: "
+            "the receiver's shared memory could not be mapped).",
+            ["worker", "reason"],
+            per_key("kv_transfer_fallbacks"),
+        ),
+        _family(
+            "counter",
+            "pdserve_weights_widened_total",
+            "Matrices a worker's loader widened to fp32 as a fallback, by reason (dtype_F64: "
+            "a type the in-place kernels cannot read; no_native_kernels).",
+            ["worker", "reason"],
+            per_key("weights_widened"),
+        ),
+        _family(
+            "counter",
+            "pdserve_kv_tier_moved_bytes_total",
+            "Bytes the tiers below L1 moved between themselves (write-down, promotion).",
+            ["worker", "src", "dst"],
+            moved,
+        ),
+    ]

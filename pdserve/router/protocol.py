@@ -188,8 +188,20 @@ def _parse_request(
         raise FieldError("n", "n > 1 and best_of are not supported with tools")
     if not chat and body.get("tools"):
         raise ApiError(400, "tools are supported on /v1/chat/completions only", param="tools")
-    return ApiRequest(chat, model, prompt, messages, max_tokens, sampling, stream, include_usage,
-                      tools, n, best_of, echo)  # fmt: skip
+    return ApiRequest(
+        chat,
+        model,
+        prompt,
+        messages,
+        max_tokens,
+        sampling,
+        stream,
+        include_usage,
+        tools,
+        n,
+        best_of,
+        echo,
+    )
 
 
 def check_prompt_chars(
@@ -253,9 +265,14 @@ def sampling_to_wire(params: SamplingParams) -> dict[str, Any]:
 
 def _parse_sampling(body: dict[str, Any], config: RouterConfig) -> dict[str, Any]:
     fields = (
-        ("temperature", float), ("top_p", float), ("top_k", int), ("min_tokens", int),
-        ("presence_penalty", float), ("frequency_penalty", float), ("repetition_penalty", float),
-    )  # fmt: skip
+        ("temperature", float),
+        ("top_p", float),
+        ("top_k", int),
+        ("min_tokens", int),
+        ("presence_penalty", float),
+        ("frequency_penalty", float),
+        ("repetition_penalty", float),
+    )
     kwargs = {n: v for n, kind in fields if (v := typed(body, n, kind, None)) is not None}
     kwargs["seed"] = typed(body, "seed", int, None)
     kwargs["ignore_eos"] = typed(body, "ignore_eos", bool, False) or False
@@ -334,8 +351,10 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise ApiError(400, text, param="messages")
         if isinstance(message, dict) and isinstance(message.get("content"), list):
             parts = message["content"]
-            texts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None
-                     for p in parts]  # fmt: skip
+            texts = [
+                p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None
+                for p in parts
+            ]
             if not all(isinstance(t, str) for t in texts):
                 text = "only parts {type: text, text: string} are supported"
                 raise ApiError(400, f"messages[{index}].content: {text}", param="messages")

@@ -58,26 +58,48 @@ def render(status: dict[str, Any], url: str) -> str:
     missing = ", ".join(health["missing_roles"])
     state = "healthy" if health["ok"] else f"UNAVAILABLE, missing {missing}"
     lines = [f"{url}  {status['model']}  {state}  {status['num_pending']} in flight", ""]
-    header = ("worker", "role", "cores", "thr", "health", "wait", "run", "KV used", "L1 hit",
-              "KV sent", "KV recv")  # fmt: skip
+    header = (
+        "worker",
+        "role",
+        "cores",
+        "thr",
+        "health",
+        "wait",
+        "run",
+        "KV used",
+        "L1 hit",
+        "KV sent",
+        "KV recv",
+    )
     rows = [header]
     for w in status["workers"]:
         total = w["num_total_blocks"]
         used = w["kv_blocks_used"]
         kv = f"{used}/{total} ({100 * used / total:.0f}%)" if total else "-"
         l1 = w["kv_tiers"].get("L1", {})
-        rows.append((
-            w["worker"], w["role"], _cores(w["cpus"]), str(w["threads"] or "-"),
-            "healthy" if w["healthy"] else ("starting" if not w["ready"] else "DOWN"),
-            str(w["num_waiting"]), str(w["num_running"]), kv,
-            _rate(l1.get("hits", 0), l1.get("lookups", 0)),
-            _bytes(w["kv_bytes_sent"]), _bytes(w["kv_bytes_received"]),
-        ))  # fmt: skip
+        rows.append(
+            (
+                w["worker"],
+                w["role"],
+                _cores(w["cpus"]),
+                str(w["threads"] or "-"),
+                "healthy" if w["healthy"] else ("starting" if not w["ready"] else "DOWN"),
+                str(w["num_waiting"]),
+                str(w["num_running"]),
+                kv,
+                _rate(l1.get("hits", 0), l1.get("lookups", 0)),
+                _bytes(w["kv_bytes_sent"]),
+                _bytes(w["kv_bytes_received"]),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines += ["  ".join(c.ljust(n) for c, n in zip(r, widths)).rstrip() for r in rows]
     recent = status["recent"]
-    lines += ["", f"last {recent['window_s']:.0f} s: {recent['requests_per_s']:.2f} req/s, "
-              f"{recent['output_tokens_per_s']:.1f} output tok/s"]  # fmt: skip
+    lines += [
+        "",
+        f"last {recent['window_s']:.0f} s: {recent['requests_per_s']:.2f} req/s, "
+        f"{recent['output_tokens_per_s']:.1f} output tok/s",
+    ]
     for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL")):
         pct = recent[name]
         values = "  ".join(f"p{p} {v * 1000:.1f} ms" for p, v in zip((50, 90, 99), pct or []))

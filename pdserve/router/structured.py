@@ -25,8 +25,12 @@ class FieldError(ValueError):
         self.param = param
 
 
-_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}  # fmt: skip
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 _STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _REFUSED = ("guided_whitespace_pattern", "guided_decoding_backend", "structural_tag")
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -85,10 +85,14 @@ class AdaptiveSimulation(Simulation):
         self._replan()
         decode = self._choose("decode", flight)
         decision = decide(
-            self._situation(flight, decode), self.model, self._slo_ttft_s, self._slo_itl_s,
+            self._situation(flight, decode),
+            self.model,
+            self._slo_ttft_s,
+            self._slo_itl_s,
             self.adaptive.fallback_prompt_tokens,
-            max_gap_s(self.adaptive, self.model, len(self.pool)), stall_budget_on(self.adaptive),
-        )  # fmt: skip
+            max_gap_s(self.adaptive, self.model, len(self.pool)),
+            stall_budget_on(self.adaptive),
+        )
         self.decisions[(decision.kind, decision.reason)] += 1
         if decision.kind == LOCAL:
             decode.num_active_requests += 1

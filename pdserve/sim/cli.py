@@ -54,8 +54,10 @@ def check_greedy(args: argparse.Namespace) -> None:
     """Profiles time greedy steps (pdserve/perf/measure.py): a sampled workload would be
     priced without its sampling, so it is refused rather than under-predicted."""
     if args.temperature:
-        raise ValueError(f"--temperature {args.temperature:g}: profiles time greedy decoding, "
-                         "so simulate and plan take greedy workloads only (0)")  # fmt: skip
+        raise ValueError(
+            f"--temperature {args.temperature:g}: profiles time greedy decoding, "
+            "so simulate and plan take greedy workloads only (0)"
+        )
 
 
 def _workload_parser(
@@ -134,8 +136,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--num-devices", type=int, required=True, help="the device budget")
     parser.add_argument("--top", type=int, default=5, help="layouts to print")
-    parser.add_argument("--probe-requests", type=int, default=300,
-                        help="requests per simulated probe")  # fmt: skip
+    parser.add_argument(
+        "--probe-requests", type=int, default=300, help="requests per simulated probe"
+    )
     parser.set_defaults(func=cmd_plan, max_probes=6)
 
 
@@ -155,9 +158,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         result = search_layouts(
-            plan, profile, sim_config(args), args.num_devices, args.rate, args.goodput_target,
+            plan,
+            profile,
+            sim_config(args),
+            args.num_devices,
+            args.rate,
+            args.goodput_target,
             max_probes=args.max_probes,
-        )  # fmt: skip
+        )
     finally:
         gc.unfreeze()
     wall_s = time.perf_counter() - started

@@ -70,8 +70,14 @@ class Deployment:
             pool = sizes.get("collocated_size", 1)
             if pool < 2:
                 raise ValueError("deployment 'adaptive' shares --collocated-size cores: needs >= 2")
-            return cls(num_prefill=1, num_decode=1, prefill_size=pool, decode_size=pool,
-                       collocated_size=pool, adaptive=True)  # fmt: skip
+            return cls(
+                num_prefill=1,
+                num_decode=1,
+                prefill_size=pool,
+                decode_size=pool,
+                collocated_size=pool,
+                adaptive=True,
+            )
         raise ValueError(
             f"unknown deployment {spec!r}: use collocated, Nc (e.g. 2c), NpMd or adaptive"
         )
@@ -112,8 +118,10 @@ class Deployment:
             return f"adaptive: 1 prefill + 1 decode sharing {self.collocated_size}"
         if not self.is_disaggregated:
             return f"{self.num_collocated} collocated x{self.collocated_size}"
-        return (f"{self.num_prefill} prefill x{self.prefill_size} + "
-                f"{self.num_decode} decode x{self.decode_size}")  # fmt: skip
+        return (
+            f"{self.num_prefill} prefill x{self.prefill_size} + "
+            f"{self.num_decode} decode x{self.decode_size}"
+        )
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,9 @@ def decode_capacity(profile, size: int, cfg: SimConfig, input_len, output_len, t
     model = profile.cost_model(size)
     best = 0.0
     for batch in range(1, max_batch + 1):
-        step_s = model.predict(StepShape(decode_requests=batch,
-                                         decode_context_tokens=int(batch * context)))  # fmt: skip
+        step_s = model.predict(
+            StepShape(decode_requests=batch, decode_context_tokens=int(batch * context))
+        )
         if step_s <= tpot_s:
             best = batch / step_s / output_len
     return best
@@ -128,8 +129,9 @@ def estimate_units(plan: BenchPlan, profile: HardwareProfile, cfg: SimConfig, sl
             if d2 == 0:
                 continue
             num_p, num_d = _ratio(p, d2)
-            unit = Deployment(num_prefill=num_p, num_decode=num_d, prefill_size=size,
-                              decode_size=decode_size)  # fmt: skip
+            unit = Deployment(
+                num_prefill=num_p, num_decode=num_d, prefill_size=size, decode_size=decode_size
+            )
             why = f"prefill {p:.3g}/s per worker, decode {d2:.3g}/s per worker"
             candidates.append(Candidate(unit, min(num_p * p, num_d * d2), why=why))
     if not candidates:
@@ -159,8 +161,10 @@ def search_layouts(
         best = max((c.estimated_per_device for c in group), default=0.0)
         for c in group:
             if c.estimated_per_device < best / 2:
-                pruned.append(f"{c.unit.describe()}: estimated {c.estimated_per_device:.3g} "
-                              f"req/s/device, under half the best")  # fmt: skip
+                pruned.append(
+                    f"{c.unit.describe()}: estimated {c.estimated_per_device:.3g} "
+                    f"req/s/device, under half the best"
+                )
         group = [c for c in group if c.estimated_per_device >= best / 2]
         group.sort(key=lambda c: -c.estimated_per_device)
         survivors += group[:keep]

@@ -114,11 +114,19 @@ class Simulation:
             raise ValueError(f"worker {worker_id}: the KV cache holds less than one block")
         max_model_len = min(cfg.scheduler.max_model_len or capacity, num_blocks * cfg.block_size)
         return SimWorker(
-            worker_id, role, size, self.profile.served_cost_model(size, role), num_blocks,
-            cfg.block_size, cfg.scheduler, max_model_len, cfg.enable_prefix_caching,
-            self.profile.model.name, self.served.token_cpu_s,
+            worker_id,
+            role,
+            size,
+            self.profile.served_cost_model(size, role),
+            num_blocks,
+            cfg.block_size,
+            cfg.scheduler,
+            max_model_len,
+            cfg.enable_prefix_caching,
+            self.profile.model.name,
+            self.served.token_cpu_s,
             cfg.heartbeat_interval_s / STATS_PER_HEARTBEAT,
-        )  # fmt: skip
+        )
 
     # ---- the loop --------------------------------------------------------------------
 
@@ -253,9 +261,13 @@ class Simulation:
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             self.params[max_tokens] = params
         return Request(
-            flight.record.request_id, list(flight.prompt_ids), params,
-            arrival_time=self.now, block_hashes=hashes, prefill_only=prefill_only,
-        )  # fmt: skip
+            flight.record.request_id,
+            list(flight.prompt_ids),
+            params,
+            arrival_time=self.now,
+            block_hashes=hashes,
+            prefill_only=prefill_only,
+        )
 
     def _charge(self, flight: _Flight, worker: SimWorker) -> None:
         """The router counts the prompt as queued on `worker` until its first token."""

@@ -146,8 +146,7 @@ class SimWorker:
                 s.num_waiting, s.num_running, self.kv.num_free_blocks, s.num_queued_tokens
             )
             return
-        unseen = sum(r.num_tokens - r.num_computed_tokens for r in self.unseen
-                     if not r.is_finished)  # fmt: skip
+        unseen = sum(r.num_tokens - r.num_computed_tokens for r in self.unseen if not r.is_finished)
         self.reported = _Reported(*self.snapshot, s.num_queued_tokens - unseen)
 
     def load(self, block_hashes: list[int] | None = None) -> WorkerLoad:

@@ -251,9 +251,12 @@ class Hosts:
                 f'type filter hook ingress device "{dev}" priority 0; {drop}\n}}\n}}\n'
             )
             done = subprocess.run(
-                [*where, "nft", "-f", "-"], input=ruleset, text=True, capture_output=True,
+                [*where, "nft", "-f", "-"],
+                input=ruleset,
+                text=True,
+                capture_output=True,
                 timeout=30,
-            )  # fmt: skip
+            )
             if done.returncode:
                 raise RuntimeError(f"nft: {done.stderr.strip()}")
 

@@ -32,8 +32,9 @@ class KVTransferConfig:
     cluster network on one host; `buffer_pool_size` bounds staging memory."""
 
     backend: str = knob("auto", "how KV moves", choices=BACKENDS, flag="transfer")
-    mode: str = knob("layerwise", "send each layer as it is computed, or all at the end",
-                     choices=TRANSFER_MODES)  # fmt: skip
+    mode: str = knob(
+        "layerwise", "send each layer as it is computed, or all at the end", choices=TRANSFER_MODES
+    )
     buffer_pool_size: int = knob(64 * 2**20, "staging memory (bytes)", gt=0, parse=parse_bytes)
     bandwidth: str | None = knob(None, "e.g. 10Gbit (an emulated link)")
     # Deadlines on waits for a peer (engine/roles/ says which wait each bounds). Reserve

@@ -93,9 +93,13 @@ class KVLayout:
         if two != 2:
             raise ValueError(f"kv dim 2 must be 2 (K and V), got shape {tuple(kv.shape)}")
         return cls(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+            num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
             str(kv.dtype).removeprefix("torch."),
-        )  # fmt: skip
+        )
 
 
 def check_kv_tensor(kv: Any, layout: KVLayout) -> None:

@@ -91,9 +91,11 @@ class BufferPool:
     at least ``block_bytes`` (frames carry whole blocks), the pool at least one buffer."""
 
     def __init__(
-        self, pool_bytes: int = DEFAULT_POOL_BYTES, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        self,
+        pool_bytes: int = DEFAULT_POOL_BYTES,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         block_bytes: int = 1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         import torch
 
         if buffer_bytes <= 0:

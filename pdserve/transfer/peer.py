@@ -262,8 +262,14 @@ class BlockWriter(ABC):
     ) -> dict[str, Any]:
         """A ``data`` frame's header, with the crc32 of ``data`` (the blocks' bytes) when
         checksumming."""
-        header = {"type": wire.DATA, "request_id": request_id, "layer": layer,
-                  "dst_start": dst_start, "num_blocks": num_blocks, "nbytes": nbytes}  # fmt: skip
+        header = {
+            "type": wire.DATA,
+            "request_id": request_id,
+            "layer": layer,
+            "dst_start": dst_start,
+            "num_blocks": num_blocks,
+            "nbytes": nbytes,
+        }
         return {**header, "crc32": zlib.crc32(data)} if self.checksum else header
 
 

@@ -348,12 +348,22 @@ class _PeerWorker:
                 with s._lock:
                     s._totals["shm_fallbacks"] += 1
         remote_kv = self._remote_kv if info.use_shm else None
-        self.writer = s.make_writer(WriteContext(
-            kv=s.kv, layout=s.layout, conn=self.conn, remote_kv=remote_kv,
-            max_frame_bytes=info.max_frame_bytes, chunk_bytes=s.chunk_bytes, bucket=s.bucket,
-            staging=s.pool, checksum=s.checksum, stopped=s.stopped, account=s.account,
-            mooncake=mooncake_peer(self.conn, info) if info.mooncake is not None else None,
-        ))  # fmt: skip
+        self.writer = s.make_writer(
+            WriteContext(
+                kv=s.kv,
+                layout=s.layout,
+                conn=self.conn,
+                remote_kv=remote_kv,
+                max_frame_bytes=info.max_frame_bytes,
+                chunk_bytes=s.chunk_bytes,
+                bucket=s.bucket,
+                staging=s.pool,
+                checksum=s.checksum,
+                stopped=s.stopped,
+                account=s.account,
+                mooncake=mooncake_peer(self.conn, info) if info.mooncake is not None else None,
+            )
+        )
         return self.conn, self.writer
 
     def _run(self) -> None:

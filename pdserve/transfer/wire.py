@@ -380,5 +380,10 @@ class FrameServer:
 # accept() errors that pass: out of descriptors or kernel memory, or a peer gone before
 # accept returned. Anything else means the listener itself is gone.
 _RETRY_ACCEPT = {
-    errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO,
-}  # fmt: skip
+    errno.EMFILE,
+    errno.ENFILE,
+    errno.ENOBUFS,
+    errno.ENOMEM,
+    errno.ECONNABORTED,
+    errno.EPROTO,
+}

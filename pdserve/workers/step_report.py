@@ -29,10 +29,17 @@ class StepLog:
             return
         if not self.rows:
             self._first_s = now
-        self.rows.append([
-            shape.prefill_tokens, shape.decode_requests, shape.prefill_attention_pairs,
-            shape.decode_context_tokens, shape.num_prefill_sequences, threads, seconds,
-        ])  # fmt: skip
+        self.rows.append(
+            [
+                shape.prefill_tokens,
+                shape.decode_requests,
+                shape.prefill_attention_pairs,
+                shape.decode_context_tokens,
+                shape.num_prefill_sequences,
+                threads,
+                seconds,
+            ]
+        )
 
     def due(self, now: float) -> m.StepReport | None:
         if not self.rows:
@@ -59,8 +66,13 @@ class StepTrace:
     ) -> None:
         if shape.is_empty:
             return
-        row = {**asdict(shape), "threads": threads, "start": round(start, 6),
-               "seconds": round(seconds, 6), "cpu_seconds": round(cpu_seconds, 6)}  # fmt: skip
+        row = {
+            **asdict(shape),
+            "threads": threads,
+            "start": round(start, 6),
+            "seconds": round(seconds, 6),
+            "cpu_seconds": round(cpu_seconds, 6),
+        }
         self._file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:

@@ -89,18 +89,26 @@ class Worker:
             if self.receiver is None:
                 kv = e.runner.kv_cache
                 self.receiver = make_receiver(
-                    transfer.backend, kv, KVLayout.from_tensor(kv), self.secret,
-                    host=spec.transfer_host, pool_bytes=transfer.buffer_pool_size,
-                )  # fmt: skip
+                    transfer.backend,
+                    kv,
+                    KVLayout.from_tensor(kv),
+                    self.secret,
+                    host=spec.transfer_host,
+                    pool_bytes=transfer.buffer_pool_size,
+                )
             return e.decode_role(self.receiver, transfer.reserve_timeout_s, transfer.land_timeout_s)
         if name == "prefill":
             if self.sender is None:
                 self._wire = e.wire_source(spec.wire_kv_cache_dtype, spec.wire_dtype)
                 kv = self._wire.kv if self._wire else e.runner.kv_cache
                 self.sender = make_sender(
-                    transfer.backend, kv, KVLayout.from_tensor(kv), self.secret,
-                    bandwidth_bps=transfer.bandwidth, pool_bytes=transfer.buffer_pool_size,
-                )  # fmt: skip
+                    transfer.backend,
+                    kv,
+                    KVLayout.from_tensor(kv),
+                    self.secret,
+                    bandwidth_bps=transfer.bandwidth,
+                    pool_bytes=transfer.buffer_pool_size,
+                )
             return e.prefill_role(self.sender, transfer.mode, self._wire, transfer.send_timeout_s)
         if name == "collocated":
             return CollocatedRole()
@@ -140,12 +148,21 @@ class Worker:
 
         e = self.engine
         layout = KVLayout.from_tensor(e.runner.kv_cache)
-        self.send(m.Ready(
-            self.spec.worker_id, e.role.name, self.spec.engine.model, e.kv.num_blocks,
-            e.kv.block_size, e.max_model_len, self.cores.cpus, self.cores.threads,
-            layout.num_layers * layout.block_bytes,
-            self.signer.session.hex(), hello,
-        ))  # fmt: skip
+        self.send(
+            m.Ready(
+                self.spec.worker_id,
+                e.role.name,
+                self.spec.engine.model,
+                e.kv.num_blocks,
+                e.kv.block_size,
+                e.max_model_len,
+                self.cores.cpus,
+                self.cores.threads,
+                layout.num_layers * layout.block_bytes,
+                self.signer.session.hex(),
+                hello,
+            )
+        )
         log.info("worker %s (%s) ready", self.spec.worker_id, e.role.name)
 
     def run(self) -> None:
@@ -186,8 +203,9 @@ class Worker:
                 log.warning("dropped a control frame: %s", exc)
 
     def _handle(self, msg) -> None:
-        log.debug("%s <- %s %s", self.spec.worker_id, type(msg).__name__,
-                  getattr(msg, "request_id", ""))  # fmt: skip
+        log.debug(
+            "%s <- %s %s", self.spec.worker_id, type(msg).__name__, getattr(msg, "request_id", "")
+        )
         e, wid = self.engine, self.spec.worker_id
         if isinstance(msg, m.Abort):
             e.abort_request(msg.request_id)
@@ -236,17 +254,31 @@ class Worker:
                 num_left = max(1, params.max_tokens - len(msg.output_token_ids))
                 params = dataclasses.replace(params, max_tokens=num_left)
             e.add_request(
-                msg.request_id, prompt, params, len(msg.output_token_ids), msg.pin,
-                msg.prefill_chunk_tokens, msg.cache_salt, msg.stall_budget_s,
-            )  # fmt: skip
+                msg.request_id,
+                prompt,
+                params,
+                len(msg.output_token_ids),
+                msg.pin,
+                msg.prefill_chunk_tokens,
+                msg.cache_salt,
+                msg.stall_budget_s,
+            )
         elif isinstance(msg, m.Reserve):
             r = e.reserve(msg.request_id, msg.prompt_token_ids, params, msg.cache_salt)
             if r is None:
                 self.send(m.Rejected(wid, msg.request_id, "no free KV blocks", True))
             else:
                 kept = dataclasses.astuple(r.drop) if r.drop else ()  # num_keep, sink, recent
-                self.send(m.Reserved(wid, msg.request_id, self.receiver.address(),
-                                     r.block_ids, r.num_cached_blocks, *kept))  # fmt: skip
+                self.send(
+                    m.Reserved(
+                        wid,
+                        msg.request_id,
+                        self.receiver.address(),
+                        r.block_ids,
+                        r.num_cached_blocks,
+                        *kept,
+                    )
+                )
         elif isinstance(msg, m.Prefill):
             drop = None
             if msg.num_keep_blocks is not None:
@@ -277,8 +309,7 @@ class Worker:
             log.debug("%s: on cpus %s with %d threads", self.spec.worker_id, c.cpus, c.threads)
         else:
             log.warning("%s: SetCores refused: %s", self.spec.worker_id, refusal)
-        self.send(m.CoresSet(self.spec.worker_id, c.cpus, c.threads,
-                             time.perf_counter() - started))  # fmt: skip
+        self.send(m.CoresSet(self.spec.worker_id, c.cpus, c.threads, time.perf_counter() - started))
 
     def _step(self) -> None:
         wid = self.spec.worker_id
@@ -289,20 +320,33 @@ class Worker:
             self.steps.record(self.engine.last_shape, self.cores.threads, now - started, now)
         if self.trace is not None:
             seconds = now - started  # its start in Unix time, read only while tracing:
-            self.trace.record(self.engine.last_shape, self.cores.threads, time.time() - seconds,
-                              seconds, time.thread_time() - cpu)  # fmt: skip
+            self.trace.record(
+                self.engine.last_shape,
+                self.cores.threads,
+                time.time() - seconds,
+                seconds,
+                time.thread_time() - cpu,
+            )
         for out in outputs:
             if out.error is not None:
                 self.send(m.Failed(wid, out.request_id, out.error))
                 continue
             finished = out.finished and out.finish_reason is not FinishReason.HANDOFF
-            self.send(m.Tokens(
-                wid, out.request_id, out.new_token_ids, finished,
-                out.finish_reason.value if finished else None,
-                out.num_prompt_tokens, out.num_cached_tokens,
-                num_pinned_tokens=out.num_pinned_tokens, stamps=out.stamps,
-                logprobs=self._logprobs(out), prompt_logprobs=out.prompt_logprobs,
-            ))  # fmt: skip
+            self.send(
+                m.Tokens(
+                    wid,
+                    out.request_id,
+                    out.new_token_ids,
+                    finished,
+                    out.finish_reason.value if finished else None,
+                    out.num_prompt_tokens,
+                    out.num_cached_tokens,
+                    num_pinned_tokens=out.num_pinned_tokens,
+                    stamps=out.stamps,
+                    logprobs=self._logprobs(out),
+                    prompt_logprobs=out.prompt_logprobs,
+                )
+            )
 
     def _logprobs(self, out: RequestOutput) -> list[list[float | list]] | None:
         """The step's logprobs of `out`'s token, when its request asked for them."""
@@ -341,14 +385,22 @@ class Worker:
         s, kv = self.engine.scheduler, self.engine.kv
         cache = self.engine.cache_stats()
         self._stats = m.Stats(
-            self.spec.worker_id, self.engine.role.name, s.num_waiting, s.num_running,
-            kv.num_free_blocks, kv.num_blocks, s.num_queued_tokens,
-            kv_tiers=cache["tiers"], kv_moved_bytes=cache["moved_bytes"],
+            self.spec.worker_id,
+            self.engine.role.name,
+            s.num_waiting,
+            s.num_running,
+            kv.num_free_blocks,
+            kv.num_blocks,
+            s.num_queued_tokens,
+            kv_tiers=cache["tiers"],
+            kv_moved_bytes=cache["moved_bytes"],
             num_cached_prompt_tokens=cache["cached_prompt_tokens"],
             num_computed_prompt_tokens=cache["computed_prompt_tokens"],
-            num_pinned_blocks=cache["num_pinned_blocks"], **self.engine.role.transfer_stats(),
-            **self.memory.fields(), **self.engine.scheduler.stall_guard.fields(),
-        )  # fmt: skip
+            num_pinned_blocks=cache["num_pinned_blocks"],
+            **self.engine.role.transfer_stats(),
+            **self.memory.fields(),
+            **self.engine.scheduler.stall_guard.fields(),
+        )
 
     def close(self) -> None:
         self._stop_heartbeat.set()

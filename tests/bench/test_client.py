@@ -22,10 +22,30 @@ def test_result_file_is_complete_and_rejections_stay_in_the_denominator(
 ):
     fake_server.reject_every = 4
     out = tmp_path / "result.json"
-    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "12", "--input-len", "9",
-                 "--output-len", "uniform:2:6", "--rate", "200", "--slo-ttft-ms", "2000",
-                 "--slo-tpot-ms", "1000", "--slo-scale", "0.5,1", "--output", str(out),
-                 "--model", "m", "--api-key", "k")  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--num-requests",
+        "12",
+        "--input-len",
+        "9",
+        "--output-len",
+        "uniform:2:6",
+        "--rate",
+        "200",
+        "--slo-ttft-ms",
+        "2000",
+        "--slo-tpot-ms",
+        "1000",
+        "--slo-scale",
+        "0.5,1",
+        "--output",
+        str(out),
+        "--model",
+        "m",
+        "--api-key",
+        "k",
+    )
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert set(result) >= {"config", "records", "summary", "slo_scale"}
@@ -50,16 +70,38 @@ def test_result_file_is_complete_and_rejections_stay_in_the_denominator(
 
 
 def test_temperature_is_sent_as_given(fake_server, tokenizer_dir):
-    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "2", "--input-len", "4",
-                 "--output-len", "2", "--temperature", "0.8")  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--num-requests",
+        "2",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+        "--temperature",
+        "0.8",
+    )
     assert main(args) == 0
     assert [b["temperature"] for b in fake_server.bodies] == [0.8, 0.8]
 
 
 def test_conversation_history_carries_the_actual_answers(fake_server, tokenizer_dir):
     fake_server.usage = False  # count tokens from chunks instead
-    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "3", "--num-turns", "3",
-                 "--input-len", "4", "--output-len", "2", "--prompt-format", "text")  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--num-requests",
+        "3",
+        "--num-turns",
+        "3",
+        "--input-len",
+        "4",
+        "--output-len",
+        "2",
+        "--prompt-format",
+        "text",
+    )
     assert main(args) == 0
     prompts = [b["prompt"] for b in fake_server.bodies]
     assert prompts[1].startswith(prompts[0] + " w0 w1")
@@ -69,9 +111,24 @@ def test_conversation_history_carries_the_actual_answers(fake_server, tokenizer_
 
 def test_chat_endpoint_and_timeout(fake_server, tokenizer_dir, tmp_path):
     out = tmp_path / "chat.json"
-    args = bench(tokenizer_dir, fake_server.url, "--endpoint", "chat", "--num-requests", "2",
-                 "--num-turns", "2", "--input-len", "3", "--output-len", "2",
-                 "--request-timeout-s", "0.3", "--output", str(out))  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--endpoint",
+        "chat",
+        "--num-requests",
+        "2",
+        "--num-turns",
+        "2",
+        "--input-len",
+        "3",
+        "--output-len",
+        "2",
+        "--request-timeout-s",
+        "0.3",
+        "--output",
+        str(out),
+    )
     assert main(args) == 0
     messages = fake_server.bodies[1]["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]
@@ -85,8 +142,16 @@ def test_chat_endpoint_and_timeout(fake_server, tokenizer_dir, tmp_path):
 
 
 def test_compare_runs_each_deployment_and_derives_slos(fake_server, tokenizer_dir):
-    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "4", "--input-len", "5",
-                 "--output-len", "3")  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--num-requests",
+        "4",
+        "--input-len",
+        "5",
+        "--output-len",
+        "3",
+    )
     out = io.StringIO()
     launched = []
 
@@ -103,8 +168,16 @@ def test_compare_runs_each_deployment_and_derives_slos(fake_server, tokenizer_di
 
 
 def test_compare_derives_the_itl_slo_from_the_unloaded_tpot(fake_server, tokenizer_dir):
-    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "3", "--input-len", "5",
-                 "--output-len", "4")  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--num-requests",
+        "3",
+        "--input-len",
+        "5",
+        "--output-len",
+        "4",
+    )
     args.slo_itl_multiplier = 2.0
     out = io.StringIO()
     rows = run_compare({"a": fake_server.url}, args, contextlib.nullcontext, out)
@@ -115,10 +188,29 @@ def test_compare_derives_the_itl_slo_from_the_unloaded_tpot(fake_server, tokeniz
 
 def test_plots_are_written(fake_server, tokenizer_dir, tmp_path):
     pytest.importorskip("matplotlib")
-    args = bench(tokenizer_dir, fake_server.url, "--num-requests", "6", "--input-len", "4",
-                 "--output-len", "3", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "1000",
-                 "--find-goodput", "--max-probes", "2", "--start-rate", "50",
-                 "--slo-scale", "0.5,1", "--plot", str(tmp_path / "plots"))  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--num-requests",
+        "6",
+        "--input-len",
+        "4",
+        "--output-len",
+        "3",
+        "--slo-ttft-ms",
+        "1000",
+        "--slo-tpot-ms",
+        "1000",
+        "--find-goodput",
+        "--max-probes",
+        "2",
+        "--start-rate",
+        "50",
+        "--slo-scale",
+        "0.5,1",
+        "--plot",
+        str(tmp_path / "plots"),
+    )
     assert main(args) == 0
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert names == ["attainment_vs_rate.png", "attainment_vs_slo_scale.png", "latency_cdf.png"]
@@ -151,9 +243,24 @@ def test_argparse_errors_exit_2_with_one_line(capsys):
 
 def test_closed_loop_stops_at_the_duration_bound(fake_server, tokenizer_dir, tmp_path):
     out = tmp_path / "loop.json"
-    args = bench(tokenizer_dir, fake_server.url, "--arrival", "concurrency", "--concurrency", "2",
-                 "--num-requests", "1000", "--duration-s", "0.3", "--input-len", "3",
-                 "--output-len", "5", "--output", str(out))  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--arrival",
+        "concurrency",
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "1000",
+        "--duration-s",
+        "0.3",
+        "--input-len",
+        "3",
+        "--output-len",
+        "5",
+        "--output",
+        str(out),
+    )
     assert main(args) == 0
     records = json.loads(out.read_text())["records"]
     assert 2 <= len(records) < 1000
@@ -163,13 +270,25 @@ def test_closed_loop_stops_at_the_duration_bound(fake_server, tokenizer_dir, tmp
 def test_trace_replay_keeps_its_timing_and_shared_blocks(fake_server, tokenizer_dir, tmp_path):
     trace = tmp_path / "mooncake.jsonl"
     lines = [(0, [1, 2]), (100, [1, 3]), (200, [4])]
-    trace.write_text("\n".join(
-        json.dumps({"timestamp": t, "input_length": 1024, "output_length": 200, "hash_ids": h})
-        for t, h in lines
-    ))  # fmt: skip
+    trace.write_text(
+        "\n".join(
+            json.dumps({"timestamp": t, "input_length": 1024, "output_length": 200, "hash_ids": h})
+            for t, h in lines
+        )
+    )
     out = tmp_path / "trace.json"
-    args = bench(tokenizer_dir, fake_server.url, "--trace", str(trace), "--trace-time-scale",
-                 "0.5", "--trace-length-scale", "0.01", "--output", str(out))  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        fake_server.url,
+        "--trace",
+        str(trace),
+        "--trace-time-scale",
+        "0.5",
+        "--trace-length-scale",
+        "0.01",
+        "--output",
+        str(out),
+    )
     assert main(args) == 0
     records = json.loads(out.read_text())["records"]
     assert [r["requested_output_len"] for r in records] == [2, 2, 2]
@@ -189,8 +308,16 @@ def test_compare_bad_deployment_and_unreachable_server(tokenizer_dir, tmp_path, 
     assert "unknown deployment '9z9'" in capsys.readouterr().err
 
     out = tmp_path / "down.json"
-    args = bench(tokenizer_dir, "http://127.0.0.1:9", "--num-requests", "3", "--output", str(out),
-                 "--ready-timeout-s", "0")  # fmt: skip
+    args = bench(
+        tokenizer_dir,
+        "http://127.0.0.1:9",
+        "--num-requests",
+        "3",
+        "--output",
+        str(out),
+        "--ready-timeout-s",
+        "0",
+    )
     assert main(args) == 0  # not waited for: every request failed, and the result says so
     summary = json.loads(out.read_text())["summary"]
     assert summary["num_failed"] == 3 and summary["slo_attainment"] == 0.0

@@ -22,9 +22,21 @@ def test_the_table_shows_the_longest_freeze_that_the_p99_itl_hides():
 
 
 def test_compare_keeps_the_stall_budget_with_derived_slos(fake_server, tokenizer_dir):
-    argv = ["--url", fake_server.url, "--tokenizer", str(tokenizer_dir), "--no-progress",
-            "--num-requests", "3", "--input-len", "5", "--output-len", "4",
-            "--slo-max-gap-ms", "1000"]  # fmt: skip
+    argv = [
+        "--url",
+        fake_server.url,
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--no-progress",
+        "--num-requests",
+        "3",
+        "--input-len",
+        "5",
+        "--output-len",
+        "4",
+        "--slo-max-gap-ms",
+        "1000",
+    ]
     args = build_parser().parse_args(argv)
     fake_server.delay_s = 0.02
     out = io.StringIO()
@@ -38,11 +50,27 @@ def test_compare_keeps_the_stall_budget_with_derived_slos(fake_server, tokenizer
 
 
 def test_each_deployment_answers_its_warmups_before_the_workload(fake_server, tokenizer_dir):
-    argv = ["compare", "--url", fake_server.url, "--tokenizer", str(tokenizer_dir),
-            "--no-progress", "--num-requests", "3", "--input-len", "5", "--output-len", "4",
-            "--slo-ttft-ms", "1000", "--warmup-requests", "2"]  # fmt: skip
+    argv = [
+        "compare",
+        "--url",
+        fake_server.url,
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--no-progress",
+        "--num-requests",
+        "3",
+        "--input-len",
+        "5",
+        "--output-len",
+        "4",
+        "--slo-ttft-ms",
+        "1000",
+        "--warmup-requests",
+        "2",
+    ]
     args = build_parser().parse_args(argv)
-    rows = run_compare({"a": fake_server.url, "b": fake_server.url}, args, contextlib.nullcontext,
-                       io.StringIO())  # fmt: skip
+    rows = run_compare(
+        {"a": fake_server.url, "b": fake_server.url}, args, contextlib.nullcontext, io.StringIO()
+    )
     assert len(fake_server.bodies) == 2 * (2 + 3)  # each: 2 warm-ups, then the 3 measured
     assert all(len(row["records"]) == 3 for row in rows.values())  # warm-ups are not measured

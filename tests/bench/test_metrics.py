@@ -24,8 +24,9 @@ from pdserve.bench.search import find_goodput, slo_scale_sweep
 
 
 def ok(send_s: float, ttft_s: float, e2e_s: float, output_len: int, input_len: int = 10):
-    return RequestRecord("r", input_len, output_len, send_s, ttft_s=ttft_s, e2e_s=e2e_s,
-                         output_len=output_len)  # fmt: skip
+    return RequestRecord(
+        "r", input_len, output_len, send_s, ttft_s=ttft_s, e2e_s=e2e_s, output_len=output_len
+    )
 
 
 def test_ttft_tpot_from_timeline():

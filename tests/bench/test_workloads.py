@@ -56,8 +56,14 @@ def test_sessions_have_exact_lengths_are_seeded_and_avoid_special_tokens(tokens)
 
 
 def test_shared_prefix_groups_and_conversations(tokens):
-    cfg = WorkloadConfig(num_requests=12, input_len="8", output_len="4", num_prefix_groups=2,
-                         prefix_len=30, num_turns=3)  # fmt: skip
+    cfg = WorkloadConfig(
+        num_requests=12,
+        input_len="8",
+        output_len="4",
+        num_prefix_groups=2,
+        prefix_len=30,
+        num_turns=3,
+    )
     sessions = build_sessions(cfg, tokens)
     assert len(sessions) == 4 and all(len(s.turns) == 3 for s in sessions)
     firsts = [s.turns[0].user_ids for s in sessions]
@@ -140,8 +146,11 @@ def test_text_prompts_keep_their_length_with_byte_level_bpe():
     rng = np.random.default_rng(0)
     words = "prefill decode serving 日本語 café naïve def return 模型 cache".split()
     corpus = [" ".join(rng.choice(words, 40)) for _ in range(200)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(corpus, trainer)
     tokens = TokenSource(tokenizer)
     assert 0 < tokens.text_vocab_ids.size < tokens.vocab_ids.size

@@ -21,8 +21,15 @@ ON = AdaptiveConfig(enabled=True)
 
 
 def test_flags_make_an_adaptive_pipeline_with_every_worker_flag_in_workers():
-    args = up_args("--adaptive", "--adaptive-slo-ttft-ms", "800", "--adaptive-min-dwell-s", "5",
-                   "--kv-cache-bytes", "1MiB")  # fmt: skip
+    args = up_args(
+        "--adaptive",
+        "--adaptive-slo-ttft-ms",
+        "800",
+        "--adaptive-min-dwell-s",
+        "5",
+        "--kv-cache-bytes",
+        "1MiB",
+    )
     p = pipeline_from_args(args)
     assert p.adaptive == AdaptiveConfig(enabled=True, slo_ttft_ms=800, min_dwell_s=5)
     assert p.roles == [] and p.workers == WorkerGroup(kv_cache_bytes=2**20)
@@ -30,8 +37,10 @@ def test_flags_make_an_adaptive_pipeline_with_every_worker_flag_in_workers():
 
 def test_yaml_adaptive_section_and_workers(tmp_path):
     path = tmp_path / "a.yaml"
-    path.write_text("adaptive: {enabled: true, workers: 2, slo_itl_ms: 50}\n"
-                    "workers: {cpus: [0, 1], block_size: 32}\n")  # fmt: skip
+    path.write_text(
+        "adaptive: {enabled: true, workers: 2, slo_itl_ms: 50}\n"
+        "workers: {cpus: [0, 1], block_size: 32}\n"
+    )
     p = load_pipeline(path, {})
     assert p.adaptive.slo_itl_ms == 50 and p.workers.cpus == (0, 1)
     assert p.workers.block_size == 32 and p.adaptive_cpus() == (0, 1)
@@ -123,8 +132,11 @@ def test_adaptive_cluster_answers_like_collocated(tiny_served_model):
 
 def test_the_router_prices_local_prefills_in_the_workers_chunks():
     adaptive = AdaptiveConfig(enabled=True)
-    p = Pipeline(model="m", adaptive=adaptive,
-                 workers=WorkerGroup(cpus=(0, 1), long_prefill_token_threshold=64))  # fmt: skip
+    p = Pipeline(
+        model="m",
+        adaptive=adaptive,
+        workers=WorkerGroup(cpus=(0, 1), long_prefill_token_threshold=64),
+    )
     specs = worker_specs(p, "tcp://127.0.0.1:1")
     router = from_dict(RouterConfig, router_settings(p, specs, "tcp://127.0.0.1:1", "INFO"))
     assert router.adaptive.prefill_chunk_tokens == 64

@@ -31,9 +31,17 @@ def prompts() -> list[list[int]]:
 def complete_all(url: str, model: str) -> list[tuple[str, int]]:
     outs = []
     for p in prompts():
-        r = post(url, "/v1/completions", {
-            "model": model, "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-        })  # fmt: skip
+        r = post(
+            url,
+            "/v1/completions",
+            {
+                "model": model,
+                "prompt": p,
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         outs.append((r["choices"][0]["text"], r["usage"]["completion_tokens"]))
     return outs
 
@@ -67,8 +75,12 @@ def test_1p1d_equals_collocated(tiny_served_model, reference, backend, mode):
     model = str(tiny_served_model)
     store = KVTransferConfig(backend=backend, mode=mode)
     # Chunks of 24 tokens make the longer prompts cross several prefill steps.
-    with start(tiny_served_model, prefill=role(long_prefill_token_threshold=24),
-               decode=role(), kv_transfer=store) as url:  # fmt: skip
+    with start(
+        tiny_served_model,
+        prefill=role(long_prefill_token_threshold=24),
+        decode=role(),
+        kv_transfer=store,
+    ) as url:
         assert complete_all(url, model) == reference
         # Worker stats arrive with the heartbeat: wait until they report the transfers.
         deadline = time.monotonic() + 10
@@ -123,10 +135,24 @@ def test_pdserve_up_then_ctrl_c_leaves_no_process(tiny_served_model, tmp_path):
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(tiny_served_model),
-         "--port", str(port), "--kv-cache-bytes", str(256 * 16 * 512), "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            str(tiny_served_model),
+            "--port",
+            str(port),
+            "--kv-cache-bytes",
+            str(256 * 16 * 512),
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         line = ""
@@ -174,9 +200,20 @@ def test_1p1d_with_a_decode_budget_drops_before_the_transfer(tiny_served_model):
     long_prompts = [[rng.randrange(40, 120) for _ in range(n)] for n in (70, 130, 20)]
 
     def complete(url: str) -> list[str]:
-        return [post(url, "/v1/completions", {
-            "model": model, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-        })["choices"][0]["text"] for p in long_prompts]  # fmt: skip
+        return [
+            post(
+                url,
+                "/v1/completions",
+                {
+                    "model": model,
+                    "prompt": p,
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )["choices"][0]["text"]
+            for p in long_prompts
+        ]
 
     with start(tiny_served_model, collocated=role(**budget)) as url:
         reference = complete(url)
@@ -188,8 +225,9 @@ def test_1p1d_with_a_decode_budget_drops_before_the_transfer(tiny_served_model):
         sent, deadline = 0, time.monotonic() + 10
         while sent != expected and time.monotonic() < deadline:  # stats lag a heartbeat
             time.sleep(0.2)
-            match = re.search(r"pdserve_kv_transfer_bytes_total\S*sent\S* (\d+)",
-                              get_text(url, "/metrics"))  # fmt: skip
+            match = re.search(
+                r"pdserve_kv_transfer_bytes_total\S*sent\S* (\d+)", get_text(url, "/metrics")
+            )
             sent = int(match.group(1)) if match else 0
         assert sent == expected
         blocks = wait_blocks_free(url)
@@ -222,8 +260,9 @@ def test_warmup_prompts_are_pinned_on_every_worker_and_hit_at_once(tiny_served_m
     releases the pins."""
     model = str(tiny_served_model)
     system = "".join(chr(60 + i % 50) for i in range(100))  # 100 byte tokens: 6 full blocks
-    pipeline = dict(collocated=role(num=2), routing="round_robin", warmup_prompts=[system],
-                    admin_key="operator")  # fmt: skip
+    pipeline = dict(
+        collocated=role(num=2), routing="round_robin", warmup_prompts=[system], admin_key="operator"
+    )
     with start(tiny_served_model, **pipeline) as url:
         assert _pins(url, [6, 6]) == [6, 6]
         body = {"model": model, "prompt": system + "Go.", "max_tokens": 2, "temperature": 0}
@@ -231,10 +270,23 @@ def test_warmup_prompts_are_pinned_on_every_worker_and_hit_at_once(tiny_served_m
             usage = post(url, "/v1/completions", body)["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] == 96
         out = subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "warmup", "--url", url, "--unpin",
-             "--prompt", system, "--admin-key", "operator"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "warmup",
+                "--url",
+                url,
+                "--unpin",
+                "--prompt",
+                system,
+                "--admin-key",
+                "operator",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert sorted(line.split(" [")[0] for line in out.stdout.splitlines()) == list(WORKERS)
         assert "96/100 tokens cached, 96 unpinned" in out.stdout
@@ -254,8 +306,7 @@ def test_a_prompt_beyond_the_unpinned_room_is_a_fast_400(tiny_served_model):
     system = "".join(chr(60 + i % 50) for i in range(192))  # 12 full blocks of 16
     small = 16 * 16 * 512
     prefill = WorkerGroup(kv_cache_bytes=small, threads=1, max_pinned_fraction=0.75)
-    pipeline = dict(prefill=prefill,
-                    decode=role(), warmup_prompts=[system])  # fmt: skip
+    pipeline = dict(prefill=prefill, decode=role(), warmup_prompts=[system])
     with start(tiny_served_model, **pipeline) as url:
         start_s = time.monotonic()
         body = {"model": model, "prompt": "x" * 150, "max_tokens": 2, "temperature": 0}

@@ -24,8 +24,12 @@ def test_default_is_adaptive_where_it_can_run_else_one_prefill_one_decode(monkey
     kv = pipeline_from_args(up_args("--kv-cache-bytes", "64MiB"))  # role flags: the workers'
     assert kv.adaptive.enabled and kv.workers.kv_cache_bytes == 64 << 20
     # No pool for two workers, cores or threads fixed per worker, or Ray: 1 prefill, 1 decode.
-    for argv, cores in (((), {0}), (("--pin-cpus",), {0, 1}), (("--threads", "1"), {0, 1}),
-                        (("--ray",), {0, 1})):  # fmt: skip
+    for argv, cores in (
+        ((), {0}),
+        (("--pin-cpus",), {0, 1}),
+        (("--threads", "1"), {0, 1}),
+        (("--ray",), {0, 1}),
+    ):
         monkeypatch.setattr("os.sched_getaffinity", lambda pid, cores=cores: cores)
         p = pipeline_from_args(up_args(*argv))
         assert not p.adaptive.enabled, argv
@@ -33,9 +37,23 @@ def test_default_is_adaptive_where_it_can_run_else_one_prefill_one_decode(monkey
 
 
 def test_flags_and_pinning():
-    p = pipeline_from_args(up_args("--prefill", "2", "--decode", "1", "--transfer", "tcp",
-                                   "--transfer-mode", "full", "--transfer-bandwidth", "1Gbit",
-                                   "--pin-cpus", "--threads", "1"))  # fmt: skip
+    p = pipeline_from_args(
+        up_args(
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--transfer",
+            "tcp",
+            "--transfer-mode",
+            "full",
+            "--transfer-bandwidth",
+            "1Gbit",
+            "--pin-cpus",
+            "--threads",
+            "1",
+        )
+    )
     assert p.prefill.num == 2 and p.prefill.cpus == ((0,), (1,)) and p.prefill.threads == 1
     assert p.decode.cpus == ((0,),)  # wraps around on 2 cores
     assert p.kv_transfer == KVTransferConfig(backend="tcp", mode="full", bandwidth="1Gbit")
@@ -165,11 +183,15 @@ def test_ray_flag_sets_the_placement(tmp_path):
     assert (local_ray.placement, local_ray.ray_address) == ("ray", None)
     remote = pipeline_from_args(up_args("--ray", "10.0.0.1:6379", "--ray-timeout-s", "5"))
     assert (remote.placement, remote.ray_address, remote.ray_timeout_s) == (
-        "ray", "10.0.0.1:6379", 5.0,
-    )  # fmt: skip
+        "ray",
+        "10.0.0.1:6379",
+        5.0,
+    )
     path = tmp_path / "c.yaml"
-    path.write_text("prefill: {ray_resources: {prefill_pool: 1}, ray_num_gpus: 1}\n"
-                    "decode: {ray_resources: {decode_pool: 0.5}}\nplacement: ray\n")  # fmt: skip
+    path.write_text(
+        "prefill: {ray_resources: {prefill_pool: 1}, ray_num_gpus: 1}\n"
+        "decode: {ray_resources: {decode_pool: 0.5}}\nplacement: ray\n"
+    )
     p = pipeline_from_args(up_args("--config", str(path)))
     assert p.placement == "ray" and p.prefill.ray_resources == {"prefill_pool": 1}
     assert p.prefill.ray_num_gpus == 1 and p.decode.ray_resources == {"decode_pool": 0.5}

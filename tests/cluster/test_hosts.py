@@ -26,8 +26,10 @@ PROMPTS = [[40 + i] * (9 + 23 * i) for i in range(4)]  # up to 78 tokens: severa
 
 
 def complete_all(url: str, model: str) -> list[str]:
-    bodies = [{"model": model, "prompt": p, "max_tokens": 16, "temperature": 0,
-               "ignore_eos": True} for p in PROMPTS]  # fmt: skip
+    bodies = [
+        {"model": model, "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        for p in PROMPTS
+    ]
     return [post(url, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
 
 
@@ -45,8 +47,9 @@ def split_run(
     model: str, prefill: WorkerGroup, decode: WorkerGroup, capfd, backend: str = "auto"
 ) -> list[str]:
     store = KVTransferConfig(backend=backend)
-    pipeline = Pipeline(model=model, port=free_port(), prefill=prefill, decode=decode,
-                        kv_transfer=store)  # fmt: skip
+    pipeline = Pipeline(
+        model=model, port=free_port(), prefill=prefill, decode=decode, kv_transfer=store
+    )
     with Hosts(["prefill-0", "decode-0"], prefix="pdtc") as hosts:
         cluster = Cluster(pipeline, log_level="WARNING", placements=placements(hosts))
         with cluster as url:
@@ -109,8 +112,14 @@ def blocks_back(url: str, workers: set[str], timeout_s: float = 20.0) -> None:
 def stream_after_first(url: str, model: str, fault) -> tuple[str, float]:  # noqa: ANN001
     """Stream LONG_PROMPT's completion, run `fault()` after the first token; the whole
     text and the seconds from the fault to the stream's end."""
-    body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": LONG_PROMPT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     text, faulted_at = "", None
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200, r.text
@@ -134,13 +143,19 @@ def split(tiny_served_model, request):
     model = str(tiny_served_model)
     small = WorkerGroup(kv_cache_bytes=KV_BYTES, threads=1, long_prefill_token_threshold=64)
     store = KVTransferConfig(backend=getattr(request, "param", "auto"))
-    pipeline = Pipeline(model=model, port=free_port(), prefill=small, decode=small,
-                        kv_transfer=store)  # fmt: skip
+    pipeline = Pipeline(
+        model=model, port=free_port(), prefill=small, decode=small, kv_transfer=store
+    )
     with Hosts(["prefill-0", "decode-0"], prefix="pdtf") as hosts:
         cluster = Cluster(pipeline, "WARNING", restart=None, placements=placements(hosts))
         with cluster as url:
-            body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 16, "temperature": 0,
-                    "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": LONG_PROMPT,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             reference = post(url, "/v1/completions", body)["choices"][0]["text"]
             hosts.shape("decode-0", Link(rate="200kbit"))
             yield hosts, url, model, reference

@@ -72,10 +72,25 @@ def test_available_memory_is_meminfo_or_the_override(monkeypatch):
 def test_up_refuses_with_exit_2_naming_the_numbers(tiny_served_model):
     env = {**envs.child_env(b"x"), envs.MEMORY_AVAILABLE: "200MiB"}
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "1", "--decode", "1",
-         "--model", str(tiny_served_model), "--kv-cache-bytes", "64MiB"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--model",
+            str(tiny_served_model),
+            "--kv-cache-bytes",
+            "64MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert lines[1].startswith("pdserve: memory: prefill-0: weights ")

@@ -39,10 +39,15 @@ except ImportError:
 def ray_nodes():
     from ray.cluster_utils import Cluster as RayTestCluster
 
-    nodes = RayTestCluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"prefill_pool": 4}, "include_dashboard": HAS_STATE_API,
-        "dashboard_port": free_port(),
-    })  # fmt: skip
+    nodes = RayTestCluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"prefill_pool": 4},
+            "include_dashboard": HAS_STATE_API,
+            "dashboard_port": free_port(),
+        },
+    )
     nodes.add_node(num_cpus=2, resources={"decode_pool": 4})
     ray.init(address=nodes.address, logging_level="WARNING")
     nodes.wait_for_nodes()
@@ -52,14 +57,18 @@ def ray_nodes():
 
 
 def start(model, **pipeline) -> RayCluster:
-    return RayCluster(Pipeline(model=str(model), port=free_port(), placement="ray", **pipeline),
-                      log_level="WARNING")  # fmt: skip
+    return RayCluster(
+        Pipeline(model=str(model), port=free_port(), placement="ray", **pipeline),
+        log_level="WARNING",
+    )
 
 
 def pools(**kw) -> dict:
     """Prefill on the head node, decode on the second (their custom resources)."""
-    return {"prefill": role(ray_resources={"prefill_pool": 1}, **kw),
-            "decode": role(ray_resources={"decode_pool": 1})}  # fmt: skip
+    return {
+        "prefill": role(ray_resources={"prefill_pool": 1}, **kw),
+        "decode": role(ray_resources={"decode_pool": 1}),
+    }
 
 
 def actor_pids() -> set[int]:
@@ -97,8 +106,9 @@ def health(url: str) -> dict:
 
 def stream_texts(url: str, body: dict, after_five) -> list[str]:
     """A streamed completion's text chunks; `after_five()` runs once 5 have arrived."""
-    r = requests.post(url + "/v1/completions", json={**body, "stream": True}, stream=True,
-                      timeout=120)  # fmt: skip
+    r = requests.post(
+        url + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=120
+    )
     texts = []
     for line in r.iter_lines():
         if line.startswith(b"data: {"):
@@ -151,8 +161,13 @@ def test_same_node_uses_shm(ray_nodes, tiny_served_model, reference):
 def test_killed_worker_is_restarted_and_requests_finish(ray_nodes, tiny_served_model):
     cluster = start(tiny_served_model, **pools())
     model = str(tiny_served_model)
-    body = {"model": model, "prompt": [50] * 20, "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": [50] * 20,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with cluster as url:
         expected = post(url, "/v1/completions", body)["choices"][0]["text"]
         old_pid = int(cluster.placements["decode-0"]["pid"])
@@ -175,8 +190,13 @@ def test_killed_worker_is_restarted_and_requests_finish(ray_nodes, tiny_served_m
 
 def test_killed_router_is_restarted_and_finds_its_workers(ray_nodes, tiny_served_model):
     cluster = start(tiny_served_model, **pools())
-    body = {"model": str(tiny_served_model), "prompt": [60] * 30, "max_tokens": 16,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": str(tiny_served_model),
+        "prompt": [60] * 30,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with cluster as url:
         expected = post(url, "/v1/completions", body)["choices"][0]["text"]
         old_pid = int(ray.get(cluster.router.address.remote())["pid"])
@@ -221,9 +241,16 @@ def test_unsatisfiable_resources_end_the_start(ray_nodes, tiny_served_model):
 
 def test_unreachable_address_errors_within_the_bound(tiny_served_model):
     port = free_port()  # nothing listens there
-    cluster = RayCluster(Pipeline(model=str(tiny_served_model), prefill=role(), decode=role(),
-                                  placement="ray", ray_address=f"127.0.0.1:{port}",
-                                  ray_timeout_s=2))  # fmt: skip
+    cluster = RayCluster(
+        Pipeline(
+            model=str(tiny_served_model),
+            prefill=role(),
+            decode=role(),
+            placement="ray",
+            ray_address=f"127.0.0.1:{port}",
+            ray_timeout_s=2,
+        )
+    )
     t = time.monotonic()
     with pytest.raises(ClusterError, match=f"cannot reach Ray at 127.0.0.1:{port}"):
         cluster.start()
@@ -272,10 +299,14 @@ def test_lost_node_its_worker_comes_back_on_another(ray_nodes, tiny_served_model
     first, second = (ray_nodes.add_node(num_cpus=2, resources={"lost_pool": 1}) for _ in "ab")
     ray_nodes.wait_for_nodes()
     prefill = role(ray_resources={"prefill_pool": 1})
-    cluster = start(tiny_served_model, prefill=prefill,
-                    decode=role(ray_resources={"lost_pool": 1}))  # fmt: skip
-    body = {"model": str(tiny_served_model), "prompt": [70] * 20, "max_tokens": 120,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    cluster = start(tiny_served_model, prefill=prefill, decode=role(ray_resources={"lost_pool": 1}))
+    body = {
+        "model": str(tiny_served_model),
+        "prompt": [70] * 20,
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     with cluster as url:
         expected = post(url, "/v1/completions", body)["choices"][0]["text"]
         old = cluster.placements["decode-0"]

@@ -40,12 +40,13 @@ def test_local_redis_password_is_private_and_required(tiny_served_model):
     model = str(tiny_served_model)
     pipeline = Pipeline(
         # 12 blocks: a few prompts evict blocks, which are written down to Redis.
-        model=model, port=free_port(),
+        model=model,
+        port=free_port(),
         collocated=WorkerGroup(kv_cache_bytes=12 * 16 * 512, threads=1),
         # A loaded CI machine can take longer than the default 0.25 s for the first
         # authenticated connection; a timeout there marks the tier down and drops the puts.
         kv_pool=KVStoreConfig(redis_url="local", async_puts=False, redis_timeout_s=5.0),
-    )  # fmt: skip
+    )
     cluster = Cluster(pipeline, log_level="WARNING")
     with cluster as url:
         procs = {p.name: p.popen for p in cluster.processes}

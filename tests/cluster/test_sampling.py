@@ -35,9 +35,11 @@ def bodies(model: str) -> list[tuple[str, dict]]:
     for sampling in (GREEDY, SEEDED):
         out.append(("/v1/completions", {**text, **sampling, **PROCESSING, "logprobs": 3}))
         out.append(
-            ("/v1/chat/completions", {**chat, **sampling, **PROCESSING, "logprobs": True,
-                                      "top_logprobs": 2})
-        )  # fmt: skip
+            (
+                "/v1/chat/completions",
+                {**chat, **sampling, **PROCESSING, "logprobs": True, "top_logprobs": 2},
+            )
+        )
     out.append(("/v1/completions", {**text, **SEEDED, **PROCESSING, "logprobs": 1, "n": 3}))
     out.append(("/v1/chat/completions", {**chat, **SEEDED, "logprobs": True, "n": 2}))
     return [(path, {**body, "max_tokens": 10, "ignore_eos": True}) for path, body in out]
@@ -88,9 +90,13 @@ def test_openai_client_parses_logprobs(tiny_served_model, collocated):
     model = str(tiny_served_model)
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=5, temperature=0, logprobs=True,
+        model=model,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
         top_logprobs=3,
-    )  # fmt: skip
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and len(content[0].top_logprobs) == 3
     # Raw logprobs, greedy and unprocessed: the sampled token is the likeliest one.
@@ -98,21 +104,36 @@ def test_openai_client_parses_logprobs(tiny_served_model, collocated):
     assert sum(math.exp(t.logprob) for t in content[0].top_logprobs) <= 1 + 1e-5
     assert bytes(content[0].bytes).decode() == content[0].token
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=5, temperature=0, logprobs=True,
-        top_logprobs=1, stream=True,
-    )  # fmt: skip
-    streamed = [t for c in stream if c.choices and c.choices[0].logprobs
-                for t in c.choices[0].logprobs.content]  # fmt: skip
+        model=model,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+    )
+    streamed = [
+        t
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert [t.token for t in streamed] == [t.token for t in content]
-    completion = client.completions.create(model=model, prompt="hello", max_tokens=5,
-                                           temperature=0, logprobs=2)  # fmt: skip
+    completion = client.completions.create(
+        model=model, prompt="hello", max_tokens=5, temperature=0, logprobs=2
+    )
     lp = completion.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 5
     assert lp.text_offset[0] == 0 and all(len(top) <= 2 for top in lp.top_logprobs)
-    chunks = client.completions.create(model=model, prompt="hello", max_tokens=5,
-                                       temperature=0, logprobs=2, stream=True)  # fmt: skip
-    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
-              for t in c.choices[0].logprobs.tokens]  # fmt: skip
+    chunks = client.completions.create(
+        model=model, prompt="hello", max_tokens=5, temperature=0, logprobs=2, stream=True
+    )
+    tokens = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.tokens
+    ]
     assert tokens == lp.tokens
 
 
@@ -121,9 +142,11 @@ def test_logprobs_beyond_the_limit_are_refused(collocated, tiny_served_model):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     with pytest.raises(openai.BadRequestError, match="top_logprobs must be in"):
         client.chat.completions.create(
-            model=str(tiny_served_model), messages=[{"role": "user", "content": "hi"}],
-            logprobs=True, top_logprobs=21,
-        )  # fmt: skip
+            model=str(tiny_served_model),
+            messages=[{"role": "user", "content": "hi"}],
+            logprobs=True,
+            top_logprobs=21,
+        )
 
 
 def computed_prompt_tokens(url: str) -> int:
@@ -175,18 +198,21 @@ def test_best_of_returns_the_likeliest_and_the_client_parses_n(tiny_served_model
     assert post(url, "/v1/completions", {**body, "best_of": 3})["choices"][0]["logprobs"] is None
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     messages = [{"role": "user", "content": "hi"}]
-    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=4, n=3,
-                                          seed=3, temperature=1.0)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, n=3, seed=3, temperature=1.0
+    )
     assert [c.index for c in chat.choices] == [0, 1, 2]
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=4, n=3,
-                                            seed=3, temperature=1.0, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, n=3, seed=3, temperature=1.0, stream=True
+    )
     streamed = ["", "", ""]
     for chunk in stream:
         for c in chunk.choices:
             streamed[c.index] += c.delta.content or ""
     assert streamed == [c.message.content for c in chat.choices]
-    completion = client.completions.create(model=model, prompt="hi", max_tokens=4, n=2,
-                                           seed=3, temperature=1.0, stream=True)  # fmt: skip
+    completion = client.completions.create(
+        model=model, prompt="hi", max_tokens=4, n=2, seed=3, temperature=1.0, stream=True
+    )
     assert {c.index for chunk in completion for c in chunk.choices} == {0, 1}
     with pytest.raises(openai.BadRequestError, match="best_of > n cannot be streamed"):
         client.completions.create(model=model, prompt="hi", best_of=2, stream=True)
@@ -197,8 +223,13 @@ def test_best_of_returns_the_likeliest_and_the_client_parses_n(tiny_served_model
 def echo_answers(url: str, model: str) -> tuple[dict, dict]:
     """A 37-token prompt echoed and scored with 4 tokens after it, and with none
     (`max_tokens: 0`: the prompt alone, as evaluation harnesses score one)."""
-    body = {"model": model, "prompt": [70 + i % 30 for i in range(37)], "echo": True,
-            "logprobs": 2, **GREEDY}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": [70 + i % 30 for i in range(37)],
+        "echo": True,
+        "logprobs": 2,
+        **GREEDY,
+    }
     whole = post(url, "/v1/completions", {**body, "max_tokens": 4})["choices"][0]
     only = post(url, "/v1/completions", {**body, "max_tokens": 0})["choices"][0]
     return whole, only
@@ -209,8 +240,13 @@ def test_echo_scores_the_prompt_and_1p1d_equals_collocated(tiny_served_model, co
     model = str(tiny_served_model)
     # The prompt of bodies(): the collocated worker holds its blocks, which echo recomputes.
     whole, only = echo_answers(url, model)
-    body = {"model": model, "prompt": [70 + i % 30 for i in range(37)], "max_tokens": 4,
-            "logprobs": 2, **GREEDY}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": [70 + i % 30 for i in range(37)],
+        "max_tokens": 4,
+        "logprobs": 2,
+        **GREEDY,
+    }
     plain = post(url, "/v1/completions", body)["choices"][0]
     lp, lp_only = whole["logprobs"], only["logprobs"]
     assert whole["text"] == only["text"] + plain["text"] and only["finish_reason"] == "length"
@@ -238,27 +274,31 @@ def test_openai_client_parses_an_echo_completion(tiny_served_model, collocated):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     model, prompt = str(tiny_served_model), "hello there"
     for max_tokens in (0, 1):
-        completion = client.completions.create(model=model, prompt=prompt, echo=True,
-                                               logprobs=2, max_tokens=max_tokens)  # fmt: skip
+        completion = client.completions.create(
+            model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=max_tokens
+        )
         choice, num_prompt = completion.choices[0], completion.usage.prompt_tokens
         lp = choice.logprobs
         assert choice.text.startswith(prompt) and (choice.text == prompt) == (max_tokens == 0)
         assert len(lp.tokens) == len(lp.token_logprobs) == num_prompt + max_tokens
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert lp.text_offset[0] == 0 and all(v <= 0 for v in lp.token_logprobs[1:])
-    stream = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2,
-                                       max_tokens=3, temperature=0, stream=True)  # fmt: skip
+    stream = client.completions.create(
+        model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=3, temperature=0, stream=True
+    )
     chunks = [c.choices[0] for c in stream if c.choices]
     assert chunks[0].text.startswith(prompt)
     assert len(chunks[0].logprobs.tokens) == num_prompt + 1  # the prompt and the first token
-    whole = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2,
-                                      max_tokens=3, temperature=0)  # fmt: skip
+    whole = client.completions.create(
+        model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=3, temperature=0
+    )
     assert "".join(c.text for c in chunks) == whole.choices[0].text
     streamed = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
     assert streamed == whole.choices[0].logprobs.tokens
     # n = 2: every choice starts with the prompt and its scores, computed once (by sample 0).
-    two = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, n=2,
-                                    max_tokens=3, temperature=0)  # fmt: skip
+    two = client.completions.create(
+        model=model, prompt=prompt, echo=True, logprobs=2, n=2, max_tokens=3, temperature=0
+    )
     for choice in two.choices:
         assert choice.text == whole.choices[0].text
         assert choice.logprobs.token_logprobs[1:] == pytest.approx(

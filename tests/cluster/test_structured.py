@@ -73,9 +73,11 @@ def tiny_served_model(tmp_path_factory):
     """The served tiny model with room for the tools' prompt: one byte a token, the injected
     tool list alone is ~800 tokens."""
     path = make_tiny_llama(
-        tmp_path_factory.mktemp("served_tools"), vocab_size=320, eos_token_id=2,
+        tmp_path_factory.mktemp("served_tools"),
+        vocab_size=320,
+        eos_token_id=2,
         max_position_embeddings=2048,
-    )  # fmt: skip
+    )
     return write_tiny_tokenizer(path)
 
 
@@ -108,9 +110,14 @@ def test_1p1d_equals_collocated(tiny_served_model, collocated):
 def test_openai_client_parses_tool_calls_whole_and_streamed(tiny_served_model, collocated):
     url, _ = collocated
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-    kwargs = dict(model=str(tiny_served_model), messages=MESSAGES, tools=TOOLS, temperature=0,
-                  max_tokens=120, tool_choice={"type": "function",
-                                               "function": {"name": "get_weather"}})  # fmt: skip
+    kwargs = dict(
+        model=str(tiny_served_model),
+        messages=MESSAGES,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=120,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     whole = client.chat.completions.create(**kwargs)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
@@ -138,13 +145,20 @@ def test_openai_client_gets_json_for_a_schema(tiny_served_model, collocated):
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     chat = client.chat.completions.create(
-        model=str(tiny_served_model), messages=MESSAGES, response_format=fmt, seed=3,
+        model=str(tiny_served_model),
+        messages=MESSAGES,
+        response_format=fmt,
+        seed=3,
         max_tokens=120,
-    )  # fmt: skip
+    )
     jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(
-            model=str(tiny_served_model), messages=MESSAGES, max_tokens=5,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "x", "schema": {"type": "nope"}}},
-        )  # fmt: skip
+            model=str(tiny_served_model),
+            messages=MESSAGES,
+            max_tokens=5,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
+        )

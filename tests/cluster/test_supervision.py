@@ -87,8 +87,14 @@ def stream(url: str, model: str, out: list, i: int, started: threading.Event) ->
     """A long streamed completion: ('ok', n) when it finished, ('closed', n) when the
     connection ended early (as the router's death ends it); n chunks, and the seconds from
     the last chunk to the end."""
-    body = {"model": model, "prompt": [40 + i] * 9, "max_tokens": 480, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": [40 + i] * 9,
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     req = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
@@ -122,8 +128,16 @@ def wait_health(url: str, timeout_s: float) -> None:
 
 
 def complete(url: str, model: str) -> list[str]:
-    bodies = [{"model": model, "prompt": [50 + i] * (7 + 13 * i), "max_tokens": 10,
-               "temperature": 0, "ignore_eos": True} for i in range(3)]  # fmt: skip
+    bodies = [
+        {
+            "model": model,
+            "prompt": [50 + i] * (7 + 13 * i),
+            "max_tokens": 10,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for i in range(3)
+    ]
     return [post(url, "/v1/completions", b)["choices"][0]["text"] for b in bodies]
 
 

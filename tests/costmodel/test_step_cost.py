@@ -26,8 +26,13 @@ def test_shape_of_a_mixed_step():
     # chunk of 4 after 8 cached tokens makes 4 * (8 + 2.5) query-key pairs.
     out = SchedulerOutput([(_request(10, 12, 3), 1), (_request(20, 8), 4)])
     shape = StepShape.of(out.scheduled)
-    assert shape == StepShape(prefill_tokens=4, decode_requests=1, prefill_attention_pairs=42.0,
-                              decode_context_tokens=13, prefill_sequences=1)  # fmt: skip
+    assert shape == StepShape(
+        prefill_tokens=4,
+        decode_requests=1,
+        prefill_attention_pairs=42.0,
+        decode_context_tokens=13,
+        prefill_sequences=1,
+    )
     two = StepShape.of([(_request(20, 8), 4), (_request(30, 0), 16)])
     assert (two.prefill_tokens, two.num_prefill_sequences) == (20, 2)
     # A shape given without rows (the planner's single-chunk what-ifs) has one if it prefills.
@@ -46,11 +51,18 @@ def test_roofline_knee():
 @pytest.mark.parametrize("knee", [math.inf, 48.0])
 @pytest.mark.parametrize(
     "shape",
-    [StepShape(decode_requests=3, decode_context_tokens=900),  # a decode step
-     StepShape(decode_requests=60, decode_context_tokens=9000),  # past a finite knee
-     StepShape(prefill_tokens=40, decode_requests=2, prefill_attention_pairs=820.0,
-               decode_context_tokens=300, prefill_sequences=2)],
-)  # fmt: skip
+    [
+        StepShape(decode_requests=3, decode_context_tokens=900),  # a decode step
+        StepShape(decode_requests=60, decode_context_tokens=9000),  # past a finite knee
+        StepShape(
+            prefill_tokens=40,
+            decode_requests=2,
+            prefill_attention_pairs=820.0,
+            decode_context_tokens=300,
+            prefill_sequences=2,
+        ),
+    ],
+)
 def test_predict_is_the_features_dotted_with_the_coefficients(shape, knee):
     model = StepCostModel([0.01, 2e-4, 3e-4, 5e-4, 1e-7, 2e-6, 4e-3], knee_tokens=knee)
     expected = sum(c * f for c, f in zip(model.coefficients, model.features(shape), strict=True))
@@ -59,9 +71,14 @@ def test_predict_is_the_features_dotted_with_the_coefficients(shape, knee):
 
 def test_fit_recovers_coefficients_and_knee():
     truth = StepCostModel([0.02, 1e-5, 2e-4, 3e-4, 1e-8, 1e-6, 3e-3], knee_tokens=64)
-    shapes = [StepShape(p, d, p * p / 2 / r, d * c, r if p else 0)
-              for p in (0, 16, 128, 512, 1024) for r in (1, 4)
-              for d in (0, 1, 8, 32) for c in (64, 512) if p or d]  # fmt: skip
+    shapes = [
+        StepShape(p, d, p * p / 2 / r, d * c, r if p else 0)
+        for p in (0, 16, 128, 512, 1024)
+        for r in (1, 4)
+        for d in (0, 1, 8, 32)
+        for c in (64, 512)
+        if p or d
+    ]
     samples = [(s, truth.predict(s)) for s in shapes]
     fitted = fit_cost_model(samples, knee_candidates=(32, 64, 128))
     assert fitted.knee_tokens == 64

@@ -26,18 +26,31 @@ NUM_BLOCKS, BLOCK_SIZE = 128, 4
 
 def config(kv_cache_dtype="auto", cache=None, dtype="float32", **sched) -> EngineConfig:
     cache = CacheConfig(
-        block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512,
-        kv_cache_dtype=kv_cache_dtype, **(cache or {}),
-    )  # fmt: skip
-    return EngineConfig(model="tiny", cache=cache, scheduler=SchedulerConfig(**sched),
-                        device=DeviceConfig(dtype=dtype))  # fmt: skip
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512,
+        kv_cache_dtype=kv_cache_dtype,
+        **(cache or {}),
+    )
+    return EngineConfig(
+        model="tiny",
+        cache=cache,
+        scheduler=SchedulerConfig(**sched),
+        device=DeviceConfig(dtype=dtype),
+    )
 
 
 class Pair:
     def __init__(
-        self, model_dir, backend, mode, p_dtype="auto", d_dtype="auto", d_cache=None,
-        p_model_dtype="float32", **sched,
-    ) -> None:  # fmt: skip
+        self,
+        model_dir,
+        backend,
+        mode,
+        p_dtype="auto",
+        d_dtype="auto",
+        d_cache=None,
+        p_model_dtype="float32",
+        **sched,
+    ) -> None:
         """`d_cache`: CacheConfig fields of the decode engine only (e.g. a KV budget);
         `p_model_dtype`: the prefill engine's dtype (the decode engine's is float32)."""
         allocate = shared_kv if backend == "shm" else None

@@ -29,8 +29,12 @@ def budget_prompts() -> list[list[int]]:
     """Three prompts well over budget (one a whole number of blocks: its first token opens
     a new block, so one block fewer is kept), one just over, one under (sent whole)."""
     long = prompts(3, seed=7, lo=41, hi=60)
-    return [*long, prompts(1, seed=8, lo=44, hi=45)[0], prompts(1, seed=9, lo=31, hi=32)[0],
-            prompts(1, seed=10, lo=10, hi=11)[0]]  # fmt: skip
+    return [
+        *long,
+        prompts(1, seed=8, lo=44, hi=45)[0],
+        prompts(1, seed=9, lo=31, hi=32)[0],
+        prompts(1, seed=10, lo=10, hi=11)[0],
+    ]
 
 
 def num_kept(prompt: list[int]) -> int:
@@ -149,8 +153,9 @@ def test_request_budget_drops_with_no_deployment_budget(tiny_model_dir):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, kv_budget_tokens=32)
     reference = Engine(config(cache={"kv_sink_tokens": 4, "kv_recent_tokens": 8}), tiny_model_dir)
     expected = run(reference, [prompt], params)
-    pair = Pair(tiny_model_dir, "tcp", "layerwise",
-                d_cache={"kv_sink_tokens": 4, "kv_recent_tokens": 8})  # fmt: skip
+    pair = Pair(
+        tiny_model_dir, "tcp", "layerwise", d_cache={"kv_sink_tokens": 4, "kv_recent_tokens": 8}
+    )
     try:
         assert pair.generate([prompt], params) == expected
         assert pair.reservations[pair.last_ids[0]].drop is not None

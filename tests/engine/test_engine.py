@@ -204,9 +204,11 @@ def test_resumed_seeded_request_continues_the_same_sample(tiny_model_dir):
     prompt = [5, 6, 7, 8]
     full = run(engine, [prompt], p)[0]
     resumed = engine.add_request(
-        "resumed", prompt + full[:4], SamplingParams(max_tokens=6, temperature=1.0, seed=7,
-                                                     ignore_eos=True), num_prior_output_tokens=4
-    )  # fmt: skip
+        "resumed",
+        prompt + full[:4],
+        SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True),
+        num_prior_output_tokens=4,
+    )
     while engine.has_unfinished_requests():
         engine.step()
     assert resumed.output_token_ids == full[4:]

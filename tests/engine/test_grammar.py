@@ -91,8 +91,9 @@ def test_sampled_json_validates_against_50_generated_schemas(engine, tokenizer):
 
 def test_a_finished_grammar_ends_the_request_with_stop(engine, tokenizer):
     grammar = grammar_of("choice", ["yes", "no"])
-    engine.add_request("c", tokenizer.encode("Well?"), SamplingParams(max_tokens=50,
-                                                                      grammar=grammar))  # fmt: skip
+    engine.add_request(
+        "c", tokenizer.encode("Well?"), SamplingParams(max_tokens=50, grammar=grammar)
+    )
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -117,8 +118,12 @@ def test_disaggregated_equals_collocated(tiny_served_model, engine, tokenizer, t
     pair = Pair(tiny_served_model, "tcp", "layerwise")
     try:
         for seed, schema in enumerate(schemas):
-            params = SamplingParams(max_tokens=60, temperature=temperature, seed=seed,
-                                    grammar=grammar_of("json", schema))  # fmt: skip
+            params = SamplingParams(
+                max_tokens=60,
+                temperature=temperature,
+                seed=seed,
+                grammar=grammar_of("json", schema),
+            )
             collocated = run(engine, [prompt], params)[0]
             assert pair.generate([prompt], params)[0] == collocated
             assert len(collocated) > 1  # the decode worker sampled too

@@ -81,9 +81,10 @@ def test_8bit_blocks_and_scales_round_trip_through_a_tier(tiny_model_dir, tmp_pa
     """FP8 (int8) blocks (values and their per-token scales) leave L1 and come back intact:
     the repeated request's output equals the first one's, computed from the same 8-bit KV."""
     cache = CacheConfig(
-        block_size=BLOCK_SIZE, kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512 // 4,
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=NUM_BLOCKS * BLOCK_SIZE * 512 // 4,
         kv_cache_dtype=kv,
-    )  # fmt: skip
+    )
     store = KVStoreConfig(disk_dir=str(tmp_path / "kv"), disk_bytes=1 << 20)
     eng = Engine(EngineConfig(model="tiny", cache=cache, kvstore=store), tiny_model_dir)
     assert eng.runner.kv_cache.dtype.itemsize == 1

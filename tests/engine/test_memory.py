@@ -86,8 +86,15 @@ def test_a_bf16_hf_checkpoint_is_mapped_not_copied(tmp_path):
 
 
 def _ckpt(source: str | None) -> Checkpoint:
-    cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     return Checkpoint(cfg, tuple((n, source) for _, n in linear_shapes(cfg)))
 
 

@@ -86,8 +86,10 @@ def test_a_thread_count_not_seen_yet_is_priced_from_the_nearest_scaled():
 def test_the_worker_reports_its_budget_its_cap_and_the_steps_the_cap_bound():
     guard = StallGuard()
     assert guard.fields() == {
-        "stall_budget_s": None, "stall_cap_tokens": None, "num_stall_capped_steps": 0,
-    }  # fmt: skip
+        "stall_budget_s": None,
+        "stall_cap_tokens": None,
+        "num_stall_capped_steps": 0,
+    }
     steady(guard, 1, 0.05, 0.01)  # unbudgeted steps: nothing capped
     assert guard.num_capped_steps == 0
     cap = guard.cap(1.0)  # 40 tokens
@@ -97,5 +99,7 @@ def test_the_worker_reports_its_budget_its_cap_and_the_steps_the_cap_bound():
     guard.observe(1, cap - 10, 4, 0.35)  # a prompt's last, shorter chunk: not bound by it
     guard.observe(1, cap, 4, 0.45)  # no cap asked for this step
     assert guard.fields() == {
-        "stall_budget_s": 1.0, "stall_cap_tokens": cap, "num_stall_capped_steps": 1,
-    }  # fmt: skip
+        "stall_budget_s": 1.0,
+        "stall_cap_tokens": cap,
+        "num_stall_capped_steps": 1,
+    }

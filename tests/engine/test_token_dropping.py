@@ -12,8 +12,9 @@ BS = 4
 
 
 def engine(model_dir, **cache) -> Engine:
-    cfg = CacheConfig(block_size=BS, kv_cache_bytes=256 * BS * 512, kv_sink_tokens=4,
-                      kv_recent_tokens=8, **cache)  # fmt: skip
+    cfg = CacheConfig(
+        block_size=BS, kv_cache_bytes=256 * BS * 512, kv_sink_tokens=4, kv_recent_tokens=8, **cache
+    )
     return Engine(EngineConfig(model="tiny", cache=cfg), model_dir)
 
 

@@ -73,9 +73,11 @@ class Stream:
     def __init__(self, c: FaultCluster, prompt: list[int], max_tokens: int) -> None:
         self.start = time.monotonic()
         self.response = requests.post(
-            c.url + "/v1/completions", json=body(prompt, max_tokens, stream=True), stream=True,
+            c.url + "/v1/completions",
+            json=body(prompt, max_tokens, stream=True),
+            stream=True,
             timeout=30,
-        )  # fmt: skip
+        )
         assert self.response.status_code == 200, self.response.text
         self._lines = self.response.iter_lines()
         self.text = ""
@@ -118,9 +120,11 @@ def test_disconnect_while_held(cluster: FaultCluster, stage: str) -> None:
     try:
         with ThreadPoolExecutor(1) as pool:
             post = pool.submit(
-                requests.post, cluster.url + "/v1/completions", json=body(new_prompt(), 24),
+                requests.post,
+                cluster.url + "/v1/completions",
+                json=body(new_prompt(), 24),
                 timeout=(5, 1.5),
-            )  # fmt: skip
+            )
             holder(cluster, held)
             with pytest.raises(requests.exceptions.ReadTimeout):
                 post.result()
@@ -165,9 +169,13 @@ def test_transfer_fault_recovers(cluster: FaultCluster, fault: str) -> None:
 
 @pytest.mark.parametrize(
     ("stage", "victim_role"),
-    [("queued", "decode"), ("queued", "prefill"), ("prefilling", "prefill"),
-     ("prefilling", "decode")],
-)  # fmt: skip
+    [
+        ("queued", "decode"),
+        ("queued", "prefill"),
+        ("prefilling", "prefill"),
+        ("prefilling", "decode"),
+    ],
+)
 def test_worker_killed_before_first_token(
     cluster: FaultCluster, stage: str, victim_role: str
 ) -> None:

@@ -52,9 +52,13 @@ def test_prompt_drop_keeps_sink_recent_and_the_best_in_order():
 
 @pytest.mark.parametrize(
     "args, match",
-    [((3, 1, 2), "at least 4"), ((5, -1, 2), "sink_blocks"), ((True, 1, 2), "num_keep_blocks"),
-     ((5, 1, "2"), "recent_blocks")],
-)  # fmt: skip
+    [
+        ((3, 1, 2), "at least 4"),
+        ((5, -1, 2), "sink_blocks"),
+        ((True, 1, 2), "num_keep_blocks"),
+        ((5, 1, "2"), "recent_blocks"),
+    ],
+)
 def test_prompt_drop_validates(args, match):
     with pytest.raises(ValueError, match=match):
         PromptDrop(*args)

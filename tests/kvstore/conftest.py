@@ -20,8 +20,15 @@ KEY = bytes(range(32))
 
 @pytest.fixture
 def fmt() -> EntryFormat:
-    return EntryFormat("test/tiny-llama", num_layers=2, num_kv_heads=2, block_size=4,
-                       head_dim=8, dtype="float32", key=KEY)  # fmt: skip
+    return EntryFormat(
+        "test/tiny-llama",
+        num_layers=2,
+        num_kv_heads=2,
+        block_size=4,
+        head_dim=8,
+        dtype="float32",
+        key=KEY,
+    )
 
 
 def payload(seed: int) -> bytes:
@@ -51,10 +58,24 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory",
+                "64mb",
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

@@ -84,8 +84,9 @@ def test_kvstore_imports_without_torch():
 @pytest.mark.parametrize(
     "writer, reader", [("fp8", "auto"), ("auto", "fp8"), ("int8", "fp8"), ("fp8", "int8")]
 )
-def test_8bit_and_full_precision_pools_refuse_each_others_entries(tiny_model_dir, tmp_path,
-                                                                  writer, reader):  # fmt: skip
+def test_8bit_and_full_precision_pools_refuse_each_others_entries(
+    tiny_model_dir, tmp_path, writer, reader
+):
     """The formats the engine derives from its pool: an FP8 pool's (uint8 rows of values and
     a scale), an int8 pool's (int8 rows of the same width) and a full-precision pool's
     differ, so even in one place none takes another's entries."""

@@ -96,9 +96,13 @@ def test_foreign_entry_is_a_counted_miss_and_kept(fmt, host_root):
 
 def run_child(code: str) -> str:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, check=True,
-        capture_output=True, text=True, timeout=60,
-    ).stdout  # fmt: skip
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
 
 
 CHILD_PRELUDE = """
@@ -116,9 +120,12 @@ def test_host_tier_is_shared_between_processes(fmt, host_root):
     evicted = recording(tier)
     for h in (1, 2, 3):
         tier.put(h, payload(h))
-    out = run_child(CHILD_PRELUDE.format(capacity=capacity, root=str(host_root)) + """
+    out = run_child(
+        CHILD_PRELUDE.format(capacity=capacity, root=str(host_root))
+        + """
     print(tier.get(1) == payload(1), tier.get(2) == payload(2))
-    """)  # fmt: skip
+    """
+    )
     assert out.split() == ["True", "True"]
     # The child's reads made 1 and 2 recent; our index still says 1 is oldest, and the
     # mtime check on the victim corrects it without a rescan.
@@ -129,10 +136,13 @@ def test_host_tier_is_shared_between_processes(fmt, host_root):
 def test_host_capacity_counts_other_processes_entries(fmt, host_root):
     capacity = 3 * entry_bytes(fmt)
     tier = HostTier(fmt, capacity, root=host_root, rescan_interval_s=0)
-    run_child(CHILD_PRELUDE.format(capacity=capacity, root=str(host_root)) + """
+    run_child(
+        CHILD_PRELUDE.format(capacity=capacity, root=str(host_root))
+        + """
     for h in (11, 12, 13):
         tier.put(h, payload(h))
-    """)  # fmt: skip
+    """
+    )
     assert tier.get(12) == payload(12)
     tier.put(1, payload(1))
     assert sorted(int(p.stem, 16) for p in tier.directory.glob("*.kv")) == [1, 12, 13]

@@ -29,9 +29,13 @@ def mode(path) -> int:
 
 def test_tier_directories_are_created_owner_only(tmp_path) -> None:
     config = KVStoreConfig(
-        host_bytes=1 << 20, host_root=str(tmp_path / "shm"), disk_dir=str(tmp_path / "disk"),
-        disk_bytes=1 << 20, key_file=key_file(tmp_path / "key"), async_puts=False,
-    )  # fmt: skip
+        host_bytes=1 << 20,
+        host_root=str(tmp_path / "shm"),
+        disk_dir=str(tmp_path / "disk"),
+        disk_bytes=1 << 20,
+        key_file=key_file(tmp_path / "key"),
+        async_puts=False,
+    )
     store = build_tiered_store(config, FMT)
     assert [mode(t.directory) for t in store.tiers] == [0o700, 0o700]
     store.close()
@@ -80,9 +84,10 @@ def test_directory_another_user_made_is_refused(tmp_path) -> None:
 )
 def test_key_file_must_be_private_and_long_enough(tmp_path, data, file_mode, problem) -> None:
     config = KVStoreConfig(
-        disk_dir=str(tmp_path / "disk"), disk_bytes=1 << 20,
+        disk_dir=str(tmp_path / "disk"),
+        disk_bytes=1 << 20,
         key_file=key_file(tmp_path / "key", data, file_mode),
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match=rf"kvstore.key_file is not usable: .*{problem}"):
         build_tiered_store(config, FMT)
 
@@ -98,9 +103,11 @@ def test_default_key_is_made_once_owner_only(tmp_path) -> None:
 def test_stores_share_entries_only_with_the_same_key(tmp_path) -> None:
     def store(key_path):
         config = KVStoreConfig(
-            disk_dir=str(tmp_path / "disk"), disk_bytes=1 << 20, key_file=str(key_path),
+            disk_dir=str(tmp_path / "disk"),
+            disk_bytes=1 << 20,
+            key_file=str(key_path),
             async_puts=False,
-        )  # fmt: skip
+        )
         return build_tiered_store(config, FMT)
 
     a = store(key_file(tmp_path / "a", b"a" * 32))

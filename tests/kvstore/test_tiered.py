@@ -38,8 +38,11 @@ def test_eviction_walks_down_and_get_promotes(three_tiers, fmt):
     assert where(store, [1, 3, 5, 6]) == ["host", "remote", "disk", "host"]
     assert store.tiers[2].contains(3) and store.tiers[2].contains(1)  # copies are inclusive
     n = len(payload(0))
-    assert store.stats()["moved_bytes"] == {"host->disk": 5 * n, "disk->remote": 3 * n,
-                                            "remote->host": n}  # fmt: skip
+    assert store.stats()["moved_bytes"] == {
+        "host->disk": 5 * n,
+        "disk->remote": 3 * n,
+        "remote->host": n,
+    }
     assert store.get_prefix([6, 1, 5, 99, 2]) == [payload(6), payload(1), payload(5)]
     assert store.get(99) is None and not store.contains(99)
     hit_rates = [t["hit_rate"] for t in store.stats()["tiers"]]
@@ -103,9 +106,14 @@ def test_a_raising_tier_is_skipped(fmt, tmp_path):
 
 def test_build_from_settings(fmt, tmp_path):
     assert build_tiered_store(KVStoreConfig(), fmt) is None
-    config = KVStoreConfig(host_bytes=10**6, host_root=str(tmp_path / "shm"),
-                           disk_dir=str(tmp_path / "disk"), disk_bytes=10**7,
-                           redis_url="redis://127.0.0.1:1/0", async_puts=False)  # fmt: skip
+    config = KVStoreConfig(
+        host_bytes=10**6,
+        host_root=str(tmp_path / "shm"),
+        disk_dir=str(tmp_path / "disk"),
+        disk_bytes=10**7,
+        redis_url="redis://127.0.0.1:1/0",
+        async_puts=False,
+    )
     store = build_tiered_store(config, fmt)
     assert [t.name for t in store.tiers] == ["host", "disk", "redis"]
     assert store.put(1, payload(1)) and store.get(1) == payload(1)
@@ -114,9 +122,13 @@ def test_build_from_settings(fmt, tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs, field",
-    [({"disk_dir": "/x"}, "disk_dir"), ({"host_bytes": -1}, "host_bytes"),
-     ({"redis_url": "localhost:6379"}, "redis_url"), ({"queue_size": 0}, "queue_size")],
-)  # fmt: skip
+    [
+        ({"disk_dir": "/x"}, "disk_dir"),
+        ({"host_bytes": -1}, "host_bytes"),
+        ({"redis_url": "localhost:6379"}, "redis_url"),
+        ({"queue_size": 0}, "queue_size"),
+    ],
+)
 def test_bad_settings_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"kvstore.{field}"):
         KVStoreConfig(**kwargs)

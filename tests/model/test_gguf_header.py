@@ -40,7 +40,10 @@ def test_mapped_tensors_are_the_bytes_gguf_reads(tmp_path):
     assert len(mapped.tensors) == len(reader.tensors)
     for ours, theirs in zip(mapped.tensors, reader.tensors, strict=True):
         assert (ours.name, ours.tensor_type, ours.n_elements) == (
-            theirs.name, theirs.tensor_type, int(theirs.n_elements))  # fmt: skip
+            theirs.name,
+            theirs.tensor_type,
+            int(theirs.n_elements),
+        )
         assert np.array_equal(ours.data, theirs.data.view(np.uint8).reshape(-1)), ours.name
         assert not ours.data.flags.writeable  # a read-only view of the file, not a copy
     cut = tmp_path / "cut.gguf"

@@ -15,8 +15,16 @@ from pdserve.model.gguf_convert import BLOCKS
 from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantEmbedding, QuantLinear, QuantTensor
 
 # Where each quantized type keeps its fp16 scales in a block (the rest: any bit pattern).
-SCALES = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q8_0: [0],
-          Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}  # fmt: skip
+SCALES = {
+    Q.Q4_0: [0],
+    Q.Q4_1: [0, 2],
+    Q.Q5_0: [0],
+    Q.Q5_1: [0, 2],
+    Q.Q8_0: [0],
+    Q.Q4_K: [0, 2],
+    Q.Q5_K: [0, 2],
+    Q.Q6_K: [208],
+}
 
 
 def random_tensor(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -351,8 +359,13 @@ def test_amx_fused_parts_row_map_and_bias(lib):
     bias = torch.randn(48)
     linear = QuantLinear(lib, parts, bias)
     assert linear.amx_tiles
-    w = torch.cat([reference(a, Q.Q4_K, 40, k)[rowmap], reference(b, Q.Q6_K, 5, k),
-                   reference(c, Q.Q4_0, 3, k)])  # fmt: skip
+    w = torch.cat(
+        [
+            reference(a, Q.Q4_K, 40, k)[rowmap],
+            reference(b, Q.Q6_K, 5, k),
+            reference(c, Q.Q4_0, 3, k),
+        ]
+    )
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     _, scale = int8_reference(w, x, 32)
     err = np.abs((linear(x) - bias).numpy() - (x @ w.T).numpy())

@@ -21,8 +21,10 @@ def test_tensors_are_views_of_the_read_only_mapping(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     entries = map_checkpoint(tmp_path)
     assert {k: (e.dtype, e.shape) for k, e in entries.items()} == {
-        "w": ("BF16", (3, 8)), "n": ("F32", (8,)), "h": ("F16", (2, 4))
-    }  # fmt: skip
+        "w": ("BF16", (3, 8)),
+        "n": ("F32", (8,)),
+        "h": ("F16", (2, 4)),
+    }
     for name, t in tensors.items():
         data = entries[name].data
         assert isinstance(data.base, np.memmap) and not data.flags.writeable
@@ -98,8 +100,9 @@ def write_sharded(model_dir, weight_map: dict[str, str]) -> None:
 def test_the_index_names_the_shards(tmp_path):
     """Another format's file beside the shards (Mistral's consolidated.safetensors) is not
     part of the checkpoint."""
-    write_sharded(tmp_path, {"a": "model-00001-of-00002.safetensors",
-                             "b": "model-00002-of-00002.safetensors"})  # fmt: skip
+    write_sharded(
+        tmp_path, {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    )
     save_file({"layers.0.wq": torch.zeros(2, 2)}, tmp_path / "consolidated.safetensors")
     assert sorted(map_checkpoint(tmp_path)) == ["a", "b"]
 
@@ -108,11 +111,13 @@ def test_the_index_names_the_shards(tmp_path):
     "weight_map, message",
     [
         ({"a": "../model.safetensors"}, "names '../model.safetensors', not a file of"),
-        ({"a": "model-00002-of-00002.safetensors"}, "names model-00002-of-00002.safetensors, "
-         "which .* lacks"),
+        (
+            {"a": "model-00002-of-00002.safetensors"},
+            "names model-00002-of-00002.safetensors, which .* lacks",
+        ),
     ],
     ids=["outside", "missing"],
-)  # fmt: skip
+)
 def test_a_bad_index_is_refused_by_name(tmp_path, weight_map, message):
     write_sharded(tmp_path, {"a": "model-00001-of-00002.safetensors"})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))

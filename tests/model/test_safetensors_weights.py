@@ -245,16 +245,28 @@ sys.stdin.readline()
 def big_checkpoint(model_dir, layers: int) -> int:
     """A random bf16 Llama of ~32 MiB a layer, written without transformers; its file size."""
     config = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=1024,
-        intermediate_size=4096, num_hidden_layers=layers, num_attention_heads=8,
-        num_key_value_heads=8, vocab_size=512, max_position_embeddings=64, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
-    )  # fmt: skip
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=512,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (512, 1024), "lm_head.weight": (512, 1024),
-              "model.norm.weight": (1024,)}  # fmt: skip
+    shapes = {
+        "model.embed_tokens.weight": (512, 1024),
+        "lm_head.weight": (512, 1024),
+        "model.norm.weight": (1024,),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         for x in "qkvo":

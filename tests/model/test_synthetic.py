@@ -62,8 +62,9 @@ def test_tiny_round_trips_through_the_reader(tiny_gguf):
     assert len(reader.fields["tokenizer.ggml.tokens"].data) == 49152
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K,
-                                   Q.Q6_K, Q.F16, Q.BF16])  # fmt: skip
+@pytest.mark.parametrize(
+    "qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.F16, Q.BF16]
+)
 def test_random_matrices_are_centred_and_scaled(qtype):
     data = random_matrix((64, 512), qtype, np.random.default_rng(0))
     values = dequantize(data.reshape(64, -1), qtype)
@@ -79,8 +80,11 @@ def test_types_follow_llama_cpp():
     assert tensor_type("token_embd.weight@tied", 576, "q4_1", 0, 30) == Q.Q8_0
     assert tensor_type("blk.3.ffn_up.weight", 576, "q4_k_m", 3, 30) == Q.Q5_0
     # Q4_K_M: Q6_K in the first and last eighth and every third layer between.
-    more = [i for i in range(16) if tensor_type(f"blk.{i}.ffn_down.weight", 8192, "q4_k_m", i, 16)
-            == Q.Q6_K]  # fmt: skip
+    more = [
+        i
+        for i in range(16)
+        if tensor_type(f"blk.{i}.ffn_down.weight", 8192, "q4_k_m", i, 16) == Q.Q6_K
+    ]
     assert more == [0, 1, 4, 7, 10, 13, 14, 15]
 
 
@@ -114,8 +118,15 @@ def test_deep_model_gives_finite_logits_and_the_default_tokenizer(tmp_path):
 def test_qwen3_shape_converts_with_its_q_k_norms(tmp_path):
     """A Qwen3-shaped file (head_dim apart from hidden / heads, per-head Q/K norms) converts
     and runs like Qwen3's own GGUFs."""
-    shape = replace(SHAPES["qwen3-0.6b"], hidden_size=256, num_layers=2, intermediate_size=512,
-                    num_heads=4, num_kv_heads=2, key_length=128)  # fmt: skip
+    shape = replace(
+        SHAPES["qwen3-0.6b"],
+        hidden_size=256,
+        num_layers=2,
+        intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=2,
+        key_length=128,
+    )
     path = write_synthetic_gguf(tmp_path / "qwen3.gguf", shape, "q8_0")
     model = load_model(convert_gguf(path, tmp_path / "qwen3"))
     assert model.config.qk_norm and model.config.head_dim == 128

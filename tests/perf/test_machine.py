@@ -24,9 +24,11 @@ def test_a_profile_of_this_cpu_and_core_count_passes():
 
 @pytest.mark.parametrize(
     ("machine", "message"),
-    [({"cpu": "another cpu"}, "measured on 'another cpu' with"),
-     ({"cores": 999}, "with 999 cores, this is")],
-)  # fmt: skip
+    [
+        ({"cpu": "another cpu"}, "measured on 'another cpu' with"),
+        ({"cores": 999}, "with 999 cores, this is"),
+    ],
+)
 def test_a_profile_of_another_cpu_or_core_count_is_refused(machine, message):
     with pytest.raises(ValueError, match=message):
         check_same_machine(measured_here(**machine))

@@ -28,9 +28,16 @@ from pdserve.perf.measure import (
 def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     cores = len(os.sched_getaffinity(0))
     threads = (1, cores) if cores > 1 else (1,)  # and every core's: a size of served steps
-    cfg = ProfileConfig(str(tiny_served_model), threads, kv_cache_bytes=1 << 20, decode_steps=4,
-                        repeats=1, grid=((16, 1), (200, 1), (32, 4), *PROBE_GRID),
-                        served_requests=3, wake_pauses=(0.01, 0.02))  # fmt: skip
+    cfg = ProfileConfig(
+        str(tiny_served_model),
+        threads,
+        kv_cache_bytes=1 << 20,
+        decode_steps=4,
+        repeats=1,
+        grid=((16, 1), (200, 1), (32, 4), *PROBE_GRID),
+        served_requests=3,
+        wake_pauses=(0.01, 0.02),
+    )
     timings = measure_steps(cfg, 1)
     samples = timings.samples
     # the probe's baseline: the grid's own steps of the probe's entries, 4 steps each
@@ -51,8 +58,11 @@ def test_profile_of_a_tiny_model(tiny_served_model, tmp_path):
     probes = loaded.machine["probe"]
     assert probes.keys() == {str(t) for t in threads}
     assert all(p["shapes"] == [list(entry) for entry in PROBE_GRID] for p in probes.values())
-    assert all(0.3 < p[k] < 3 and p["decode_steps"] == 4 for p in probes.values()
-               for k in ("prefill", "decode"))  # fmt: skip
+    assert all(
+        0.3 < p[k] < 3 and p["decode_steps"] == 4
+        for p in probes.values()
+        for k in ("prefill", "decode")
+    )
     # Through a real router and worker: both legs take time, and far less than a second.
     assert 0 < loaded.served.request_s < 1 and 0 < loaded.served.token_s < 1
     if cores > 1:  # a served 1p1d ran: its prefill worker's first token came back, in well
@@ -97,14 +107,18 @@ def test_update_refuses_a_profile_of_another_machine(tmp_path):
 def test_profile_times_steps_under_a_workers_openmp_wait_policy():
     """Before torch loads, a worker's spin count; after, None (libgomp has read its own)."""
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = ("import json, os; from pdserve.perf.measure import timing_env; "
-            "print(json.dumps([timing_env(), os.environ.get('GOMP_SPINCOUNT')]))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    code = (
+        "import json, os; from pdserve.perf.measure import timing_env; "
+        "print(json.dumps([timing_env(), os.environ.get('GOMP_SPINCOUNT')]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert json.loads(out.stdout) == [{"GOMP_SPINCOUNT": WORKER_SPINCOUNT}, WORKER_SPINCOUNT]
     operator = {**env, "OMP_WAIT_POLICY": "passive"}  # the operator's choice is kept
-    out = subprocess.run([sys.executable, "-c", code], env=operator, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=operator, capture_output=True, text=True, check=True
+    )
     assert json.loads(out.stdout) == [{"OMP_WAIT_POLICY": "passive"}, None]
     import torch  # noqa: F401  (loaded here already by the engine tests; now surely)
 
@@ -126,9 +140,16 @@ def test_long_prompts_are_timed_past_the_grid_one_request_each(tmp_path):
     from tests.conftest import make_tiny_llama
 
     model = make_tiny_llama(tmp_path, max_position_embeddings=2048)
-    cfg = ProfileConfig(str(model), (1,), kv_cache_bytes=1 << 22, decode_steps=2,
-                        repeats=1, grid=PROBE_GRID, long_prompt_lens=(1200,),
-                        wake_pauses=(0.01,))  # fmt: skip
+    cfg = ProfileConfig(
+        str(model),
+        (1,),
+        kv_cache_bytes=1 << 22,
+        decode_steps=2,
+        repeats=1,
+        grid=PROBE_GRID,
+        long_prompt_lens=(1200,),
+        wake_pauses=(0.01,),
+    )
     assert cfg.timed_grid == (*PROBE_GRID, (1200, 1))
     timings = measure_steps(cfg, 1)
     samples = timings.samples

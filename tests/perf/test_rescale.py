@@ -24,11 +24,17 @@ PREFILL, DECODE = StepShape(prefill_tokens=100), StepShape(decode_requests=4)
 def cpu_profile(models: dict[int, StepCostModel], name: str = "m", **machine) -> HardwareProfile:
     here = {"cpu": cpu_name(), "cores": len(os.sched_getaffinity(0))}
     return HardwareProfile(
-        kind="measured", device="cpu: x", model=model_shape("llama-3-8b"), size_unit="threads",
-        models=models, transfer={}, devices_per_node=here["cores"], kv_cache_bytes=1 << 20,
+        kind="measured",
+        device="cpu: x",
+        model=model_shape("llama-3-8b"),
+        size_unit="threads",
+        models=models,
+        transfer={},
+        devices_per_node=here["cores"],
+        kv_cache_bytes=1 << 20,
         machine=here | machine,
         served=ServedOverhead(request_s=0.004, token_s=0.001, token_cpu_s=0.002),
-    )  # fmt: skip
+    )
 
 
 def linear_model(step_s: float = 0.01, per_token_s: float = 0.001) -> StepCostModel:
@@ -75,7 +81,9 @@ def test_rescaled_profile_scales_each_thread_count_and_the_served_seconds():
 
 def test_a_probe_times_the_shapes_its_baseline_was_taken_on():
     assert probe_grid({"prefill": 1.0, "decode": 1.0, "shapes": [[80, 1], [64, 16]]}) == (
-        (80, 1), (64, 16))  # fmt: skip
+        (80, 1),
+        (64, 16),
+    )
     assert probe_grid(None) == PROBE_GRID  # no baseline: against the model, today's shapes
 
 
@@ -88,8 +96,14 @@ def test_rescale_refuses_another_machine_and_analytic_profiles():
 
 @pytest.mark.slow
 def test_a_probe_finds_a_profile_four_times_too_fast(tiny_served_model):
-    cfg = ProfileConfig(str(tiny_served_model), (1,), kv_cache_bytes=1 << 20, decode_steps=6,
-                        repeats=1, grid=(*PROBE_GRID, (32, 4)))  # fmt: skip
+    cfg = ProfileConfig(
+        str(tiny_served_model),
+        (1,),
+        kv_cache_bytes=1 << 20,
+        decode_steps=6,
+        repeats=1,
+        grid=(*PROBE_GRID, (32, 4)),
+    )
     with pinned_engine(cfg, 1) as engine:
         fitted = fit_cost_model(time_grid(cfg, engine))
     profile = cpu_profile({1: fitted.scaled(0.25)})

@@ -51,8 +51,13 @@ def test_a_line_that_would_need_a_negative_part_gives_a_factor_alone():
 
 def test_steps_the_simulators_additions_cover_keep_the_model():
     # 0.5 ms decode steps less 1 ms of token CPU each: cleared, most are below 0
-    points = [(0.0005, 0.0006 - 0.001), (0.0005, 0.0004 - 0.001), (0.0006, 0.0007 - 0.001),
-              (0.0004, 0.0005 - 0.001), (0.0005, 0.0020 - 0.001)]  # fmt: skip
+    points = [
+        (0.0005, 0.0006 - 0.001),
+        (0.0005, 0.0004 - 0.001),
+        (0.0006, 0.0007 - 0.001),
+        (0.0004, 0.0005 - 0.001),
+        (0.0005, 0.0020 - 0.001),
+    ]
     assert fit_line(points) == (0.0, 1.0)
 
 
@@ -74,8 +79,15 @@ def test_steps_are_cleared_of_the_wake_and_the_token_cpu_the_simulator_adds():
     first = w0[4][2]
     w1 = [(DECODE, 1, first + i * 0.02, 0.02) for i in range(40)]
     busy_until = w1[-1][2] + 0.02
-    w0 = [(sh, th, st, d + (2 * token_cpu_s if not sh.prefill_tokens and first < st < busy_until
-                            else 0.0)) for sh, th, st, d in w0]  # fmt: skip
+    w0 = [
+        (
+            sh,
+            th,
+            st,
+            d + (2 * token_cpu_s if not sh.prefill_tokens and first < st < busy_until else 0.0),
+        )
+        for sh, th, st, d in w0
+    ]
     assert sum(first < st < busy_until for _, _, st, _ in w0) == 3
     steps = fit_served_steps(model, [w0, w1], 2, token_cpu_s)
     assert steps.prefill_s == 0.0 and steps.prefill_factor == pytest.approx(1.3)

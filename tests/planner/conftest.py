@@ -47,8 +47,12 @@ def two_cores(coefficients: dict[int, list[float]]) -> HardwareProfile:
     """A measured profile of these step costs per thread count (a usable model at once)."""
     shape = ModelShape("test", 2, 64, 128, 4, 2, 16, 128, kv_bytes_per_element=4.0)
     return HardwareProfile(
-        kind="measured", device="test", model=shape, size_unit="threads",
+        kind="measured",
+        device="test",
+        model=shape,
+        size_unit="threads",
         models={t: StepCostModel(list(c)) for t, c in coefficients.items()},
         transfer={"tcp": TransferModel(512e6, 1e-4)},
-        devices_per_node=1, kv_cache_bytes=65536 * shape.kv_bytes_per_token,
-    )  # fmt: skip
+        devices_per_node=1,
+        kv_cache_bytes=65536 * shape.kv_bytes_per_token,
+    )

@@ -108,8 +108,9 @@ def test_running_workers_never_share_a_cpu_under_random_demand(seed):
         busy = {w for w in ROLES if rng.random() < 0.5}
         need = {w: rng.randint(0, 8) for w in ("d1", "d2")}
         wanted = demands(busy, need)
-        wanted = [Demand(d.worker_id, d.role, d.busy, d.need_threads, rng.randint(0, 8))
-                  for d in wanted]  # fmt: skip
+        wanted = [
+            Demand(d.worker_id, d.role, d.busy, d.need_threads, rng.randint(0, 8)) for d in wanted
+        ]
         groups.want(plan_counts(8, wanted), ROLES, now, stall_floors(wanted))
         host.send(now)
         host.advance(now)
@@ -179,8 +180,10 @@ def test_router_config_refuses_a_bad_adaptive_deployment_naming_the_field(tmp_pa
     from pdserve.router.config import RouterConfig
 
     on = AdaptiveConfig(enabled=True)
-    workers = (WorkerEndpoint("p0", "prefill", "ipc:///tmp/p0", (0,)),
-               WorkerEndpoint("d1", "decode", "ipc:///tmp/d1", (0,)))  # fmt: skip
+    workers = (
+        WorkerEndpoint("p0", "prefill", "ipc:///tmp/p0", (0,)),
+        WorkerEndpoint("d1", "decode", "ipc:///tmp/d1", (0,)),
+    )
     with pytest.raises(ValueError, match="adaptive.workers: 2 workers cannot share 1 cores"):
         RouterConfig(model="m", workers=workers, adaptive=on)
     bad = AdaptiveConfig(enabled=True, profile=str(tmp_path / "none.json"))
@@ -357,16 +360,118 @@ def test_a_worker_being_parked_takes_no_work_until_it_is_granted_again():
 # --slo-itl-ms 60), s from its start, as its /v1/status poll saw them (0.5 s apart). That run
 # merged 1 s after a remote request (at 261.4 and 306.5) and split again at the next one.
 STEP_RUN_REMOTE_S = [
-    2.5, 2.5, 3.5, 6.6, 8.1, 9.6, 33.9, 38.5, 40.5, 42.5, 53.2, 53.2, 55.2, 57.2, 60.2,
-    61.3, 62.3, 69.8, 72.9, 73.9, 75.4, 77.9, 79.9, 86.5, 89.0, 91.6, 95.1, 96.6, 97.6, 99.2,
-    99.7, 101.2, 101.2, 104.7, 109.3, 110.3, 116.9, 117.4, 117.9, 119.4, 120.4, 121.9,
-    150.3, 151.3, 160.0, 162.5, 165.6, 165.6, 169.1, 175.7, 184.9, 189.4, 196.5, 213.3, 218.9,
-    223.5, 240.1, 240.6, 241.7, 243.2, 245.7, 248.2, 248.7, 249.3, 250.3, 251.3, 254.8,
-    255.8, 257.3, 259.9, 260.4, 275.1, 275.6, 277.1, 280.7, 283.7, 285.2, 287.3, 289.3,
-    292.8, 293.8, 294.4, 294.9, 297.9, 299.4, 305.0, 305.5, 307.5, 316.6, 318.7, 319.2, 324.2,
-    325.2, 325.7, 327.8, 328.3, 329.3, 332.3, 333.9, 339.9, 343.5, 344.5, 348.0, 349.1, 349.6,
-    349.6, 351.1, 352.6, 352.6, 355.6, 356.1,
-]  # fmt: skip
+    2.5,
+    2.5,
+    3.5,
+    6.6,
+    8.1,
+    9.6,
+    33.9,
+    38.5,
+    40.5,
+    42.5,
+    53.2,
+    53.2,
+    55.2,
+    57.2,
+    60.2,
+    61.3,
+    62.3,
+    69.8,
+    72.9,
+    73.9,
+    75.4,
+    77.9,
+    79.9,
+    86.5,
+    89.0,
+    91.6,
+    95.1,
+    96.6,
+    97.6,
+    99.2,
+    99.7,
+    101.2,
+    101.2,
+    104.7,
+    109.3,
+    110.3,
+    116.9,
+    117.4,
+    117.9,
+    119.4,
+    120.4,
+    121.9,
+    150.3,
+    151.3,
+    160.0,
+    162.5,
+    165.6,
+    165.6,
+    169.1,
+    175.7,
+    184.9,
+    189.4,
+    196.5,
+    213.3,
+    218.9,
+    223.5,
+    240.1,
+    240.6,
+    241.7,
+    243.2,
+    245.7,
+    248.2,
+    248.7,
+    249.3,
+    250.3,
+    251.3,
+    254.8,
+    255.8,
+    257.3,
+    259.9,
+    260.4,
+    275.1,
+    275.6,
+    277.1,
+    280.7,
+    283.7,
+    285.2,
+    287.3,
+    289.3,
+    292.8,
+    293.8,
+    294.4,
+    294.9,
+    297.9,
+    299.4,
+    305.0,
+    305.5,
+    307.5,
+    316.6,
+    318.7,
+    319.2,
+    324.2,
+    325.2,
+    325.7,
+    327.8,
+    328.3,
+    329.3,
+    332.3,
+    333.9,
+    339.9,
+    343.5,
+    344.5,
+    348.0,
+    349.1,
+    349.6,
+    349.6,
+    351.1,
+    352.6,
+    352.6,
+    355.6,
+    356.1,
+]
 
 
 def test_the_step_runs_remote_requests_merge_only_after_its_two_long_lulls():

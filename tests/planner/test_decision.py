@@ -224,8 +224,9 @@ def test_a_backlog_prefills_beside_running_decodes_in_chunks_that_do_not_stall_t
 @pytest.mark.parametrize(
     ("num_tokens", "num_cached", "chunk"), [(2048, 0, 2), (1000, 64, 256), (512, 0, 512), (7, 3, 4)]
 )
-def test_prefill_time_in_closed_form_is_the_sum_of_its_chunk_steps(model, num_tokens, num_cached,
-                                                                   chunk):  # fmt: skip
+def test_prefill_time_in_closed_form_is_the_sum_of_its_chunk_steps(
+    model, num_tokens, num_cached, chunk
+):
     """Priced in a few model calls (the router decides on its event loop), and the same as
     pricing every chunk's step."""
     steps, done, left = [], num_cached, num_tokens
@@ -348,13 +349,23 @@ def two_core_situation(need: DecodeNeed, num_decodes: int = 3) -> Situation:
     """A 1,024-token prompt arriving at a decode worker with every core of two, its prefill
     worker parked: the README's 1B cell on two cores."""
     return Situation(
-        num_prompt_tokens=1024, num_cached_decode_tokens=0, num_cached_prefill_tokens=0,
-        pool_size=2, num_decodes=num_decodes, decode_context_tokens=num_decodes * 1100,
-        decode_queue_tokens=0, decode_threads_local=2, decode_threads_split=need.split,
-        prefill_threads=2 - need.split, prefill_queue_tokens=0, prefill_parked=True,
-        switch_s=0.01, kv_bytes_per_token=32768.0, chunk_tokens=512,
+        num_prompt_tokens=1024,
+        num_cached_decode_tokens=0,
+        num_cached_prefill_tokens=0,
+        pool_size=2,
+        num_decodes=num_decodes,
+        decode_context_tokens=num_decodes * 1100,
+        decode_queue_tokens=0,
+        decode_threads_local=2,
+        decode_threads_split=need.split,
+        prefill_threads=2 - need.split,
+        prefill_queue_tokens=0,
+        prefill_parked=True,
+        switch_s=0.01,
+        kv_bytes_per_token=32768.0,
+        chunk_tokens=512,
         split_breaks_stall=need.split_breaks_stall,
-    )  # fmt: skip
+    )
 
 
 def test_no_split_takes_a_1b_batch_past_the_stall_budget():
@@ -374,8 +385,15 @@ def test_no_split_takes_a_1b_batch_past_the_stall_budget():
     assert d.predictions["itl_slo_chunk_s"] <= ITL_HEADROOM * budget
     # without the rule the same request went remote: the three decodes on one core, 1.1 s
     # steps whose every guarded local chunk or landing KV took a gap past the budget
-    old = decide(dataclasses.replace(situation, split_breaks_stall=False), model, None, None,
-                 256, budget, True)  # fmt: skip
+    old = decide(
+        dataclasses.replace(situation, split_breaks_stall=False),
+        model,
+        None,
+        None,
+        256,
+        budget,
+        True,
+    )
     assert old.kind == REMOTE
     assert old.predictions["itl_remote_s"] >= model.step_s("decode", 1, StepShape(0, 3, 0, 3300))
     # one decode fits one core with a chunk beside it (0.56 s): the split holds
@@ -423,8 +441,10 @@ def test_under_the_stall_budget_a_split_that_slows_the_decode_workers_queue_coun
     situation = two_core_situation(decode_need(model, 2, 1, 1100, None, budget), num_decodes=1)
     alone = decide(situation, model, None, None, 256, budget, True)
     assert (alone.kind, alone.reason, alone.predictions["split_delay_s"]) == (
-        REMOTE, "stall_budget", 0.0,
-    )  # fmt: skip
+        REMOTE,
+        "stall_budget",
+        0.0,
+    )
     behind = dataclasses.replace(situation, decode_queue_tokens=1024)
     d = decide(behind, model, None, None, 256, budget, True)
     p = d.predictions

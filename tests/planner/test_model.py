@@ -69,9 +69,15 @@ def test_bad_rows_are_skipped():
 def test_profile_seeds_a_usable_model():
     seeded = truth(8)
     profile = HardwareProfile(
-        "measured", "cpu: test", ModelShape("m", 2, 64, 128, 4, 2, 16, 100), "threads",
-        {8: seeded}, {"shm": TransferModel(2e9, 1e-4)}, 1, kv_cache_bytes=1e6,
-    )  # fmt: skip
+        "measured",
+        "cpu: test",
+        ModelShape("m", 2, 64, 128, 4, 2, 16, 100),
+        "threads",
+        {8: seeded},
+        {"shm": TransferModel(2e9, 1e-4)},
+        1,
+        kv_cache_bytes=1e6,
+    )
     model = OnlineCostModel(min_samples=50, profile=profile)
     assert model.step_s("prefill", 8, SHAPES[0]) == pytest.approx(seeded.predict(SHAPES[0]))
     assert model.transfer_s(2e6) == pytest.approx(1e-4 + 1e-3)
@@ -93,9 +99,15 @@ def test_planner_and_simulator_use_one_cost_model_class():
     and the planner's fits are StepCostModels seeded from the very profile the simulator
     reads."""
     profile = HardwareProfile(
-        "measured", "cpu: test", ModelShape("m", 2, 64, 128, 4, 2, 16, 100), "threads",
-        {4: truth(4)}, {"shm": TransferModel(2e9)}, 1, kv_cache_bytes=1e6,
-    )  # fmt: skip
+        "measured",
+        "cpu: test",
+        ModelShape("m", 2, 64, 128, 4, 2, 16, 100),
+        "threads",
+        {4: truth(4)},
+        {"shm": TransferModel(2e9)},
+        1,
+        kv_cache_bytes=1e6,
+    )
     hint = typing.get_type_hints(SimWorker.__init__)["cost_model"]
     assert hint == StepCostModel | ServedCostModel
     profile.served_steps = {4: ServedSteps(prefill_s=0.01, decode_factor=1.1)}
@@ -131,9 +143,15 @@ def test_a_model_never_shown_a_feature_does_not_price_it():
 
 def test_the_link_the_workers_measure_replaces_the_profiles_and_hides_behind_the_prefill():
     profile = HardwareProfile(
-        "measured", "cpu: test", ModelShape("m", 2, 64, 128, 4, 2, 16, 100), "threads",
-        {8: truth(8)}, {"tcp": TransferModel(1e9, 1e-3)}, 1, kv_cache_bytes=1e6,
-    )  # fmt: skip
+        "measured",
+        "cpu: test",
+        ModelShape("m", 2, 64, 128, 4, 2, 16, 100),
+        "threads",
+        {8: truth(8)},
+        {"tcp": TransferModel(1e9, 1e-3)},
+        1,
+        kv_cache_bytes=1e6,
+    )
     model = OnlineCostModel(min_samples=50, profile=profile)
     assert model.transfer is None  # the profile's figures are the link's, not exposed times
     assert model.transfer_s(1e8) == pytest.approx(1e-3 + 0.1)  # nothing to hide behind

@@ -66,8 +66,10 @@ def test_steady_demand_between_the_thresholds_never_switches():
 
 def test_nothing_switches_without_a_model_or_with_two_workers():
     split = RoleSplit(0.0, 1.0)
-    no_model = [RoleView("w0", "prefill", True, False, 0.1, 0, None),
-                *views({"w1": "decode", "w2": "decode"})]  # fmt: skip
+    no_model = [
+        RoleView("w0", "prefill", True, False, 0.1, 0, None),
+        *views({"w1": "decode", "w2": "decode"}),
+    ]
     assert split.choose(0.0, no_model, 1e6) is None
     assert split.choose(0.0, views({"w0": "prefill", "w1": "decode"}), 1e6) is None
 

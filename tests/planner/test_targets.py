@@ -36,10 +36,15 @@ def seeded(step_s: float, token_s: float) -> OnlineCostModel:
         return StepCostModel([step_s, token_s * scale, 2e-3 * scale, 0, 0, 0, 0])
 
     profile = HardwareProfile(
-        kind="measured", device="test", model=MODEL, size_unit="threads",
-        models={1: on(1), 2: on(2)}, transfer={}, devices_per_node=1,
+        kind="measured",
+        device="test",
+        model=MODEL,
+        size_unit="threads",
+        models={1: on(1), 2: on(2)},
+        transfer={},
+        devices_per_node=1,
         kv_cache_bytes=1 << 24,
-    )  # fmt: skip
+    )
     return OnlineCostModel(min_samples=20, profile=profile)
 
 
@@ -49,12 +54,22 @@ SLOW = seeded(0.06, 0.012)
 FAST = seeded(0.006, 0.001)
 
 BESIDE_DECODES = Situation(
-    num_prompt_tokens=1024, num_cached_decode_tokens=0, num_cached_prefill_tokens=0,
-    pool_size=POOL, num_decodes=4, decode_context_tokens=512, decode_queue_tokens=0,
-    decode_threads_local=POOL, decode_threads_split=1, prefill_threads=1,
-    prefill_queue_tokens=0, prefill_parked=False, switch_s=0.0, kv_bytes_per_token=512.0,
+    num_prompt_tokens=1024,
+    num_cached_decode_tokens=0,
+    num_cached_prefill_tokens=0,
+    pool_size=POOL,
+    num_decodes=4,
+    decode_context_tokens=512,
+    decode_queue_tokens=0,
+    decode_threads_local=POOL,
+    decode_threads_split=1,
+    prefill_threads=1,
+    prefill_queue_tokens=0,
+    prefill_parked=False,
+    switch_s=0.0,
+    kv_bytes_per_token=512.0,
     chunk_tokens=256,
-)  # fmt: skip
+)
 
 
 def no_targets(situation: Situation, model: OnlineCostModel, **config):

@@ -112,10 +112,20 @@ class FakeWorker:
             self.push.close(linger=0)
 
     def _announce(self, hello: bool = False) -> None:
-        self.send(messages.Ready(
-            self.worker_id, self.role, "tiny", 64, 16, self.max_model_len, self.cpus,
-            self.threads, incarnation=self.signer.session.hex(), hello=hello,
-        ))  # fmt: skip
+        self.send(
+            messages.Ready(
+                self.worker_id,
+                self.role,
+                "tiny",
+                64,
+                16,
+                self.max_model_len,
+                self.cpus,
+                self.threads,
+                incarnation=self.signer.session.hex(),
+                hello=hello,
+            )
+        )
 
     async def _set_cores(self, m: messages.SetCores) -> None:
         await asyncio.sleep(self.core_switch_s)
@@ -185,9 +195,11 @@ class FakeWorker:
                 peer = {"backend": "fake", "address": "nowhere"}
                 blocks, cached = [0, 1], self.num_cached_blocks
                 keep = self.num_keep_blocks
-                self.send(messages.Reserved(
-                    self.worker_id, m.request_id, peer, blocks, cached, keep, 1, 1
-                ))  # fmt: skip
+                self.send(
+                    messages.Reserved(
+                        self.worker_id, m.request_id, peer, blocks, cached, keep, 1, 1
+                    )
+                )
         elif isinstance(m, messages.Prefill):
             self._tasks[m.request_id] = asyncio.create_task(self._prefill(m))
         elif isinstance(m, messages.Unpin):
@@ -206,10 +218,18 @@ class FakeWorker:
         if m.pin and self.refuse_pins:
             self.send(messages.Failed(self.worker_id, m.request_id, self.refuse_pins))
             return
-        self.send(messages.Tokens(
-            self.worker_id, m.request_id, [self.cluster.script[0]], True, "length", num_prompt,
-            num_cached, num_pinned_tokens=num_cached if m.pin else 0,
-        ))  # fmt: skip
+        self.send(
+            messages.Tokens(
+                self.worker_id,
+                m.request_id,
+                [self.cluster.script[0]],
+                True,
+                "length",
+                num_prompt,
+                num_cached,
+                num_pinned_tokens=num_cached if m.pin else 0,
+            )
+        )
 
     async def _prefill(self, m: messages.Prefill) -> None:
         await asyncio.sleep(self.prefill_s)

@@ -23,18 +23,29 @@ from tests.router.harness import Cluster
 POOL = (0, 1, 2, 3)
 # An ITL target: without one the planner keeps every prefill local (collocated's behaviour).
 # The core hold at this file's time scale: at most 3 s, 3 mean gaps between remote requests.
-ADAPTIVE = AdaptiveConfig(enabled=True, interval_s=0.05, core_dwell_s=0.3, min_dwell_s=0.0,
-                          core_hold_gaps=3.0, core_hold_max_s=3.0,
-                          fallback_prompt_tokens=64, slo_itl_ms=50.0)  # fmt: skip
+ADAPTIVE = AdaptiveConfig(
+    enabled=True,
+    interval_s=0.05,
+    core_dwell_s=0.3,
+    min_dwell_s=0.0,
+    core_hold_gaps=3.0,
+    core_hold_max_s=3.0,
+    fallback_prompt_tokens=64,
+    slo_itl_ms=50.0,
+)
 LONG = "x" * 200  # 200 tokens with the byte-level test tokenizer: over the fallback's 64
 
 
 def cluster(tokenizer_dir: Path, script: list[int], roles: dict[str, str], **behaviour) -> Cluster:
     per_worker = {
-        w: {"cpus": POOL, "threads": len(POOL) if w == "d1" else 0, "core_switch_s": 0.05,
-            **behaviour.get(w, {})}
+        w: {
+            "cpus": POOL,
+            "threads": len(POOL) if w == "d1" else 0,
+            "core_switch_s": 0.05,
+            **behaviour.get(w, {}),
+        }
         for w in roles
-    }  # fmt: skip
+    }
     return Cluster(tokenizer_dir, script, roles, per_worker, cpus=POOL, adaptive=ADAPTIVE)
 
 
@@ -67,8 +78,7 @@ def test_idle_decode_worker_prefills_locally_with_every_core(tokenizer_dir, scri
 
 
 def test_remote_waits_for_cores_local_stays_and_cores_merge_back(tokenizer_dir, script):
-    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
-                 d1={"step_s": 0.1}) as c:  # fmt: skip
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"}, d1={"step_s": 0.1}) as c:
         plane = c.app_state.plane
         with ThreadPoolExecutor(4) as pool:
             running = pool.submit(post, c, "Hi", 20)  # occupies d1 for ~2 s
@@ -98,15 +108,18 @@ def test_remote_waits_for_cores_local_stays_and_cores_merge_back(tokenizer_dir, 
         assert targets["max_gap_source"].startswith("derived")
         assert targets["pools"][0]["cpus"] == list(POOL)
         assert [d["reason"] for d in status["recent_decisions"]] == [
-            "idle_decode", "fallback_long", "fallback_short",
-        ]  # fmt: skip
+            "idle_decode",
+            "fallback_long",
+            "fallback_short",
+        ]
         assert status["num_core_switches"] >= 3  # split, and merged back
 
 
 def test_a_stream_of_remote_requests_holds_one_split_and_a_lull_merges_it(tokenizer_dir, script):
     # core_dwell_s 0.3: without the hold each remote request would split and merge back
-    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
-                 d1={"step_s": 0.25}) as c:  # fmt: skip
+    with cluster(
+        tokenizer_dir, script, {"p0": "prefill", "d1": "decode"}, d1={"step_s": 0.25}
+    ) as c:
         plane = c.app_state.plane
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(post, c, "Hi", 22)  # occupies d1 for ~5 s
@@ -138,8 +151,9 @@ def test_an_slo_sized_chunk_travels_with_the_local_prefill(tokenizer_dir, script
         return Decision(LOCAL, "slo_chunk", num_prefill_tokens=200, prefill_chunk_tokens=32)
 
     monkeypatch.setattr(planner_module, "decide", slo_chunk)
-    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
-                 d1={"step_s": 0.05}) as c:  # fmt: skip
+    with cluster(
+        tokenizer_dir, script, {"p0": "prefill", "d1": "decode"}, d1={"step_s": 0.05}
+    ) as c:
         plane = c.app_state.plane
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(post, c, "Hi", 20)
@@ -162,8 +176,14 @@ def test_an_slo_sized_chunk_travels_with_the_local_prefill(tokenizer_dir, script
 
 def test_every_request_finishes_while_cores_and_roles_move(tokenizer_dir, script):
     roles = {"p0": "prefill", "d1": "decode", "d2": "decode"}
-    with cluster(tokenizer_dir, script, roles, d1={"step_s": 0.02}, d2={"step_s": 0.02},
-                 p0={"prefill_s": 0.05}) as c:  # fmt: skip
+    with cluster(
+        tokenizer_dir,
+        script,
+        roles,
+        d1={"step_s": 0.02},
+        d2={"step_s": 0.02},
+        p0={"prefill_s": 0.05},
+    ) as c:
         overlaps: list[dict] = []
         done = threading.Event()
 
@@ -213,8 +233,12 @@ def test_without_adaptive_nothing_changes(tokenizer_dir, script, caplog):
 def test_the_prefill_workers_send_seconds_reach_the_planners_link(tokenizer_dir, script):
     """Each interval the planner takes a prefill worker's KV bytes and send seconds (its
     Stats) as a sample of the link; totals that did not move are no sample."""
-    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
-                 p0={"cache_stats": {"kv_send_s": 0.5}}) as c:  # fmt: skip
+    with cluster(
+        tokenizer_dir,
+        script,
+        {"p0": "prefill", "d1": "decode"},
+        p0={"cache_stats": {"kv_send_s": 0.5}},
+    ) as c:
 
         def link() -> dict:
             status = requests.get(f"{c.url}/v1/status", timeout=10).json()
@@ -268,8 +292,9 @@ def test_a_split_is_made_only_where_the_decodes_step_holds_the_stall_budget(
 
 def test_status_and_metrics_show_the_decode_workers_guard_and_need(tokenizer_dir, script):
     guard = {"stall_budget_s": 1.8, "stall_cap_tokens": 40, "num_stall_capped_steps": 3}
-    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
-                 d1={"cache_stats": guard}) as c:  # fmt: skip
+    with cluster(
+        tokenizer_dir, script, {"p0": "prefill", "d1": "decode"}, d1={"cache_stats": guard}
+    ) as c:
         c.wait_until(lambda: c.app_state.plane.workers["d1"].stats is not None)
         status = requests.get(f"{c.url}/v1/status", timeout=10).json()
         row = next(w for w in status["workers"] if w["worker"] == "d1")
@@ -291,8 +316,7 @@ def test_a_remote_prompt_not_sent_yet_is_in_the_prefill_queue(tokenizer_dir, scr
         return real(situation, *args)
 
     monkeypatch.setattr(planner_module, "decide", record)
-    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"},
-                 d1={"step_s": 0.4}) as c:  # fmt: skip
+    with cluster(tokenizer_dir, script, {"p0": "prefill", "d1": "decode"}, d1={"step_s": 0.4}) as c:
         plane, planner = c.app_state.plane, c.app_state.plane.planner
         with ThreadPoolExecutor(3) as pool:
             running = pool.submit(post, c, "Hi", 8)  # occupies d1, 0.4 s a step

@@ -25,8 +25,14 @@ POOL = tuple(sorted(os.sched_getaffinity(0)))[:2]
 # The fallback rule decides (no model reaches a million steps; an ITL target is set, so it
 # applies): over 32 uncached tokens on a decode worker with running decodes is remote, the
 # rest local.
-ADAPTIVE = AdaptiveConfig(enabled=True, interval_s=0.1, core_dwell_s=0.2, min_samples=10**6,
-                          fallback_prompt_tokens=32, slo_itl_ms=1000.0)  # fmt: skip
+ADAPTIVE = AdaptiveConfig(
+    enabled=True,
+    interval_s=0.1,
+    core_dwell_s=0.2,
+    min_samples=10**6,
+    fallback_prompt_tokens=32,
+    slo_itl_ms=1000.0,
+)
 
 
 def prompts() -> list[list[int]]:
@@ -51,8 +57,9 @@ def spawn(c: Cluster, model: Path, adaptive: bool) -> list[subprocess.Popen]:
     env = {**os.environ, SECRET_ENV: SECRET.hex()}
     procs = []
     for w in c.workers.values():
-        spec = WorkerSpec(w.worker_id, w.role, engine, w.address, c.router_address, cpus=POOL,
-                          adaptive=adaptive)  # fmt: skip
+        spec = WorkerSpec(
+            w.worker_id, w.role, engine, w.address, c.router_address, cpus=POOL, adaptive=adaptive
+        )
         args = [sys.executable, "-m", "pdserve.workers.main", "--spec", spec.to_json()]
         procs.append(subprocess.Popen(args, env=env))
     return procs

@@ -97,10 +97,19 @@ async def open_dashboard(
 ) -> dict[str, Any]:
     profile = tempfile.mkdtemp(prefix="pdserve-chromium-")
     browser = subprocess.Popen(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-port=0",
-         f"--user-data-dir={profile}", "--window-size=1400,1100", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={profile}",
+            "--window-size=1400,1100",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         port_file = Path(profile) / "DevToolsActivePort"
         deadline = time.monotonic() + 30
@@ -115,8 +124,13 @@ async def open_dashboard(
                 page = Page(ws)
                 for domain in ("Runtime", "Log", "Page"):
                     await page.call(f"{domain}.enable")
-                await page.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000,
-                                deviceScaleFactor=1, mobile=False)  # fmt: skip
+                await page.call(
+                    "Emulation.setDeviceMetricsOverride",
+                    width=1400,
+                    height=1000,
+                    deviceScaleFactor=1,
+                    mobile=False,
+                )
                 await page.call("Page.navigate", url=f"{url}/dashboard")
                 deadline = time.monotonic() + timeout_s
                 while True:  # until every chart has points (the page polls once a second)
@@ -128,8 +142,9 @@ async def open_dashboard(
                         break
                     if time.monotonic() > deadline:
                         break
-                shot = await page.call("Page.captureScreenshot", format="png",
-                                       captureBeyondViewport=True)  # fmt: skip
+                shot = await page.call(
+                    "Page.captureScreenshot", format="png", captureBeyondViewport=True
+                )
                 screenshot.write_bytes(base64.b64decode(shot["data"]))
                 return {**(shown or {}), "errors": page.errors}
     finally:
@@ -194,8 +209,9 @@ def test_dashboard_draws_the_adaptive_planner(tiny_served_model: Path, tmp_path:
     assert planner["summary"].startswith("split 1 prefill : 1 decode"), planner
     assert "ITL 0.001 ms" in planner["targets"] and "stall budget" in planner["targets"]
     assert sorted(g[1:3] for g in planner["groups"]) == [
-        ["worker-0", "prefill"], ["worker-1", "decode"]
-    ]  # fmt: skip
+        ["worker-0", "prefill"],
+        ["worker-1", "decode"],
+    ]
     assert sum(int(g[4]) for g in planner["groups"]) <= len(os.sched_getaffinity(0))
     assert planner["counts"] >= 1 and planner["decisions"], planner
     assert {d[2] for d in planner["decisions"]} <= {"local", "remote"}

@@ -27,6 +27,16 @@ def test_every_queried_series_is_exported():
     assert len(queried) >= 15
     assert queried - exported == set()
     titles = " ".join(p["title"] for p in dashboard["panels"])
-    for word in ("Workers", "first token", "breakdown", "output token", "Inter-token",
-                 "throughput", "Queue", "KV blocks", "hit rate", "transfer"):  # fmt: skip
+    for word in (
+        "Workers",
+        "first token",
+        "breakdown",
+        "output token",
+        "Inter-token",
+        "throughput",
+        "Queue",
+        "KV blocks",
+        "hit rate",
+        "transfer",
+    ):
         assert word in titles, word

@@ -45,8 +45,10 @@ def test_decode_budget_reaches_prefill(tokenizer_dir: Path, script: list[int]) -
         assert post(c, {"prompt": "Hello", "max_tokens": 3}).ok
         [prefill] = [m for m in c.workers["p0"].received if type(m).__name__ == "Prefill"]
         assert (prefill.num_keep_blocks, prefill.sink_blocks, prefill.recent_blocks) == (
-            2, 1, 1,
-        )  # fmt: skip
+            2,
+            1,
+            1,
+        )
 
 
 def test_without_a_budget_nothing_is_dropped(tokenizer_dir: Path, script: list[int]) -> None:
@@ -80,8 +82,11 @@ def test_stop_string_in_first_token_aborts_decode(tokenizer_dir: Path, script: l
     with Cluster(tokenizer_dir, script, PD) as c:
         body = post(c, {"prompt": "Hi", "max_tokens": 9, "stop": "H"}).json()
         assert body["choices"][0] == {
-            "index": 0, "text": "", "logprobs": None, "finish_reason": "stop"
-        }  # fmt: skip
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
         c.wait_until(lambda: c.kinds("d0") == ["Reserve", "Abort"])
 
 

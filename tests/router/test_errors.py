@@ -63,8 +63,12 @@ CASES = [
     ("completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
-    ("completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400,
-     "logit_bias"),
+    (
+        "completions",
+        {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}},
+        400,
+        "logit_bias",
+    ),
     ("completions", {"prompt": "hi", "echo": "yes"}, 400, "echo"),
     ("completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
     ("chat/completions", {"messages": MSGS, "echo": True}, 400, "echo"),
@@ -93,8 +97,12 @@ CASES = [
     ("chat/completions", {"messages": MSGS, "max_completion_tokens": -3}, 400, "max_tokens"),
     ("chat/completions", {"messages": MSGS, "logprobs": 1}, 400, "logprobs"),
     ("chat/completions", {"messages": MSGS, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": -1}, 400,
-     "top_logprobs"),
+    (
+        "chat/completions",
+        {"messages": MSGS, "logprobs": True, "top_logprobs": -1},
+        400,
+        "top_logprobs",
+    ),
     # Out of range: nothing past 64 bits reaches msgpack, float() or a comparison that lies.
     ("completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
     ("completions", {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
@@ -108,7 +116,7 @@ CASES = [
         {"messages": MSGS, "max_completion_tokens": 2**80},
         400,
         "max_completion_tokens",
-    ),  # fmt: skip
+    ),
     # Lone surrogates have no UTF-8 form: neither the tokenizer nor msgpack can take them.
     ("completions", {"prompt": "hi \ud800"}, 400, "prompt"),
     ("completions", {"prompt": "hi", "stop": ["\udfff"]}, 400, "stop[0]"),
@@ -118,14 +126,14 @@ CASES = [
         {"messages": [{"role": "user", "content": "\udc00"}]},
         400,
         "messages[0].content",
-    ),  # fmt: skip
+    ),
     # Content parts must be text parts holding text.
     (
         "chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
         400,
         "messages",
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -179,7 +187,7 @@ def nested(depth: int) -> str:
             b'{"prompt": "hi", "logit_bias": ' + nested(40).encode() + b"}",
             "logit_bias" + "[0]" * 15,
             "deeper",
-        ),  # fmt: skip
+        ),
         # Deeper than Python's own parser recurses (was a RecursionError and a 500).
         (b'{"prompt": ' + nested(2000).encode() + b"}", None, "deeper"),
         (b'{"\\ud800": 1, "prompt": "hi"}', None, "surrogate"),

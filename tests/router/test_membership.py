@@ -13,8 +13,7 @@ from tests.router.test_recovery import generates
 
 
 def complete(c: Cluster) -> str:
-    r = requests.post(f"{c.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 8},
-                      timeout=20)  # fmt: skip
+    r = requests.post(f"{c.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 8}, timeout=20)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 

@@ -8,13 +8,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.router.metrics import RouterMetrics
 
 ROW = {
-    "worker": 'w"1\\x', "healthy": 1, "num_waiting": 2, "num_running": 3, "num_free_blocks": 60,
-    "num_total_blocks": 64, "kv_bytes_sent": 12_345_678_901, "kv_bytes_received": 9,
-    "kv_blocks_skipped": 3, "active_requests": 2, "unacked_releases": 0,
+    "worker": 'w"1\\x',
+    "healthy": 1,
+    "num_waiting": 2,
+    "num_running": 3,
+    "num_free_blocks": 60,
+    "num_total_blocks": 64,
+    "kv_bytes_sent": 12_345_678_901,
+    "kv_bytes_received": 9,
+    "kv_blocks_skipped": 3,
+    "active_requests": 2,
+    "unacked_releases": 0,
     "kv_tiers": {"L1": {"lookups": 10, "hits": 4, "bytes_read": 5, "bytes_written": 6}},
-    "kv_moved_bytes": {"L2->L3": 300}, "kv_transfer_fallbacks": {"shm_to_tcp": 2},
+    "kv_moved_bytes": {"L2->L3": 300},
+    "kv_transfer_fallbacks": {"shm_to_tcp": 2},
     "weights_widened": {"dtype_F64": 3},
-}  # fmt: skip
+}
 
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:

@@ -64,8 +64,13 @@ def test_make_policy_names() -> None:
 
 
 def _prefill(worker_id: str, cached_blocks: int, queued: int) -> WorkerLoad:
-    return WorkerLoad(worker_id, "prefill", True, num_queued_prefill_tokens=queued,
-                      num_cached_blocks=cached_blocks)  # fmt: skip
+    return WorkerLoad(
+        worker_id,
+        "prefill",
+        True,
+        num_queued_prefill_tokens=queued,
+        num_cached_blocks=cached_blocks,
+    )
 
 
 def test_prefix_cache_sends_a_repeated_prefix_to_its_holder() -> None:

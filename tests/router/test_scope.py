@@ -63,9 +63,14 @@ def test_default_scope_without_keys_and_shared_mode(tokenizer_dir: Path, script)
 @pytest.mark.parametrize("salt", ["", 7, ["x"], "x" * (MAX_CACHE_SALT_CHARS + 1)])
 def test_a_bad_cache_salt_is_a_400_naming_it(tokenizer_dir: Path, script, salt) -> None:
     with Cluster(tokenizer_dir, script, {"c0": "collocated"}) as c:
-        r = requests.post(f"{c.url}/v1/chat/completions", json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "cache_salt": salt,
-        })  # fmt: skip
+        r = requests.post(
+            f"{c.url}/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "cache_salt": salt,
+            },
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
         assert salts(c, messages.Generate) == []
 

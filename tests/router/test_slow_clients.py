@@ -31,9 +31,14 @@ def cluster(tokenizer_dir: Path, tokenizer: Tokenizer):
     limits = {"head_timeout_s": TIMEOUT_S, "body_timeout_s": TIMEOUT_S}
     behaviour = {"c0": {"step_s": 0.001, "max_model_len": 8192}}
     with Cluster(
-        tokenizer_dir, script, {"c0": "collocated"}, behaviour, max_pending=2,
-        write_timeout_s=TIMEOUT_S, **limits,
-    ) as c:  # fmt: skip
+        tokenizer_dir,
+        script,
+        {"c0": "collocated"},
+        behaviour,
+        max_pending=2,
+        write_timeout_s=TIMEOUT_S,
+        **limits,
+    ) as c:
         yield c
 
 

@@ -17,9 +17,16 @@ from tests.router.harness import Cluster
 
 
 def row(worker: str, sent: int, hits: int, lookups: int, free: int = 60) -> dict:
-    return {"worker": worker, "kv_bytes_sent": sent, "num_waiting": 1, "num_running": 2,
-            "num_free_blocks": free, "num_total_blocks": 64, "threads": 2,
-            "kv_tiers": {"L1": {"hits": hits, "lookups": lookups}}}  # fmt: skip
+    return {
+        "worker": worker,
+        "kv_bytes_sent": sent,
+        "num_waiting": 1,
+        "num_running": 2,
+        "num_free_blocks": free,
+        "num_total_blocks": 64,
+        "threads": 2,
+        "kv_tiers": {"L1": {"hits": hits, "lookups": lookups}},
+    }
 
 
 def window(ttfts: list[float], parts: dict[str, float] | None = None) -> Window:
@@ -37,8 +44,11 @@ def test_history_points_hold_interval_differences_and_stay_bounded():
     assert point["transfer_bytes_per_s"] == 2000
     assert point["cache"] == {"L1": {"hits": 4, "lookups": 10}}
     assert point["workers"]["p0"] == {
-        "num_waiting": 1, "num_running": 2, "kv_blocks_used": 14, "threads": 2
-    }  # fmt: skip
+        "num_waiting": 1,
+        "num_running": 2,
+        "kv_blocks_used": 14,
+        "threads": 2,
+    }
     assert point["ttft_s"] == [0.2, 0.3, 0.3] and point["tpot_s"] is None
     assert point["requests_per_s"] == 3 and point["output_tokens_per_s"] == 30
     assert point["ttft_parts_s"] == {"queued": pytest.approx(0.02)}
@@ -74,8 +84,9 @@ def test_status_route_and_dashboard_files(tokenizer_dir: Path, script: list[int]
         c.wait_until(lambda: any(p["num_finished"] for p in c.app[_history()].points), 3)
         status = requests.get(f"{c.url}/v1/status").json()  # public, like /metrics
         assert [(w["worker"], w["role"], w["healthy"]) for w in status["workers"]] == [
-            ("p0", "prefill", 1), ("d0", "decode", 1)
-        ]  # fmt: skip
+            ("p0", "prefill", 1),
+            ("d0", "decode", 1),
+        ]
         assert status["workers"][0]["kv_blocks_used"] == 4
         memory = ("rss_bytes", "pss_bytes", "weight_bytes", "kv_pool_bytes")  # from Stats
         assert all(isinstance(status["workers"][0][key], int) for key in memory)
@@ -139,8 +150,10 @@ def _last_json(sse: str) -> dict:
 def pdserve_status(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "status", *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_pdserve_status_shows_the_cluster(tokenizer_dir: Path, script: list[int]) -> None:
@@ -176,8 +189,12 @@ def test_worker_memory_gauges():
     from pdserve.router.metrics import RouterMetrics
     from tests.router.test_metrics import ROW
 
-    memory = {"rss_bytes": 3 << 30, "pss_bytes": 2 << 30, "weight_bytes": 1 << 30,
-              "kv_pool_bytes": 1 << 29}  # fmt: skip
+    memory = {
+        "rss_bytes": 3 << 30,
+        "pss_bytes": 2 << 30,
+        "weight_bytes": 1 << 30,
+        "kv_pool_bytes": 1 << 29,
+    }
     text = RouterMetrics().render([{**ROW, "role": "decode", **memory}], 0)
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     for key, value in memory.items():

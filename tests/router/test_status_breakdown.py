@@ -24,8 +24,14 @@ TTFT_PARTS = ("queued", "waiting", "prefill", "first_token")
 
 def stream_timed(url: str, prompt: str) -> tuple[float, dict]:
     """(TTFT the client measured, the response's pdserve_timing)."""
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 4, "stream": True,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "smollm2-135m",
+        "prompt": prompt,
+        "max_tokens": 4,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     request = urllib.request.Request(
         f"{url}/v1/completions",
         json.dumps(body).encode(),

@@ -37,8 +37,12 @@ def test_text_response_format_is_no_constraint() -> None:
     [
         ({"response_format": {"type": "json_object"}}, "json_object", None),
         (
-            {"response_format": {"type": "json_schema",
-                                 "json_schema": {"name": "a_1", "schema": SCHEMA, "strict": True}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a_1", "schema": SCHEMA, "strict": True},
+                }
+            },
             "json",
             SCHEMA,
         ),
@@ -52,7 +56,7 @@ def test_text_response_format_is_no_constraint() -> None:
         ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "grammar", 'root ::= "a"'),
         ({"structured_outputs": {"json_object": True}}, "json_object", None),
     ],
-)  # fmt: skip
+)
 def test_each_constraint_becomes_its_grammar(fields: dict, kind: str, value: Any) -> None:
     assert parse(**fields).sampling["grammar"] == grammar_of(kind, value)
 
@@ -63,14 +67,28 @@ def test_each_constraint_becomes_its_grammar(fields: dict, kind: str, value: Any
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": "json"}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
-         "response_format"),
-        ({"response_format": {"type": "json_schema",
-                              "json_schema": {"name": "s", "schema": {"type": "nope"}}}},
-         "response_format"),
-        ({"response_format": {"type": "json_schema",
-                              "json_schema": {"name": "s", "schema": SCHEMA, "strict": "yes"}}},
-         "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": SCHEMA, "strict": "yes"},
+                }
+            },
+            "response_format",
+        ),
         ({"guided_regex": "[a-"}, "guided_regex"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_choice": "yes"}, "guided_choice"),
@@ -83,6 +101,6 @@ def test_each_constraint_becomes_its_grammar(fields: dict, kind: str, value: Any
         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ],
-)  # fmt: skip
+)
 def test_bad_constraints_are_refused_by_name(fields: dict, param: str) -> None:
     assert refused(**fields) == param

@@ -35,8 +35,14 @@ def test_parts_add_up_to_ttft_and_to_the_first_decode_token(clock: Clock) -> Non
     clock.now = 52.5
     t.on_tokens(2, None, decode=True)
     parts = t.parts()
-    assert parts == {"queued": 0.5, "waiting": 0.25, "prefill": 0.25, "first_token": 0.25,
-                     "transfer": 0.5, "handover": 0.5}  # fmt: skip
+    assert parts == {
+        "queued": 0.5,
+        "waiting": 0.25,
+        "prefill": 0.25,
+        "first_token": 0.25,
+        "transfer": 0.5,
+        "handover": 0.5,
+    }
     assert sum(parts[p] for p in ("queued", "waiting", "prefill", "first_token")) == t.ttft_s
     assert t.ttft_s == 1.25
     ttfdt = sum(parts[p] for p in ("queued", "waiting", "prefill", "transfer", "handover"))
@@ -78,8 +84,13 @@ def test_opentelemetry_spans_follow_the_timeline(clock: Clock) -> None:
     clock.now = 51.5
     timing_module.export_span("cmpl-7", t, "success")
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(spans) == {"pdserve.request", "pdserve.queued", "pdserve.waiting",
-                          "pdserve.prefill", "pdserve.first_token"}  # fmt: skip
+    assert set(spans) == {
+        "pdserve.request",
+        "pdserve.queued",
+        "pdserve.waiting",
+        "pdserve.prefill",
+        "pdserve.first_token",
+    }
     root = spans["pdserve.request"]
     assert root.attributes["pdserve.request_id"] == "cmpl-7"
     assert (root.start_time, root.end_time) == (1050 * 10**9, 1051_500_000_000)

@@ -42,8 +42,9 @@ TWO_CALLS = (
 
 
 def parse(template: str | None = None, **fields: Any):
-    return parse_request({"messages": MSGS, **fields}, chat=True, config=CONFIG,
-                         chat_template=template)  # fmt: skip
+    return parse_request(
+        {"messages": MSGS, **fields}, chat=True, config=CONFIG, chat_template=template
+    )
 
 
 @pytest.mark.parametrize(
@@ -55,17 +56,32 @@ def parse(template: str | None = None, **fields: Any):
         ({"tools": [{"type": "retrieval"}]}, "tools"),
         ({"tools": {"get_weather": {}}}, "tools"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                              "function": {"name": "nope"}}}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
         ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
-        ({"tools": [WEATHER], "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters":
-                     {"type": "bogus"}}}], "tool_choice": "required"}, "tools"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_fields_are_refused_by_name(fields: dict, param: str) -> None:
     with pytest.raises(ApiError) as info:
         parse(**fields)
@@ -87,10 +103,16 @@ def test_the_family_format_comes_from_the_template(tokenizer: Tokenizer) -> None
 
 
 def test_injected_tools_and_tool_messages_render_as_hermes_text(tokenizer: Tokenizer) -> None:
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
-    messages = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        *MSGS,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     spec = parse(tools=[WEATHER]).tools
     rendered, template_tools = chat_input(spec, messages)
     assert template_tools is None and rendered[0]["role"] == "system"
@@ -116,7 +138,9 @@ def test_hermes_calls_are_parsed_and_the_rest_is_content() -> None:
     content, calls, failed = parse_calls(text, spec)
     assert content == "Let me check." and failed == 0
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Paris"}), ("get_time", {})]  # fmt: skip
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
     bad = '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>'
     assert parse_calls(bad, spec) == (bad, [], 1)
@@ -172,8 +196,9 @@ def test_plain_text_streams_through_and_a_partial_marker_is_released() -> None:
     assert out[-1].finish_reason == "stop" and not any(d.tool_calls for d in out)
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function",
-                                                 "function": {"name": "get_time"}}])  # fmt: skip
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
 def test_required_and_named_choices_are_enforced_by_a_grammar(tokenizer, choice) -> None:
     sampling = parse(tools=[WEATHER, TIME], tool_choice=choice).sampling
     llg = llguidance.hf.from_tokenizer(tokenizer.backend, eos_token=tokenizer.eos_token_ids)

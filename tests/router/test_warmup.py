@@ -23,8 +23,11 @@ def test_warmup_goes_to_every_prefill_capable_worker(tokenizer_dir: Path, script
         assert sorted(answer["workers"]) == ["p0", "p1"]  # never the decode worker
         first, chat = answer["workers"]["p0"]
         assert first == {
-            "index": 0, "num_prompt_tokens": 48, "num_cached_tokens": 48, "num_pinned_tokens": 48,
-        }  # fmt: skip
+            "index": 0,
+            "num_prompt_tokens": 48,
+            "num_cached_tokens": 48,
+            "num_pinned_tokens": 48,
+        }
         assert chat["index"] == 1 and chat["num_prompt_tokens"] > len("Be brief.")
         assert "Generate" not in c.kinds("d0")
 

@@ -24,11 +24,15 @@ from tests.sim.test_simulator import MODEL, sessions
 POOL = 4
 # 4 threads: 2 ms a step, 0.2 ms a prefill token, 0.5 ms a decode; linear speed-up but the step
 CPU = HardwareProfile(
-    kind="measured", device="test", model=MODEL, size_unit="threads",
+    kind="measured",
+    device="test",
+    model=MODEL,
+    size_unit="threads",
     models={POOL: StepCostModel([2e-3, 2e-4, 5e-4, 0, 0, 0, 0])},
     transfer={"tcp": TransferModel(512e6, 1e-4)},
-    devices_per_node=1, kv_cache_bytes=16384 * MODEL.kv_bytes_per_token,
-)  # fmt: skip
+    devices_per_node=1,
+    kv_cache_bytes=16384 * MODEL.kv_bytes_per_token,
+)
 CONFIG = SimConfig(scheduler=SchedulerConfig(long_prefill_token_threshold=128))
 
 
@@ -65,8 +69,9 @@ def test_long_prompts_over_running_decodes_go_remote_and_keep_the_itl():
     assert sim.groups.num_switches >= 2  # split while the long prompts ran
 
     def p99_itl(records):
-        gaps = sorted(g for key, r in records.items() if int(key[1:].split("-")[0]) < 8
-                      for g in r.itl_s)  # fmt: skip
+        gaps = sorted(
+            g for key, r in records.items() if int(key[1:].split("-")[0]) < 8 for g in r.itl_s
+        )
         return gaps[int(0.99 * len(gaps))]
 
     assert p99_itl(adaptive) <= 0.020 < p99_itl(collocated)
@@ -89,11 +94,15 @@ def test_with_no_targets_running_streams_are_not_frozen_past_the_derived_stall_b
     # of it), so the decodes keep the 4 cores and the prompts prefill beside them in chunks
     # the decode worker's StallGuard caps at 45% of the budget from the steps it measured.
     slow = HardwareProfile(
-        kind="measured", device="test", model=MODEL, size_unit="threads",
+        kind="measured",
+        device="test",
+        model=MODEL,
+        size_unit="threads",
         models={POOL: StepCostModel([0.05, 0.02, 5e-4, 0, 0, 0, 0])},
         transfer={"tcp": TransferModel(512e6, 1e-4)},
-        devices_per_node=1, kv_cache_bytes=16384 * MODEL.kv_bytes_per_token,
-    )  # fmt: skip
+        devices_per_node=1,
+        kv_cache_bytes=16384 * MODEL.kv_bytes_per_token,
+    )
     work = sessions((0.0, 32, 300), (0.001, 32, 300), *[(1.0 + 3 * i, 512, 4) for i in range(3)])
     deployment = Deployment.parse("adaptive", collocated_size=POOL)
     sim = AdaptiveSimulation(slow, deployment, CONFIG)
@@ -137,12 +146,30 @@ def test_simulate_prints_the_planners_decisions_and_the_decode_workers_stall_gua
     # a batch within the stall budget, so prompts prefill beside it in guarded chunks.
     path = tmp_path / "profile.json"
     dataclasses.replace(two_cores(ONE_B), devices_per_node=2).save(path)
-    argv = ["simulate", "--profile", str(path), "--deployment", "adaptive", "--input-len",
-            "1024", "--output-len", "128", "--rate", "0.05", "--num-requests", "16",
-            "--slo-max-gap-ms", "1800", "--no-progress"]  # fmt: skip
+    argv = [
+        "simulate",
+        "--profile",
+        str(path),
+        "--deployment",
+        "adaptive",
+        "--input-len",
+        "1024",
+        "--output-len",
+        "128",
+        "--rate",
+        "0.05",
+        "--num-requests",
+        "16",
+        "--slo-max-gap-ms",
+        "1800",
+        "--no-progress",
+    ]
     assert main(argv) == 0
-    lines = dict(line.split(None, 2)[1:] for line in capsys.readouterr().out.splitlines()
-                 if line.startswith("planner "))  # fmt: skip
+    lines = dict(
+        line.split(None, 2)[1:]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("planner ")
+    )
     assert "local/stall_split" in lines["decisions"]
     assert float(lines["stall_budget_s"]) == 1.8
     assert 16 <= int(lines["stall_cap_tokens"]) < 1024 and int(lines["num_stall_capped_steps"]) > 0

@@ -12,23 +12,53 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-PLAN = ["plan", "--preset", "chat", "--rate", "50", "--slo-ttft-ms", "500", "--slo-tpot-ms",
-        "50", "--no-progress"]  # fmt: skip
+PLAN = [
+    "plan",
+    "--preset",
+    "chat",
+    "--rate",
+    "50",
+    "--slo-ttft-ms",
+    "500",
+    "--slo-tpot-ms",
+    "50",
+    "--no-progress",
+]
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--profile", "analytic:B300:llama-3-8b", "--num-devices", "8"], "unknown device 'B300'"),
-        (["--profile", "analytic:A100-40GB:llama-2-70b", "--num-devices", "2"],
-         "too small for one replica"),
-        (["--profile", "analytic:H100-SXM:llama-3-8b", "--model", "llama-2-7b",
-          "--num-devices", "8"], "profile is of model 'llama-3-8b', not 'llama-2-7b'"),
+        (
+            ["--profile", "analytic:A100-40GB:llama-2-70b", "--num-devices", "2"],
+            "too small for one replica",
+        ),
+        (
+            [
+                "--profile",
+                "analytic:H100-SXM:llama-3-8b",
+                "--model",
+                "llama-2-7b",
+                "--num-devices",
+                "8",
+            ],
+            "profile is of model 'llama-3-8b', not 'llama-2-7b'",
+        ),
         (["--profile", "/nonexistent.json", "--num-devices", "8"], "No such file"),
-        (["--profile", "analytic:H100-SXM:llama-3-8b", "--num-devices", "8",
-          "--temperature", "0.7"], "--temperature 0.7: profiles time greedy decoding"),
+        (
+            [
+                "--profile",
+                "analytic:H100-SXM:llama-3-8b",
+                "--num-devices",
+                "8",
+                "--temperature",
+                "0.7",
+            ],
+            "--temperature 0.7: profiles time greedy decoding",
+        ),
     ],
-)  # fmt: skip
+)
 def test_plan_refuses_bad_input_in_one_line(capsys, extra, message):
     code, out, err = _run(capsys, *PLAN, *extra)
     assert code == 2 and out == ""
@@ -37,8 +67,16 @@ def test_plan_refuses_bad_input_in_one_line(capsys, extra, message):
 
 
 def test_plan_finds_a_layout_for_a_small_budget(capsys):
-    small = ["--num-devices", "16", "--probe-requests", "40", "--max-probes", "3",
-             "--slo-max-gap-ms", "2000"]  # fmt: skip
+    small = [
+        "--num-devices",
+        "16",
+        "--probe-requests",
+        "40",
+        "--max-probes",
+        "3",
+        "--slo-max-gap-ms",
+        "2000",
+    ]
     code, out, _ = _run(capsys, *PLAN, "--profile", "analytic:H100-SXM:llama-3-8b", *small)
     assert code == 0
     assert "chosen:" in out and "collocated" in out and "prefill" in out
@@ -46,10 +84,23 @@ def test_plan_finds_a_layout_for_a_small_budget(capsys):
 
 
 def test_simulate_prints_the_bench_report(capsys):
-    code, out, _ = _run(capsys, "simulate", "--profile", "analytic:H100-SXM:llama-3-8b",
-                        "--preset", "chat", "--num-requests", "40", "--rate", "10",
-                        "--deployment", "1p1d", "--no-progress",
-                        "--slo-max-gap-ms", "1000")  # fmt: skip
+    code, out, _ = _run(
+        capsys,
+        "simulate",
+        "--profile",
+        "analytic:H100-SXM:llama-3-8b",
+        "--preset",
+        "chat",
+        "--num-requests",
+        "40",
+        "--rate",
+        "10",
+        "--deployment",
+        "1p1d",
+        "--no-progress",
+        "--slo-max-gap-ms",
+        "1000",
+    )
     assert code == 0
     assert "ttft_ms mean/p50/p90/p99" in out and "goodput (req/s)" in out
     assert "longest freeze (max gap, ms)" in out and "-, -, -, 1000\n" in out
@@ -67,8 +118,10 @@ def test_one_cost_model_serves_the_simulator_and_an_online_fit():
     worker = sim.workers[0]
     assert worker.cost_model is profile.cost_model(1)
     worker.steps = []
-    work = [Session(f"s{i}", [Turn(list(range(i, i + 40 * (i % 7 + 1))), 20 + i % 5)], i * 0.01)
-            for i in range(60)]  # fmt: skip
+    work = [
+        Session(f"s{i}", [Turn(list(range(i, i + 40 * (i % 7 + 1))), 20 + i % 5)], i * 0.01)
+        for i in range(60)
+    ]
     sim.run(work, ArrivalSpec("trace"))
     online = StepCostModel([0.0] * len(FEATURES), knee_tokens=worker.cost_model.knee_tokens)
     online.fit(worker.steps)
@@ -77,7 +130,16 @@ def test_one_cost_model_serves_the_simulator_and_an_online_fit():
 
 
 def test_simulate_refuses_a_sampled_workload_in_one_line(capsys):
-    code, out, err = _run(capsys, "simulate", "--profile", "analytic:H100-SXM:llama-3-8b",
-                          "--preset", "chat", "--temperature", "1", "--no-progress")  # fmt: skip
+    code, out, err = _run(
+        capsys,
+        "simulate",
+        "--profile",
+        "analytic:H100-SXM:llama-3-8b",
+        "--preset",
+        "chat",
+        "--temperature",
+        "1",
+        "--no-progress",
+    )
     assert code == 2 and out == ""
     assert "--temperature 1: profiles time greedy decoding" in err and err.count("\n") == 1

@@ -16,21 +16,28 @@ from pdserve.sim.simulator import Simulation
 MODEL = ModelShape("tiny", 2, 64, 128, 4, 2, 16, 128, kv_bytes_per_element=4.0)  # 512 B/token
 
 
-def profile(coefficients=(0.01, 0, 0, 0, 0, 0, 0), kv_tokens=4096, bandwidth=512e3, latency=0.0,
-            served=None):  # fmt: skip
+def profile(
+    coefficients=(0.01, 0, 0, 0, 0, 0, 0), kv_tokens=4096, bandwidth=512e3, latency=0.0, served=None
+):
     return HardwareProfile(
-        kind="measured", device="test", model=MODEL, size_unit="threads",
+        kind="measured",
+        device="test",
+        model=MODEL,
+        size_unit="threads",
         models={1: StepCostModel(list(coefficients))},
         transfer={"tcp": TransferModel(bandwidth, latency)},
-        devices_per_node=2, kv_cache_bytes=kv_tokens * MODEL.kv_bytes_per_token,
+        devices_per_node=2,
+        kv_cache_bytes=kv_tokens * MODEL.kv_bytes_per_token,
         served=served or ServedOverhead(),
-    )  # fmt: skip
+    )
 
 
 def sessions(*specs):
     """(arrival_s, prompt_len, output_len) per single-turn session, distinct prompts."""
-    return [Session(f"s{i}", [Turn(list(range(1000 * i, 1000 * i + n)), out)], at)
-            for i, (at, n, out) in enumerate(specs)]  # fmt: skip
+    return [
+        Session(f"s{i}", [Turn(list(range(1000 * i, 1000 * i + n)), out)], at)
+        for i, (at, n, out) in enumerate(specs)
+    ]
 
 
 def run(prof, spec, work, **config):
@@ -110,8 +117,12 @@ def test_a_step_after_idle_time_costs_the_wake_curve_more():
 def test_chunked_prefill_runs_as_the_scheduler_chunks_it():
     # 100 prompt tokens in chunks of 32: 4 steps of 10 ms + 1 ms per prefill token.
     prof = profile((0.01, 0.001, 0, 0, 0, 0, 0))
-    _, records = run(prof, "collocated", sessions((0.0, 100, 2)),
-                     scheduler=SchedulerConfig(long_prefill_token_threshold=32))  # fmt: skip
+    _, records = run(
+        prof,
+        "collocated",
+        sessions((0.0, 100, 2)),
+        scheduler=SchedulerConfig(long_prefill_token_threshold=32),
+    )
     assert records["s0-0"].ttft_s == pytest.approx(4 * 0.010 + 0.100)
     assert records["s0-0"].e2e_s == pytest.approx(4 * 0.010 + 0.100 + 0.010)
 
@@ -133,8 +144,7 @@ def test_the_real_scheduler_preempts_when_blocks_run_out(monkeypatch):
     real = Scheduler.schedule
     monkeypatch.setattr(Scheduler, "schedule", lambda self: calls.append(1) or real(self))
     # 8 blocks of 16 tokens: four 30-token prompts fit, their 40-token answers do not.
-    sim, records = run(profile(kv_tokens=128), "collocated",
-                       sessions(*[(0.0, 30, 40)] * 4))  # fmt: skip
+    sim, records = run(profile(kv_tokens=128), "collocated", sessions(*[(0.0, 30, 40)] * 4))
     assert calls and sim.workers[0].num_preemptions > 0
     assert all(r.output_len == 40 for r in records.values())
 
@@ -256,8 +266,9 @@ def test_a_prefill_beside_a_stream_is_its_longest_freeze_which_its_p99_itl_hides
     # second largest (50 ms): a 108 ms ITL target passes it, a 1 s stall budget does not.
     from pdserve.bench.metrics import SLO, meets_slo, summarize
 
-    _, records = run(profile((0.05, 0.02, 0, 0, 0, 0, 0)), "collocated",
-                     sessions((0.0, 32, 120), (1.0, 250, 1)))  # fmt: skip
+    _, records = run(
+        profile((0.05, 0.02, 0, 0, 0, 0, 0)), "collocated", sessions((0.0, 32, 120), (1.0, 250, 1))
+    )
     a = records["s0-0"]
     assert a.max_gap_s == pytest.approx(5.05) and a.p99_itl_s == pytest.approx(0.05)
     assert meets_slo(a, SLO(itl_ms=108)) and not meets_slo(a, SLO(itl_ms=108, max_gap_ms=1000))

@@ -14,8 +14,17 @@ def request(request_id, num_tokens):
 
 def test_stats_lag_a_step_and_refresh_at_most_every_stats_every_s():
     # 10 ms steps, a refresh at most every 25 ms, 64 blocks of 16 tokens.
-    worker = SimWorker("w", "collocated", 1, StepCostModel([0.01, 0, 0, 0, 0, 0, 0]), 64, 16,
-                       SchedulerConfig(), 1024, stats_every_s=0.025)  # fmt: skip
+    worker = SimWorker(
+        "w",
+        "collocated",
+        1,
+        StepCostModel([0.01, 0, 0, 0, 0, 0, 0]),
+        64,
+        16,
+        SchedulerConfig(),
+        1024,
+        stats_every_s=0.025,
+    )
     worker.add(request("a", 40))
     worker.start_step(0.0)  # a woke it: its Stats are those from before a
     worker.report()

@@ -32,8 +32,9 @@ def test_hosts_reach_each_other_share_no_memory_and_leave_nothing():
     with Hosts(["a", "b"], prefix="pdtn") as hosts:
         server = subprocess.Popen(
             [*hosts.prefix_of("b"), sys.executable, "-c", SERVE, hosts.ip("b")],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout.readline().strip() == "up"
         hosts.shape("b", Link(rate="10mbit", loss_pct=1.0))
         assert on(hosts, "a", DIAL, hosts.ip("b")).stdout.strip() == "hi"
@@ -72,8 +73,9 @@ def datagrams_through(hosts: Hosts) -> int:
     so a lossy link still ends the count)."""
     counter = subprocess.Popen(
         [*hosts.prefix_of("b"), sys.executable, "-c", COUNT_DATAGRAMS, hosts.ip("b")],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert counter.stdout.readline().strip() == "up"
     assert on(hosts, "a", SEND_DATAGRAMS, hosts.ip("b")).returncode == 0
     return int(counter.communicate(timeout=10)[0])
@@ -111,8 +113,9 @@ def test_set_rate_cuts_a_links_bandwidth_tenfold_mid_run():
         hosts.shape("b", Link(rate="40mbit"))
         sink = subprocess.Popen(
             [*hosts.prefix_of("b"), sys.executable, "-c", SINK, hosts.ip("b")],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert sink.stdout.readline().strip() == "up"
         fast_s = float(on(hosts, "a", PUSH, hosts.ip("b"), str(256 << 10)).stdout)
         hosts.set_rate("b", "4mbit")
@@ -124,8 +127,15 @@ def test_set_rate_cuts_a_links_bandwidth_tenfold_mid_run():
 def test_link_qdisc_puts_loss_in_netem_only_where_the_kernel_has_it():
     lossy = Link(rate="1gbit", loss_pct=1.0)
     assert lossy.qdisc(netem=True) == [
-        "netem", "delay", "0.0ms", "loss", "random", "1.0%", "rate", "1gbit"
-    ]  # fmt: skip
+        "netem",
+        "delay",
+        "0.0ms",
+        "loss",
+        "random",
+        "1.0%",
+        "rate",
+        "1gbit",
+    ]
     assert lossy.qdisc(netem=False)[0] == "tbf"
     assert Link().qdisc() == ["pfifo"]
 

@@ -169,14 +169,20 @@ def test_a_sender_with_its_own_dev_shm_picks_tcp() -> None:
         inside = f'mount -t tmpfs tmpfs /dev/shm && exec {sys.executable} -c "$0" "$1"'
         out = subprocess.run(
             ["unshare", "--mount", "sh", "-c", inside, code, peer],
-            capture_output=True, text=True, timeout=60, cwd=ROOT,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["False"]
         same = subprocess.run(
-            [sys.executable, "-c", code, peer], capture_output=True, text=True, timeout=60,
+            [sys.executable, "-c", code, peer],
+            capture_output=True,
+            text=True,
+            timeout=60,
             cwd=ROOT,
-        )  # fmt: skip
+        )
         assert same.stdout.split() == ["True"], same.stderr
     finally:
         rx.close()

@@ -41,7 +41,7 @@ def data_frame(sock, request_id, dst_start, num_blocks, payload: bytes, override
         "nbytes": len(payload),
         "crc32": zlib.crc32(payload),
     }
-    P.send_frame(sock, {**header, **(overrides or {})}, payload)  # fmt: skip
+    P.send_frame(sock, {**header, **(overrides or {})}, payload)
 
 
 def test_wrong_secret_is_refused_and_writes_nothing(tcp_pair: Pair) -> None:
@@ -138,8 +138,18 @@ def test_shm_notice_without_lease_is_rejected() -> None:
     try:
         p.rx.expect("r", [0])
         sock = raw_client(p.peer)
-        P.send_frame(sock, {"type": P.DATA, "request_id": "r", "layer": 0, "dst_start": 0,
-                            "num_blocks": 1, "nbytes": 0, "written": True})  # fmt: skip
+        P.send_frame(
+            sock,
+            {
+                "type": P.DATA,
+                "request_id": "r",
+                "layer": 0,
+                "dst_start": 0,
+                "num_blocks": 1,
+                "nbytes": 0,
+                "written": True,
+            },
+        )
         assert P.recv_header(sock)["type"] == P.FAILED
         sock.close()
         assert_status(wait_finished(p.rx, ["r"]), "r", TransferStatus.FAILED, "without a lease")

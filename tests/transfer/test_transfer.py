@@ -144,8 +144,14 @@ def test_send_argument_errors_raise_at_once() -> None:
         with pytest.raises(ValueError, match="outside"):
             p.tx.send(p.peer, "r", [LAYOUT.num_layers], [1], [1], last=True)
         with pytest.raises(ValueError, match="layout mismatch"):
-            p.tx.send({**p.peer, "layout": {**p.peer["layout"], "head_dim": 4}}, "r", [0], [1],
-                      [1], last=True)  # fmt: skip
+            p.tx.send(
+                {**p.peer, "layout": {**p.peer["layout"], "head_dim": 4}},
+                "r",
+                [0],
+                [1],
+                [1],
+                last=True,
+            )
         with pytest.raises(ValueError, match="does not offer shm"):
             from pdserve.transfer import make_sender
 

@@ -61,7 +61,7 @@ def test_coalesce_runs(src, dst, runs) -> None:
         ("1gbps", 1e9),
         (2.5e9, 2.5e9),
         (None, None),
-    ],  # fmt: skip
+    ],
 )
 def test_parse_bandwidth(text, bps) -> None:
     assert parse_bandwidth(text) == bps

@@ -40,8 +40,10 @@ def test_a_receiver_host_that_vanishes_fails_the_send_within_the_link_timeout(mo
     with Hosts(["decode"], prefix="pdvp") as hosts:
         receiver = subprocess.Popen(
             [*hosts.prefix_of("decode"), sys.executable, "-c", RECEIVE, hosts.ip("decode")],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
         peer = json.loads(receiver.stdout.readline())
         hosts.shape("decode", Link(rate="10mbit"))  # 8 MiB: seconds on the wire
         sender = make_sender("tcp", torch.randn(BIG.shape), BIG, SECRET)

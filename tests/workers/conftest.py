@@ -30,17 +30,32 @@ class WorkerProcess:
         self.inbox = self.ctx.socket(zmq.PULL)
         port = self.inbox.bind_to_random_port("tcp://127.0.0.1")
         ctrl = f"tcp://127.0.0.1:{free_port()}"
-        engine = EngineConfig(model=str(model_dir), cache=CacheConfig(kv_cache_bytes=KV_BYTES),
-                              device=DeviceConfig(threads=len(cpus)))  # fmt: skip
+        engine = EngineConfig(
+            model=str(model_dir),
+            cache=CacheConfig(kv_cache_bytes=KV_BYTES),
+            device=DeviceConfig(threads=len(cpus)),
+        )
         spec = WorkerSpec(
-            worker_id="w", role="collocated", engine=engine, ctrl_address=ctrl,
-            router_address=f"tcp://127.0.0.1:{port}", cpus=cpus, adaptive=True,
-        )  # fmt: skip
+            worker_id="w",
+            role="collocated",
+            engine=engine,
+            ctrl_address=ctrl,
+            router_address=f"tcp://127.0.0.1:{port}",
+            cpus=cpus,
+            adaptive=True,
+        )
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.workers.main", "--spec", spec.to_json(),
-             "--log-level", "WARNING"],
+            [
+                sys.executable,
+                "-m",
+                "pdserve.workers.main",
+                "--spec",
+                spec.to_json(),
+                "--log-level",
+                "WARNING",
+            ],
             env=envs.child_env(self.secret),
-        )  # fmt: skip
+        )
         self.ctrl = self.ctx.socket(zmq.PUSH)
         self.ctrl.setsockopt(zmq.LINGER, 0)
         self.ctrl.connect(ctrl)

@@ -59,9 +59,13 @@ def worker(request, tiny_model_dir, tmp_path):
         device=DeviceConfig(threads=1),
     )
     spec = WorkerSpec(
-        "w0", request.param, engine, f"ipc://{tmp_path}/w0", f"ipc://{tmp_path}/router",
+        "w0",
+        request.param,
+        engine,
+        f"ipc://{tmp_path}/w0",
+        f"ipc://{tmp_path}/router",
         kv_transfer=KVTransferConfig(backend="tcp"),
-    )  # fmt: skip
+    )
     router = FakeRouter(spec)
     w = Worker(spec, SECRET)
     thread = threading.Thread(target=w.run, daemon=True)
@@ -99,8 +103,9 @@ def test_hello_aborts_what_the_worker_holds_and_frees_its_blocks(worker):
     router.send(m.Generate("new-1", prompt, {"max_tokens": 3, "temperature": 0}))
     done = router.expect(m.Tokens, where=lambda t: t.finished)
     assert done.request_id == "new-1"
-    assert not [x for x in router.seen if isinstance(x, m.Tokens) and x.finished
-                and x.request_id == "old-1"]  # fmt: skip
+    assert not [
+        x for x in router.seen if isinstance(x, m.Tokens) and x.finished and x.request_id == "old-1"
+    ]
 
 
 @pytest.mark.parametrize("worker", ["collocated"], indirect=True)

@@ -34,8 +34,11 @@ def test_stats_report_memory_and_the_estimate_is_near_it(tiny_model_dir):
     assert 0 < stats.pss_bytes <= stats.rss_bytes <= peak
     fp32 = read_checkpoint(str(tiny_model_dir)).fp32_bytes
     assert stats.weight_bytes >= fp32  # the loaded weights, plus the kernels' packed copies
-    engine = EngineConfig(model=str(tiny_model_dir), cache=CacheConfig(kv_cache_bytes=KV_BYTES),
-                          device=DeviceConfig(threads=1))  # fmt: skip
+    engine = EngineConfig(
+        model=str(tiny_model_dir),
+        cache=CacheConfig(kv_cache_bytes=KV_BYTES),
+        device=DeviceConfig(threads=1),
+    )
     ckpt = read_checkpoint(str(tiny_model_dir))
     amx = False  # the tiny HF checkpoint's panels are fp32: AMX changes nothing here
     estimate, _ = estimate_worker(ckpt, engine, "collocated", 1 << 30, amx)
@@ -81,8 +84,9 @@ def test_held_weights_count_a_tied_tensor_once_and_packed_copies(tiny_model_dir,
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert held_weight_bytes(model) == sum(unique.values()) + buffers
     if torch.backends.mkldnn.is_available():
-        linears = sum(mod.weight.numel() * 4 for mod in model.modules()
-                      if isinstance(mod, torch.nn.Linear))  # fmt: skip
+        linears = sum(
+            mod.weight.numel() * 4 for mod in model.modules() if isinstance(mod, torch.nn.Linear)
+        )
         pack_linears(model, panels=None, onednn=True)
         # The oneDNN copy replaces each linear's weight; the tied embedding stays.
         assert held_weight_bytes(model) >= linears

@@ -36,8 +36,11 @@ def test_a_served_workers_trace_matches_its_step_reports(tiny_model_dir, tmp_pat
     monkeypatch.setenv(envs.STEP_TRACE, str(tmp_path))
     worker = WorkerProcess(tiny_model_dir, tuple(sorted(os.sched_getaffinity(0)))[:1])
     try:
-        worker.send(m.Generate("r1", list(range(3, 40)), {"max_tokens": 6, "temperature": 0,
-                                                            "ignore_eos": True}))  # fmt: skip
+        worker.send(
+            m.Generate(
+                "r1", list(range(3, 40)), {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            )
+        )
         worker.expect(m.Tokens, timeout_s=30, request_id="r1", finished=True)
         worker.received(m.StepReport, timeout_s=1.0)  # the last report, 0.25 s after its step
         rows = [row for r in worker.seen if isinstance(r, m.StepReport) for row in r.steps]
@@ -47,8 +50,14 @@ def test_a_served_workers_trace_matches_its_step_reports(tiny_model_dir, tmp_pat
     assert len(traced) == 6 and traced[0][0].prefill_tokens == 37  # a prefill, 5 decodes
     assert len(rows) == len(traced)
     for (shape, threads, start, seconds), row in zip(traced, rows, strict=True):
-        fields = [shape.prefill_tokens, shape.decode_requests, shape.prefill_attention_pairs,
-                  shape.decode_context_tokens, shape.num_prefill_sequences, threads]  # fmt: skip
+        fields = [
+            shape.prefill_tokens,
+            shape.decode_requests,
+            shape.prefill_attention_pairs,
+            shape.decode_context_tokens,
+            shape.num_prefill_sequences,
+            threads,
+        ]
         assert fields == row[:6]
         assert seconds == pytest.approx(row[6], abs=1e-5)
         assert start > 0

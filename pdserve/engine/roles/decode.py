@@ -106,9 +106,11 @@ class DecodeRole(Role):
             raise
         request.status = RequestStatus.WAITING_FOR_KV
         self.awaiting[request_id] = _Awaiting(
-            request, self.clock() + self.reserve_timeout_s,
-            f"no KV within {self.reserve_timeout_s} s", num_dropped,
-        )  # fmt: skip
+            request,
+            self.clock() + self.reserve_timeout_s,
+            f"no KV within {self.reserve_timeout_s} s",
+            num_dropped,
+        )
         self.kv_blocks_skipped += len(hits)
         log.debug("decode %s: -> waiting_for_kv (%d cached blocks)", request_id, len(hits))
         return KVReservation(list(request.block_ids), len(hits), drop)

@@ -183,9 +183,14 @@ def test_landed_dropped_prompt_starts_after_its_kept_tokens_and_indexes_nothing(
 
 @pytest.mark.parametrize(
     "dropped, scores, match",
-    [(0, None, "dropped 0"), (16, [1.0] * 5, "dropped 16"), (12, [1.0] * 4, "5 kept-block"),
-     (12, [1.0] * 4 + [float("nan")], "finite"), (12, None, "5 kept-block")],
-)  # fmt: skip
+    [
+        (0, None, "dropped 0"),
+        (16, [1.0] * 5, "dropped 16"),
+        (12, [1.0] * 4, "5 kept-block"),
+        (12, [1.0] * 4 + [float("nan")], "finite"),
+        (12, None, "5 kept-block"),
+    ],
+)
 def test_a_transfer_that_does_not_match_the_drop_frees_the_reservation(dropped, scores, match):
     handoff, rx, kv = decode_side()
     free = kv.num_free_blocks

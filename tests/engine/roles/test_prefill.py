@@ -134,7 +134,7 @@ def test_prefill_sends_only_the_kept_blocks_once_after_the_last_chunk(mode: str)
 @pytest.mark.parametrize(
     "dst, skip, match",
     [(list(range(8)), 0, "5 prompt blocks"), ([0, 1, 2, 3, 4], 1, "cached blocks to skip")],
-)  # fmt: skip
+)
 def test_prefill_refuses_a_drop_that_does_not_fit(dst, skip, match) -> None:
     handoff = prefill_role(FakeSender(), KVCacheManager(NUM_BLOCKS, BLOCK_SIZE), "full")
     with pytest.raises(ValueError, match=match):
