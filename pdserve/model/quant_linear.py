@@ -121,7 +121,7 @@ class QuantLinear(nn.Module):
                 for p in parts
             )
         )
-        self._linear_c = native.PdQuantLinear(self._parts_c, len(parts), self.gemv_m_max)
+        self._linear_c = native.PdQuantLinear(self._parts_c, len(parts))
 
     @property
     def nbytes(self) -> int:
@@ -179,8 +179,9 @@ class QuantLinear(nn.Module):
 
     def as_c(self) -> native.PdWeight:
         """This linear as a `pd_decode_layers` weight (valid while the module lives): its
-        codec names the kernel `forward` takes above QUANT_GEMV_M_MAX rows."""
+        codec and `gemv_m_max` name the kernel `forward` takes for each row count."""
         codec = native.PD_GGUF_AMX if self.amx_tiles else native.PD_GGUF
+        self._linear_c.gemv_m_max = self.gemv_m_max  # as forward decides now
         return native.PdWeight(ctypes.addressof(self._linear_c), codec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
