@@ -57,7 +57,10 @@ def test_disk_tier_alone(tiny_model_dir, tmp_path, prefix):
 
 
 def test_redis_tier_and_redis_dying(tiny_model_dir, prefix, redis_server):  # noqa: F811
-    eng = engine(tiny_model_dir, KVStoreConfig(redis_url=redis_server.url))
+    # A loaded machine can take longer than the default 0.25 s on the first connection, and a
+    # timeout there marks the tier down (as in tests/cluster/test_redis_local.py).
+    store = KVStoreConfig(redis_url=redis_server.url, redis_timeout_s=5.0)
+    eng = engine(tiny_model_dir, store)
     _, cached = shared_prefix_run(eng, prefix)
     assert cached == 40
     redis_server.stop()  # every later lookup misses; requests still complete
