@@ -1,17 +1,7 @@
-"""Served speed: batch-1 TPOT, output tok/s at 32 concurrent, TTFT of 512-token prompts,
-against the engine's own offline TPOT, and (`--llama-server`) against llama.cpp (BENCHMARKS.md,
-"Served speed" and "Models and quantized weights"; build_llama_server.sh builds the peer).
-
-Each round, for each `--variant` (environment variables for the worker and the offline engine),
-the engine runs offline (`LLM.stream` in a fresh process, one request at a time), then `pdserve
-up --collocated 1 --threads T` is driven by `pdserve bench` in its own process, and
-`llama-server` on the same GGUF (a slot per concurrent request) by the same client; servers
-alternate round by round, medians printed. With `--gguf`, each round also measures the read
-bandwidth (`--threads` threads summing 1 GiB) and prints batch-1 TPOT against the bound it sets
-(the bytes a decode step reads over it). `--cold-start`: seconds from launching each server
-(`pdserve up` 1P1D, `llama-server -c CTX`) to its first answered chat request, alternating, and
-pdserve's PSS over all its processes against the file and the KV pools; `--drop-caches` (root)
-empties the page cache before each launch.
+"""Served speed against the engine offline and llama.cpp, and `--cold-start` (BENCHMARKS.md,
+"Served speed" and "Models and quantized weights"): each round every server in turn (the order
+alternating) is driven by `pdserve bench` in its own process; medians printed. `--gguf` adds
+batch-1 TPOT over the bound that `--threads` threads' read bandwidth sets.
 """
 
 from __future__ import annotations
@@ -41,6 +31,7 @@ FIGURES = {
     "tok_s_at_32": ("output tok/s at 32 concurrent", 2.5, True),
     "ttft_long_ms": ("TTFT ms, long prompt", 3.0, False),
 }
+HELLO = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 
 
 def offline_tpot_ms(
@@ -67,20 +58,8 @@ def run_client(url: str, model: str, **flags) -> dict:
     """One `pdserve bench` run in its own process, as a real client; its summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.bench",
-            "--url",
-            url,
-            "--model",
-            model,
-            "--output",
-            str(out),
-            "--no-progress",
-            "--seed",
-            "1",
-        ]
+        cmd = [sys.executable, "-m", "pdserve.bench", "--no-progress", "--seed", "1"]
+        flags |= {"url": url, "model": model, "output": out}
         for name, value in flags.items():
             cmd += [f"--{name.replace('_', '-')}", str(value)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -89,63 +68,34 @@ def run_client(url: str, model: str, **flags) -> dict:
 
 def served_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
     """p50 TPOT at concurrency 1, tok/s at `--concurrent`, p50 TTFT of long prompts."""
+    client = lambda **flags: run_client(url, args.model, **flags)  # noqa: E731
     length = {"input_len": args.input_len, "output_len": args.output_len}
-    run_client(url, args.model, num_requests=1, **length)  # warm-up
-    s = run_client(url, args.model, num_requests=args.requests, max_concurrency=1, **length)
+    client(num_requests=1, **length)  # warm-up
+    s = client(num_requests=args.requests, max_concurrency=1, **length)
     row = {"served_tpot_ms": s["tpot_ms"]["p50"]}
     if args.concurrent:
-        s = run_client(
-            url,
-            args.model,
-            num_requests=2 * args.concurrent,
-            max_concurrency=args.concurrent,
-            **length,
-        )
+        s = client(num_requests=2 * args.concurrent, max_concurrency=args.concurrent, **length)
         row["tok_s_at_32"] = s["output_tokens_per_s"]
     if args.long_input_len:
-        s = run_client(
-            url,
-            args.model,
-            num_requests=args.requests,
-            max_concurrency=1,
-            input_len=args.long_input_len,
-            output_len=4,
-        )
+        long = {"input_len": args.long_input_len, "output_len": 4}
+        s = client(num_requests=args.requests, max_concurrency=1, **long)
         row["ttft_long_ms"] = s["ttft_ms"]["p50"]
     return row
 
 
 def pdserve_up(args: argparse.Namespace, port: int, *layout: str) -> list[str]:
     """`pdserve up` of `--model` on `port`: `layout` its workers, `--threads` each."""
-    return [
-        str(Path(sys.executable).with_name("pdserve")),
-        "up",
-        "--model",
-        args.model,
-        "--threads",
-        str(args.threads),
-        "--port",
-        str(port),
-        *layout,
-    ]
+    up = ["up", "--model", args.model, "--threads", str(args.threads), "--port", str(port)]
+    return [str(Path(sys.executable).with_name("pdserve")), *up, *layout]
 
 
 @contextmanager
 def serving(cmd: list[str], port: int, model: str, env: dict[str, str] | None = None):
     """`cmd` launched and sent one chat request until it answers: yields (seconds from the
     launch to that answer, its pid); the server is stopped on exit."""
-    url = f"http://127.0.0.1:{port}"
-    body = json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": 8,
-            "temperature": 0,
-        }
-    ).encode()
-    request = urllib.request.Request(
-        f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"}
-    )
+    body = json.dumps({"model": model, "temperature": 0, **HELLO}).encode()
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
     log_path = Path(tempfile.gettempdir()) / f"served-speed-{Path(cmd[0]).name}-{port}.log"
     with open(log_path, "w") as log:
         start = time.monotonic()
@@ -186,93 +136,58 @@ def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[s
 
 
 def llama_server(args: argparse.Namespace, port: int, *flags: str) -> list[str]:
-    return [
-        args.llama_server,
-        "-m",
-        str(args.gguf),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-t",
-        str(args.threads),
-        *flags,
-    ]
+    where = ["--host", "127.0.0.1", "--port", str(port), "-t", str(args.threads)]
+    return [args.llama_server, "-m", str(args.gguf), *where, *flags]
 
 
 def measure_llamacpp(args: argparse.Namespace) -> dict[str, float]:
     """llama-server on the same GGUF, a slot per concurrent request, driven by the client."""
     slots, port = max(args.concurrent, 1), free_port()
     longest = max(args.input_len + args.output_len, args.long_input_len + 4) + 1
-    cmd = llama_server(
-        args,
-        port,
-        "-np",
-        str(slots),
-        "-c",
-        str(slots * -(-longest // 256) * 256),
-        "-tb",
-        str(args.threads),
-        "--cont-batching",
-    )
-    with serving(cmd, port, args.model):
+    ctx = str(slots * -(-longest // 256) * 256)
+    flags = ["-np", str(slots), "-c", ctx, "-tb", str(args.threads), "--cont-batching"]
+    with serving(llama_server(args, port, *flags), port, args.model):
         return served_figures(f"http://127.0.0.1:{port}", args)
 
 
-def process_tree(pid: int) -> list[int]:
-
-    pids, todo = [], [pid]
+def pdserve_pss_bytes(pid: int) -> int:
+    """The proportional set size (a page shared by n processes counts 1/n) of `pid` and every
+    process under it."""
+    total, todo = 0, [pid]
     while todo:
-        pids.append(todo.pop())
-        for task in Path(f"/proc/{pids[-1]}/task").glob("*"):
+        proc = Path(f"/proc/{todo.pop()}")
+        rollup = (proc / "smaps_rollup").read_text()
+        total += int(rollup.split("\nPss:")[1].split()[0]) * 1024
+        for task in (proc / "task").glob("*"):
             todo += [int(c) for c in (task / "children").read_text().split()]
-    return pids
-
-
-def pss_bytes(pid: int) -> int:
-    """The process's proportional set size (a page shared by n processes counts 1/n)."""
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
-
-
-def pdserve_memory(args: argparse.Namespace, pid: int) -> dict[str, float]:
-    """The PSS of every pdserve process (launcher, router, workers) over the file's size
-    and the two workers' KV pools: the claim is at most 1.3 x the file plus the pools."""
-    pss = sum(pss_bytes(p) for p in process_tree(pid))
-    pools = 2 * args.kv_cache_bytes
-    return {"pss_gib": pss / 2**30, "over_file": (pss - pools) / Path(args.model).stat().st_size}
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    return total
 
 
 def cold_start(cmd: list[str], port: int, args: argparse.Namespace, memory: bool) -> dict:
+    """Seconds to the first answer; for pdserve, the PSS of every process (launcher, router,
+    workers) over the file's size less the two workers' KV pools (the claim: at most 1.3)."""
+    if args.drop_caches:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
     with serving(cmd, port, args.model) as (seconds, pid):
-        return {"cold_start_s": seconds} | (pdserve_memory(args, pid) if memory else {})
+        row = {"cold_start_s": seconds, "load_avg": os.getloadavg()[0]}
+        if memory:
+            pss = pdserve_pss_bytes(pid)
+            over = (pss - 2 * args.kv_cache_bytes) / Path(args.model).stat().st_size
+            row |= {"pss_gib": pss / 2**30, "over_file": over}
+        return row
 
 
-def cold_start_rounds(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
-    """Each round launches every server once, alternating which goes first."""
+def cold_start_servers(args: argparse.Namespace) -> dict:
+    """pdserve 1P1D and llama-server with `--ctx-size`, each launched once a round."""
     port = free_port()
-    pdserve = pdserve_up(
-        args, port, "--prefill", "1", "--decode", "1", "--kv-cache-bytes", str(args.kv_cache_bytes)
-    )
-    servers = {"pdserve": lambda: cold_start(pdserve, port, args, memory=True)}
+    kv = ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    pdserve = pdserve_up(args, port, "--prefill", "1", "--decode", "1", *kv)
+    servers = {"pdserve": lambda a: cold_start(pdserve, port, a, memory=True)}
     if args.llama_server:
         llama = llama_server(args, port, "-c", str(args.ctx_size))
-        servers["llama.cpp"] = lambda: cold_start(llama, port, args, memory=False)
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
-    for r in range(args.rounds):
-        for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
-            if args.drop_caches:
-                drop_page_cache()
-            rows[name].append(servers[name]() | {"load_avg": os.getloadavg()[0]})
-            print(f"round {r} {name}: {json.dumps(rows[name][-1])}", file=sys.stderr, flush=True)
-    return rows
+        servers["llama.cpp"] = lambda a: cold_start(llama, port, a, memory=False)
+    return servers
 
 
 def step_bytes(gguf: Path) -> int:
@@ -309,35 +224,31 @@ def read_gbs(threads: int) -> float:
     return float(out.stdout.strip())
 
 
-def print_cold_start(rows: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
-    cache = "dropped before each launch" if args.drop_caches else "warm"
-    print(f"{args.model}: {args.rounds} rounds, page cache {cache}; medians")
+def print_medians(rows: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
     med = {
         n: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for n, runs in rows.items()
     }
     for name, figures in med.items():
         print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+    return med
+
+
+def print_cold_start(rows: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
+    cache = "dropped before each launch" if args.drop_caches else "warm"
+    print(f"{args.model}: {args.rounds} rounds, page cache {cache}; medians")
+    med = print_medians(rows)
     if "llama.cpp" in med:
         ratio = med["pdserve"]["cold_start_s"] / med["llama.cpp"]["cold_start_s"]
         print(f"pdserve's cold start over llama.cpp's: {ratio:.2f}x (target: at most 2x)")
 
 
-def print_speed(
-    rows: dict[str, list[dict[str, float]]], bandwidth: list[float], args: argparse.Namespace
-) -> None:
-    med = {
-        n: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for n, runs in rows.items()
-    }
+def print_speed(rows: dict, bandwidth: list[float], args: argparse.Namespace) -> None:
     print(f"load average at the end: {os.getloadavg()[0]:.2f}; medians over {args.rounds} rounds")
-    for name, figures in med.items():
-        print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()))
+    med = print_medians(rows)
     if bandwidth:
         gbs = statistics.median(bandwidth)
         bound_ms = step_bytes(args.gguf) / gbs / 1e6
-        print(
-            f"read bandwidth {gbs:.1f} GB/s ({args.threads} threads): batch-1 bound "
-            f"{bound_ms:.2f} ms a token"
-        )
+        print(f"read {gbs:.1f} GB/s ({args.threads} threads): batch-1 bound {bound_ms:.2f} ms")
         for name, figures in med.items():
             if "served_tpot_ms" in figures:
                 print(f"{name}: TPOT {figures['served_tpot_ms'] / bound_ms:.2f}x the bound")
@@ -352,27 +263,22 @@ def print_speed(
                 print(f"| {label} | {a:.4g} | {b:.4g} | {ratio:.2f}x | {target}x |")
 
 
-def add_cold_start_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--cold-start",
-        action="store_true",
-        help="launch to first answer, 1P1D (docstring); needs --gguf",
-    )
-    ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
-    ap.add_argument("--ctx-size", type=int, default=4096, help="llama-server's -c")
-    ap.add_argument(
-        "--drop-caches", action="store_true", help="empty the page cache before each launch (root)"
-    )
+def speed_servers(args: argparse.Namespace) -> dict:
+    """Each `--variant` of pdserve (by default its own settings), and llama-server."""
+    servers = {}
+    for spec in args.variant or ["pdserve:"]:
+        name, _, rest = spec.partition(":")
+        env = dict(item.split("=", 1) for item in rest.split(",") if item)
+        servers[name] = lambda a, env=env: measure_pdserve(env, a)
+    if args.llama_server:
+        args.gguf = args.gguf or known_gguf_path(MODEL)
+        servers["llama.cpp"] = measure_llamacpp
+    return servers
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        help="NAME:VAR=VALUE,... (repeatable; default: pdserve's own)",
-    )
+    ap.add_argument("--variant", action="append", default=[], help="NAME:VAR=VALUE,... (repeat)")
     ap.add_argument("--llama-server", help="a llama-server binary to compare with")
     ap.add_argument("--gguf", type=Path, help=f"the model both serve (default: {MODEL}'s GGUF)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -383,36 +289,34 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=32, help="0: skip the concurrent run")
     ap.add_argument("--long-input-len", type=int, default=512, help="0: skip the TTFT run")
     ap.add_argument("--json", help="write every round's rows here")
-    add_cold_start_args(ap)
+    ap.add_argument("--cold-start", action="store_true", help="launch to first answer (1P1D)")
+    ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
+    ap.add_argument("--ctx-size", type=int, default=4096, help="llama-server's -c")
+    ap.add_argument("--drop-caches", action="store_true", help="before each launch (root)")
     args = ap.parse_args()
+    if args.cold_start and not args.gguf:
+        ap.error("--cold-start: --gguf names the file both servers start on")
+    if args.llama_server and not os.access(args.llama_server, os.X_OK):
+        ap.error(f"--llama-server {args.llama_server!r}: not an executable file")
     args.model = str(args.gguf) if args.gguf else MODEL
-    if args.cold_start:
-        if not args.gguf:
-            ap.error("--cold-start: --gguf names the file both servers start on")
-        rows = cold_start_rounds(args)
-        print_cold_start(rows, args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return
-    servers = {}
-    for spec in args.variant or ["pdserve:"]:
-        name, _, rest = spec.partition(":")
-        env = dict(item.split("=", 1) for item in rest.split(",") if item)
-        servers[name] = lambda a, env=env: measure_pdserve(env, a)
-    if args.llama_server:
-        if not os.access(args.llama_server, os.X_OK):
-            ap.error(f"--llama-server {args.llama_server!r}: not an executable file")
-        args.gguf = args.gguf or known_gguf_path(MODEL)
-        servers["llama.cpp"] = measure_llamacpp
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    servers = (cold_start_servers if args.cold_start else speed_servers)(args)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in servers}
     bandwidth = []
     for r in range(args.rounds):
-        if args.gguf:
+        if args.gguf and not args.cold_start:
             bandwidth.append(read_gbs(args.threads))
         for name in list(servers)[:: 1 if r % 2 == 0 else -1]:
             rows[name].append(servers[name](args))
             print(f"round {r} {name}: {json.dumps(rows[name][-1])}", file=sys.stderr, flush=True)
-    print_speed(rows, bandwidth, args)
+    if args.cold_start:
+        print_cold_start(rows, args)
+    else:
+        print_speed(rows, bandwidth, args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
