@@ -32,11 +32,11 @@ running decode sees, as the ITL target does: the tighter of the two is the step 
 with nothing decoding it does not apply (no stream to stall).
 
 No split holds it (`Situation.split_breaks_stall`, from `decode_need()`): the decode group's
-step with the worker's least guarded chunk fits STALL_HEADROOM of the budget only on every
-core of the host (a 1B model's batch on one core of two). A remote prefill would take a
-core from those decodes, so it is not a candidate: the prompt prefills locally, beside the
-decodes on every core, in chunks the worker's StallGuard caps; the core plan (cores.py)
-keeps the pool with the decode group for the same reason.
+step of its decodes alone fits STALL_HEADROOM of the budget only on every core of the host
+(a 1B Q4_1 batch of three at 1.1 s a step on one core of two, under a 1.8 s budget). A
+remote prefill would take a core from those decodes, so it is not a candidate: the prompt
+prefills locally, beside the decodes on every core, in chunks the worker's StallGuard caps;
+the core plan (cores.py) keeps the pool with the decode group for the same reason.
 
 Stall-bounded (`_beside_decodes`): a fallback to local beside running decodes whose full
 chunks break the ITL, with no SLO-sized chunk priced, goes in the largest chunks whose step
@@ -82,7 +82,7 @@ from pdserve.planner.pricing import (
     predict,
     predict_slo_chunk,
 )
-from pdserve.planner.targets import MIN_STALL_CHUNK_TOKENS, STALL_HEADROOM
+from pdserve.planner.targets import STALL_HEADROOM
 
 # Without an ITL target a local prefill breaks no budget: the operator asked for nothing a
 # collocated worker cannot give, so local (every core, no transfer) decides unless the TTFT
@@ -277,15 +277,18 @@ def stall_need(
     context_tokens: int,
     stall_budget_s: float | None,
 ) -> int:
-    """The fewest threads whose step of these decodes with the decode worker's least guarded
-    chunk (MIN_STALL_CHUNK_TOKENS) stays within STALL_HEADROOM of the stall budget: the share
-    its StallGuard holds a step to (engine/stall_guard.py), so a local prefill beside the
-    decodes, and a remote request's first gap (the step in flight, then its own), stay
-    within the budget. 0: no budget or no decodes; `pool` when none does."""
+    """The fewest threads whose step of these decodes alone stays within STALL_HEADROOM of
+    the stall budget: what a split leaves the decode group to run while its prompts prefill
+    elsewhere, so a remote request's first gap (the step in flight, then its own) stays
+    within the budget. A local prompt on that share is priced as local (`predict`) and
+    capped by the worker's StallGuard (engine/stall_guard.py), so it does not size the
+    group: counting its least guarded chunk here made every 512-token prompt of a 1B
+    model prefill locally in 30-55-token chunks (TTFT 10-14 s) where a split held the
+    decodes' steps at 56-124 ms under a 257 ms budget. 0: no budget or no decodes; `pool`
+    when none does."""
     if stall_budget_s is None or num_decodes <= 0:
         return 0
-    n = MIN_STALL_CHUNK_TOKENS
-    shape = StepShape(n, num_decodes, n * (n + 1) / 2, context_tokens)
+    shape = StepShape(0, num_decodes, 0, context_tokens)
     return _fewest(model, pool, shape, STALL_HEADROOM * stall_budget_s)
 
 

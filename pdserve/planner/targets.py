@@ -38,8 +38,8 @@ from pdserve.planner.model import OnlineCostModel
 STALL_STEP_FACTOR = 10.0
 MIN_STALL_S = 1.0
 # Of the stall budget, what one step beside running decodes may take (the decode worker's
-# StallGuard caps its local chunks to it; the decode group is sized so its step with the
-# least such chunk fits it): under half, because a request whose KV lands from a prefill
+# StallGuard caps its local chunks to it; the decode group is sized so its step of the
+# decodes alone fits it): under half, because a request whose KV lands from a prefill
 # worker waits for the step in flight and then its own for its second token (at 0.75 those
 # first gaps took 1.11-1.33 s under a 1 s budget while every running stream's stayed within
 # 0.95 s).

@@ -372,9 +372,9 @@ def test_no_split_takes_a_1b_batch_past_the_stall_budget():
     model = OnlineCostModel(min_samples=20, profile=two_cores(ONE_B))
     budget = max_gap_s(AdaptiveConfig(enabled=True), model, 2)  # told no targets
     assert budget == pytest.approx(1.8)  # 10 x one decode's 0.18 s on two threads
-    shape = StepShape(MIN_STALL_CHUNK_TOKENS, 3, 136, 3300)  # three decodes, the least chunk
-    assert model.step_s("decode", 1, shape) > STALL_HEADROOM * budget  # 1.26 s > 0.81 s
-    assert model.step_s("decode", 2, shape) <= STALL_HEADROOM * budget  # 0.58 s
+    shape = StepShape(0, 3, 0, 3300)  # three decodes alone
+    assert model.step_s("decode", 1, shape) > STALL_HEADROOM * budget  # 1.1 s > 0.81 s
+    assert model.step_s("decode", 2, shape) <= STALL_HEADROOM * budget  # 0.5 s
     need = decode_need(model, 2, 3, 3300, None, budget)
     assert (need.threads, need.stall_threads, need.split_breaks_stall) == (2, 2, True)
     situation = two_core_situation(need)
@@ -396,9 +396,33 @@ def test_no_split_takes_a_1b_batch_past_the_stall_budget():
     )
     assert old.kind == REMOTE
     assert old.predictions["itl_remote_s"] >= model.step_s("decode", 1, StepShape(0, 3, 0, 3300))
-    # one decode fits one core with a chunk beside it (0.56 s): the split holds
+    # one decode fits one core (0.4 s): the split holds
     one = decode_need(model, 2, 1, 1100, None, budget)
     assert (one.stall_threads, one.split, one.split_breaks_stall) == (1, 1, False)
+
+
+# A 1B Q4_K_M model as the current kernels run it on two cores: one decode 26 ms a step on
+# two threads, three 66 ms on one, a prompt token 2 ms on two and 4 ms on one.
+ONE_B_Q4_K = {2: [0.014, 2e-3, 0.012, 0, 0, 0, 0], 1: [0.03, 4e-3, 0.012, 0, 0, 0, 0]}
+
+
+def test_a_split_is_sized_by_the_decodes_steps_not_a_local_chunk_it_would_not_run():
+    # Told a 257 ms stall budget (10x the step) and a 5 s TTFT: three decodes take 66 ms on
+    # one thread, within 45% of the budget, so a split holds them, although beside the
+    # guard's least chunk (16 tokens, 64 ms more) they would not. The 512-token prompt goes
+    # remote, as static 1P1D sends it; counting that chunk sent it local in 30-55-token
+    # chunks, 10-14 s to its first token, in the 1B grid's 512-token cells.
+    model = OnlineCostModel(min_samples=20, profile=two_cores(ONE_B_Q4_K))
+    budget = 0.257
+    with_chunk = StepShape(MIN_STALL_CHUNK_TOKENS, 3, 136, 1800)
+    assert model.step_s("decode", 1, with_chunk) > STALL_HEADROOM * budget  # 0.13 s > 0.116 s
+    need = decode_need(model, 2, 3, 1800, None, budget)
+    assert (need.stall_threads, need.split, need.split_breaks_stall) == (1, 1, False)
+    situation = dataclasses.replace(two_core_situation(need), num_prompt_tokens=512)
+    d = decide(situation, model, 5.0, None, 256, budget, True)
+    assert (d.kind, d.reason) == (REMOTE, "stall_budget")
+    assert d.predictions["itl_remote_s"] <= STALL_HEADROOM * budget
+    assert d.predictions["ttft_remote_s"] <= 5.0
 
 
 def test_at_smollm_step_times_the_split_happens_as_before():
