@@ -1,10 +1,6 @@
-"""A prefill and a decode host in network namespaces of their own (pdserve/testing/netns.py), the
-router in the root namespace, a shaped link between them; needs root and iproute2, nftables for
-loss (docs/cluster.md, "Hosts as network namespaces"). `link-rate`: one prompt's KV sent bare
-over each `--transfer` backend per `--rates` rate, and with `--served` the exposed transfer of
-a 1P1D cluster's prompts there and the share of the link's time hidden behind the prefill.
-`faults`: requests under loss, decode-link cuts and slowdowns; exit status 1 unless every one
-ends within its bound with a fault-free run's text, no KV block leaks and the fallbacks count.
+"""A prefill and a decode host in network namespaces, the router in the root namespace, a shaped
+link between them; needs root and iproute2, nftables for loss (docs/cluster.md, "Hosts as
+network namespaces", says what `link-rate` and `faults` measure and check).
 """
 
 from __future__ import annotations
@@ -88,38 +84,14 @@ def shape_all(hosts: Hosts, link: Link) -> None:
 
 def measure(hosts: Hosts, layout: dict, repeats: int, backend: str) -> list[float]:
     """Seconds of `repeats` bare sends of one prompt's KV, prefill host to decode host."""
-    spec = json.dumps(layout)
-    receiver = subprocess.Popen(
-        [
-            *hosts.prefix_of(DECODE),
-            sys.executable,
-            "-c",
-            RECEIVE.format(secret=SECRET),
-            hosts.ip(DECODE),
-            spec,
-            str(repeats),
-            backend,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    argv = [json.dumps(layout), str(repeats), backend]
+    code = RECEIVE.format(secret=SECRET)
+    rx_cmd = [*hosts.prefix_of(DECODE), sys.executable, "-c", code, hosts.ip(DECODE), *argv]
+    receiver = subprocess.Popen(rx_cmd, stdout=subprocess.PIPE, text=True)
     try:
-        peer = receiver.stdout.readline()
-        sent = subprocess.run(
-            [
-                *hosts.prefix_of(PREFILL),
-                sys.executable,
-                "-c",
-                SEND.format(secret=SECRET),
-                peer,
-                spec,
-                str(repeats),
-                backend,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        peer, code = receiver.stdout.readline(), SEND.format(secret=SECRET)
+        tx_cmd = [*hosts.prefix_of(PREFILL), sys.executable, "-c", code, peer, *argv]
+        sent = subprocess.run(tx_cmd, capture_output=True, text=True, timeout=300)
         if sent.returncode:
             raise RuntimeError(sent.stderr[-2000:])
         return json.loads(sent.stdout.strip().splitlines()[-1])
@@ -138,20 +110,25 @@ def kv_sent(url: str) -> tuple[float, float]:
     return float(row["kv_bytes_sent"]), float(row["kv_send_s"])
 
 
+def greedy(model: str, rng: random.Random, tokens: int, max_tokens: int) -> dict:
+    """A greedy completion's body: a random prompt of `tokens`, `max_tokens` generated."""
+    prompt = [rng.randrange(200, 20000) for _ in range(tokens)]
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
 def served(url: str, model: str, tokens: int, repeats: int, rng: random.Random) -> dict:
     """`repeats` distinct prompts of `tokens` (no prefix hit), one at a time: the medians of
     their prefill and exposed transfer, the KV bytes each sent, and the link's rate as the
     prefill worker's sender measured it (what the adaptive planner prices)."""
     parts, (bytes_before, send_s_before) = [], kv_sent(url)
     for _ in range(repeats):
-        prompt = [rng.randrange(200, 20000) for _ in range(tokens)]
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": 2,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
+        body = greedy(model, rng, tokens, 2)
         parts.append(post_completion(url, body, 600, timing=True)["pdserve_timing"]["ttft_parts_s"])
     bytes_after, send_s_after = kv_sent(url)
     num_bytes = (bytes_after - bytes_before) / repeats
@@ -161,13 +138,9 @@ def served(url: str, model: str, tokens: int, repeats: int, rng: random.Random) 
 
 
 def link_rate(hosts: Hosts, args: argparse.Namespace) -> int:
-    layout = {
-        "num_layers": 30,
-        "num_blocks": args.tokens // 16,
-        "block_size": 16,
-        "num_kv_heads": 3,
-        "head_dim": 64,
-    }
+    layout = dict(
+        num_layers=30, num_blocks=args.tokens // 16, block_size=16, num_kv_heads=3, head_dim=64
+    )
     num_bytes = 30 * args.tokens * 3 * 64 * 2 * 4
     rows = []
     for rate, backend in itertools.product(args.rates.split(","), args.transfer.split(",")):
@@ -264,14 +237,7 @@ def send_all(url: str, bodies: list[dict], reference: list[str], args) -> list[d
 def faults(hosts: Hosts, args: argparse.Namespace) -> int:
     rng = random.Random(0)
     bodies = [
-        {
-            "model": args.model,
-            "max_tokens": args.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "prompt": [rng.randrange(200, 20000) for _ in range(args.prompt_tokens)],
-        }
-        for _ in range(args.requests)
+        greedy(args.model, rng, args.prompt_tokens, args.max_tokens) for _ in range(args.requests)
     ]
     with cluster(hosts, args.model, WorkerGroup(kv_cache_bytes=args.kv_bytes, threads=1)) as url:
         with ThreadPoolExecutor(args.concurrency) as pool:
@@ -279,16 +245,17 @@ def faults(hosts: Hosts, args: argparse.Namespace) -> int:
             reference = [a["choices"][0]["text"] for a in answers]
         shape_all(hosts, Link(rate=args.rate, loss_pct=args.loss_pct))
         start, tenth = time.monotonic(), f"{bits_per_s(args.rate) // 10}bit"
+        cut, slow = spans(args.cuts), spans(args.slowdowns)
         links = [
             at_times(
                 start,
-                spans(args.cuts),
+                cut,
                 lambda: hosts.set_link(DECODE, up=False),
                 lambda: hosts.set_link(DECODE, up=True),
             ),
             at_times(
                 start,
-                spans(args.slowdowns),
+                slow,
                 lambda: hosts.set_rate(DECODE, tenth),
                 lambda: hosts.set_rate(DECODE, args.rate),
             ),
