@@ -1,13 +1,6 @@
-"""The simulator against measurements: this machine's, and a trace's wall time (BENCHMARKS.md,
-"Simulator and planner"; docs/simulator.md, "Accuracy").
-
-`served` (the default): per workload and deployment, `pdserve bench compare` on the real
-deployment and `pdserve simulate` with the same flags and seed, against `pdserve profile`'s
-profile (or `--profile`) as measured and rescaled by the speed probes (`pdserve profile
---rescale`) on either side of the run ("probed"); one JSON line per cell, then the cells within
-15%. `trace-replay`: the seconds `pdserve simulate` takes for a one-hour, 12,000-request
-Mooncake-format trace (`--trace`, or one generated of that size: lognormal lengths, Poisson
-arrivals, turns extending the previous turn's hash ids).
+"""The simulator against measurements (docs/simulator.md, "Accuracy", says what each mode runs):
+`served` (the default) sets `pdserve simulate` beside `pdserve bench compare` per workload and
+deployment; `trace-replay` times `pdserve simulate` over a one-hour, 12,000-request trace.
 """
 
 from __future__ import annotations
@@ -29,18 +22,8 @@ CORES = len(os.sched_getaffinity(0))
 WORKLOADS = {
     "chat": ["--preset", "chat"],
     "summarization": ["--preset", "summarization"],
-    "multi-turn": [
-        "--input-len",
-        "lognormal:128:0.5",
-        "--output-len",
-        "lognormal:64:0.5",
-        "--num-turns",
-        "4",
-        "--num-prefix-groups",
-        "4",
-        "--prefix-len",
-        "256",
-    ],
+    "multi-turn": "--input-len lognormal:128:0.5 --output-len lognormal:64:0.5 --num-turns 4 "
+    "--num-prefix-groups 4 --prefix-len 256".split(),
 }
 # name -> (bench compare spec, simulate flags)
 DEPLOYMENTS = {
@@ -52,6 +35,11 @@ DEPLOYMENTS = {
     ),
 }
 METRICS = [("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90")]
+TRACE_REPLAY = (
+    "--profile analytic:H100-SXM:llama-3-8b --deployment 4p4d --max-num-seqs 256 --routing "
+    "prefix_cache --max-num-batched-tokens 8192 --max-model-len 131072 --slo-ttft-ms 2000 "
+    "--slo-tpot-ms 100 --no-progress"
+).split()
 TRACE_SECONDS, TRACE_INPUT, TRACE_OUTPUT = 3600.0, 2000.0, 300.0  # new tokens a turn (means)
 
 
@@ -130,28 +118,7 @@ def trace_replay(trace: str | None, num_requests: int, seed: int) -> int:
             synthetic_trace(path, num_requests, seed)
         start = time.perf_counter()
         pdserve(
-            "simulate",
-            "--profile",
-            "analytic:H100-SXM:llama-3-8b",
-            "--trace",
-            str(path),
-            "--num-requests",
-            str(num_requests),
-            "--deployment",
-            "4p4d",
-            "--max-num-seqs",
-            "256",
-            "--max-num-batched-tokens",
-            "8192",
-            "--max-model-len",
-            "131072",
-            "--routing",
-            "prefix_cache",
-            "--slo-ttft-ms",
-            "2000",
-            "--slo-tpot-ms",
-            "100",
-            "--no-progress",
+            "simulate", "--trace", str(path), "--num-requests", str(num_requests), *TRACE_REPLAY
         )
         print(f"{'wall time incl. start-up (s)':<40}{time.perf_counter() - start:.1f}")
     return 0
@@ -162,19 +129,10 @@ def main() -> int:
     parser.add_argument("--mode", choices=("served", "trace-replay"), default="served")
     parser.add_argument("--profile", help="an existing profile (default: measure one)")
     parser.add_argument("--num-requests", type=int, help="served 60, trace-replay 12000")
+    parser.add_argument("--trace", help="trace-replay: a Mooncake-format JSONL (default: made)")
+    parser.add_argument("--load", type=float, default=0.5, help="of the slowest's capacity")
     parser.add_argument(
-        "--trace", help="trace-replay: a Mooncake-format JSONL trace (default: generate one)"
-    )
-    parser.add_argument(
-        "--load",
-        type=float,
-        default=0.5,
-        help="rate as a fraction of the slowest deployment's predicted capacity",
-    )
-    parser.add_argument(
-        "--rates",
-        help="sessions/s per workload instead of --load, "
-        "e.g. chat=0.3,summarization=0.1,multi-turn=0.3",
+        "--rates", help="sessions/s instead of --load, e.g. chat=0.3,multi-turn=0.3"
     )
     parser.add_argument("--no-rescale", action="store_true", help="no speed probes")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -199,18 +157,8 @@ def served(args: argparse.Namespace) -> int:
     probing = not args.no_rescale
     rows = []
     for workload in args.workloads.split(","):
-        common = [
-            *WORKLOADS[workload],
-            "--num-requests",
-            str(args.num_requests),
-            "--seed",
-            str(args.seed),
-            "--slo-ttft-ms",
-            "1e9",
-            "--slo-tpot-ms",
-            "1e9",
-            "--no-progress",
-        ]
+        common = [*WORKLOADS[workload], "--num-requests", str(args.num_requests), "--seed"]
+        common += [str(args.seed), "--slo-ttft-ms", "1e9", "--slo-tpot-ms", "1e9", "--no-progress"]
         probes = [tmp / f"{workload}-probe{i}.json" for i in range(len(names) + 1)]
         if probing:
             pdserve("profile", "--rescale", str(profile), "--output", str(probes[0]))
@@ -234,18 +182,11 @@ def served(args: argparse.Namespace) -> int:
             for key, q in METRICS:
                 m = measured[key][q]
                 p, r = predicted["summary"][key][q], raw["summary"][key][q]
+                row = {"workload": workload, "deployment": name, "metric": f"{q} {key}"}
+                row |= {"rate": float(rates[workload]), "measured": m, "predicted": p}
                 rows.append(
-                    {
-                        "workload": workload,
-                        "deployment": name,
-                        "metric": f"{q} {key}",
-                        "rate": float(rates[workload]),
-                        "measured": m,
-                        "predicted": p,
-                        "error": (p - m) / m,
-                        "predicted_profile": r,
-                        "error_profile": (r - m) / m,
-                    }
+                    row
+                    | {"error": (p - m) / m, "predicted_profile": r, "error_profile": (r - m) / m}
                 )
                 print(json.dumps(rows[-1]), flush=True)
     for key, label in (("error", "probed"), ("error_profile", "profile as measured")):
