@@ -1,8 +1,6 @@
 """What the OpenAI request features cost on the real model, each against the same work without
-it, the settings' order alternating round by round, medians after a warm-up (BENCHMARKS.md,
-"OpenAI features"): `grammar` a JSON schema's share of each decode step, `mask` llguidance's and
-xgrammar's token mask per token over one JSON document, `sampling` penalties and logprobs on a
-batch's decode step, `prompt-logprobs` a prefill with and without 5 alternatives a token.
+it, the order alternating round by round, medians after a warm-up (BENCHMARKS.md, "OpenAI
+features", says what each mode times).
 """
 
 from __future__ import annotations
@@ -54,13 +52,8 @@ RECORD = {
 }
 SAMPLING = {
     "plain": {},
-    "penalties": dict(
-        repetition_penalty=1.1,
-        presence_penalty=0.5,
-        frequency_penalty=0.5,
-        logit_bias=tuple((t, -1.0) for t in range(100, 116)),
-        min_tokens=8,
-    ),
+    "penalties": dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+    | dict(logit_bias=tuple((t, -1.0) for t in range(100, 116)), min_tokens=8),
     "logprobs": dict(logprobs=5),
 }
 
@@ -125,12 +118,9 @@ class GrammarClock:
 def grammar(args: argparse.Namespace) -> None:
     llm = load(args)
     prompt = llm.tokenizer.apply_chat_template(LIST_PROMPT)
-    params = {
-        "plain": SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True),
-        "grammar": SamplingParams(
-            max_tokens=args.tokens, temperature=0.0, grammar=grammar_of("json", LIST_SCHEMA)
-        ),
-    }
+    greedy, schema = dict(max_tokens=args.tokens, temperature=0.0), grammar_of("json", LIST_SCHEMA)
+    plain = SamplingParams(**greedy, ignore_eos=True)
+    params = {"plain": plain, "grammar": SamplingParams(**greedy, grammar=schema)}
     clock = GrammarClock(llm)
     for batch in map(int, args.batches.split(",")):
         prompts = [prompt] * batch
