@@ -1,15 +1,14 @@
 """CPU kernels at the default model's shapes (docs/cpu-kernels.md): the native panel GEMM against
-oneDNN (prepacked) and `F.linear` on random fp32 or (`--weights gguf`) GGUF-grid weights, and
-native paged decode attention against gather + SDPA; `--isa` picks the native variant and `--vs`
-a second one, columns interleaved. `--weights in-place`: an 8192x2048 GGUF matrix of each
-`--types` read in place, fp32 against int8 activations (or, above 16 rows, against AMX tiles or
-the int8 kernel), `hot` (cached) and `streamed` (copies past the caches); at `--threads 1` the
-calling thread's CPU time, else wall time. Medians; run on an idle machine.
+oneDNN and `F.linear` on random fp32 or GGUF-grid weights, and paged decode attention against
+gather + SDPA; `--isa` and `--vs` two native variants. `--weights in-place`: an 8192x2048 GGUF
+matrix of each `--types` read in place, `hot` and `streamed` past the caches (at `--threads 1`
+the calling thread's CPU time, else wall time). Medians; run on an idle machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import numpy as np
@@ -145,12 +144,7 @@ def bench_in_place(libs, rows: list[int], repeats: int, stream_mb: int, types: l
                 path = next((mode for mode, _ in t if mode != "fp32"), None)
                 cells = [
                     f"{t[key] * 1e3:.2f} ms, {nbytes / t[key] / 1e9:.1f} GB/s" if key in t else "-"
-                    for key in [
-                        ("fp32", "hot"),
-                        ("fp32", "streamed"),
-                        (path, "hot"),
-                        (path, "streamed"),
-                    ]
+                    for key in itertools.product(("fp32", path), ("hot", "streamed"))
                 ]
                 ratio = t[("fp32", "streamed")] / t[(path, "streamed")] if path else None
                 flops = 2 * m * 8192 * 2048 / t[(path, "hot")] / 1e9 if path else None

@@ -1,9 +1,7 @@
-"""A GGUF read in place through `LLM` (docs/cpu-kernels.md): decode ms a step (`--batch`
-sequences) against the bound the read bandwidth measured between rounds sets, prefill
-(`--compare`: AMX tiles against the fp32 GEMM, and int8 against fp32 decode activations,
-interleaved), with `--vs-converted` the same file converted to fp32 panels, and the peak RSS
-and PSS. Each step's CPU time on the calling thread beside its wall time (`--threads 1`: the
-kernels run there, so it leaves out other processes' preemption).
+"""A GGUF read in place through `LLM` (docs/cpu-kernels.md): decode ms a step against the bound
+the read bandwidth sets, prefill (`--compare`: AMX tiles against the fp32 GEMM, int8 against
+fp32 decode activations), `--vs-converted` the file as fp32 panels, peak RSS and PSS; each step's
+CPU time on the calling thread beside its wall time (at `--threads 1` the kernels run there).
 """
 
 from __future__ import annotations
@@ -61,23 +59,24 @@ def time_prefill(llm, tokens: int, rounds: int, compare: bool) -> dict[str, tupl
     return best
 
 
+def load_llm(args: argparse.Namespace, gguf_fp32_max_bytes: int):
+    from pdserve.llm import LLM
+
+    limit = {"gguf_fp32_max_bytes": gguf_fp32_max_bytes}
+    return LLM(str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads, **limit)
+
+
 def decode_modes(llm, args: argparse.Namespace) -> dict[str, tuple]:
     """name -> (model, quant_linear.INT8_M_MAX) of each decode timed round by round: int8
     activations; with `--compare` fp32 ones; with `--vs-converted` the same file converted to
     fp32 panels (`gguf_fp32_max_bytes` past its size, model/gguf_convert.py)."""
-    from pdserve.llm import LLM
     from pdserve.model import quant_linear
 
     modes = {"int8": (llm, quant_linear.INT8_M_MAX)}
     if args.compare:
         modes["fp32"] = (llm, 0)
     if args.vs_converted:
-        converted = LLM(
-            str(args.gguf),
-            kv_cache_bytes=256 * 2**20,
-            threads=args.threads,
-            gguf_fp32_max_bytes=1 << 62,
-        )
+        converted = load_llm(args, gguf_fp32_max_bytes=1 << 62)
         modes["converted"] = (converted, quant_linear.INT8_M_MAX)
     return modes
 
@@ -115,26 +114,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens a round")
     parser.add_argument("--prefill", type=int, default=512, help="0: no prefill timed")
-    parser.add_argument(
-        "--compare",
-        action="store_true",
-        help="alternate each round between int8 activations (the default) and fp32 ones, and "
-        "prefill between AMX tiles (the default on AMX) and the fp32 GEMM",
-    )
-    parser.add_argument(
-        "--vs-converted", action="store_true", help="also decode the file converted to fp32 panels"
-    )
+    parser.add_argument("--compare", action="store_true", help="int8/fp32, AMX/fp32 GEMM")
+    parser.add_argument("--vs-converted", action="store_true", help="also as fp32 panels")
     parser.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     args = parser.parse_args()
 
-    from pdserve.llm import LLM
     from pdserve.model.quant_linear import QuantEmbedding, QuantLinear
 
     t0 = time.perf_counter()
-    llm = LLM(
-        str(args.gguf), kv_cache_bytes=256 * 2**20, threads=args.threads, gguf_fp32_max_bytes=0
-    )
+    llm = load_llm(args, gguf_fp32_max_bytes=0)
     load_s = time.perf_counter() - t0
     modules = list(llm.engine.runner.model.modules())
     if not any(isinstance(m, QuantEmbedding) for m in modules):
