@@ -1,8 +1,7 @@
-"""Time the KV transfer adds to a disaggregated request's first token (BENCHMARKS.md, "Hosts and
-links"): a prefill and a decode engine of the default model in one process hand one prompt's KV
-over, from the prefill's last layer to the receiver reporting the KV landed; `full` sends after
-the prefill, `layerwise` each layer as it finishes, `--budgets` only a dropped prompt's kept
-blocks, once (docs/token-dropping.md). One JSON line per case, `of_full` its share of `full`.
+"""Time the KV transfer adds to a disaggregated request's first token, prefill and decode engines
+in one process (BENCHMARKS.md, "Hosts and links"): from the prefill's last layer to the KV landed;
+`full` sends after the prefill, `layerwise` each layer as it finishes, `--budgets` a dropped
+prompt's kept blocks (docs/token-dropping.md). One JSON line per case.
 """
 
 from __future__ import annotations
@@ -82,13 +81,9 @@ class Setup:
 
     def __init__(self, backend: str, max_tokens: int) -> None:
         model_dir = resolve_model("smollm2-135m")
-        cfg = EngineConfig(
-            cache=CacheConfig(
-                kv_cache_bytes=2 * max_tokens * KV_TOKEN_BYTES + (64 << 20),
-                enable_prefix_caching=False,
-            ),
-            scheduler=SchedulerConfig(max_num_batched_tokens=8192),
-        )
+        kv_bytes = 2 * max_tokens * KV_TOKEN_BYTES + (64 << 20)
+        cache = CacheConfig(kv_cache_bytes=kv_bytes, enable_prefix_caching=False)
+        cfg = EngineConfig(cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=8192))
         self.p = Engine(cfg, model_dir, "prefill")
         self.layout = KVLayout.from_tensor(self.p.runner.kv_cache)
         self.d = Engine(cfg, model_dir, "decode", shared_kv if backend == "shm" else None)
@@ -126,12 +121,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096])
     ap.add_argument("--backends", nargs="+", default=["shm", "tcp"])
-    ap.add_argument(
-        "--caps",
-        nargs="+",
-        default=["-", "100Gbit", "10Gbit", "1Gbit"],
-        help='tcp sender caps ("-": none)',
-    )
+    caps = ["-", "100Gbit", "10Gbit", "1Gbit"]
+    ap.add_argument("--caps", nargs="+", default=caps, help='tcp sender caps ("-": none)')
     ap.add_argument("--budgets", type=int, nargs="*", default=[], help="KV budgets (tokens)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -150,13 +141,7 @@ def main() -> None:
                         setup.run(prompt, mode, None if cap == "-" else cap, budget)
                         for _ in range(args.repeats)
                     ]
-                    row = {
-                        "backend": backend,
-                        "cap": cap,
-                        "tokens": n,
-                        "mode": mode,
-                        "budget": budget,
-                    }
+                    row = dict(backend=backend, cap=cap, tokens=n, mode=mode, budget=budget)
                     row |= {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                     full_ms = full_ms or row["ms"]
                     print(json.dumps(row | {"of_full": row["ms"] / full_ms}), flush=True)
