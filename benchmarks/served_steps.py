@@ -1,8 +1,7 @@
 """Served steps against a profile (docs/simulator.md, "Served steps"): each step of a
-`PDSERVE_STEP_TRACE` folder over what the profile's served cost model predicts for its shape, by
-worker and kind of step (`+cpu` adds `token_cpu_s` per streamed token). `--pairs`: a 1P1D prefill
-worker's step against a lone one-thread engine's prefill on the same core, interleaved pairs
-after a warm-up, the median ratio in wall and in the stepping thread's CPU time.
+`PDSERVE_STEP_TRACE` folder over what the profile's served cost model predicts, by worker and
+kind of step. `--pairs`: a 1P1D prefill worker's step against a lone one-thread engine's on the
+same core, interleaved pairs, the median ratio in wall and in the thread's CPU time.
 """
 
 from __future__ import annotations
@@ -109,11 +108,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", nargs="?", help="the PDSERVE_STEP_TRACE folder")
     parser.add_argument("--profile")
-    parser.add_argument(
-        "--pairs",
-        action="store_true",
-        help="a 1P1D prefill step against the engine's lone prefill on the same core",
-    )
+    parser.add_argument("--pairs", action="store_true", help="against a lone engine's prefill")
     parser.add_argument("--model", default="smollm2-135m", help="--pairs: the model")
     parser.add_argument("--tokens", type=int, default=32, help="--pairs: prompt length")
     parser.add_argument("--rounds", type=int, default=9, help="--pairs: pairs counted")
