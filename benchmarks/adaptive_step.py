@@ -1,10 +1,6 @@
-"""A step change of load (chat -> summarization -> chat) against one adaptive deployment
-(docs/adaptive.md): each phase a `pdserve bench` run of its preset started at its time, so
-requests in flight overlap the change, while `/v1/status` is polled every `--poll-s`. One JSON
-line per phase: requests sent / finished / rejected / failed, the longest token gap, requests
-stalled (a gap over `--stall-s`), TTFT and TPOT, the split's changes, its settle time in planner
-intervals (from the phase's first overlapping request) and flip-backs. `--output` keeps every
-stall and status sample.
+"""A step change of load (chat -> summarization -> chat) against one adaptive deployment, each
+phase a `pdserve bench` run of its preset while `/v1/status` is polled (docs/adaptive.md, "The
+step change"): one JSON line per phase; `--output` keeps every stall and status sample.
 """
 
 from __future__ import annotations
@@ -44,27 +40,10 @@ def phase_plan(args: argparse.Namespace, index: int, url: str):
     rate = args.chat_rate if preset == "chat" else args.summarization_rate
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
-    flags = [
-        "--url",
-        url,
-        "--model",
-        args.model,
-        "--tokenizer",
-        args.model,
-        "--preset",
-        preset,
-        "--arrival",
-        "poisson",
-        "--rate",
-        str(rate),
-        "--duration-s",
-        str(args.phase_seconds),
-        "--num-requests",
-        str(int(3 * rate * args.phase_seconds) + 10),
-        "--seed",
-        str(args.seed + index),
-        "--no-progress",
-    ]
+    flags = ["--url", url, "--model", args.model, "--tokenizer", args.model, "--no-progress"]
+    flags += ["--preset", preset, "--arrival", "poisson", "--rate", str(rate), "--seed"]
+    flags += [str(args.seed + index), "--duration-s", str(args.phase_seconds)]
+    flags += ["--num-requests", str(int(3 * rate * args.phase_seconds) + 10)]
     if args.max_output_len:
         output = PRESETS[preset][1].split(":")
         flags += ["--output-len", ":".join([*output[:3], str(args.max_output_len)])]
@@ -266,29 +245,14 @@ def main() -> None:
     p.add_argument("--output", default="adaptive_step.json")
     args = p.parse_args()
     pipeline = pipeline_for("adaptive", args.model)
-    adaptive = AdaptiveConfig(
-        enabled=True,
-        workers=args.workers,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_itl_ms=args.slo_itl_ms,
-        interval_s=args.interval_s,
-        min_dwell_s=args.min_dwell_s,
-    )
+    knobs = ("workers", "slo_ttft_ms", "slo_itl_ms", "interval_s", "min_dwell_s")
+    adaptive = AdaptiveConfig(enabled=True, **{k: getattr(args, k) for k in knobs})
     workers = WorkerGroup(cpus=args.cpus) if args.cpus else pipeline.workers
     pipeline = dataclasses.replace(pipeline, adaptive=adaptive, workers=workers)
     with Cluster(pipeline, log_level=args.log_level) as url:
         rows, after, poller = run_phases(args, url)
-    Path(args.output).write_text(
-        json.dumps(
-            {
-                "config": vars(args),
-                "phases": rows,
-                "after_load": after,
-                "samples": poller.samples,
-            },
-            indent=1,
-        )
-    )
+    document = {"config": vars(args), "phases": rows, "after_load": after}
+    Path(args.output).write_text(json.dumps(document | {"samples": poller.samples}, indent=1))
     for row in rows:
         settle = round(row.get("settle_s", 0.0) / args.interval_s, 2)
         shown = {k: v for k, v in row.items() if k not in BULKY}
