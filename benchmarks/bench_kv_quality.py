@@ -1,9 +1,7 @@
 """KV quality on the real default model against full-precision KV (BENCHMARKS.md, "KV
-compression and token dropping"): 8-bit KV (fp8, int8), or with `--drop-budgets` token
-dropping at those budgets. Per setting, one JSON line: greedy agreement on chat prompts
-(`--new-tokens` each, EOS ignored) and identical outputs, the perplexity of a held-out text
-(8-bit: in 64-token chunks read back through the quantized cache; dropping: teacher-forced
-token by token through the dropped cache), and the KV bytes per token or held per sequence.
+compression and token dropping"): 8-bit KV (fp8, int8), or with `--drop-budgets` token dropping.
+Per setting, one JSON line: greedy agreement on chat prompts, the perplexity of a held-out text
+(through the quantized or dropped cache), and the KV bytes per token or held per sequence.
 """
 
 from __future__ import annotations
@@ -62,15 +60,12 @@ def perplexity(llm: LLM, kv_cache_dtype: str, ids: list[int], chunk: int = 64) -
     runner, cfg = llm.engine.runner, llm.engine.model_config
     bs = 16
     num_blocks = -(-len(ids) // bs)
-    shape = (
-        cfg.num_layers,
-        num_blocks,
-        2,
-        cfg.num_kv_heads,
-        bs,
+    shape = (cfg.num_layers, num_blocks, 2, cfg.num_kv_heads, bs)
+    kv = torch.zeros(
+        *shape,
         row_size(cfg.head_dim, kv_cache_dtype),
+        dtype=storage_dtype(kv_cache_dtype, runner.dtype),
     )
-    kv = torch.zeros(shape, dtype=storage_dtype(kv_cache_dtype, runner.dtype))
     caches = layer_caches(kv, kv_cache_dtype)
     table = torch.arange(num_blocks)
     nll, count = 0.0, 0
@@ -149,13 +144,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--kv-dtypes", nargs="+", default=list(QUANTIZED), choices=list(QUANTIZED))
-    ap.add_argument(
-        "--drop-budgets",
-        type=int,
-        nargs="*",
-        default=[],
-        help="token dropping at these KV budgets instead of 8-bit KV",
-    )
+    ap.add_argument("--drop-budgets", type=int, nargs="*", default=[], help="instead of 8-bit")
     ap.add_argument("--score-tokens", type=int, default=384)
     args = ap.parse_args()
     (dropping if args.drop_budgets else eight_bit)(args)
