@@ -34,6 +34,9 @@ from pdserve.kvstore.config import KVStoreConfig
 from pdserve.transfer.shm import SHM_DIR, sweep_orphans
 
 WORKERS = ("prefill-0", "decode-0", "decode-1")
+DEFAULTS = dict(minutes=20.0, kill_every_s=60.0, router_kills=2, redis_pauses=1, redis_pause_s=20.0)
+DEFAULTS |= dict(request_bound_s=180.0, num_prompts=48, num_prefixes=4, prefix_len=160, seed=0)
+DEFAULTS |= dict(max_suffix_len=64, max_output_len=32)
 
 
 @dataclass(frozen=True)
@@ -196,21 +199,11 @@ def summarize(results, refs, pool, blocks, pids, pools_left, events, args) -> di
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--rate", type=float, default=0.3, help="requests per second (Poisson)")
-    ap.add_argument("--kill-every-s", type=float, default=60.0)
-    ap.add_argument("--router-kills", type=int, default=2)
-    ap.add_argument("--redis-pauses", type=int, default=1)
-    ap.add_argument("--redis-pause-s", type=float, default=20.0)
-    ap.add_argument("--request-bound-s", type=float, default=180.0)
-    ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--num-prefixes", type=int, default=4)
-    ap.add_argument("--prefix-len", type=int, default=160)
-    ap.add_argument("--max-suffix-len", type=int, default=64)
-    ap.add_argument("--max-output-len", type=int, default=32)
     ap.add_argument("--kv-cache-mib", type=int, default=96, help="per worker: small, so L4 is used")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write the summary JSON here")
+    for name, default in DEFAULTS.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     args = ap.parse_args()
     pool = prompt_pool(args)
     shm_before = set(os.listdir(SHM_DIR))
