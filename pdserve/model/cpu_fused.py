@@ -127,7 +127,6 @@ class FusedLayerStack(LayerStack):
                 inter,
                 caches[0].block_size,
                 first.input_layernorm.eps,
-                quant_linear.QUANT_GEMV_M_MAX,
                 quant_linear.int8_rows(m),
             )
             if rc != 0:

@@ -178,7 +178,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pd_decode_layer_scratch.argtypes = [_i64] * 6
     lib.pd_decode_layer_scratch.restype = _i64
     lib.pd_decode_layers.argtypes = [_ptr, _ptr, _i64, _ptr, _i64] + [_ptr] * 7 + [_i64] * 7
-    lib.pd_decode_layers.argtypes += [_f32, _i64, _i64]
+    lib.pd_decode_layers.argtypes += [_f32, _i64]
     lib.pd_decode_layers.restype = ctypes.c_int
     lib.pd_argmax_rows.argtypes = [_ptr, _i64, _i64, _ptr]
     lib.pd_argmax_rows.restype = None
@@ -247,14 +247,18 @@ class PdQuantPart(ctypes.Structure):
 
 
 # The codecs of a `PdWeight` that is no panel but a `PdQuantLinear` (GGUF weights read in place):
-# above QUANT_GEMV_M_MAX rows, int8 activations or (PD_GGUF_AMX) AMX bf16 tiles.
+# above its `gemv_m_max` rows, int8 activations or (PD_GGUF_AMX) AMX bf16 tiles.
 PD_GGUF, PD_GGUF_AMX = 3, 4
 
 
 class PdQuantLinear(ctypes.Structure):
     """The C side's `pd_qlinear`: a fused linear's GGUF parts, for `pd_decode_layers`."""
 
-    _fields_ = [("parts", ctypes.POINTER(PdQuantPart)), ("n", ctypes.c_int64)]
+    _fields_ = [
+        ("parts", ctypes.POINTER(PdQuantPart)),
+        ("n", ctypes.c_int64),
+        ("gemv_m_max", ctypes.c_int64),
+    ]
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ TILE_FLOATS = 1 << 22
 # bf16, within the int8 path's bound; BF16 weights as they are); F32 weights, and the other
 # kernel variants, keep the fp32 dequantize-and-GEMM path (docs/cpu-kernels.md). False: never.
 AMX_TILES = True
+# On AMX tiles, weights without an integer dot product (Q4_0, Q4_1, Q5_*, BF16, F16) take the
+# tiles above this many rows instead of QUANT_GEMV_M_MAX.
+AMX_FLOAT_GEMV_M_MAX = 4
 
 
 def int8_rows(m: int) -> int:
@@ -134,14 +137,26 @@ class QuantLinear(nn.Module):
         )
 
     @property
+    def int8_dot(self) -> bool:
+        """Whether every part has an integer dot product (Q4_K, Q6_K, Q8_0: csrc/quant_dot.c)."""
+        return all(self.lib.pd_q8_dot_type(p.qtype, p.cols) for p in self.parts)
+
+    @property
+    def gemv_m_max(self) -> int:
+        """The most rows a call takes on `pd_quant_linear`; above them the AMX tiles, the int8
+        kernel or the GEMM path. QUANT_GEMV_M_MAX, but AMX_FLOAT_GEMV_M_MAX where AMX tiles
+        take the parts without an integer dot product: those dequantize every weight row to
+        fp32 for each call and multiply it by each input row, a cost that grows with every
+        row, while the tiles' cost barely grows with rows."""
+        if self.amx_tiles and not (INT8_M_MAX > 0 and self.int8_dot):
+            return AMX_FLOAT_GEMV_M_MAX
+        return QUANT_GEMV_M_MAX
+
+    @property
     def int8_many_rows(self) -> bool:
         """Whether calls of QUANT_GEMV_M_MAX to INT8_MANY_M_MAX rows take int8 activations:
         without AMX tiles, every part with an integer dot product, int8 switched on."""
-        return (
-            INT8_M_MAX > 0
-            and not self.amx_tiles
-            and all(self.lib.pd_q8_dot_type(p.qtype, p.cols) for p in self.parts)
-        )
+        return INT8_M_MAX > 0 and not self.amx_tiles and self.int8_dot
 
     def _dequantize_then_matmul(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y = x W^T a tile of weight rows at a time, dequantized to fp32 (PyTorch's GEMM)."""
@@ -164,8 +179,9 @@ class QuantLinear(nn.Module):
 
     def as_c(self) -> native.PdWeight:
         """This linear as a `pd_decode_layers` weight (valid while the module lives): its
-        codec names the kernel `forward` takes above QUANT_GEMV_M_MAX rows."""
+        codec and `gemv_m_max` name the kernel `forward` takes for each row count."""
         codec = native.PD_GGUF_AMX if self.amx_tiles else native.PD_GGUF
+        self._linear_c.gemv_m_max = self.gemv_m_max  # as forward decides now
         return native.PdWeight(ctypes.addressof(self._linear_c), codec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +190,7 @@ class QuantLinear(nn.Module):
         m = x.shape[0]
         y = torch.empty(m, self.out_features)
         n, out = len(self.parts), self.out_features
-        if m <= QUANT_GEMV_M_MAX or (m <= INT8_MANY_M_MAX and self.int8_many_rows):
+        if m <= self.gemv_m_max or (m <= INT8_MANY_M_MAX and self.int8_many_rows):
             rc = self.lib.pd_quant_linear(
                 x.data_ptr(),
                 m,

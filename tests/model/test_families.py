@@ -16,12 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
 from pdserve.engine.engine import Engine
-from pdserve.model import native
+from pdserve.model import native, quant_linear
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_fused import FusedDecoderLayer
 from pdserve.model.gguf_convert import convert_gguf
 from pdserve.model.gguf_weights import weights_source
 from pdserve.model.loader import load_model
+from pdserve.model.quant_linear import QUANT_GEMV_M_MAX
 from pdserve.model.rope import inv_frequencies
 from pdserve.sampling_params import SamplingParams
 from tests.model.test_gguf_convert import CHAT_TEMPLATE, MERGES, llama_cpp_permute, tiny_vocab
@@ -170,10 +171,13 @@ def test_gguf_generates_what_the_hf_directory_generates(family, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama3-untied", "qwen3", "phi3"])
-def test_f16_gguf_generates_what_the_hf_directory_generates(name, tmp_path):
+def test_f16_gguf_generates_what_the_hf_directory_generates(name, tmp_path, monkeypatch):
     """F16 matrices are read in place (gguf_weights.py) in every family: Llama's permuted
     Q/K rows, Qwen3's Q/K norms, Phi-3's fused QKV and gate|up. The HF weights are rounded to
-    fp16 first, so both hold the same values."""
+    fp16 first, so both hold the same values. On the fp32 path: the two prompts' 12-row
+    prefill would take AMX tiles above AMX_FLOAT_GEMV_M_MAX rows, whose bf16 rounding flips
+    Qwen3's 9th token of the second prompt (tests/model/test_safetensors_weights.py bounds
+    the tiles' logits)."""
     model_dir = make_family(tmp_path / "hf", name)
     weights = load_file(model_dir / "model.safetensors")
     save_file({k: v.half().float() for k, v in weights.items()}, model_dir / "model.safetensors")
@@ -183,6 +187,7 @@ def test_f16_gguf_generates_what_the_hf_directory_generates(name, tmp_path):
     assert weights_source(converted) == gguf_path.resolve()
     if native.load() is None:
         pytest.skip("GGUF weights read in place need the native CPU kernels")
+    monkeypatch.setattr(quant_linear, "AMX_FLOAT_GEMV_M_MAX", QUANT_GEMV_M_MAX)
     assert generate(converted)[0] == generate(model_dir)[0]
 
 

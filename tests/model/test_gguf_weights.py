@@ -21,7 +21,7 @@ from pdserve.model.loader import load_model
 from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear
 from pdserve.model.registry import known_gguf_path, resolve_model, wants_in_place
 from pdserve.model.synthetic import SHAPES, tensor_specs, write_synthetic_gguf
-from tests.model.test_llama import our_logits
+from tests.model.test_llama import assert_logits_on_each_path, our_logits
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,9 @@ def test_family_read_in_place_matches_its_fp32_conversion(name, tmp_path, monkey
     """Llama's permuted Q/K rows, Qwen2's biases, Qwen3's Q/K norms, Phi-3's fused QKV and
     gate|up, in Q8_0/Q4_0/Q4_1 (and the Q6_K output of llama.cpp's Q4 files) or K-quants:
     with fp32 activations the logits are the conversion's up to summation order, and so are
-    the greedy tokens. (This machine's kernels; the ISA variants are tested above.)"""
+    the greedy tokens; where the 9 prompt rows take AMX tiles (int8 off: every type here but
+    Q4_K/Q6_K's), the logits are within bf16's bound too. (This machine's kernels; the ISA
+    variants are tested above.)"""
     if native.load() is None:
         pytest.skip("GGUF weights read in place need the native CPU kernels")
     monkeypatch.setattr(quant_linear, "INT8_M_MAX", 0)
@@ -132,8 +134,8 @@ def test_family_read_in_place_matches_its_fp32_conversion(name, tmp_path, monkey
     down = next(s for s in tensor_specs(shape, file_type) if s.name == "blk.1.ffn_down.weight")
     assert {p.qtype for p in model.layers[1].mlp.down_proj.parts} == {int(down.qtype)}
     ids = [(i * 7919) % 49152 for i in range(1, 10)]
-    ours, theirs = our_logits(model, ids), our_logits(reference, ids)
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert_logits_on_each_path(model, ids, our_logits(reference, ids))
+    monkeypatch.setattr(quant_linear, "AMX_FLOAT_GEMV_M_MAX", QUANT_GEMV_M_MAX)  # fp32 rows
     assert greedy(model, ids) == greedy(reference, ids)
 
 

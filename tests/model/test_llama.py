@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+from pdserve.model import quant_linear
 from pdserve.model.attention import AttentionMetadata, PrefillSpan
 from pdserve.model.kv_cache import layer_caches
 from pdserve.model.loader import load_model
+from pdserve.model.quant_linear import QUANT_GEMV_M_MAX, QuantLinear
 from tests.conftest import make_tiny_llama
 
 
@@ -19,6 +21,38 @@ def our_logits(model, ids: list[int]) -> torch.Tensor:
         pos // bs, pos % bs, prefills=[PrefillSpan(0, n, 0, torch.arange(num_blocks))]
     )
     return model.compute_logits(model(torch.tensor(ids), pos, layer_caches(kv, "auto"), meta))
+
+
+# Through a tiny model's 2 layers and head, AMX bf16 tiles (x and a block type's w each rounded
+# by at most 2^-8 of their value, docs/cpu-kernels.md) move the logits by at most this much of
+# their norm (measured 0.3-0.5%); the bound the tests of prompts above 16 rows hold.
+AMX_LOGITS_BOUND = 2**-6
+
+
+def takes_amx_tiles(model, rows: int) -> bool:
+    """Whether a call of `rows` rows takes AMX bf16 tiles in some linear of `model`."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    return any(m.amx_tiles and rows > m.gemv_m_max for m in linears)
+
+
+def assert_logits_on_each_path(model, ids: list[int], theirs: torch.Tensor) -> None:
+    """`model`'s logits for `ids` against fp32 reference logits `theirs`, at the bound of each
+    path the prompt takes: on AMX tiles (Q4_0, Q4_1, Q5_*, BF16, F16 above
+    AMX_FLOAT_GEMV_M_MAX rows) within AMX_LOGITS_BOUND, the greedy token differing only where
+    the reference's top two are nearer than twice the row's error; then, the tiles pinned to
+    above QUANT_GEMV_M_MAX rows as before, the fp32 row kernel up to summation order with the
+    same greedy tokens."""
+    if takes_amx_tiles(model, len(ids)):
+        tiles = our_logits(model, ids)
+        diff = (tiles - theirs).abs()
+        assert (tiles - theirs).norm() <= AMX_LOGITS_BOUND * theirs.norm()
+        chosen = theirs.gather(-1, tiles.argmax(-1, keepdim=True))[:, 0]
+        assert torch.all(chosen >= theirs.max(-1).values - 2 * diff.max(-1).values)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant_linear, "AMX_FLOAT_GEMV_M_MAX", QUANT_GEMV_M_MAX)
+        ours = our_logits(model, ids)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:

@@ -396,3 +396,26 @@ def test_int8_many_rows_without_amx(lib, qtype):
     exact, scale = int8_reference(w, x[:m], INT8[qtype])
     assert np.all(np.abs(many.numpy() - exact) <= 1e-6 * scale)
     torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4 * w.abs().max())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.BF16, Q.Q4_K], ids=lambda q: q.name)
+def test_amx_tiles_take_rows_past_the_row_kernel_of_types_without_int8(lib, qtype):
+    """On the amx kernels a linear without an integer dot product leaves its fp32 row kernel,
+    whose cost grows with every row, above AMX_FLOAT_GEMV_M_MAX rows (Q4_K keeps int8 up to
+    QUANT_GEMV_M_MAX); the one-call decode step's weight says the same, and the tiles' result
+    stays within bf16's rounding of the reference."""
+    rng = np.random.default_rng(7)
+    rows, cols = 40, 512
+    data = random_tensor(qtype, rows, cols, rng)
+    linear = QuantLinear(lib, [QuantTensor(data, int(qtype), rows, cols, "w")])
+    on_tiles = lib.isa == "amx" and qtype != Q.Q4_K
+    expected = quant_linear.AMX_FLOAT_GEMV_M_MAX if on_tiles else QUANT_GEMV_M_MAX
+    assert linear.gemv_m_max == expected
+    linear.as_c()
+    assert linear._linear_c.gemv_m_max == expected
+    if on_tiles:
+        m = quant_linear.AMX_FLOAT_GEMV_M_MAX + 1
+        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(1))
+        w = reference(data, qtype, rows, cols)
+        bound = (2.0**-7 + 2.0**-15) * (x.abs() @ w.abs().T)  # x and w round to bf16
+        assert ((linear(x) - x @ w.T).abs() <= bound + 1e-5).all()

@@ -142,7 +142,7 @@ static inline vi vbytes(const int8_t *q) { return _mm256_cvtepi8_epi32(_mm_loadl
 /* The packed weight formats (gemm.c): fp32 panels, or the lossless compact blocks of 32 k.
  * PD_GGUF is no panel format: a pd_weight of that codec points to a pd_qlinear, GGUF weights
  * read in place (quant_gemm.c), which pd_decode_layers hands to pd_quant_linear; PD_GGUF_AMX
- * the same, above QUANT_GEMV_M_MAX rows on AMX bf16 tiles (quant_amx.c). */
+ * the same, above its gemv_m_max rows on AMX bf16 tiles (quant_amx.c). */
 enum { PD_F32 = 0, PD_Q4A = 1, PD_Q8S = 2, PD_GGUF = 3, PD_GGUF_AMX = 4 };
 #define QBLOCK 32
 #define Q4A_BLOCK (24 * PANEL)
@@ -217,10 +217,11 @@ typedef struct {
     int64_t type, rows;
     const int64_t *rowmap;
 } pd_qpart;
-/* A whole fused linear (native.PdQuantLinear): its parts [n]. */
+/* A whole fused linear (native.PdQuantLinear): its parts [n], and the most rows a call takes
+ * on pd_quant_linear before AMX tiles (PD_GGUF_AMX; QuantLinear.gemv_m_max). */
 typedef struct {
     const pd_qpart *parts;
-    int64_t n;
+    int64_t n, gemv_m_max;
 } pd_qlinear;
 int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
                     float *y, int64_t ldy, int64_t int8_m_max);
