@@ -10,6 +10,13 @@ from pdserve.bench.cli import build_parser
 from pdserve.bench.compare import format_table, run_compare
 
 
+def three_requests(url: str, tokenizer_dir, *extra: str, command: str | None = None):
+    """Parsed `pdserve bench [compare]` arguments: three 5-token prompts, 4 tokens out."""
+    common = ["--url", url, "--tokenizer", str(tokenizer_dir), "--no-progress"]
+    shape = ["--num-requests", "3", "--input-len", "5", "--output-len", "4"]
+    return build_parser().parse_args([*([command] if command else []), *common, *shape, *extra])
+
+
 def test_the_table_shows_the_longest_freeze_that_the_p99_itl_hides():
     rows = {
         "collocated": {"goodput": 0.2, "p99_itl_ms": 60.0, "max_gap_ms": 5000.0},
@@ -22,22 +29,7 @@ def test_the_table_shows_the_longest_freeze_that_the_p99_itl_hides():
 
 
 def test_compare_keeps_the_stall_budget_with_derived_slos(fake_server, tokenizer_dir):
-    argv = [
-        "--url",
-        fake_server.url,
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--no-progress",
-        "--num-requests",
-        "3",
-        "--input-len",
-        "5",
-        "--output-len",
-        "4",
-        "--slo-max-gap-ms",
-        "1000",
-    ]
-    args = build_parser().parse_args(argv)
+    args = three_requests(fake_server.url, tokenizer_dir, "--slo-max-gap-ms", "1000")
     fake_server.delay_s = 0.02
     out = io.StringIO()
     rows = run_compare({"a": fake_server.url}, args, contextlib.nullcontext, out)
@@ -50,25 +42,8 @@ def test_compare_keeps_the_stall_budget_with_derived_slos(fake_server, tokenizer
 
 
 def test_each_deployment_answers_its_warmups_before_the_workload(fake_server, tokenizer_dir):
-    argv = [
-        "compare",
-        "--url",
-        fake_server.url,
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--no-progress",
-        "--num-requests",
-        "3",
-        "--input-len",
-        "5",
-        "--output-len",
-        "4",
-        "--slo-ttft-ms",
-        "1000",
-        "--warmup-requests",
-        "2",
-    ]
-    args = build_parser().parse_args(argv)
+    extra = ("--slo-ttft-ms", "1000", "--warmup-requests", "2")
+    args = three_requests(fake_server.url, tokenizer_dir, *extra, command="compare")
     rows = run_compare(
         {"a": fake_server.url, "b": fake_server.url}, args, contextlib.nullcontext, io.StringIO()
     )
