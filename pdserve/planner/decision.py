@@ -32,11 +32,14 @@ running decode sees, as the ITL target does: the tighter of the two is the step 
 with nothing decoding it does not apply (no stream to stall).
 
 No split holds it (`Situation.split_breaks_stall`, from `decode_need()`): the decode group's
-step of its decodes alone fits STALL_HEADROOM of the budget only on every core of the host
-(a 1B Q4_1 batch of three at 1.1 s a step on one core of two, under a 1.8 s budget). A
-remote prefill would take a core from those decodes, so it is not a candidate: the prompt
-prefills locally, beside the decodes on every core, in chunks the worker's StallGuard caps;
-the core plan (cores.py) keeps the pool with the decode group for the same reason.
+step of its decodes alone fits ITL_HEADROOM of the budget, the share every prediction is held
+to, only on every core of the host (a 1B Q4_1 batch of three at 1.1 s a step on one core of
+two, under a 1 s budget). A remote prefill would take a core from those decodes and freeze
+every running stream, so it is not a candidate: the prompt prefills locally, beside the
+decodes on every core, in chunks the worker's StallGuard caps; the core plan (cores.py)
+keeps the pool with the decode group for the same reason. Where a split does hold them, a
+remote request's own first gap is priced at two of its steps (pricing.predict) and weighed
+like any other excess: that costs the newcomer alone, so it competes on TTFT with local.
 
 Stall-bounded (`_beside_decodes`): a fallback to local beside running decodes whose full
 chunks break the ITL, with no SLO-sized chunk priced, goes in the largest chunks whose step
@@ -82,7 +85,6 @@ from pdserve.planner.pricing import (
     predict,
     predict_slo_chunk,
 )
-from pdserve.planner.targets import STALL_HEADROOM
 
 # Without an ITL target a local prefill breaks no budget: the operator asked for nothing a
 # collocated worker cannot give, so local (every core, no transfer) decides unless the TTFT
@@ -133,7 +135,7 @@ def decide(
     gap_s = slo_max_gap_s if s.num_decodes else None  # no stream running: none to stall
     stall_bound = gap_s is not None and (slo_itl_s is None or gap_s < slo_itl_s)
     slo_itl_s = gap_s if stall_bound else slo_itl_s  # the step budget: the tighter one
-    p = predict(s, model, slo_ttft_s, slo_itl_s)
+    p = predict(s, model, slo_ttft_s, slo_itl_s, stall_bound)
     if p is None:
         if slo_itl_s is None and not (stall_budget_on and s.num_decodes):
             return _as(local, "no_itl_slo")
@@ -277,19 +279,21 @@ def stall_need(
     context_tokens: int,
     stall_budget_s: float | None,
 ) -> int:
-    """The fewest threads whose step of these decodes alone stays within STALL_HEADROOM of
-    the stall budget: what a split leaves the decode group to run while its prompts prefill
-    elsewhere, so a remote request's first gap (the step in flight, then its own) stays
-    within the budget. A local prompt on that share is priced as local (`predict`) and
-    capped by the worker's StallGuard (engine/stall_guard.py), so it does not size the
-    group: counting its least guarded chunk here made every 512-token prompt of a 1B
-    model prefill locally in 30-55-token chunks (TTFT 10-14 s) where a split held the
-    decodes' steps at 56-124 ms under a 257 ms budget. 0: no budget or no decodes; `pool`
-    when none does."""
+    """The fewest threads whose step of these decodes alone stays within ITL_HEADROOM of the
+    stall budget: what a split leaves the decode group to run while its prompts prefill
+    elsewhere, so every running stream's gaps stay within the budget. A local prompt on that
+    share is priced as local (`predict`) and capped by the worker's StallGuard
+    (engine/stall_guard.py), and a remote request's own first gap (two such steps) is
+    priced as remote's: neither sizes the group. Counting the guard's least chunk here made
+    every 512-token prompt of a 1B model prefill locally in 30-55-token chunks (TTFT 10-14
+    s) where a split held the decodes' steps at 56-124 ms under a 257 ms budget; holding the
+    decodes to the guard's 45% sent prompts local in 4-token chunks (TTFT 23-28 s) where the
+    split's steps, priced at 138-192 ms, held the running streams. 0: no budget or no decodes;
+    `pool` when none does."""
     if stall_budget_s is None or num_decodes <= 0:
         return 0
     shape = StepShape(0, num_decodes, 0, context_tokens)
-    return _fewest(model, pool, shape, STALL_HEADROOM * stall_budget_s)
+    return _fewest(model, pool, shape, ITL_HEADROOM * stall_budget_s)
 
 
 def _fewest(model: OnlineCostModel, pool: int, shape: StepShape, budget_s: float) -> int:

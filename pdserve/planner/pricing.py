@@ -22,6 +22,8 @@ TTFT_BUDGET_FACTOR = 3.0
 # cap it. Small chunks are not refused here: their TTFT (a step's fixed cost per few prompt
 # tokens) is predicted and weighed like any other.
 MIN_SLO_CHUNK_TOKENS = 2
+# The decode steps a remote request's first gap spans under the stall budget (`predict`).
+REMOTE_FIRST_GAP_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -134,12 +136,18 @@ def _priced(seconds: float | None) -> float:
 
 
 def predict(
-    s: Situation, model: OnlineCostModel, slo_ttft_s: float | None, slo_itl_s: float | None
+    s: Situation,
+    model: OnlineCostModel,
+    slo_ttft_s: float | None,
+    slo_itl_s: float | None,
+    stall_bound: bool = False,
 ) -> Prediction | None:
     """Every candidate priced, and the budgets; None without a usable model.
     A remote request's own first gap waits for the exposed transfer: it counts in its ITL.
-    Queued prompts share the steps the request runs in (the scheduler batches them), so a
-    queue costs its tokens' compute, not steps of its own."""
+    Under the stall budget (`stall_bound`: it is the step budget) that gap is its longest
+    one, and it spans two of the split's decode steps too: the one in flight when its KV
+    lands, then its own. Queued prompts share the steps the request runs in (the scheduler
+    batches them), so a queue costs its tokens' compute, not steps of its own."""
     local_tokens = max(1, s.num_prompt_tokens - s.num_cached_decode_tokens)
     remote_tokens = max(1, s.num_prompt_tokens - s.num_cached_prefill_tokens)
     b, ctx, chunk = s.num_decodes, s.decode_context_tokens, max(1, s.chunk_tokens)
@@ -182,7 +190,11 @@ def predict(
         slo_chunk = predict_slo_chunk(s, model, local_tokens, ITL_HEADROOM * slo_itl_s)
     return Prediction(
         local=local,
-        remote=Candidate(REMOTE, switch_s + queue_remote + own_remote[0], split + transfer),
+        remote=Candidate(
+            REMOTE,
+            switch_s + queue_remote + own_remote[0],
+            (REMOTE_FIRST_GAP_STEPS if stall_bound else 1) * split + transfer,
+        ),
         slo_chunk=slo_chunk,
         transfer_s=transfer,
         queue_remote_s=queue_remote,

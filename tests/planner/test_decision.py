@@ -372,31 +372,44 @@ def test_no_split_takes_a_1b_batch_past_the_stall_budget():
     model = OnlineCostModel(min_samples=20, profile=two_cores(ONE_B))
     budget = max_gap_s(AdaptiveConfig(enabled=True), model, 2)  # told no targets
     assert budget == pytest.approx(1.8)  # 10 x one decode's 0.18 s on two threads
-    shape = StepShape(0, 3, 0, 3300)  # three decodes alone
-    assert model.step_s("decode", 1, shape) > STALL_HEADROOM * budget  # 1.1 s > 0.81 s
-    assert model.step_s("decode", 2, shape) <= STALL_HEADROOM * budget  # 0.5 s
-    need = decode_need(model, 2, 3, 3300, None, budget)
+    shape = StepShape(0, 5, 0, 5500)  # five decodes alone
+    assert model.step_s("decode", 1, shape) > ITL_HEADROOM * budget  # 1.8 s > 1.35 s
+    assert model.step_s("decode", 2, shape) <= ITL_HEADROOM * budget  # 0.82 s
+    need = decode_need(model, 2, 5, 5500, None, budget)
     assert (need.threads, need.stall_threads, need.split_breaks_stall) == (2, 2, True)
-    situation = two_core_situation(need)
+    situation = two_core_situation(need, num_decodes=5)
     d = decide(situation, model, None, None, 256, budget, True)
     assert (d.kind, d.reason) == (LOCAL, "stall_split")
     assert d.prefill_chunk_tokens is not None and d.prefill_chunk_tokens < 512
-    # its chunk's step, on both cores beside the three decodes, within the step budget
+    # its chunk's step, on both cores beside the five decodes, within the step budget
     assert d.predictions["itl_slo_chunk_s"] <= ITL_HEADROOM * budget
-    # without the rule the same request went remote: the three decodes on one core, 1.1 s
-    # steps whose every guarded local chunk or landing KV took a gap past the budget
-    old = decide(
-        dataclasses.replace(situation, split_breaks_stall=False),
-        model,
-        None,
-        None,
-        256,
-        budget,
-        True,
-    )
-    assert old.kind == REMOTE
-    assert old.predictions["itl_remote_s"] >= model.step_s("decode", 1, StepShape(0, 3, 0, 3300))
-    # one decode fits one core (0.4 s): the split holds
+    # Behind 2,048 queued prompt tokens, told an 8 s TTFT, remote would be the newcomer's
+    # least violation (10 s to its first token against 40 s): the rule keeps it local, as
+    # the split would freeze every running stream (their steps 1.8 s on one core)
+    queued = dataclasses.replace(situation, decode_queue_tokens=2048)
+    kept = decide(queued, model, 8.0, None, 256, budget, True)
+    assert (kept.kind, kept.reason) == (LOCAL, "stall_split")
+    free = dataclasses.replace(queued, split_breaks_stall=False)
+    old = decide(free, model, 8.0, None, 256, budget, True)
+    assert (old.kind, old.reason) == (REMOTE, "least_violation")
+    assert old.predictions["itl_remote_s"] >= 2 * model.step_s("decode", 1, shape)
+
+
+def test_a_remote_requests_first_gap_spans_two_of_the_splits_steps():
+    # Three decodes take 1.1 s a step on one core: a split holds the running streams within
+    # the 1.8 s budget, but a request whose KV lands waits for the step in flight, then its
+    # own (2.2 s). The prompt goes local in chunks that hold every gap, on both cores.
+    model = OnlineCostModel(min_samples=20, profile=two_cores(ONE_B))
+    budget = max_gap_s(AdaptiveConfig(enabled=True), model, 2)
+    step = model.step_s("decode", 1, StepShape(0, 3, 0, 3300))
+    assert STALL_HEADROOM * budget < step <= ITL_HEADROOM * budget  # 0.81 < 1.1 <= 1.35 s
+    need = decode_need(model, 2, 3, 3300, None, budget)
+    assert (need.stall_threads, need.split, need.split_breaks_stall) == (1, 1, False)
+    d = decide(two_core_situation(need), model, None, None, 256, budget, True)
+    assert (d.kind, d.reason) == (LOCAL, "slo_chunk"), d.predictions
+    assert d.predictions["itl_remote_s"] >= 2 * step
+    assert d.predictions["itl_slo_chunk_s"] <= ITL_HEADROOM * budget
+    # one decode fits one core (0.4 s): the split holds, and its first gap (0.8 s) too
     one = decode_need(model, 2, 1, 1100, None, budget)
     assert (one.stall_threads, one.split, one.split_breaks_stall) == (1, 1, False)
 
@@ -421,8 +434,29 @@ def test_a_split_is_sized_by_the_decodes_steps_not_a_local_chunk_it_would_not_ru
     situation = dataclasses.replace(two_core_situation(need), num_prompt_tokens=512)
     d = decide(situation, model, 5.0, None, 256, budget, True)
     assert (d.kind, d.reason) == (REMOTE, "stall_budget")
-    assert d.predictions["itl_remote_s"] <= STALL_HEADROOM * budget
+    # its own first gap, two of the split's steps, within the budget's headroom
+    assert d.predictions["itl_remote_s"] <= ITL_HEADROOM * budget
     assert d.predictions["ttft_remote_s"] <= 5.0
+
+
+def test_a_split_that_holds_the_running_streams_is_weighed_on_ttft_against_tiny_chunks():
+    # Twelve decodes and 1,024 prompt tokens queued on the decode worker, a 257 ms budget:
+    # on one core the decodes take 174 ms a step, over the guard's 45% (116 ms) but within
+    # the headroom (193 ms): a split holds the running streams. Local, beside the decodes
+    # on both cores (158 ms), has room for 17-token chunks: 17 s to the first token. Remote
+    # costs the newcomer a 348 ms first gap, and 2 s. Holding the decodes to 45% sent such
+    # prompts local in 4-token chunks (23-28 s to their first token on the 1B grid).
+    model = OnlineCostModel(min_samples=20, profile=two_cores(ONE_B_Q4_K))
+    budget = 0.257
+    need = decode_need(model, 2, 12, 7200, None, budget)
+    assert (need.stall_threads, need.split, need.split_breaks_stall) == (1, 1, False)
+    situation = dataclasses.replace(
+        two_core_situation(need, num_decodes=12), num_prompt_tokens=512, decode_queue_tokens=1024
+    )
+    d = decide(situation, model, 5.0, None, 256, budget, True)
+    p = d.predictions
+    assert (d.kind, d.reason) == (REMOTE, "least_violation"), p
+    assert p["ttft_slo_chunk_s"] > 3 * p["ttft_remote_s"]
 
 
 def test_at_smollm_step_times_the_split_happens_as_before():

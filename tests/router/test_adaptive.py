@@ -258,7 +258,7 @@ def test_a_split_is_made_only_where_the_decodes_step_holds_the_stall_budget(
     tokenizer_dir, script, tmp_path, shape, slo_itl_ms, reason
 ):
     # Two cores, the planner's model seeded at these step times (no StepReports from fake
-    # workers), three decodes running. A 1B batch takes 1.1 s a step on one core: no split
+    # workers), five decodes running. A 1B batch takes 1.8 s a step on one core: no split
     # holds the derived 1.8 s stall budget, so the long prompt prefills on the decode worker
     # beside them in chunks and the prefill worker is never given a core. SmolLM2's 8 ms
     # steps split as before: the prompt goes remote under an ITL target local breaks.
@@ -273,9 +273,9 @@ def test_a_split_is_made_only_where_the_decodes_step_holds_the_stall_budget(
     roles = {"p0": "prefill", "d1": "decode"}
     with Cluster(tokenizer_dir, script, roles, per_worker, cpus=pool, adaptive=adaptive) as c:
         plane = c.app_state.plane
-        with ThreadPoolExecutor(4) as executor:
-            running = [executor.submit(post, c, "Hi", 20) for _ in range(3)]
-            c.wait_until(lambda: (s := plane.workers["d1"].stats) and s.num_running >= 3)
+        with ThreadPoolExecutor(6) as executor:
+            running = [executor.submit(post, c, "Hi", 20) for _ in range(5)]
+            c.wait_until(lambda: (s := plane.workers["d1"].stats) and s.num_running >= 5)
             assert post(c, LONG, 5).json()["choices"][0]["text"] == OUTPUT_TEXT[:5]
             assert all(f.result().status_code == 200 for f in running)
         kind = "local" if reason == "stall_split" else "remote"
