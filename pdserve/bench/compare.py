@@ -49,6 +49,12 @@ class CompareConfig:
         "p99 ITL SLO = this x the first deployment's unloaded p50 TPOT (a stall budget)",
         gt=0,
     )
+    slo_max_gap_multiplier: float | None = knob(
+        None,
+        "longest-gap SLO = this x the first deployment's unloaded p50 TPOT (a freeze a "
+        "reader sees, e.g. 10)",
+        gt=0,
+    )
     calibration_requests: int = knob(5, "unloaded requests the SLOs derive from", ge=1)
     warmup_requests: int = knob(
         1, "unloaded requests each deployment answers, not measured, before the workload", ge=0
@@ -100,11 +106,13 @@ def run_compare(
                 _unloaded(calibration_plan, url, compare.warmup_requests)
             if calibrate:
                 ttft_ms, tpot_ms = _unloaded(calibration_plan, url, compare.calibration_requests)
-                itl_ms = plan.slo.itl_ms
+                itl_ms, max_gap_ms = plan.slo.itl_ms, plan.slo.max_gap_ms
                 if itl_multiplier and tpot_ms:
                     itl_ms = itl_multiplier * tpot_ms
+                if compare.slo_max_gap_multiplier and tpot_ms:
+                    max_gap_ms = round(compare.slo_max_gap_multiplier * tpot_ms, 1)
                 tpot_slo_ms = multiplier * tpot_ms if tpot_ms else None
-                slo = SLO(multiplier * ttft_ms, tpot_slo_ms, itl_ms, plan.slo.max_gap_ms)
+                slo = SLO(multiplier * ttft_ms, tpot_slo_ms, itl_ms, max_gap_ms)
                 plan = replace(plan, slo=slo)
                 print(
                     f"SLOs from {name} unloaded p50 x {multiplier:g}: TTFT {slo.ttft_ms:.1f}"

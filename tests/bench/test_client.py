@@ -167,7 +167,7 @@ def test_compare_runs_each_deployment_and_derives_slos(fake_server, tokenizer_di
     assert text.splitlines()[-2].split()[2] == "1.00x"
 
 
-def test_compare_derives_the_itl_slo_from_the_unloaded_tpot(fake_server, tokenizer_dir):
+def test_compare_derives_the_itl_and_gap_slos_from_the_unloaded_tpot(fake_server, tokenizer_dir):
     args = bench(
         tokenizer_dir,
         fake_server.url,
@@ -178,12 +178,16 @@ def test_compare_derives_the_itl_slo_from_the_unloaded_tpot(fake_server, tokeniz
         "--output-len",
         "4",
     )
-    args.slo_itl_multiplier = 2.0
+    args.slo_itl_multiplier, args.slo_max_gap_multiplier = 2.0, 10.0
     out = io.StringIO()
     rows = run_compare({"a": fake_server.url}, args, contextlib.nullcontext, out)
     slo_tpot_ms, slo_itl_ms = rows["a"]["slo_tpot_ms"], rows["a"]["slo_itl_ms"]
     assert slo_itl_ms == pytest.approx(2.0 * slo_tpot_ms / 5.0)  # 5x is the TPOT multiplier
     assert "p99 ITL" in out.getvalue() and rows["a"]["summary"]["slo_itl_ms"] == slo_itl_ms
+    max_gap_ms = rows["a"]["slo_max_gap_ms"]
+    assert max_gap_ms == pytest.approx(10.0 * slo_tpot_ms / 5.0, abs=0.05)
+    assert f"max gap {max_gap_ms:g} ms" in out.getvalue()
+    assert rows["a"]["summary"]["slo_max_gap_ms"] == max_gap_ms
 
 
 def test_plots_are_written(fake_server, tokenizer_dir, tmp_path):
