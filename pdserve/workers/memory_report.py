@@ -8,6 +8,7 @@ the workers' PSS add up to what the host gives them; RSS counts shared pages in 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from typing import Any
@@ -17,7 +18,11 @@ import torch
 from torch import nn
 
 SMAPS_ROLLUP = "/proc/self/smaps_rollup"
-REFRESH_S = 1.0  # the kernel walks every mapping to sum smaps_rollup: not at every step
+STATM = "/proc/self/statm"
+REFRESH_S = 1.0  # RSS, from the kernel's counters (~10 us)
+# PSS needs the kernel's walk of every page of every mapping (13 ms in a 1B Q4_K_M worker with
+# its 1.2 GB KV pool): taken while the engine is idle, and while it is busy only this seldom.
+PSS_MAX_AGE_S = 60.0
 
 
 def process_memory(path: str = SMAPS_ROLLUP) -> tuple[int, int]:
@@ -32,6 +37,16 @@ def process_memory(path: str = SMAPS_ROLLUP) -> tuple[int, int]:
     except OSError:
         return 0, 0
     return found.get("Rss", 0), found.get("Pss", 0)
+
+
+def resident_bytes(path: str = STATM) -> int:
+    """This process's RSS from the kernel's counters (statm's second field, in pages): no walk
+    of the mappings; 0 where there is no statm."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def held_weight_bytes(model: nn.Module) -> int:
@@ -77,22 +92,30 @@ def held_weight_bytes(model: nn.Module) -> int:
 
 
 class MemoryReport:
-    """The memory fields of a worker's Stats. RSS and PSS are re-read by `refresh()` (at most
-    every REFRESH_S), which the worker's heartbeat thread calls: summing smaps_rollup took
-    2-13 ms in a 1B GGUF worker on a 2-core host, a token's whole step stalled on the loop
-    thread once a second, while beside the step it only shares the cores."""
+    """The memory fields of a worker's Stats, re-read by `refresh()`, which the worker's
+    heartbeat thread calls. RSS comes from the kernel's counters at most every REFRESH_S.
+    PSS (smaps_rollup) is re-read only while the engine is idle, or once PSS_MAX_AGE_S has
+    passed: the walk takes 2-13 ms of a core, and on a host whose cores all run the step's
+    kernel threads, a thread beside the step stalls that step as long (its kernel threads
+    wait for each other at every barrier), on the heartbeat thread as on the loop's."""
 
     def __init__(self, model: nn.Module, kv_cache: torch.Tensor) -> None:
         self.weight_bytes = held_weight_bytes(model)
         self.weights_widened = dict(Counter(getattr(model, "widened_weights", {}).values()))
         self.kv_pool_bytes = kv_cache.numel() * kv_cache.element_size()
         self._rss_pss = process_memory()
-        self._read_at = time.monotonic()
+        self._read_at = self._pss_read_at = time.monotonic()
 
-    def refresh(self) -> None:
+    def refresh(self, idle: bool) -> None:
+        """`idle`: the engine has no step to run (the walk delays none)."""
         now = time.monotonic()
-        if now - self._read_at >= REFRESH_S:
-            self._rss_pss, self._read_at = process_memory(), now
+        if now - self._read_at < REFRESH_S:
+            return
+        self._read_at = now
+        if idle or now - self._pss_read_at >= PSS_MAX_AGE_S:
+            self._rss_pss, self._pss_read_at = process_memory(), now
+        elif rss := resident_bytes():
+            self._rss_pss = (rss, self._rss_pss[1])
 
     def fields(self) -> dict[str, Any]:
         rss, pss = self._rss_pss  # one tuple, replaced whole by refresh() on another thread

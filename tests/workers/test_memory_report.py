@@ -13,7 +13,7 @@ from pdserve.config import CacheConfig, DeviceConfig, EngineConfig
 from pdserve.engine.memory import estimate_worker, read_checkpoint
 from pdserve.model.cpu_linear import pack_linears
 from pdserve.model.loader import load_model
-from pdserve.workers.memory_report import held_weight_bytes, process_memory
+from pdserve.workers.memory_report import held_weight_bytes, process_memory, resident_bytes
 from tests.workers.conftest import KV_BYTES, WorkerProcess
 
 # The estimate is the peak of a worker's start; the tiny model's RSS is mostly the
@@ -65,14 +65,45 @@ def test_fields_never_read_smaps_only_refresh_does(monkeypatch):
     assert len(reads) == 1
     for _ in range(3):
         assert report.fields()["rss_bytes"] == 3
-    report.refresh()  # REFRESH_S has not passed
+    report.refresh(idle=True)  # REFRESH_S has not passed
     assert len(reads) == 1
     monkeypatch.setattr(memory_report, "process_memory", lambda: reads.append(1) or (5, 4))
     report._read_at -= memory_report.REFRESH_S
     report.fields()
     assert len(reads) == 1
-    report.refresh()
+    report.refresh(idle=True)
     assert len(reads) == 2 and report.fields()["pss_bytes"] == 4
+
+
+def test_a_busy_engine_gets_rss_from_counters_and_pss_walked_only_when_stale(monkeypatch):
+    """While steps run, the smaps walk (which stalls a step on a host whose cores all run the
+    step's threads) waits for an idle moment or PSS_MAX_AGE_S; RSS comes from statm."""
+    from pdserve.workers import memory_report
+
+    walks = []
+    monkeypatch.setattr(memory_report, "process_memory", lambda: walks.append(1) or (30, 20))
+    monkeypatch.setattr(memory_report, "resident_bytes", lambda: 40)
+    report = memory_report.MemoryReport(torch.nn.Linear(2, 2), torch.zeros(4))
+    report._read_at -= memory_report.REFRESH_S
+    report.refresh(idle=False)
+    assert len(walks) == 1
+    assert (report.fields()["rss_bytes"], report.fields()["pss_bytes"]) == (40, 20)
+    report._read_at -= memory_report.REFRESH_S
+    report._pss_read_at -= memory_report.PSS_MAX_AGE_S
+    report.refresh(idle=False)  # PSS too old: walked even while busy
+    assert len(walks) == 2 and report.fields()["rss_bytes"] == 30
+    report._read_at -= memory_report.REFRESH_S
+    report.refresh(idle=True)
+    assert len(walks) == 3
+
+
+def test_resident_bytes_reads_statm(tmp_path):
+    statm = tmp_path / "statm"
+    statm.write_text("1000 25 10 1 0 20 0\n")
+    assert resident_bytes(str(statm)) == 25 * os.sysconf("SC_PAGE_SIZE")
+    assert resident_bytes(str(tmp_path / "missing")) == 0
+    rss, _ = process_memory()
+    assert abs(resident_bytes() - rss) < 0.1 * rss  # counters against the walk
 
 
 @pytest.mark.parametrize("tied", [False, True])
