@@ -113,8 +113,9 @@ def roofline_model(
     attention_flops = 4 * model.num_heads * model.head_dim * model.num_layers
     pairs = attention_flops / tp / (device.peak_flops * eff.attention)
     context = model.kv_bytes_per_token / tp / (device.memory_bandwidth_bytes_per_s * eff.memory)
-    # A GPU batches every prefill row into one varlen attention kernel: no per-row cost.
-    coefficients = [step_s, comm, comm, token_s, pairs, context, 0.0]
+    # A GPU batches every prefill row into one varlen attention kernel: no per-row cost. A
+    # roofline has one kernel regime (row_kernel_rows infinite): no tiled step to price.
+    coefficients = [step_s, comm, comm, token_s, pairs, context, 0.0, 0.0]
     return StepCostModel(coefficients, knee_tokens=weights_s / token_s, prior=coefficients)
 
 

@@ -14,6 +14,21 @@ roofline:
            + c_pairs * sum_i n_i * (p_i + (n_i + 1)/2)   prefill attention (query-key pairs)
            + c_context * sum_j c_j                       decode attention (KV read)
 
+A step's linear layers run its rows (prefill tokens and decodes together) in row (GEMV)
+kernels up to `row_kernel_rows` rows and in GEMM tiles above (pdserve/model/quant_linear.py,
+`gemv_m_max`; the model's and the build's on that host, so `pdserve profile` reads it from the
+engine's linears and the profile keeps it with each model). Where it is finite, a row costs
+what the kernels that run it cost, a prompt token or a decode alike:
+
+    per-row work = c_decode * (P + D)                   P + D <= row_kernel_rows (row kernels)
+                 = c_tiled_step + c_prefill * (P + D)   otherwise (tiles)
+
+A row kernel reads the weights once and pays for every row (int8 dot products); the tiles
+convert every weight block once a step (`c_tiled_step`) and then cost little per row. One
+decode term could not price both: a 1B Q4_K_M decode batch of 16 took about what one of 32
+did, four times one of 4 (docs/simulator.md). Infinite (an analytic roofline, weights
+without row kernels): one regime, `c_prefill * P + c_decode * D`, `c_tiled_step` unused.
+
 Each sampled row under a structured-output grammar costs `GRAMMAR_ROW_S` more (its token
 mask, filled and applied before sampling, pdserve/engine/grammar.py): a measured constant,
 not a coefficient, so profiles and fits are the same with or without constrained requests.
@@ -53,6 +68,7 @@ FEATURES = (
     "pairs",
     "context",
     "prefill_sequences",
+    "tiled_step",
 )
 
 
@@ -108,6 +124,8 @@ class StepCostModel:
 
     coefficients: list[float]
     knee_tokens: float = math.inf
+    # The most rows (P + D) a step's linear layers run in row kernels; above it, in tiles.
+    row_kernel_rows: float = math.inf
     # Online refits pull towards these (the profile's fit) with this many samples' weight.
     prior: list[float] | None = None
     prior_weight: float = 20.0
@@ -118,6 +136,11 @@ class StepCostModel:
     num_samples: int = 0
 
     def __post_init__(self) -> None:
+        if len(self.coefficients) == len(FEATURES) - 1 and math.isinf(self.row_kernel_rows):
+            # One regime has no tiled step to price.
+            self.coefficients = [*self.coefficients, 0.0]
+            if self.prior is not None and len(self.prior) == len(FEATURES) - 1:
+                self.prior = [*self.prior, 0.0]
         if len(self.coefficients) != len(FEATURES):
             raise ValueError(
                 f"coefficients: expected {len(FEATURES)} ({', '.join(FEATURES)}), "
@@ -127,6 +150,8 @@ class StepCostModel:
             raise ValueError(f"coefficients must be >= 0, got {self.coefficients}")
         if not self.knee_tokens > 0:
             raise ValueError(f"knee_tokens must be > 0, got {self.knee_tokens}")
+        if not self.row_kernel_rows >= 0:
+            raise ValueError(f"row_kernel_rows must be >= 0, got {self.row_kernel_rows}")
         self.wake = [(float(i), float(x)) for i, x in self.wake]
         idle = [i for i, _ in self.wake]
         if idle != sorted(set(idle)) or any(not (i >= 0 and x >= 0) for i, x in self.wake):
@@ -141,15 +166,25 @@ class StepCostModel:
     def features(self, shape: StepShape) -> list[float]:
         tokens = shape.prefill_tokens + shape.decode_requests
         over = max(0.0, tokens - self.knee_tokens) if math.isfinite(self.knee_tokens) else 0.0
+        prefill, decode, tiled = self._rows(shape.prefill_tokens, shape.decode_requests)
         return [
             1.0,
-            float(shape.prefill_tokens),
-            float(shape.decode_requests),
+            float(prefill),
+            float(decode),
             over,
             float(shape.prefill_attention_pairs),
             float(shape.decode_context_tokens),
             float(shape.num_prefill_sequences),
+            tiled,
         ]
+
+    def _rows(self, prefill: int, decode: int) -> tuple[int, int, float]:
+        """The rows `c_prefill` and `c_decode` price and the tiled steps `c_tiled_step` does:
+        (P, D, 0) in one regime; with two, every row by its kernels (module docstring)."""
+        rows = prefill + decode
+        if math.isinf(self.row_kernel_rows):
+            return prefill, decode, 0.0
+        return (rows, 0, 1.0) if rows > self.row_kernel_rows else (0, rows, 0.0)
 
     def predict(self, shape: StepShape) -> float:
         """Seconds for a step of this shape (0 for an empty step)."""
@@ -160,21 +195,26 @@ class StepCostModel:
         # this once per simulated step.
         c = self.coefficients
         over = prefill + decode - self.knee_tokens
+        rows_p, rows_d, tiled = self._rows(prefill, decode)
         return (
             c[0]
-            + c[1] * prefill
-            + c[2] * decode
+            + c[1] * rows_p
+            + c[2] * rows_d
             + (c[3] * over if over > 0 else 0.0)
             + c[4] * shape.prefill_attention_pairs
             + c[5] * shape.decode_context_tokens
             + c[6] * shape.num_prefill_sequences
+            + c[7] * tiled
             + GRAMMAR_ROW_S * shape.grammar_rows
         )
 
     def scaled(self, factor: float) -> StepCostModel:
         """The same model `factor` times slower (its wake curve, an idle cost, kept)."""
         return StepCostModel(
-            [c * factor for c in self.coefficients], self.knee_tokens, wake=self.wake
+            [c * factor for c in self.coefficients],
+            self.knee_tokens,
+            self.row_kernel_rows,
+            wake=self.wake,
         )
 
     def wake_s(self, idle_s: float) -> float:
@@ -228,22 +268,33 @@ class StepCostModel:
 
     def to_dict(self) -> dict[str, object]:
         knee = self.knee_tokens if math.isfinite(self.knee_tokens) else None
+        rows = self.row_kernel_rows if math.isfinite(self.row_kernel_rows) else None
         return {
             "coefficients": dict(zip(FEATURES, self.coefficients, strict=True)),
             "knee_tokens": knee,
+            "row_kernel_rows": rows,
             "wake": [list(p) for p in self.wake],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> StepCostModel:
-        coefficients = data["coefficients"]
-        missing = [f for f in FEATURES if f not in coefficients]
+        coefficients = dict(data["coefficients"])
+        rows = data.get("row_kernel_rows")
+        if rows is None:
+            # One regime (as profiles were fitted before the split): no tiled step to price.
+            coefficients.setdefault("tiled_step", 0.0)
+        missing = [f for f in FEATURES if coefficients.get(f) is None]
         if missing:
             raise ValueError(f"cost model lacks coefficients {missing}")
         values = [float(coefficients[f]) for f in FEATURES]
         knee = data.get("knee_tokens")
-        wake = [tuple(p) for p in data.get("wake", [])]
-        return cls(values, math.inf if knee is None else float(knee), prior=list(values), wake=wake)
+        return cls(
+            values,
+            math.inf if knee is None else float(knee),
+            math.inf if rows is None else float(rows),
+            prior=list(values),
+            wake=[tuple(p) for p in data.get("wake", [])],
+        )
 
 
 @dataclass(frozen=True)
@@ -300,15 +351,22 @@ class TransferModel:
 
 
 def fit_cost_model(
-    samples: Sequence[tuple[StepShape, float]], knee_candidates: Iterable[float] = ()
+    samples: Sequence[tuple[StepShape, float]],
+    knee_candidates: Iterable[float] = (),
+    row_kernel_rows: float = math.inf,
 ) -> StepCostModel:
     """The best model over the knee candidates (and no knee), judged by relative error: each
-    sample weighs 1/step_s^2, so a 20 ms decode step counts as much as a 2 s prefill."""
+    sample weighs 1/step_s^2, so a 20 ms decode step counts as much as a 2 s prefill.
+    `row_kernel_rows`: the engine's (StepCostModel); the model keeps it only where the samples
+    have steps in row kernels and decode steps in tiles (without those, `c_tiled_step` and
+    `c_sequence` are one column, or a regime's rows go unpriced): else one regime."""
     if not samples:
         raise ValueError("cannot fit a cost model to no samples")
+    if not _both_regimes(samples, row_kernel_rows):
+        row_kernel_rows = math.inf
     best: tuple[float, StepCostModel] | None = None
     for knee in [math.inf, *knee_candidates]:
-        model = StepCostModel([0.0] * len(FEATURES), knee)
+        model = StepCostModel([0.0] * len(FEATURES), knee, row_kernel_rows)
         for shape, step_s in samples:
             model.observe(shape, step_s, weight=1.0 / max(step_s, 1e-9) ** 2)
         model.refit()
@@ -319,6 +377,15 @@ def fit_cost_model(
     fitted = best[1]
     fitted.prior = list(fitted.coefficients)
     return fitted
+
+
+def _both_regimes(samples: Sequence[tuple[StepShape, float]], row_kernel_rows: float) -> bool:
+    """Whether some samples run in row kernels and some decode-only ones in tiles."""
+    rows = [s.prefill_tokens + s.decode_requests for s, _ in samples]
+    return any(n <= row_kernel_rows for n in rows) and any(
+        n > row_kernel_rows and not s.prefill_tokens
+        for n, (s, _) in zip(rows, samples, strict=True)
+    )
 
 
 def phase_ratios(

@@ -36,6 +36,8 @@ from pdserve.perf.served_steps import measure_served_steps
 from pdserve.schema import check, knob, same_as
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from pdserve.engine.engine import Engine
 
 # (prompt tokens, concurrent requests): single prompts of growing length give prefill steps
@@ -153,6 +155,7 @@ class Timings:
     wake: list[tuple[float, float]]
     probe: list[tuple[StepShape, float]]  # the samples of PROBE_GRID's entries
     entries: list[tuple[int, int]]  # each sample's grid entry
+    row_kernel_rows: float = math.inf  # the engine's (StepCostModel.row_kernel_rows)
 
 
 def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
@@ -161,8 +164,36 @@ def measure_steps(cfg: ProfileConfig, threads: int) -> Timings:
     with pinned_engine(cfg, threads) as engine:
         samples = time_grid(replace(cfg, grid=cfg.timed_grid), engine, entries)
         wake = _time_wake(cfg, engine)
+        rows = row_kernel_rows(engine.runner.model)
     probe = [s for s, entry in zip(samples, entries, strict=True) if entry in PROBE_GRID]
-    return Timings(samples, wake, probe, entries)
+    return Timings(samples, wake, probe, entries, rows)
+
+
+def row_kernel_rows(model: nn.Module) -> float:
+    """The most rows a step's linear layers run in row kernels, as the cost model's split
+    (StepCostModel.row_kernel_rows): the `gemv_m_max` of the linears read in place from a
+    GGUF that hold most of their bytes (on AMX builds weights without an integer dot product
+    switch to tiles sooner than the rest). No such linears: infinite, one decode regime."""
+    from pdserve.model.quant_linear import QuantLinear
+
+    weight_bytes: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            rows = module.gemv_m_max
+            weight_bytes[rows] = weight_bytes.get(rows, 0) + module.nbytes
+    return float(max(weight_bytes, key=weight_bytes.get)) if weight_bytes else math.inf
+
+
+def regimes(model: StepCostModel, engine_rows: float) -> str:
+    """The fit's kernel regimes, and why one where the engine has two."""
+    if math.isfinite(model.row_kernel_rows):
+        return f"rows in row kernels up to {model.row_kernel_rows:g} a step, in tiles above"
+    if math.isfinite(engine_rows):
+        return (
+            f"one kernel regime: the grid has no decode-only step over the engine's "
+            f"{engine_rows:g} row-kernel rows (raise --max-entry-tokens)"
+        )
+    return "one kernel regime"
 
 
 def entry_ratios(model: StepCostModel, timings: Timings) -> str:
@@ -337,7 +368,7 @@ def build_profile(
     for threads in cfg.threads:
         timings = measure_steps(cfg, threads)
         samples = timings.samples
-        models[threads] = fit_cost_model(samples, KNEES)
+        models[threads] = fit_cost_model(samples, KNEES, timings.row_kernel_rows)
         models[threads].wake = timings.wake
         prefill, decode = phase_ratios(models[threads], timings.probe)
         probes[str(threads)] = {
@@ -350,7 +381,8 @@ def build_profile(
         wake = ", ".join(f"{p:g} s: {x * 1e3:.1f} ms" for p, x in timings.wake)
         log(
             f"threads {threads}: {len(samples)} steps, fit error median "
-            f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; a step after "
+            f"{np.median(errors):.1%}, p90 {np.percentile(errors, 90):.1%}; "
+            f"{regimes(models[threads], timings.row_kernel_rows)}; a step after "
             f"idle costs more by {wake}; the speed probe's shapes in the grid: prefill steps "
             f"x{prefill:.3f} and decode steps x{decode:.3f} the fit's; measured over fitted "
             f"per entry (prompt x requests): {entry_ratios(models[threads], timings)}"

@@ -207,7 +207,13 @@ def _kind(role: str) -> str:
 
 def _copy(model: StepCostModel) -> StepCostModel:
     coefficients = list(model.coefficients)
-    return StepCostModel(coefficients, model.knee_tokens, prior=list(coefficients), wake=model.wake)
+    return StepCostModel(
+        coefficients,
+        model.knee_tokens,
+        model.row_kernel_rows,
+        prior=list(coefficients),
+        wake=model.wake,
+    )
 
 
 def _fresh(profile: HardwareProfile | None, threads: int) -> StepCostModel:

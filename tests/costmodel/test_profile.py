@@ -9,6 +9,7 @@ from pdserve.costmodel.profile import (
     ServedOverhead,
     load_profile,
 )
+from pdserve.costmodel.step_cost import StepCostModel, StepShape
 
 
 def test_profile_round_trips_through_json(tmp_path):
@@ -17,6 +18,21 @@ def test_profile_round_trips_through_json(tmp_path):
     loaded = load_profile(tmp_path / "p.json")
     assert loaded.to_dict() == profile.to_dict()
     assert sorted(loaded.models) == [1, 2, 4, 8]
+
+
+def test_a_profile_keeps_each_models_decode_regimes(tmp_path):
+    """A model's row-kernel threshold and tiled decode term travel with the profile; a model
+    written without them (one decode regime, as version 7 profiles were first fitted) reads
+    with its decode term pricing every decode row, as it was fitted."""
+    profile = analytic_profile(MODELS["llama-3-8b"], "H100-SXM")
+    profile.models[1] = StepCostModel([0.01, 2e-3, 5e-3, 0, 0, 0, 0, 0.2], row_kernel_rows=16)
+    profile.save(tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").models[1].row_kernel_rows == 16
+    data = json.loads((tmp_path / "p.json").read_text())
+    one = data["models"]["1"]
+    del one["row_kernel_rows"], one["coefficients"]["tiled_step"]
+    model = HardwareProfile.from_dict(data).models[1]
+    assert model.predict(StepShape(64, 32)) == pytest.approx(0.01 + 64 * 2e-3 + 32 * 5e-3)
 
 
 def test_roofline_is_memory_bound_for_decode_and_compute_bound_for_prefill():

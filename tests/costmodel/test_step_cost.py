@@ -48,6 +48,7 @@ def test_roofline_knee():
     assert model.predict(StepShape()) == 0.0
 
 
+@pytest.mark.parametrize("rows", [math.inf, 16.0])
 @pytest.mark.parametrize("knee", [math.inf, 48.0])
 @pytest.mark.parametrize(
     "shape",
@@ -63,8 +64,9 @@ def test_roofline_knee():
         ),
     ],
 )
-def test_predict_is_the_features_dotted_with_the_coefficients(shape, knee):
-    model = StepCostModel([0.01, 2e-4, 3e-4, 5e-4, 1e-7, 2e-6, 4e-3], knee_tokens=knee)
+def test_predict_is_the_features_dotted_with_the_coefficients(shape, knee, rows):
+    coefficients = [0.01, 2e-4, 3e-4, 5e-4, 1e-7, 2e-6, 4e-3, 1e-4]
+    model = StepCostModel(coefficients, knee_tokens=knee, row_kernel_rows=rows)
     expected = sum(c * f for c, f in zip(model.coefficients, model.features(shape), strict=True))
     assert model.predict(shape) == expected  # the same sums in the same order: exactly equal
 
@@ -86,9 +88,79 @@ def test_fit_recovers_coefficients_and_knee():
         assert fitted.predict(shape) == pytest.approx(truth.predict(shape), rel=1e-3)
 
 
+def test_rows_are_priced_by_the_kernels_that_run_them():
+    # 10 ms a step; a row 5 ms in row kernels, 1 ms in tiles after 200 ms converting the weights
+    model = StepCostModel([0.01, 1e-3, 5e-3, 0, 0, 0, 0, 0.2], row_kernel_rows=16)
+    assert model.predict(StepShape(decode_requests=16)) == pytest.approx(0.01 + 16 * 5e-3)
+    assert model.predict(StepShape(decode_requests=17)) == pytest.approx(0.21 + 17 * 1e-3)
+    # a step's linears run its rows together: a prompt token beside 3 decodes in row kernels,
+    # 8 decodes beside a 12-token chunk in tiles
+    assert model.predict(StepShape(prefill_tokens=1, decode_requests=3)) == pytest.approx(0.03)
+    mixed = StepShape(prefill_tokens=12, decode_requests=8)
+    assert model.predict(mixed) == pytest.approx(0.21 + 20 * 1e-3)
+    again = StepCostModel.from_dict(model.to_dict())
+    assert again.row_kernel_rows == 16 and again.coefficients == model.coefficients
+    # one regime: prompt tokens and decodes by their own terms, no tiled step
+    one = StepCostModel([0.01, 1e-3, 5e-3, 0, 0, 0, 0])
+    assert one.predict(mixed) == pytest.approx(0.01 + 12 * 1e-3 + 8 * 5e-3)
+
+
+# Decode steps of a 1B Q4_K_M model (Llama 3.2 1B shape, random weights) on one thread of
+# the 2-core Xeon VM (AVX-512 + AMX), 64-token prompts: batch -> (context tokens, seconds),
+# each the median step of its batch. Row kernels up to 16 rows, AMX tiles above
+# (quant_linear.gemv_m_max): 16 rows took what 32 did.
+MEASURED_1B_DECODE = {
+    1: (66, 0.0595),
+    2: (138, 0.0652),
+    4: (276, 0.09),
+    8: (544, 0.1746),
+    12: (780, 0.36),
+    16: (1104, 0.3826),
+    17: (1207, 0.3835),
+    20: (1360, 0.3399),
+    24: (1704, 0.3492),
+    32: (2272, 0.3545),
+}
+
+
+def test_two_kernel_regimes_fit_measured_1b_steps_that_one_decode_term_misprices():
+    samples = {
+        b: (StepShape(decode_requests=b, decode_context_tokens=c), s)
+        for b, (c, s) in MEASURED_1B_DECODE.items()
+    }
+
+    def error(model, batch):
+        shape, seconds = samples[batch]
+        return abs(model.predict(shape) / seconds - 1)
+
+    split = fit_cost_model(list(samples.values()), row_kernel_rows=16)
+    one = fit_cost_model(list(samples.values()))
+    assert split.row_kernel_rows == 16 and math.isinf(one.row_kernel_rows)
+    assert error(one, 16) > 0.25 and error(one, 32) > 0.25
+    assert all(error(split, b) < 0.10 for b in (16, 17, 20, 24, 32))
+
+
+def test_fit_keeps_one_regime_without_decode_steps_in_tiles():
+    samples = [(StepShape(decode_requests=b), 0.01 + 5e-3 * b) for b in (1, 4, 8, 16)]
+    samples.append((StepShape(prefill_tokens=64), 0.2))
+    fitted = fit_cost_model(samples, row_kernel_rows=16)
+    assert math.isinf(fitted.row_kernel_rows)  # its tiled step and c_sequence: one column
+    assert fitted.predict(StepShape(decode_requests=32)) == pytest.approx(0.17, rel=1e-3)
+
+
+def test_a_model_of_one_regime_reads_as_it_was_fitted():
+    # a cost model written without the split: prompt tokens and decodes by their own terms
+    data = {"coefficients": dict(zip(FEATURES[:7], [0.01, 1e-3, 5e-3, 0, 0, 0, 0], strict=True))}
+    model = StepCostModel.from_dict(data)
+    assert math.isinf(model.row_kernel_rows) and model.coefficients[7] == 0
+    assert model.predict(StepShape(32, 8)) == pytest.approx(0.01 + 32 * 1e-3 + 8 * 5e-3)
+    with pytest.raises(ValueError, match="tiled_step"):
+        StepCostModel.from_dict(data | {"row_kernel_rows": 16})
+
+
 def test_online_refit_moves_from_the_prior_towards_new_samples():
     model = StepCostModel.from_dict(
-        {"coefficients": dict(zip(FEATURES, [0.01, 0, 0, 0, 0, 0, 0], strict=True))}
+        {"coefficients": dict(zip(FEATURES, [0.01, 0, 0, 0, 0, 0, 0, 0], strict=True))}
     )
     for _ in range(500):  # the machine got slower: steps now take 20 ms
         model.observe(StepShape(decode_requests=4), 0.02)
@@ -100,9 +172,15 @@ def test_online_refit_moves_from_the_prior_towards_new_samples():
 def test_bad_coefficients_are_refused():
     with pytest.raises(ValueError, match="coefficients must be >= 0"):
         StepCostModel([0.01, -1, 0, 0, 0, 0, 0])
-    with pytest.raises(ValueError, match="expected 7"):
+    with pytest.raises(ValueError, match="expected 8"):
         StepCostModel([0.01])
-    assert math.isinf(StepCostModel([0] * 7).knee_tokens)
+    with pytest.raises(ValueError, match="expected 8"):  # two regimes need the tiled term
+        StepCostModel([0.01, 0, 0, 0, 0, 0, 0], row_kernel_rows=16)
+    with pytest.raises(ValueError, match="row_kernel_rows"):
+        StepCostModel([0.01] * 8, row_kernel_rows=-1)
+    assert math.isinf(StepCostModel([0] * 8).knee_tokens)
+    # one regime: seven terms, no tiled step
+    assert StepCostModel([0, 0, 2e-3, 0, 0, 0, 0]).coefficients[7] == 0
 
 
 def test_wake_cost_follows_the_measured_curve():

@@ -3,22 +3,36 @@ whose cost model predicts them out."""
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
+from torch import nn
 
 from pdserve.costmodel.profile import load_profile
-from pdserve.costmodel.step_cost import fit_cost_model
+from pdserve.costmodel.step_cost import StepCostModel, fit_cost_model
 from pdserve.envs import WORKER_SPINCOUNT
+from pdserve.model import native
+from pdserve.model.gguf_convert import BLOCKS
+from pdserve.model.quant_linear import (
+    AMX_FLOAT_GEMV_M_MAX,
+    QUANT_GEMV_M_MAX,
+    QuantLinear,
+    QuantTensor,
+)
 from pdserve.perf.measure import (
     PROBE_GRID,
     ProfileConfig,
     build_profile,
     entry_ratios,
     measure_steps,
+    regimes,
+    row_kernel_rows,
     timing_env,
     wake_extra,
 )
@@ -188,3 +202,35 @@ def test_max_entry_tokens_leaves_out_the_largest_entries_but_the_probes():
     assert all(entry in tiny.timed_grid for entry in PROBE_GRID)
     assert (80, 1) in tiny.timed_grid and (128, 1) in tiny.timed_grid
     assert (192, 1) not in tiny.timed_grid
+
+
+@pytest.mark.parametrize("isa", list(native.ISA_FLAGS))
+def test_row_kernel_rows_is_the_gemv_m_max_of_most_weight_bytes(isa):
+    """The cost model's split: where the linears holding most weight bytes leave the row
+    kernels. On the amx kernels Q4_0 (no integer dot product) takes tiles above
+    AMX_FLOAT_GEMV_M_MAX rows and Q4_K above QUANT_GEMV_M_MAX; other builds both above 16."""
+    lib = native.load(isa)
+    if lib is None:
+        pytest.skip(f"the {isa} native kernels cannot run on this machine")
+
+    def linear(qtype: int, rows: int) -> QuantLinear:
+        values, nbytes = BLOCKS[qtype]
+        return QuantLinear(
+            lib, [QuantTensor(np.zeros((rows, 256 // values * nbytes), np.uint8), qtype, rows, 256)]
+        )
+
+    q4_0, q4_k = int(GGMLQuantizationType.Q4_0), int(GGMLQuantizationType.Q4_K)
+    amx = isa == "amx"
+    mostly_q4_0 = nn.ModuleList([linear(q4_0, 64), linear(q4_k, 8)])
+    mostly_q4_k = nn.ModuleList([linear(q4_0, 8), linear(q4_k, 64)])
+    assert row_kernel_rows(mostly_q4_0) == (AMX_FLOAT_GEMV_M_MAX if amx else QUANT_GEMV_M_MAX)
+    assert row_kernel_rows(mostly_q4_k) == QUANT_GEMV_M_MAX
+    assert math.isinf(row_kernel_rows(nn.Linear(4, 4)))  # no row kernels: one regime
+
+
+def test_the_profile_log_says_why_a_fit_kept_one_kernel_regime():
+    split = StepCostModel([0.01] * 8, row_kernel_rows=16)
+    one = StepCostModel([0.01] * 7)
+    assert regimes(split, 16) == "rows in row kernels up to 16 a step, in tiles above"
+    assert "no decode-only step over the engine's 16 row-kernel rows" in regimes(one, 16)
+    assert regimes(one, math.inf) == "one kernel regime"
