@@ -100,6 +100,7 @@ def test_rows_are_priced_by_the_kernels_that_run_them():
     assert model.predict(mixed) == pytest.approx(0.21 + 20 * 1e-3)
     again = StepCostModel.from_dict(model.to_dict())
     assert again.row_kernel_rows == 16 and again.coefficients == model.coefficients
+    assert model.scaled(2.0).predict(mixed) == pytest.approx(2 * model.predict(mixed))
     # one regime: prompt tokens and decodes by their own terms, no tiled step
     one = StepCostModel([0.01, 1e-3, 5e-3, 0, 0, 0, 0])
     assert one.predict(mixed) == pytest.approx(0.01 + 12 * 1e-3 + 8 * 5e-3)
