@@ -20,9 +20,9 @@ from torch import nn
 SMAPS_ROLLUP = "/proc/self/smaps_rollup"
 STATM = "/proc/self/statm"
 REFRESH_S = 1.0  # RSS, from the kernel's counters (~10 us)
-# PSS needs the kernel's walk of every page of every mapping (13 ms in a 1B Q4_K_M worker with
-# its 1.2 GB KV pool): taken while the engine is idle, and while it is busy only this seldom.
-PSS_MAX_AGE_S = 60.0
+# PSS needs the kernel's walk of every page of every mapping: 13 ms in a 1B Q4_K_M worker, 30 ms
+# in a SmolLM2-135M one with the default KV pool (2 GB resident). Taken this seldom.
+PSS_REFRESH_S = 30.0
 
 
 def process_memory(path: str = SMAPS_ROLLUP) -> tuple[int, int]:
@@ -93,11 +93,11 @@ def held_weight_bytes(model: nn.Module) -> int:
 
 class MemoryReport:
     """The memory fields of a worker's Stats, re-read by `refresh()`, which the worker's
-    heartbeat thread calls. RSS comes from the kernel's counters at most every REFRESH_S.
-    PSS (smaps_rollup) is re-read only while the engine is idle, or once PSS_MAX_AGE_S has
-    passed: the walk takes 2-13 ms of a core, and on a host whose cores all run the step's
-    kernel threads, a thread beside the step stalls that step as long (its kernel threads
-    wait for each other at every barrier), on the heartbeat thread as on the loop's."""
+    heartbeat thread calls. RSS comes from the kernel's counters every REFRESH_S; PSS from
+    smaps_rollup only every PSS_REFRESH_S: its walk takes 13-30 ms of a core, and on a host
+    whose cores all run a step's kernel threads, a thread beside the step stalls that step as
+    long (the kernel threads wait for each other at every barrier), whether it is this
+    worker's heartbeat thread or an idle neighbour worker's."""
 
     def __init__(self, model: nn.Module, kv_cache: torch.Tensor) -> None:
         self.weight_bytes = held_weight_bytes(model)
@@ -106,13 +106,12 @@ class MemoryReport:
         self._rss_pss = process_memory()
         self._read_at = self._pss_read_at = time.monotonic()
 
-    def refresh(self, idle: bool) -> None:
-        """`idle`: the engine has no step to run (the walk delays none)."""
+    def refresh(self) -> None:
         now = time.monotonic()
         if now - self._read_at < REFRESH_S:
             return
         self._read_at = now
-        if idle or now - self._pss_read_at >= PSS_MAX_AGE_S:
+        if now - self._pss_read_at >= PSS_REFRESH_S:
             self._rss_pss, self._pss_read_at = process_memory(), now
         elif rss := resident_bytes():
             self._rss_pss = (rss, self._rss_pss[1])

@@ -75,7 +75,6 @@ class Worker:
         self.running = True
         self._next_stats = 0.0
         self._stats: m.Stats | None = None  # the latest load snapshot, sent by the heartbeat
-        self._idle = True  # no step to run: read by the heartbeat thread (MemoryReport)
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
 
@@ -174,7 +173,6 @@ class Worker:
         try:
             while self.running:
                 runnable = e.has_unfinished_requests() and not self.cores.parked
-                self._idle = not runnable
                 self._drain(timeout_ms=0 if runnable else self._idle_wait_ms())
                 for request_id, error in e.role.poll():
                     self.send(m.Failed(self.spec.worker_id, request_id, error))
@@ -372,7 +370,7 @@ class Worker:
         signer = m.Signer(self.secret)  # its own session: its frames interleave with `out`'s
         try:
             while not self._stop_heartbeat.wait(self.spec.heartbeat_interval_s):
-                self.memory.refresh(self._idle)  # here, not on the step loop (MemoryReport)
+                self.memory.refresh()  # here, not on the step loop (MemoryReport)
                 if self._stats is not None:
                     sock.send(signer.encode(self._stats))
         finally:

@@ -56,45 +56,31 @@ def test_process_memory_reads_smaps_rollup(tmp_path):
 
 def test_fields_never_read_smaps_only_refresh_does(monkeypatch):
     """The step loop builds Stats from fields(); the heartbeat thread calls refresh(), which
-    re-reads RSS/PSS once REFRESH_S has passed (a read took 2-13 ms on a 1B worker)."""
-    from pdserve.workers import memory_report
-
-    reads = []
-    monkeypatch.setattr(memory_report, "process_memory", lambda: reads.append(1) or (3, 2))
-    report = memory_report.MemoryReport(torch.nn.Linear(2, 2), torch.zeros(4))
-    assert len(reads) == 1
-    for _ in range(3):
-        assert report.fields()["rss_bytes"] == 3
-    report.refresh(idle=True)  # REFRESH_S has not passed
-    assert len(reads) == 1
-    monkeypatch.setattr(memory_report, "process_memory", lambda: reads.append(1) or (5, 4))
-    report._read_at -= memory_report.REFRESH_S
-    report.fields()
-    assert len(reads) == 1
-    report.refresh(idle=True)
-    assert len(reads) == 2 and report.fields()["pss_bytes"] == 4
-
-
-def test_a_busy_engine_gets_rss_from_counters_and_pss_walked_only_when_stale(monkeypatch):
-    """While steps run, the smaps walk (which stalls a step on a host whose cores all run the
-    step's threads) waits for an idle moment or PSS_MAX_AGE_S; RSS comes from statm."""
+    re-reads RSS from statm every REFRESH_S and walks smaps_rollup for PSS only every
+    PSS_REFRESH_S (the walk took 13-30 ms of a core, a stalled step on a 2-core host)."""
     from pdserve.workers import memory_report
 
     walks = []
-    monkeypatch.setattr(memory_report, "process_memory", lambda: walks.append(1) or (30, 20))
-    monkeypatch.setattr(memory_report, "resident_bytes", lambda: 40)
+    monkeypatch.setattr(memory_report, "process_memory", lambda: walks.append(1) or (3, 2))
+    monkeypatch.setattr(memory_report, "resident_bytes", lambda: 4)
     report = memory_report.MemoryReport(torch.nn.Linear(2, 2), torch.zeros(4))
-    report._read_at -= memory_report.REFRESH_S
-    report.refresh(idle=False)
     assert len(walks) == 1
-    assert (report.fields()["rss_bytes"], report.fields()["pss_bytes"]) == (40, 20)
+    for _ in range(3):
+        assert report.fields()["rss_bytes"] == 3
+    report.refresh()  # REFRESH_S has not passed
+    assert report.fields()["rss_bytes"] == 3
     report._read_at -= memory_report.REFRESH_S
-    report._pss_read_at -= memory_report.PSS_MAX_AGE_S
-    report.refresh(idle=False)  # PSS too old: walked even while busy
-    assert len(walks) == 2 and report.fields()["rss_bytes"] == 30
+    report.fields()
+    assert report.fields()["rss_bytes"] == 3
+    report.refresh()  # RSS from the counters, PSS kept
+    assert len(walks) == 1
+    assert (report.fields()["rss_bytes"], report.fields()["pss_bytes"]) == (4, 2)
+    monkeypatch.setattr(memory_report, "process_memory", lambda: walks.append(1) or (5, 4))
     report._read_at -= memory_report.REFRESH_S
-    report.refresh(idle=True)
-    assert len(walks) == 3
+    report._pss_read_at -= memory_report.PSS_REFRESH_S
+    report.refresh()
+    assert len(walks) == 2
+    assert (report.fields()["rss_bytes"], report.fields()["pss_bytes"]) == (5, 4)
 
 
 def test_resident_bytes_reads_statm(tmp_path):
