@@ -116,9 +116,22 @@ def serving(cmd: list[str], port: int, model: str, env: dict[str, str] | None = 
 
 
 def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
-    """Offline TPOT in a fresh process, then `pdserve up --collocated 1` driven by the client,
-    both with the variant's environment."""
+    """Offline TPOT in a fresh process (unless `--no-offline`), then `pdserve up --collocated
+    1` driven by the client, both with the variant's environment."""
     env = {**os.environ, **variant}
+    row = {}
+    if args.offline:
+        row["offline_tpot_ms"] = offline_tpot_ms_in_child(env, args)
+    port = free_port()
+    with serving(pdserve_up(args, port, "--collocated", "1"), port, args.model, env):
+        row.update(served_figures(f"http://127.0.0.1:{port}", args))
+    if args.offline:
+        row["served_over_offline"] = row["served_tpot_ms"] / row["offline_tpot_ms"]
+    return row
+
+
+def offline_tpot_ms_in_child(env: dict[str, str], args: argparse.Namespace) -> float:
+    """offline_tpot_ms() in a child process with `env` (a variant's PYTHONPATH applies)."""
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
         f"import served_speed as s; print(s.offline_tpot_ms({args.model!r}, {args.threads}, "
@@ -127,12 +140,7 @@ def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[s
     out = subprocess.run(
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
     )
-    row = {"offline_tpot_ms": float(out.stdout.strip().splitlines()[-1])}
-    port = free_port()
-    with serving(pdserve_up(args, port, "--collocated", "1"), port, args.model, env):
-        row.update(served_figures(f"http://127.0.0.1:{port}", args))
-    row["served_over_offline"] = row["served_tpot_ms"] / row["offline_tpot_ms"]
-    return row
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def llama_server(args: argparse.Namespace, port: int, *flags: str) -> list[str]:
@@ -289,6 +297,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrent", type=int, default=32, help="0: skip the concurrent run")
     ap.add_argument("--long-input-len", type=int, default=512, help="0: skip the TTFT run")
     ap.add_argument("--json", help="write every round's rows here")
+    ap.add_argument(
+        "--no-offline",
+        dest="offline",
+        action="store_false",
+        help="skip the in-process engine's TPOT (its libgomp spins: slow beside other load)",
+    )
     ap.add_argument("--cold-start", action="store_true", help="launch to first answer (1P1D)")
     ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
     ap.add_argument("--ctx-size", type=int, default=4096, help="llama-server's -c")
