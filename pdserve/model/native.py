@@ -198,6 +198,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.pd_quant_linear_amx.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64]
         lib.pd_quant_linear_amx.restype = ctypes.c_int
         lib.pd_quant_amx_type.argtypes = [_i64]
+        lib.pd_quant_row_bf16.argtypes = [_i64, _ptr, _ptr, _i64]
+        lib.pd_quant_row_bf16.restype = ctypes.c_int
         lib.pd_quant_amx_type.restype = ctypes.c_int
     return lib
 

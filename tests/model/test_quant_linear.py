@@ -328,6 +328,28 @@ def test_amx_tiles_within_the_int8_bound(lib, qtype, m):
     assert err.max() > 0  # bf16 did round
 
 
+@pytest.mark.parametrize("qtype", [t for t in TYPES if BLOCKS[t][0] > 1], ids=lambda q: q.name)
+def test_rows_decoded_to_bf16_equal_the_fp32_rows_rounded(lib, qtype):
+    """The tiles' panels take Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows straight to bf16
+    (pd_quant_row_bf16): bit for bit the fp32 rows rounded to nearest even; the other block
+    types have no such decoder and go through fp32."""
+    lib = amx_lib(lib)
+    rows, cols = 3, 512
+    data = random_tensor(qtype, rows, cols, np.random.default_rng(int(qtype) + 9))
+    fp32 = QuantTensor(data, int(qtype), rows, cols, "w").dequantize_rows(lib, 0, rows)
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    rcs = [
+        lib.pd_quant_row_bf16(int(qtype), data[r].ctypes.data, out[r].data_ptr(), cols)
+        for r in range(rows)
+    ]
+    decoded = {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K}
+    assert rcs == [0 if qtype in decoded else -1] * rows
+    assert lib.pd_quant_row_bf16(int(qtype), data.ctypes.data, out.data_ptr(), cols + 1) == -1
+    if qtype in decoded:
+        expected = fp32.to(torch.bfloat16).view(torch.int16)
+        assert torch.equal(out.view(torch.int16), expected)
+
+
 @pytest.mark.parametrize("qtype", list(INT8), ids=lambda q: q.name)
 def test_a_row_differs_across_the_16_row_threshold_within_the_bounds(lib, qtype):
     """The same rows through the int8 kernel (16 rows) and AMX tiles (41): each is within

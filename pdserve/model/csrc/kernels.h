@@ -227,6 +227,9 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
                     float *y, int64_t ldy, int64_t int8_m_max);
 int64_t pd_quant_row_bytes(int64_t type, int64_t K);
 int pd_quant_row_f32(int64_t type, const void *row, float *out, int64_t K);
+#ifdef __AMX_BF16__
+int pd_quant_row_bf16(int64_t type, const void *row, uint16_t *out, int64_t K);
+#endif
 int pd_quant_block_type(int64_t type);
 /* The address of row j of a fused weight (rows of `parts` one after another, part p's
  * `row_bytes[p]` bytes each), and its part in *p_out. */

@@ -77,13 +77,18 @@ static void pack_x_row(const float *x, int64_t m, int64_t K, uint16_t *xs) {
     }
 }
 
-/* Weight rows [j0, j0 + pr) as bf16 [pr][Kp] (rows past N and k past K zero); f32: K floats.
- * A BF16 row is copied as it is; the others pass through fp32. */
+/* Bf16 values between panel rows: Kp + KB, so that a tile's 16 rows (Kp * 2 bytes apart, a
+ * multiple of 4 KB at K = 2048 or 8192) do not all fall into one L1 set. */
+static inline int64_t panel_stride(int64_t Kp) { return Kp + KB; }
+
+/* Weight rows [j0, j0 + pr) as bf16 [pr][panel_stride(Kp)] (rows past N and k past K zero);
+ * f32: K floats. A BF16 row is copied as it is; Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows are
+ * decoded straight to bf16 (pd_quant_row_bf16), the others pass through fp32. */
 static void fill_panel(const pd_qpart *parts, const int64_t *row_bytes, int64_t j0, int64_t pr,
                        int64_t N, int64_t K, float *f32, uint16_t *panel) {
     int64_t Kp = (K + KB - 1) / KB * KB;
     for (int64_t r = 0; r < pr; r++) {
-        uint16_t *dst = panel + r * Kp;
+        uint16_t *dst = panel + r * panel_stride(Kp);
         if (j0 + r >= N) {
             memset(dst, 0, Kp * 2);
             continue;
@@ -92,6 +97,10 @@ static void fill_panel(const pd_qpart *parts, const int64_t *row_bytes, int64_t 
         const uint8_t *row = pd_qrow(parts, row_bytes, j0 + r, &p);
         if (parts[p].type == T_BF16) {
             memcpy(dst, row, K * 2);
+            memset(dst + K, 0, (Kp - K) * 2);
+            continue;
+        }
+        if (pd_quant_row_bf16(parts[p].type, row, dst, K) == 0) {
             memset(dst + K, 0, (Kp - K) * 2);
             continue;
         }
@@ -119,17 +128,18 @@ static void store_block(float *y, int64_t ldy, int64_t M, int64_t N, int64_t m0,
         }
 }
 
-/* x rows [m0, m0 + 32) against the panel's 32 rows from `w` (row stride Kp, a multiple of 32). */
+/* x rows [m0, m0 + 32) against the panel's 32 rows from `w` (K a multiple of 32, row stride
+ * panel_stride(K)). */
 static void block(const uint16_t *w, const uint16_t *xs, int64_t m0, int64_t K) {
-    int64_t nkb = K / KB;
+    int64_t nkb = K / KB, ws = panel_stride(K);
     const uint16_t *b0 = xs + (m0 / 16) * nkb * 512, *b1 = b0 + nkb * 512;
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
     for (int64_t kb = 0; kb < nkb; kb++) {
-        _tile_loadd(0, w + kb * KB, K * 2);
-        _tile_loadd(1, w + 16 * K + kb * KB, K * 2);
+        _tile_loadd(0, w + kb * KB, ws * 2);
+        _tile_loadd(1, w + 16 * ws + kb * KB, ws * 2);
         _tile_loadd(2, b0 + kb * 512, 64);
         _tile_loadd(3, b1 + kb * 512, 64);
         _tile_dpbf16ps(4, 0, 2);
@@ -167,11 +177,11 @@ int pd_quant_linear_amx(const float *x, int64_t M, int64_t K, const pd_qpart *pa
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < Mp; m++) pack_x_row(m < M ? x + m * K : NULL, m, K, xs);
-        uint8_t *scratch = grown(&w_buf, &w_cap, pr * Kp * 2 + Kp * 4 + 4096);
+        uint8_t *scratch = grown(&w_buf, &w_cap, pr * panel_stride(Kp) * 2 + Kp * 4 + 4096);
         failed = !scratch;
         if (scratch) pd_amx_tiles_configure();
         uint16_t *panel = (uint16_t *)scratch;
-        float *f32 = (float *)(scratch + pr * Kp * 2), *c = f32 + Kp;
+        float *f32 = (float *)(scratch + pr * panel_stride(Kp) * 2), *c = f32 + Kp;
 #pragma omp for schedule(dynamic)
         for (int64_t q = 0; q < panels; q++) {
             if (!scratch) continue;
@@ -179,7 +189,7 @@ int pd_quant_linear_amx(const float *x, int64_t M, int64_t K, const pd_qpart *pa
             fill_panel(parts, row_bytes, j0, pr, N, K, f32, panel);
             for (int64_t m0 = 0; m0 < Mp; m0 += 32)
                 for (int64_t s = 0; s < pr && j0 + s < N; s += 32) {
-                    block(panel + s * Kp, xs, m0, Kp);
+                    block(panel + s * panel_stride(Kp), xs, m0, Kp);
                     store_block(y, ldy, M, N, m0, j0 + s, c);
                 }
         }

@@ -271,6 +271,94 @@ int pd_quant_row_f32(int64_t type, const void *row, float *out, int64_t K) {
     return 0;
 }
 
+#ifdef __AMX_BF16__
+/* ---- rows straight to bf16, for the AMX tiles' panels (quant_amx.c) ------------------
+ * A tile call of 17-64 rows dequantizes every weight once per call, and that is most of its
+ * time: each value is computed as dequant_row computes it (the same fp32 FMA) and rounded to
+ * bf16 in registers, where the fp32 row buffer's store, reload and masked conversion took
+ * about as long again. Same bf16 values as pd_quant_row_f32 then rounding (tested). */
+
+/* lo and hi (16 fp32 each) rounded to nearest even bf16 at dst[0..16) and dst[16..32). */
+static inline __attribute__((always_inline)) void store_bf16x32(uint16_t *dst, __m512 lo, __m512 hi) {
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+static inline __attribute__((always_inline)) __m512 affine16(__m512i q, float scale, float bias) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale), _mm512_set1_ps(bias));
+}
+
+/* Q4_0 (bias -8 d) and Q4_1 (bias m): low nibbles to out[0..16), high ones to out[16..32). */
+static void row_q4_bf16(const uint8_t *b, uint16_t *out, int64_t nb, int has_min) {
+    const __m512i m15 = _mm512_set1_epi32(15);
+    int64_t bytes = has_min ? 20 : 18;
+    for (int64_t j = 0; j < nb; j++, b += bytes, out += 32) {
+        float d = h2f(b), bias = has_min ? h2f(b + 2) : -8.f * d;
+        __m512i q = vu8(b + (has_min ? 4 : 2));
+        store_bf16x32(out, affine16(_mm512_and_si512(q, m15), d, bias),
+                      affine16(_mm512_srli_epi32(q, 4), d, bias));
+    }
+}
+
+static void row_q8_0_bf16(const uint8_t *b, uint16_t *out, int64_t nb) {
+    for (int64_t j = 0; j < nb; j++, b += 34, out += 32) {
+        float d = h2f(b);
+        const int8_t *qs = (const int8_t *)(b + 2);
+        store_bf16x32(out, affine16(vbytes(qs), d, 0.f), affine16(vbytes(qs + 16), d, 0.f));
+    }
+}
+
+static void row_q4_k_bf16(const uint8_t *b, uint16_t *out, int64_t nb) {
+    const __m512i m15 = _mm512_set1_epi32(15);
+    for (int64_t j = 0; j < nb; j++, b += 144, out += 256) {
+        float d = h2f(b), dmin = h2f(b + 2);
+        for (int c = 0; c < 4; c++) { /* sub-blocks 2c (low nibbles) and 2c + 1 (high) */
+            uint8_t sc0, m0, sc1, m1;
+            scale_min_k4(b + 4, 2 * c, &sc0, &m0);
+            scale_min_k4(b + 4, 2 * c + 1, &sc1, &m1);
+            __m512i q0 = vu8(b + 16 + 32 * c), q1 = vu8(b + 16 + 32 * c + 16);
+            float s0 = d * sc0, b0 = -dmin * m0, s1 = d * sc1, b1 = -dmin * m1;
+            store_bf16x32(out + 64 * c, affine16(_mm512_and_si512(q0, m15), s0, b0),
+                          affine16(_mm512_and_si512(q1, m15), s0, b0));
+            store_bf16x32(out + 64 * c + 32, affine16(_mm512_srli_epi32(q0, 4), s1, b1),
+                          affine16(_mm512_srli_epi32(q1, 4), s1, b1));
+        }
+    }
+}
+
+static void row_q6_k_bf16(const uint8_t *b, uint16_t *out, int64_t nb) {
+    for (int64_t j = 0; j < nb; j++, b += 210, out += 256) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = h2f(b + 208);
+        for (int h = 0; h < 2; h++) { /* values 128 h + 32 k: group k of half h */
+            __m256i g[4];
+            q6_k_half(b, h, g);
+            for (int k = 0; k < 4; k++) {
+                float d0 = d * sc[(128 * h + 32 * k) / 16], d1 = d * sc[(128 * h + 32 * k) / 16 + 1];
+                __m512i lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(g[k]));
+                __m512i hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(g[k], 1));
+                store_bf16x32(out + 128 * h + 32 * k, affine16(lo, d0, -32.f * d0),
+                              affine16(hi, d1, -32.f * d1));
+            }
+        }
+    }
+}
+
+/* Row `row` of K values of `type` as bf16 in `out`: 0, or -1 where `type` has no such
+ * decoder here (the caller goes through pd_quant_row_f32) or K is not whole blocks. */
+int pd_quant_row_bf16(int64_t type, const void *row, uint16_t *out, int64_t K) {
+    if (pd_quant_row_bytes(type, K) < 0) return -1;
+    const uint8_t *b = row;
+    switch (type) {
+    case T_Q4_0: row_q4_bf16(b, out, K / 32, 0); return 0;
+    case T_Q4_1: row_q4_bf16(b, out, K / 32, 1); return 0;
+    case T_Q8_0: row_q8_0_bf16(b, out, K / 32); return 0;
+    case T_Q4_K: row_q4_k_bf16(b, out, K / 256); return 0;
+    case T_Q6_K: row_q6_k_bf16(b, out, K / 256); return 0;
+    default: return -1;
+    }
+}
+#endif
+
 /* Whether `type` is a block type (each value rounded to bf16 loses at most what int8
  * activations do: quant_amx.c). */
 int pd_quant_block_type(int64_t type) {
