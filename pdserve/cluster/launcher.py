@@ -60,10 +60,38 @@ class Placement:
     prefix: tuple[str, ...] = ()
 
 
+# A port picked here is bound later, by the process it is handed to (a worker's control
+# socket, the router's). bind(0) draws from the kernel's ephemeral range, as every outgoing
+# connection does, so in between a client's connect could take it (a 1P1D start failed with
+# EADDRINUSE on such a port). Picks come from below that range, where no connect lands; two
+# picks here can still meet, rarely, being random.
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LISTEN_PORTS_LOW = 20000
+LISTEN_PORT_TRIES = 64
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free on `host` now, for a listener another process binds (module note)."""
+    below = range(LISTEN_PORTS_LOW, _ephemeral_low())
+    for port in secrets.SystemRandom().sample(below, min(LISTEN_PORT_TRIES, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # taken, or lingering in TIME_WAIT: another
+                continue
+            return port
+    with socket.socket() as s:  # no free port below the range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _die_with_parent() -> None:
