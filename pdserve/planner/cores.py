@@ -61,8 +61,9 @@ class Demand:
     role: str
     busy: bool
     need_threads: int = 0
-    # Fewer threads take its step with a guarded local chunk past the stall budget
-    # (decision.stall_need; 0: none applies): a change towards them is not held back.
+    # Fewer threads take its decodes' step past 75% of the stall budget, freezing the
+    # running streams (decision.stall_need; 0: none applies): a change towards them is not
+    # held back.
     stall_threads: int = 0
     parked_s: float = 0.0  # busy while parked this long (`CoreGroups.parked_s`)
 
