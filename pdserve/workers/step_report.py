@@ -5,7 +5,7 @@ step to a file for offline study when `PDSERVE_STEP_TRACE` names a folder (`Step
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 
 from pdserve import messages as m
@@ -13,6 +13,9 @@ from pdserve.costmodel.step_cost import StepShape
 
 REPORT_INTERVAL_S = 0.25  # the planner re-plans every second or so: fresh enough
 REPORT_ROWS = 64  # and frames stay small while steps are short
+# A trace row's shape fields, read one by one: `asdict`'s recursive copy made a row cost twice
+# as much (9.5 against 5 us warm; the row is written between two served steps).
+SHAPE_FIELDS = tuple(f.name for f in fields(StepShape))
 
 
 class StepLog:
@@ -66,13 +69,13 @@ class StepTrace:
     ) -> None:
         if shape.is_empty:
             return
-        row = {
-            **asdict(shape),
-            "threads": threads,
-            "start": round(start, 6),
-            "seconds": round(seconds, 6),
-            "cpu_seconds": round(cpu_seconds, 6),
-        }
+        row = {name: getattr(shape, name) for name in SHAPE_FIELDS}
+        row.update(
+            threads=threads,
+            start=round(start, 6),
+            seconds=round(seconds, 6),
+            cpu_seconds=round(cpu_seconds, 6),
+        )
         self._file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
