@@ -2,6 +2,11 @@
 `PDSERVE_STEP_TRACE` folder over what the profile's served cost model predicts, by worker and
 kind of step. `--pairs`: a 1P1D prefill worker's step against a lone one-thread engine's on the
 same core, interleaved pairs, the median ratio in wall and in the thread's CPU time.
+`--pairs --decode B`: a collocated worker's decode steps at batch B (B streams at once) against a
+lone engine's on the same cores and threads, interleaved rounds: the step's wall and thread CPU,
+the time between two steps (the worker's loop: Tokens out, control messages in), start to start,
+and the worker's CPU a token by thread (its loop outside the steps, the ZMQ I/O thread, the
+heartbeat).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import multiprocessing
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +61,150 @@ def lone_engine(model: str, conn) -> None:
             conn.send((time.perf_counter() - wall, time.thread_time() - cpu))
             while engine.has_unfinished_requests():
                 engine.step()
+
+
+def lone_decodes(model: str, threads: int, conn) -> None:
+    """An engine on the first `threads` cores in a process of its own, under a worker's OpenMP
+    wait policy: ready once loaded, then for each (batch, prompt length, new tokens) received
+    that many greedy requests run to the end, every step sent back as a `step_row`; None ends
+    it."""
+    from pdserve.perf.measure import ProfileConfig, pinned_engine, timing_env
+    from pdserve.sampling_params import SamplingParams
+
+    timing_env()
+    cfg = ProfileConfig(model=model, threads=(threads,), kv_cache_bytes=KV_CACHE_BYTES)
+    rng = np.random.default_rng(1)
+    with pinned_engine(cfg, threads) as engine:
+        conn.send(engine.model_config.vocab_size)
+        while (job := conn.recv()) is not None:
+            batch, prompt_len, new_tokens = job
+            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+            for i in range(batch):
+                prompt = rng.integers(200, engine.model_config.vocab_size, prompt_len).tolist()
+                engine.add_request(f"d{time.monotonic_ns()}-{i}", prompt, params)
+            rows = []
+            while engine.has_unfinished_requests():
+                wall, cpu = time.perf_counter(), time.thread_time()
+                engine.step()
+                seconds, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+                rows.append(step_row(engine.last_shape, wall, seconds, cpu))
+            conn.send(rows)
+
+
+def step_row(shape: StepShape, start: float, seconds: float, cpu: float) -> tuple:
+    """(start, seconds, thread CPU seconds, decode requests, prefill tokens) of one step."""
+    return start, seconds, cpu, shape.decode_requests, shape.prefill_tokens
+
+
+def decode_figures(rows: list[tuple], batch: int) -> tuple[float, float, float, float]:
+    """Medians over the steps that decode `batch` requests and nothing else: (step wall,
+    step thread CPU, time from its end to the next such step's start, start to start)."""
+    full = [r[3] == batch and not r[4] for r in rows]
+    if not any(full):
+        raise RuntimeError(f"no step decoded {batch} requests alone (of {len(rows)} steps)")
+    nexts = [(a, b) for i, (a, b) in enumerate(zip(rows, rows[1:])) if full[i] and full[i + 1]]
+    return (
+        statistics.median(r[1] for r, f in zip(rows, full) if f),
+        statistics.median(r[2] for r, f in zip(rows, full) if f),
+        statistics.median(b[0] - a[0] - a[1] for a, b in nexts),
+        statistics.median(b[0] - a[0] for a, b in nexts),
+    )
+
+
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of process `pid`: (its name, CPU seconds so far, from schedstat's ns)."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except OSError:  # the thread ended
+            continue
+        found[int(tid)] = (stat[stat.index("(") + 1 : stat.rindex(")")], ns / 1e9)
+    return found
+
+
+def decode_pairs(model: str, batch: int, new_tokens: int, rounds: int) -> int:
+    from pdserve.cluster.deployments import pipeline_for
+    from pdserve.cluster.launcher import Cluster
+    from pdserve.perf.machine import cpu_name
+    from pdserve.perf.served import first_token
+
+    threads, prompt_len = len(os.sched_getaffinity(0)), 32
+    job = (batch, prompt_len, new_tokens)
+    conn, child = multiprocessing.get_context("spawn").Pipe()
+    engine = multiprocessing.get_context("spawn").Process(
+        target=lone_decodes, args=(model, threads, child)
+    )
+    engine.start()
+    vocab, rng, lone, served = conn.recv(), np.random.default_rng(0), [], []
+    worker_cpu: dict[int, list[float]] = {}  # per thread: CPU seconds a token, each round
+    thread_names: dict[int, str] = {}
+    loop_cpu = []  # the worker's main thread outside its steps, a token
+    try:
+        with tempfile.TemporaryDirectory() as tmp, envs.step_trace(Path(tmp)):
+            cluster = Cluster(
+                pipeline_for("collocated", model, KV_CACHE_BYTES), log_level="WARNING"
+            )
+            with cluster as url:
+                pid = next(p.popen.pid for p in cluster.processes if p.name != "router")
+                trace, done = None, 0
+                for _ in range(rounds + 1):  # the first round of each side warms up
+                    time.sleep(0.1)
+                    conn.send(job)
+                    lone.append(decode_figures(conn.recv(), batch))
+                    time.sleep(0.1)
+                    before = thread_cpu_s(pid)
+                    prompts = [rng.integers(200, vocab, prompt_len).tolist() for _ in range(batch)]
+                    streams = [
+                        threading.Thread(target=first_token, args=(url, model, p, new_tokens))
+                        for p in prompts
+                    ]
+                    for t in streams:
+                        t.start()
+                    for t in streams:
+                        t.join()
+                    after = thread_cpu_s(pid)
+                    trace = trace or next(Path(tmp).glob("collocated*.steps.jsonl"))
+                    lines = trace.read_text().splitlines()
+                    rows = [
+                        (r["start"], r["seconds"], r["cpu_seconds"])
+                        + (r["decode_requests"], r["prefill_tokens"])
+                        for r in map(json.loads, lines[done:])
+                    ]
+                    done = len(lines)
+                    served.append(decode_figures(rows, batch))
+                    tokens = batch * new_tokens
+                    for tid, (name, cpu) in after.items():
+                        thread_names[tid] = name
+                        spent = (cpu - before.get(tid, (name, 0.0))[1]) / tokens
+                        worker_cpu.setdefault(tid, []).append(spent)
+                    main = after[pid][1] - before[pid][1]
+                    loop_cpu.append((main - sum(r[2] for r in rows)) / tokens)
+    finally:
+        conn.send(None)
+        engine.join()
+    lone, served, loop_cpu = lone[1:], served[1:], loop_cpu[1:]
+    print(
+        f"{cpu_name()}, load {os.getloadavg()[0]:.2f}, {threads} threads, batch {batch}, "
+        f"{new_tokens} tokens a request, {envs.cpu_isa()} kernels, ms, medians of {rounds} rounds"
+    )
+    names = ("step wall", "step CPU", "between", "per step")
+    for i, what in enumerate(names):
+        ratio = statistics.median(s[i] / a[i] for a, s in zip(lone, served, strict=True))
+        print(
+            f"{what:>10}: served worker {statistics.median(s[i] for s in served) * 1e3:8.3f}"
+            f"  lone engine {statistics.median(a[i] for a in lone) * 1e3:8.3f}  ratio {ratio:.3f}"
+        )
+    print(
+        "worker CPU a token, ms: its loop outside the steps "
+        f"{statistics.median(loop_cpu) * 1e3:.3f}"
+    )
+    for tid, per_round in sorted(worker_cpu.items()):
+        if len(per_round) == rounds + 1 and (cpu := statistics.median(per_round[1:])) >= 1e-5:
+            main = ", main" if tid == pid else ""
+            print(f"  thread {tid} ({thread_names[tid]}{main}): {cpu * 1e3:.3f}")
+    return 0
 
 
 def pairs(model: str, tokens: int, rounds: int) -> int:
@@ -112,7 +262,11 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m", help="--pairs: the model")
     parser.add_argument("--tokens", type=int, default=32, help="--pairs: prompt length")
     parser.add_argument("--rounds", type=int, default=9, help="--pairs: pairs counted")
+    parser.add_argument("--decode", type=int, help="--pairs: decode steps at this batch instead")
+    parser.add_argument("--new-tokens", type=int, default=48, help="--decode: tokens a request")
     args = parser.parse_args()
+    if args.pairs and args.decode:
+        return decode_pairs(args.model, args.decode, args.new_tokens, args.rounds)
     if args.pairs:
         return pairs(args.model, args.tokens, args.rounds)
     if not args.trace or not args.profile:
