@@ -82,3 +82,40 @@ def test_nothing_is_read_after_stop(pair):
     asyncio.run(main())
     assert got == [b"before"]
     assert pull.recv(zmq.NOBLOCK) == b"after"  # still queued on the socket, not lost
+
+
+class _CountingSocket:
+    """A socket that counts its recv calls and the zmq.Again they raise."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket, self.recvs, self.agains = socket, 0, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.socket, name)
+
+    def recv(self, flags: int = 0) -> bytes:
+        self.recvs += 1
+        try:
+            return self.socket.recv(flags)
+        except zmq.Again:
+            self.agains += 1
+            raise
+
+
+def test_a_wake_up_reads_its_frames_without_a_recv_that_finds_none(pair):
+    # At batch 1 every token is a wake-up of its own: a recv too many per wake-up raised (and
+    # built) a zmq.Again per token.
+    pull, push = pair
+    counting, got = _CountingSocket(pull), []
+
+    async def main():
+        reader = FrameReader(counting, got.append)
+        reader.start()
+        for i in range(20):
+            push.send(b"%d" % i)
+            await _until(lambda n=i + 1: len(got) == n)
+        reader.stop()
+
+    asyncio.run(main())
+    assert got == [b"%d" % i for i in range(20)]
+    assert (counting.recvs, counting.agains) == (20, 0)
