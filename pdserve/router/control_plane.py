@@ -64,6 +64,16 @@ class WorkerLost:
     reason: str
 
 
+@dataclass(frozen=True)
+class Tick:
+    """Put into each empty queue opened with `tick` every watch interval (not a wire
+    message): a driver waiting for its next token checks its deadlines when one comes, where
+    a timer armed and cancelled per token cost a tenth of the router's CPU at batch 1."""
+
+
+TICK = Tick()
+
+
 @dataclass
 class WorkerState:
     endpoint: WorkerEndpoint
@@ -95,6 +105,7 @@ class ControlPlane:
         self.clock = clock
         self.workers = {w.worker_id: WorkerState(w) for w in config.workers}
         self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._ticked: dict[str, asyncio.Queue[Any]] = {}  # the queues opened with `tick`
         self._sync_ctx = zmq.Context()
         self._pull: zmq.Socket | None = None
         self._reader: FrameReader | None = None
@@ -201,6 +212,9 @@ class ControlPlane:
         interval_s = min(0.25, self.config.heartbeat_timeout_s / 4)
         while True:
             await asyncio.sleep(interval_s)
+            for queue in self._ticked.values():
+                if queue.empty():
+                    queue.put_nowait(TICK)
             now = self.clock()
             for worker in self.workers.values():
                 silent_s = now - worker.last_seen
@@ -259,13 +273,18 @@ class ControlPlane:
         worker.switching_to = role
         return self.send(worker_id, messages.SwitchRole(role))
 
-    def open(self, request_id: str) -> asyncio.Queue[Any]:
+    def open(self, request_id: str, tick: bool = False) -> asyncio.Queue[Any]:
+        """The queue of `request_id`'s messages; with `tick`, a `TICK` is put into it each
+        watch interval (at most every 0.25 s) that finds it empty."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[request_id] = queue
+        if tick:
+            self._ticked[request_id] = queue
         return queue
 
     def close_request(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._ticked.pop(request_id, None)
 
     def _on_frame(self, frame: bytes) -> None:
         try:

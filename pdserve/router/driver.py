@@ -39,7 +39,7 @@ from typing import Any
 
 from pdserve import messages
 from pdserve.output_processor import OutputProcessor
-from pdserve.router.control_plane import ControlPlane, WorkerLost
+from pdserve.router.control_plane import ControlPlane, Tick, WorkerLost
 from pdserve.router.delta import Delta
 from pdserve.router.fallbacks import FallbackMetrics
 from pdserve.router.policies import RoutingPolicy
@@ -51,7 +51,7 @@ from pdserve.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 _TERMINAL_REASONS = ("stop", "length", "abort")
-_POLL_S = 0.5  # how often a waiting request checks that its workers are still alive
+_POLL_S = 0.5  # how often a request waiting on admission checks that its workers are alive
 _GENERATE_ROLES = ("collocated", "decode", "prefill")  # who can run a whole request
 
 
@@ -291,30 +291,33 @@ class RequestDriver:
         self, deadline: float | None = None, watch: str = "", first_token: bool = True
     ) -> Any:
         """The next message from this attempt's workers (others' late ones dropped): 503 past
-        `deadline`, Lost when an involved worker dies or fails or `watch` goes silent."""
+        `deadline`, Lost when an involved worker dies or fails or `watch` goes silent. Without
+        a deadline (a token awaited) no timer is armed: the plane's `Tick`s wake the wait."""
         assert self._queue is not None
         field = "first_token_timeout_s" if first_token else "token_timeout_s"
         silent_until = time.monotonic() + getattr(self.config, field)
         while True:
-            if self._queue.empty():
-                timeout = _POLL_S
-                if deadline is not None:
-                    timeout = min(_POLL_S, deadline - time.monotonic())
+            if not self._queue.empty():
+                message = self._queue.get_nowait()
+            elif deadline is None:
+                message = await self._queue.get()
+            else:
+                timeout = min(_POLL_S, deadline - time.monotonic())
                 if timeout <= 0:
                     raise unavailable("no worker answered within the admission timeout")
-                try:  # not wait_for: it wraps the get in a task of its own, per token
+                try:  # not wait_for: it wraps the get in a task of its own
                     async with asyncio.timeout(timeout):
                         message = await self._queue.get()
                 except TimeoutError:
-                    self._check_alive()
-                    if watch and time.monotonic() >= silent_until:
-                        self._stalled.add(watch)
-                        silent_s = getattr(self.config, field)
-                        error = f"worker {watch} sent nothing for {silent_s:g} s ({field})"
-                        raise Lost(error, watch, "silent") from None
-                    continue
-            else:
-                message = self._queue.get_nowait()
+                    message = None
+            if message is None or isinstance(message, Tick):
+                self._check_alive()
+                if watch and time.monotonic() >= silent_until:
+                    self._stalled.add(watch)
+                    silent_s = getattr(self.config, field)
+                    error = f"worker {watch} sent nothing for {silent_s:g} s ({field})"
+                    raise Lost(error, watch, "silent") from None
+                continue
             involved = message.worker_id in self.outstanding or message.worker_id in self.senders
             if not involved:
                 continue
@@ -365,7 +368,7 @@ class RequestDriver:
             self.plane.close_request(self.request_id)
         self.num_attempts += 1
         self.request_id = f"{self.key}-{self.num_attempts}"
-        self._queue = self.plane.open(self.request_id)
+        self._queue = self.plane.open(self.request_id, tick=True)
 
     def _abort_attempt(self) -> None:
         """Abort the attempt on every worker that may still hold work for it."""
