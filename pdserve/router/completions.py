@@ -203,6 +203,9 @@ def _chunk(
     ctx: responses.ResponseContext, delta: Any, timing: RequestTiming | None, first: bool = False
 ) -> bytes:
     """One SSE chunk; the last carries `pdserve_timing` when the client asked for it."""
+    if not (first or delta.finish_reason or delta.logprobs or ctx.logprobs is not None):
+        if not getattr(delta, "tool_calls", None):  # a token's chunk: text alone
+            return ctx.text_chunk(delta.text)
     logprobs = ctx.format_logprobs(delta.logprobs or [])
     body = responses.body(
         ctx, delta.text, delta.finish_reason, stream=True, first=first, logprobs=logprobs
