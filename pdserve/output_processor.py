@@ -11,8 +11,9 @@ O(num_stop * (hold_back + new text)), never a pass over everything generated so 
 
 Detokenizing is `IncrementalDetokenizer`'s window algorithm. For a byte-level BPE tokenizer
 (GPT-2's decoder: Llama 3, Qwen, SmolLM) its window is decoded here from a table of each
-token's bytes (`ByteTable`) instead of through the HF tokenizer: the same text, at a tenth of
-the cost, which was an eighth of the router's CPU per streamed token at batch 1.
+token's bytes (`ByteTable`) instead of through the HF tokenizer: the same text, a token's
+`process()` 2.3 us instead of 5.9 (warm, SmolLM2's tokenizer); the HF path held the GIL in
+13% of py-spy's samples of the router at batch 1.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ class WorkerLost:
 class Tick:
     """Put into each empty queue opened with `tick` every watch interval (not a wire
     message): a driver waiting for its next token checks its deadlines when one comes, where
-    a timer armed and cancelled per token cost a tenth of the router's CPU at batch 1."""
+    a timer armed and cancelled per token cost ~7% of the router's GIL-held time at batch 1
+    (py-spy)."""
 
 
 TICK = Tick()

@@ -10,7 +10,7 @@ ZMQ's descriptor is edge-triggered: it signals that the socket's state changed, 
 frame waits, so a wake-up must read until the socket has none, or later frames would sit
 unread until the next one arrives. Whether one waits is asked of `ZMQ_EVENTS` (which also
 re-arms the descriptor), not learnt from a `zmq.Again` raised by one recv too many: at batch
-1 that exception, built once per token, was a twentieth of the router's CPU.
+1 that exception, built once per token, held the GIL in 6% of py-spy's samples of the router.
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ class EventStream(web.StreamResponse):
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         """A write that goes out without waiting (the transport below its high-water mark:
         nearly every one) is not timed; one that waits to drain is, from there on. A timer
-        per write was a twentieth of the router's CPU per streamed token at batch 1."""
+        per write was ~7% of the router's GIL-held time at batch 1 (py-spy)."""
         write = super().write(data)
         try:
             waiting_on = write.send(None)
