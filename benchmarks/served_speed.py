@@ -1,7 +1,10 @@
 """Served speed against the engine offline and llama.cpp, and `--cold-start` (BENCHMARKS.md,
 "Served speed" and "Models and quantized weights"): each round every server in turn (the order
 alternating) is driven by `pdserve bench` in its own process; medians printed. `--gguf` adds
-batch-1 TPOT over the bound that `--threads` threads' read bandwidth sets.
+batch-1 TPOT over the bound that `--threads` threads' read bandwidth sets. `--router-cpu` adds
+the pdserve router's CPU (user + system, every thread) per streamed token at batch 1 and at
+`--concurrent`, and the client's: on a host whose cores the worker's threads fill, that CPU is
+taken from them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from pdserve.cluster.launcher import free_port
 from pdserve.model.registry import known_gguf_path
+from pdserve.perf.served import cpu_s
 
 MODEL = "smollm2-135m"
 COLD_START_LIMIT_S = 600
@@ -54,28 +58,40 @@ def offline_tpot_ms(
     return statistics.median(tpots)
 
 
-def run_client(url: str, model: str, **flags) -> dict:
-    """One `pdserve bench` run in its own process, as a real client; its summary."""
+def run_client(url: str, model: str, router_pid: int = 0, **flags) -> dict:
+    """One `pdserve bench` run in its own process, as a real client; its summary, and with
+    `router_pid` the router's and the client's CPU ms per streamed token (`*_cpu_ms`)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, "-m", "pdserve.bench", "--no-progress", "--seed", "1"]
         flags |= {"url": url, "model": model, "output": out}
         for name, value in flags.items():
             cmd += [f"--{name.replace('_', '-')}", str(value)]
+        router_s = cpu_s(router_pid) if router_pid else 0.0
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())["summary"]
+        document = json.loads(out.read_text())
+    summary = document["summary"]
+    if router_pid and summary["total_output_tokens"]:
+        ms = 1e3 / summary["total_output_tokens"]
+        summary["router_cpu_ms"] = (cpu_s(router_pid) - router_s) * ms
+        summary["client_cpu_ms"] = document["client_cpu_s"] * ms
+    return summary
 
 
-def served_figures(url: str, args: argparse.Namespace) -> dict[str, float]:
-    """p50 TPOT at concurrency 1, tok/s at `--concurrent`, p50 TTFT of long prompts."""
+def served_figures(url: str, args: argparse.Namespace, router_pid: int = 0) -> dict[str, float]:
+    """p50 TPOT at concurrency 1, tok/s at `--concurrent`, p50 TTFT of long prompts; with
+    `router_pid`, the router's and the client's CPU per token in the first two runs."""
     client = lambda **flags: run_client(url, args.model, **flags)  # noqa: E731
     length = {"input_len": args.input_len, "output_len": args.output_len}
     client(num_requests=1, **length)  # warm-up
-    s = client(num_requests=args.requests, max_concurrency=1, **length)
+    s = client(num_requests=args.requests, max_concurrency=1, router_pid=router_pid, **length)
     row = {"served_tpot_ms": s["tpot_ms"]["p50"]}
+    row |= {f"{k}_b1": s[k] for k in ("router_cpu_ms", "client_cpu_ms") if k in s}
     if args.concurrent:
-        s = client(num_requests=2 * args.concurrent, max_concurrency=args.concurrent, **length)
+        n, c = 2 * args.concurrent, args.concurrent
+        s = client(num_requests=n, max_concurrency=c, router_pid=router_pid, **length)
         row["tok_s_at_32"] = s["output_tokens_per_s"]
+        row |= {f"{k}_at_{c}": s[k] for k in ("router_cpu_ms", "client_cpu_ms") if k in s}
     if args.long_input_len:
         long = {"input_len": args.long_input_len, "output_len": 4}
         s = client(num_requests=args.requests, max_concurrency=1, **long)
@@ -123,11 +139,21 @@ def measure_pdserve(variant: dict[str, str], args: argparse.Namespace) -> dict[s
     if args.offline:
         row["offline_tpot_ms"] = offline_tpot_ms_in_child(env, args)
     port = free_port()
-    with serving(pdserve_up(args, port, "--collocated", "1"), port, args.model, env):
-        row.update(served_figures(f"http://127.0.0.1:{port}", args))
+    with serving(pdserve_up(args, port, "--collocated", "1"), port, args.model, env) as (_, pid):
+        router = router_pid(pid) if args.router_cpu else 0
+        row.update(served_figures(f"http://127.0.0.1:{port}", args, router))
     if args.offline:
         row["served_over_offline"] = row["served_tpot_ms"] / row["offline_tpot_ms"]
     return row
+
+
+def router_pid(launcher_pid: int) -> int:
+    """The router process that `pdserve up` (`launcher_pid`) started."""
+    for task in Path(f"/proc/{launcher_pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            if b"pdserve.router.main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise RuntimeError(f"no router process under pdserve up (pid {launcher_pid})")
 
 
 def offline_tpot_ms_in_child(env: dict[str, str], args: argparse.Namespace) -> float:
@@ -297,6 +323,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrent", type=int, default=32, help="0: skip the concurrent run")
     ap.add_argument("--long-input-len", type=int, default=512, help="0: skip the TTFT run")
     ap.add_argument("--json", help="write every round's rows here")
+    ap.add_argument(
+        "--router-cpu",
+        action="store_true",
+        help="pdserve's router and client CPU ms per streamed token (from /proc)",
+    )
     ap.add_argument(
         "--no-offline",
         dest="offline",
