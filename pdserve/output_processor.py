@@ -8,87 +8,13 @@ out to start a stop string, and OpenAI-style APIs never return the stop string i
 Work per token is bounded whatever the request's length: only the unsent tail is kept, and
 it never exceeds the held-back characters plus one step's new text, so each token costs
 O(num_stop * (hold_back + new text)), never a pass over everything generated so far.
-
-Detokenizing is `IncrementalDetokenizer`'s window algorithm. For a byte-level BPE tokenizer
-(GPT-2's decoder: Llama 3, Qwen, SmolLM) its window is decoded here from a table of each
-token's bytes (`ByteTable`) instead of through the HF tokenizer: the same text, a token's
-`process()` 2.3 us instead of 5.9 (warm, SmolLM2's tokenizer); the HF path held the GIL in
-13% of py-spy's samples of the router at batch 1.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (the inverse of its bytes_to_unicode)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-class ByteTable:
-    """The bytes of each token id as a byte-level decoder writes them, special tokens empty
-    (they are skipped), so that decoding ids is a join and one UTF-8 decode. `build()` gives
-    one only where that is exactly the HF tokenizer's `decode(ids, skip_special_tokens=True)`:
-    the decoder is ByteLevel alone and no clean-up of spaces follows it."""
-
-    def __init__(self, token_bytes: list[bytes]) -> None:
-        self.token_bytes = token_bytes
-
-    @classmethod
-    def build(cls, tokenizer: Tokenizer) -> ByteTable | None:
-        backend = getattr(tokenizer, "backend", None)
-        fast = getattr(backend, "backend_tokenizer", None)
-        if fast is None or getattr(backend, "clean_up_tokenization_spaces", True):
-            return None
-        decoder = json.loads(fast.to_str()).get("decoder") or {}
-        if decoder.get("type") != "ByteLevel":
-            return None
-        special = {t.content for t in fast.get_added_tokens_decoder().values() if t.special}
-        chars = _byte_decoder()
-        token_bytes = []
-        for token_id in range(fast.get_vocab_size(with_added_tokens=True)):
-            token = fast.id_to_token(token_id)
-            if token is None or token in special:
-                token_bytes.append(b"")
-            elif all(c in chars for c in token):
-                token_bytes.append(bytes(chars[c] for c in token))
-            else:  # as tokenizers' ByteLevel decoder: a token off the alphabet is its UTF-8
-                token_bytes.append(token.encode())
-        return cls(token_bytes)
-
-    def decode(self, ids: list[int]) -> str:
-        table, size = self.token_bytes, len(self.token_bytes)
-        # An id past the vocabulary (a padded embedding row) decodes to nothing, as in HF.
-        data = b"".join([table[i] if 0 <= i < size else b"" for i in ids])
-        return data.decode("utf-8", "replace")
-
-
-class TableDetokenizer(IncrementalDetokenizer):
-    """`IncrementalDetokenizer` whose windows are decoded from a `ByteTable`."""
-
-    def __init__(self, tokenizer: Tokenizer, table: ByteTable) -> None:
-        super().__init__(tokenizer)
-        self._table = table
-
-    def _decode(self, start: int, end: int) -> str:
-        return self._table.decode(self._ids[start:end])
-
-
-_UNBUILT = object()
 
 
 @dataclass
@@ -112,19 +38,10 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, TextState] = {}
-        self._table: ByteTable | None | Any = _UNBUILT
-
-    def detokenizer(self) -> IncrementalDetokenizer:
-        """A request's detokenizer: from the byte table where the tokenizer has one."""
-        if self._table is _UNBUILT:
-            self._table = ByteTable.build(self.tokenizer)
-        if self._table is None:
-            return self.tokenizer.detokenizer()
-        return TableDetokenizer(self.tokenizer, self._table)
 
     def add_request(self, request_id: str, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         hold_back = max((len(s) for s in stop), default=1) - 1
-        detokenizer = self.detokenizer()
+        detokenizer = self.tokenizer.detokenizer()
         self.states[request_id] = TextState(detokenizer, tuple(stop), hold_back, min_tokens)
 
     def process(self, request_id: str, new_token_ids: list[int], finished: bool) -> TextDelta:
