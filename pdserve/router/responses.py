@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import types
 import uuid
-from collections.abc import Awaitable, Coroutine, Generator
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,37 +114,10 @@ class EventStream(web.StreamResponse):
         return await bounded(request, super().prepare(request), self.write_timeout_s)
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
-        """A write that goes out without waiting (the transport below its high-water mark:
-        nearly every one) is not timed; one that waits to drain is, from there on. A timer
-        per write was ~7% of the router's GIL-held time at batch 1 (py-spy)."""
-        write = super().write(data)
-        try:
-            waiting_on = write.send(None)
-        except StopIteration:
-            return
-        await bounded(self._request, _resume(write, waiting_on), self.write_timeout_s)
+        await bounded(self._request, super().write(data), self.write_timeout_s)
 
     async def write_eof(self, data: bytes = b"") -> None:
         await bounded(self._request, super().write_eof(data), self.write_timeout_s)
-
-
-@types.coroutine
-def _resume(coro: Coroutine[Any, Any, Any], waiting_on: Any) -> Generator[Any, Any, Any]:
-    """The rest of `coro`, stepped once by hand and suspended on `waiting_on` (what it yielded
-    to the event loop): what the task sends or throws in from here goes on to `coro`."""
-    while True:
-        try:
-            try:
-                sent = yield waiting_on
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # a cancellation (the timeout's) goes on to coro
-                waiting_on = coro.throw(exc)
-            else:
-                waiting_on = coro.send(sent)
-        except StopIteration as stop:
-            return stop.value
 
 
 async def bounded(request: web.BaseRequest | None, write: Awaitable[Any], timeout_s: float) -> Any:

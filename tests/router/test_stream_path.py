@@ -1,5 +1,5 @@
-"""The per-token path of a stream: chunk bytes made from a per-response template, writes and
-waits for tokens that arm no timer, and the bytes a client gets unchanged by either."""
+"""The per-token path of a stream: chunk bytes made from a per-response template, waits for
+tokens that arm no timer, and the bytes a client gets unchanged by either."""
 
 from __future__ import annotations
 
@@ -41,16 +41,14 @@ def cluster(tokenizer_dir: Path, script: list[int]):
 
 @pytest.fixture
 def timers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Who armed each asyncio.timeout() while a token was awaited or written: the driver's
-    wait for the next message (`_next`), or a response write (`write`, through `bounded`)."""
+    """Who armed each asyncio.timeout() while a token was awaited: the driver's wait for the
+    next message (`_next`)."""
     armed: list[str] = []
     original = asyncio.timeout
 
     def counted(delay: float | None):
         caller = sys._getframe(1).f_code.co_name
-        if caller == "bounded":
-            caller = sys._getframe(2).f_code.co_name  # prepare, write or write_eof
-        if caller in ("_next", "write"):
+        if caller == "_next":
             armed.append(caller)
         return original(delay)
 
@@ -74,7 +72,7 @@ def _stream(cluster: Cluster, endpoint: str, max_tokens: int) -> str:
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
-def test_a_stream_arms_no_timer_per_token(cluster: Cluster, timers: list, endpoint: str) -> None:
-    # Two per token before: one for the wait, one for the write.
+def test_a_token_wait_arms_no_timer(cluster: Cluster, timers: list, endpoint: str) -> None:
+    # One per token before, for the wait.
     assert _stream(cluster, endpoint, 100) == OUTPUT_TEXT
     assert timers == []
