@@ -203,15 +203,16 @@ def _chunk(
     ctx: responses.ResponseContext, delta: Any, timing: RequestTiming | None, first: bool = False
 ) -> bytes:
     """One SSE chunk; the last carries `pdserve_timing` when the client asked for it."""
-    if not (first or delta.finish_reason or delta.logprobs or ctx.logprobs is not None):
-        if not getattr(delta, "tool_calls", None):  # a token's chunk: text alone
-            return ctx.text_chunk(delta.text)
+    tool_calls = getattr(delta, "tool_calls", None)
+    extras = first or delta.finish_reason or delta.logprobs or ctx.logprobs is not None
+    if not (extras or tool_calls):  # a token's chunk: text alone
+        return ctx.text_chunk(delta.text)
     logprobs = ctx.format_logprobs(delta.logprobs or [])
     body = responses.body(
         ctx, delta.text, delta.finish_reason, stream=True, first=first, logprobs=logprobs
     )
-    if getattr(delta, "tool_calls", None):
-        body["choices"][0]["delta"]["tool_calls"] = delta.tool_calls
+    if tool_calls:
+        body["choices"][0]["delta"]["tool_calls"] = tool_calls
     if timing is not None and delta.finish_reason is not None:
         body["pdserve_timing"] = timing.report(ctx.id)
     return responses.sse(body)
