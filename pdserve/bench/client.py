@@ -128,6 +128,7 @@ async def _exchange(
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     async with http.post(cfg.endpoint_url, json=body, headers=headers) as resp:
         record.http_status = resp.status
+        record.server_id = resp.headers.get("X-Request-Id", "")
         if resp.status != 200:
             detail = (await resp.text())[:200]
             record.status = REJECTED if resp.status in REJECT_STATUSES else FAILED

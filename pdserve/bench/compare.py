@@ -18,7 +18,9 @@ they would decide the result. Calibration requests count as warm-up.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import urllib.request
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
@@ -122,6 +124,7 @@ def run_compare(
                     file=out,
                 )
             document, result = execute(plan, url)
+            status = _status(url)
         summary = document["summary"]
         search = document.get("goodput_search")
         rows[name] = {
@@ -137,9 +140,21 @@ def run_compare(
             **plan.slo.result_fields(),
             "summary": summary,
             "records": document["records"],  # per request, as `pdserve bench --output` keeps
+            "status": status,  # the router's /v1/status once the run is over (None: none)
         }
     print(format_table(rows), file=out)
     return rows
+
+
+def _status(url: str) -> dict | None:
+    """The server's `/v1/status` after a run (an adaptive router's recent decisions with their
+    predictions, its targets, the workers' memory), or None where it has none: a peer server
+    such as llama-server answers 404."""
+    try:
+        with urllib.request.urlopen(url + "/v1/status", timeout=10) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _ratio(value: object, base: object) -> str:

@@ -45,6 +45,7 @@ class RequestRecord:
     error: str = ""
     session_id: str = ""
     turn: int = 0
+    server_id: str = ""  # the server's X-Request-Id: joins a record to the router's decisions
 
     @property
     def ok(self) -> bool:

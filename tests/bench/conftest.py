@@ -40,8 +40,14 @@ class FakeServer:
     delay_s: float = 0.002
     reject_every: int = 0
     usage: bool = True
+    status: dict | None = None  # what GET /v1/status answers (None: 404, as a peer server)
     bodies: list[dict] = field(default_factory=list)
     url: str = ""
+
+    async def handle_status(self, request: web.Request) -> web.Response:
+        if self.status is None:
+            raise web.HTTPNotFound()
+        return web.json_response(self.status)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -49,7 +55,8 @@ class FakeServer:
         if self.reject_every and len(self.bodies) % self.reject_every == 0:
             return web.json_response({"error": "overloaded"}, status=503)
         prompt = body.get("prompt", body.get("messages"))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        headers = {"Content-Type": "text/event-stream", "X-Request-Id": f"r{len(self.bodies)}"}
+        response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         chat = "messages" in body
         for i in range(body["max_tokens"]):
@@ -74,6 +81,7 @@ def fake_server() -> Iterator[FakeServer]:
     app = web.Application()
     app.router.add_post("/v1/completions", server.handle)
     app.router.add_post("/v1/chat/completions", server.handle)
+    app.router.add_get("/v1/status", server.handle_status)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -49,3 +49,19 @@ def test_each_deployment_answers_its_warmups_before_the_workload(fake_server, to
     )
     assert len(fake_server.bodies) == 2 * (2 + 3)  # each: 2 warm-ups, then the 3 measured
     assert all(len(row["records"]) == 3 for row in rows.values())  # warm-ups are not measured
+
+
+def test_each_row_keeps_the_servers_status_and_each_record_its_request_id(
+    fake_server, tokenizer_dir
+):
+    """An adaptive router's decisions (in /v1/status) join the records by X-Request-Id; a
+    server without /v1/status leaves the row's status None rather than failing the run."""
+    args = three_requests(
+        fake_server.url, tokenizer_dir, "--slo-ttft-ms", "1000", command="compare"
+    )
+    rows = run_compare({"a": fake_server.url}, args, contextlib.nullcontext, io.StringIO())
+    assert rows["a"]["status"] is None
+    assert sorted(r["server_id"] for r in rows["a"]["records"]) == ["r2", "r3", "r4"]  # r1: warm-up
+    fake_server.status = {"recent_decisions": [{"request": "r2", "kind": "remote"}]}
+    rows = run_compare({"a": fake_server.url}, args, contextlib.nullcontext, io.StringIO())
+    assert rows["a"]["status"] == fake_server.status
