@@ -1,5 +1,5 @@
 """A GGUF read in place through `LLM` (docs/cpu-kernels.md): decode ms a step against the bound
-the read bandwidth sets, prefill (`--compare`: AMX tiles against the fp32 GEMM, int8 against
+the read bandwidth sets, prefill (`--compare`: AMX or int8 tiles against the fp32 GEMM, int8 against
 fp32 decode activations), `--vs-converted` the file as fp32 panels, peak RSS and PSS; each step's
 CPU time on the calling thread beside its wall time (at `--threads 1` the kernels run there).
 """
@@ -33,29 +33,37 @@ def proc_kb(field: str, path: str = "/proc/self/status") -> int:
 
 def time_prefill(llm, tokens: int, rounds: int, compare: bool) -> dict[str, tuple[float, float]]:
     """Best (wall, calling thread's CPU) seconds of a `tokens`-token prompt's prefill (one output
-    token) per many-row path: AMX bf16 tiles (csrc/quant_amx.c, where the kernels have them)
-    and, with `compare`, the fp32 dequantize-and-GEMM path, interleaved round by round;
-    distinct prompts per round."""
+    token) per many-row path: AMX bf16 tiles (csrc/quant_amx.c) or, on the AVX2 kernels, Q4_K
+    rows packed eight at a time against int8 activations (csrc/quant_dot.c), where the kernels
+    have them, and, with `compare`, the fp32 dequantize-and-GEMM path, interleaved round by
+    round; distinct prompts per round."""
     from pdserve.model import native, quant_linear
     from pdserve.sampling_params import SamplingParams
 
-    amx = hasattr(native.load(), "pd_quant_linear_amx")
-    modes = {"AMX tiles": True} if amx else {}
-    if compare or not amx:
-        modes["fp32 GEMM"] = False
+    lib = native.load()
+    modes: dict[str, dict] = {}
+    if hasattr(lib, "pd_quant_linear_amx"):
+        modes["AMX tiles"] = {"AMX_TILES": True}
+    elif lib is not None and lib.pd_q8_tile_type(12, 256):  # Q4_K
+        modes["int8 tiles"] = {}
+    if compare or not modes:
+        modes["fp32 GEMM"] = {"AMX_TILES": False, "INT8_M_MAX": 0}
+    default = {name: getattr(quant_linear, name) for mode in modes.values() for name in mode}
     once = SamplingParams(temperature=0, max_tokens=1)
     best: dict[str, tuple[float, float]] = {}
     try:
         for r in range(rounds):
-            for i, (mode, tiles) in enumerate(modes.items()):
-                quant_linear.AMX_TILES = tiles
+            for i, (mode, settings) in enumerate(modes.items()):
+                for name, value in {**default, **settings}.items():
+                    setattr(quant_linear, name, value)
                 prompt = [(7 * t + 13 * (r * len(modes) + i)) % 40000 + 100 for t in range(tokens)]
                 t0, c0 = time.perf_counter(), time.thread_time()
                 llm.generate([prompt], once)
                 took = (time.perf_counter() - t0, time.thread_time() - c0)
                 best[mode] = min(best.get(mode, took), took)
     finally:
-        quant_linear.AMX_TILES = True
+        for name, value in default.items():
+            setattr(quant_linear, name, value)
     return best
 
 
@@ -149,8 +157,9 @@ def main() -> None:
             f"thread; best of {args.rounds})"
         )
     if len(prefill_s) == 2:
-        ratio = prefill_s["fp32 GEMM"][0] / prefill_s["AMX tiles"][0]
-        print(f"prefill fp32 GEMM / AMX tiles: {ratio:.2f}x")
+        tiles = next(mode for mode in prefill_s if mode != "fp32 GEMM")
+        ratio = prefill_s["fp32 GEMM"][0] / prefill_s[tiles][0]
+        print(f"prefill fp32 GEMM / {tiles}: {ratio:.2f}x")
     print(
         f"peak RSS {proc_kb('VmHWM') / 2**20:.2f} GiB; now RSS "
         f"{proc_kb('Rss', '/proc/self/smaps_rollup') / 2**20:.2f} GiB, "

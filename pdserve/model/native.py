@@ -191,6 +191,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pd_q8_dot_type.restype = ctypes.c_int
     lib.pd_q8_row_bytes.argtypes = [_i64]
     lib.pd_q8_row_bytes.restype = _i64
+    lib.pd_q8_tile_type.argtypes = [_i64, _i64]
+    lib.pd_q8_tile_type.restype = ctypes.c_int
     lib.pd_q8_quantize.argtypes = [_ptr, _i64, _ptr]
     lib.pd_q8_quantize.restype = None
     lib.pd_quant_linear.restype = ctypes.c_int

@@ -401,8 +401,10 @@ def test_amx_fused_parts_row_map_and_bias(lib):
 
 @pytest.mark.parametrize("qtype", list(INT8), ids=lambda q: q.name)
 def test_int8_many_rows_without_amx(lib, qtype):
-    """Without AMX tiles, 17 to INT8_MANY_M_MAX rows of an int8 type take int8 activations
-    (64 at a time): each row as it is alone; above that, the fp32 GEMM path."""
+    """Without AMX tiles, 17 to INT8_MANY_M_MAX rows of an int8 type take int8 activations:
+    each row as it is alone (64 at a time); above that, the fp32 GEMM path. Where Q4_K rows
+    are packed eight at a time (the AVX2 kernels), every row count above 16 takes those
+    tiles: the same integers, each row the same in any such call."""
     if hasattr(lib, "pd_quant_linear_amx"):
         pytest.skip("the amx kernels take AMX tiles above 16 rows")
     rng = np.random.default_rng(int(qtype) + 9)
@@ -413,11 +415,46 @@ def test_int8_many_rows_without_amx(lib, qtype):
     m = quant_linear.INT8_MANY_M_MAX
     x = torch.randn(m + 1, 512, generator=torch.Generator().manual_seed(8)) * 2
     many = linear(x[:m])
-    alone = torch.cat([linear(x[i : i + 1]) for i in (0, 17, 63, m - 1)])
-    assert torch.equal(many[[0, 17, 63, m - 1]], alone)
     exact, scale = int8_reference(w, x[:m], INT8[qtype])
     assert np.all(np.abs(many.numpy() - exact) <= 1e-6 * scale)
+    if linear.int8_tiles:
+        assert torch.equal(linear(x[:17]), many[:17])
+        assert torch.equal(linear(x)[:m], many)  # past INT8_MANY_M_MAX: still the tiles
+        return
+    alone = torch.cat([linear(x[i : i + 1]) for i in (0, 17, 63, m - 1)])
+    assert torch.equal(many[[0, 17, 63, m - 1]], alone)
     torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4 * w.abs().max())
+
+
+@pytest.mark.parametrize("m", [17, 22, 64])
+def test_q4_k_tiles_across_parts_row_maps_and_tail_rows(lib, m):
+    """Eight Q4_K rows packed together take every input row at once (the AVX2 kernels): in a
+    fused Q4_K (row map) | Q6_K | Q4_K linear, groups of eight within a Q4_K part take the
+    tiles, rows that straddle parts or end one (21 = 16 + 5) the one-row kernel, Q6_K the
+    one-row kernel; all within fp32 rounding of the integer algorithm, call after call."""
+    if not lib.pd_q8_tile_type(int(Q.Q4_K), 256):
+        pytest.skip(f"the {lib.isa} kernels pack no rows eight at a time")
+    rng = np.random.default_rng(m)
+    k = 768
+    shapes = ((Q.Q4_K, 21), (Q.Q6_K, 5), (Q.Q4_K, 16))
+    a, b, c = (random_tensor(t, n, k, rng) for t, n in shapes)
+    rowmap = torch.from_numpy(rng.permutation(21))
+    parts = [QuantTensor(a, int(Q.Q4_K), 21, k, "a", rowmap), QuantTensor(b, int(Q.Q6_K), 5, k)]
+    parts.append(QuantTensor(c, int(Q.Q4_K), 16, k, "c"))
+    linear = QuantLinear(lib, parts)
+    w = torch.cat(
+        [
+            reference(a, Q.Q4_K, 21, k)[rowmap],
+            reference(b, Q.Q6_K, 5, k),
+            reference(c, Q.Q4_K, 16, k),
+        ]
+    )
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    y = linear(x)
+    exact, scale = int8_reference(w, x, 256)
+    assert np.all(np.abs(y.numpy() - exact) <= 1e-6 * scale)
+    for _ in range(5):
+        assert torch.equal(linear(x), y)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.BF16, Q.Q4_K], ids=lambda q: q.name)

@@ -432,3 +432,146 @@ void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, in
         for (int r = 0; r < R; r++) y[(m + r) * ldy] = out[r];
     }
 }
+
+/* ---- Q4_K rows eight at a time (the AVX2 builds) ---------------------------------------
+ * Many input rows (prefill chunks, batches over 16) against Q4_K weights. The one-row kernel
+ * above unpacks a block's nibbles and scales once for up to 4 input rows, but still spends
+ * per (weight row, input row) a madd and an add for every 32 products and the block's float
+ * work: about as many instructions as the multiplies. Here 8 weight rows are packed (per
+ * call, into a per-thread buffer) so that each 32-byte vector holds 4 consecutive values of
+ * each of the 8 rows: one broadcast of 4 activation bytes feeds 8 rows in one maddubs, a
+ * sub-block's 8 maddubs sum in 16 bits (at most 8 * 2 * 15 * 127 = 30480), one madd applies
+ * the 8 rows' sub-block scales, and a block's float work is one vector for 8 rows. llama.cpp
+ * repacks Q4_K the same way at load (ggml-cpu's repack.cpp, a private copy of the weights);
+ * here the GGUF stays the only copy and the packing is paid once per call for all its rows.
+ *
+ * A packed block (TILE_BLOCK bytes) for sub-block s (0-7) and 4-value step k (0-7):
+ *   q     [8][8][32] u8     bytes 4r..4r+3 of q[s][k]: values 32s + 4k .. +3 of row r
+ *   sc    [8][16] int16     lanes 2r, 2r+1 of sc[s]: row r's 6-bit scale of sub-block s
+ *   mn    [4][16] int16     lanes 2r, 2r+1 of mn[p]: row r's mins of sub-blocks 2p, 2p+1
+ *   d, dmin [8] float       each row's
+ * Results are the one-row kernel's integers summed in another order: equal up to float
+ * rounding, and the same for a row in any call that takes this path. */
+#ifndef __AVX512BW__
+#define TILE_ROWS 8
+#define TILE_Q (8 * 8 * 32)
+#define TILE_BLOCK (TILE_Q + 8 * 16 * 2 + 4 * 16 * 2 + 2 * 8 * 4)
+
+int pd_q8_tile_type(int64_t type, int64_t K) { return type == Q4_K && K % 256 == 0; }
+
+int64_t pd_q8_tile_bytes(int64_t K) { return K / 256 * TILE_BLOCK; }
+
+/* v[i] (8 dwords each) transposed to out (8 vectors of 32 bytes): dword k of vector i is dword
+ * i of v[k]. */
+static inline void transpose8_epi32(const __m256i *v, uint8_t *out) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_si256((__m256i *)(out + 32 * i), _mm256_permute2x128_si256(u[i], u[i + 4], 0x20));
+        _mm256_storeu_si256((__m256i *)(out + 32 * (i + 4)), _mm256_permute2x128_si256(u[i], u[i + 4], 0x31));
+    }
+}
+
+/* rows[0..8): eight Q4_K rows of K values, packed for tile_q4_k at `out`. */
+void pd_q8_tile_pack(const uint8_t *const *rows, int64_t K, uint8_t *out) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t j = 0; j < K / 256; j++, out += TILE_BLOCK) {
+        int16_t *sc = (int16_t *)(out + TILE_Q), *mn = sc + 8 * 16;
+        float *d = (float *)(mn + 4 * 16), *dmin = d + 8;
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const uint8_t *b = rows[r] + 144 * j;
+            uint64_t s8, m8;
+            scales_mins_k4(b + 4, &s8, &m8);
+            d[r] = fp16(b), dmin[r] = fp16(b + 2);
+            for (int s = 0; s < 8; s++)
+                sc[16 * s + 2 * r] = sc[16 * s + 2 * r + 1] = (int16_t)((s8 >> 8 * s) & 0xff);
+            for (int p = 0; p < 4; p++) {
+                mn[16 * p + 2 * r] = (int16_t)((m8 >> 16 * p) & 0xff);
+                mn[16 * p + 2 * r + 1] = (int16_t)((m8 >> (16 * p + 8)) & 0xff);
+            }
+        }
+        for (int c = 0; c < 4; c++) /* chunk c: sub-block 2c in low nibbles, 2c + 1 in high */
+            for (int h = 0; h < 2; h++) {
+                __m256i v[8];
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    __m256i q = ld(rows[r] + 144 * j + 16 + 32 * c);
+                    v[r] = _mm256_and_si256(h ? _mm256_srli_epi16(q, 4) : q, m4);
+                }
+                transpose8_epi32(v, out + (2 * c + h) * 8 * 32);
+            }
+    }
+}
+
+/* out[r] (8 lanes: the 8 rows) = the packed rows' dot products with input row r. */
+ROWS_INLINE void tile_q4_k(const uint8_t *pack, const q8row *x, int R, int64_t nb, __m256 *out) {
+    __m256 acc[ROWS_MAX], mins[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j++, pack += TILE_BLOCK) {
+        const int16_t *sc = (const int16_t *)(pack + TILE_Q), *mn = sc + 8 * 16;
+        const float *d = (const float *)(mn + 4 * 16);
+        __m256i isum[ROWS_MAX];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            __m256i s16[ROWS_MAX];
+            for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+            for (int k = 0; k < 8; k++) {
+                __m256i w = ld(pack + (8 * s + k) * 32);
+                for (int r = 0; r < R; r++) {
+                    int32_t xv;
+                    memcpy(&xv, x[r].q256 + 256 * j + 32 * s + 4 * k, 4);
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(xv)));
+                }
+            }
+            __m256i scv = ld(sc + 16 * s);
+            for (int r = 0; r < R; r++) isum[r] = madd_acc256(isum[r], s16[r], scv);
+        }
+        __m256 dv = _mm256_loadu_ps(d), dminv = _mm256_loadu_ps(d + 8);
+        for (int r = 0; r < R; r++) {
+            const int16_t *bs = x[r].bsum + 16 * j; /* sub-block s: bs[2s] + bs[2s + 1] */
+            __m256i msum = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++) {
+                uint16_t lo = (uint16_t)(bs[4 * p] + bs[4 * p + 1]), hi = (uint16_t)(bs[4 * p + 2] + bs[4 * p + 3]);
+                msum = madd_acc256(msum, ld(mn + 16 * p), _mm256_set1_epi32((int32_t)(lo | (uint32_t)hi << 16)));
+            }
+            __m256 dx = _mm256_set1_ps(x[r].d256[j]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dv, dx), acc[r]);
+            mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dminv, dx), mins[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm256_sub_ps(acc[r], mins[r]);
+}
+
+/* y[m * 8 + i] = packed row i . quantized input row m (rows `xqb` bytes apart), m < M. */
+void pd_q8_tile_dot(const uint8_t *pack, const void *xq, int64_t xqb, int64_t M, int64_t K,
+                    float *y) {
+    q8row x[ROWS_MAX];
+    __m256 out[ROWS_MAX];
+    for (int64_t m = 0; m < M; m += ROWS_MAX) {
+        int R = M - m < ROWS_MAX ? (int)(M - m) : ROWS_MAX;
+        for (int r = 0; r < R; r++) x[r] = q8_parts((char *)xq + (m + r) * xqb, K);
+        switch (R) {
+        case 1: tile_q4_k(pack, x, 1, K / 256, out); break;
+        case 2: tile_q4_k(pack, x, 2, K / 256, out); break;
+        case 3: tile_q4_k(pack, x, 3, K / 256, out); break;
+        default: tile_q4_k(pack, x, ROWS_MAX, K / 256, out); break;
+        }
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m + r) * TILE_ROWS, out[r]);
+    }
+}
+#else
+int pd_q8_tile_type(int64_t type, int64_t K) { return (void)type, (void)K, 0; }
+int64_t pd_q8_tile_bytes(int64_t K) { return (void)K, 0; }
+void pd_q8_tile_pack(const uint8_t *const *rows, int64_t K, uint8_t *out) { (void)rows, (void)K, (void)out; }
+void pd_q8_tile_dot(const uint8_t *pack, const void *xq, int64_t xqb, int64_t M, int64_t K, float *y) {
+    (void)pack, (void)xq, (void)xqb, (void)M, (void)K, (void)y;
+}
+#endif
