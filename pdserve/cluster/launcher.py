@@ -10,6 +10,7 @@ behind.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import json
@@ -63,23 +64,30 @@ class Placement:
 # A port picked here is bound later, by the process it is handed to (a worker's control
 # socket, the router's). bind(0) draws from the kernel's ephemeral range, as every outgoing
 # connection does, so in between a client's connect could take it (a 1P1D start failed with
-# EADDRINUSE on such a port). Picks come from below that range, where no connect lands; two
-# picks here can still meet, rarely, being random.
+# EADDRINUSE on such a port). Picks come from below that range, where no connect lands. A
+# cluster picks its ports (router, control sockets) before any is bound, so two random picks
+# could meet (1 in ~2,000 starts of a 1P1D cluster; a worker's control socket did, in a full
+# test run): a pick is never handed out twice by one process (the last PICKS_KEPT).
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 LISTEN_PORTS_LOW = 20000
 LISTEN_PORT_TRIES = 64
+PICKS_KEPT = 1024
+_picked: collections.deque[int] = collections.deque(maxlen=PICKS_KEPT)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now, for a listener another process binds (module note)."""
     below = range(LISTEN_PORTS_LOW, _ephemeral_low())
     for port in secrets.SystemRandom().sample(below, min(LISTEN_PORT_TRIES, len(below))):
+        if port in _picked:  # handed out already, perhaps not bound yet
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:  # taken, or lingering in TIME_WAIT: another
                 continue
-            return port
+        _picked.append(port)
+        return port
     with socket.socket() as s:  # no free port below the range: the kernel's pick
         s.bind((host, 0))
         return s.getsockname()[1]

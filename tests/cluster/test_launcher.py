@@ -28,3 +28,10 @@ def test_with_no_room_below_the_range_the_kernel_picks(monkeypatch):
     monkeypatch.setattr(launcher, "_ephemeral_low", lambda: LISTEN_PORTS_LOW)
     with socket.socket() as s:
         s.bind(("127.0.0.1", free_port()))
+
+
+def test_one_process_never_hands_out_a_port_twice():
+    # a cluster picks its router and control ports before any is bound: two picks of one
+    # port (random, 600 of ~12,800 here: a repeat all but certain) would fail the second bind
+    picks = [free_port() for _ in range(600)]
+    assert len(set(picks)) == len(picks)
