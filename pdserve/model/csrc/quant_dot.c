@@ -442,8 +442,9 @@ void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, in
  * each of the 8 rows: one broadcast of 4 activation bytes feeds 8 rows in one maddubs, a
  * sub-block's 8 maddubs sum in 16 bits (at most 8 * 2 * 15 * 127 = 30480), one madd applies
  * the 8 rows' sub-block scales, and a block's float work is one vector for 8 rows. llama.cpp
- * repacks Q4_K the same way at load (ggml-cpu's repack.cpp, a private copy of the weights);
- * here the GGUF stays the only copy and the packing is paid once per call for all its rows.
+ * also interleaves Q4_K rows eight at a time, once at load (ggml-cpu's repack.cpp, a private
+ * copy of the weights); here the GGUF stays the only copy and the packing is paid once per
+ * call for all its rows.
  *
  * A packed block (TILE_BLOCK bytes) for sub-block s (0-7) and 4-value step k (0-7):
  *   q     [8][8][32] u8     bytes 4r..4r+3 of q[s][k]: values 32s + 4k .. +3 of row r
