@@ -520,22 +520,23 @@ static int64_t *memory_order_columns(const pd_qpart *parts, int64_t P, int64_t N
 int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts, int64_t P,
                     float *y, int64_t ldy, int64_t int8_m_max) {
     if (P < 1) return -1;
-    /* Where every part takes the eight-row tiles, all rows at once: each group of weight rows
-     * is packed once per call (blocks of 128 or 256 rows took ~1.16x the time at 512 rows). */
-    int tile_all = M >= TILE_M_MIN;
-    for (int64_t p = 0; p < P; p++) tile_all &= pd_q8_tile_type(parts[p].type, K);
+    /* tiles: some part takes the eight-row tiles; tile_all: every part does */
+    int64_t N = 0, int8 = 0, tiles = 0, tile_all = 1, row_bytes[P], dots[P];
+    for (int64_t p = 0; p < P; p++) {
+        if ((row_bytes[p] = pd_quant_row_bytes(parts[p].type, K)) < 0) return -1;
+        N += parts[p].rows;
+        int8 |= dots[p] = M <= int8_m_max && pd_q8_dot_type(parts[p].type, K);
+        int tiled = M >= TILE_M_MIN && dots[p] && pd_q8_tile_type(parts[p].type, K);
+        tiles |= tiled, tile_all &= tiled;
+    }
+    /* Where every part takes the tiles, all rows at once: each group of weight rows is packed
+     * once per call (blocks of 128 or 256 rows took ~1.16x the time at 512 rows). */
     if (M > Q8_M_BLOCK && M <= int8_m_max && !tile_all) { /* a block's int8 rows stay in L2 */
         for (int64_t m = 0; m < M; m += Q8_M_BLOCK)
             if (pd_quant_linear(x + m * K, M - m < Q8_M_BLOCK ? M - m : Q8_M_BLOCK, K, parts, P,
                                 y + m * ldy, ldy, int8_m_max))
                 return -1;
         return 0;
-    }
-    int64_t N = 0, int8 = 0, row_bytes[P], dots[P];
-    for (int64_t p = 0; p < P; p++) {
-        if ((row_bytes[p] = pd_quant_row_bytes(parts[p].type, K)) < 0) return -1;
-        N += parts[p].rows;
-        int8 |= dots[p] = M <= int8_m_max && pd_q8_dot_type(parts[p].type, K);
     }
     int64_t xqb = pd_q8_row_bytes(K);
     uint8_t *xq = NULL;
@@ -553,9 +554,6 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
     pd_qpart flat[P]; /* the parts without their row maps: rows in memory order */
     for (int64_t p = 0; p < P; p++) flat[p] = parts[p], flat[p].rowmap = NULL;
     int64_t chunk = CLAIM_BYTES / row_bytes[0] > 0 ? CLAIM_BYTES / row_bytes[0] : 1;
-    int tiles = 0;
-    for (int64_t p = 0; p < P && M >= TILE_M_MIN; p++)
-        tiles |= dots[p] && pd_q8_tile_type(parts[p].type, K);
     if (tiles) chunk = (chunk + 7) / 8 * 8; /* whole groups of eight rows */
     row_args a = {x, xq, xqb, M, K, flat, row_bytes, dots, N, dist, cols, y, ldy};
 #pragma omp parallel PAR_IF(N * K)
