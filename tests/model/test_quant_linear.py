@@ -427,25 +427,28 @@ def test_int8_many_rows_without_amx(lib, qtype):
 
 
 @pytest.mark.parametrize("m", [17, 22, 64])
-def test_q4_k_tiles_across_parts_row_maps_and_tail_rows(lib, m):
-    """Eight Q4_K rows packed together take every input row at once (the AVX2 kernels): in a
-    fused Q4_K (row map) | Q6_K | Q4_K linear, groups of eight within a Q4_K part take the
-    tiles, rows that straddle parts or end one (21 = 16 + 5) the one-row kernel, Q6_K the
-    one-row kernel; all within fp32 rounding of the integer algorithm, call after call."""
+def test_k_quant_tiles_across_parts_row_maps_and_tail_rows(lib, m):
+    """Eight Q4_K or Q6_K rows packed together take every input row at once (the AVX2
+    kernels): in a fused Q4_K (row map) | Q6_K | Q4_K linear of 21 + 13 + 16 rows, groups of
+    eight within one part take the tiles (rows 0-15 and 40-47 Q4_K, 24-31 Q6_K), rows that
+    straddle parts or end one the one-row kernel; all within fp32 rounding of the integer
+    algorithm, call after call."""
     if not lib.pd_q8_tile_type(int(Q.Q4_K), 256):
         pytest.skip(f"the {lib.isa} kernels pack no rows eight at a time")
+    assert lib.pd_q8_tile_type(int(Q.Q6_K), 256) and not lib.pd_q8_tile_type(int(Q.Q8_0), 256)
     rng = np.random.default_rng(m)
     k = 768
-    shapes = ((Q.Q4_K, 21), (Q.Q6_K, 5), (Q.Q4_K, 16))
+    shapes = ((Q.Q4_K, 21), (Q.Q6_K, 13), (Q.Q4_K, 16))
     a, b, c = (random_tensor(t, n, k, rng) for t, n in shapes)
     rowmap = torch.from_numpy(rng.permutation(21))
-    parts = [QuantTensor(a, int(Q.Q4_K), 21, k, "a", rowmap), QuantTensor(b, int(Q.Q6_K), 5, k)]
+    parts = [QuantTensor(a, int(Q.Q4_K), 21, k, "a", rowmap), QuantTensor(b, int(Q.Q6_K), 13, k)]
     parts.append(QuantTensor(c, int(Q.Q4_K), 16, k, "c"))
     linear = QuantLinear(lib, parts)
+    assert linear.int8_tiles
     w = torch.cat(
         [
             reference(a, Q.Q4_K, 21, k)[rowmap],
-            reference(b, Q.Q6_K, 5, k),
+            reference(b, Q.Q6_K, 13, k),
             reference(c, Q.Q4_K, 16, k),
         ]
     )

@@ -433,34 +433,47 @@ void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, in
     }
 }
 
-/* ---- Q4_K rows eight at a time (the AVX2 builds) ---------------------------------------
- * Many input rows (prefill chunks, batches over 16) against Q4_K weights. The one-row kernel
- * above unpacks a block's nibbles and scales once for up to 4 input rows, but still spends
- * per (weight row, input row) a madd and an add for every 32 products and the block's float
- * work: about as many instructions as the multiplies. Here 8 weight rows are packed (per
+/* ---- K-quant rows eight at a time (the AVX2 builds) ------------------------------------
+ * Many input rows (prefill chunks, batches over 16) against Q4_K or Q6_K weights. The one-row
+ * kernels above unpack a block's nibbles and scales once for up to 4 input rows, but still
+ * spend per (weight row, input row) a madd and an add for every 32 products and the block's
+ * float work: about as many instructions as the multiplies. Here 8 weight rows are packed (per
  * call, into a per-thread buffer) so that each 32-byte vector holds 4 consecutive values of
- * each of the 8 rows: one broadcast of 4 activation bytes feeds 8 rows in one maddubs, a
- * sub-block's 8 maddubs sum in 16 bits (at most 8 * 2 * 15 * 127 = 30480), one madd applies
- * the 8 rows' sub-block scales, and a block's float work is one vector for 8 rows. llama.cpp
- * also interleaves Q4_K rows eight at a time, once at load (ggml-cpu's repack.cpp, a private
- * copy of the weights); here the GGUF stays the only copy and the packing is paid once per
- * call for all its rows.
+ * each of the 8 rows as bytes: one broadcast of 4 activation bytes feeds 8 rows in one
+ * maddubs, and a block's float work is one vector for 8 rows. llama.cpp also interleaves
+ * Q4_K rows eight at a time, once at load (ggml-cpu's repack.cpp, a private copy of the
+ * weights); here the GGUF stays the only copy and the packing is paid once per call for all
+ * its rows. On Zen 3 a broadcast, maddubs and add take ~1.5 cycles per 32 products (the
+ * maddubs alone ~1.3), and the Q4_K tile runs at ~90% of that.
  *
- * A packed block (TILE_BLOCK bytes) for sub-block s (0-7) and 4-value step k (0-7):
+ * A packed Q4_K block (TILE_BLOCK bytes) for sub-block s (0-7) and 4-value step k (0-7):
  *   q     [8][8][32] u8     bytes 4r..4r+3 of q[s][k]: values 32s + 4k .. +3 of row r
  *   sc    [8][16] int16     lanes 2r, 2r+1 of sc[s]: row r's 6-bit scale of sub-block s
  *   mn    [4][16] int16     lanes 2r, 2r+1 of mn[p]: row r's mins of sub-blocks 2p, 2p+1
  *   d, dmin [8] float       each row's
- * Results are the one-row kernel's integers summed in another order: equal up to float
+ * A sub-block's 8 maddubs sum in 16 bits (at most 8 * 2 * 15 * 127 = 30480), then one madd
+ * applies the 8 rows' scales.
+ *
+ * A packed Q6_K block (TILE6_BLOCK bytes) for sub-block s (0-15) and step k (0-3):
+ *   q     [16][4][32] u8    bytes 4r..4r+3 of q[s][k]: row r's 6-bit values 16s + 4k .. +3
+ *   sc    [16][16] int16    lanes 2r, 2r+1 of sc[s]: row r's scale of sub-block s
+ *   off   [8][16] int16     lanes 2r, 2r+1 of off[p]: row r's scales of sub-blocks 2p, 2p+1
+ *   d     [8] float
+ * Two maddubs sum in 16 bits (at most 2 * 2 * 63 * 127 = 32004), a madd per two; the -32 of
+ * every value is one madd per two sub-blocks against the bsums, as in the one-row kernel.
+ * Results are the one-row kernels' integers summed in another order: equal up to float
  * rounding, and the same for a row in any call that takes this path. */
 #ifndef __AVX512BW__
 #define TILE_ROWS 8
 #define TILE_Q (8 * 8 * 32)
 #define TILE_BLOCK (TILE_Q + 8 * 16 * 2 + 4 * 16 * 2 + 2 * 8 * 4)
+#define TILE6_Q (16 * 4 * 32)
+#define TILE6_BLOCK (TILE6_Q + 16 * 16 * 2 + 8 * 16 * 2 + 8 * 4)
 
-int pd_q8_tile_type(int64_t type, int64_t K) { return type == Q4_K && K % 256 == 0; }
+int pd_q8_tile_type(int64_t type, int64_t K) { return (type == Q4_K || type == Q6_K) && K % 256 == 0; }
 
-int64_t pd_q8_tile_bytes(int64_t K) { return K / 256 * TILE_BLOCK; }
+/* The buffer one pd_q8_tile_pack of any tile type needs. */
+int64_t pd_q8_tile_bytes(int64_t K) { return K / 256 * (TILE6_BLOCK > TILE_BLOCK ? TILE6_BLOCK : TILE_BLOCK); }
 
 /* v[i] (8 dwords each) transposed to out (8 vectors of 32 bytes): dword k of vector i is dword
  * i of v[k]. */
@@ -483,7 +496,7 @@ static inline void transpose8_epi32(const __m256i *v, uint8_t *out) {
 }
 
 /* rows[0..8): eight Q4_K rows of K values, packed for tile_q4_k at `out`. */
-void pd_q8_tile_pack(const uint8_t *const *rows, int64_t K, uint8_t *out) {
+static void pack_q4_k(const uint8_t *const *rows, int64_t K, uint8_t *out) {
     const __m256i m4 = _mm256_set1_epi8(15);
     for (int64_t j = 0; j < K / 256; j++, out += TILE_BLOCK) {
         int16_t *sc = (int16_t *)(out + TILE_Q), *mn = sc + 8 * 16;
@@ -512,6 +525,46 @@ void pd_q8_tile_pack(const uint8_t *const *rows, int64_t K, uint8_t *out) {
     }
 }
 
+/* rows[0..8): eight Q6_K rows of K values, packed for tile_q6_k at `out`. */
+static void pack_q6_k(const uint8_t *const *rows, int64_t K, uint8_t *out) {
+    uint8_t q[TILE_ROWS][256] __attribute__((aligned(32))); /* each row's values as bytes */
+    for (int64_t j = 0; j < K / 256; j++, out += TILE6_BLOCK) {
+        int16_t *sc = (int16_t *)(out + TILE6_Q), *off = sc + 16 * 16;
+        float *d = (float *)(off + 8 * 16);
+        /* row r's scales: as int16 pairs (off), and each alone twice (sc), one 8x8 transpose
+         * of dwords each */
+        __m256i pairs[TILE_ROWS], lo[TILE_ROWS], hi[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const uint8_t *b = rows[r] + 210 * j;
+            d[r] = fp16(b + 208);
+            __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+            __m256i a = _mm256_unpacklo_epi16(s16, s16), c = _mm256_unpackhi_epi16(s16, s16);
+            pairs[r] = s16;
+            lo[r] = _mm256_permute2x128_si256(a, c, 0x20), hi[r] = _mm256_permute2x128_si256(a, c, 0x31);
+        }
+        transpose8_epi32(lo, (uint8_t *)sc);
+        transpose8_epi32(hi, (uint8_t *)(sc + 8 * 16));
+        transpose8_epi32(pairs, (uint8_t *)off);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const uint8_t *b = rows[r] + 210 * j;
+            for (int h = 0; h < 2; h++) {
+                __m256i v[4];
+                q6_k_half(b, h, v);
+                for (int k = 0; k < 4; k++) _mm256_store_si256((__m256i *)(q[r] + 32 * (4 * h + k)), v[k]);
+            }
+        }
+        for (int g = 0; g < 8; g++) { /* 32 values: sub-blocks 2g (steps 0-3), 2g + 1 (4-7) */
+            __m256i v[8];
+            for (int r = 0; r < TILE_ROWS; r++) v[r] = ld(q[r] + 32 * g);
+            transpose8_epi32(v, out + g * 8 * 32);
+        }
+    }
+}
+
+void pd_q8_tile_pack(int64_t type, const uint8_t *const *rows, int64_t K, uint8_t *out) {
+    (type == Q6_K ? pack_q6_k : pack_q4_k)(rows, K, out);
+}
+
 /* out[r] (8 lanes: the 8 rows) = the packed rows' dot products with input row r. */
 ROWS_INLINE void tile_q4_k(const uint8_t *pack, const q8row *x, int R, int64_t nb, __m256 *out) {
     __m256 acc[ROWS_MAX], mins[ROWS_MAX];
@@ -524,6 +577,8 @@ ROWS_INLINE void tile_q4_k(const uint8_t *pack, const q8row *x, int R, int64_t n
         for (int s = 0; s < 8; s++) {
             __m256i s16[ROWS_MAX];
             for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+            /* unrolled fully, gcc sums the 32 products as a tree and spills half of them */
+#pragma GCC unroll 4
             for (int k = 0; k < 8; k++) {
                 __m256i w = ld(pack + (8 * s + k) * 32);
                 for (int r = 0; r < R; r++) {
@@ -551,19 +606,64 @@ ROWS_INLINE void tile_q4_k(const uint8_t *pack, const q8row *x, int R, int64_t n
     for (int r = 0; r < R; r++) out[r] = _mm256_sub_ps(acc[r], mins[r]);
 }
 
-/* y[m * 8 + i] = packed row i . quantized input row m (rows `xqb` bytes apart), m < M. */
-void pd_q8_tile_dot(const uint8_t *pack, const void *xq, int64_t xqb, int64_t M, int64_t K,
-                    float *y) {
+ROWS_INLINE void tile_q6_k(const uint8_t *pack, const q8row *x, int R, int64_t nb, __m256 *out) {
+    __m256 acc[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j++, pack += TILE6_BLOCK) {
+        const int16_t *sc = (const int16_t *)(pack + TILE6_Q), *off = sc + 16 * 16;
+        const float *d = (const float *)(off + 8 * 16);
+        __m256i isum[ROWS_MAX];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 16; s++) {
+            __m256i scv = ld(sc + 16 * s);
+#pragma GCC unroll 1
+            for (int k = 0; k < 4; k += 2) {
+                __m256i w0 = ld(pack + (4 * s + k) * 32), w1 = ld(pack + (4 * s + k + 1) * 32);
+                for (int r = 0; r < R; r++) {
+                    int32_t x0, x1;
+                    memcpy(&x0, x[r].q256 + 256 * j + 16 * s + 4 * k, 4);
+                    memcpy(&x1, x[r].q256 + 256 * j + 16 * s + 4 * k + 4, 4);
+                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(x0)),
+                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(x1)));
+                    isum[r] = madd_acc256(isum[r], p, scv);
+                }
+            }
+        }
+        __m256 dv = _mm256_loadu_ps(d);
+        for (int r = 0; r < R; r++) { /* - 32 sc_s bsum_s */
+            const int16_t *bs = x[r].bsum + 16 * j;
+            __m256i o = _mm256_setzero_si256();
+            for (int p = 0; p < 8; p++)
+                o = madd_acc256(o, ld(off + 16 * p),
+                                _mm256_set1_epi32((int32_t)((uint16_t)bs[2 * p] | (uint32_t)(uint16_t)bs[2 * p + 1] << 16)));
+            __m256i v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(o, 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, _mm256_set1_ps(x[r].d256[j])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
+ROWS_INLINE void tile_rows(int64_t type, const uint8_t *pack, const q8row *x, int R, int64_t nb, __m256 *out) {
+    if (type == Q6_K)
+        tile_q6_k(pack, x, R, nb, out);
+    else
+        tile_q4_k(pack, x, R, nb, out);
+}
+
+/* y[m * 8 + i] = packed row i (pd_q8_tile_pack of `type`) . quantized input row m (rows `xqb`
+ * bytes apart), m < M. */
+void pd_q8_tile_dot(int64_t type, const uint8_t *pack, const void *xq, int64_t xqb, int64_t M,
+                    int64_t K, float *y) {
     q8row x[ROWS_MAX];
     __m256 out[ROWS_MAX];
     for (int64_t m = 0; m < M; m += ROWS_MAX) {
         int R = M - m < ROWS_MAX ? (int)(M - m) : ROWS_MAX;
         for (int r = 0; r < R; r++) x[r] = q8_parts((char *)xq + (m + r) * xqb, K);
         switch (R) {
-        case 1: tile_q4_k(pack, x, 1, K / 256, out); break;
-        case 2: tile_q4_k(pack, x, 2, K / 256, out); break;
-        case 3: tile_q4_k(pack, x, 3, K / 256, out); break;
-        default: tile_q4_k(pack, x, ROWS_MAX, K / 256, out); break;
+        case 1: tile_rows(type, pack, x, 1, K / 256, out); break;
+        case 2: tile_rows(type, pack, x, 2, K / 256, out); break;
+        case 3: tile_rows(type, pack, x, 3, K / 256, out); break;
+        default: tile_rows(type, pack, x, ROWS_MAX, K / 256, out); break;
         }
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + (m + r) * TILE_ROWS, out[r]);
     }
@@ -571,8 +671,11 @@ void pd_q8_tile_dot(const uint8_t *pack, const void *xq, int64_t xqb, int64_t M,
 #else
 int pd_q8_tile_type(int64_t type, int64_t K) { return (void)type, (void)K, 0; }
 int64_t pd_q8_tile_bytes(int64_t K) { return (void)K, 0; }
-void pd_q8_tile_pack(const uint8_t *const *rows, int64_t K, uint8_t *out) { (void)rows, (void)K, (void)out; }
-void pd_q8_tile_dot(const uint8_t *pack, const void *xq, int64_t xqb, int64_t M, int64_t K, float *y) {
-    (void)pack, (void)xq, (void)xqb, (void)M, (void)K, (void)y;
+void pd_q8_tile_pack(int64_t type, const uint8_t *const *rows, int64_t K, uint8_t *out) {
+    (void)type, (void)rows, (void)K, (void)out;
+}
+void pd_q8_tile_dot(int64_t type, const uint8_t *pack, const void *xq, int64_t xqb, int64_t M,
+                    int64_t K, float *y) {
+    (void)type, (void)pack, (void)xq, (void)xqb, (void)M, (void)K, (void)y;
 }
 #endif

@@ -412,7 +412,7 @@ int pd_quant_rows(const void *w, int64_t type, int64_t K, const int64_t *rows, i
 #define CLAIM_BYTES (64 << 10)
 #endif
 
-/* Input rows from which Q4_K weights take the eight-row tiles (quant_dot.c, AVX2 builds): above
+/* Input rows from which Q4_K and Q6_K weights take the eight-row tiles (quant_dot.c, AVX2 builds): above
  * the 16 rows whose results the one-row kernel keeps identical in any batch. */
 #ifndef TILE_M_MIN
 #define TILE_M_MIN 17
@@ -473,7 +473,7 @@ static void row_product(const row_args *a, int64_t j, float *buf) {
     for (; m < M; m++) y[m * ldy + col] = dot(buf, x + m * K, K);
 }
 
-/* Whether memory-order rows j..j+7 are one Q4_K part's rows that take int8 activations. */
+/* Whether memory-order rows j..j+7 are one Q4_K or Q6_K part's rows that take int8 activations. */
 static int tile_group(const row_args *a, int64_t j, int64_t end) {
     int64_t p, q;
     if (j % 8 || j + 8 > end) return 0;
@@ -487,8 +487,8 @@ static void tile_product(const row_args *a, int64_t j, uint8_t *pack, float *ty)
     int64_t p;
     const uint8_t *rows[8];
     for (int i = 0; i < 8; i++) rows[i] = pd_qrow(a->flat, a->row_bytes, j + i, &p);
-    pd_q8_tile_pack(rows, a->K, pack);
-    pd_q8_tile_dot(pack, a->xq, a->xqb, a->M, a->K, ty);
+    pd_q8_tile_pack(a->flat[p].type, rows, a->K, pack);
+    pd_q8_tile_dot(a->flat[p].type, pack, a->xq, a->xqb, a->M, a->K, ty);
     for (int i = 0; i < 8; i++) {
         int64_t col = a->cols ? a->cols[j + i] : j + i;
         for (int64_t m = 0; m < a->M; m++) a->y[m * a->ldy + col] = ty[m * 8 + i];
