@@ -307,6 +307,10 @@ class Stats:
     stall_budget_s: float | None = None
     stall_cap_tokens: int | None = None
     num_stall_capped_steps: int = 0
+    # How long the engine step in progress had run when the heartbeat sent this (0: between
+    # steps): a worker in one long step (a large prefill chunk on a slow CPU) is working, not
+    # silent; one past the router's `step_timeout_s` is frozen (router/driver.py).
+    step_running_s: float = 0.0
 
 
 @dataclass

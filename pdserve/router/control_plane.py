@@ -90,6 +90,7 @@ class WorkerState:
     switching_to: str | None = None  # asked to switch roles: not routed to until Ready
     hello_sent: float = 0.0  # when it was last sent Hello (it is sent until a Ready comes)
     retiring: bool = False  # about to be removed: not routed to, finishes what it holds
+    step_since: float | None = None  # when its engine step in progress began (its heartbeat)
 
     @property
     def worker_id(self) -> str:
@@ -317,6 +318,8 @@ class ControlPlane:
                 self.planner.on_message(message)
         elif isinstance(message, messages.Stats):
             worker.stats = message
+            running = message.step_running_s
+            worker.step_since = worker.last_seen - running if running > 0 else None
         elif isinstance(message, messages.KVEvents):
             worker.cached_hashes.update(message.stored)
             worker.cached_hashes.difference_update(message.removed)
@@ -368,6 +371,14 @@ class ControlPlane:
         if worker.lost or worker.disconnected or (epoch is not None and worker.epoch != epoch):
             return False
         return self.clock() - worker.last_seen <= self.config.heartbeat_timeout_s
+
+    def in_step_since(self, worker_id: str, deadline: float) -> bool:
+        """Whether the worker is inside one engine step that began by `deadline` and has run
+        less than `step_timeout_s` (its latest heartbeat says): a silence past `deadline` is
+        then that step's."""
+        worker = self.workers.get(worker_id)
+        since = worker.step_since if worker is not None else None
+        return since is not None and since <= deadline and self.clock() < since + self.config.step_timeout_s
 
     def loads(self, block_hashes: Sequence[int] = ()) -> list[WorkerLoad]:
         """Every worker's load; with `block_hashes`, also how long a prefix of them each

@@ -18,7 +18,8 @@ old attempt's late writes with a new one's), and the old attempt is aborted on e
 Deadlines: a worker's heartbeat comes from its own thread, so a frozen engine loop (a deadlock,
 a hung kernel) still looks alive. A worker silent past `first_token_timeout_s` (dispatch to its
 first Tokens) or `token_timeout_s` (between Tokens) counts as lost for the request, and is not
-picked again for it (it may be frozen for every request).
+picked again for it (it may be frozen for every request), unless its heartbeat says it is
+inside one engine step that began by then: that step may run `step_timeout_s`.
 At most `max_recoveries` re-drives; then the last failure is the client's error (502), and
 "no healthy worker of a role" is a 503 at once for a new request; a re-drive waits for one
 within `admission_timeout_s`.
@@ -312,7 +313,8 @@ class RequestDriver:
                     message = None
             if message is None or isinstance(message, Tick):
                 self._check_alive()
-                if watch and time.monotonic() >= silent_until:
+                silent = watch and time.monotonic() >= silent_until
+                if silent and not self.plane.in_step_since(watch, silent_until):
                     self._stalled.add(watch)
                     silent_s = getattr(self.config, field)
                     error = f"worker {watch} sent nothing for {silent_s:g} s ({field})"

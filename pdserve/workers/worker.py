@@ -75,6 +75,7 @@ class Worker:
         self.running = True
         self._next_stats = 0.0
         self._stats: m.Stats | None = None  # the latest load snapshot, sent by the heartbeat
+        self._step_started: float | None = None  # monotonic, while an engine step runs
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, daemon=True)
 
@@ -314,7 +315,11 @@ class Worker:
     def _step(self) -> None:
         wid = self.spec.worker_id
         started, cpu = time.perf_counter(), time.thread_time()
-        outputs = self.engine.step()
+        self._step_started = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._step_started = None
         now = time.perf_counter()
         if self.steps is not None:
             self.steps.record(self.engine.last_shape, self.cores.threads, now - started, now)
@@ -371,8 +376,11 @@ class Worker:
         try:
             while not self._stop_heartbeat.wait(self.spec.heartbeat_interval_s):
                 self.memory.refresh()  # here, not on the step loop (MemoryReport)
-                if self._stats is not None:
-                    sock.send(signer.encode(self._stats))
+                stats, started = self._stats, self._step_started
+                if stats is not None and started is not None:
+                    stats = dataclasses.replace(stats, step_running_s=time.monotonic() - started)
+                if stats is not None:
+                    sock.send(signer.encode(stats))
         finally:
             sock.close()
 

@@ -19,6 +19,7 @@ import json
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,11 @@ class FakeWorker:
         self.die_after_tokens: int | None = behaviour.get("die_after_tokens")
         # Its engine loop hangs (tokens stop) while its heartbeat goes on.
         self.freeze_after_tokens: int | None = behaviour.get("freeze_after_tokens")
+        # After that many tokens, one engine step of `long_step_s` (inf: a kernel that never
+        # returns), its heartbeat saying how long the step has run.
+        self.long_step_after_tokens: int | None = behaviour.get("long_step_after_tokens")
+        self.long_step_s: float = behaviour.get("long_step_s", 0.0)
+        self.step_started: float | None = None
         self.max_model_len: int = behaviour.get("max_model_len", 512)
         self.num_cached_blocks: int = behaviour.get("num_cached_blocks", 0)  # in Reserved
         self.num_keep_blocks: int | None = behaviour.get("num_keep_blocks")  # in Reserved
@@ -143,7 +149,7 @@ class FakeWorker:
     async def _heartbeat(self) -> None:
         while True:
             if self.heartbeat:
-                running = len(self._tasks)
+                running, started = len(self._tasks), self.step_started
                 self.send(
                     messages.Stats(
                         self.worker_id,
@@ -156,6 +162,7 @@ class FakeWorker:
                         kv_bytes_sent=7,
                         kv_bytes_received=9,
                         kv_blocks_skipped=3,
+                        step_running_s=time.monotonic() - started if started else 0.0,
                         **self.cache_stats,
                     )
                 )
@@ -266,6 +273,13 @@ class FakeWorker:
         limit = self.freeze_after_tokens
         if limit is not None and self.num_tokens_sent >= limit:
             await asyncio.Event().wait()
+        if self.long_step_after_tokens == self.num_tokens_sent:
+            self.long_step_after_tokens = None  # once
+            self.step_started = time.monotonic()
+            try:
+                await asyncio.sleep(self.long_step_s if self.long_step_s < float("inf") else 1e9)
+            finally:
+                self.step_started = None
 
     def _should_fail(self) -> bool:
         if not self.fail_with or self.fail_times == 0:
@@ -375,8 +389,6 @@ class Cluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def wait_until(self, predicate: Callable[[], Any], timeout: float = 5.0) -> None:
-        import time
-
         deadline = time.monotonic() + timeout
         while not predicate():
             if time.monotonic() > deadline:

@@ -77,3 +77,34 @@ def test_a_frozen_decode_worker_mid_stream_hands_the_request_to_the_prefill_work
         assert stream_text(c)[0] == OUTPUT_TEXT[:12]
         assert c.kinds("p0").count("Generate") == 1
         c.wait_until(lambda: "Abort" in c.kinds("d0"))
+
+
+
+def test_a_long_engine_step_is_not_a_silent_worker(tokenizer_dir: Path, script: list[int]) -> None:
+    # One step of 1.5 s (a large prefill chunk on a slow CPU) past a 0.5 s token timeout: the
+    # heartbeat says the worker is inside that step, so the stream waits for it (was: the
+    # worker counted as frozen, the request re-driven and, with no other worker, failed).
+    behaviour = {"c0": {"long_step_after_tokens": 3, "long_step_s": 1.5}}
+    config = dict(token_timeout_s=0.5, first_token_timeout_s=0.5)
+    with Cluster(tokenizer_dir, script, {"c0": "collocated"}, behaviour, **config) as c:
+        start = time.monotonic()
+        assert stream_text(c)[0] == OUTPUT_TEXT[:12]
+        assert time.monotonic() - start >= 1.5
+        assert "Abort" not in c.kinds("c0")
+
+
+def test_a_step_past_the_step_timeout_is_a_frozen_worker(
+    tokenizer_dir: Path, script: list[int]
+) -> None:
+    # A kernel that never returns: the heartbeat goes on, its step's running time passes
+    # step_timeout_s, and the worker counts as frozen for the request: with no other worker,
+    # a clean 503 after the step timeout (not the shorter token timeout).
+    behaviour = {"c0": {"long_step_after_tokens": 0, "long_step_s": float("inf")}}
+    config = dict(token_timeout_s=0.5, first_token_timeout_s=0.5, step_timeout_s=1.5)
+    with Cluster(tokenizer_dir, script, {"c0": "collocated"}, behaviour, **config) as c:
+        start = time.monotonic()
+        r = requests.post(f"{c.url}/v1/completions", json={"prompt": "Hi"}, timeout=20)
+        assert r.status_code == 503
+        assert "missed a deadline" in r.json()["error"]["message"]
+        assert 1.5 <= time.monotonic() - start < 1.5 + 3.0
+        c.wait_until(lambda: "Abort" in c.kinds("c0"))

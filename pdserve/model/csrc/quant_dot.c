@@ -606,6 +606,7 @@ ROWS_INLINE void tile_q4_k(const uint8_t *pack, const q8row *x, int R, int64_t n
     for (int r = 0; r < R; r++) out[r] = _mm256_sub_ps(acc[r], mins[r]);
 }
 
+/* tile_q4_k's for packed Q6_K rows. */
 ROWS_INLINE void tile_q6_k(const uint8_t *pack, const q8row *x, int R, int64_t nb, __m256 *out) {
     __m256 acc[ROWS_MAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -616,7 +617,7 @@ ROWS_INLINE void tile_q6_k(const uint8_t *pack, const q8row *x, int R, int64_t n
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int s = 0; s < 16; s++) {
             __m256i scv = ld(sc + 16 * s);
-#pragma GCC unroll 1
+#pragma GCC unroll 1 /* as in tile_q4_k */
             for (int k = 0; k < 4; k += 2) {
                 __m256i w0 = ld(pack + (4 * s + k) * 32), w1 = ld(pack + (4 * s + k + 1) * 32);
                 for (int r = 0; r < R; r++) {
