@@ -2,9 +2,9 @@
 oneDNN and `F.linear` on random fp32 or GGUF-grid weights, and paged decode attention against
 gather + SDPA; `--isa` and `--vs` two native variants. `--weights in-place`: an 8192x2048 GGUF
 matrix of each `--types` read in place, `hot` and `streamed` past the caches (at `--threads 1`
-the calling thread's CPU time, else wall time), with the int8 ceiling of one core: a loop of
-nothing but the tile kernels' inner steps (broadcast, `maddubs`, 16-bit add). Medians; run on
-an idle machine.
+the calling thread's CPU time, else wall time), and what the AVX2 tile kernels' broadcasts cost
+one core: a loop of nothing but their step (broadcast, `maddubs`, 16-bit add) against the same
+loop without the broadcast. Medians; run on an idle machine.
 """
 
 from __future__ import annotations
@@ -143,29 +143,36 @@ INT8_PEAK_C = r"""
 #include <stdio.h>
 #include <time.h>
 static unsigned char buf[2048] __attribute__((aligned(64)));
-static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+#define X(i) (B ? _mm256_set1_epi32(((const int *)p)[i]) : c)
+#define STEP(i) a##i = _mm256_add_epi16(a##i, _mm256_maddubs_epi16(w, X(i)));
+#define LOOP(BB) { const int B = BB; for (long k = 0; k < n; k++) { \
+        const unsigned char *p = buf + (k & 63) * 32; \
+        __m256i w = _mm256_loadu_si256((const __m256i *)p); \
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7) \
+        __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), \
+                         "+x"(a6), "+x"(a7), "+x"(c)); } }
 int main(void) {
     for (int i = 0; i < 2048; i++) buf[i] = (unsigned char)(i * 7);
-    __m256i a[8], c = _mm256_set1_epi32(0x01020304);
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_si256();
+    __m256i a0, a1, a2, a3, a4, a5, a6, a7, c = _mm256_set1_epi32(0x01020304);
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _mm256_setzero_si256();
     const long n = 50000000;
-    for (int bcast = 1; bcast >= 0; bcast--) {
-        double t = now();
-        for (long k = 0; k < n; k++) {
-            const unsigned char *p = buf + (k & 63) * 32;
-            __m256i w = _mm256_loadu_si256((const __m256i *)p);
-            for (int i = 0; i < 8; i++)
-                a[i] = _mm256_add_epi16(a[i], _mm256_maddubs_epi16(w, bcast ? _mm256_set1_epi32(((const int *)p)[i]) : c));
-            __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]), "+x"(a[4]), "+x"(a[5]), "+x"(a[6]), "+x"(a[7]), "+x"(c));
-        }
-        printf("%f\n", 8.0 * 32 * n / (now() - t) / 1e9);
-    }
-    return _mm256_extract_epi16(a[0], 0) == 12345;
+    double t = now();
+    LOOP(1)
+    printf("%f\n", 8.0 * 32 * n / (now() - t) / 1e9);
+    t = now();
+    LOOP(0)
+    printf("%f\n", 8.0 * 32 * n / (now() - t) / 1e9);
+    return _mm256_extract_epi16(_mm256_add_epi16(a0, a7), 0) == 12345;
 }
 """
 
 
-def int8_ceiling() -> tuple[float, float] | None:
+def int8_step_loop() -> tuple[float, float] | None:
     """G int8 products a second on one core: (broadcast + maddubs + add, maddubs + add); None
     where the C compiler or AVX2 is missing."""
     if not native.cpu_supports("avx2"):
@@ -177,15 +184,17 @@ def int8_ceiling() -> tuple[float, float] | None:
             subprocess.run([envs.c_compiler(), "-O2", "-mavx2", src, "-o", exe], check=True)
         except (OSError, subprocess.CalledProcessError):
             return None
-        bcast, plain = map(float, subprocess.run([exe], capture_output=True, text=True).stdout.split())
+        bcast, plain = map(
+            float, subprocess.run([exe], capture_output=True, text=True).stdout.split()
+        )
     return bcast, plain
 
 
 def bench_in_place(libs, rows: list[int], repeats: int, stream_mb: int, types: list[str]) -> None:
-    if ceiling := int8_ceiling():
+    if loop := int8_step_loop():
         print(
-            f"int8 ceiling, one core: {2 * ceiling[0]:.0f} GFLOP/s (broadcast + maddubs + add), "
-            f"{2 * ceiling[1]:.0f} (maddubs + add)\n"
+            f"int8 step loop, one core: {2 * loop[0]:.0f} GFLOP/s with a broadcast per maddubs "
+            f"(the tile kernels' step), {2 * loop[1]:.0f} without\n"
         )
     print(
         "| type 8192x2048 | rows | native | fp32 hot | fp32 streamed | path | hot "

@@ -70,7 +70,9 @@ class RouterConfig:
     token_timeout_s: float = knob(60.0, "longest silence of a worker between tokens", gt=0)
     # A silence spent inside one engine step (the heartbeat's `step_running_s`) is the step's,
     # not a frozen loop's: 2,048 prompt tokens of a 3B model on two AVX2 cores take ~80 s.
-    step_timeout_s: float = knob(600.0, "longest one engine step may run before its worker counts as frozen", gt=0)
+    step_timeout_s: float = knob(
+        600.0, "longest one engine step may run before its worker counts as frozen", gt=0
+    )
     max_pending: int = knob(256, ge=1)
     max_body_bytes: int = knob(8 * 1024 * 1024, ge=1)
     # ZMQ_MAXMSGSIZE of the router's control socket. Workers send block ids, hashes and

@@ -378,7 +378,11 @@ class ControlPlane:
         then that step's."""
         worker = self.workers.get(worker_id)
         since = worker.step_since if worker is not None else None
-        return since is not None and since <= deadline and self.clock() < since + self.config.step_timeout_s
+        return (
+            since is not None
+            and since <= deadline
+            and self.clock() < since + self.config.step_timeout_s
+        )
 
     def loads(self, block_hashes: Sequence[int] = ()) -> list[WorkerLoad]:
         """Every worker's load; with `block_hashes`, also how long a prefix of them each

@@ -79,7 +79,6 @@ def test_a_frozen_decode_worker_mid_stream_hands_the_request_to_the_prefill_work
         c.wait_until(lambda: "Abort" in c.kinds("d0"))
 
 
-
 def test_a_long_engine_step_is_not_a_silent_worker(tokenizer_dir: Path, script: list[int]) -> None:
     # One step of 1.5 s (a large prefill chunk on a slow CPU) past a 0.5 s token timeout: the
     # heartbeat says the worker is inside that step, so the stream waits for it (was: the

@@ -443,8 +443,9 @@ void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, in
  * maddubs, and a block's float work is one vector for 8 rows. llama.cpp also interleaves
  * Q4_K rows eight at a time, once at load (ggml-cpu's repack.cpp, a private copy of the
  * weights); here the GGUF stays the only copy and the packing is paid once per call for all
- * its rows. On Zen 3 a broadcast, maddubs and add take ~1.5 cycles per 32 products (the
- * maddubs alone ~1.3), and the Q4_K tile runs at ~90% of that.
+ * its rows. On Zen 3 a loop of maddubs and add alone runs 2.2-2.5x faster than with a
+ * broadcast per maddubs (bench_kernels.py prints both): one broadcast against two groups of
+ * eight rows is the next thing to try.
  *
  * A packed Q4_K block (TILE_BLOCK bytes) for sub-block s (0-7) and 4-value step k (0-7):
  *   q     [8][8][32] u8     bytes 4r..4r+3 of q[s][k]: values 32s + 4k .. +3 of row r

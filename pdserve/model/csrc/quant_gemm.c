@@ -489,10 +489,12 @@ static void tile_product(const row_args *a, int64_t j, uint8_t *pack, float *ty)
     for (int i = 0; i < 8; i++) rows[i] = pd_qrow(a->flat, a->row_bytes, j + i, &p);
     pd_q8_tile_pack(a->flat[p].type, rows, a->K, pack);
     pd_q8_tile_dot(a->flat[p].type, pack, a->xq, a->xqb, a->M, a->K, ty);
-    for (int i = 0; i < 8; i++) {
-        int64_t col = a->cols ? a->cols[j + i] : j + i;
-        for (int64_t m = 0; m < a->M; m++) a->y[m * a->ldy + col] = ty[m * 8 + i];
+    if (!a->cols) { /* eight adjacent outputs of each row: one 32-byte store (a row's line once) */
+        for (int64_t m = 0; m < a->M; m++) memcpy(a->y + m * a->ldy + j, ty + m * 8, 8 * sizeof(float));
+        return;
     }
+    for (int64_t m = 0; m < a->M; m++)
+        for (int i = 0; i < 8; i++) a->y[m * a->ldy + a->cols[j + i]] = ty[m * 8 + i];
 }
 
 /* The output column of each weight row in memory order (parts one after another), where a
