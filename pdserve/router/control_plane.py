@@ -372,16 +372,21 @@ class ControlPlane:
             return False
         return self.clock() - worker.last_seen <= self.config.heartbeat_timeout_s
 
-    def in_step_since(self, worker_id: str, deadline: float) -> bool:
-        """Whether the worker is inside one engine step that began by `deadline` and has run
-        less than `step_timeout_s` (its latest heartbeat says): a silence past `deadline` is
-        then that step's."""
+    def step_running_s(self, worker_id: str) -> float | None:
+        """How long the worker's engine step in progress has run, as its latest heartbeat says
+        (None between steps)."""
         worker = self.workers.get(worker_id)
         since = worker.step_since if worker is not None else None
+        return None if since is None else self.clock() - since
+
+    def in_step_since(self, worker_id: str, deadline: float) -> bool:
+        """Whether the worker is inside one engine step that began by `deadline` and has run
+        less than `step_timeout_s`: a silence past `deadline` is then that step's."""
+        running = self.step_running_s(worker_id)
         return (
-            since is not None
-            and since <= deadline
-            and self.clock() < since + self.config.step_timeout_s
+            running is not None
+            and self.clock() - running <= deadline
+            and running < self.config.step_timeout_s
         )
 
     def loads(self, block_hashes: Sequence[int] = ()) -> list[WorkerLoad]:

@@ -316,7 +316,11 @@ class RequestDriver:
                 silent = watch and time.monotonic() >= silent_until
                 if silent and not self.plane.in_step_since(watch, silent_until):
                     self._stalled.add(watch)
-                    silent_s = getattr(self.config, field)
+                    running = self.plane.step_running_s(watch)
+                    if running is not None and running >= self.config.step_timeout_s:
+                        field, silent_s = "step_timeout_s", round(running, 1)  # inside one step
+                    else:
+                        silent_s = getattr(self.config, field)
                     error = f"worker {watch} sent nothing for {silent_s:g} s ({field})"
                     raise Lost(error, watch, "silent") from None
                 continue
