@@ -377,10 +377,11 @@ class Worker:
             while not self._stop_heartbeat.wait(self.spec.heartbeat_interval_s):
                 self.memory.refresh()  # here, not on the step loop (MemoryReport)
                 stats, started = self._stats, self._step_started
-                if stats is not None and started is not None:
+                if stats is None:
+                    continue
+                if started is not None:
                     stats = dataclasses.replace(stats, step_running_s=time.monotonic() - started)
-                if stats is not None:
-                    sock.send(signer.encode(stats))
+                sock.send(signer.encode(stats))
         finally:
             sock.close()
 

@@ -618,7 +618,7 @@ ROWS_INLINE void tile_q6_k(const uint8_t *pack, const q8row *x, int R, int64_t n
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
         for (int s = 0; s < 16; s++) {
             __m256i scv = ld(sc + 16 * s);
-#pragma GCC unroll 1 /* as in tile_q4_k */
+#pragma GCC unroll 1 /* rolled: gcc's full unroll spilled in tile_q4_k */
             for (int k = 0; k < 4; k += 2) {
                 __m256i w0 = ld(pack + (4 * s + k) * 32), w1 = ld(pack + (4 * s + k + 1) * 32);
                 for (int r = 0; r < R; r++) {
@@ -635,9 +635,11 @@ ROWS_INLINE void tile_q6_k(const uint8_t *pack, const q8row *x, int R, int64_t n
         for (int r = 0; r < R; r++) { /* - 32 sc_s bsum_s */
             const int16_t *bs = x[r].bsum + 16 * j;
             __m256i o = _mm256_setzero_si256();
-            for (int p = 0; p < 8; p++)
-                o = madd_acc256(o, ld(off + 16 * p),
-                                _mm256_set1_epi32((int32_t)((uint16_t)bs[2 * p] | (uint32_t)(uint16_t)bs[2 * p + 1] << 16)));
+            for (int p = 0; p < 8; p++) {
+                int32_t pair; /* bsums 2p, 2p + 1 as one dword */
+                memcpy(&pair, bs + 2 * p, 4);
+                o = madd_acc256(o, ld(off + 16 * p), _mm256_set1_epi32(pair));
+            }
             __m256i v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(o, 5));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, _mm256_set1_ps(x[r].d256[j])), acc[r]);
         }
