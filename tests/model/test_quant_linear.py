@@ -426,29 +426,29 @@ def test_int8_many_rows_without_amx(lib, qtype):
     torch.testing.assert_close(linear(x), x @ w.T, rtol=1e-5, atol=1e-4 * w.abs().max())
 
 
-@pytest.mark.parametrize("m", [17, 22, 64])
+@pytest.mark.parametrize("m", [17, 23, 64])
 def test_k_quant_tiles_across_parts_row_maps_and_tail_rows(lib, m):
-    """Eight Q4_K or Q6_K rows packed together take every input row at once (the AVX2
-    kernels): in a fused Q4_K (row map) | Q6_K | Q4_K linear of 21 + 13 + 16 rows, groups of
-    eight within one part take the tiles (rows 0-15 and 40-47 Q4_K, 24-31 Q6_K), rows that
-    straddle parts or end one the one-row kernel; all within fp32 rounding of the integer
-    algorithm, call after call."""
+    """Eight Q4_K or Q6_K rows packed together take every input row at once, two such groups
+    sharing each broadcast of the input (the AVX2 kernels): in a fused Q4_K (row map) | Q6_K |
+    Q4_K linear of 21 + 29 + 16 rows, rows 0-15 (Q4_K) and 32-47 (Q6_K) take two groups, 24-31
+    (Q6_K) and 56-63 (Q4_K) one, rows that straddle parts or end one the one-row kernel; all
+    within fp32 rounding of the integer algorithm, call after call."""
     if not lib.pd_q8_tile_type(int(Q.Q4_K), 256):
         pytest.skip(f"the {lib.isa} kernels pack no rows eight at a time")
     assert lib.pd_q8_tile_type(int(Q.Q6_K), 256) and not lib.pd_q8_tile_type(int(Q.Q8_0), 256)
     rng = np.random.default_rng(m)
     k = 768
-    shapes = ((Q.Q4_K, 21), (Q.Q6_K, 13), (Q.Q4_K, 16))
+    shapes = ((Q.Q4_K, 21), (Q.Q6_K, 29), (Q.Q4_K, 16))
     a, b, c = (random_tensor(t, n, k, rng) for t, n in shapes)
     rowmap = torch.from_numpy(rng.permutation(21))
-    parts = [QuantTensor(a, int(Q.Q4_K), 21, k, "a", rowmap), QuantTensor(b, int(Q.Q6_K), 13, k)]
+    parts = [QuantTensor(a, int(Q.Q4_K), 21, k, "a", rowmap), QuantTensor(b, int(Q.Q6_K), 29, k)]
     parts.append(QuantTensor(c, int(Q.Q4_K), 16, k, "c"))
     linear = QuantLinear(lib, parts)
     assert linear.int8_tiles
     w = torch.cat(
         [
             reference(a, Q.Q4_K, 21, k)[rowmap],
-            reference(b, Q.Q6_K, 13, k),
+            reference(b, Q.Q6_K, 29, k),
             reference(c, Q.Q4_K, 16, k),
         ]
     )

@@ -257,8 +257,8 @@ void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, in
 /* Eight weight rows packed for many input rows (the AVX2 builds; elsewhere no type has it). */
 int pd_q8_tile_type(int64_t type, int64_t K);
 int64_t pd_q8_tile_bytes(int64_t K);
-void pd_q8_tile_pack(int64_t type, const uint8_t *const *rows, int64_t K, uint8_t *out);
-void pd_q8_tile_dot(int64_t type, const uint8_t *pack, const void *xq, int64_t xqb, int64_t M,
+void pd_q8_tile_pack(int64_t type, const uint8_t *const *rows, int64_t G, int64_t K, uint8_t *out);
+void pd_q8_tile_dot(int64_t type, const uint8_t *pack, int64_t G, const void *xq, int64_t xqb, int64_t M,
                     int64_t K, float *y);
 
 #endif

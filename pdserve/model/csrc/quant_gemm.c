@@ -473,28 +473,34 @@ static void row_product(const row_args *a, int64_t j, float *buf) {
     for (; m < M; m++) y[m * ldy + col] = dot(buf, x + m * K, K);
 }
 
-/* Whether memory-order rows j..j+7 are one Q4_K or Q6_K part's rows that take int8 activations. */
-static int tile_group(const row_args *a, int64_t j, int64_t end) {
+/* How many groups of eight rows from memory-order row j take the tiles together: 2 where rows
+ * j..j+15 are one Q4_K or Q6_K part's rows that take int8 activations, 1 where j..j+7 are, else
+ * 0. Two groups share each broadcast of the activations (quant_dot.c). */
+static int tile_groups(const row_args *a, int64_t j, int64_t end) {
     int64_t p, q;
     if (j % 8 || j + 8 > end) return 0;
     pd_qrow(a->flat, a->row_bytes, j, &p);
+    if (!a->dots[p] || !pd_q8_tile_type(a->flat[p].type, a->K)) return 0;
     pd_qrow(a->flat, a->row_bytes, j + 7, &q);
-    return p == q && a->dots[p] && pd_q8_tile_type(a->flat[p].type, a->K);
+    if (q != p) return 0;
+    if (j % 16 || j + 16 > end) return 1;
+    pd_qrow(a->flat, a->row_bytes, j + 15, &q);
+    return q == p ? 2 : 1;
 }
 
-/* Rows j..j+7 (tile_group) packed into `pack` and taken against every input row at once. */
-static void tile_product(const row_args *a, int64_t j, uint8_t *pack, float *ty) {
-    int64_t p;
-    const uint8_t *rows[8];
-    for (int i = 0; i < 8; i++) rows[i] = pd_qrow(a->flat, a->row_bytes, j + i, &p);
-    pd_q8_tile_pack(a->flat[p].type, rows, a->K, pack);
-    pd_q8_tile_dot(a->flat[p].type, pack, a->xq, a->xqb, a->M, a->K, ty);
-    if (!a->cols) { /* eight adjacent outputs of each row: one 32-byte store (a row's line once) */
-        for (int64_t m = 0; m < a->M; m++) memcpy(a->y + m * a->ldy + j, ty + m * 8, 8 * sizeof(float));
+/* Rows j..j+8G-1 (tile_groups) packed into `pack` and taken against every input row at once. */
+static void tile_product(const row_args *a, int64_t j, int G, uint8_t *pack, float *ty) {
+    int64_t p, n = 8 * G;
+    const uint8_t *rows[16];
+    for (int i = 0; i < n; i++) rows[i] = pd_qrow(a->flat, a->row_bytes, j + i, &p);
+    pd_q8_tile_pack(a->flat[p].type, rows, G, a->K, pack);
+    pd_q8_tile_dot(a->flat[p].type, pack, G, a->xq, a->xqb, a->M, a->K, ty);
+    if (!a->cols) { /* adjacent outputs of each row stored at once (a row's line once) */
+        for (int64_t m = 0; m < a->M; m++) memcpy(a->y + m * a->ldy + j, ty + m * n, n * sizeof(float));
         return;
     }
     for (int64_t m = 0; m < a->M; m++)
-        for (int i = 0; i < 8; i++) a->y[m * a->ldy + a->cols[j + i]] = ty[m * 8 + i];
+        for (int i = 0; i < n; i++) a->y[m * a->ldy + a->cols[j + i]] = ty[m * n + i];
 }
 
 /* The output column of each weight row in memory order (parts one after another), where a
@@ -556,13 +562,13 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
     pd_qpart flat[P]; /* the parts without their row maps: rows in memory order */
     for (int64_t p = 0; p < P; p++) flat[p] = parts[p], flat[p].rowmap = NULL;
     int64_t chunk = CLAIM_BYTES / row_bytes[0] > 0 ? CLAIM_BYTES / row_bytes[0] : 1;
-    if (tiles) chunk = (chunk + 7) / 8 * 8; /* whole groups of eight rows */
+    if (tiles) chunk = (chunk + 15) / 16 * 16; /* whole pairs of groups of eight rows */
     row_args a = {x, xq, xqb, M, K, flat, row_bytes, dots, N, dist, cols, y, ldy};
 #pragma omp parallel PAR_IF(N * K)
     {
         float *buf = aligned_alloc(64, ((K * sizeof(float) + 63) / 64) * 64);
-        uint8_t *pack = tiles ? aligned_alloc(64, (pd_q8_tile_bytes(K) + 63) / 64 * 64) : NULL;
-        float *ty = tiles ? aligned_alloc(64, (M * 8 * sizeof(float) + 63) / 64 * 64) : NULL;
+        uint8_t *pack = tiles ? aligned_alloc(64, (2 * pd_q8_tile_bytes(K) + 63) / 64 * 64) : NULL;
+        float *ty = tiles ? aligned_alloc(64, (M * 16 * sizeof(float) + 63) / 64 * 64) : NULL;
         int ok = buf && (!tiles || (pack && ty));
         if (!ok) {
 #pragma omp atomic write
@@ -572,9 +578,10 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
         for (int64_t c = 0; c < (N + chunk - 1) / chunk; c++) {
             int64_t end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
             for (int64_t j = c * chunk; ok && j < end; j++) {
-                if (tiles && tile_group(&a, j, end)) {
-                    tile_product(&a, j, pack, ty);
-                    j += 7;
+                int G = tiles ? tile_groups(&a, j, end) : 0;
+                if (G) {
+                    tile_product(&a, j, G, pack, ty);
+                    j += 8 * G - 1;
                 } else {
                     row_product(&a, j, buf);
                 }
