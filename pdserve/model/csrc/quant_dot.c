@@ -149,21 +149,28 @@ static inline float hsum_ps(__m256 v) {
 #define ROWS_INLINE static inline __attribute__((always_inline))
 
 /* Q8_0 [d, int8 qs32] against the 32-value form: |w| times x with w's sign, so the
- * unsigned-by-signed multiply takes two signed operands. */
+ * unsigned-by-signed multiply takes two signed operands. A block is little work beside the
+ * FMA's latency, so even and odd blocks sum in two chains (one input row streaming 71 MB: 1.03x,
+ * hot in cache 1.10x; Zen 3, 2 threads). */
 ROWS_INLINE void dot_q8_0(const uint8_t *b, const q8row *x, int R, int64_t nb, float *out) {
-    __m256 acc[ROWS_MAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < nb; j++, b += 34) {
-        prefetch_ahead(b, 34);
-        __m256i w = ld(b + 2), aw = _mm256_sign_epi8(w, w);
-        float d = fp16(b);
-        for (int r = 0; r < R; r++) {
-            __m256i sx = _mm256_sign_epi8(ld(x[r].q32 + 32 * j), w);
-            __m256 s = _mm256_cvtepi32_ps(dot4_256(aw, sx)); /* |w| <= 128, |x| <= 127 */
-            acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * x[r].d32[j]), acc[r]);
+    __m256 acc[2][ROWS_MAX]; /* blocks 2i and 2i + 1: two chains of FMAs, not one */
+    for (int r = 0; r < R; r++) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j += 2) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            if (j + h == nb) break;
+            const uint8_t *bh = b + 34 * (j + h);
+            prefetch_ahead(bh, 34);
+            __m256i w = ld(bh + 2), aw = _mm256_sign_epi8(w, w);
+            float d = fp16(bh);
+            for (int r = 0; r < R; r++) {
+                __m256i sx = _mm256_sign_epi8(ld(x[r].q32 + 32 * (j + h)), w);
+                __m256 s = _mm256_cvtepi32_ps(dot4_256(aw, sx)); /* |w| <= 128, |x| <= 127 */
+                acc[h][r] = _mm256_fmadd_ps(s, _mm256_set1_ps(d * x[r].d32[j + h]), acc[h][r]);
+            }
         }
     }
-    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]);
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(_mm256_add_ps(acc[0][r], acc[1][r]));
 }
 
 /* The 8 scales and 8 mins of a Q4_K block's 12 packed bytes, as bytes, by 32-bit word ops
