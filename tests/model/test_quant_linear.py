@@ -435,7 +435,7 @@ def test_k_quant_tiles_across_parts_row_maps_and_tail_rows(lib, m):
     within fp32 rounding of the integer algorithm, call after call."""
     if not lib.pd_q8_tile_type(int(Q.Q4_K), 256):
         pytest.skip(f"the {lib.isa} kernels pack no rows eight at a time")
-    assert lib.pd_q8_tile_type(int(Q.Q6_K), 256) and not lib.pd_q8_tile_type(int(Q.Q8_0), 256)
+    assert lib.pd_q8_tile_type(int(Q.Q6_K), 256) == 2
     rng = np.random.default_rng(m)
     k = 768
     shapes = ((Q.Q4_K, 21), (Q.Q6_K, 29), (Q.Q4_K, 16))
@@ -458,6 +458,32 @@ def test_k_quant_tiles_across_parts_row_maps_and_tail_rows(lib, m):
     assert np.all(np.abs(y.numpy() - exact) <= 1e-6 * scale)
     for _ in range(5):
         assert torch.equal(linear(x), y)
+
+
+@pytest.mark.parametrize("m", [17, 23, 64])
+def test_q8_0_tiles_split_each_byte_in_two_nibbles(lib, m):
+    """Eight Q8_0 rows packed together (the AVX2 kernels) hold each weight plus 128 as two
+    nibbles, 16 hi + lo - 128 sum(x) being the signed product's exact integer: in a fused
+    Q8_0 (row map) | Q8_0 linear of 21 + 13 rows over 96 columns (no multiple of 256), rows
+    0-15 and 24-31 take the tiles, the rest the one-row kernel; within fp32 rounding of the
+    integer algorithm, with weights at both ends of int8's range."""
+    if not lib.pd_q8_tile_type(int(Q.Q8_0), 96):
+        pytest.skip(f"the {lib.isa} kernels pack no Q8_0 rows eight at a time")
+    assert lib.pd_q8_tile_type(int(Q.Q8_0), 96) == 1
+    rng = np.random.default_rng(m)
+    k = 96
+    a, b = random_tensor(Q.Q8_0, 21, k, rng), random_tensor(Q.Q8_0, 13, k, rng)
+    a.reshape(-1, 34)[:, 2:4] = np.array([-128, 127], np.int8).view(np.uint8)  # int8's ends
+    rowmap = torch.from_numpy(rng.permutation(21))
+    parts = [QuantTensor(a, int(Q.Q8_0), 21, k, "a", rowmap), QuantTensor(b, int(Q.Q8_0), 13, k)]
+    linear = QuantLinear(lib, parts)
+    assert linear.int8_tiles
+    w = torch.cat([reference(a, Q.Q8_0, 21, k)[rowmap], reference(b, Q.Q8_0, 13, k)])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    y = linear(x)
+    exact, scale = int8_reference(w, x, 32)
+    assert np.all(np.abs(y.numpy() - exact) <= 1e-6 * scale)
+    assert torch.equal(linear(x), y)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.BF16, Q.Q4_K], ids=lambda q: q.name)

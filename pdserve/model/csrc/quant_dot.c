@@ -10,6 +10,7 @@
  *   q256 int8 [K]    per 256 values: d = max|x| / 127, q = round-to-nearest-even(x * 127/max)
  *   q32  int8 [K]    the same per 32 values
  *   d256 f32 [K/256], d32 f32 [K/32], bsum int16 [K/16] (sum of each 16 q256 values)
+ *   sum32 int16 [K/32] (sum of each 32 q32 values)
  *   q4k  int8 [K]    q256 with each 128 values' 32-value quarters in the order 0, 2, 1, 3:
  *                    the order in which 64 bytes of Q4_K nibbles hold their values (below)
  * The 256-value form serves the K-quants (their scales multiply integer sub-block sums; a
@@ -33,13 +34,13 @@ int pd_q8_dot_type(int64_t type, int64_t K) {
 }
 
 int64_t pd_q8_row_bytes(int64_t K) {
-    return 3 * up64(K) + up64(K / 256 * 4) + up64(K / 32 * 4) + up64(K / 16 * 2);
+    return 3 * up64(K) + up64(K / 256 * 4) + up64(K / 32 * 4) + up64(K / 16 * 2) + up64(K / 32 * 2);
 }
 
 typedef struct {
     int8_t *q256, *q32;
     float *d256, *d32;
-    int16_t *bsum;
+    int16_t *bsum, *sum32;
     int8_t *q4k;
 } q8row;
 
@@ -51,6 +52,7 @@ static q8row q8_parts(void *base, int64_t K) {
     r.d256 = (float *)p, p += up64(K / 256 * 4);
     r.d32 = (float *)p, p += up64(K / 32 * 4);
     r.bsum = (int16_t *)p, p += up64(K / 16 * 2);
+    r.sum32 = (int16_t *)p, p += up64(K / 32 * 2);
     r.q4k = (int8_t *)p;
     return r;
 }
@@ -76,7 +78,12 @@ static void quantize_block(const float *x, int64_t n, int8_t *q, float *d) {
 /* x [K] (K a multiple of 32) to its quantized row at `out` (pd_q8_row_bytes(K) bytes). */
 void pd_q8_quantize(const float *x, int64_t K, void *out) {
     q8row r = q8_parts(out, K);
-    for (int64_t b = 0; b < K / 32; b++) quantize_block(x + 32 * b, 32, r.q32 + 32 * b, r.d32 + b);
+    for (int64_t b = 0; b < K / 32; b++) {
+        quantize_block(x + 32 * b, 32, r.q32 + 32 * b, r.d32 + b);
+        int sum = 0;
+        for (int i = 0; i < 32; i++) sum += r.q32[32 * b + i];
+        r.sum32[b] = (int16_t)sum;
+    }
     for (int64_t b = 0; b < K / 256; b++) quantize_block(x + 256 * b, 256, r.q256 + 256 * b, r.d256 + b);
     for (int64_t s = 0; s < K / 256 * 16; s++) {
         int sum = 0;
@@ -477,11 +484,19 @@ void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, in
 #define TILE_BLOCK (TILE_Q + 8 * 16 * 2 + 4 * 16 * 2 + 2 * 8 * 4)
 #define TILE6_Q (16 * 4 * 32)
 #define TILE6_BLOCK (TILE6_Q + 16 * 16 * 2 + 8 * 16 * 2 + 8 * 4)
+#define TILE8_BLOCK (2 * 8 * 32 + 8 * 4)
 
-int pd_q8_tile_type(int64_t type, int64_t K) { return (type == Q4_K || type == Q6_K) && K % 256 == 0; }
+/* The most groups of eight rows of `type` one pd_q8_tile_dot takes (0: the type has no tiles). */
+int pd_q8_tile_type(int64_t type, int64_t K) {
+    if (type == Q8_0) return K % 32 == 0;
+    return (type == Q4_K || type == Q6_K) && K % 256 == 0 ? 2 : 0;
+}
 
-/* The buffer one pd_q8_tile_pack of any tile type needs. */
-int64_t pd_q8_tile_bytes(int64_t K) { return K / 256 * (TILE6_BLOCK > TILE_BLOCK ? TILE6_BLOCK : TILE_BLOCK); }
+/* The buffer one pd_q8_tile_pack of one group of eight rows of any tile type needs. */
+int64_t pd_q8_tile_bytes(int64_t K) {
+    int64_t k = K / 256 * (TILE6_BLOCK > TILE_BLOCK ? TILE6_BLOCK : TILE_BLOCK);
+    return K / 32 * TILE8_BLOCK > k ? K / 32 * TILE8_BLOCK : k;
+}
 
 /* v[i] (8 dwords each) transposed to out (8 vectors of 32 bytes): dword k of vector i is dword
  * i of v[k]. */
@@ -566,6 +581,23 @@ static void pack_q6_k(const uint8_t *const *rows, int64_t K, uint8_t *out) {
             for (int r = 0; r < TILE_ROWS; r++) v[r] = ld(q[r] + 32 * g);
             transpose8_epi32(v, out + g * 8 * 32);
         }
+    }
+}
+
+/* rows[0..8): eight Q8_0 rows of K values, packed for tile_q8_0 at `out`. */
+static void pack_q8_0(const uint8_t *const *rows, int64_t K, uint8_t *out) {
+    const __m256i m4 = _mm256_set1_epi8(15), top = _mm256_set1_epi8((char)0x80);
+    for (int64_t j = 0; j < K / 32; j++, out += TILE8_BLOCK) {
+        __m256i hi[TILE_ROWS], lo[TILE_ROWS];
+        float *d = (float *)(out + 2 * 8 * 32);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const uint8_t *b = rows[r] + 34 * j;
+            __m256i u = _mm256_xor_si256(ld(b + 2), top); /* w + 128 */
+            hi[r] = _mm256_and_si256(_mm256_srli_epi16(u, 4), m4), lo[r] = _mm256_and_si256(u, m4);
+            d[r] = fp16(b);
+        }
+        transpose8_epi32(hi, out);
+        transpose8_epi32(lo, out + 8 * 32);
     }
 }
 
@@ -677,12 +709,45 @@ ROWS_INLINE void tile_q6_k(const uint8_t *pack, int64_t gap, int G, const q8row 
         for (int g = 0; g < G; g++) out[G * r + g] = acc[r][g];
 }
 
+/* out[r] (8 lanes: the 8 rows) = the packed Q8_0 rows' dot products with input row r. */
+ROWS_INLINE void tile_q8_0(const uint8_t *pack, const q8row *x, int R, int64_t nb, __m256 *out) {
+    const __m256i sixteen = _mm256_set1_epi16(16), ones = _mm256_set1_epi16(1);
+    __m256 acc[ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j++, pack += TILE8_BLOCK) {
+        __m256i h16[ROWS_MAX], l16[ROWS_MAX];
+        for (int r = 0; r < R; r++) h16[r] = l16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int k = 0; k < 8; k++) {
+            __m256i wh = ld(pack + 32 * k), wl = ld(pack + 8 * 32 + 32 * k);
+            for (int r = 0; r < R; r++) { /* one broadcast for both nibbles */
+                int32_t xv;
+                memcpy(&xv, x[r].q32 + 32 * j + 4 * k, 4);
+                __m256i xb = _mm256_set1_epi32(xv);
+                h16[r] = _mm256_add_epi16(h16[r], _mm256_maddubs_epi16(wh, xb));
+                l16[r] = _mm256_add_epi16(l16[r], _mm256_maddubs_epi16(wl, xb));
+            }
+        }
+        __m256 dv = _mm256_loadu_ps((const float *)(pack + 2 * 8 * 32));
+        for (int r = 0; r < R; r++) { /* 16 hi + lo - 128 sum(x) */
+            __m256i v = madd_acc256(_mm256_madd_epi16(h16[r], sixteen), l16[r], ones);
+            v = _mm256_sub_epi32(v, _mm256_set1_epi32(128 * x[r].sum32[j]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, _mm256_set1_ps(x[r].d32[j])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = acc[r];
+}
+
 /* Bytes between two packed groups of `type` (pd_q8_tile_pack, pd_q8_tile_dot). */
-static int64_t tile_gap(int64_t type, int64_t K) { return K / 256 * (type == Q6_K ? TILE6_BLOCK : TILE_BLOCK); }
+static int64_t tile_gap(int64_t type, int64_t K) {
+    return type == Q8_0 ? K / 32 * TILE8_BLOCK : K / 256 * (type == Q6_K ? TILE6_BLOCK : TILE_BLOCK);
+}
 
 ROWS_INLINE void tile_rows(int64_t type, const uint8_t *pack, int64_t gap, int G, const q8row *x, int R,
                            int64_t nb, __m256 *out) {
-    if (G == 2 && type == Q6_K)
+    if (type == Q8_0)
+        tile_q8_0(pack, x, R, nb, out);
+    else if (G == 2 && type == Q6_K)
         tile_q6_k(pack, gap, 2, x, R, nb, out);
     else if (G == 2)
         tile_q4_k(pack, gap, 2, x, R, nb, out);
@@ -694,7 +759,7 @@ ROWS_INLINE void tile_rows(int64_t type, const uint8_t *pack, int64_t gap, int G
 
 void pd_q8_tile_pack(int64_t type, const uint8_t *const *rows, int64_t G, int64_t K, uint8_t *out) {
     for (int64_t g = 0; g < G; g++)
-        (type == Q6_K ? pack_q6_k : pack_q4_k)(rows + 8 * g, K, out + g * tile_gap(type, K));
+        (type == Q8_0 ? pack_q8_0 : type == Q6_K ? pack_q6_k : pack_q4_k)(rows + 8 * g, K, out + g * tile_gap(type, K));
 }
 
 /* y[m * 8G + i] = packed row i (pd_q8_tile_pack of `type`, G <= 2 groups of eight) . quantized
@@ -703,11 +768,12 @@ void pd_q8_tile_dot(int64_t type, const uint8_t *pack, int64_t G, const void *xq
                     int64_t K, float *y) {
     q8row x[ROWS_MAX];
     __m256 out[ROWS_MAX * 2];
-    int64_t gap = tile_gap(type, K), nb = K / 256;
-    /* Two groups of Q4_K take 3 input rows a pass: with 4, their 8 sums in 16 bits and 8 in 32
-     * outgrow the 16 registers and took 1.06-1.16x the time of one group at 17-512 rows; with 3
-     * they are 1.10-1.24x faster (Zen 3, 8192x2048, one thread) */
-    int step = G == 2 && type == Q4_K ? 3 : ROWS_MAX;
+    int64_t gap = tile_gap(type, K), nb = type == Q8_0 ? K / 32 : K / 256;
+    /* Two groups of Q4_K and one of Q8_0 take 3 input rows a pass: with 4, their sums in 16
+     * bits (8) and in 32 (4-8) outgrow the 16 registers. Zen 3, 8192x2048, one thread: two Q4_K
+     * groups took 1.06-1.16x the time of one at 17-512 rows, with 3 1.10-1.24x less; Q8_0 with 3
+     * rows 1.20-1.31x faster than with 4 */
+    int step = (G == 2 && type == Q4_K) || type == Q8_0 ? 3 : ROWS_MAX;
     for (int64_t m = 0; m < M; m += step) {
         int R = M - m < step ? (int)(M - m) : step;
         for (int r = 0; r < R; r++) x[r] = q8_parts((char *)xq + (m + r) * xqb, K);

@@ -480,10 +480,11 @@ static int tile_groups(const row_args *a, int64_t j, int64_t end) {
     int64_t p, q;
     if (j % 8 || j + 8 > end) return 0;
     pd_qrow(a->flat, a->row_bytes, j, &p);
-    if (!a->dots[p] || !pd_q8_tile_type(a->flat[p].type, a->K)) return 0;
+    int most = a->dots[p] ? pd_q8_tile_type(a->flat[p].type, a->K) : 0;
+    if (!most) return 0;
     pd_qrow(a->flat, a->row_bytes, j + 7, &q);
     if (q != p) return 0;
-    if (j % 16 || j + 16 > end) return 1;
+    if (most < 2 || j % 16 || j + 16 > end) return 1;
     pd_qrow(a->flat, a->row_bytes, j + 15, &q);
     return q == p ? 2 : 1;
 }
