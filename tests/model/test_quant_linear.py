@@ -404,7 +404,8 @@ def test_int8_many_rows_without_amx(lib, qtype):
     """Without AMX tiles, 17 to INT8_MANY_M_MAX rows of an int8 type take int8 activations:
     each row as it is alone (64 at a time); above that, the fp32 GEMM path. Where Q4_K rows
     are packed eight at a time (the AVX2 kernels), every row count above 16 takes those
-    tiles: the same integers, each row the same in any such call."""
+    tiles: the same integers, each row the same in any such call, also where a long call is
+    split into blocks of rows."""
     if hasattr(lib, "pd_quant_linear_amx"):
         pytest.skip("the amx kernels take AMX tiles above 16 rows")
     rng = np.random.default_rng(int(qtype) + 9)
@@ -420,6 +421,9 @@ def test_int8_many_rows_without_amx(lib, qtype):
     if linear.int8_tiles:
         assert torch.equal(linear(x[:17]), many[:17])
         assert torch.equal(linear(x)[:m], many)  # past INT8_MANY_M_MAX: still the tiles
+        big = linear(torch.cat([x] * 9)[:-7])  # 578 rows: blocks of 192-193 (TILE_M_BLOCK)
+        for copy in big.split(m + 1)[:-1]:
+            assert torch.equal(copy[:m], many)
         return
     alone = torch.cat([linear(x[i : i + 1]) for i in (0, 17, 63, m - 1)])
     assert torch.equal(many[[0, 17, 63, m - 1]], alone)
