@@ -8,9 +8,9 @@ it, or (Q4_K, Q6_K, Q8_0, up to `INT8_M_MAX` rows) takes integer dot products wi
 rows quantized to int8 (csrc/quant_dot.c). Above `QUANT_GEMV_M_MAX` input rows (prefill
 chunks, decode batches over 16): on AMX CPUs the block types, BF16 and F16 take AMX bf16
 tiles (csrc/quant_amx.c); without AMX, linears of int8 types take int8 activations up to
-`INT8_MANY_M_MAX` rows, and Q4_K/Q6_K linears at any row count, eight weight rows packed at
-a time (the AVX2 kernels); the rest dequantize a tile of weight rows once into a bounded fp32 buffer
-for PyTorch's fp32 GEMM.
+`INT8_MANY_M_MAX` rows, and Q4_K/Q6_K/Q8_0 linears at any row count, eight weight rows packed
+at a time (the AVX2 kernels); the rest dequantize a tile of weight rows once into a bounded
+fp32 buffer for PyTorch's fp32 GEMM.
 `QuantEmbedding` dequantizes only the rows it looks up.
 """
 
@@ -162,8 +162,8 @@ class QuantLinear(nn.Module):
     @property
     def int8_tiles(self) -> bool:
         """Whether calls of any number of rows take int8 activations: without AMX tiles, every
-        part packed eight rows at a time for many input rows (Q4_K and Q6_K on the AVX2
-        kernels, csrc/quant_dot.c): at 64-512 rows 1.4-2x faster than the one-row int8 kernel,
+        part packed eight rows at a time for many input rows (Q4_K, Q6_K and Q8_0 on the AVX2
+        kernels, csrc/quant_dot.c): at 64-512 rows 1.5-2x faster than the one-row int8 kernel,
         itself about as fast as the fp32 GEMM path there."""
         return self.int8_many_rows and all(
             self.lib.pd_q8_tile_type(p.qtype, p.cols) for p in self.parts

@@ -476,6 +476,13 @@ void pd_q8_dot(int64_t type, const uint8_t *row, const void *xq, int64_t xqb, in
  *   d     [8] float
  * Two maddubs sum in 16 bits (at most 2 * 2 * 63 * 127 = 32004), a madd per two; the -32 of
  * every value is one madd per two sub-blocks against the bsums, as in the one-row kernel.
+ *
+ * A packed Q8_0 block (TILE8_BLOCK bytes) for step k (0-7), each weight w plus 128 in nibbles:
+ *   hi    [8][32] u8        bytes 4r..4r+3 of hi[k]: (w + 128) >> 4 of row r's values 4k .. +3
+ *   lo    [8][32] u8        the same, (w + 128) & 15
+ *   d     [8] float
+ * w . x = 16 (hi . x) + lo . x - 128 sum(x): each nibble's 8 maddubs sum in 16 bits (at most
+ * 30480) from one broadcast, and sum(x) is the quantized row's sum32.
  * Results are the one-row kernels' integers summed in another order: equal up to float
  * rounding, and the same for a row in any call that takes this path. */
 #ifndef __AVX512BW__
