@@ -499,11 +499,10 @@ int pd_q8_tile_type(int64_t type, int64_t K) {
     return (type == Q4_K || type == Q6_K) && K % 256 == 0 ? 2 : 0;
 }
 
-/* The buffer one pd_q8_tile_pack of one group of eight rows of any tile type needs. */
-int64_t pd_q8_tile_bytes(int64_t K) {
-    int64_t k = K / 256 * (TILE6_BLOCK > TILE_BLOCK ? TILE6_BLOCK : TILE_BLOCK);
-    return K / 32 * TILE8_BLOCK > k ? K / 32 * TILE8_BLOCK : k;
-}
+/* The buffer one pd_q8_tile_pack of one group of eight rows of any tile type needs: Q8_0's,
+ * whose 256 values take the most bytes. */
+_Static_assert(8 * TILE8_BLOCK >= TILE_BLOCK && 8 * TILE8_BLOCK >= TILE6_BLOCK, "Q8_0 packs the most");
+int64_t pd_q8_tile_bytes(int64_t K) { return K / 32 * TILE8_BLOCK; }
 
 /* v[i] (8 dwords each) transposed to out (8 vectors of 32 bytes): dword k of vector i is dword
  * i of v[k]. */
