@@ -673,6 +673,8 @@ ROWS_INLINE void tile_q6_k(const uint8_t *pack, int64_t gap, int G, const q8row 
         for (int r = 0; r < R; r++)
             for (int g = 0; g < G; g++) isum[r][g] = _mm256_setzero_si256();
         for (int s = 0; s < 16; s++) {
+            __m256i scv[2];
+            for (int g = 0; g < G; g++) scv[g] = ld(pack + g * gap + TILE6_Q + 32 * s);
 #pragma GCC unroll 1 /* rolled: gcc's full unroll spilled in tile_q4_k */
             for (int k = 0; k < 4; k += 2) {
                 __m256i w0[2], w1[2];
@@ -687,7 +689,7 @@ ROWS_INLINE void tile_q6_k(const uint8_t *pack, int64_t gap, int G, const q8row 
                     __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
                     for (int g = 0; g < G; g++) {
                         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0[g], b0), _mm256_maddubs_epi16(w1[g], b1));
-                        isum[r][g] = madd_acc256(isum[r][g], p, ld(pack + g * gap + TILE6_Q + 32 * s));
+                        isum[r][g] = madd_acc256(isum[r][g], p, scv[g]);
                     }
                 }
             }

@@ -482,9 +482,13 @@ static void row_product(const row_args *a, int64_t j, float *buf) {
     for (; m < M; m++) y[m * ldy + col] = dot(buf, x + m * K, K);
 }
 
-/* How many groups of eight rows from memory-order row j take the tiles together: 2 where rows
- * j..j+15 are one Q4_K or Q6_K part's rows that take int8 activations, 1 where j..j+7 are, else
- * 0. Two groups share each broadcast of the activations (quant_dot.c). */
+/* Groups of eight weight rows one tile call takes at most (pd_q8_tile_type). */
+#define TILE_GROUPS_MAX 2
+
+/* How many groups of eight rows from memory-order row j take the tiles together: up to the
+ * part's type's most (pd_q8_tile_type: 2 for Q4_K and Q6_K, whose groups share each broadcast
+ * of the activations, 1 for Q8_0) where rows j..j+8G-1 are one part's rows that take int8
+ * activations, else 0. */
 static int tile_groups(const row_args *a, int64_t j, int64_t end) {
     int64_t p, q;
     if (j % 8 || j + 8 > end) return 0;
@@ -493,7 +497,7 @@ static int tile_groups(const row_args *a, int64_t j, int64_t end) {
     if (!most) return 0;
     pd_qrow(a->flat, a->row_bytes, j + 7, &q);
     if (q != p) return 0;
-    if (most < 2 || j % 16 || j + 16 > end) return 1;
+    if (most < 2 || j % 16 || j + 16 > end) return 1; /* two groups start at a multiple of 16 */
     pd_qrow(a->flat, a->row_bytes, j + 15, &q);
     return q == p ? 2 : 1;
 }
@@ -501,7 +505,7 @@ static int tile_groups(const row_args *a, int64_t j, int64_t end) {
 /* Rows j..j+8G-1 (tile_groups) packed into `pack` and taken against every input row at once. */
 static void tile_product(const row_args *a, int64_t j, int G, uint8_t *pack, float *ty) {
     int64_t p, n = 8 * G;
-    const uint8_t *rows[16];
+    const uint8_t *rows[8 * TILE_GROUPS_MAX];
     for (int i = 0; i < n; i++) rows[i] = pd_qrow(a->flat, a->row_bytes, j + i, &p);
     pd_q8_tile_pack(a->flat[p].type, rows, G, a->K, pack);
     pd_q8_tile_dot(a->flat[p].type, pack, G, a->xq, a->xqb, a->M, a->K, ty);
@@ -549,17 +553,13 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
     }
     /* Where every part takes the tiles, all rows at once: each group of weight rows is packed
      * once per call (blocks of 128 or 256 rows took ~1.16x the time at 512 rows). */
-    if (M > Q8_M_BLOCK && M <= int8_m_max && !tile_all) { /* a block's int8 rows stay in L2 */
-        for (int64_t m = 0; m < M; m += Q8_M_BLOCK)
-            if (pd_quant_linear(x + m * K, M - m < Q8_M_BLOCK ? M - m : Q8_M_BLOCK, K, parts, P,
-                                y + m * ldy, ldy, int8_m_max))
-                return -1;
-        return 0;
-    }
-    if (M > TILE_M_BLOCK && M <= int8_m_max && tile_all) {
-        int64_t blocks = (M + TILE_M_BLOCK - 1) / TILE_M_BLOCK;
+    /* int8 rows in near-equal blocks: a block's stay in L2 (the one-row kernel) or the caches
+     * (the tiles: each block over TILE_M_BLOCK / 2 rows) */
+    int64_t block = tile_all ? TILE_M_BLOCK : Q8_M_BLOCK;
+    if (M > block && M <= int8_m_max) {
+        int64_t blocks = (M + block - 1) / block;
         for (int64_t b = 0, m = 0; b < blocks; b++) {
-            int64_t n = M * (b + 1) / blocks - m; /* over TILE_M_BLOCK / 2 rows */
+            int64_t n = M * (b + 1) / blocks - m;
             if (pd_quant_linear(x + m * K, n, K, parts, P, y + m * ldy, ldy, int8_m_max)) return -1;
             m += n;
         }
@@ -581,13 +581,13 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
     pd_qpart flat[P]; /* the parts without their row maps: rows in memory order */
     for (int64_t p = 0; p < P; p++) flat[p] = parts[p], flat[p].rowmap = NULL;
     int64_t chunk = CLAIM_BYTES / row_bytes[0] > 0 ? CLAIM_BYTES / row_bytes[0] : 1;
-    if (tiles) chunk = (chunk + 15) / 16 * 16; /* whole pairs of groups of eight rows */
+    if (tiles) chunk = (chunk + 8 * TILE_GROUPS_MAX - 1) / (8 * TILE_GROUPS_MAX) * (8 * TILE_GROUPS_MAX);
     row_args a = {x, xq, xqb, M, K, flat, row_bytes, dots, N, dist, cols, y, ldy};
 #pragma omp parallel PAR_IF(N * K)
     {
         float *buf = aligned_alloc(64, ((K * sizeof(float) + 63) / 64) * 64);
-        uint8_t *pack = tiles ? aligned_alloc(64, (2 * pd_q8_tile_bytes(K) + 63) / 64 * 64) : NULL;
-        float *ty = tiles ? aligned_alloc(64, (M * 16 * sizeof(float) + 63) / 64 * 64) : NULL;
+        uint8_t *pack = tiles ? aligned_alloc(64, (TILE_GROUPS_MAX * pd_q8_tile_bytes(K) + 63) / 64 * 64) : NULL;
+        float *ty = tiles ? aligned_alloc(64, (M * 8 * TILE_GROUPS_MAX * sizeof(float) + 63) / 64 * 64) : NULL;
         int ok = buf && (!tiles || (pack && ty));
         if (!ok) {
 #pragma omp atomic write
