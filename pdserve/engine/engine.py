@@ -20,8 +20,10 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.costmodel.step_cost import StepShape
 from pdserve.engine import pins
+from pdserve.engine.heap import keep_freed_memory
 from pdserve.engine.kv_budget import KVBudget
 from pdserve.engine.kv_offload import KVOffload
+from pdserve.engine.memory import activation_bytes
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.roles.base import KVDestination, KVReservation, Role
 from pdserve.engine.roles.collocated import CollocatedRole
@@ -86,6 +88,8 @@ class Engine:
             allocate_kv,
             kernels,
         )
+        if self.runner.device.type == "cpu":  # after loading: the loader's frees go back
+            keep_freed_memory(activation_bytes(self.model_config, config))
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.cache.block_size,
