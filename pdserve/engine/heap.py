@@ -1,14 +1,10 @@
 """A worker's heap: the memory one step frees kept for the next.
 
-Every step allocates its activations afresh (each linear's output, the MLP's gate/up, the
-logits) and frees them at its end. glibc's malloc returns them to the kernel: a block over
-its mmap threshold (128 KiB, rising to at most 32 MiB as blocks are freed) is unmapped on
-free, and a heap whose free top passes the trim threshold is shrunk. The next step then
-takes a page fault, and a page zeroed by the kernel, for every 4 KiB it writes. On a 1B
-Llama (Q4_K_M, 2 threads, 32 requests of 128 prompt tokens and 32 output tokens, offline)
-that was 2.6-4.2 million faults and 7-11 s of system time in a 40 s run; kept, 0.3 million
-and 1.1 s (the faults left are the model's file pages), and a 512-token prefill took
-~10% less time (docs/cpu-kernels.md, "Memory a step frees").
+Every step allocates its activations afresh and frees them at its end, and glibc's malloc
+returns such blocks to the kernel (unmapped over its mmap threshold, trimmed off the heap's
+top past its trim threshold): the next step takes a page fault and a zeroed page for every
+4 KiB it writes, millions a minute on a 1B model (docs/cpu-kernels.md, "Memory a step
+frees").
 
 So an engine process raises both thresholds to the activations its memory plan already
 counts (engine/memory.py: `activation_bytes`, the largest step's): blocks up to that size
