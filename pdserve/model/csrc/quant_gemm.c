@@ -551,10 +551,8 @@ int pd_quant_linear(const float *x, int64_t M, int64_t K, const pd_qpart *parts,
         int tiled = M >= TILE_M_MIN && dots[p] && pd_q8_tile_type(parts[p].type, K);
         tiles |= tiled, tile_all &= tiled;
     }
-    /* Where every part takes the tiles, all rows at once: each group of weight rows is packed
-     * once per call (blocks of 128 or 256 rows took ~1.16x the time at 512 rows). */
     /* int8 rows in near-equal blocks: a block's stay in L2 (the one-row kernel) or the caches
-     * (the tiles: each block over TILE_M_BLOCK / 2 rows) */
+     * (the tiles: each block over TILE_M_BLOCK / 2 rows, each packing the weights again) */
     int64_t block = tile_all ? TILE_M_BLOCK : Q8_M_BLOCK;
     if (M > block && M <= int8_m_max) {
         int64_t blocks = (M + block - 1) / block;
