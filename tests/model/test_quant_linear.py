@@ -118,6 +118,10 @@ def test_activation_quantization_matches_numpy(lib):
     assert np.array_equal(buf[2 * k + 64 : 2 * k + 128].view(np.float32), d32[0])
     bsum = buf[2 * k + 128 : 2 * k + 192].view(np.int16)
     assert np.array_equal(bsum, q256[0].reshape(-1, 16).sum(-1, dtype=np.int16))
+    sum32 = buf[2 * k + 192 : 2 * k + 224].view(np.int16)
+    assert np.array_equal(sum32, q32[0].reshape(-1, 32).sum(-1, dtype=np.int16))
+    bsum32 = buf[2 * k + 256 : 2 * k + 288].view(np.int16)
+    assert np.array_equal(bsum32, q256[0].reshape(-1, 32).sum(-1, dtype=np.int16))
 
 
 @pytest.mark.parametrize("qtype", list(INT8), ids=lambda q: q.name)

@@ -10,7 +10,7 @@
  *   q256 int8 [K]    per 256 values: d = max|x| / 127, q = round-to-nearest-even(x * 127/max)
  *   q32  int8 [K]    the same per 32 values
  *   d256 f32 [K/256], d32 f32 [K/32], bsum int16 [K/16] (sum of each 16 q256 values)
- *   sum32 int16 [K/32] (sum of each 32 q32 values)
+ *   sum32 int16 [K/32] (sum of each 32 q32 values), bsum32 int16 [K/32] (of each 32 q256 values)
  *   q4k  int8 [K]    q256 with each 128 values' 32-value quarters in the order 0, 2, 1, 3:
  *                    the order in which 64 bytes of Q4_K nibbles hold their values (below)
  * The 256-value form serves the K-quants (their scales multiply integer sub-block sums; a
@@ -34,13 +34,13 @@ int pd_q8_dot_type(int64_t type, int64_t K) {
 }
 
 int64_t pd_q8_row_bytes(int64_t K) {
-    return 3 * up64(K) + up64(K / 256 * 4) + up64(K / 32 * 4) + up64(K / 16 * 2) + up64(K / 32 * 2);
+    return 3 * up64(K) + up64(K / 256 * 4) + up64(K / 32 * 4) + up64(K / 16 * 2) + 2 * up64(K / 32 * 2);
 }
 
 typedef struct {
     int8_t *q256, *q32;
     float *d256, *d32;
-    int16_t *bsum, *sum32;
+    int16_t *bsum, *sum32, *bsum32;
     int8_t *q4k;
 } q8row;
 
@@ -53,6 +53,7 @@ static q8row q8_parts(void *base, int64_t K) {
     r.d32 = (float *)p, p += up64(K / 32 * 4);
     r.bsum = (int16_t *)p, p += up64(K / 16 * 2);
     r.sum32 = (int16_t *)p, p += up64(K / 32 * 2);
+    r.bsum32 = (int16_t *)p, p += up64(K / 32 * 2);
     r.q4k = (int8_t *)p;
     return r;
 }
@@ -90,6 +91,7 @@ void pd_q8_quantize(const float *x, int64_t K, void *out) {
         for (int i = 0; i < 16; i++) sum += r.q256[16 * s + i];
         r.bsum[s] = (int16_t)sum;
     }
+    for (int64_t b = 0; b < K / 32; b++) r.bsum32[b] = (int16_t)(r.bsum[2 * b] + r.bsum[2 * b + 1]);
     static const int quarter[4] = {0, 2, 1, 3};
     for (int64_t i = 0; i < K; i += 32)
         memcpy(r.q4k + i, r.q256 + (i & ~127) + 32 * quarter[(i >> 5) & 3], 32);
@@ -611,9 +613,9 @@ static void pack_q8_0(const uint8_t *const *rows, int64_t K, uint8_t *out) {
  * r; group g's pack at pack + g * gap. */
 ROWS_INLINE void tile_q4_k(const uint8_t *pack, int64_t gap, int G, const q8row *x, int R, int64_t nb,
                            __m256 *out) {
-    __m256 acc[ROWS_MAX][2], mins[ROWS_MAX][2];
+    __m256 acc[ROWS_MAX][2];
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) acc[r][g] = mins[r][g] = _mm256_setzero_ps();
+        for (int g = 0; g < G; g++) acc[r][g] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; j++, pack += TILE_BLOCK) {
         __m256i isum[ROWS_MAX][2];
         for (int r = 0; r < R; r++)
@@ -641,11 +643,11 @@ ROWS_INLINE void tile_q4_k(const uint8_t *pack, int64_t gap, int G, const q8row 
             }
         }
         for (int r = 0; r < R; r++) {
-            const int16_t *bs = x[r].bsum + 16 * j; /* sub-block s: bs[2s] + bs[2s + 1] */
-            __m256i bsv[4];
+            __m256i bsv[4]; /* the sums of sub-blocks 2p, 2p + 1 */
             for (int p = 0; p < 4; p++) {
-                uint16_t lo = (uint16_t)(bs[4 * p] + bs[4 * p + 1]), hi = (uint16_t)(bs[4 * p + 2] + bs[4 * p + 3]);
-                bsv[p] = _mm256_set1_epi32((int32_t)(lo | (uint32_t)hi << 16));
+                int32_t pair;
+                memcpy(&pair, x[r].bsum32 + 8 * j + 2 * p, 4);
+                bsv[p] = _mm256_set1_epi32(pair);
             }
             __m256 dx = _mm256_set1_ps(x[r].d256[j]);
             for (int g = 0; g < G; g++) {
@@ -654,12 +656,12 @@ ROWS_INLINE void tile_q4_k(const uint8_t *pack, int64_t gap, int G, const q8row 
                 __m256i msum = _mm256_setzero_si256();
                 for (int p = 0; p < 4; p++) msum = madd_acc256(msum, ld(mn + 16 * p), bsv[p]);
                 acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][g]), _mm256_mul_ps(_mm256_loadu_ps(d), dx), acc[r][g]);
-                mins[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(_mm256_loadu_ps(d + 8), dx), mins[r][g]);
+                acc[r][g] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(_mm256_loadu_ps(d + 8), dx), acc[r][g]);
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int g = 0; g < G; g++) out[G * r + g] = _mm256_sub_ps(acc[r][g], mins[r][g]);
+        for (int g = 0; g < G; g++) out[G * r + g] = acc[r][g];
 }
 
 /* tile_q4_k's for packed Q6_K rows. */
