@@ -58,12 +58,13 @@ def offline_tpot_ms(
     return statistics.median(tpots)
 
 
-def run_client(url: str, model: str, router_pid: int = 0, **flags) -> dict:
-    """One `pdserve bench` run in its own process, as a real client; its summary, and with
-    `router_pid` the router's and the client's CPU ms per streamed token (`*_cpu_ms`)."""
+def run_client(url: str, model: str, seed: int, router_pid: int = 0, **flags) -> dict:
+    """One `pdserve bench` run in its own process, as a real client, its prompts drawn from
+    `seed`; its summary, and with `router_pid` the router's and the client's CPU ms per
+    streamed token (`*_cpu_ms`)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        cmd = [sys.executable, "-m", "pdserve.bench", "--no-progress", "--seed", "1"]
+        cmd = [sys.executable, "-m", "pdserve.bench", "--no-progress", "--seed", str(seed)]
         flags |= {"url": url, "model": model, "output": out}
         for name, value in flags.items():
             cmd += [f"--{name.replace('_', '-')}", str(value)]
@@ -80,21 +81,23 @@ def run_client(url: str, model: str, router_pid: int = 0, **flags) -> dict:
 
 def served_figures(url: str, args: argparse.Namespace, router_pid: int = 0) -> dict[str, float]:
     """p50 TPOT at concurrency 1, tok/s at `--concurrent`, p50 TTFT of long prompts; with
-    `router_pid`, the router's and the client's CPU per token in the first two runs."""
-    client = lambda **flags: run_client(url, args.model, **flags)  # noqa: E731
+    `router_pid`, the router's and the client's CPU per token in the first two runs. Each run
+    draws its prompts from a seed of its own: with one seed, each long prompt began with a
+    short one of an earlier run, which a prefix cache then served (a quarter of 512 tokens)."""
+    client = lambda seed, **flags: run_client(url, args.model, seed, **flags)  # noqa: E731
     length = {"input_len": args.input_len, "output_len": args.output_len}
-    client(num_requests=1, **length)  # warm-up
-    s = client(num_requests=args.requests, max_concurrency=1, router_pid=router_pid, **length)
+    client(1, num_requests=1, **length)  # warm-up
+    s = client(2, num_requests=args.requests, max_concurrency=1, router_pid=router_pid, **length)
     row = {"served_tpot_ms": s["tpot_ms"]["p50"]}
     row |= {f"{k}_b1": s[k] for k in ("router_cpu_ms", "client_cpu_ms") if k in s}
     if args.concurrent:
         n, c = 2 * args.concurrent, args.concurrent
-        s = client(num_requests=n, max_concurrency=c, router_pid=router_pid, **length)
+        s = client(3, num_requests=n, max_concurrency=c, router_pid=router_pid, **length)
         row["tok_s_at_32"] = s["output_tokens_per_s"]
         row |= {f"{k}_at_{c}": s[k] for k in ("router_cpu_ms", "client_cpu_ms") if k in s}
     if args.long_input_len:
         long = {"input_len": args.long_input_len, "output_len": 4}
-        s = client(num_requests=args.requests, max_concurrency=1, **long)
+        s = client(4, num_requests=args.requests, max_concurrency=1, **long)
         row["ttft_long_ms"] = s["ttft_ms"]["p50"]
     return row
 
