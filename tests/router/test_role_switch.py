@@ -84,10 +84,11 @@ def test_collocated_workers_switch_to_prefill_and_decode_under_load(tiny_served_
             threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
             for thread in threads:
                 thread.start()
+            busy = lambda w: plane.workers[w].active_requests > 0  # noqa: E731
             try:
-                time.sleep(0.5)
+                c.wait_until(lambda: busy("w1"), timeout=30)  # asked while holding requests
                 held = switch(c, "w1", "prefill")
-                time.sleep(0.5)
+                c.wait_until(lambda: busy("w0"), timeout=30)
                 held += switch(c, "w0", "decode")
                 time.sleep(0.5)
             finally:
