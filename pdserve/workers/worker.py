@@ -164,7 +164,14 @@ class Worker:
                 hello,
             )
         )
-        log.info("worker %s (%s) ready", self.spec.worker_id, e.role.name)
+        # A router's Hello is answered with what the start said: a debug line, not a second one.
+        log.log(
+            logging.DEBUG if hello else logging.INFO,
+            "worker %s (%s) ready%s",
+            self.spec.worker_id,
+            e.role.name,
+            " (to a router's hello)" if hello else "",
+        )
 
     def run(self) -> None:
         e = self.engine
