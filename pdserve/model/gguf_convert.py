@@ -19,7 +19,8 @@ package, then named and un-permuted (llama.cpp reorders Q/K rows for its RoPE la
 transformers' GGUF loading code, giving the same fp32 values transformers loads.
 
 The output is written into a temporary sibling directory and renamed into place at the end, so an
-interrupted conversion never leaves a half-written model behind.
+interrupted conversion never leaves a half-written model behind; what a killed one leaves (no
+cleanup runs on SIGKILL) the next conversion of that model removes (registry.py).
 """
 
 from __future__ import annotations

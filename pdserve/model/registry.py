@@ -21,8 +21,10 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
+import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,8 @@ from pdserve.model.gguf_convert import (
     reads_in_place,
     source_fingerprint,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -173,5 +177,17 @@ def _cached_conversion(gguf_path: Path, model_dir: Path, gguf_fp32_max_bytes: in
         fcntl.flock(lock, fcntl.LOCK_EX)
         # Another process may have finished the conversion while we waited for the lock.
         if not is_valid_cache(model_dir, gguf_path, in_place):
+            _remove_interrupted(model_dir)
             convert_gguf(gguf_path, model_dir, in_place)
     return model_dir
+
+
+def _remove_interrupted(model_dir: Path) -> None:
+    """Remove what killed conversions into `model_dir` left (SIGKILL, the OOM killer: their
+    cleanup never ran): a directory being written (`.tmp-`, up to the model's fp32 size) or
+    an old one moved aside (`.old-`). Called under the conversion lock, so none of them
+    belongs to a live conversion."""
+    for kind in ("tmp", "old"):
+        for stale in model_dir.parent.glob(f".{model_dir.name}.{kind}-*"):
+            log.warning("%s: removing %s, left by an interrupted conversion", model_dir.name, stale)
+            shutil.rmtree(stale, ignore_errors=True)

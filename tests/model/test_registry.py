@@ -59,6 +59,21 @@ def test_changed_source_or_broken_cache_reconverts(
     assert (model_dir / "model.safetensors").is_file()
 
 
+def test_a_killed_conversions_directories_are_removed_by_the_next(
+    tmp_path: Path, tiny_gguf: Path, conversions: list[Path]
+) -> None:
+    name = f"Tiny_Model-{tiny_gguf.stat().st_size}"
+    stale = [tmp_path / f".{name}.tmp-k1ll3d", tmp_path / f".{name}.old-0a1b2c3d"]
+    other = tmp_path / ".Other-1.tmp-k1ll3d"  # another model's: not this conversion's to remove
+    for d in [*stale, other]:
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"\0" * 4096)
+    model_dir = resolve_model(str(tiny_gguf), cache_dir=tmp_path)
+    assert conversions == [model_dir]
+    assert not any(d.exists() for d in stale)
+    assert other.is_dir()
+
+
 def test_known_name_converts_from_its_package(
     tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
