@@ -110,7 +110,8 @@ def phase_changes(
             times.append(s["t"])
         prev = s
     last = inside[-1]
-    # A flip-back k undoes change k - 1, which stood from times[k - 2] to times[k - 1].
+    # A flip-back k undoes change k - 1, which stood from times[k - 2] to times[k - 1]: how
+    # long each stood tells a thrash (under the hold) from a move after a lull.
     undone_after = [
         times[k - 1] - times[k - 2] for k in range(2, len(splits)) if splits[k] == splits[k - 2]
     ]
@@ -122,7 +123,7 @@ def phase_changes(
         "settle_s": max(0.0, times[-1] - load_change) if times else 0.0,
         "settle_from_start_s": (times[-1] - start) if times else 0.0,
         "num_flip_backs": len(undone_after),
-        "min_undone_after_s": min(undone_after, default=None),
+        "undone_after_s": [round(t, 1) for t in undone_after],
         "num_core_switches_acked": last["num_core_switches"] - first["num_core_switches"],
         "num_role_switches": last["num_role_switches"] - first["num_role_switches"],
         "decisions": {k: n for k, n in decisions.items() if n},
