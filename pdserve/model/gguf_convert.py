@@ -124,7 +124,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, in_place: bool | None = None) -
     if in_place:
         check_types(reader.tensors, gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp_dir = Path(tempfile.mkdtemp(prefix=_aside(out_dir, "tmp"), dir=out_dir.parent))
     marker = source_fingerprint(gguf_path)
     if in_place:  # the model reads the file's blocks (gguf_weights.py): no weights written
         marker |= {"weights": "in_place", "gguf_path": str(gguf_path.resolve())}
@@ -354,9 +354,21 @@ def _make_readable(model_dir: Path) -> None:
         path.chmod(0o644)
 
 
+def _aside(out_dir: Path, kind: str) -> str:
+    """The name prefix of a directory beside `out_dir` while it is written ("tmp") or
+    replaced ("old")."""
+    return f".{out_dir.name}.{kind}-"
+
+
+def leftovers(out_dir: Path) -> list[Path]:
+    """The directories beside `out_dir` that conversions into it write or move aside: once no
+    conversion runs (the caller holds the conversion lock), what killed ones left."""
+    return [d for kind in ("tmp", "old") for d in out_dir.parent.glob(_aside(out_dir, kind) + "*")]
+
+
 def _replace_dir(new_dir: Path, target: Path) -> None:
     """Move `new_dir` to `target`; an existing target is moved aside first, then deleted."""
-    old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+    old = target.parent / (_aside(target, "old") + uuid.uuid4().hex[:8])
     if target.exists():
         os.rename(target, old)
     os.rename(new_dir, target)

@@ -33,6 +33,7 @@ from pdserve.config import EngineConfig
 from pdserve.model.gguf_convert import (
     SOURCE_MARKER,
     convert_gguf,
+    leftovers,
     reads_in_place,
     source_fingerprint,
 )
@@ -184,10 +185,8 @@ def _cached_conversion(gguf_path: Path, model_dir: Path, gguf_fp32_max_bytes: in
 
 def _remove_interrupted(model_dir: Path) -> None:
     """Remove what killed conversions into `model_dir` left (SIGKILL, the OOM killer: their
-    cleanup never ran): a directory being written (`.tmp-`, up to the model's fp32 size) or
-    an old one moved aside (`.old-`). Called under the conversion lock, so none of them
-    belongs to a live conversion."""
-    for kind in ("tmp", "old"):
-        for stale in model_dir.parent.glob(f".{model_dir.name}.{kind}-*"):
-            log.warning("%s: removing %s, left by an interrupted conversion", model_dir.name, stale)
-            shutil.rmtree(stale, ignore_errors=True)
+    cleanup never ran): a directory being written (up to the model's fp32 size) or an old
+    one moved aside. Called under the conversion lock, so none belongs to a live conversion."""
+    for stale in leftovers(model_dir):
+        log.warning("%s: removing %s, left by an interrupted conversion", model_dir.name, stale)
+        shutil.rmtree(stale, ignore_errors=True)
