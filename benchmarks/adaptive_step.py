@@ -163,6 +163,7 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
         start, end = i * args.phase_seconds, (i + 1) * args.phase_seconds
         gaps = stalls(result.records, runs_s[i], 0.0)
         long_gaps = [g for g in gaps if g["gap_s"] > args.stall_s]
+        text_gaps = stalls(result.records, runs_s[i], args.stall_s, "itl_s")
         first = runs_s[i] + min((r.send_s for r in result.records), default=0.0)
         overlap = first_overlap(result.records, runs_s[i], spans) or first
         changes = phase_changes(poller.samples, start, end, overlap)
@@ -180,6 +181,10 @@ def run_phases(args: argparse.Namespace, url: str) -> tuple[list[dict], list[dic
                 else None,
                 "num_stalled": len({g["request"] for g in long_gaps}),
                 "stalls": long_gaps,
+                # A reader's gaps: one spans two steps where a token's text was held back
+                # (random weights' lone bytes), so these count requests no step stalled too.
+                "num_text_stalled": len({g["request"] for g in text_gaps}),
+                "max_text_gap_s": max((g["gap_s"] for g in text_gaps), default=None),
                 "first_request_s": round(first - start, 3),
                 "first_overlap_s": round(overlap - start, 3),
                 "settle_from_first_request_s": max(
@@ -206,16 +211,18 @@ def first_overlap(records: list, run_s: float, spans: list[tuple[float, float]])
     return None
 
 
-def stalls(records: list, run_s: float, min_gap_s: float) -> list[dict[str, Any]]:
-    """Every gap over `min_gap_s` between two tokens of a finished request: its length, the
-    request, and when it ended (s after the benchmark's start, as the split's change times),
-    longest first."""
+def stalls(
+    records: list, run_s: float, min_gap_s: float, kind: str = "token_gaps_s"
+) -> list[dict[str, Any]]:
+    """Every gap over `min_gap_s` between two tokens of a finished request (`kind`
+    "itl_s": between two chunks with text): its length, the request, and when it ended (s
+    after the benchmark's start, as the split's change times), longest first."""
     out = []
     for r in records:
         if not r.ok or r.ttft_s is None:
             continue
         t = run_s + r.send_s + r.ttft_s
-        for g in r.itl_s:
+        for g in getattr(r, kind):
             t += g
             if g > min_gap_s:
                 out.append({"gap_s": round(g, 3), "end_s": round(t, 3), "request": r.request_id})

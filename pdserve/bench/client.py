@@ -63,6 +63,13 @@ class ClientConfig:
         return body
 
 
+def _carries_token(choice: dict) -> bool:
+    """An empty chunk that still stands for a token (its text held back), not a chunk of a
+    finish reason alone."""
+    content = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content")
+    return content is not None and not choice.get("finish_reason")
+
+
 def _chunk_text(choice: dict) -> str:
     """A completions chunk's text, or a chat chunk's delta content."""
     return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
@@ -111,6 +118,7 @@ class _Stream:
     """What has arrived so far; survives a timeout so partial progress is recorded."""
 
     last: float
+    last_token: float = 0.0  # the last chunk that carried a token, text or not
     chunks: int = 0
     usage_tokens: int | None = None
     pieces: list[str] = field(default_factory=list)
@@ -148,15 +156,20 @@ async def _exchange(
             details = usage.get("prompt_tokens_details") or {}
             if details.get("cached_tokens") is not None:
                 record.cached_tokens = int(details["cached_tokens"])
-            text = "".join(_chunk_text(c) for c in event.get("choices") or [])
-            if not text:
-                continue
+            choices = event.get("choices") or []
+            text = "".join(_chunk_text(c) for c in choices)
             now = time.perf_counter()
+            if not text:
+                if record.ttft_s is not None and any(_carries_token(c) for c in choices):
+                    record.token_gaps_s.append(now - stream.last_token)
+                    stream.last_token = now
+                continue
             if record.ttft_s is None:
                 record.ttft_s = now - start
             else:
                 record.itl_s.append(now - stream.last)
-            stream.last = now
+                record.token_gaps_s.append(now - stream.last_token)
+            stream.last = stream.last_token = now
             stream.chunks += 1
             stream.pieces.append(text)
 

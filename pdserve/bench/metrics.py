@@ -28,7 +28,11 @@ class RequestRecord:
     """What one request did, as seen by the client.
 
     ``send_s`` is relative to the start of the run. ``itl_s`` holds the gaps between
-    consecutive non-empty chunks (a chunk may carry several tokens).
+    consecutive non-empty chunks (a chunk may carry several tokens): what a reader sees.
+    ``token_gaps_s`` holds them between chunks that carry tokens, text or not, from the
+    first non-empty one: a server that holds back a lone byte of a multi-byte character
+    (random weights emit one in ~1% of tokens) streams its token as an empty chunk, and the
+    reader's gap then spans two steps where the stream's own pace is one.
     """
 
     request_id: str
@@ -42,6 +46,7 @@ class RequestRecord:
     output_len: int = 0
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when the server says
     itl_s: list[float] = field(default_factory=list)
+    token_gaps_s: list[float] = field(default_factory=list)
     error: str = ""
     session_id: str = ""
     turn: int = 0

@@ -41,6 +41,9 @@ class FakeServer:
     reject_every: int = 0
     usage: bool = True
     status: dict | None = None  # what GET /v1/status answers (None: 404, as a peer server)
+    # Every this-many-th token's text is held back (a lone byte of a multi-byte character):
+    # an empty chunk, its text sent with the next token's (0: none).
+    held_every: int = 0
     bodies: list[dict] = field(default_factory=list)
     url: str = ""
 
@@ -59,9 +62,13 @@ class FakeServer:
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         chat = "messages" in body
+        held = ""
         for i in range(body["max_tokens"]):
             await asyncio.sleep(self.delay_s)
-            text = f" w{i % NUM_WORDS}"
+            text, held = held + f" w{i % NUM_WORDS}", ""
+            last = i == body["max_tokens"] - 1
+            if self.held_every and i % self.held_every == self.held_every - 1 and not last:
+                text, held = "", text
             choice = {"delta": {"content": text}} if chat else {"text": text}
             await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         if self.usage:

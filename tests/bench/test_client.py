@@ -86,6 +86,21 @@ def test_temperature_is_sent_as_given(fake_server, tokenizer_dir):
     assert [b["temperature"] for b in fake_server.bodies] == [0.8, 0.8]
 
 
+def test_a_token_whose_text_is_held_back_is_a_token_gap_but_no_text_gap(
+    fake_server, tokenizer_dir, tmp_path
+):
+    # Every third token arrives as an empty chunk (its text with the next): the reader's
+    # gaps (itl_s) skip it, the stream's token gaps count every token.
+    fake_server.held_every = 3
+    out = tmp_path / "r.json"
+    flags = ("--input-len", "4", "--output-len", "10", "--num-requests", "2", "--output", str(out))
+    assert main(bench(tokenizer_dir, fake_server.url, *flags)) == 0
+    for record in json.loads(out.read_text())["records"]:
+        assert len(record["token_gaps_s"]) == 9  # ten tokens
+        assert len(record["itl_s"]) == 9 - 3  # tokens 3, 6 and 9 held back
+        assert max(record["itl_s"]) >= max(record["token_gaps_s"])
+
+
 def test_conversation_history_carries_the_actual_answers(fake_server, tokenizer_dir):
     fake_server.usage = False  # count tokens from chunks instead
     args = bench(
