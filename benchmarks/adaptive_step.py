@@ -41,6 +41,7 @@ def phase_plan(args: argparse.Namespace, index: int, url: str):
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     flags = ["--url", url, "--model", args.model, "--tokenizer", args.model, "--no-progress"]
+    flags += ["--logprobs"]  # a chunk a token, so a stall is counted in the stream's steps
     flags += ["--preset", preset, "--arrival", "poisson", "--rate", str(rate), "--seed"]
     flags += [str(args.seed + index), "--duration-s", str(args.phase_seconds)]
     flags += ["--num-requests", str(int(3 * rate * args.phase_seconds) + 10)]

@@ -40,6 +40,9 @@ class BenchConfig:
     )
     ignore_eos: bool = knob(True, "ask the server to generate past EOS")
     temperature: float = knob(0.0, "sampling temperature sent (0: greedy)", ge=0, le=2)
+    logprobs: bool = knob(
+        False, "ask each token's logprob: every token then streams in a chunk of its own"
+    )
     request_timeout_s: float = knob(600.0, "one request, send to last token", gt=0)
     ready_timeout_s: float = knob(
         600.0, "wait up to this for GET /health to answer 200 before sending (0: no wait)", ge=0

@@ -34,6 +34,10 @@ class ClientConfig:
     api_key: str | None = None
     ignore_eos: bool = True
     temperature: float = 0.0
+    # Each token's logprob asked: a server streams every token in a chunk then, also one whose
+    # text it holds back (a lone byte of a multi-byte character), so `token_gaps_s` are the
+    # stream's steps.
+    logprobs: bool = False
     request_timeout_s: float = 600.0
     ready_timeout_s: float = 600.0
 
@@ -59,13 +63,17 @@ class ClientConfig:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.logprobs:  # chat: a boolean; completions: how many alternatives besides
+            body["logprobs"] = True if self.endpoint == "chat" else 0
         body["messages" if self.endpoint == "chat" else "prompt"] = prompt
         return body
 
 
 def _carries_token(choice: dict) -> bool:
-    """An empty chunk that still stands for a token (its text held back), not a chunk of a
-    finish reason alone."""
+    """An empty chunk that still stands for a token (its text held back): one with its
+    logprob, or empty content not ending the stream (a chunk of a finish reason alone)."""
+    if choice.get("logprobs"):
+        return True
     content = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content")
     return content is not None and not choice.get("finish_reason")
 

@@ -99,6 +99,9 @@ def test_a_token_whose_text_is_held_back_is_a_token_gap_but_no_text_gap(
         assert len(record["token_gaps_s"]) == 9  # ten tokens
         assert len(record["itl_s"]) == 9 - 3  # tokens 3, 6 and 9 held back
         assert max(record["itl_s"]) >= max(record["token_gaps_s"])
+    assert "logprobs" not in fake_server.bodies[0]
+    assert main(bench(tokenizer_dir, fake_server.url, *flags, "--logprobs")) == 0
+    assert fake_server.bodies[-1]["logprobs"] == 0  # completions: the sampled token's only
 
 
 def test_conversation_history_carries_the_actual_answers(fake_server, tokenizer_dir):
