@@ -13,26 +13,33 @@ latest steps say fits HEADROOM of the budget:
     cap = (HEADROOM x budget - decode step) / (a prompt token's seconds
                                                + DEVIATIONS x their mean deviation)
 
-all measured here, per thread count, as TCP estimates a round trip and its variation (RFC
-6298): exponential averages follow a host whose load moves within seconds, and the
-deviation term shrinks the chunk where steps of one shape vary (a 57-token step beside 8
-decodes took 0.43-1.10 s on one thread of a two-core host at a load of 10). A thread count
-not run yet is priced from the nearest one run, scaled by threads (half the threads, twice
-the time); before any prefill was measured the cap is PROBE_TOKENS. Torch-free: the
-scheduler calls it (tests state it with given step times).
+at least MIN_CHUNK_TOKENS, so the prompt progresses, where those fit the whole budget beside
+the decode step, else as many as do (at least LEAST_CHUNK_TOKENS); all measured here, per
+thread count, as TCP estimates a round trip and its variation (RFC 6298): exponential
+averages follow a host whose load moves within seconds, and the deviation term shrinks
+the chunk where steps of one shape vary (a 57-token step beside 8 decodes took 0.43-1.10 s
+on one thread of a two-core host at a load of 10). A thread count not run yet is priced
+from the nearest one run, scaled by threads (half the threads, twice the time); before any
+prefill was measured the cap is PROBE_TOKENS. Torch-free: the scheduler calls it (tests
+state it with given step times).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.planner.pricing import MIN_SLO_CHUNK_TOKENS
 from pdserve.planner.targets import MIN_STALL_CHUNK_TOKENS, STALL_HEADROOM
 
 # Of the budget, what a step's estimate may take, and the least chunk a capped step takes
-# (a decode step alone over budget is not the prefill's stall): the planner sizes the decode
-# group by the same two (planner/targets.py).
+# where the decode step leaves less (the planner sizes the decode group by the same two:
+# planner/targets.py) — but never past the whole budget by this worker's own estimate: there
+# it takes what fits, at least LEAST_CHUNK_TOKENS. On one AVX2 core a 1B batch of 9-12
+# decodes steps in 0.55-0.6 s and sixteen prompt tokens add 0.45 s: the least chunk alone
+# took those steps to 1.0-1.09 s under a 1 s budget, a gap in every stream there.
 HEADROOM = STALL_HEADROOM
 MIN_CHUNK_TOKENS = MIN_STALL_CHUNK_TOKENS
+LEAST_CHUNK_TOKENS = MIN_SLO_CHUNK_TOKENS  # a one-token row is a decode the scheduler won't cap
 DEVIATIONS = 2.0  # mean deviations of a prompt token's time added to its mean
 # The first chunk beside decodes on a worker that never measured a prefill (its decodes all
 # came by KV transfer): small, so the step that measures the rate stalls them little.
@@ -97,7 +104,8 @@ class StallGuard:
 
     def cap(self, budget_s: float) -> int:
         """The most prefill tokens of a step beside running decodes on `threads` within
-        HEADROOM of `budget_s`: at least MIN_CHUNK_TOKENS, PROBE_TOKENS before any rate."""
+        HEADROOM of `budget_s`; at least MIN_CHUNK_TOKENS where they fit the whole budget,
+        else what does, at least LEAST_CHUNK_TOKENS; PROBE_TOKENS before any rate."""
         tokens = self._cap(budget_s)
         self.budget_s, self.cap_tokens = budget_s, tokens
         self._step_cap = tokens if self._step_cap is None else min(self._step_cap, tokens)
@@ -110,7 +118,10 @@ class StallGuard:
             return PROBE_TOKENS
         token_s += DEVIATIONS * (self._scaled("token_dev_s", self.threads) or 0.0)
         room = HEADROOM * budget_s - (decode_s or 0.0)
-        return max(MIN_CHUNK_TOKENS, int(room / token_s))
+        if room / token_s >= MIN_CHUNK_TOKENS:
+            return int(room / token_s)
+        whole = int((budget_s - (decode_s or 0.0)) / token_s)  # what fits the whole budget
+        return max(LEAST_CHUNK_TOKENS, min(MIN_CHUNK_TOKENS, whole))
 
     def _scaled(self, name: str, threads: int) -> float | None:
         """`name`'s average on `threads`, else the nearest thread count's, scaled by threads."""

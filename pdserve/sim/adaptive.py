@@ -111,7 +111,7 @@ class AdaptiveSimulation(Simulation):
         prefill = self.by_role["prefill"][0]
         pool = len(self.pool)
         d, p = decode.load(flight.block_hashes), prefill.load(flight.block_hashes)
-        need = self._decode_need(decode, max(d.num_running, d.num_active_requests))
+        need = self._decode_need(decode)  # the core plan's: it keeps the split
         # A held split (cores.py's hold) keeps the decode group small while the prefill idles.
         prefill_busy = self._busy(prefill) or self.groups.threads(prefill.worker_id) > 0
         local_threads = max(1, decode.size)
@@ -146,15 +146,13 @@ class AdaptiveSimulation(Simulation):
     def _busy(self, w: SimWorker) -> bool:
         return w.scheduler.has_unfinished() or w.num_active_requests > 0
 
-    def _decode_need(self, w: SimWorker, num_decodes: int | None = None) -> DecodeNeed:
-        """As the router's planner: the running decodes for the core plan, the decision's
-        count for a decision."""
+    def _decode_need(self, w: SimWorker) -> DecodeNeed:
+        """As the router's planner: the running decodes, for the core plan and the decision."""
         load = w.load()
         context = (load.num_total_blocks - load.num_free_blocks) * self.config.block_size
         pool = len(self.pool)
         budget = max_gap_s(self.adaptive, self.model, pool)
-        n = load.num_running if num_decodes is None else num_decodes
-        return decode_need(self.model, pool, n, context, self._slo_itl_s, budget)
+        return decode_need(self.model, pool, load.num_running, context, self._slo_itl_s, budget)
 
     def _demand(self, w: SimWorker) -> Demand:
         if w.role != "decode":

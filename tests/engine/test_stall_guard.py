@@ -5,6 +5,7 @@ import pytest
 from pdserve.engine.stall_guard import (
     DEVIATIONS,
     HEADROOM,
+    LEAST_CHUNK_TOKENS,
     MIN_CHUNK_TOKENS,
     PROBE_TOKENS,
     StallGuard,
@@ -37,7 +38,20 @@ def test_the_cap_is_what_fits_the_budget_beside_the_decode_step():
     assert guard.cap(1.0) == pytest.approx((HEADROOM - 0.05) / 0.01, abs=1.5)  # 40
     assert guard.cap(2.0) == pytest.approx((HEADROOM * 2 - 0.05) / 0.01, abs=1.5)  # 85
     # a decode step alone over the budget still lets the prompt progress
-    assert guard.cap(0.04) == MIN_CHUNK_TOKENS
+    assert guard.cap(0.04) == LEAST_CHUNK_TOKENS
+
+
+def test_the_least_chunk_does_not_take_a_step_past_the_whole_budget():
+    # One AVX2 core, a 1B batch: the decodes alone 0.6 s, a prompt token 28 ms. Under a 1 s
+    # budget their 45% leaves no room; sixteen tokens would take the step to 1.05 s.
+    guard = StallGuard()
+    steady(guard, 1, 0.6, 0.028)
+    assert 0.6 + MIN_CHUNK_TOKENS * 0.028 > 1.0
+    cap = guard.cap(1.0)
+    assert LEAST_CHUNK_TOKENS < cap < MIN_CHUNK_TOKENS
+    assert 0.6 + cap * 0.028 <= 1.0
+    # where sixteen fit the whole budget, the least chunk is sixteen (the prompt progresses)
+    assert guard.cap(1.2) == MIN_CHUNK_TOKENS
 
 
 def test_a_prefill_alone_charges_the_whole_step_to_its_tokens():
