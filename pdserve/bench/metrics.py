@@ -30,9 +30,10 @@ class RequestRecord:
     ``send_s`` is relative to the start of the run. ``itl_s`` holds the gaps between
     consecutive non-empty chunks (a chunk may carry several tokens): what a reader sees.
     ``token_gaps_s`` holds them between chunks that carry tokens, text or not, from the
-    first non-empty one: a server that holds back a lone byte of a multi-byte character
-    (random weights emit one in ~1% of tokens) streams its token as an empty chunk, and the
-    reader's gap then spans two steps where the stream's own pace is one.
+    first non-empty one. A server holds back the text of a lone byte of a multi-byte
+    character (random weights emit one in ~1% of tokens): some stream its token as an
+    empty chunk, pdserve only with its logprob (`--logprobs`); the reader's gap then spans
+    two steps where the stream's own pace is one.
     """
 
     request_id: str
