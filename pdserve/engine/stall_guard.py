@@ -112,15 +112,15 @@ class StallGuard:
         return tokens
 
     def _cap(self, budget_s: float) -> int:
-        decode_s = self._scaled("decode_s", self.threads)
+        decode_s = self._scaled("decode_s", self.threads) or 0.0
         token_s = self._scaled("token_s", self.threads)
         if token_s is None or token_s <= 0:
             return PROBE_TOKENS
         token_s += DEVIATIONS * (self._scaled("token_dev_s", self.threads) or 0.0)
-        room = HEADROOM * budget_s - (decode_s or 0.0)
-        if room / token_s >= MIN_CHUNK_TOKENS:
-            return int(room / token_s)
-        whole = int((budget_s - (decode_s or 0.0)) / token_s)  # what fits the whole budget
+        tokens = int((HEADROOM * budget_s - decode_s) / token_s)
+        if tokens >= MIN_CHUNK_TOKENS:
+            return tokens
+        whole = int((budget_s - decode_s) / token_s)  # what fits the whole budget
         return max(LEAST_CHUNK_TOKENS, min(MIN_CHUNK_TOKENS, whole))
 
     def _scaled(self, name: str, threads: int) -> float | None:

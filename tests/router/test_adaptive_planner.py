@@ -33,11 +33,11 @@ def split_planner(tmp_path, num_running: int, num_waiting_remote: int) -> Planne
         w = plane.workers[worker_id]
         w.ready, w.last_seen = ready, plane.clock()
         planner.on_message(ready)
-    busy = num_waiting_remote * 1024
+    queued = num_waiting_remote * 1024  # their prompts' tokens
     d1, p0 = plane.workers["d1"], plane.workers["p0"]
     d1.stats = messages.Stats("d1", "decode", num_waiting_remote, num_running, 40, 64, 0)
     d1.active_requests = num_running + num_waiting_remote
-    p0.stats = messages.Stats("p0", "prefill", 0, num_waiting_remote, 64, 64, busy)
+    p0.stats = messages.Stats("p0", "prefill", 0, num_waiting_remote, 64, 64, queued)
     p0.active_requests = num_waiting_remote
     return planner
 
