@@ -9,12 +9,16 @@ A remote prefill's exposed transfer is at least what the link cannot hide behind
 layer-wise sends the wire runs during the prefill, so `latency + max(0, wire - prefill)`.
 The fit of exposed times answers when it says more (queueing on the link, a slow receiver).
 
-Which model answers `step_s(role, threads, shape)`, first that exists among those *usable for
-the shape* (seeded from a profile, or at least `min_samples` steps of which some had each
-feature the shape has: a decode worker that never prefilled knows nothing of prefill cost,
-and a coefficient it never saw is 0, not unknown):
+Which model answers `step_s(role, threads, shape)`: the first that exists among those *usable
+for the shape*: seeded from a profile, or fitted to at least `min_samples` steps that span
+the shape (`_Fit.spans`: each feature it has was in some of them, and its prompt is within
+PREFILL_RANGE of the longest they had; a decode worker that never prefilled knows nothing
+of prefill cost, and one whose only prompt was 98 tokens knows little of a 2,000-token
+one):
   1. (role, threads);
-  2. the other role at `threads` (the step's arithmetic is the same; only kernels differ);
+  2. both roles' steps at `threads` in one fit (a step's arithmetic is the same on either;
+     only kernels differ): a decode worker's decode steps and a prefill worker's prompts
+     together price a decode worker's prompt beside its decodes, which neither alone spans;
   3. the nearest thread count that has one, its time scaled by `t_have / threads` (a linear
      speed-up: an estimate, replaced as soon as that thread count has its own samples);
   4. None: the caller uses its documented fallback.
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +36,14 @@ from pdserve.costmodel.profile import HardwareProfile
 from pdserve.costmodel.step_cost import FEATURES, StepCostModel, StepShape, TransferModel
 
 ROLES = ("prefill", "decode")
+BOTH = "both"  # the fit of both roles' steps at a thread count (module docstring)
+# A fit spans a shape whose prompt tokens are at most this many times the most a sample had
+# (attention pairs: its square): past that the pairs column, which grows as the square,
+# extrapolates. (Asking also for 4 samples of each feature left a default-model deployment
+# without a price for its first 16 of 31 prompts at 90% load: all went remote, 0.36x
+# collocated's goodput. Within the range, however a fit of one prompt split its time, each
+# prompt column prices at most 4x what that prompt had.)
+PREFILL_RANGE = 2.0
 STEP_FIELDS = 7  # a StepReport row: 5 StepShape fields, threads, seconds
 DECAY = 0.98  # per refit: a sample weighs half after ~35 refits (about 35 planner intervals)
 MIN_TRANSFER_SAMPLES = 3
@@ -46,7 +58,28 @@ class _Fit:
     model: StepCostModel
     num_new: int = 0  # samples since the last refit
     seeded: bool = False  # from a profile: usable before any sample
-    seen: frozenset[int] = frozenset()  # features some sample had (non-zero)
+    seen: set[int] = field(default_factory=set)  # features some sample had (non-zero)
+    most_prefill_tokens: int = 0  # the most prompt tokens, and attention pairs, of a sample
+    most_pairs: float = 0.0
+
+    def add(self, shape: StepShape, seconds: float) -> None:
+        # Relative error, as `fit_cost_model`: a 20 ms decode step counts as much as a 2 s
+        # prefill, or the fit would serve prefills and get ITL wrong.
+        self.model.observe(shape, seconds, weight=1.0 / seconds**2)
+        self.seen.update(i for i, x in enumerate(self.model.features(shape)) if x)
+        self.most_prefill_tokens = max(self.most_prefill_tokens, shape.prefill_tokens)
+        self.most_pairs = max(self.most_pairs, shape.prefill_attention_pairs)
+        self.num_new += 1
+
+    def spans(self, shape: StepShape) -> bool:
+        """Whether this fit's samples span `shape` (the module docstring)."""
+        features = self.model.features(shape)
+        if any(x and i not in self.seen for i, x in enumerate(features)):
+            return False
+        return (
+            shape.prefill_tokens <= PREFILL_RANGE * self.most_prefill_tokens
+            and shape.prefill_attention_pairs <= PREFILL_RANGE**2 * self.most_pairs
+        )
 
 
 class OnlineCostModel:
@@ -61,7 +94,7 @@ class OnlineCostModel:
         self._link_samples: list[tuple[float, float]] = []  # (bytes, seconds) per interval
         if profile is not None:
             for threads, seeded in profile.models.items():
-                for role in ROLES:
+                for role in (*ROLES, BOTH):
                     self._fits[(role, threads)] = _Fit(_copy(seeded), seeded=True)
             if profile.transfer:
                 self.link = profile.transfer_model()
@@ -82,14 +115,11 @@ class OnlineCostModel:
             )
             if shape.is_empty or not seconds > 0 or int(threads) < 1:
                 continue
-            fit = self._fits.get((role, int(threads)))
-            if fit is None:
-                fit = self._fits[(role, int(threads))] = _Fit(_fresh(self.profile, int(threads)))
-            # Relative error, as `fit_cost_model`: a 20 ms decode step counts as much as a
-            # 2 s prefill, or the fit would serve prefills and get ITL wrong.
-            fit.model.observe(shape, float(seconds), weight=1.0 / float(seconds) ** 2)
-            fit.seen |= {i for i, x in enumerate(fit.model.features(shape)) if x}
-            fit.num_new += 1
+            for key in ((role, int(threads)), (BOTH, int(threads))):
+                fit = self._fits.get(key)
+                if fit is None:
+                    fit = self._fits[key] = _Fit(_fresh(self.profile, int(threads)))
+                fit.add(shape, float(seconds))
             used += 1
         return used
 
@@ -132,8 +162,7 @@ class OnlineCostModel:
         if shape.is_empty:
             return 0.0
         role, threads = _kind(role), max(1, threads)
-        other = ROLES[1 - ROLES.index(role)]
-        for key in ((role, threads), (other, threads)):
+        for key in ((role, threads), (BOTH, threads)):
             if self._usable(key, shape):
                 return self._fits[key].model.predict(shape)
         usable = [k for k in self._fits if self._usable(k, shape)]
@@ -169,7 +198,7 @@ class OnlineCostModel:
             return False
         if fit.seeded or shape is None:
             return True
-        return all(i in fit.seen for i, x in enumerate(fit.model.features(shape)) if x)
+        return fit.spans(shape)
 
     def state(self) -> dict[str, object]:
         """The fit state for /v1/status: per (role, threads) the samples and coefficients."""

@@ -246,16 +246,19 @@ def queue_s(
     context_tokens: int = 0,
 ) -> float | None:
     """What `num_tokens` of queued prompts add to the steps they share with this one: their
-    compute, as independent prompts of at most a chunk each (None without a usable model)."""
+    compute, as independent prompts of at most a chunk each (None without a usable model):
+    what one chunk of them adds to a step, times the chunks they make. Priced on a step the
+    size of a chunk, as the worker runs it: a step of the whole queue at once (thousands of
+    tokens) is none a worker ran, and the model prices only the steps its samples span."""
     if num_tokens <= 0:
         return 0.0
     n = min(chunk_tokens, num_tokens)
     base = StepShape(1, num_decodes, 1.0, context_tokens)
-    queued = StepShape(1 + num_tokens, num_decodes, 1.0 + num_tokens * (n + 1) / 2, context_tokens)
+    queued = StepShape(1 + n, num_decodes, 1.0 + n * (n + 1) / 2, context_tokens)
     with_queue, without = model.step_s(role, threads, queued), model.step_s(role, threads, base)
     if with_queue is None or without is None:
         return None
-    return max(0.0, with_queue - without)
+    return max(0.0, with_queue - without) * num_tokens / n
 
 
 def prefill_s(

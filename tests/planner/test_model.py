@@ -3,6 +3,7 @@ transfer fit, and one model class with the simulator (issue 15)."""
 
 from __future__ import annotations
 
+import random
 import typing
 
 import pytest
@@ -46,13 +47,13 @@ def test_not_usable_before_min_samples_then_usable():
     )
 
 
-def test_fallback_chain_other_role_then_nearest_threads_scaled():
+def test_fallback_chain_both_roles_then_nearest_threads_scaled():
     model = OnlineCostModel(min_samples=10)
     model.observe_steps("decode", rows(4, 100))
     model.refit()
     shape = SHAPES[2]
-    # (prefill, 4) has no samples: the decode fit at 4 threads answers
-    assert model.step_s("prefill", 4, shape) == model.step_s("decode", 4, shape)
+    # (prefill, 4) has no samples: the fit of both roles' steps at 4 threads answers
+    assert model.step_s("prefill", 4, shape) == pytest.approx(model.step_s("decode", 4, shape))
     # 2 threads: none at all; the nearest (4) scaled by 4 / 2
     assert model.step_s("decode", 2, shape) == pytest.approx(2 * model.step_s("decode", 4, shape))
 
@@ -122,23 +123,70 @@ def test_planner_and_simulator_use_one_cost_model_class():
 
 def test_a_model_never_shown_a_feature_does_not_price_it():
     """Decode-only steps leave the prefill coefficients at 0: such a model must not say a
-    prefill is free; the prefill worker's model (which saw prefills) answers instead."""
+    prefill is free; the prefill worker's steps, fitted with the decode worker's, answer
+    instead, and together they price a prompt beside decodes, which neither alone ran."""
     decode_only = [r for r in rows(4, 400) if r[0] == 0]
-    prefill_only = [
-        [n, 0, n * (n + 1) / 2, 0, 1, 4, truth(4).predict(StepShape(n, 0, n * (n + 1) / 2, 0))]
-        for n in range(16, 528, 16)
-    ]
     model = OnlineCostModel(min_samples=20)
     model.observe_steps("decode", decode_only)
     model.refit()
     chunk = StepShape(512, 0, 512 * 256.5, 0)
     assert model.step_s("decode", 4, StepShape(0, 8, 0, 4000)) is not None
     assert model.step_s("decode", 4, chunk) is None
-    model.observe_steps("prefill", prefill_only)
+    model.observe_steps("prefill", _prompts(4, range(16, 528, 16)))
     model.refit()
     assert model.step_s("decode", 4, chunk) == pytest.approx(truth(4).predict(chunk), rel=1e-3)
     mixed = StepShape(512, 8, 512 * 256.5, 4000)
-    assert model.step_s("decode", 4, mixed) is None  # neither saw both
+    assert model.step_s("decode", 4, mixed) == pytest.approx(truth(4).predict(mixed), rel=1e-3)
+
+
+def test_a_model_prices_only_the_prompts_its_samples_span():
+    """A decode worker whose only prompt was 98 tokens (its first step) fitted that step's
+    time onto whichever prompt features it liked: it priced a 2,000-token prompt at 365 s
+    on a 1B model. A fit prices prompts of up to PREFILL_RANGE times the tokens of the
+    longest it ran (and its square times the attention pairs)."""
+    model = OnlineCostModel(min_samples=20)
+    model.observe_steps("decode", [r for r in rows(2, 60) if r[0] == 0])
+    model.observe_steps("decode", _prompts(2, [64, 80, 90, 98]))
+    model.refit()
+    short, long = StepShape(98, 0, 98 * 99 / 2, 0), StepShape(2000, 0, 2000 * 2001 / 2, 0)
+    assert model.step_s("decode", 2, short) == pytest.approx(truth(2).predict(short), rel=1e-3)
+    assert model.step_s("decode", 2, StepShape(196, 0, 196 * 197 / 2, 0)) is not None
+    assert model.step_s("decode", 2, StepShape(197, 0, 0, 0)) is None  # past 2x the tokens
+    assert model.step_s("decode", 2, StepShape(150, 0, 5 * 98 * 99 / 2, 0)) is None  # pairs
+    assert model.step_s("decode", 2, long) is None
+
+
+def test_small_chunks_beside_decodes_do_not_price_a_full_chunk():
+    """Chunks of 10-16 tokens beside decodes barely vary in tokens, so a noisy fit can put
+    their cost on the prefill row and price a 512-token chunk at a fraction of its time.
+    Such a fit does not answer for it; the prefill worker's prompts, fitted beside the
+    decode worker's steps, do."""
+    rng = random.Random(3)
+    true, noisy = truth(1), []
+    for _ in range(80):
+        n, b = rng.choice([0, rng.randint(10, 16)]), rng.randint(4, 16)
+        shape = StepShape(n, b, n * (300 + (n + 1) / 2), b * 300, 1 if n else 0)
+        noisy.append([*_row(shape, 1)[:6], true.predict(shape) * rng.uniform(0.85, 1.15)])
+    model = OnlineCostModel(min_samples=20)
+    model.observe_steps("decode", noisy)
+    model.refit()
+    full = StepShape(512, 8, 512 * (300 + 256.5), 8 * 300)
+    assert model.step_s("decode", 1, full) is None
+    model.observe_steps("prefill", _prompts(1, range(64, 1024, 32)))
+    model.refit()
+    assert model.step_s("decode", 1, full) == pytest.approx(true.predict(full), rel=0.2)
+
+
+def _row(shape: StepShape, threads: int) -> list[float]:
+    """A StepReport row of `shape` at its true time."""
+    fields = [shape.prefill_tokens, shape.decode_requests, shape.prefill_attention_pairs]
+    fields += [shape.decode_context_tokens, shape.num_prefill_sequences]
+    return [*fields, threads, truth(threads).predict(shape)]
+
+
+def _prompts(threads: int, lengths) -> list[list[float]]:
+    """Prefill-only rows: one prompt of each length, from nothing cached."""
+    return [_row(StepShape(n, 0, n * (n + 1) / 2, 0), threads) for n in lengths]
 
 
 def test_the_link_the_workers_measure_replaces_the_profiles_and_hides_behind_the_prefill():
