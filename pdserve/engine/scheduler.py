@@ -63,6 +63,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stall_guard = StallGuard()  # the engine feeds it each step's time
+        self._num_decodes = 0  # running decodes, as the step being scheduled counted them
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -165,23 +166,25 @@ class Scheduler:
     def _step_caps(self) -> tuple[Callable[[Request], int | None], int]:
         """A prefill's cap in this step (its stall budget's only beside running decodes), and
         the prefill tokens the step may take: the least cap of a capped prefill running."""
-        capped, has_decodes = [], False
+        capped, num_decodes = [], 0
         for r in self.running:
             if r.num_tokens - r.num_computed_tokens <= 1:
-                has_decodes = True
+                num_decodes += 1
             elif r.prefill_chunk_tokens is not None or r.stall_budget_s is not None:
                 capped.append(r)
-        stall_cap = self._stall_cap if has_decodes else _no_stall_cap
+        self._num_decodes = num_decodes
+        stall_cap = self._stall_cap if num_decodes else _no_stall_cap
         caps = [c for r in capped if (c := stall_cap(r)) is not None]
         # (Not min(..., default=...): the keyword alone cost 1 us a step.)
         return stall_cap, min(caps) if caps else self.config.max_num_batched_tokens
 
     def _stall_cap(self, request: Request) -> int | None:
-        """`request`'s cap in a step with decodes: its chunk and its stall budget's."""
+        """`request`'s cap in a step beside the running decodes (`_step_caps` counted them):
+        its chunk and its stall budget's."""
         cap = request.prefill_chunk_tokens
         if request.stall_budget_s is None:
             return cap
-        tokens = self.stall_guard.cap(request.stall_budget_s)
+        tokens = self.stall_guard.cap(request.stall_budget_s, self._num_decodes)
         return tokens if cap is None else min(cap, tokens)
 
     def update_from_output(

@@ -18,15 +18,19 @@ the decode step, else as many as do (at least LEAST_CHUNK_TOKENS); all measured 
 thread count, as TCP estimates a round trip and its variation (RFC 6298): exponential
 averages follow a host whose load moves within seconds, and the deviation term shrinks
 the chunk where steps of one shape vary (a 57-token step beside 8 decodes took 0.43-1.10 s
-on one thread of a two-core host at a load of 10). A thread count not run yet is priced
-from the nearest one run, scaled by threads (half the threads, twice the time); before any
-prefill was measured the cap is PROBE_TOKENS. Torch-free: the scheduler calls it (tests
-state it with given step times).
+on one thread of a two-core host at a load of 10). The decode step is the one this step
+runs: averaged per number of decodes (one AVX2 core runs 7 decodes of a 1B model in 0.34 s
+and 16 in 0.8 s, so one mean over both is wrong by a third of the budget at either end),
+an unseen number priced from the nearest seen, scaled by decodes, plus DEVIATIONS x the
+decode steps' mean deviation from their own number's average. A thread count not run yet
+is priced from the nearest one run, scaled by threads (half the threads, twice the time);
+before any prefill was measured the cap is PROBE_TOKENS. Torch-free: the scheduler calls it
+(tests state it with given step times).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.planner.pricing import MIN_SLO_CHUNK_TOKENS
 from pdserve.planner.targets import MIN_STALL_CHUNK_TOKENS, STALL_HEADROOM
@@ -51,9 +55,17 @@ SMOOTHING = 0.25  # weight of the newest step in the averages (RFC 6298: 1/8 and
 
 @dataclass
 class _Rates:
-    decode_s: float | None = None  # a step of decodes alone
+    decode_s: dict[int, float] = field(default_factory=dict)  # a step of n decodes alone, by n
+    decode_dev_s: float = 0.0  # decode steps' mean deviation from their number's average
     token_s: float | None = None  # one prefill token beside them (or alone)
     token_dev_s: float | None = None  # its mean deviation
+
+    def decode_step_s(self, num_decodes: int) -> float | None:
+        """A step of `num_decodes` alone: its average, else the nearest number's, scaled."""
+        if not self.decode_s or num_decodes <= 0:
+            return None
+        n = min(self.decode_s, key=lambda k: (abs(k - num_decodes), -k))
+        return self.decode_s[n] * num_decodes / n
 
 
 class StallGuard:
@@ -88,13 +100,17 @@ class StallGuard:
         rates = self._rates.setdefault(threads, _Rates())
         if num_prefill_tokens == 0:
             if num_decodes:
-                rates.decode_s = _average(rates.decode_s, seconds)
+                seen = rates.decode_step_s(num_decodes)
+                if seen is not None:
+                    rates.decode_dev_s = _average(rates.decode_dev_s, abs(seconds - seen))
+                average = _average(rates.decode_s.get(num_decodes), seconds)
+                rates.decode_s[num_decodes] = average
             return
         if num_prefill_tokens < MIN_MEASURED_TOKENS:
             return
         # Beside decodes, their own step is not the prompt's; alone, the whole step is
         # charged to its tokens (an overestimate: the cap errs small).
-        base = (self._scaled("decode_s", threads) or 0.0) if num_decodes else 0.0
+        base = self._decode_s(threads, num_decodes)
         per_token = max(seconds - base, 0.0) / num_prefill_tokens
         if rates.token_s is None:  # RFC 6298's first sample: half of it as the deviation
             rates.token_s, rates.token_dev_s = per_token, per_token / 2
@@ -102,17 +118,17 @@ class StallGuard:
         rates.token_dev_s = _average(rates.token_dev_s, abs(rates.token_s - per_token))
         rates.token_s = _average(rates.token_s, per_token)
 
-    def cap(self, budget_s: float) -> int:
-        """The most prefill tokens of a step beside running decodes on `threads` within
-        HEADROOM of `budget_s`; at least MIN_CHUNK_TOKENS where they fit the whole budget,
-        else what does, at least LEAST_CHUNK_TOKENS; PROBE_TOKENS before any rate."""
-        tokens = self._cap(budget_s)
+    def cap(self, budget_s: float, num_decodes: int) -> int:
+        """The most prefill tokens of a step beside `num_decodes` running decodes on `threads`
+        within HEADROOM of `budget_s`; at least MIN_CHUNK_TOKENS where they fit the whole
+        budget, else what does, at least LEAST_CHUNK_TOKENS; PROBE_TOKENS before any rate."""
+        tokens = self._cap(budget_s, num_decodes)
         self.budget_s, self.cap_tokens = budget_s, tokens
         self._step_cap = tokens if self._step_cap is None else min(self._step_cap, tokens)
         return tokens
 
-    def _cap(self, budget_s: float) -> int:
-        decode_s = self._scaled("decode_s", self.threads) or 0.0
+    def _cap(self, budget_s: float, num_decodes: int) -> int:
+        decode_s = self._decode_s(self.threads, num_decodes, DEVIATIONS)
         token_s = self._scaled("token_s", self.threads)
         if token_s is None or token_s <= 0:
             return PROBE_TOKENS
@@ -122,6 +138,17 @@ class StallGuard:
             return tokens
         whole = int((budget_s - decode_s) / token_s)  # what fits the whole budget
         return max(LEAST_CHUNK_TOKENS, min(MIN_CHUNK_TOKENS, whole))
+
+    def _decode_s(self, threads: int, num_decodes: int, deviations: float = 0.0) -> float:
+        """A step of `num_decodes` alone on `threads`, plus `deviations` x its mean deviation;
+        0 with none measured (a worker whose decodes all came by KV transfer)."""
+        thread_counts = [t for t, r in self._rates.items() if r.decode_s]
+        if not thread_counts or num_decodes <= 0:
+            return 0.0
+        nearest = min(thread_counts, key=lambda t: (abs(t - threads), -t))
+        rates = self._rates[nearest]
+        step_s = rates.decode_step_s(num_decodes) or 0.0
+        return (step_s + deviations * rates.decode_dev_s) * nearest / max(1, threads)
 
     def _scaled(self, name: str, threads: int) -> float | None:
         """`name`'s average on `threads`, else the nearest thread count's, scaled by threads."""
