@@ -98,6 +98,9 @@ class Prediction:
     # What a remote prefill's split adds to the prompts queued on the decode worker: they
     # prefill on its split share instead of local's threads (0: no queue, or no split).
     split_delay_s: float = 0.0
+    # The queues priced, in prompt tokens as the router counts them (Stats + its own charges)
+    queue_remote_tokens: int = 0
+    queue_local_tokens: int = 0
 
     @property
     def budgets(self) -> Budgets:
@@ -119,6 +122,8 @@ class Prediction:
                 out[f"ttft_{c.path}_s"], out[f"itl_{c.path}_s"] = c.ttft_s, c.itl_s
         out["transfer_s"], out["queue_remote_s"] = self.transfer_s, self.queue_remote_s
         out["split_delay_s"] = self.split_delay_s
+        out["queue_remote_tokens"] = float(self.queue_remote_tokens)
+        out["queue_local_tokens"] = float(self.queue_local_tokens)
         out["itl_budget_s"], out["ttft_budget_s"] = self.itl_budget_s, self.ttft_budget_s
         if self.stall_budget_s is not None:
             out["stall_budget_s"] = self.stall_budget_s
@@ -199,6 +204,8 @@ def predict(
         transfer_s=transfer,
         queue_remote_s=queue_remote,
         split_delay_s=max(0.0, queue_split - queue_local),
+        queue_remote_tokens=s.prefill_queue_tokens,
+        queue_local_tokens=s.decode_queue_tokens,
         itl_budget_s=slo_itl_s if slo_itl_s is not None else math.inf,
         ttft_budget_s=slo_ttft_s if slo_ttft_s is not None else TTFT_BUDGET_FACTOR * collocated,
     )

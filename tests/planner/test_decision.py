@@ -131,6 +131,13 @@ def test_remote_prices_the_core_switch_and_the_prefill_queue(model):
     assert parked["ttft_remote_s"] == pytest.approx(base["ttft_remote_s"] + 0.25)
     assert queued["ttft_remote_s"] > base["ttft_remote_s"] + 0.1
     assert parked["ttft_local_s"] == base["ttft_local_s"]
+    # the queues priced, in tokens beside their seconds (to set against the workers' own)
+    both = decide(case(prefill_queue_tokens=2048, decode_queue_tokens=96), model, None, None, 256)
+    assert (queued["queue_remote_tokens"], queued["queue_local_tokens"]) == (2048, 0)
+    assert (both.predictions["queue_remote_tokens"], both.predictions["queue_local_tokens"]) == (
+        2048,
+        96,
+    )
 
 
 def test_without_an_itl_target_there_is_no_itl_budget(model):
