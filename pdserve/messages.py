@@ -277,6 +277,9 @@ class Stats:
     num_free_blocks: int
     num_total_blocks: int
     num_queued_prefill_tokens: int
+    # Generate and Prefill messages taken in since its Ready (cumulative): the router counts
+    # a prompt it sent as queued here only until Stats count it (ControlPlane.loads).
+    num_prompts_received: int = 0
     kv_bytes_sent: int = 0
     kv_send_s: float = 0.0  # the seconds a prefill worker's sender spent writing them
     kv_bytes_received: int = 0

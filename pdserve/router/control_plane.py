@@ -84,6 +84,11 @@ class WorkerState:
     epoch: int = 0  # +1 per Ready: a re-announced worker has lost its earlier requests
     sent_prefill_tokens: int = 0  # prompt tokens sent, first token not yet back
     active_requests: int = 0  # requests the router has on this worker now
+    # Generate and Prefill sent since its Ready, and the prompt tokens of those its Stats do
+    # not count yet (`Stats.num_prompts_received`), by send number: its queue is its Stats'
+    # plus these (`ControlPlane.loads`), each prompt counted once.
+    num_prompts_sent: int = 0
+    unseen_prompts: dict[int, int] = field(default_factory=dict)
     lost: bool = False  # declared dead; cleared when it is heard from (or reconnects) again
     disconnected: bool = False  # its control connection dropped and has not come back
     cached_hashes: set[int] = field(default_factory=set)  # its prefix cache, from KVEvents
@@ -95,6 +100,34 @@ class WorkerState:
     @property
     def worker_id(self) -> str:
         return self.endpoint.worker_id
+
+    def charge(self, num_tokens: int) -> tuple[int, int]:
+        """The prompt of the Generate or Prefill just sent: queued here until its first
+        token; returns its (epoch, send number) for `release`."""
+        self.sent_prefill_tokens += num_tokens
+        self.unseen_prompts[self.num_prompts_sent] = num_tokens
+        return self.epoch, self.num_prompts_sent
+
+    def release(self, charge: tuple[int, int], num_tokens: int) -> None:
+        """Its first token is back (or it ended): not queued here any more."""
+        epoch, number = charge
+        if epoch == self.epoch:  # else the requests were forgotten already (`forget`)
+            self.sent_prefill_tokens = max(0, self.sent_prefill_tokens - num_tokens)
+            self.unseen_prompts.pop(number, None)
+
+    def on_stats(self, stats: messages.Stats) -> None:
+        self.stats = stats
+        for number in [n for n in self.unseen_prompts if n <= stats.num_prompts_received]:
+            del self.unseen_prompts[number]  # its Stats count these now
+
+    @property
+    def unseen_prompt_tokens(self) -> int:
+        return sum(self.unseen_prompts.values())
+
+    def forget_requests(self) -> None:
+        """A new epoch (lost, or announced again): none of the router's requests are here."""
+        self.sent_prefill_tokens = self.active_requests = self.num_prompts_sent = 0
+        self.unseen_prompts.clear()
 
     @property
     def role(self) -> str:
@@ -241,7 +274,7 @@ class ControlPlane:
         worker.lost = True
         worker.switching_to = None  # a restarted process announces its own role
         worker.epoch += 1
-        worker.sent_prefill_tokens = worker.active_requests = 0
+        worker.forget_requests()
         worker.cached_hashes.clear()
         for key in [k for k in self.unacked_releases if k[0] == worker_id]:
             del self.unacked_releases[key]  # its memory went with it
@@ -256,6 +289,8 @@ class ControlPlane:
         """Queue `message` for a worker without blocking; False if it could not be queued."""
         try:
             self._pushes[worker_id].send(self._signer.encode(message), flags=zmq.NOBLOCK)
+            if isinstance(message, (messages.Generate, messages.Prefill)):
+                self.workers[worker_id].num_prompts_sent += 1
             if isinstance(message, messages.Abort):
                 self.unacked_releases[(worker_id, message.request_id)] = self.clock()
             return True
@@ -317,7 +352,7 @@ class ControlPlane:
             if self.planner is not None:  # an adaptive deployment's
                 self.planner.on_message(message)
         elif isinstance(message, messages.Stats):
-            worker.stats = message
+            worker.on_stats(message)
             running = message.step_running_s
             worker.step_since = worker.last_seen - running if running > 0 else None
         elif isinstance(message, messages.KVEvents):
@@ -360,7 +395,7 @@ class ControlPlane:
             worker.ready, worker.stats = message, None
             worker.cached_hashes.clear()
             worker.epoch += 1
-            worker.sent_prefill_tokens = worker.active_requests = 0
+            worker.forget_requests()
             log.info("worker %s ready: %s", worker_id, message)
 
     def is_healthy(self, worker_id: str, epoch: int | None = None) -> bool:
@@ -398,7 +433,7 @@ class ControlPlane:
             num_blocks = w.ready.num_blocks if w.ready else 0
             s = w.stats or messages.Stats(w.worker_id, w.role, 0, 0, num_blocks, 0, 0)
             num_cached = len(list(itertools.takewhile(w.cached_hashes.__contains__, block_hashes)))
-            queued = s.num_queued_prefill_tokens + w.sent_prefill_tokens
+            queued = s.num_queued_prefill_tokens + w.unseen_prompt_tokens
             out.append(
                 WorkerLoad(
                     w.worker_id,

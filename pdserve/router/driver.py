@@ -82,7 +82,8 @@ class RequestDriver:
         self.num_cached_tokens = 0  # prompt tokens the serving worker took from its cache
         self.outstanding: dict[str, int] = {}  # worker id -> epoch, may still hold work
         self.senders: dict[str, int] = {}  # prefill workers whose KV may still be in flight
-        self._prefill_charge: dict[str, int] = {}  # worker id -> prompt tokens charged
+        # worker id -> the charge of this request's prompt there, and its tokens
+        self._prefill_charge: dict[str, tuple[tuple[int, int], int]] = {}
         self._queue: asyncio.Queue[Any] | None = None
         self._excluded: set[str] = set()  # refused for lack of room; retried after a backoff
         self._stalled: set[str] = set()  # missed a deadline: never picked again for this request
@@ -396,15 +397,15 @@ class RequestDriver:
 
     def _charge_prefill(self, worker_id: str, num_done: int = 0) -> None:
         num_tokens = len(self.prompt_token_ids) + num_done
-        self._prefill_charge[worker_id] = num_tokens
-        self.plane.workers[worker_id].sent_prefill_tokens += num_tokens
+        charge = self.plane.workers[worker_id].charge(num_tokens)
+        self._prefill_charge[worker_id] = (charge, num_tokens)
 
     def _release_prefill(self, worker_id: str) -> None:
-        charge = self._prefill_charge.pop(worker_id, 0)
+        charged = self._prefill_charge.pop(worker_id, None)
         worker = self.plane.workers.get(worker_id)
-        if worker is None:  # removed (scaled down) meanwhile
+        if charged is None or worker is None:  # none, or removed (scaled down) meanwhile
             return
-        worker.sent_prefill_tokens = max(0, worker.sent_prefill_tokens - charge)
+        worker.release(*charged)
 
     def _release(self, worker_id: str) -> None:
         """Undo the routing charges of `worker_id` (once: it leaves `outstanding` after)."""

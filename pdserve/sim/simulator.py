@@ -270,13 +270,14 @@ class Simulation:
         )
 
     def _charge(self, flight: _Flight, worker: SimWorker) -> None:
-        """The router counts the prompt as queued on `worker` until its first token."""
-        worker.sent_prefill_tokens += len(flight.prompt_ids)
+        """The router counts the prompt as queued on `worker` until its first token (in its
+        load until the worker's Stats count it: `SimWorker.report`)."""
+        worker.charge(flight.record.request_id, len(flight.prompt_ids))
         flight.charged = worker
 
     def _uncharge(self, flight: _Flight) -> None:
         if flight.charged is not None:
-            flight.charged.sent_prefill_tokens -= len(flight.prompt_ids)
+            flight.charged.release(flight.record.request_id, len(flight.prompt_ids))
             flight.charged = None
 
     @property

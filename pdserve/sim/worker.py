@@ -6,6 +6,7 @@ pass replaced by the time the cost model gives the step. Everything the schedule
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.config import SchedulerConfig
@@ -67,6 +68,9 @@ class SimWorker:
         self.stats_every_s = stats_every_s
         self.next_stats_s = 0.0  # the rate limit's next refresh
         self.sent_prefill_tokens = 0  # prompt tokens routed here, first token not yet out
+        # Of those, the prompts its last Stats did not count yet, by request id: the router's
+        # load adds only these (router/control_plane.py, `WorkerState.unseen_prompts`).
+        self.unseen_prompts: dict[str, int] = {}
         self.seeds: dict[str, int] = {}  # output token seeds by request id (crc32 once)
 
     @property
@@ -80,6 +84,14 @@ class SimWorker:
         self.unseen.append(request)
         if self.step is not None:
             self.arrived_in_step.append(request)
+
+    def charge(self, request_id: str, num_tokens: int) -> None:
+        self.sent_prefill_tokens += num_tokens
+        self.unseen_prompts[request_id] = num_tokens
+
+    def release(self, request_id: str, num_tokens: int) -> None:
+        self.sent_prefill_tokens -= num_tokens
+        self.unseen_prompts.pop(request_id, None)
 
     def _snapshot(self) -> None:
         """Stats as the real worker refreshes them: the `unseen` requests not yet read."""
@@ -145,9 +157,20 @@ class SimWorker:
             self.reported = _Reported(
                 s.num_waiting, s.num_running, self.kv.num_free_blocks, s.num_queued_tokens
             )
+            self._counted(())
             return
         unseen = sum(r.num_tokens - r.num_computed_tokens for r in self.unseen if not r.is_finished)
         self.reported = _Reported(*self.snapshot, s.num_queued_tokens - unseen)
+        self._counted(self.unseen)
+
+    def _counted(self, unseen: Iterable[Request]) -> None:
+        """The router's charges of the prompts these Stats count (here, not `unseen`)."""
+        if self.unseen_prompts:
+            hidden = {r.request_id for r in unseen}
+            requests = self.scheduler.requests
+            for request_id in [i for i in self.unseen_prompts if i in requests]:
+                if request_id not in hidden:
+                    del self.unseen_prompts[request_id]
 
     def load(self, block_hashes: list[int] | None = None) -> WorkerLoad:
         """What the router sees, as `router.control_plane.ControlPlane.loads` builds it: the last
@@ -166,7 +189,7 @@ class SimWorker:
             num_running=r.num_running,
             num_free_blocks=r.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
-            num_queued_prefill_tokens=r.num_queued_tokens + self.sent_prefill_tokens,
+            num_queued_prefill_tokens=r.num_queued_tokens + sum(self.unseen_prompts.values()),
             num_active_requests=self.num_active_requests,
             num_cached_blocks=cached,
         )

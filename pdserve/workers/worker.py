@@ -74,6 +74,7 @@ class Worker:
         self.out.connect(spec.router_address)
         self.running = True
         self._next_stats = 0.0
+        self._num_prompts_received = 0  # Generate and Prefill taken in (Stats)
         self._stats: m.Stats | None = None  # the latest load snapshot, sent by the heartbeat
         self._step_started: float | None = None  # monotonic, while an engine step runs
         self._stop_heartbeat = threading.Event()
@@ -147,6 +148,8 @@ class Worker:
     def _announce(self, hello: bool = False) -> None:
         from pdserve.transfer.layout import KVLayout
 
+        # The router counts its Generate and Prefill sends from each Ready (Stats).
+        self._num_prompts_received, self._next_stats = 0, 0.0
         e = self.engine
         layout = KVLayout.from_tensor(e.runner.kv_cache)
         self.send(
@@ -215,6 +218,8 @@ class Worker:
             "%s <- %s %s", self.spec.worker_id, type(msg).__name__, getattr(msg, "request_id", "")
         )
         e, wid = self.engine, self.spec.worker_id
+        if isinstance(msg, (m.Generate, m.Prefill)):  # whatever becomes of it (Stats)
+            self._num_prompts_received += 1
         if isinstance(msg, m.Abort):
             e.abort_request(msg.request_id)
             self.send(m.Released(wid, msg.request_id))
@@ -408,6 +413,7 @@ class Worker:
             kv.num_free_blocks,
             kv.num_blocks,
             s.num_queued_tokens,
+            self._num_prompts_received,
             kv_tiers=cache["tiers"],
             kv_moved_bytes=cache["moved_bytes"],
             num_cached_prompt_tokens=cache["cached_prompt_tokens"],

@@ -227,8 +227,10 @@ def test_a_heartbeat_during_a_step_carries_the_stats_from_before_it():
     # step ends. 1 ms + 0.5 ms per prefill token, 512-token chunks, Stats every 0.3 s.
     # A (1,400 tokens, t=0) steps 0-0.257 s and 0.257-0.514 s on c0; B (1,500, t=0.1)
     # steps 0.1-0.357 s on c1. At the 0.3 s heartbeat c0's Stats are those after its first
-    # chunk (888 queued) and c1's those from before B (0), so C at 0.31 s sees c0 at
-    # 888 + 1,400 sent and c1 at 0 + 1,500 sent (not 1,500 + 1,500) and goes to c1.
+    # chunk (888 queued: A, counted there, so the router's charge for A is dropped) and c1's
+    # those from before B (0), so C at 0.31 s sees c0 at 888 and c1 at 0 + the 1,500 sent
+    # (not 1,500 + 1,500), and goes to c0. (Counting both A's charge and the Stats that
+    # show A, c0 was 888 + 1,400 and C went to c1.)
     seen = {}
 
     class Spy(Simulation):
@@ -241,8 +243,8 @@ def test_a_heartbeat_during_a_step_carries_the_stats_from_before_it():
     prof = profile(coefficients=(0.001, 0.0005, 0, 0, 0, 0, 0))
     sim = Spy(prof, Deployment.parse("2c"), SimConfig(heartbeat_interval_s=0.3))
     sim.run(sessions((0.0, 1400, 2), (0.1, 1500, 2), (0.31, 100, 2)), ArrivalSpec("trace"))
-    assert [w.num_queued_prefill_tokens for w in seen["s2-0"]] == [888 + 1400, 1500]
-    assert [seen[f"s{i}-0 to"] for i in range(3)] == ["c0", "c1", "c1"]
+    assert [w.num_queued_prefill_tokens for w in seen["s2-0"]] == [888, 1500]
+    assert [seen[f"s{i}-0 to"] for i in range(3)] == ["c0", "c1", "c0"]
     assert all(not w.unseen and not w.arrived_in_step for w in sim.workers)
 
 

@@ -158,3 +158,18 @@ def test_frames_over_the_bound_are_refused_and_a_whole_context_fits(worker):
     attacker.close(1000)
     router.send(m.Generate("after", [5, 6], {"max_tokens": 1}))
     router.expect(m.Tokens, where=lambda t: t.finished and t.request_id == "after")
+
+
+@pytest.mark.parametrize("worker", ["collocated"], indirect=True)
+def test_stats_count_the_prompts_taken_in_since_each_ready(worker):
+    # The router counts a prompt it sent as queued here until Stats count it: every Generate
+    # (refused ones too: each one sent was read), from the Ready a Hello answers again.
+    w, router = worker
+    router.expect(m.Ready)
+    router.send(m.Generate("bad", [5, 6, 7], {"max_tokens": 2}, prefill_chunk_tokens=0))
+    router.expect(m.Rejected)
+    router.send(m.Generate("c1", list(range(3, 40)), LONG))
+    router.expect(m.Stats, where=lambda s: s.num_prompts_received == 2)
+    router.send(m.Hello())
+    router.expect(m.Ready)
+    router.expect(m.Stats, where=lambda s: s.num_prompts_received == 0)
