@@ -71,6 +71,7 @@ class SimWorker:
         # Of those, the prompts its last Stats did not count yet, by request id: the router's
         # load adds only these (router/control_plane.py, `WorkerState.unseen_prompts`).
         self.unseen_prompts: dict[str, int] = {}
+        self.unseen_prompt_tokens = 0  # their sum
         self.seeds: dict[str, int] = {}  # output token seeds by request id (crc32 once)
 
     @property
@@ -88,10 +89,11 @@ class SimWorker:
     def charge(self, request_id: str, num_tokens: int) -> None:
         self.sent_prefill_tokens += num_tokens
         self.unseen_prompts[request_id] = num_tokens
+        self.unseen_prompt_tokens += num_tokens
 
     def release(self, request_id: str, num_tokens: int) -> None:
         self.sent_prefill_tokens -= num_tokens
-        self.unseen_prompts.pop(request_id, None)
+        self.unseen_prompt_tokens -= self.unseen_prompts.pop(request_id, 0)
 
     def _snapshot(self) -> None:
         """Stats as the real worker refreshes them: the `unseen` requests not yet read."""
@@ -170,7 +172,7 @@ class SimWorker:
             requests = self.scheduler.requests
             for request_id in [i for i in self.unseen_prompts if i in requests]:
                 if request_id not in hidden:
-                    del self.unseen_prompts[request_id]
+                    self.unseen_prompt_tokens -= self.unseen_prompts.pop(request_id)
 
     def load(self, block_hashes: list[int] | None = None) -> WorkerLoad:
         """What the router sees, as `router.control_plane.ControlPlane.loads` builds it: the last
@@ -189,7 +191,7 @@ class SimWorker:
             num_running=r.num_running,
             num_free_blocks=r.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
-            num_queued_prefill_tokens=r.num_queued_tokens + sum(self.unseen_prompts.values()),
+            num_queued_prefill_tokens=r.num_queued_tokens + self.unseen_prompt_tokens,
             num_active_requests=self.num_active_requests,
             num_cached_blocks=cached,
         )
