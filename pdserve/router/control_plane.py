@@ -111,7 +111,7 @@ class WorkerState:
     def release(self, charge: tuple[int, int], num_tokens: int) -> None:
         """Its first token is back (or it ended): not queued here any more."""
         epoch, number = charge
-        if epoch == self.epoch:  # else the requests were forgotten already (`forget`)
+        if epoch == self.epoch:  # else forgotten already (`forget_requests`)
             self.sent_prefill_tokens = max(0, self.sent_prefill_tokens - num_tokens)
             self.unseen_prompts.pop(number, None)
 
